@@ -1,0 +1,223 @@
+#include "core/autograd.h"
+
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+
+#include "ops/ops.h"
+
+namespace kiln {
+
+namespace {
+thread_local bool g_grad_enabled = true;
+std::atomic<uint64_t> g_sequence{0};
+}  // namespace
+
+bool GradMode::is_enabled() { return g_grad_enabled; }
+void GradMode::set_enabled(bool on) { g_grad_enabled = on; }
+
+Node::Node() : sequence_nr_(g_sequence.fetch_add(1)) {}
+
+void Node::set_inputs(const std::vector<Tensor>& inputs) {
+  next_edges_.clear();
+  input_meta_.clear();
+  for (const Tensor& t : inputs) {
+    next_edges_.push_back(autograd::edge_for(t));
+    if (t.defined())
+      input_meta_.push_back({t.shape(), t.dtype(), t.device()});
+    else
+      input_meta_.push_back({});
+  }
+}
+
+// ---------------- SavedTensor ----------------
+
+SavedTensor::SavedTensor(const Tensor& t) {
+  if (t.defined()) {
+    tensor_ = t.detach();
+    version_ = t.version();
+  }
+}
+
+Tensor SavedTensor::get(const Node& owner) const {
+  KILN_CHECK(!released_, "trying to backward through the graph a second time (", owner.name(),
+             "'s saved tensors were freed by the first backward); pass retain_graph=true to the "
+             "first backward if you need to backward twice");
+  if (tensor_.defined()) {
+    KILN_CHECK(tensor_.version() == version_, "a tensor ", tensor_.desc(), " saved by ",
+               owner.name(), " for backward was modified by an in-place operation (version ",
+               version_, " when saved, now ", tensor_.version(), ")");
+  }
+  return tensor_;
+}
+
+// ---------------- AccumulateGrad ----------------
+
+AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable)
+    : variable_(std::move(variable)) {
+  input_meta_.push_back({variable_->shape, variable_->dtype, variable_->device});
+}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>& grads) {
+  Tensor var(variable_);
+  Tensor g = grads[0];
+  if (!g.defined()) return {};
+  NoGradGuard no_grad;
+  Tensor cur = var.grad();
+  if (!cur.defined()) {
+    // First gradient: `=`. Always a private copy, laid out like the variable, so later `+=`
+    // never writes into a tensor someone else holds.
+    var.set_grad(g.clone(var.suggest_memory_format()).detach());
+  } else {
+    cur.add_(g);  // `+=`
+  }
+  return {};
+}
+
+// ---------------- helpers ----------------
+
+namespace autograd {
+
+bool any_requires_grad(const std::vector<Tensor>& inputs) {
+  if (!GradMode::is_enabled()) return false;
+  for (const Tensor& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+Edge edge_for(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return {};
+  if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
+  AutogradMeta& m = t.autograd_meta();
+  std::shared_ptr<Node> acc = m.grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
+    m.grad_accumulator = acc;
+  }
+  return {acc, 0};
+}
+
+void set_history(const Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr) {
+  AutogradMeta& m = out.autograd_meta();
+  m.requires_grad = true;
+  m.grad_fn = node;
+  m.output_nr = output_nr;
+}
+
+void check_inplace(const Tensor& t, const char* op) {
+  if (GradMode::is_enabled() && t.requires_grad()) {
+    KILN_FAIL(op, ": in-place modification of ", t.desc(),
+              ", which requires grad, is not supported while recording; wrap it in NoGradGuard "
+              "(as optimizers do) or use the out-of-place op");
+  }
+}
+
+namespace {
+
+// Gradient shapes must match the forward input they belong to; catch an op's bug here rather
+// than as a wrong answer three layers later.
+void validate_grads(const Node& node, std::vector<Tensor>& grads) {
+  KILN_CHECK(grads.size() == node.num_inputs() || grads.empty(), "autograd: ", node.name(),
+             " returned ", grads.size(), " gradients for ", node.num_inputs(), " inputs");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined() || !node.needs_input_grad(i)) continue;
+    const InputMeta& m = node.input_meta()[i];
+    KILN_CHECK(grads[i].shape() == m.shape, "autograd: ", node.name(), " returned a gradient of ",
+               "shape ", grads[i].shape_str(), " for input ", i, " of shape ", shape_str(m.shape));
+    if (grads[i].dtype() != m.dtype) grads[i] = grads[i].to(m.dtype);
+    KILN_CHECK(grads[i].device() == m.device, "autograd: ", node.name(), " returned a gradient on ",
+               grads[i].device(), " for input ", i, " on ", m.device);
+  }
+}
+
+}  // namespace
+
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+              bool retain_graph) {
+  KILN_CHECK(roots.size() == grads.size(), "backward: ", roots.size(), " roots but ",
+             grads.size(), " gradients");
+  NoGradGuard no_grad;  // backward itself is not recorded (no double backward)
+
+  struct Buffer {
+    std::vector<Tensor> grads;
+  };
+  std::unordered_map<Node*, Buffer> buffers;
+  std::unordered_map<Node*, int> deps;
+  std::unordered_map<Node*, std::shared_ptr<Node>> keep;  // owners while the engine runs
+
+  auto add_grad = [&](const Edge& e, const Tensor& g) {
+    Buffer& b = buffers[e.fn.get()];
+    if (b.grads.empty()) b.grads.resize(e.fn->num_outputs());
+    Tensor& slot = b.grads[e.input_nr];
+    slot = slot.defined() ? F::add(slot, g) : g;  // `+=` across edges into one output
+  };
+
+  std::vector<Node*> root_nodes;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    KILN_CHECK(r.defined(), "backward: root ", i, " is undefined");
+    KILN_CHECK(r.requires_grad(), "backward: element ", i, " of tensors ", r.desc(),
+               " does not require grad and has no grad_fn");
+    Tensor g = grads[i];
+    if (!g.defined()) {
+      KILN_CHECK(r.numel() == 1, "backward: grad can be implicitly created only for one-element "
+                 "outputs; got ", r.desc(), " — pass a gradient of the same shape");
+      g = ones_like(r);
+    } else {
+      KILN_CHECK(g.shape() == r.shape(), "backward: gradient ", g.desc(), " does not match root ",
+                 r.desc());
+    }
+    Edge e = edge_for(r);
+    keep[e.fn.get()] = e.fn;
+    add_grad(e, g);
+    root_nodes.push_back(e.fn.get());
+  }
+
+  // Count, for every reachable node, how many edges inside the graph point at it.
+  std::vector<Node*> stack(root_nodes.begin(), root_nodes.end());
+  std::unordered_map<Node*, bool> seen;
+  for (Node* n : root_nodes) seen[n] = true;
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (!e.valid()) continue;
+      ++deps[e.fn.get()];
+      keep[e.fn.get()] = e.fn;
+      if (!seen[e.fn.get()]) {
+        seen[e.fn.get()] = true;
+        stack.push_back(e.fn.get());
+      }
+    }
+  }
+
+  // Ready nodes run newest first (highest sequence number): deterministic order.
+  auto later = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
+  std::priority_queue<Node*, std::vector<Node*>, decltype(later)> ready(later);
+  for (Node* n : root_nodes)
+    if (deps[n] == 0 && seen[n]) {
+      ready.push(n);
+      seen[n] = false;  // pushed once
+    }
+
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    std::vector<Tensor> in = std::move(buffers[n].grads);
+    buffers.erase(n);
+    if (in.empty()) in.resize(n->num_outputs());
+    std::vector<Tensor> out = n->apply(in);
+    if (!retain_graph) n->release_saved();
+    validate_grads(*n, out);
+    const auto& edges = n->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      if (i < out.size() && out[i].defined()) add_grad(e, out[i]);
+      if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
+    }
+  }
+}
+
+}  // namespace autograd
+}  // namespace kiln

@@ -1,0 +1,152 @@
+#pragma once
+// Dynamic-tape autograd.
+//
+// Every differentiable op that sees an input requiring grad (while grad mode is on) creates a
+// Node: it holds the tensors its backward needs (SavedTensor), one Edge per input (to the
+// input's own grad_fn, or to the AccumulateGrad node of a leaf; an empty edge for an input
+// that needs no gradient) and the metadata of each input so the engine can check the shapes
+// of the gradients it returns.
+//
+// Contract of Node::apply: it receives one gradient per forward output (an undefined Tensor
+// means "zero") and RETURNS fresh gradients, one per input edge (undefined where the edge is
+// empty). It never writes into an existing buffer: the engine sums gradients that reach the
+// same input (`+=`) and AccumulateGrad adds into a leaf's .grad (`+=`, or `=` on first use).
+//
+// Backward frees saved tensors unless retain_graph is set; a second backward through such a
+// node is an error. A SavedTensor remembers its storage's version and refuses to unpack if an
+// in-place op changed it in between.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kiln {
+
+// Thread-local switch for recording. NoGradGuard turns it off for a scope.
+struct GradMode {
+  static bool is_enabled();
+  static void set_enabled(bool on);
+};
+
+class NoGradGuard {
+ public:
+  NoGradGuard() : prev_(GradMode::is_enabled()) { GradMode::set_enabled(false); }
+  ~NoGradGuard() { GradMode::set_enabled(prev_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+struct Edge {
+  std::shared_ptr<Node> fn;
+  uint32_t input_nr = 0;
+  bool valid() const { return fn != nullptr; }
+};
+
+struct InputMeta {
+  Shape shape;
+  DType dtype = DType::f32;
+  Device device;
+};
+
+class Node {
+ public:
+  Node();
+  virtual ~Node() = default;
+  virtual std::string name() const = 0;
+  virtual std::vector<Tensor> apply(std::vector<Tensor>& grad_outputs) = 0;
+  // Drops saved tensors after a backward without retain_graph.
+  virtual void release_saved() {}
+
+  size_t num_inputs() const { return next_edges_.size(); }
+  uint32_t num_outputs() const { return num_outputs_; }
+  void set_num_outputs(uint32_t n) { num_outputs_ = n; }
+  bool needs_input_grad(size_t i) const { return i < next_edges_.size() && next_edges_[i].valid(); }
+  const std::vector<Edge>& next_edges() const { return next_edges_; }
+  const std::vector<InputMeta>& input_meta() const { return input_meta_; }
+  uint64_t sequence_nr() const { return sequence_nr_; }
+
+  // Sets the edges and the input metadata from the forward inputs (undefined tensors allowed).
+  void set_inputs(const std::vector<Tensor>& inputs);
+
+ protected:
+  std::vector<Edge> next_edges_;
+  std::vector<InputMeta> input_meta_;
+  uint32_t num_outputs_ = 1;
+  uint64_t sequence_nr_;
+};
+
+// A tensor kept for backward. Stores an autograd-free alias (no reference cycle through the
+// node's own outputs) and the storage version at save time.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  explicit SavedTensor(const Tensor& t);
+  // Throws if released (second backward) or modified in place since it was saved.
+  Tensor get(const Node& owner) const;
+  void release() {
+    tensor_ = Tensor();
+    released_ = true;
+  }
+  bool defined() const { return tensor_.defined(); }
+
+ private:
+  Tensor tensor_;
+  uint64_t version_ = 0;
+  bool released_ = false;
+};
+
+// The sink of a leaf: adds incoming gradients into the leaf's .grad.
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> variable);
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override;
+
+ private:
+  std::shared_ptr<TensorImpl> variable_;
+};
+
+namespace autograd {
+
+// True when grad mode is on and any defined input requires grad.
+bool any_requires_grad(const std::vector<Tensor>& inputs);
+// The edge that a gradient for `t` should flow along (empty when t needs no grad).
+Edge edge_for(const Tensor& t);
+// Makes `out` (output number `output_nr`) a result of `node`: sets grad_fn and requires_grad.
+void set_history(const Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr = 0);
+// Refuses in-place modification of a tensor that autograd tracks (`op` names the op).
+void check_inplace(const Tensor& t, const char* op);
+
+// Runs backward from `roots` with the given gradients (undefined = ones for one-element roots).
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+              bool retain_graph = false);
+
+// Records a node for a one-input, one-output op whose backward is `fn(grad_out) -> grad_in`.
+// Handy for views and simple elementwise ops; `fn` captures whatever it needs by value.
+template <typename Fn>
+class LambdaNode final : public Node {
+ public:
+  LambdaNode(std::string name, Fn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override { return {fn_(g[0])}; }
+
+ private:
+  std::string name_;
+  Fn fn_;
+};
+
+template <typename Fn>
+void record_unary(const char* name, const Tensor& input, const Tensor& out, Fn fn) {
+  if (!any_requires_grad({input})) return;
+  auto node = std::make_shared<LambdaNode<Fn>>(name, std::move(fn));
+  node->set_inputs({input});
+  set_history(out, node);
+}
+
+}  // namespace autograd
+}  // namespace kiln

@@ -1,0 +1,50 @@
+#pragma once
+// kiln's one error family. Every failed check throws kiln::Error (or a subclass for a CUDA
+// library) through kiln::detail::fail, which records file:line, the failed expression and a
+// message built from the remaining arguments. Tools catch at main and exit non-zero.
+//
+//   KILN_CHECK(x.dim() == 4, "conv2d: input must be 4-D, got ", x.shape_str());
+//   KILN_FAIL("unknown flag ", name);
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace kiln {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+class CudaError : public Error { using Error::Error; };
+class CudnnError : public Error { using Error::Error; };
+class CublasError : public Error { using Error::Error; };
+class OutOfMemoryError : public Error { using Error::Error; };
+
+enum class ErrorKind { Generic, Cuda, Cudnn, Cublas, OutOfMemory };
+
+namespace detail {
+
+template <typename... Args>
+std::string str_cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+inline std::string str_cat() { return {}; }
+
+[[noreturn]] void fail(ErrorKind kind, const char* file, int line, const char* expr,
+                       const std::string& msg);
+
+}  // namespace detail
+}  // namespace kiln
+
+#define KILN_CHECK(cond, ...)                                                       \
+  do {                                                                              \
+    if (!(cond)) [[unlikely]]                                                       \
+      ::kiln::detail::fail(::kiln::ErrorKind::Generic, __FILE__, __LINE__, #cond,   \
+                           ::kiln::detail::str_cat(__VA_ARGS__));                   \
+  } while (0)
+
+#define KILN_FAIL(...)                                                              \
+  ::kiln::detail::fail(::kiln::ErrorKind::Generic, __FILE__, __LINE__, nullptr,     \
+                       ::kiln::detail::str_cat(__VA_ARGS__))

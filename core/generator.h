@@ -1,0 +1,33 @@
+#pragma once
+// Seeded random number generation on the host. A Generator is cheap to copy (state is a
+// std::mt19937_64) so its state can be saved with a checkpoint and restored exactly.
+#include <cstdint>
+#include <random>
+#include <string>
+
+namespace kiln {
+
+class Generator {
+ public:
+  explicit Generator(uint64_t seed = 0x6b696c6eULL) : engine_(seed) {}
+  void manual_seed(uint64_t seed) { engine_.seed(seed); }
+  uint64_t next_u64() { return engine_(); }
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return double(engine_() >> 11) * 0x1.0p-53; }
+  // Standard normal (Box–Muller; no cached second value so the state is the engine alone).
+  double normal();
+  // Uniform integer in [0, n).
+  uint64_t below(uint64_t n);
+  // Text form of the engine state, for checkpoints.
+  std::string state() const;
+  void set_state(const std::string& s);
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+// The process-wide default generator used when none is passed.
+Generator& default_generator();
+void manual_seed(uint64_t seed);
+
+}  // namespace kiln

@@ -1,0 +1,104 @@
+#pragma once
+// kiln::F — the functional API. Every op validates its inputs once (errors name the op and the
+// offending shapes, dtypes or devices), dispatches on the device to ops/cpu/ (Eigen; f32 and
+// f64) or cuda/, and records an autograd Node when an input requires grad (core/autograd.h).
+// Forward and backward of an op live in the same file: ops/<op>.cpp.
+//
+// Unless stated otherwise: inputs may have any strides; outputs are new contiguous tensors of
+// the inputs' dtype and device; all inputs of one op must share dtype and device.
+#include <array>
+#include <optional>
+#include <vector>
+
+#include "core/autograd.h"
+#include "core/tensor.h"
+
+namespace kiln::F {
+
+// ---------------- elementwise (ops/elementwise.cpp) ----------------
+// Binary ops broadcast like NumPy/PyTorch: trailing dims aligned, size-1 dims stretched.
+Tensor add(const Tensor& a, const Tensor& b, double alpha = 1.0);  // a + alpha*b
+Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0);  // a - alpha*b
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double b);
+Tensor mul(const Tensor& a, double b);
+Tensor rsub(const Tensor& a, double b);  // b - a
+Tensor rdiv(const Tensor& a, double b);  // b / a
+Tensor pow(const Tensor& a, double exponent);
+Tensor pow(const Tensor& a, const Tensor& exponent);  // broadcasting; a > 0 where differentiated
+Tensor neg(const Tensor& a);
+Tensor exp(const Tensor& a);
+Tensor log(const Tensor& a);
+Tensor sqrt(const Tensor& a);
+Tensor relu(const Tensor& a);  // gradient 0 at 0
+Tensor sigmoid(const Tensor& a);
+Tensor tanh(const Tensor& a);
+// Reduces a broadcast gradient back to `shape` (sums over stretched dims). Differentiable.
+Tensor sum_to(const Tensor& g, const Shape& shape);
+// Shape of broadcasting a against b; error naming `op` when incompatible.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+
+// Not differentiable: comparisons give bool tensors; argmax gives i64.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, double b);
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
+
+// In-place, not recorded (self must not require grad while grad mode is on). self's shape is
+// kept; `other` broadcasts to it. Bumps self's version.
+void add_(const Tensor& self, const Tensor& other, double alpha = 1.0);  // self += alpha*other
+void add_(const Tensor& self, double value);
+void mul_(const Tensor& self, const Tensor& other);
+void mul_(const Tensor& self, double value);
+
+// ---------------- reductions (ops/reduce.cpp) ----------------
+Tensor sum(const Tensor& x);  // 0-d result
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+Tensor mean(const Tensor& x);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+Tensor max(const Tensor& x);  // gradient to the first maximal element
+Tensor max(const Tensor& x, int64_t dim, bool keepdim = false);
+
+// ---------------- linear algebra (ops/matmul.cpp) ----------------
+// (n,k)x(k,m) -> (n,m); batched (..., n, k) x (..., k, m) with broadcast batch dims.
+Tensor matmul(const Tensor& a, const Tensor& b);
+// x (N, in), weight (out, in), bias (out) or undefined -> (N, out) = x·weightᵀ + bias.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+// ---------------- convolution and pooling (ops/conv2d.cpp, ops/pool.cpp) ----------------
+struct Pair {
+  int64_t h = 0, w = 0;
+  Pair(int64_t v) : h(v), w(v) {}  // NOLINT: F::conv2d(x, w, b, /*stride=*/2)
+  Pair(int64_t h_, int64_t w_) : h(h_), w(w_) {}
+};
+// x (N, C, H, W), weight (O, C/groups, kH, kW), bias (O) or undefined -> (N, O, H', W').
+// The output keeps x's memory format (NCHW or NHWC).
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), Pair stride = 1,
+              Pair padding = 0, Pair dilation = 1, int64_t groups = 1);
+// Padding is implicit -inf. Output (N, C, H', W').
+Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride = std::nullopt,
+                  Pair padding = 0, Pair dilation = 1);
+// count_include_pad: divide by the full window (PyTorch's default) or by the valid part.
+Tensor avg_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride = std::nullopt,
+                  Pair padding = 0, bool count_include_pad = true);
+// PyTorch's adaptive windows: start = floor(i*H/oh), end = ceil((i+1)*H/oh).
+Tensor adaptive_avg_pool2d(const Tensor& x, Pair output_size);
+Tensor flatten(const Tensor& x, int64_t start_dim = 1, int64_t end_dim = -1);
+
+// ---------------- normalisation (ops/batch_norm.cpp) ----------------
+// x (N, C, ...) ; weight, bias (C) or undefined; running_mean/var (C) or undefined.
+// training: normalise with the batch statistics (biased variance) and, when running stats are
+// given, update them in place: r = (1-momentum)*r + momentum*stat (unbiased variance for
+// running_var), as PyTorch does. eval: normalise with the running statistics.
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Tensor& running_mean, const Tensor& running_var, bool training,
+                  double momentum = 0.1, double eps = 1e-5);
+
+// ---------------- softmax and losses (ops/softmax.cpp, ops/loss.cpp) ----------------
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+// logits (N, C), target (N) of class indices (i64 or i32) in [0, C). Mean over the batch.
+// label_smoothing ε: the target distribution is (1-ε)·onehot + ε/C, as in PyTorch.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0);
+
+}  // namespace kiln::F

@@ -1,0 +1,106 @@
+// Reductions: sum and mean over all or some dims; max over all or one dim.
+#include <algorithm>
+#include <numeric>
+
+#include "ops/backend.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+#include "ops/reduce_util.h"
+
+namespace kiln::F {
+
+ReducePlan plan_reduction(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim,
+                          const char* op) {
+  ReducePlan p;
+  const int64_t nd = x.dim();
+  std::vector<bool> reduce(size_t(nd), dims.empty());
+  for (int64_t d : dims) {
+    KILN_CHECK(d >= -std::max<int64_t>(nd, 1) && d < std::max<int64_t>(nd, 1), op, ": dim ", d,
+               " out of range for ", x.desc());
+    int64_t w = d < 0 ? d + nd : d;
+    if (nd == 0) continue;
+    KILN_CHECK(!reduce[size_t(w)] || dims.empty(), op, ": dim ", d, " repeated");
+    reduce[size_t(w)] = true;
+  }
+  for (int64_t i = 0; i < nd; ++i)
+    if (!reduce[size_t(i)]) p.perm.push_back(i);
+  for (int64_t i = 0; i < nd; ++i)
+    if (reduce[size_t(i)]) p.perm.push_back(i);
+  p.rows = 1;
+  p.inner = 1;
+  for (int64_t i = 0; i < nd; ++i) {
+    if (reduce[size_t(i)]) {
+      p.inner *= x.size(i);
+      if (keepdim) p.out_shape.push_back(1);
+    } else {
+      p.rows *= x.size(i);
+      p.out_shape.push_back(x.size(i));
+    }
+    p.keepdim_shape.push_back(reduce[size_t(i)] ? 1 : x.size(i));
+  }
+  return p;
+}
+
+Tensor reduce_rows_raw(ReduceOp op, const Tensor& x, const ReducePlan& p) {
+  // (kept dims..., reduced dims...) contiguous, viewed as (rows, inner).
+  Tensor xp = x.detach().permute(p.perm).contiguous();
+  Tensor out = empty(p.out_shape, TensorOptions(x.dtype()).with_device(x.device()));
+  switch (x.device().type) {
+    case DeviceType::CPU: cpu::reduce_rows(op, out, xp, p.rows, p.inner); break;
+    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::reduce_rows(op, out, xp, p.rows, p.inner)); break;
+  }
+  return out;
+}
+
+namespace {
+
+class SumBackward final : public Node {
+ public:
+  SumBackward(Shape keepdim_shape, double scale)
+      : keepdim_shape_(std::move(keepdim_shape)), scale_(scale) {}
+  std::string name() const override { return scale_ == 1.0 ? "SumBackward" : "MeanBackward"; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor g = grads[0].reshape(keepdim_shape_).expand(input_meta_[0].shape);
+    return {scale_ == 1.0 ? g : mul(g, scale_)};
+  }
+
+ private:
+  Shape keepdim_shape_;
+  double scale_;
+};
+
+Tensor sum_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, bool is_mean,
+                const char* op) {
+  check_defined(x, op);
+  check_float(x, op);
+  ReducePlan p = plan_reduction(x, dims, keepdim, op);
+  Tensor out = reduce_rows_raw(ReduceOp::Sum, x, p);
+  double scale = 1.0;
+  if (is_mean) {
+    KILN_CHECK(p.inner > 0, op, ": mean over an empty set of elements of ", x.desc());
+    scale = 1.0 / double(p.inner);
+    out = out.detach();
+    mul_(out, scale);
+  }
+  if (autograd::any_requires_grad({x})) {
+    auto node = std::make_shared<SumBackward>(p.keepdim_shape, scale);
+    node->set_inputs({x});
+    autograd::set_history(out, node);
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x) { return sum_impl(x, {}, false, false, "sum"); }
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  KILN_CHECK(!dims.empty(), "sum: empty dim list (use sum(x) for a full reduction)");
+  return sum_impl(x, dims, keepdim, false, "sum");
+}
+Tensor mean(const Tensor& x) { return sum_impl(x, {}, false, true, "mean"); }
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  KILN_CHECK(!dims.empty(), "mean: empty dim list (use mean(x) for a full reduction)");
+  return sum_impl(x, dims, keepdim, true, "mean");
+}
+
+}  // namespace kiln::F
