@@ -16,3 +16,18 @@ const char* unary_name(UnaryOp op);
 const char* binary_name(BinaryOp op);
 
 }  // namespace kiln
+
+namespace kiln {
+
+// Geometry of a 2-D convolution, after validation.
+struct ConvParams {
+  int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
+};
+// Geometry of a 2-D pooling window, after validation (stride already defaulted to the kernel).
+struct PoolParams {
+  int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  int64_t dil_h = 1, dil_w = 1;
+  bool count_include_pad = true;  // avg pooling only
+};
+
+}  // namespace kiln

@@ -1,0 +1,53 @@
+#pragma once
+// The per-device runtime context: streams, library handles and workspaces, created on first
+// use and reached through one accessor. Not thread-safe to create concurrently; after creation
+// it is read-only except for the current stream, which is thread-local.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <cstddef>
+
+namespace kiln::cuda {
+
+// Number of visible CUDA devices; 0 (never an error) when there is no driver or device.
+int device_count();
+bool is_available();
+int current_device();
+void set_device(int device);
+
+struct Context {
+  int device = 0;
+  cudaStream_t compute = nullptr;  // default stream for kiln's work on this device
+  cudaStream_t copy = nullptr;     // host<->device copies that overlap compute
+  cudnnHandle_t cudnn = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  void* lt_workspace = nullptr;  // 32 MiB, for cuBLASLt on the compute stream
+  size_t lt_workspace_bytes = 0;
+  cudaDeviceProp props{};
+};
+// The context of `device` (the current device when -1).
+Context& context(int device = -1);
+
+// The stream kiln launches on for the current device: the context's compute stream unless a
+// StreamGuard on this thread says otherwise (the graph executor captures on its own stream).
+cudaStream_t current_stream();
+class StreamGuard {
+ public:
+  explicit StreamGuard(cudaStream_t s);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  cudaStream_t prev_;
+};
+
+// Waits for all of the current device's work.
+void synchronize();
+
+// Pinned (page-locked) host memory for fast asynchronous copies.
+void* alloc_pinned(size_t bytes);
+void free_pinned(void* p);
+
+}  // namespace kiln::cuda
