@@ -1,0 +1,169 @@
+#include "core/json.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/error.h"
+
+namespace kiln::json {
+
+double Value::number() const {
+  KILN_CHECK(kind_ == Kind::Number, "json: expected a number");
+  return num_;
+}
+bool Value::boolean() const {
+  KILN_CHECK(kind_ == Kind::Bool, "json: expected a boolean");
+  return b_;
+}
+const std::string& Value::str() const {
+  KILN_CHECK(kind_ == Kind::String, "json: expected a string");
+  return s_;
+}
+const std::vector<Value>& Value::array() const {
+  KILN_CHECK(kind_ == Kind::Array, "json: expected an array");
+  return arr_;
+}
+const std::map<std::string, Value>& Value::object() const {
+  KILN_CHECK(kind_ == Kind::Object, "json: expected an object");
+  return obj_;
+}
+const Value& Value::at(const std::string& key) const {
+  auto it = object().find(key);
+  KILN_CHECK(it != obj_.end(), "json: missing key '", key, "'");
+  return it->second;
+}
+bool Value::contains(const std::string& key) const {
+  return kind_ == Kind::Object && obj_.count(key) > 0;
+}
+
+class Parser {
+ public:
+  explicit Parser(const std::string& t) : t_(t) {}
+  Value parse_document() {
+    Value v = parse_value(0);
+    skip_ws();
+    KILN_CHECK(i_ == t_.size(), "json: trailing characters at byte ", i_);
+    return v;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+
+  void skip_ws() {
+    while (i_ < t_.size() && (t_[i_] == ' ' || t_[i_] == '\n' || t_[i_] == '\t' || t_[i_] == '\r'))
+      ++i_;
+  }
+  char peek() {
+    skip_ws();
+    KILN_CHECK(i_ < t_.size(), "json: unexpected end of input");
+    return t_[i_];
+  }
+  void expect(char c) {
+    KILN_CHECK(peek() == c, "json: expected '", c, "' at byte ", i_);
+    ++i_;
+  }
+  Value parse_value(int depth) {
+    KILN_CHECK(depth < kMaxDepth, "json: nesting deeper than ", kMaxDepth);
+    Value v;
+    char c = peek();
+    if (c == '{') {
+      v.kind_ = Value::Kind::Object;
+      ++i_;
+      if (peek() == '}') { ++i_; return v; }
+      while (true) {
+        KILN_CHECK(peek() == '"', "json: expected a key at byte ", i_);
+        std::string k = parse_string();
+        expect(':');
+        v.obj_[k] = parse_value(depth + 1);
+        if (peek() == ',') { ++i_; continue; }
+        expect('}');
+        return v;
+      }
+    }
+    if (c == '[') {
+      v.kind_ = Value::Kind::Array;
+      ++i_;
+      if (peek() == ']') { ++i_; return v; }
+      while (true) {
+        v.arr_.push_back(parse_value(depth + 1));
+        if (peek() == ',') { ++i_; continue; }
+        expect(']');
+        return v;
+      }
+    }
+    if (c == '"') {
+      v.kind_ = Value::Kind::String;
+      v.s_ = parse_string();
+      return v;
+    }
+    if (t_.compare(i_, 4, "true") == 0) { i_ += 4; v.kind_ = Value::Kind::Bool; v.b_ = true; return v; }
+    if (t_.compare(i_, 5, "false") == 0) { i_ += 5; v.kind_ = Value::Kind::Bool; return v; }
+    if (t_.compare(i_, 4, "null") == 0) { i_ += 4; return v; }
+    const char* start = t_.c_str() + i_;
+    char* end = nullptr;
+    double d = std::strtod(start, &end);
+    KILN_CHECK(end != start, "json: unexpected character '", c, "' at byte ", i_);
+    i_ += size_t(end - start);
+    v.kind_ = Value::Kind::Number;
+    v.num_ = d;
+    return v;
+  }
+  std::string parse_string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      KILN_CHECK(i_ < t_.size(), "json: unterminated string");
+      char c = t_[i_++];
+      if (c == '"') return out;
+      if (c != '\\') { out += c; continue; }
+      KILN_CHECK(i_ < t_.size(), "json: unterminated escape");
+      char e = t_[i_++];
+      switch (e) {
+        case 'n': out += '\n'; break;
+        case 't': out += '\t'; break;
+        case 'r': out += '\r'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'u': {
+          KILN_CHECK(i_ + 4 <= t_.size(), "json: short \\u escape");
+          unsigned cp = unsigned(std::strtoul(t_.substr(i_, 4).c_str(), nullptr, 16));
+          i_ += 4;
+          // UTF-8 encode the BMP code point (surrogate pairs are not needed for our files).
+          if (cp < 0x80) out += char(cp);
+          else if (cp < 0x800) { out += char(0xC0 | (cp >> 6)); out += char(0x80 | (cp & 0x3F)); }
+          else { out += char(0xE0 | (cp >> 12)); out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F)); }
+          break;
+        }
+        default: out += e;
+      }
+    }
+  }
+  const std::string& t_;
+  size_t i_ = 0;
+};
+
+Value parse(const std::string& text) { return Parser(text).parse_document(); }
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += char(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace kiln::json
