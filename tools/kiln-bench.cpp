@@ -1,0 +1,248 @@
+// kiln-bench: speed of kiln on the GPU, printed as a table and written as JSON.
+//
+//   kiln-bench --ops [-b 256] [--dtype f16|f32] [--json out.json]
+//       every distinct ResNet-50 layer at the given batch: conv fwd / dgrad / wgrad, batch norm
+//       fwd / bwd, pooling, linear, softmax-cross-entropy; median time over repeats, TFLOP/s
+//       (or GB/s for memory-bound ops) against the measured ceilings of the H200.
+//
+// Timing: CUDA events around each launch on the compute stream, 5 warm-up runs, median of 20.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/json.h"
+#include "core/tensor.h"
+#include "ops/ops.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/check.h"
+#include "cuda/ops.h"
+#include "cuda/runtime.h"
+#endif
+
+namespace {
+
+constexpr double kPeakTflops = 765.0;  // measured FP16 dense matmul on the H200 (GPU.md)
+constexpr double kPeakGBps = 4200.0;   // measured device-to-device copy, read + write
+
+struct Row {
+  std::string op, shape;
+  double ms = 0;
+  double flops = 0;  // 0 for memory-bound rows
+  double bytes = 0;
+};
+
+void usage() {
+  std::printf(
+      "usage: kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--json PATH]\n"
+      "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
+      "  -b BATCH     batch size (default 256)\n"
+      "  --dtype T    f16 (default) or f32\n"
+      "  --repeat N   timed repetitions per op, median reported (default 20)\n"
+      "  --json PATH  also write the rows as JSON\n");
+}
+
+#ifdef KILN_WITH_CUDA
+using namespace kiln;
+
+double time_ms(const std::function<void()>& fn, int repeat) {
+  cudaStream_t s = cuda::current_stream();
+  for (int i = 0; i < 5; ++i) fn();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int i = 0; i < repeat; ++i) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct ConvShape {
+  int64_t cin, cout, k, stride, hw;  // hw: input spatial size
+};
+
+std::vector<ConvShape> resnet50_convs() {
+  std::vector<ConvShape> v = {{3, 64, 7, 2, 224}};
+  struct Stage { int64_t in, mid, out, hw, stride; };
+  // stage: first block's input channels, bottleneck width, output channels, input size, stride
+  for (Stage s : {Stage{64, 64, 256, 56, 1}, Stage{256, 128, 512, 56, 2},
+                  Stage{512, 256, 1024, 28, 2}, Stage{1024, 512, 2048, 14, 2}}) {
+    int64_t out_hw = s.hw / s.stride;
+    v.push_back({s.in, s.mid, 1, 1, s.hw});            // first block conv1
+    v.push_back({s.mid, s.mid, 3, s.stride, s.hw});    // first block conv2 (v1.5 stride)
+    v.push_back({s.mid, s.out, 1, 1, out_hw});         // conv3
+    v.push_back({s.in, s.out, 1, s.stride, s.hw});     // downsample
+    v.push_back({s.out, s.mid, 1, 1, out_hw});         // later blocks conv1
+    if (s.stride != 1) v.push_back({s.mid, s.mid, 3, 1, out_hw});  // later blocks conv2
+  }
+  return v;
+}
+
+std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
+  std::vector<Row> rows;
+  const TensorOptions o = TensorOptions(dt).with_device(Device::cuda(0));
+  const TensorOptions nhwc = o.with_memory_format(MemoryFormat::ChannelsLast);
+  const double es = double(dtype_size(dt));
+  NoGradGuard ng;
+  for (const ConvShape& c : resnet50_convs()) {
+    const int64_t pad = c.k / 2, out = (c.hw + 2 * pad - c.k) / c.stride + 1;
+    Tensor x = randn({batch, c.cin, c.hw, c.hw}, nhwc);
+    Tensor w = randn({c.cout, c.cin, c.k, c.k}, nhwc);
+    Tensor y = empty({batch, c.cout, out, out}, nhwc);
+    Tensor dx = empty_like(x), dw = empty_like(w);
+    ConvParams p;
+    p.stride_h = p.stride_w = c.stride;
+    p.pad_h = p.pad_w = pad;
+    const double flops = 2.0 * double(batch * c.cout * out * out) * double(c.cin * c.k * c.k);
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "%ldx%ldx%ld %ldx%ld/%ld -> %ld", long(c.cin), long(c.hw),
+                  long(c.hw), long(c.k), long(c.k), long(c.stride), long(c.cout));
+    rows.push_back({"conv fwd", shape,
+                    time_ms([&] { cuda::conv2d_forward(y, x, w, Tensor(), p); }, repeat), flops});
+    rows.push_back({"conv dgrad", shape,
+                    time_ms([&] { cuda::conv2d_backward_data(dx, y, w, p); }, repeat), flops});
+    rows.push_back({"conv wgrad", shape,
+                    time_ms([&] { cuda::conv2d_backward_weight(dw, y, x, p); }, repeat), flops});
+  }
+  // Batch norm (training) at each distinct activation size of ResNet-50.
+  for (auto [ch, hw] : std::vector<std::pair<int64_t, int64_t>>{
+           {64, 112}, {64, 56}, {256, 56}, {128, 28}, {512, 28}, {256, 14}, {1024, 14},
+           {512, 7}, {2048, 7}}) {
+    Tensor x = randn({batch, ch, hw, hw}, nhwc), y = empty_like(x), dx = empty_like(x);
+    TensorOptions f = TensorOptions(DType::f32).with_device(Device::cuda(0));
+    Tensor wgt = ones({ch}, f), bias = zeros({ch}, f), rm = zeros({ch}, f), rv = ones({ch}, f);
+    Tensor sm = empty({ch}, f), si = empty({ch}, f), dwt = empty({ch}, f), db = empty({ch}, f);
+    const double n = double(x.numel()) * es;
+    std::string shape = std::to_string(ch) + "x" + std::to_string(hw) + "x" + std::to_string(hw);
+    rows.push_back({"bn fwd", shape, time_ms([&] {
+                      cuda::batch_norm_forward_training(y, sm, si, x, wgt, bias, rm, rv, 0.1, 1e-5);
+                    }, repeat), 0, 2 * n});
+    rows.push_back({"bn bwd", shape, time_ms([&] {
+                      cuda::batch_norm_backward(dx, dwt, db, y, x, wgt, sm, si);
+                    }, repeat), 0, 3 * n});
+  }
+  {
+    Tensor x = randn({batch, 64, 112, 112}, nhwc), y = empty({batch, 64, 56, 56}, nhwc);
+    Tensor dx = empty_like(x);
+    PoolParams p;
+    p.kernel_h = p.kernel_w = 3;
+    p.stride_h = p.stride_w = 2;
+    p.pad_h = p.pad_w = 1;
+    const double n = double(x.numel() + y.numel()) * es;
+    rows.push_back({"maxpool fwd", "64x112x112 3x3/2",
+                    time_ms([&] { cuda::max_pool2d_forward(y, x, p); }, repeat), 0, n});
+    rows.push_back({"maxpool bwd", "64x112x112 3x3/2",
+                    time_ms([&] { cuda::max_pool2d_backward(dx, y, x, p); }, repeat), 0,
+                    n + double(x.numel()) * es});
+  }
+  {
+    Tensor x = randn({batch, 2048, 7, 7}, nhwc), y = empty({batch, 2048, 1, 1}, nhwc);
+    Tensor dx = empty_like(x);
+    const double n = double(x.numel() + y.numel()) * es;
+    rows.push_back({"avgpool fwd", "2048x7x7",
+                    time_ms([&] { cuda::adaptive_avg_pool2d_forward(y, x); }, repeat), 0, n});
+    rows.push_back({"avgpool bwd", "2048x7x7",
+                    time_ms([&] { cuda::adaptive_avg_pool2d_backward(dx, y); }, repeat), 0, n});
+  }
+  {
+    Tensor x = randn({batch, 2048}, o), w = randn({1000, 2048}, o), b = randn({1000}, o);
+    Tensor y = empty({batch, 1000}, o), dx = empty_like(x), dw = empty_like(w), db = empty_like(b);
+    const double flops = 2.0 * double(batch) * 2048 * 1000;
+    rows.push_back({"linear fwd", "2048 -> 1000",
+                    time_ms([&] { cuda::linear_forward(y, x, w, b); }, repeat), flops});
+    rows.push_back({"linear bwd", "2048 -> 1000",
+                    time_ms([&] { cuda::linear_backward(dx, dw, db, y, x, w); }, repeat),
+                    2 * flops});
+  }
+  {
+    Tensor logits = randn({batch, 1000}, o), grad = empty_like(logits);
+    Tensor target = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(Device::cuda(0)));
+    TensorOptions dev = TensorOptions().with_device(Device::cuda(0));
+    Tensor loss = empty({}, dev), correct = empty({}, dev.with_dtype(DType::i64));
+    rows.push_back({"softmax-CE fwd+bwd", "1000 classes", time_ms([&] {
+                      cuda::cross_entropy_fused(loss, grad, correct, logits, target, 0.0, 1.0);
+                    }, repeat), 0, 2.0 * double(logits.numel()) * es});
+  }
+  return rows;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    int64_t batch = 256;
+    std::string dtype = "f16", json_path;
+    int repeat = 20;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        KILN_CHECK(i + 1 < argc, "kiln-bench: flag ", a, " needs a value");
+        return argv[++i];
+      };
+      if (a == "-h" || a == "--help") {
+        usage();
+        return 0;
+      } else if (a == "--ops") {
+      } else if (a == "-b" || a == "--batch-size") {
+        batch = std::stoll(value());
+        KILN_CHECK(batch > 0, "kiln-bench: -b must be positive");
+      } else if (a == "--dtype") {
+        dtype = value();
+        KILN_CHECK(dtype == "f16" || dtype == "f32", "kiln-bench: --dtype must be f16 or f32");
+      } else if (a == "--repeat") {
+        repeat = std::stoi(value());
+        KILN_CHECK(repeat > 0, "kiln-bench: --repeat must be positive");
+      } else if (a == "--json") {
+        json_path = value();
+      } else {
+        KILN_FAIL("kiln-bench: unknown flag '", a, "' (see --help)");
+      }
+    }
+#ifdef KILN_WITH_CUDA
+    KILN_CHECK(kiln::cuda::device_count() > 0, "kiln-bench: no CUDA device found");
+    auto rows = bench_ops(batch, dtype == "f16" ? kiln::DType::f16 : kiln::DType::f32, repeat);
+    std::printf("%-20s %-28s %10s %10s %8s\n", "op", "shape", "median ms", "TFLOP/s", "% peak");
+    std::string json = "[";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      double rate = r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : r.bytes / (r.ms * 1e-3) / 1e9;
+      double pct = 100.0 * rate / (r.flops > 0 ? kPeakTflops : kPeakGBps);
+      std::printf("%-20s %-28s %10.4f %10.1f%s %6.1f%%\n", r.op.c_str(), r.shape.c_str(), r.ms,
+                  rate, r.flops > 0 ? "" : " GB/s", pct);
+      char buf[384];
+      std::snprintf(buf, sizeof buf,
+                    "%s{\"op\":%s,\"shape\":%s,\"ms\":%.5f,\"%s\":%.2f,\"pct_peak\":%.2f}",
+                    i ? "," : "", kiln::json::quote(r.op).c_str(),
+                    kiln::json::quote(r.shape).c_str(), r.ms, r.flops > 0 ? "tflops" : "gbps",
+                    rate, pct);
+      json += buf;
+    }
+    json += "]\n";
+    if (!json_path.empty()) {
+      std::ofstream(json_path) << json;
+      std::printf("wrote %s\n", json_path.c_str());
+    }
+    return 0;
+#else
+    KILN_FAIL("kiln-bench measures the GPU backend, and this kiln was built without CUDA");
+#endif
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln-bench: error: %s\n", e.what());
+    return 1;
+  }
+}
