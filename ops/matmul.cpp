@@ -1,0 +1,205 @@
+// matmul (2-D, batched with broadcast batch dims, 1-D operands as in PyTorch) and linear.
+// Both reduce to one GEMM entry point (cpu::matmul / cuda::matmul) that takes contiguous
+// operands plus a transpose flag, so a transposed view (w.t(), the operands of the backward
+// GEMMs) costs no copy.
+#include "ops/backend.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+
+namespace kiln::F {
+namespace {
+
+Shape batch_of(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 2); }
+
+Shape concat(Shape s, std::initializer_list<int64_t> tail) {
+  s.insert(s.end(), tail);
+  return s;
+}
+
+// A GEMM operand: contiguous storage and whether its last two dims are stored transposed.
+struct Operand {
+  Tensor t;
+  bool trans = false;
+};
+
+Operand as_operand(const Tensor& x) {
+  if (x.is_contiguous()) return {x, false};
+  Tensor xt = x.transpose(-2, -1);
+  if (xt.is_contiguous()) return {xt, true};
+  return {x.contiguous(), false};
+}
+
+// out (n, m) = a (n, k) · b (k, m), or all 3-D with one batch size. a, b detached.
+void gemm(const Tensor& out, const Tensor& a, const Tensor& b) {
+  Operand oa = as_operand(a), ob = as_operand(b);
+  switch (out.device().type) {
+    case DeviceType::CPU: cpu::matmul(out, oa.t, oa.trans, ob.t, ob.trans); break;
+    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::matmul(out, oa.t, oa.trans, ob.t, ob.trans)); break;
+  }
+}
+
+// Forward GEMM without autograd; a, b at least 2-D and already validated.
+Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in) {
+  Tensor a = a_in.detach(), b = b_in.detach();
+  const int64_t n = a.size(-2), k = a.size(-1), m = b.size(-1);
+  const Shape batch_b = batch_of(b);
+  const Shape batch = broadcast_shapes(batch_of(a), batch_b, "matmul");
+  const int64_t nb = shape_numel(batch);
+  Tensor out = empty(concat(batch, {n, m}), TensorOptions(a.dtype()).with_device(a.device()));
+  if (out.numel() == 0) return out;
+  if (k == 0) {
+    out.zero_();
+    return out;
+  }
+  if (shape_numel(batch_b) == 1) {
+    // b is one matrix: fold a's batch into its rows, one GEMM (the (N, T, in) x (in, out) case).
+    while (b.dim() > 2) b = b.select(0, 0);
+    Tensor a2 = a.dim() == 2 ? a : a.reshape({nb * n, k});
+    gemm(out.view({nb * n, m}), a2, b);
+    return out;
+  }
+  // Materialise broadcast batch dims; keep a 3-D operand as is so a transposed view stays free.
+  auto as_batched = [&](const Tensor& t, int64_t r, int64_t c) {
+    if (t.dim() == 3 && batch_of(t) == batch) return t;
+    return t.expand(concat(batch, {r, c})).reshape({nb, r, c});
+  };
+  gemm(out.view({nb, n, m}), as_batched(a, n, k), as_batched(b, k, m));
+  return out;
+}
+
+class MatmulBackward final : public Node {
+ public:
+  MatmulBackward(const Tensor& a, const Tensor& b) : a_(a), b_(b) {}
+  std::string name() const override { return "MatmulBackward"; }
+  void release_saved() override {
+    a_.release();
+    b_.release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    const Tensor& g = grads[0];  // (batch..., n, m)
+    if (!g.defined()) return {Tensor(), Tensor()};
+    Tensor a = a_.get(*this), b = b_.get(*this);
+    Tensor ga, gb;
+    if (needs_input_grad(0)) ga = sum_to(matmul(g, b.transpose(-2, -1)), a.shape());  // dC·Bᵀ
+    if (needs_input_grad(1)) {
+      if (shape_numel(batch_of(b)) == 1 && a.dim() > 2) {
+        // One shared b: Σ_batch Aᵢᵀ·dCᵢ is a single GEMM over the folded rows.
+        const int64_t k = a.size(-1), m = g.size(-1);
+        gb = matmul(a.reshape({-1, k}).t(), g.reshape({-1, m})).reshape(b.shape());
+      } else {
+        gb = sum_to(matmul(a.transpose(-2, -1), g), b.shape());  // Aᵀ·dC
+      }
+    }
+    return {ga, gb};
+  }
+
+ private:
+  SavedTensor a_, b_;
+};
+
+class LinearBackward final : public Node {
+ public:
+  LinearBackward(const Tensor& x, const Tensor& w) : x_(x), w_(w) {}
+  std::string name() const override { return "LinearBackward"; }
+  void release_saved() override {
+    x_.release();
+    w_.release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    const Tensor& dy = grads[0];  // (N, out)
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor()};
+    Tensor x = x_.get(*this), w = w_.get(*this);
+    Tensor dx, dw, db;
+    switch (dy.device().type) {
+      case DeviceType::CPU:
+        if (needs_input_grad(0)) dx = matmul(dy, w);      // (N, in)
+        if (needs_input_grad(1)) dw = matmul(dy.t(), x);  // (out, in)
+        if (needs_input_grad(2)) db = sum(dy, {0});       // (out)
+        break;
+      case DeviceType::CUDA: {
+        // linear_backward always writes dw; dx and db only when asked for.
+        TensorOptions opts = TensorOptions(dy.dtype()).with_device(dy.device());
+        if (needs_input_grad(0)) dx = empty(x.shape(), opts);
+        dw = empty(w.shape(), opts);
+        if (needs_input_grad(2)) db = empty({w.size(0)}, opts);
+        KILN_CUDA_CALL(cuda::linear_backward(dx, dw, db, dy.contiguous(), x.contiguous(),
+                                             w.contiguous()));
+        if (!needs_input_grad(1)) dw = Tensor();
+        break;
+      }
+    }
+    return {dx, dw, db};
+  }
+
+ private:
+  SavedTensor x_, w_;
+};
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  const char* op = "matmul";
+  check_same(a, b, op);
+  check_float(a, op);
+  KILN_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: operands must be at least 1-D, got ",
+             a.desc(), " and ", b.desc());
+  const int64_t ka = a.size(-1), kb = b.dim() == 1 ? b.size(0) : b.size(-2);
+  KILN_CHECK(ka == kb, "matmul: shapes ", a.shape_str(), " and ", b.shape_str(),
+             " are not aligned (", ka, " != ", kb, ")");
+  // 1-D operands as in PyTorch: a vector becomes a row (a) or a column (b), removed afterwards.
+  if (a.dim() == 1 || b.dim() == 1) {
+    const bool va = a.dim() == 1, vb = b.dim() == 1;
+    Tensor r = matmul(va ? a.unsqueeze(0) : a, vb ? b.unsqueeze(-1) : b);
+    if (vb) r = r.squeeze(-1);
+    if (va) r = r.squeeze(vb ? -1 : -2);
+    return r;
+  }
+  const Shape ba = batch_of(a), bb = batch_of(b);
+  for (size_t i = 1; i <= std::min(ba.size(), bb.size()); ++i) {
+    const int64_t da = ba[ba.size() - i], db = bb[bb.size() - i];
+    KILN_CHECK(da == db || da == 1 || db == 1, "matmul: batch dims of ", a.shape_str(), " and ",
+               b.shape_str(), " cannot be broadcast together");
+  }
+  Tensor out = matmul_raw(a, b);
+  if (autograd::any_requires_grad({a, b})) {
+    auto node = std::make_shared<MatmulBackward>(a, b);
+    node->set_inputs({a, b});
+    autograd::set_history(out, node);
+  }
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const char* op = "linear";
+  check_same(x, weight, op);
+  check_float(x, op);
+  check_dim(x, 2, op, "x");
+  check_dim(weight, 2, op, "weight");
+  KILN_CHECK(x.size(1) == weight.size(1), "linear: x ", x.desc(), " has ", x.size(1),
+             " features but weight ", weight.desc(), " expects ", weight.size(1));
+  if (bias.defined()) {
+    check_same(x, bias, op);
+    KILN_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), "linear: bias ", bias.desc(),
+               " must be [", weight.size(0), "] for weight ", weight.desc());
+  }
+  Tensor y;
+  switch (x.device().type) {
+    case DeviceType::CPU:
+      y = matmul_raw(x, weight.detach().t());  // (N, in)·(in, out): weight read transposed
+      if (bias.defined()) add_(y, bias.detach());
+      break;
+    case DeviceType::CUDA:
+      y = empty({x.size(0), weight.size(0)}, TensorOptions(x.dtype()).with_device(x.device()));
+      KILN_CUDA_CALL(cuda::linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(),
+                                          bias.defined() ? bias.detach().contiguous() : Tensor()));
+      break;
+  }
+  if (autograd::any_requires_grad({x, weight, bias})) {
+    auto node = std::make_shared<LinearBackward>(x, weight);
+    node->set_inputs({x, weight, bias});
+    autograd::set_history(y, node);
+  }
+  return y;
+}
+
+}  // namespace kiln::F
