@@ -61,7 +61,7 @@ Tensor dense(const Tensor& t, MemoryFormat fmt) {
 }
 
 // The CUDA kernels take weight and bias as tensors; stand in for absent ones.
-Tensor or_constant(const Tensor& p, int64_t c, double v, const Tensor& x) {
+[[maybe_unused]] Tensor or_constant(const Tensor& p, int64_t c, double v, const Tensor& x) {
   return p.defined() ? p : full({c}, v, TensorOptions(DType::f32).with_device(x.device()));
 }
 

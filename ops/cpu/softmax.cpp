@@ -31,7 +31,7 @@ void softmax_forward(const Tensor& y, const Tensor& x, int64_t rows, int64_t col
     T* py = y.data<T>();
 #pragma omp parallel for if (rows * cols > kParallelGrain) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      std::vector<double> lp(size_t(cols));
+      std::vector<double> lp(static_cast<size_t>(cols));
       log_softmax_row(px + r * cols, cols, lp.data());
       for (int64_t j = 0; j < cols; ++j) py[r * cols + j] = T(log ? lp[size_t(j)] : std::exp(lp[size_t(j)]));
     }
@@ -75,7 +75,7 @@ void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor&
 #pragma omp parallel for if (n * c > kParallelGrain) schedule(static) reduction(+ : total)
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = i64 ? t64[r] : int64_t(t32[r]);
-      std::vector<double> lp(size_t(c));
+      std::vector<double> lp(static_cast<size_t>(c));
       log_softmax_row(px + r * c, c, lp.data());
       double row = 0;  // Σ_c q_c·(-log p_c)
       for (int64_t j = 0; j < c; ++j) {
