@@ -131,6 +131,14 @@ TEST_CASE("batch_norm NHWC input keeps its layout and matches NCHW") {
     CHECK(y.suggest_memory_format() == MemoryFormat::ChannelsLast);
     KILN_CHECK_OK(compare(y, ref, 1e-12, 1e-12));
     KILN_CHECK_OK(compare(rv, rv2, 1e-12, 1e-12));
+    // Backward with a row-major upstream gradient into the NHWC path gives the NCHW gradients.
+    Tensor a = xl.detach().set_requires_grad(true), a2 = x.detach().set_requires_grad(true);
+    Tensor wa = w.detach().set_requires_grad(true), wa2 = w.detach().set_requires_grad(true);
+    Tensor g = randn(x.shape(), DType::f64);
+    F::batch_norm(a, wa, b, rm, rv, training).backward(g);
+    F::batch_norm(a2, wa2, b, rm2, rv2, training).backward(g);
+    KILN_CHECK_OK(compare(a.grad(), a2.grad(), 1e-12, 1e-12));
+    KILN_CHECK_OK(compare(wa.grad(), wa2.grad(), 1e-12, 1e-12));
   }
 }
 
