@@ -40,3 +40,40 @@ namespace kiln::cpu {
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b);
 
 }  // namespace kiln::cpu
+
+// ---- batch norm (ops/cpu/batch_norm.cpp) ----
+// x, y, dy, dx: (N, C, ...) dense, row-major or channels-last (each may differ); params and
+// statistics (C) of x's dtype, any stride; weight/bias/running stats may be undefined
+// (weight = 1, bias = 0). Statistics are accumulated in double.
+namespace kiln::cpu {
+// y (=), save_mean (=), save_invstd (=) = 1/sqrt(var_biased + eps); running_mean/var updated in
+// place when defined: r = (1-momentum)*r + momentum*stat (unbiased variance). N·spatial > 1.
+void batch_norm_forward_training(const Tensor& y, const Tensor& save_mean,
+                                 const Tensor& save_invstd, const Tensor& x, const Tensor& weight,
+                                 const Tensor& bias, const Tensor& running_mean,
+                                 const Tensor& running_var, double momentum, double eps);
+// y (=) = (x - running_mean) / sqrt(running_var + eps) * weight + bias.
+void batch_norm_forward_eval(const Tensor& y, const Tensor& x, const Tensor& weight,
+                             const Tensor& bias, const Tensor& running_mean,
+                             const Tensor& running_var, double eps);
+// Training-mode backward with the batch statistics of the forward: dx (=) when defined,
+// dweight (=) = Σ dy·x̂ and dbias (=) = Σ dy when defined.
+void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                         const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         const Tensor& save_mean, const Tensor& save_invstd);
+}  // namespace kiln::cpu
+
+// ---- softmax (ops/cpu/softmax.cpp) ----
+// Over the last dim of contiguous (rows, cols) tensors; outputs (=).
+namespace kiln::cpu {
+// y = softmax(x) or log_softmax(x) (max subtracted first: stable for large logits).
+void softmax_forward(const Tensor& y, const Tensor& x, int64_t rows, int64_t cols, bool log);
+// dx = y*(dy - Σ dy*y) (softmax) or dy - exp(y)*Σ dy (log_softmax; y = log-probabilities).
+void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, int64_t rows,
+                      int64_t cols, bool log);
+// Fused softmax-cross-entropy. logits (N, C) contiguous, target (N) contiguous i64 or i32, all
+// targets in [0, C) (checked by the caller). loss (0-d, logits' dtype) = mean over rows of
+// Σ_c q_c·(-log p_c) with q = (1-ε)·onehot + ε/C; grad (N, C) = (p - q) / N.
+void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& logits,
+                           const Tensor& target, double label_smoothing);
+}  // namespace kiln::cpu

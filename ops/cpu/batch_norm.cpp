@@ -1,0 +1,150 @@
+// CPU batch-norm kernels. Every (N, C, ...) tensor is addressed as (N, C, S) with S the product
+// of the spatial dims: both dense layouts (row-major and channels-last) merge their spatial dims
+// into one stride, so one loop nest serves NCHW, NHWC and (N, C).
+#include <cmath>
+#include <vector>
+
+#include "ops/cpu/kernels.h"
+
+namespace kiln::cpu {
+namespace {
+
+constexpr int64_t kParallelGrain = 32768;
+
+struct NCS {
+  int64_t n, c, s;     // sizes
+  int64_t sn, sc, ss;  // element strides
+};
+
+NCS ncs_of(const Tensor& t) {
+  NCS v{t.size(0), t.size(1), 1, t.stride(0), t.stride(1), 1};
+  for (int64_t d = 2; d < t.dim(); ++d) v.s *= t.size(d);
+  if (t.dim() > 2) v.ss = t.stride(-1);
+  return v;
+}
+
+// Per-channel parameter: element c of a (C) tensor, or `dflt` when undefined.
+template <typename T>
+struct ChannelParam {
+  const T* p = nullptr;
+  int64_t stride = 0;
+  double dflt;
+  ChannelParam(const Tensor& t, double d) : dflt(d) {
+    if (t.defined()) {
+      p = t.data<T>();
+      stride = t.stride(0);
+    }
+  }
+  double operator[](int64_t c) const { return p ? double(p[c * stride]) : dflt; }
+};
+
+// Calls f(offset) for every element of channel c.
+template <typename F>
+inline void for_channel(const NCS& v, int64_t c, F&& f) {
+  for (int64_t n = 0; n < v.n; ++n) {
+    const int64_t base = n * v.sn + c * v.sc;
+    for (int64_t s = 0; s < v.s; ++s) f(base + s * v.ss);
+  }
+}
+
+// Walks x and y (same logical shape, own strides) together over channel c.
+template <typename F>
+inline void for_channel2(const NCS& a, const NCS& b, int64_t c, F&& f) {
+  for (int64_t n = 0; n < a.n; ++n) {
+    const int64_t ba = n * a.sn + c * a.sc, bb = n * b.sn + c * b.sc;
+    for (int64_t s = 0; s < a.s; ++s) f(ba + s * a.ss, bb + s * b.ss);
+  }
+}
+
+}  // namespace
+
+void batch_norm_forward_training(const Tensor& y, const Tensor& save_mean,
+                                 const Tensor& save_invstd, const Tensor& x, const Tensor& weight,
+                                 const Tensor& bias, const Tensor& running_mean,
+                                 const Tensor& running_var, double momentum, double eps) {
+  dispatch_float(x.dtype(), "batch_norm", [&]<typename T>() {
+    const NCS vx = ncs_of(x), vy = ncs_of(y);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    T* pm = save_mean.data<T>();
+    T* pi = save_invstd.data<T>();
+    ChannelParam<T> w(weight, 1.0), b(bias, 0.0);
+    T* rm = running_mean.defined() ? running_mean.data<T>() : nullptr;
+    T* rv = running_var.defined() ? running_var.data<T>() : nullptr;
+    const int64_t rms = rm ? running_mean.stride(0) : 0, rvs = rv ? running_var.stride(0) : 0;
+    const double m = double(vx.n * vx.s);
+#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    for (int64_t c = 0; c < vx.c; ++c) {
+      // Two passes: the mean first, then squared deviations (no cancellation as E[x²]-E[x]²).
+      double sum = 0;
+      for_channel(vx, c, [&](int64_t o) { sum += double(px[o]); });
+      const double mean = sum / m;
+      double sq = 0;
+      for_channel(vx, c, [&](int64_t o) {
+        const double d = double(px[o]) - mean;
+        sq += d * d;
+      });
+      const double invstd = 1.0 / std::sqrt(sq / m + eps);
+      pm[c * save_mean.stride(0)] = T(mean);
+      pi[c * save_invstd.stride(0)] = T(invstd);
+      const double scale = invstd * w[c], shift = b[c] - mean * scale;
+      for_channel2(vx, vy, c, [&](int64_t ox, int64_t oy) { py[oy] = T(double(px[ox]) * scale + shift); });
+      if (rm) rm[c * rms] = T((1.0 - momentum) * double(rm[c * rms]) + momentum * mean);
+      if (rv) rv[c * rvs] = T((1.0 - momentum) * double(rv[c * rvs]) + momentum * sq / (m - 1.0));
+    }
+  });
+}
+
+void batch_norm_forward_eval(const Tensor& y, const Tensor& x, const Tensor& weight,
+                             const Tensor& bias, const Tensor& running_mean,
+                             const Tensor& running_var, double eps) {
+  dispatch_float(x.dtype(), "batch_norm", [&]<typename T>() {
+    const NCS vx = ncs_of(x), vy = ncs_of(y);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    ChannelParam<T> w(weight, 1.0), b(bias, 0.0), rm(running_mean, 0.0), rv(running_var, 1.0);
+#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    for (int64_t c = 0; c < vx.c; ++c) {
+      const double scale = w[c] / std::sqrt(rv[c] + eps), shift = b[c] - rm[c] * scale;
+      for_channel2(vx, vy, c, [&](int64_t ox, int64_t oy) { py[oy] = T(double(px[ox]) * scale + shift); });
+    }
+  });
+}
+
+void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                         const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         const Tensor& save_mean, const Tensor& save_invstd) {
+  dispatch_float(x.dtype(), "batch_norm_backward", [&]<typename T>() {
+    const NCS vx = ncs_of(x), vdy = ncs_of(dy);
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    ChannelParam<T> w(weight, 1.0), mean(save_mean, 0.0), invstd(save_invstd, 1.0);
+    const double m = double(vx.n * vx.s);
+#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    for (int64_t c = 0; c < vx.c; ++c) {
+      const double mu = mean[c], is = invstd[c];
+      double sum_dy = 0, sum_dy_xhat = 0;
+      for_channel2(vx, vdy, c, [&](int64_t ox, int64_t od) {
+        const double g = double(pdy[od]);
+        sum_dy += g;
+        sum_dy_xhat += g * (double(px[ox]) - mu) * is;
+      });
+      if (dweight.defined()) dweight.data<T>()[c * dweight.stride(0)] = T(sum_dy_xhat);
+      if (dbias.defined()) dbias.data<T>()[c * dbias.stride(0)] = T(sum_dy);
+      if (!dx.defined()) continue;
+      // dx = w·invstd/M · (M·dy − Σdy − x̂·Σ(dy·x̂)), the closed form of the batch-stat chain.
+      const NCS vdx = ncs_of(dx);
+      T* pdx = dx.data<T>();
+      const double k = w[c] * is / m;
+      for (int64_t n = 0; n < vx.n; ++n) {
+        for (int64_t s = 0; s < vx.s; ++s) {
+          const double xhat = (double(px[n * vx.sn + c * vx.sc + s * vx.ss]) - mu) * is;
+          const double g = double(pdy[n * vdy.sn + c * vdy.sc + s * vdy.ss]);
+          pdx[n * vdx.sn + c * vdx.sc + s * vdx.ss] = T(k * (m * g - sum_dy - xhat * sum_dy_xhat));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kiln::cpu

@@ -1,0 +1,88 @@
+// cross_entropy: validation, fused forward (loss and logits gradient in one pass), backward,
+// device dispatch. The gradient d(loss)/d(logits) = (softmax - q)/N is computed with the loss
+// and saved; backward only scales it by the upstream gradient.
+#include "ops/backend.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+
+namespace kiln::F {
+namespace {
+
+class CrossEntropyBackward final : public Node {
+ public:
+  explicit CrossEntropyBackward(const Tensor& grad) : grad_(grad) {}
+  std::string name() const override { return "CrossEntropyBackward"; }
+  void release_saved() override { grad_.release(); }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    if (!grads[0].defined()) return {Tensor()};
+    Tensor grad = grad_.get(*this);
+    return {mul(grad, grads[0].to(grad.dtype()))};  // (N, C) · 0-d upstream
+  }
+
+ private:
+  SavedTensor grad_;
+};
+
+// Host-side range check of CPU targets; the message names the first bad value and its index.
+template <typename I>
+void check_targets(const Tensor& target, int64_t classes) {
+  const I* t = target.data<I>();
+  for (int64_t i = 0; i < target.numel(); ++i)
+    KILN_CHECK(t[i] >= 0 && int64_t(t[i]) < classes, "cross_entropy: target ", int64_t(t[i]),
+               " at index ", i, " is out of range [0, ", classes, ")");
+}
+
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing) {
+  check_defined(logits, "cross_entropy", "logits");
+  check_defined(target, "cross_entropy", "target");
+  check_float(logits, "cross_entropy");
+  check_dim(logits, 2, "cross_entropy", "logits (N, C)");
+  check_dim(target, 1, "cross_entropy", "target (N)");
+  KILN_CHECK(target.dtype() == DType::i64 || target.dtype() == DType::i32,
+             "cross_entropy: target must hold class indices (i64 or i32), got ", target.desc());
+  KILN_CHECK(target.size(0) == logits.size(0), "cross_entropy: batch size mismatch: logits ",
+             logits.desc(), " vs target ", target.desc());
+  KILN_CHECK(target.device() == logits.device(), "cross_entropy: device mismatch: logits ",
+             logits.desc(), " vs target ", target.desc());
+  KILN_CHECK(logits.size(0) > 0 && logits.size(1) > 0, "cross_entropy: empty logits ",
+             logits.desc());
+  KILN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+             "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+  const int64_t n = logits.size(0), c = logits.size(1);
+  const Tensor lc = logits.detach().contiguous();
+  Tensor grad = empty({n, c}, TensorOptions(logits.dtype()).with_device(logits.device()));
+  Tensor loss;
+  switch (logits.device().type) {
+    case DeviceType::CPU: {
+      const Tensor tc = target.contiguous();
+      if (tc.dtype() == DType::i64)
+        check_targets<int64_t>(tc, c);
+      else
+        check_targets<int32_t>(tc, c);
+      loss = empty({}, TensorOptions(logits.dtype()));
+      cpu::cross_entropy_forward(loss, grad, lc, tc, label_smoothing);
+      break;
+    }
+    case DeviceType::CUDA: {
+      // The fused kernel takes i64 targets and gives an f32 loss; targets are not range-checked
+      // on the host (that would synchronise every step).
+      const auto opts = TensorOptions(DType::f32).with_device(logits.device());
+      loss = empty({}, opts);
+      Tensor correct = empty({}, opts.with_dtype(DType::i64));
+      KILN_CUDA_CALL(cuda::cross_entropy_fused(loss, grad, correct, lc,
+                                               target.to(DType::i64).contiguous(),
+                                               label_smoothing, 1.0));
+      break;
+    }
+  }
+  if (autograd::any_requires_grad({logits})) {
+    auto node = std::make_shared<CrossEntropyBackward>(grad);
+    node->set_inputs({logits});
+    autograd::set_history(loss, node);
+  }
+  return loss;
+}
+
+}  // namespace kiln::F
