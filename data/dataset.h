@@ -22,11 +22,11 @@ class TensorDataset {
                "TensorDataset: images must be (N, H, W) or (N, C, H, W), got ", images.desc());
     KILN_CHECK(labels.dim() == 1 && labels.is_cpu(),
                "TensorDataset: labels must be 1-D on the CPU, got ", labels.desc());
-    KILN_CHECK(labels.dtype() == DType::u8 || labels.dtype() == DType::i32 ||
-                   labels.dtype() == DType::i64,
-               "TensorDataset: labels must be u8, i32 or i64, got ", labels.desc());
-    KILN_CHECK(images.size(0) == labels.size(0), "TensorDataset: ", images.size(0),
-               " images but ", labels.size(0), " labels");
+    KILN_CHECK(
+        labels.dtype() == DType::u8 || labels.dtype() == DType::i32 || labels.dtype() == DType::i64,
+        "TensorDataset: labels must be u8, i32 or i64, got ", labels.desc());
+    KILN_CHECK(images.size(0) == labels.size(0), "TensorDataset: ", images.size(0), " images but ",
+               labels.size(0), " labels");
     Tensor x = images.contiguous();
     if (x.dim() == 3) x = x.unsqueeze(1);
     images_ = x.contiguous();

@@ -11,8 +11,8 @@ std::string find_idx_file(const std::string& dir, const std::string& stem, const
                           const std::string& install_hint) {
   namespace fs = std::filesystem;
   const std::vector<std::string> names = {
-      stem + "-" + idx + "-ubyte.gz", stem + "-" + idx + "-ubyte",
-      stem + "." + idx + "-ubyte.gz", stem + "." + idx + "-ubyte"};
+      stem + "-" + idx + "-ubyte.gz", stem + "-" + idx + "-ubyte", stem + "." + idx + "-ubyte.gz",
+      stem + "." + idx + "-ubyte"};
   std::error_code ec;
   for (const auto& n : names) {
     fs::path p = fs::path(dir) / n;

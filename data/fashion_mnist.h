@@ -1,6 +1,6 @@
 #pragma once
 // MNIST-style datasets (MNIST, Fashion-MNIST, KMNIST ...): a folder holding the four IDX files
-//   train-images-idx3-ubyte  train-labels-idx1-ubyte  t10k-images-idx3-ubyte  t10k-labels-idx1-ubyte
+//   train-images-idx3-ubyte  train-labels-idx1-ubyte  t10k-images-idx3-ubyte t10k-labels-idx1-ubyte
 // each optionally gzipped (".gz"); the "train-images.idx3-ubyte" spelling is accepted too.
 // Fashion-MNIST defaults to Debian's package dataset-fashion-mnist.
 #include <array>
@@ -25,6 +25,8 @@ IdxPair load_mnist(const std::string& dir, Split split, const std::string& insta
 // Fashion-MNIST: 60000 train / 10000 test images of 28x28, labels 0..9 (kFashionMnistClasses).
 // When the files are missing the error says how to install them.
 IdxPair load_fashion_mnist(const std::string& dir, Split split);
-inline IdxPair load_fashion_mnist(Split split) { return load_fashion_mnist(kFashionMnistDir, split); }
+inline IdxPair load_fashion_mnist(Split split) {
+  return load_fashion_mnist(kFashionMnistDir, split);
+}
 
 }  // namespace kiln::data

@@ -116,8 +116,8 @@ Tensor read_idx(const std::string& path, uint32_t expected_magic) {
                ", expected ", hex32(expected_magic), " (u8 data with ", expected_magic & 0xff,
                " dims)");
   } else {
-    KILN_CHECK(head[0] == 0 && head[1] == 0 && head[2] == 0x08 && head[3] >= 1, kind,
-               quoted(path), ": wrong magic number ", hex32(magic),
+    KILN_CHECK(head[0] == 0 && head[1] == 0 && head[2] == 0x08 && head[3] >= 1, kind, quoted(path),
+               ": wrong magic number ", hex32(magic),
                ", expected 0x000008NN (u8 data with NN >= 1 dims)");
   }
 
@@ -125,8 +125,8 @@ Tensor read_idx(const std::string& path, uint32_t expected_magic) {
   const uint64_t header_bytes = 4 + 4 * uint64_t(ndim);
   std::vector<unsigned char> dim_bytes(size_t(4 * ndim));
   got = in.read(dim_bytes.data(), dim_bytes.size());
-  KILN_CHECK(got == dim_bytes.size(), kind, quoted(path), " is truncated: expected ",
-             header_bytes, " header bytes, got ", 4 + got);
+  KILN_CHECK(got == dim_bytes.size(), kind, quoted(path), " is truncated: expected ", header_bytes,
+             " header bytes, got ", 4 + got);
 
   // Guard the product against overflow: anything past 2^62 is absurd anyway.
   Shape shape(static_cast<size_t>(ndim), 0);
@@ -155,9 +155,9 @@ Tensor read_idx(const std::string& path, uint32_t expected_magic) {
 
   Tensor out = empty(shape, DType::u8);
   got = in.read(out.data<uint8_t>(), data_bytes);
-  KILN_CHECK(got == data_bytes, kind, quoted(path), " is truncated: header dims ",
-             shape_str(shape), " need ", data_bytes, " bytes of data after the ", header_bytes,
-             "-byte header, got ", got);
+  KILN_CHECK(got == data_bytes, kind, quoted(path), " is truncated: header dims ", shape_str(shape),
+             " need ", data_bytes, " bytes of data after the ", header_bytes, "-byte header, got ",
+             got);
   unsigned char extra[64];
   const uint64_t trailing = in.read(extra, sizeof extra);
   KILN_CHECK(trailing == 0, kind, quoted(path), ": unexpected bytes after the ", data_bytes,

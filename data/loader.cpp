@@ -109,8 +109,7 @@ struct Epoch::State {
       {
         std::unique_lock lk(mu);
         space_cv.wait(lk, [&] {
-          return stop || error || next_claim >= num_batches ||
-                 next_claim < next_consume + capacity;
+          return stop || error || next_claim >= num_batches || next_claim < next_consume + capacity;
         });
         if (stop || error || next_claim >= num_batches) return;
         k = next_claim++;
@@ -179,7 +178,8 @@ std::optional<Batch> Epoch::next() {
   }
   std::unique_lock lk(s.mu);
   // Batches below error_batch were all claimed before the failure and will still arrive.
-  s.ready_cv.wait(lk, [&] { return s.slots[size_t(k % s.capacity)].has_value() || s.error_batch <= k; });
+  s.ready_cv.wait(
+      lk, [&] { return s.slots[size_t(k % s.capacity)].has_value() || s.error_batch <= k; });
   auto& slot = s.slots[size_t(k % s.capacity)];
   if (!slot) {
     s.finished = true;

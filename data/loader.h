@@ -46,14 +46,14 @@ struct Batch {
 struct LoaderOptions {
   int64_t batch_size = 64;
   bool shuffle = false;
-  bool drop_last = false;       // drop the last batch when it is smaller than batch_size
-  uint64_t seed = 0;            // drives shuffling and augmentation
-  int workers = 0;              // 0: each batch is built on the consumer's thread inside next()
-  int prefetch = 0;             // batches built ahead of the consumer; 0: 2 * workers
+  bool drop_last = false;  // drop the last batch when it is smaller than batch_size
+  uint64_t seed = 0;       // drives shuffling and augmentation
+  int workers = 0;         // 0: each batch is built on the consumer's thread inside next()
+  int prefetch = 0;        // batches built ahead of the consumer; 0: 2 * workers
   std::vector<float> mean = {0.0f};    // one value, or one per channel
   std::vector<float> stddev = {1.0f};  // one value, or one per channel; all > 0
-  int64_t crop_padding = 0;     // random crop with this much zero padding (0: no crop)
-  bool horizontal_flip = false; // random horizontal flip, p = 0.5
+  int64_t crop_padding = 0;            // random crop with this much zero padding (0: no crop)
+  bool horizontal_flip = false;        // random horizontal flip, p = 0.5
   // Called on the building thread with each finished batch (extra transforms, checks); must be
   // thread-safe when workers > 0. What it throws reaches the consumer like any worker error.
   std::function<void(Batch&)> on_batch;

@@ -79,7 +79,9 @@ std::string error_of(F&& f) {
   }
   return "";
 }
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool has(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 
 }  // namespace
 
@@ -200,7 +202,8 @@ TEST_CASE("trailing bytes and corrupt gzip data are errors") {
 TEST_CASE("absurd header dims are refused before allocating") {
   TempDir dir;
   // Raw: 4e9 * 4e9 * 4e9 overflows; 1e5 x 1e4 x 1e4 = 1e13 bytes exceeds the file.
-  write_raw(dir / "overflow", idx_bytes(kIdxMagicU8Images, {4000000000u, 4000000000u, 4000000000u}, 0));
+  write_raw(dir / "overflow",
+            idx_bytes(kIdxMagicU8Images, {4000000000u, 4000000000u, 4000000000u}, 0));
   std::string msg = error_of([&] { read_idx_images(dir / "overflow"); });
   CHECK(has(msg, dir / "overflow"));
   CHECK(has(msg, "absurd"));
@@ -262,8 +265,10 @@ TEST_CASE("Fashion-MNIST from Debian's dataset-fashion-mnist, when installed") {
     std::vector<int64_t> count(10, 0);
     bool in_range = true;
     for (int l : p.labels.to_vector<int>()) {
-      if (l < 0 || l > 9) in_range = false;
-      else count[size_t(l)]++;
+      if (l < 0 || l > 9)
+        in_range = false;
+      else
+        count[size_t(l)]++;
     }
     CHECK(in_range);
     for (int64_t c : count) CHECK(c == n / 10);  // Fashion-MNIST is balanced

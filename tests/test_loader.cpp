@@ -23,7 +23,8 @@ TensorDataset make_dataset(int64_t n, int64_t c = 1, int64_t h = 4, int64_t w = 
       px[size_t(i * c * h * w + p)] = uint8_t((i * 31 + p * 7) % 251);
   std::vector<int64_t> labels(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = i;
-  return TensorDataset(from_vector(px, {n, c, h, w}, DType::u8), from_vector(labels, {n}, DType::i64));
+  return TensorDataset(from_vector(px, {n, c, h, w}, DType::u8),
+                       from_vector(labels, {n}, DType::i64));
 }
 
 struct Run {
@@ -164,10 +165,11 @@ TEST_CASE("shuffle and augmentation are deterministic across runs and worker cou
 }
 
 TEST_CASE("normalisation per channel: (pixel / 255 - mean) / stddev") {
-  std::vector<uint8_t> px = {0, 255, 51, 102,   // channel 0
-                             10, 20, 30, 40,    // channel 1
-                             128, 64, 32, 16};  // channel 2
-  TensorDataset ds(from_vector(px, {1, 3, 2, 2}, DType::u8), from_vector<int64_t>({7}, {1}, DType::u8));
+  std::vector<uint8_t> px = {0,   255, 51, 102,  // channel 0
+                             10,  20,  30, 40,   // channel 1
+                             128, 64,  32, 16};  // channel 2
+  TensorDataset ds(from_vector(px, {1, 3, 2, 2}, DType::u8),
+                   from_vector<int64_t>({7}, {1}, DType::u8));
   LoaderOptions o;
   o.batch_size = 8;
   o.mean = {0.1f, 0.2f, 0.3f};
@@ -258,8 +260,8 @@ TEST_CASE("loader augmentation: every sample is one valid crop/flip, and all of 
     }
   }
   CHECK(total == 4 * n);
-  CHECK(seen.size() == 18);                  // all 3 x 3 offsets x 2 flips
-  CHECK(flips > total * 35 / 100);           // p = 0.5 over 256 draws: bounds ~4.8 sigma out
+  CHECK(seen.size() == 18);         // all 3 x 3 offsets x 2 flips
+  CHECK(flips > total * 35 / 100);  // p = 0.5 over 256 draws: bounds ~4.8 sigma out
   CHECK(flips < total * 65 / 100);
 }
 
