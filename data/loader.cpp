@@ -1,0 +1,260 @@
+#include "data/loader.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/generator.h"
+
+namespace kiln::data {
+namespace {
+
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+// Seeds for independent streams: mixing rather than adding keeps (seed, e) and (seed + 1, e - 1)
+// from sharing a stream.
+uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
+uint64_t shuffle_seed(uint64_t seed, int64_t epoch) { return mix(mix(seed, uint64_t(epoch)), 0); }
+uint64_t batch_seed(uint64_t seed, int64_t epoch, int64_t k) {
+  return mix(mix(seed, uint64_t(epoch)), uint64_t(k) + 1);
+}
+
+}  // namespace
+
+void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
+                         int64_t pad, SampleTransform t, const float* lut, float* dst) {
+  const int64_t dy = t.top - pad, dx = t.left - pad;  // output (h, w) reads src (h+dy, w'+dx)
+  for (int64_t c = 0; c < channels; ++c) {
+    const float* lc = lut + c * 256;
+    const uint8_t* sc = src + c * height * width;
+    for (int64_t h = 0; h < height; ++h) {
+      float* row = dst + (c * height + h) * width;
+      const int64_t sh = h + dy;
+      if (sh < 0 || sh >= height) {
+        std::fill(row, row + width, lc[0]);
+        continue;
+      }
+      const uint8_t* srow = sc + sh * width;
+      for (int64_t w = 0; w < width; ++w) {
+        const int64_t sw = (t.flip ? width - 1 - w : w) + dx;
+        row[w] = (sw >= 0 && sw < width) ? lc[srow[sw]] : lc[0];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epoch state: everything the workers touch, owned by the Epoch through a unique_ptr so the
+// Epoch handle can move while the threads keep a stable pointer.
+struct Epoch::State {
+  std::shared_ptr<const TensorDataset> data;
+  LoaderOptions opts;
+  std::shared_ptr<const std::vector<float>> lut;
+  int64_t epoch = 0;
+  std::vector<int64_t> order;
+  int64_t num_batches = 0;
+
+  // Guarded by mu: a ring of `capacity` slots; batch k lives in slot k % capacity.
+  std::mutex mu;
+  std::condition_variable space_cv;  // workers wait for a free slot
+  std::condition_variable ready_cv;  // the consumer waits for its batch
+  int64_t capacity = 1;
+  std::vector<std::optional<Batch>> slots;
+  int64_t next_claim = 0;    // next batch a worker will take
+  int64_t next_consume = 0;  // next batch the consumer will return
+  bool stop = false;
+  std::exception_ptr error;
+  int64_t error_batch = INT64_MAX;  // lowest batch whose build threw
+  bool finished = false;            // consumer side: end reached or error delivered
+
+  std::vector<std::thread> threads;
+
+  Batch build(int64_t k) const {
+    const TensorDataset& ds = *data;
+    const int64_t begin = k * opts.batch_size;
+    const int64_t end = std::min<int64_t>(begin + opts.batch_size, ds.size());
+    const int64_t b_count = end - begin;
+    const int64_t C = ds.channels(), H = ds.height(), W = ds.width(), pad = opts.crop_padding;
+    Batch b;
+    b.index = k;
+    b.x = empty({b_count, C, H, W}, DType::f32);
+    b.y = empty({b_count}, DType::i64);
+    float* x = b.x.data<float>();
+    int64_t* y = b.y.data<int64_t>();
+    Generator gen(batch_seed(opts.seed, epoch, k));
+    for (int64_t i = 0; i < b_count; ++i) {
+      const int64_t idx = order[size_t(begin + i)];
+      SampleTransform t{pad, pad, false};
+      if (pad > 0) {
+        t.top = int64_t(gen.below(uint64_t(2 * pad + 1)));
+        t.left = int64_t(gen.below(uint64_t(2 * pad + 1)));
+      }
+      if (opts.horizontal_flip) t.flip = gen.uniform() < 0.5;
+      crop_flip_normalize(ds.image(idx), C, H, W, pad, t, lut->data(), x + i * C * H * W);
+      y[i] = ds.label(idx);
+    }
+    if (opts.on_batch) opts.on_batch(b);
+    return b;
+  }
+
+  void worker() {
+    while (true) {
+      int64_t k;
+      {
+        std::unique_lock lk(mu);
+        space_cv.wait(lk, [&] {
+          return stop || error || next_claim >= num_batches || next_claim < next_consume + capacity;
+        });
+        if (stop || error || next_claim >= num_batches) return;
+        k = next_claim++;
+      }
+      try {
+        Batch b = build(k);
+        std::lock_guard lk(mu);
+        slots[size_t(k % capacity)] = std::move(b);
+      } catch (...) {
+        std::lock_guard lk(mu);
+        if (k < error_batch) {
+          error_batch = k;
+          error = std::current_exception();
+        }
+      }
+      // Wake everyone: the consumer may want this batch or this error, and after an error the
+      // other workers must stop claiming.
+      ready_cv.notify_all();
+      space_cv.notify_all();
+    }
+  }
+
+  void shutdown() {
+    {
+      std::lock_guard lk(mu);
+      stop = true;
+    }
+    space_cv.notify_all();
+    for (auto& t : threads)
+      if (t.joinable()) t.join();
+    threads.clear();
+  }
+};
+
+Epoch::Epoch(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Epoch::Epoch(Epoch&&) noexcept = default;
+Epoch& Epoch::operator=(Epoch&& o) noexcept {
+  if (this != &o) {
+    if (state_) state_->shutdown();
+    state_ = std::move(o.state_);
+  }
+  return *this;
+}
+Epoch::~Epoch() {
+  if (state_) state_->shutdown();
+}
+
+int64_t Epoch::size() const { return state_ ? state_->num_batches : 0; }
+
+std::optional<Batch> Epoch::next() {
+  KILN_CHECK(state_, "Epoch::next on a moved-from Epoch");
+  State& s = *state_;
+  if (s.finished || s.next_consume >= s.num_batches) {
+    s.finished = true;
+    return std::nullopt;
+  }
+  const int64_t k = s.next_consume;
+  if (s.threads.empty()) {
+    s.next_consume++;
+    try {
+      return s.build(k);
+    } catch (...) {
+      s.finished = true;
+      throw;
+    }
+  }
+  std::unique_lock lk(s.mu);
+  // Batches below error_batch were all claimed before the failure and will still arrive.
+  s.ready_cv.wait(
+      lk, [&] { return s.slots[size_t(k % s.capacity)].has_value() || s.error_batch <= k; });
+  auto& slot = s.slots[size_t(k % s.capacity)];
+  if (!slot) {
+    s.finished = true;
+    std::exception_ptr e = s.error;
+    lk.unlock();
+    s.shutdown();
+    std::rethrow_exception(e);
+  }
+  Batch b = std::move(*slot);
+  slot.reset();
+  s.next_consume++;
+  lk.unlock();
+  s.space_cv.notify_all();
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DataLoader::DataLoader(TensorDataset dataset, LoaderOptions opts)
+    : dataset_(std::make_shared<const TensorDataset>(std::move(dataset))), opts_(std::move(opts)) {
+  const int64_t C = dataset_->channels();
+  KILN_CHECK(opts_.batch_size >= 1, "DataLoader: batch_size must be >= 1, got ", opts_.batch_size);
+  KILN_CHECK(opts_.workers >= 0, "DataLoader: workers must be >= 0, got ", opts_.workers);
+  KILN_CHECK(opts_.prefetch >= 0, "DataLoader: prefetch must be >= 0, got ", opts_.prefetch);
+  KILN_CHECK(opts_.crop_padding >= 0, "DataLoader: crop_padding must be >= 0, got ",
+             opts_.crop_padding);
+  auto per_channel = [&](const std::vector<float>& v, const char* name) {
+    KILN_CHECK(v.size() == 1 || int64_t(v.size()) == C, "DataLoader: ", name, " has ", v.size(),
+               " values; the images have ", C, " channels (give 1 or ", C, ")");
+    std::vector<float> out(static_cast<size_t>(C));
+    for (int64_t c = 0; c < C; ++c) out[size_t(c)] = v[v.size() == 1 ? 0 : size_t(c)];
+    return out;
+  };
+  const std::vector<float> mean = per_channel(opts_.mean, "mean");
+  const std::vector<float> sd = per_channel(opts_.stddev, "stddev");
+  auto lut = std::make_shared<std::vector<float>>(size_t(C * 256));
+  for (int64_t c = 0; c < C; ++c) {
+    KILN_CHECK(sd[size_t(c)] > 0.0f, "DataLoader: stddev[", c, "] must be > 0, got ",
+               sd[size_t(c)]);
+    for (int v = 0; v < 256; ++v)
+      (*lut)[size_t(c * 256 + v)] = (float(v) / 255.0f - mean[size_t(c)]) / sd[size_t(c)];
+  }
+  lut_ = std::move(lut);
+}
+
+int64_t DataLoader::num_batches() const {
+  const int64_t n = dataset_->size(), bs = opts_.batch_size;
+  return opts_.drop_last ? n / bs : (n + bs - 1) / bs;
+}
+
+std::vector<int64_t> DataLoader::order(int64_t epoch) const {
+  std::vector<int64_t> order(size_t(dataset_->size()));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+  if (opts_.shuffle) {
+    Generator gen(shuffle_seed(opts_.seed, epoch));
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen.below(i)]);
+  }
+  return order;
+}
+
+Epoch DataLoader::epoch(int64_t e) const {
+  auto s = std::make_unique<Epoch::State>();
+  s->data = dataset_;
+  s->opts = opts_;
+  s->lut = lut_;
+  s->epoch = e;
+  s->order = order(e);
+  s->num_batches = num_batches();
+  s->capacity = std::max<int64_t>(1, opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers);
+  s->slots.resize(size_t(s->capacity));
+  Epoch ep(std::move(s));
+  Epoch::State& st = *ep.state_;
+  for (int i = 0; i < opts_.workers && i < st.num_batches; ++i)
+    st.threads.emplace_back([&st] { st.worker(); });
+  return ep;
+}
+
+}  // namespace kiln::data

@@ -1,0 +1,137 @@
+#pragma once
+// DataLoader: batches from a TensorDataset (data/dataset.h), shuffled, augmented, normalised,
+// prepared by worker threads ahead of the consumer.
+//
+//   DataLoader loader(TensorDataset(images, labels), opts);
+//   for (int64_t e = 0; e < epochs; ++e)
+//     for (Batch& b : loader.epoch(e)) train_step(b.x, b.y);   // breaking out early is fine
+//
+//   auto ep = loader.epoch(e);                                 // or pull batches by hand
+//   while (std::optional<Batch> b = ep.next()) ...
+//
+// Determinism: the sample order of epoch e comes from a Generator seeded with (seed, e); the
+// augmentation of batch k of epoch e from a Generator seeded with (seed, e, k), drawn sample by
+// sample in batch order. Each batch is built by one thread, so the batches are bit-identical
+// for any number of workers (0, 1, 3 ...) and any thread timing.
+//
+// Per sample, in order (torchvision's RandomCrop(padding) + RandomHorizontalFlip + ToTensor +
+// Normalize): zero-pad each side by `crop_padding` and crop back to H x W at a uniformly
+// drawn offset; mirror left-right with p = 0.5; x = (pixel / 255 - mean[c]) / stddev[c].
+// Padded pixels are 0 before normalisation, so they come out as -mean[c] / stddev[c].
+//
+// Threads: with workers > 0, an Epoch starts `workers` threads that build batches in order of
+// their index into a bounded queue of `prefetch` batches, and the consumer receives them in
+// index order. An exception thrown while building batch k reaches the consumer from next()
+// (or the range-for) after batches 0..k-1. Destroying an Epoch (end of the loop, `break`, an
+// exception in the consumer) stops its workers and joins them; it never waits for more than
+// the batches already being built. An Epoch is used by one consumer thread; it holds its own
+// references to the data, so it may outlive the DataLoader.
+#include <cstdint>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "data/dataset.h"
+
+namespace kiln::data {
+
+struct Batch {
+  Tensor x;           // f32 (B, C, H, W), contiguous, CPU
+  Tensor y;           // i64 (B)
+  int64_t index = 0;  // the batch's number within its epoch
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 64;
+  bool shuffle = false;
+  bool drop_last = false;  // drop the last batch when it is smaller than batch_size
+  uint64_t seed = 0;       // drives shuffling and augmentation
+  int workers = 0;         // 0: each batch is built on the consumer's thread inside next()
+  int prefetch = 0;        // batches built ahead of the consumer; 0: 2 * workers
+  std::vector<float> mean = {0.0f};    // one value, or one per channel
+  std::vector<float> stddev = {1.0f};  // one value, or one per channel; all > 0
+  int64_t crop_padding = 0;            // random crop with this much zero padding (0: no crop)
+  bool horizontal_flip = false;        // random horizontal flip, p = 0.5
+  // Called on the building thread with each finished batch (extra transforms, checks); must be
+  // thread-safe when workers > 0. What it throws reaches the consumer like any worker error.
+  std::function<void(Batch&)> on_batch;
+};
+
+// One sample's augmentation: the crop's top-left corner in padded coordinates, each in
+// [0, 2 * crop_padding] (crop_padding, crop_padding is the identity), and the flip.
+struct SampleTransform {
+  int64_t top = 0;
+  int64_t left = 0;
+  bool flip = false;
+};
+
+// dst (C, H, W) f32 = lut[c][pixel] of the padded, cropped, maybe mirrored src (C, H, W) u8.
+// `lut` holds C x 256 values; padding reads as pixel 0. Used by the loader; public for tests.
+void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
+                         int64_t crop_padding, SampleTransform t, const float* lut, float* dst);
+
+class Epoch;
+
+class DataLoader {
+ public:
+  // Throws kiln::Error for batch_size < 1, workers < 0, prefetch < 0, crop_padding < 0,
+  // mean/stddev sizes other than 1 or C, stddev <= 0.
+  DataLoader(TensorDataset dataset, LoaderOptions opts);
+
+  const TensorDataset& dataset() const { return *dataset_; }
+  const LoaderOptions& options() const { return opts_; }
+  // Batches per epoch: ceil(N / batch_size), or floor with drop_last.
+  int64_t num_batches() const;
+  // Sample indices of epoch e in visiting order (0..N-1 unless shuffle).
+  std::vector<int64_t> order(int64_t epoch) const;
+  // Starts epoch e (workers begin building at once).
+  Epoch epoch(int64_t e) const;
+
+ private:
+  friend class Epoch;
+  std::shared_ptr<const TensorDataset> dataset_;
+  LoaderOptions opts_;
+  std::shared_ptr<const std::vector<float>> lut_;  // C x 256 normalised pixel values
+};
+
+class Epoch {
+ public:
+  Epoch(Epoch&&) noexcept;
+  Epoch& operator=(Epoch&&) noexcept;
+  ~Epoch();
+
+  // The next batch in index order, std::nullopt after the last; rethrows a worker's error.
+  std::optional<Batch> next();
+  int64_t size() const;  // batches in this epoch
+
+  class Iterator {
+   public:
+    Batch& operator*() { return *current_; }
+    Batch* operator->() { return &*current_; }
+    Iterator& operator++() {
+      current_ = epoch_->next();
+      return *this;
+    }
+    bool operator!=(std::default_sentinel_t) const { return current_.has_value(); }
+    bool operator==(std::default_sentinel_t) const { return !current_.has_value(); }
+
+   private:
+    friend class Epoch;
+    explicit Iterator(Epoch* e) : epoch_(e), current_(e->next()) {}
+    Epoch* epoch_;
+    std::optional<Batch> current_;
+  };
+  // begin() fetches the first batch; call it once.
+  Iterator begin() { return Iterator(this); }
+  std::default_sentinel_t end() { return {}; }
+
+ private:
+  friend class DataLoader;
+  struct State;
+  explicit Epoch(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kiln::data
