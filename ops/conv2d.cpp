@@ -22,8 +22,8 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
   check_dim(w, 4, "conv2d", "weight");
   check_same(x, w, "conv2d");
   check_float(x, "conv2d");
-  KILN_CHECK(stride.h > 0 && stride.w > 0, "conv2d: stride must be positive, got (", stride.h,
-             ", ", stride.w, ")");
+  KILN_CHECK(stride.h > 0 && stride.w > 0, "conv2d: stride must be positive, got (", stride.h, ", ",
+             stride.w, ")");
   KILN_CHECK(dilation.h > 0 && dilation.w > 0, "conv2d: dilation must be positive, got (",
              dilation.h, ", ", dilation.w, ")");
   KILN_CHECK(padding.h >= 0 && padding.w >= 0, "conv2d: padding must be non-negative, got (",
@@ -39,15 +39,15 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
              " channels / groups = ", groups);
   if (b.defined()) {
     check_same(x, b, "conv2d");
-    KILN_CHECK(b.dim() == 1 && b.size(0) == o, "conv2d: bias ", b.desc(),
-               " must be 1-D with ", o, " elements (weight ", w.desc(), ")");
+    KILN_CHECK(b.dim() == 1 && b.size(0) == o, "conv2d: bias ", b.desc(), " must be 1-D with ", o,
+               " elements (weight ", w.desc(), ")");
   }
   const int64_t ekh = dilation.h * (w.size(2) - 1) + 1, ekw = dilation.w * (w.size(3) - 1) + 1;
   KILN_CHECK(w.size(2) > 0 && w.size(3) > 0, "conv2d: empty kernel in weight ", w.desc());
   KILN_CHECK(ekh <= x.size(2) + 2 * padding.h && ekw <= x.size(3) + 2 * padding.w,
              "conv2d: kernel ", w.desc(), " (dilated extent ", ekh, "x", ekw,
              ") is larger than the padded input ", x.desc(), " (padding ", padding.h, ", ",
-             padding.w, ")");
+             padding.w, "): the output size would be <= 0");
   ConvParams p;
   p.stride_h = stride.h;
   p.stride_w = stride.w;
@@ -61,10 +61,12 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
 
 Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
                          const ConvParams& p) {
-  Tensor dx = empty(x_shape,
-                    TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
+  Tensor dx =
+      empty(x_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
   switch (dy.device().type) {
-    case DeviceType::CPU: cpu::conv2d_backward_data(dx, dy, w, p); break;
+    case DeviceType::CPU:
+      cpu::conv2d_backward_data(dx, dy, w, p);
+      break;
     case DeviceType::CUDA:
       KILN_CUDA_CALL(cuda::conv2d_backward_data(dx, dense(dy), dense(w), p));
       break;
@@ -76,7 +78,9 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& w,
                            const ConvParams& p) {
   Tensor dw = empty_like(w);
   switch (dy.device().type) {
-    case DeviceType::CPU: cpu::conv2d_backward_weight(dw, dy, x, p); break;
+    case DeviceType::CPU:
+      cpu::conv2d_backward_weight(dw, dy, x, p);
+      break;
     case DeviceType::CUDA:
       KILN_CUDA_CALL(cuda::conv2d_backward_weight(dw, dense(dy), dense(x), p));
       break;
@@ -123,10 +127,12 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair st
   const Tensor xd = x.detach(), wd = weight.detach();
   const Tensor bd = bias.defined() ? bias.detach() : Tensor();
   switch (x.device().type) {
-    case DeviceType::CPU: cpu::conv2d_forward(y, xd, wd, bd, p); break;
+    case DeviceType::CPU:
+      cpu::conv2d_forward(y, xd, wd, bd, p);
+      break;
     case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::conv2d_forward(y, dense(xd), dense(wd),
-                                          bd.defined() ? bd.contiguous() : bd, p));
+      KILN_CUDA_CALL(
+          cuda::conv2d_forward(y, dense(xd), dense(wd), bd.defined() ? bd.contiguous() : bd, p));
       break;
   }
   if (autograd::any_requires_grad({x, weight, bias})) {

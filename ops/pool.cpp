@@ -28,18 +28,18 @@ PoolParams validate_window(const Tensor& x, Pair kernel, std::optional<Pair> str
   KILN_CHECK(kernel.h > 0 && kernel.w > 0, op, ": kernel size must be positive, got (", kernel.h,
              ", ", kernel.w, ")");
   KILN_CHECK(s.h > 0 && s.w > 0, op, ": stride must be positive, got (", s.h, ", ", s.w, ")");
-  KILN_CHECK(dilation.h > 0 && dilation.w > 0, op, ": dilation must be positive, got (",
-             dilation.h, ", ", dilation.w, ")");
+  KILN_CHECK(dilation.h > 0 && dilation.w > 0, op, ": dilation must be positive, got (", dilation.h,
+             ", ", dilation.w, ")");
   KILN_CHECK(padding.h >= 0 && padding.w >= 0, op, ": padding must be non-negative, got (",
              padding.h, ", ", padding.w, ")");
-  KILN_CHECK(padding.h <= kernel.h / 2 && padding.w <= kernel.w / 2, op, ": padding (",
-             padding.h, ", ", padding.w, ") must be at most half of the kernel size (", kernel.h,
-             ", ", kernel.w, ")");
+  KILN_CHECK(padding.h <= kernel.h / 2 && padding.w <= kernel.w / 2, op, ": padding (", padding.h,
+             ", ", padding.w, ") must be at most half of the kernel size (", kernel.h, ", ",
+             kernel.w, ")");
   const int64_t ekh = dilation.h * (kernel.h - 1) + 1, ekw = dilation.w * (kernel.w - 1) + 1;
-  KILN_CHECK(ekh <= x.size(2) + 2 * padding.h && ekw <= x.size(3) + 2 * padding.w, op,
-             ": kernel (", kernel.h, ", ", kernel.w, ") with dilation (", dilation.h, ", ",
-             dilation.w, ") is larger than the padded input ", x.desc(), " (padding ", padding.h,
-             ", ", padding.w, ")");
+  KILN_CHECK(ekh <= x.size(2) + 2 * padding.h && ekw <= x.size(3) + 2 * padding.w, op, ": kernel (",
+             kernel.h, ", ", kernel.w, ") with dilation (", dilation.h, ", ", dilation.w,
+             ") is larger than the padded input ", x.desc(), " (padding ", padding.h, ", ",
+             padding.w, "): the output size would be <= 0");
   PoolParams p;
   p.kernel_h = kernel.h;
   p.kernel_w = kernel.w;
@@ -69,8 +69,12 @@ class MaxPool2dBackward final : public Node {
     const Tensor x = x_.get(*this);
     Tensor dx = empty_in_format(x.shape(), g, format_);
     switch (g.device().type) {
-      case DeviceType::CPU: cpu::max_pool2d_backward(dx, g, x, p_); break;
-      case DeviceType::CUDA: KILN_CUDA_CALL(cuda::max_pool2d_backward(dx, dense(g), x, p_)); break;
+      case DeviceType::CPU:
+        cpu::max_pool2d_backward(dx, g, x, p_);
+        break;
+      case DeviceType::CUDA:
+        KILN_CUDA_CALL(cuda::max_pool2d_backward(dx, dense(g), x, p_));
+        break;
     }
     return {dx};
   }
@@ -89,8 +93,12 @@ class AvgPool2dBackward final : public Node {
     const Tensor& g = grads[0];
     Tensor dx = empty_in_format(input_meta_[0].shape, g, format_);
     switch (g.device().type) {
-      case DeviceType::CPU: cpu::avg_pool2d_backward(dx, g, p_); break;
-      case DeviceType::CUDA: KILN_CUDA_CALL(cuda::avg_pool2d_backward(dx, dense(g), p_)); break;
+      case DeviceType::CPU:
+        cpu::avg_pool2d_backward(dx, g, p_);
+        break;
+      case DeviceType::CUDA:
+        KILN_CUDA_CALL(cuda::avg_pool2d_backward(dx, dense(g), p_));
+        break;
     }
     return {dx};
   }
@@ -108,7 +116,9 @@ class AdaptiveAvgPool2dBackward final : public Node {
     const Tensor& g = grads[0];
     Tensor dx = empty_in_format(input_meta_[0].shape, g, format_);
     switch (g.device().type) {
-      case DeviceType::CPU: cpu::adaptive_avg_pool2d_backward(dx, g); break;
+      case DeviceType::CPU:
+        cpu::adaptive_avg_pool2d_backward(dx, g);
+        break;
       case DeviceType::CUDA:
         KILN_CUDA_CALL(cuda::adaptive_avg_pool2d_backward(dx, dense(g)));
         break;
@@ -129,8 +139,12 @@ Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
   const Tensor xd = dense(x.detach());
   switch (x.device().type) {
-    case DeviceType::CPU: cpu::max_pool2d_forward(y, xd, p); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::max_pool2d_forward(y, xd, p)); break;
+    case DeviceType::CPU:
+      cpu::max_pool2d_forward(y, xd, p);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(cuda::max_pool2d_forward(y, xd, p));
+      break;
   }
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<MaxPool2dBackward>(xd, p);
@@ -148,8 +162,12 @@ Tensor avg_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
   const Tensor xd = dense(x.detach());
   switch (x.device().type) {
-    case DeviceType::CPU: cpu::avg_pool2d_forward(y, xd, p); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::avg_pool2d_forward(y, xd, p)); break;
+    case DeviceType::CPU:
+      cpu::avg_pool2d_forward(y, xd, p);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(cuda::avg_pool2d_forward(y, xd, p));
+      break;
   }
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<AvgPool2dBackward>(fmt, p);
@@ -170,8 +188,12 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Pair output_size) {
   Tensor y = empty_in_format({x.size(0), x.size(1), output_size.h, output_size.w}, x, fmt);
   const Tensor xd = dense(x.detach());
   switch (x.device().type) {
-    case DeviceType::CPU: cpu::adaptive_avg_pool2d_forward(y, xd); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::adaptive_avg_pool2d_forward(y, xd)); break;
+    case DeviceType::CPU:
+      cpu::adaptive_avg_pool2d_forward(y, xd);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(cuda::adaptive_avg_pool2d_forward(y, xd));
+      break;
   }
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<AdaptiveAvgPool2dBackward>(fmt);

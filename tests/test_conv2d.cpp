@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <ctime>
 #include <string>
 
 #include "ops/ops.h"
@@ -22,12 +23,11 @@ struct Cfg {
 };
 
 std::string cfg_str(const Cfg& c) {
-  return "x(" + std::to_string(c.n) + "," + std::to_string(c.c) + "," + std::to_string(c.h) +
-         "," + std::to_string(c.w) + ") o=" + std::to_string(c.o) + " k=" + std::to_string(c.kh) +
-         "x" + std::to_string(c.kw) + " s=" + std::to_string(c.sh) + "," + std::to_string(c.sw) +
-         " p=" + std::to_string(c.ph) + "," + std::to_string(c.pw) + " d=" +
-         std::to_string(c.dh) + "," + std::to_string(c.dw) + " g=" + std::to_string(c.groups) +
-         (c.bias ? " bias" : "");
+  return "x(" + std::to_string(c.n) + "," + std::to_string(c.c) + "," + std::to_string(c.h) + "," +
+         std::to_string(c.w) + ") o=" + std::to_string(c.o) + " k=" + std::to_string(c.kh) + "x" +
+         std::to_string(c.kw) + " s=" + std::to_string(c.sh) + "," + std::to_string(c.sw) +
+         " p=" + std::to_string(c.ph) + "," + std::to_string(c.pw) + " d=" + std::to_string(c.dh) +
+         "," + std::to_string(c.dw) + " g=" + std::to_string(c.groups) + (c.bias ? " bias" : "");
 }
 
 int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) {
@@ -38,7 +38,8 @@ int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) {
 Tensor reference(const Cfg& c, const Tensor& x, const Tensor& w, const Tensor& b) {
   const std::vector<double> xv = x.to_vector<double>(), wv = w.to_vector<double>();
   const std::vector<double> bv = b.defined() ? b.to_vector<double>() : std::vector<double>();
-  const int64_t oh = out_size(c.h, c.kh, c.sh, c.ph, c.dh), ow = out_size(c.w, c.kw, c.sw, c.pw, c.dw);
+  const int64_t oh = out_size(c.h, c.kh, c.sh, c.ph, c.dh),
+                ow = out_size(c.w, c.kw, c.sw, c.pw, c.dw);
   const int64_t cg = c.c / c.groups, og = c.o / c.groups;
   std::vector<double> y(size_t(c.n * c.o * oh * ow));
   for (int64_t n = 0; n < c.n; ++n)
@@ -66,19 +67,19 @@ Tensor conv(const Cfg& c, const Tensor& x, const Tensor& w, const Tensor& b) {
 }
 
 const std::vector<Cfg> kForwardCfgs = {
-    {2, 3, 7, 6, 4, 3, 3},                                          // plain 3x3
-    {3, 4, 9, 8, 6, 3, 3, 2, 2, 1, 1},                              // stride 2, padding 1
-    {2, 4, 8, 9, 4, 3, 3, 1, 1, 2, 2, 2, 2, 1, false},              // dilation 2, no bias
-    {2, 6, 7, 7, 9, 3, 3, 1, 1, 1, 1, 1, 1, 3},                     // groups 3
-    {2, 5, 8, 7, 5, 3, 3, 2, 1, 1, 1, 1, 1, 5},                     // depthwise
-    {2, 4, 6, 5, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4, false},              // depthwise, multiplier 2
-    {2, 3, 9, 8, 4, 2, 5, 1, 2, 1, 2},                              // non-square kernel, strides
-    {1, 3, 10, 11, 5, 5, 3, 3, 2, 2, 0, 1, 2},                      // mixed everything, N = 1
-    {4, 8, 6, 6, 5, 1, 1},                                          // 1x1 (direct path)
-    {2, 8, 7, 7, 4, 1, 1, 2, 2},                                    // 1x1 stride 2 (im2col)
-    {2, 3, 5, 5, 2, 5, 5, 1, 1, 0, 0},                              // kernel = input
-    {3, 2, 4, 4, 3, 3, 3, 3, 3, 2, 2, 1, 1, 1, false},              // stride 3, padding 2
-    {5, 16, 12, 12, 32, 3, 3, 1, 1, 1, 1, 1, 1, 2},                 // larger, groups 2
+    {2, 3, 7, 6, 4, 3, 3},                              // plain 3x3
+    {3, 4, 9, 8, 6, 3, 3, 2, 2, 1, 1},                  // stride 2, padding 1
+    {2, 4, 8, 9, 4, 3, 3, 1, 1, 2, 2, 2, 2, 1, false},  // dilation 2, no bias
+    {2, 6, 7, 7, 9, 3, 3, 1, 1, 1, 1, 1, 1, 3},         // groups 3
+    {2, 5, 8, 7, 5, 3, 3, 2, 1, 1, 1, 1, 1, 5},         // depthwise
+    {2, 4, 6, 5, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4, false},  // depthwise, multiplier 2
+    {2, 3, 9, 8, 4, 2, 5, 1, 2, 1, 2},                  // non-square kernel, strides
+    {1, 3, 10, 11, 5, 5, 3, 3, 2, 2, 0, 1, 2},          // mixed everything, N = 1
+    {4, 8, 6, 6, 5, 1, 1},                              // 1x1 (direct path)
+    {2, 8, 7, 7, 4, 1, 1, 2, 2},                        // 1x1 stride 2 (im2col)
+    {2, 3, 5, 5, 2, 5, 5, 1, 1, 0, 0},                  // kernel = input
+    {3, 2, 4, 4, 3, 3, 3, 3, 3, 2, 2, 1, 1, 1, false},  // stride 3, padding 2
+    {5, 16, 12, 12, 32, 3, 3, 1, 1, 1, 1, 1, 1, 2},     // larger, groups 2
 };
 
 }  // namespace
@@ -140,8 +141,8 @@ TEST_CASE("conv2d gradients (gradcheck on x, weight, bias)") {
 }
 
 TEST_CASE("conv2d backward: f32 agrees with f64, NHWC agrees with NCHW, multi-image batches") {
-  for (const Cfg& c : {Cfg{6, 8, 9, 9, 12, 3, 3, 1, 1, 1, 1}, Cfg{5, 6, 10, 8, 6, 3, 3, 2, 2, 1, 1, 1, 1, 3},
-                       Cfg{4, 8, 6, 6, 16, 1, 1}}) {
+  for (const Cfg& c : {Cfg{6, 8, 9, 9, 12, 3, 3, 1, 1, 1, 1},
+                       Cfg{5, 6, 10, 8, 6, 3, 3, 2, 2, 1, 1, 1, 1, 3}, Cfg{4, 8, 6, 6, 16, 1, 1}}) {
     CAPTURE(cfg_str(c));
     Tensor x0 = randn({c.n, c.c, c.h, c.w}, DType::f64);
     Tensor w0 = randn({c.o, c.c / c.groups, c.kh, c.kw}, DType::f64);
@@ -177,7 +178,9 @@ std::string error_of(Fn&& f) {
   }
   return "";
 }
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool has(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 }  // namespace
 
 TEST_CASE("conv2d error paths name the op and the shapes") {
@@ -196,6 +199,7 @@ TEST_CASE("conv2d error paths name the op and the shapes") {
   CHECK(has(m, "bias"));
   m = error_of([&] { F::conv2d(x, randn({5, 4, 9, 3})); });  // kernel taller than input
   CHECK(has(m, "larger than the padded input"));
+  CHECK(has(m, "output size"));
   CHECK(error_of([&] { F::conv2d(x, randn({5, 4, 9, 3}), Tensor(), 1, {1, 0}); }).empty());
   m = error_of([&] { F::conv2d(x, randn({5, 4, 3, 3}), Tensor(), 1, 0, {5, 1}); });  // dilated 11
   CHECK(has(m, "dilated"));
@@ -206,7 +210,9 @@ TEST_CASE("conv2d error paths name the op and the shapes") {
   CHECK(has(error_of([&] { F::conv2d(randn({4, 8, 8}), randn({5, 4, 3, 3})); }), "4-D"));
   CHECK(has(error_of([&] { F::conv2d(x, randn({5, 4, 3})); }), "weight"));
   CHECK(has(error_of([&] { F::conv2d(x, randn({5, 4, 3, 3}, DType::f64)); }), "dtype"));
-  CHECK(has(error_of([&] { F::conv2d(x.to(DType::i64), ones({5, 4, 3, 3}, DType::i64)); }),
+  CHECK(has(error_of([&] {
+              F::conv2d(x.to(DType::i64), ones({5, 4, 3, 3}, DType::i64));
+            }),
             "floating"));
 }
 
@@ -217,11 +223,16 @@ TEST_CASE("conv2d speed: 3x3 64->64 on (32, 64, 28, 28) f32, forward + backward"
   Tensor g = randn({32, 64, 28, 28});
   auto step = [&] { F::conv2d(x, w, b, 1, 1).backward(g); };
   step();  // warm-up: buffers, threads
+  // Wall time, and the CPU time of all threads (which stays meaningful on a loaded machine).
+  const std::clock_t c0 = std::clock();
   auto t0 = std::chrono::steady_clock::now();
   step();
-  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double cpu_ms = 1e3 * double(std::clock() - c0) / CLOCKS_PER_SEC;
   const double gflop = 3 * 2.0 * 32 * 64 * 64 * 9 * 28 * 28 / 1e9;
-  MESSAGE("conv2d 3x3 64->64 (32,64,28,28) f32 forward+backward: " << ms << " ms ("
-          << gflop / (ms / 1e3) << " GFLOP/s)");
+  MESSAGE("conv2d 3x3 64->64 (32,64,28,28) f32 forward+backward: "
+          << ms << " ms wall (" << gflop / (ms / 1e3) << " GFLOP/s), " << cpu_ms
+          << " ms CPU over all threads");
   CHECK(w.grad().defined());
 }

@@ -8,12 +8,15 @@
 // Eigen's GEMM runs single-threaded inside our parallel region (it checks for nesting) and
 // multi-threaded when there is a single image, so both batch and single-image calls use the
 // cores.
+// GCC 12 reports false "may be used uninitialized" warnings inside its AVX-512 intrinsics
+// when Eigen's GEMM is inlined here (-march=native).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <omp.h>
+
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cstring>
 #include <vector>
-
-#include <omp.h>
 
 #include "ops/cpu/kernels.h"
 
@@ -36,13 +39,22 @@ struct Geometry {
   bool direct;  // 1x1, stride 1, no padding: the image is its own column matrix
 
   Geometry(const Tensor& x, const Tensor& wt, const Tensor& y, const ConvParams& prm)
-      : n(x.size(0)), c(x.size(1)), h(x.size(2)), w(x.size(3)), o(wt.size(0)), kh(wt.size(2)),
-        kw(wt.size(3)), oh(y.size(2)), ow(y.size(3)), groups(prm.groups), p(prm) {
+      : n(x.size(0)),
+        c(x.size(1)),
+        h(x.size(2)),
+        w(x.size(3)),
+        o(wt.size(0)),
+        kh(wt.size(2)),
+        kw(wt.size(3)),
+        oh(y.size(2)),
+        ow(y.size(3)),
+        groups(prm.groups),
+        p(prm) {
     cg = c / groups;
     og = o / groups;
     k = cg * kh * kw;
-    direct = kh == 1 && kw == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 &&
-             p.pad_w == 0;
+    direct =
+        kh == 1 && kw == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0;
   }
   int64_t in_plane() const { return h * w; }
   int64_t out_plane() const { return oh * ow; }

@@ -26,7 +26,10 @@ void write_contiguous(const Tensor& out, F&& f) {
 struct Planes {
   int64_t count, h, w, oh, ow;
   Planes(const Tensor& in, const Tensor& out)
-      : count(in.size(0) * in.size(1)), h(in.size(2)), w(in.size(3)), oh(out.size(2)),
+      : count(in.size(0) * in.size(1)),
+        h(in.size(2)),
+        w(in.size(3)),
+        oh(out.size(2)),
         ow(out.size(3)) {}
   int64_t in_plane() const { return h * w; }
   int64_t out_plane() const { return oh * ow; }
