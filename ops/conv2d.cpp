@@ -74,9 +74,10 @@ Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape
   return dx;
 }
 
-Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& w,
-                           const ConvParams& p) {
-  Tensor dw = empty_like(w);
+Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
+                           MemoryFormat fmt, const ConvParams& p) {
+  Tensor dw =
+      empty(w_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
   switch (dy.device().type) {
     case DeviceType::CPU:
       cpu::conv2d_backward_weight(dw, dy, x, p);
@@ -91,7 +92,12 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& w,
 class Conv2dBackward final : public Node {
  public:
   Conv2dBackward(const Tensor& x, const Tensor& w, const ConvParams& p)
-      : x_(x), w_(w), x_format_(x.suggest_memory_format()), p_(p) {}
+      : x_format_(x.suggest_memory_format()), w_format_(w.suggest_memory_format()), p_(p) {}
+  // After set_inputs: keeps x only for dw and w only for dx.
+  void save(const Tensor& x, const Tensor& w) {
+    if (needs_input_grad(1)) x_ = SavedTensor(x);
+    if (needs_input_grad(0)) w_ = SavedTensor(w);
+  }
   std::string name() const override { return "Conv2dBackward"; }
   void release_saved() override {
     x_.release();
@@ -103,14 +109,15 @@ class Conv2dBackward final : public Node {
     Tensor dx, dw, db;
     if (needs_input_grad(0))
       dx = run_backward_data(g, w_.get(*this), input_meta_[0].shape, x_format_, p_);
-    if (needs_input_grad(1)) dw = run_backward_weight(g, x_.get(*this), w_.get(*this), p_);
+    if (needs_input_grad(1))
+      dw = run_backward_weight(g, x_.get(*this), input_meta_[1].shape, w_format_, p_);
     if (needs_input_grad(2)) db = sum(g, {0, 2, 3});
     return {dx, dw, db};
   }
 
  private:
   SavedTensor x_, w_;
-  MemoryFormat x_format_;
+  MemoryFormat x_format_, w_format_;
   ConvParams p_;
 };
 
@@ -138,6 +145,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair st
   if (autograd::any_requires_grad({x, weight, bias})) {
     auto node = std::make_shared<Conv2dBackward>(xd, wd, p);
     node->set_inputs({x, weight, bias});
+    node->save(xd, wd);
     autograd::set_history(y, node);
   }
   return y;

@@ -132,6 +132,15 @@ TEST_CASE("conv2d gradients (gradcheck on x, weight, bias)") {
     Tensor b = c.bias ? leaf({c.o}) : Tensor();
     KILN_CHECK_OK(gradcheck([&](auto& in) { return conv(c, in[0], in[1], in[2]); }, {x, w, b}));
   }
+  // Only some inputs require grad (first layer: x constant; frozen weight and bias).
+  {
+    Cfg c{2, 2, 5, 5, 3, 3, 3, 2, 1, 1, 1};
+    Tensor x = leaf({2, 2, 5, 5}), w = leaf({3, 2, 3, 3}), b = leaf({3});
+    Tensor xc = x.detach(), wc = w.detach(), bc = b.detach();
+    KILN_CHECK_OK(gradcheck([&](auto& in) { return conv(c, in[0], in[1], in[2]); }, {xc, w, b}));
+    KILN_CHECK_OK(gradcheck([&](auto& in) { return conv(c, in[0], in[1], in[2]); }, {x, wc, bc}));
+    KILN_CHECK_OK(gradcheck([&](auto& in) { return conv(c, in[0], in[1], in[2]); }, {xc, wc, b}));
+  }
   // Through an NHWC copy of x: the gradient returns to the NCHW leaf.
   Cfg c{2, 3, 4, 5, 2, 3, 3, 1, 1, 1, 1};
   Tensor x = leaf({c.n, c.c, c.h, c.w}), w = leaf({c.o, c.c, 3, 3}), b = leaf({c.o});
