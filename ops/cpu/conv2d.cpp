@@ -8,6 +8,7 @@
 // Eigen's GEMM runs single-threaded inside our parallel region (it checks for nesting) and
 // multi-threaded when there is a single image, so both batch and single-image calls use the
 // cores.
+
 // GCC 12 reports false "may be used uninitialized" warnings inside its AVX-512 intrinsics
 // when Eigen's GEMM is inlined here (-march=native).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
