@@ -77,3 +77,29 @@ void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, int64
 void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& logits,
                            const Tensor& target, double label_smoothing);
 }  // namespace kiln::cpu
+
+// ---- conv2d (ops/cpu/conv2d.cpp) ----
+// im2col + Eigen GEMM per image, OpenMP over images. Inputs any strides (made contiguous NCHW
+// internally); outputs any dense layout. x (N, C, H, W), w (O, C/groups, kH, kW), bias (O) or
+// undefined, y/dy (N, O, H', W'). All three write `=`.
+namespace kiln::cpu {
+void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
+                    const ConvParams& p);
+void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p);
+void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                            const ConvParams& p);
+}  // namespace kiln::cpu
+
+// ---- pooling (ops/cpu/pool.cpp) ----
+// x/dx (N, C, H, W), y/dy (N, C, H', W'); any strides in, any dense layout out; all write `=`.
+namespace kiln::cpu {
+// Padding is -inf: a window with no valid element yields -inf and passes no gradient.
+void max_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
+// Routes each dy to the first maximal element of its window (recomputed from x).
+void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const PoolParams& p);
+void avg_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
+void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p);
+// Window of output i over an input of n: [floor(i*n/o), ceil((i+1)*n/o)).
+void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x);
+void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy);
+}  // namespace kiln::cpu

@@ -1,0 +1,154 @@
+// conv2d: validation, forward, backward (data, weight, bias), device dispatch.
+#include "ops/backend.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+
+namespace kiln::F {
+namespace {
+
+// Dense in its own layout, for the CUDA entry points (which take NCHW or NHWC tensors).
+[[maybe_unused]] Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
+
+// Output extent of a dilated window sliding over a padded input.
+int64_t conv_out_size(int64_t in, int64_t k, int64_t s, int64_t pad, int64_t d) {
+  return (in + 2 * pad - d * (k - 1) - 1) / s + 1;
+}
+
+ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stride, Pair padding,
+                    Pair dilation, int64_t groups) {
+  check_defined(x, "conv2d", "input");
+  check_defined(w, "conv2d", "weight");
+  check_dim(x, 4, "conv2d", "input");
+  check_dim(w, 4, "conv2d", "weight");
+  check_same(x, w, "conv2d");
+  check_float(x, "conv2d");
+  KILN_CHECK(stride.h > 0 && stride.w > 0, "conv2d: stride must be positive, got (", stride.h, ", ",
+             stride.w, ")");
+  KILN_CHECK(dilation.h > 0 && dilation.w > 0, "conv2d: dilation must be positive, got (",
+             dilation.h, ", ", dilation.w, ")");
+  KILN_CHECK(padding.h >= 0 && padding.w >= 0, "conv2d: padding must be non-negative, got (",
+             padding.h, ", ", padding.w, ")");
+  KILN_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
+  const int64_t c = x.size(1), o = w.size(0);
+  KILN_CHECK(c % groups == 0, "conv2d: input ", x.desc(), " has ", c,
+             " channels, not divisible by groups = ", groups);
+  KILN_CHECK(o % groups == 0, "conv2d: weight ", w.desc(), " has ", o,
+             " output channels, not divisible by groups = ", groups);
+  KILN_CHECK(w.size(1) * groups == c, "conv2d: weight ", w.desc(), " expects ", w.size(1),
+             " input channels per group, but input ", x.desc(), " has ", c,
+             " channels / groups = ", groups);
+  if (b.defined()) {
+    check_same(x, b, "conv2d");
+    KILN_CHECK(b.dim() == 1 && b.size(0) == o, "conv2d: bias ", b.desc(), " must be 1-D with ", o,
+               " elements (weight ", w.desc(), ")");
+  }
+  const int64_t ekh = dilation.h * (w.size(2) - 1) + 1, ekw = dilation.w * (w.size(3) - 1) + 1;
+  KILN_CHECK(w.size(2) > 0 && w.size(3) > 0, "conv2d: empty kernel in weight ", w.desc());
+  KILN_CHECK(ekh <= x.size(2) + 2 * padding.h && ekw <= x.size(3) + 2 * padding.w,
+             "conv2d: kernel ", w.desc(), " (dilated extent ", ekh, "x", ekw,
+             ") is larger than the padded input ", x.desc(), " (padding ", padding.h, ", ",
+             padding.w, "): the output size would be <= 0");
+  ConvParams p;
+  p.stride_h = stride.h;
+  p.stride_w = stride.w;
+  p.pad_h = padding.h;
+  p.pad_w = padding.w;
+  p.dil_h = dilation.h;
+  p.dil_w = dilation.w;
+  p.groups = groups;
+  return p;
+}
+
+Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
+                         const ConvParams& p) {
+  Tensor dx =
+      empty(x_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
+  switch (dy.device().type) {
+    case DeviceType::CPU:
+      cpu::conv2d_backward_data(dx, dy, w, p);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(cuda::conv2d_backward_data(dx, dense(dy), dense(w), p));
+      break;
+  }
+  return dx;
+}
+
+Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
+                           MemoryFormat fmt, const ConvParams& p) {
+  Tensor dw =
+      empty(w_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
+  switch (dy.device().type) {
+    case DeviceType::CPU:
+      cpu::conv2d_backward_weight(dw, dy, x, p);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(cuda::conv2d_backward_weight(dw, dense(dy), dense(x), p));
+      break;
+  }
+  return dw;
+}
+
+class Conv2dBackward final : public Node {
+ public:
+  Conv2dBackward(const Tensor& x, const Tensor& w, const ConvParams& p)
+      : x_format_(x.suggest_memory_format()), w_format_(w.suggest_memory_format()), p_(p) {}
+  // After set_inputs: keeps x only for dw and w only for dx.
+  void save(const Tensor& x, const Tensor& w) {
+    if (needs_input_grad(1)) x_ = SavedTensor(x);
+    if (needs_input_grad(0)) w_ = SavedTensor(w);
+  }
+  std::string name() const override { return "Conv2dBackward"; }
+  void release_saved() override {
+    x_.release();
+    w_.release();
+  }
+  // dx and dw are fresh tensors (`=`); db = Σ_{n,h,w} dy.
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    const Tensor& g = grads[0];
+    Tensor dx, dw, db;
+    if (needs_input_grad(0))
+      dx = run_backward_data(g, w_.get(*this), input_meta_[0].shape, x_format_, p_);
+    if (needs_input_grad(1))
+      dw = run_backward_weight(g, x_.get(*this), input_meta_[1].shape, w_format_, p_);
+    if (needs_input_grad(2)) db = sum(g, {0, 2, 3});
+    return {dx, dw, db};
+  }
+
+ private:
+  SavedTensor x_, w_;
+  MemoryFormat x_format_, w_format_;
+  ConvParams p_;
+};
+
+}  // namespace
+
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair stride, Pair padding,
+              Pair dilation, int64_t groups) {
+  const ConvParams p = validate(x, weight, bias, stride, padding, dilation, groups);
+  const int64_t oh = conv_out_size(x.size(2), weight.size(2), p.stride_h, p.pad_h, p.dil_h);
+  const int64_t ow = conv_out_size(x.size(3), weight.size(3), p.stride_w, p.pad_w, p.dil_w);
+  const MemoryFormat fmt = x.suggest_memory_format();
+  Tensor y = empty({x.size(0), weight.size(0), oh, ow},
+                   TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(fmt));
+  const Tensor xd = x.detach(), wd = weight.detach();
+  const Tensor bd = bias.defined() ? bias.detach() : Tensor();
+  switch (x.device().type) {
+    case DeviceType::CPU:
+      cpu::conv2d_forward(y, xd, wd, bd, p);
+      break;
+    case DeviceType::CUDA:
+      KILN_CUDA_CALL(
+          cuda::conv2d_forward(y, dense(xd), dense(wd), bd.defined() ? bd.contiguous() : bd, p));
+      break;
+  }
+  if (autograd::any_requires_grad({x, weight, bias})) {
+    auto node = std::make_shared<Conv2dBackward>(xd, wd, p);
+    node->set_inputs({x, weight, bias});
+    node->save(xd, wd);
+    autograd::set_history(y, node);
+  }
+  return y;
+}
+
+}  // namespace kiln::F
