@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 
+#include "core/autograd.h"
 #include "cuda/check.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
@@ -186,8 +187,12 @@ bool gemm_row_major(const Tensor& out, const Tensor& a, bool trans_a, const Tens
   return run_gemm(g);
 }
 
-// The dense row-major version of t (t itself when already so).
-Tensor dense(const Tensor& t) { return t.contiguous(); }
+// The dense row-major version of t (t itself when already so), never recorded by autograd.
+Tensor dense(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  NoGradGuard no_grad;
+  return t.detach().contiguous();
+}
 
 // Calls f(o) with a contiguous tensor o that ends up in out: out itself when contiguous, else a
 // temporary copied into out afterwards.
@@ -262,7 +267,10 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const
   if (dw.defined() && dw.numel() > 0) {  // dw (out, in) = dyᵀ (out, N) · x (N, in)
     Tensor dx_in = dense(x);
     Tensor db_dense;
-    if (db.defined()) db_dense = db.is_contiguous() ? db : empty(db.shape(), TensorOptions(db.dtype()).with_device(db.device()));
+    if (db.defined())
+      db_dense = db.is_contiguous()
+                     ? db
+                     : empty(db.shape(), TensorOptions(db.dtype()).with_device(db.device()));
     with_dense_out(dw, [&](const Tensor& o) {
       if (db_dense.defined())
         db_done = gemm_row_major(o, ddy, true, dx_in, false, CUBLASLT_EPILOGUE_BGRADB,
