@@ -9,10 +9,10 @@
 #include "core/generator.h"
 #include "cuda/ops.h"
 #include "ops/ops.h"
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/ref_check.h"
 
 using namespace kiln;
-using namespace kiln::gpu_test;
+using namespace kiln::ref_check;
 
 namespace {
 

@@ -11,7 +11,7 @@
 #include "core/tensor.h"
 #include "tests/gradcheck.h"
 
-namespace kiln::gpu_test {
+namespace kiln::ref_check {
 
 // The f64 CPU tensor `t` rounded to `dtype` and back (what a `dtype` GPU input really holds).
 inline Tensor rounded(const Tensor& t, DType dtype) {
@@ -52,4 +52,4 @@ inline std::string compare_scaled(const Tensor& actual, const Tensor& expected, 
   return testing::compare(a, expected, tol * scale, tol);
 }
 
-}  // namespace kiln::gpu_test
+}  // namespace kiln::ref_check
