@@ -66,6 +66,34 @@ void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd);
 
+// ---- fused batch norm + ReLU (+ residual add) on cuDNN (cuda/batchnorm.cpp) ----
+// x, z, y: (N, C, H, W) f16 channels-last (NHWC) only — anything else is a kiln::Error naming
+// the op. Forward: y = relu(bn(x)) or relu(bn(x) + z), with save_mean/save_invstd and the
+// running stats as in batch_norm_forward_training. Returns the reserve space (u8, on x's
+// device, possibly empty) that the matching backward needs: keep it alive with y.
+Tensor batch_norm_relu_forward_training(const Tensor& y, const Tensor& save_mean,
+                                        const Tensor& save_invstd, const Tensor& x,
+                                        const Tensor& weight, const Tensor& bias,
+                                        const Tensor& running_mean, const Tensor& running_var,
+                                        double momentum, double eps);
+Tensor batch_norm_add_relu_forward_training(const Tensor& y, const Tensor& save_mean,
+                                            const Tensor& save_invstd, const Tensor& x,
+                                            const Tensor& z, const Tensor& weight,
+                                            const Tensor& bias, const Tensor& running_mean,
+                                            const Tensor& running_var, double momentum,
+                                            double eps);
+// Backward through relu and bn (and the add): dx (=), dz (=, add variant), dweight and dbias
+// (=) when defined. y is the forward's output, eps and reserve the forward's.
+void batch_norm_relu_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                              const Tensor& dy, const Tensor& x, const Tensor& y,
+                              const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
+                              const Tensor& save_invstd, const Tensor& reserve, double eps);
+void batch_norm_add_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                                  const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                                  const Tensor& y, const Tensor& weight, const Tensor& bias,
+                                  const Tensor& save_mean, const Tensor& save_invstd,
+                                  const Tensor& reserve, double eps);
+
 // ---- softmax and cross-entropy (cuda/kernels/softmax.cu) ----
 // Over the last dim of contiguous (rows, cols).
 void softmax_forward(const Tensor& y, const Tensor& x, bool log);

@@ -1,0 +1,393 @@
+// 2-D convolution on cuDNN (entry points in cuda/ops.h, cache controls in cuda/conv.h).
+//
+// Layout: the problem runs in the layout of the activations (NHWC when x — dx for backward-data
+// — is channels-last, else NCHW); the filter descriptor uses the same format, and any operand
+// not already dense in it is copied first (outputs go through a temporary). Descriptors carry
+// the canonical dense strides of that layout, which address the same memory as the tensors'
+// own strides once they pass is_contiguous(fmt) (which ignores strides of size-1 dims).
+//
+// Precision: FP32 accumulation (compute type FLOAT) for f32 and f16; f16 may use tensor cores
+// (TENSOR_OP_MATH); f32 is restricted to FMA kernels, so no TF32 rounding.
+//
+// Stem padding: an f16 convolution with 3 input channels (the ResNet stem) runs on copies of x
+// and w zero-padded to 4 channels in NHWC, which tensor-core kernels accept; the padded channels
+// contribute zeros. The copies cost one extra pass over x per call.
+#include "cuda/conv.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cuda/cudnn_util.h"
+#include "cuda/ops.h"
+#include "cuda/runtime.h"
+
+namespace kiln::cuda {
+namespace {
+
+enum class ConvOp : int { Forward, BackwardData, BackwardFilter };
+const char* op_name(ConvOp op) {
+  switch (op) {
+    case ConvOp::Forward: return "forward";
+    case ConvOp::BackwardData: return "backward-data";
+    case ConvOp::BackwardFilter: return "backward-filter";
+  }
+  return "?";
+}
+
+// One problem in cuDNN's terms: x input activations, w filter, y output activations, whichever
+// of them is being computed.
+struct Problem {
+  DType dtype;
+  MemoryFormat fmt;
+  Shape x, w, y;
+  ConvParams p;
+};
+std::string describe(ConvOp op, const Problem& pr) {
+  return detail::str_cat("conv2d ", op_name(op), " ", dtype_name(pr.dtype),
+                         pr.fmt == MemoryFormat::ChannelsLast ? " NHWC" : " NCHW", " x",
+                         shape_str(pr.x), " w", shape_str(pr.w), " y", shape_str(pr.y), " stride (",
+                         pr.p.stride_h, ",", pr.p.stride_w, ") pad (", pr.p.pad_h, ",", pr.p.pad_w,
+                         ") dilation (", pr.p.dil_h, ",", pr.p.dil_w, ") groups ", pr.p.groups);
+}
+
+struct Ptrs {
+  void* x;
+  void* w;
+  void* y;
+};
+
+struct Descs {
+  TensorDesc x, y;
+  FilterDesc w;
+  ConvDesc conv;
+  explicit Descs(const Problem& pr)
+      : x(pr.dtype, pr.x, format_strides(pr.x, pr.fmt)),
+        y(pr.dtype, pr.y, format_strides(pr.y, pr.fmt)),
+        w(pr.dtype, pr.w,
+          pr.fmt == MemoryFormat::ChannelsLast ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW) {
+    int pad[2] = {int(pr.p.pad_h), int(pr.p.pad_w)};
+    int stride[2] = {int(pr.p.stride_h), int(pr.p.stride_w)};
+    int dil[2] = {int(pr.p.dil_h), int(pr.p.dil_w)};
+    cudnnDataType_t compute = pr.dtype == DType::f64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+    CUDNN_CHECK(cudnnSetConvolutionNdDescriptor(conv.d, 2, pad, stride, dil,
+                                                CUDNN_CROSS_CORRELATION, compute));
+    CUDNN_CHECK(cudnnSetConvolutionGroupCount(conv.d, int(pr.p.groups)));
+  }
+};
+
+// alpha = 1, beta = 0 in the scaling type cuDNN expects for the data type.
+const void* scalar_one(DType t) {
+  static const float f = 1.0f;
+  static const double d = 1.0;
+  return t == DType::f64 ? static_cast<const void*>(&d) : &f;
+}
+const void* scalar_zero(DType t) {
+  static const float f = 0.0f;
+  static const double d = 0.0;
+  return t == DType::f64 ? static_cast<const void*>(&d) : &f;
+}
+
+cudnnMathType_t preferred_math(DType t) {
+  switch (t) {
+    case DType::f16:
+    case DType::bf16: return CUDNN_TENSOR_OP_MATH;
+    case DType::f32: return CUDNN_FMA_MATH;
+    default: return CUDNN_DEFAULT_MATH;
+  }
+}
+
+// ---- the three operations, each as a set of cuDNN calls with one shape ----
+struct Fwd {
+  using Perf = cudnnConvolutionFwdAlgoPerf_t;
+  using Algo = cudnnConvolutionFwdAlgo_t;
+  static constexpr int kCount = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
+  static constexpr ConvOp kOp = ConvOp::Forward;
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Descs& d, Algo a, size_t* s) {
+    return cudnnGetConvolutionForwardWorkspaceSize(h, d.x.d, d.w.d, d.conv.d, d.y.d, a, s);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Descs& d, const Ptrs& p, int* n, Perf* perf,
+                            void* ws, size_t bytes) {
+    return cudnnFindConvolutionForwardAlgorithmEx(h, d.x.d, p.x, d.w.d, p.w, d.conv.d, d.y.d, p.y,
+                                                  kCount, n, perf, ws, bytes);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
+                           size_t bytes, DType t) {
+    return cudnnConvolutionForward(h, scalar_one(t), d.x.d, p.x, d.w.d, p.w, d.conv.d, a, ws,
+                                   bytes, scalar_zero(t), d.y.d, p.y);
+  }
+};
+struct BwdData {
+  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
+  using Algo = cudnnConvolutionBwdDataAlgo_t;
+  static constexpr int kCount = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
+  static constexpr ConvOp kOp = ConvOp::BackwardData;
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Descs& d, Algo a, size_t* s) {
+    return cudnnGetConvolutionBackwardDataWorkspaceSize(h, d.w.d, d.y.d, d.conv.d, d.x.d, a, s);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Descs& d, const Ptrs& p, int* n, Perf* perf,
+                            void* ws, size_t bytes) {
+    return cudnnFindConvolutionBackwardDataAlgorithmEx(h, d.w.d, p.w, d.y.d, p.y, d.conv.d, d.x.d,
+                                                       p.x, kCount, n, perf, ws, bytes);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
+                           size_t bytes, DType t) {
+    return cudnnConvolutionBackwardData(h, scalar_one(t), d.w.d, p.w, d.y.d, p.y, d.conv.d, a, ws,
+                                        bytes, scalar_zero(t), d.x.d, p.x);
+  }
+};
+struct BwdFilter {
+  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
+  using Algo = cudnnConvolutionBwdFilterAlgo_t;
+  static constexpr int kCount = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
+  static constexpr ConvOp kOp = ConvOp::BackwardFilter;
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Descs& d, Algo a, size_t* s) {
+    return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, d.x.d, d.y.d, d.conv.d, d.w.d, a, s);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Descs& d, const Ptrs& p, int* n, Perf* perf,
+                            void* ws, size_t bytes) {
+    return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, d.x.d, p.x, d.y.d, p.y, d.conv.d,
+                                                         d.w.d, p.w, kCount, n, perf, ws, bytes);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
+                           size_t bytes, DType t) {
+    return cudnnConvolutionBackwardFilter(h, scalar_one(t), d.x.d, p.x, d.y.d, p.y, d.conv.d, a,
+                                          ws, bytes, scalar_zero(t), d.w.d, p.w);
+  }
+};
+
+// ---- the algorithm cache ----
+struct Choice {
+  int algo;
+  size_t memory;
+  cudnnMathType_t math;
+};
+using Key = std::vector<int64_t>;
+std::mutex g_mutex;
+std::map<Key, std::vector<Choice>> g_cache;
+uint64_t g_hits = 0, g_misses = 0;
+std::atomic<bool> g_deterministic{false};
+
+Key make_key(ConvOp op, const Problem& pr, int device, bool deterministic) {
+  Key k{device, int64_t(op), int64_t(pr.dtype), int64_t(pr.fmt), deterministic};
+  for (const Shape* s : {&pr.x, &pr.w, &pr.y}) k.insert(k.end(), s->begin(), s->end());
+  k.insert(k.end(), {pr.p.stride_h, pr.p.stride_w, pr.p.pad_h, pr.p.pad_w, pr.p.dil_h,
+                     pr.p.dil_w, pr.p.groups});
+  return k;
+}
+
+// Workspace from the caching allocator (null when bytes is 0). Freed on the current stream.
+std::unique_ptr<Storage> workspace(size_t bytes, int device) {
+  if (bytes == 0) return nullptr;
+  return std::make_unique<Storage>(bytes, Device::cuda(device));
+}
+
+// Times every algorithm with a workspace as large as the largest need (≤ the cap; halved while
+// the allocation fails) and returns them fastest first, then, as untimed fallbacks, the other
+// algorithms cuDNN reports a workspace size for.
+template <class Op>
+std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const Problem& pr,
+                           int device, bool deterministic) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(current_stream(), &capture));
+  KILN_CHECK(capture == cudaStreamCaptureStatusNone, describe(Op::kOp, pr),
+             ": no cached algorithm, and cuDNN's search cannot run during graph capture (run an "
+             "eager warm-up step first)");
+  CUDNN_CHECK(cudnnSetConvolutionMathType(d.conv.d, preferred_math(pr.dtype)));
+  std::vector<std::pair<int, size_t>> sizes;
+  size_t max_ws = 0;
+  for (int a = 0; a < Op::kCount; ++a) {
+    size_t s = 0;
+    if (Op::workspace(h, d, typename Op::Algo(a), &s) != CUDNN_STATUS_SUCCESS) continue;
+    sizes.emplace_back(a, s);
+    if (s <= kConvMaxWorkspaceBytes) max_ws = std::max(max_ws, s);
+  }
+  std::unique_ptr<Storage> ws;
+  for (;;) {
+    try {
+      ws = workspace(max_ws, device);
+      break;
+    } catch (const OutOfMemoryError&) {
+      if (max_ws == 0) throw;
+      max_ws /= 2;
+    }
+  }
+  typename Op::Perf perf[Op::kCount];
+  int n = 0;
+  cudnnStatus_t s = Op::find(h, d, p, &n, perf, ws ? ws->data() : nullptr, max_ws);
+  std::vector<Choice> out;
+  if (s == CUDNN_STATUS_SUCCESS) {
+    for (int i = 0; i < n; ++i) {
+      if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > max_ws) continue;
+      if (deterministic && perf[i].determinism != CUDNN_DETERMINISTIC) continue;
+      out.push_back({int(perf[i].algo), perf[i].memory, perf[i].mathType});
+    }
+  }
+  if (!deterministic) {  // determinism of an untimed algorithm is unknown
+    for (auto [a, bytes] : sizes) {
+      bool have = std::any_of(out.begin(), out.end(), [&](const Choice& c) { return c.algo == a; });
+      if (!have && bytes <= kConvMaxWorkspaceBytes) out.push_back({a, bytes, preferred_math(pr.dtype)});
+    }
+  }
+  if (out.empty()) {
+    detail::fail(ErrorKind::Cudnn, __FILE__, __LINE__, nullptr,
+                 detail::str_cat(describe(Op::kOp, pr), ": cuDNN offers no usable algorithm",
+                                 deterministic ? " (deterministic only)" : "",
+                                 s != CUDNN_STATUS_SUCCESS ? "; search failed: " : "",
+                                 s != CUDNN_STATUS_SUCCESS ? cudnnGetErrorString(s) : ""));
+  }
+  return out;
+}
+
+// Runs one problem with the cached (or newly searched) candidates, falling through to the next
+// candidate when one fails.
+template <class Op>
+void execute(const Problem& pr, const Ptrs& p) {
+  Context& ctx = context();
+  cudnnHandle_t h = ctx.cudnn;
+  CUDNN_CHECK(cudnnSetStream(h, current_stream()));
+  Descs d(pr);
+  const bool deterministic = g_deterministic.load();
+  Key key = make_key(Op::kOp, pr, ctx.device, deterministic);
+  std::vector<Choice> candidates;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_cache.find(key);
+    if (it != g_cache.end()) {
+      ++g_hits;
+      candidates = it->second;
+    } else {
+      ++g_misses;
+      candidates = search<Op>(h, d, p, pr, ctx.device, deterministic);
+      g_cache.emplace(key, candidates);
+    }
+  }
+  std::string tried;
+  for (const Choice& c : candidates) {
+    CUDNN_CHECK(cudnnSetConvolutionMathType(
+        d.conv.d, pr.dtype == DType::f32 ? CUDNN_FMA_MATH : c.math));
+    std::unique_ptr<Storage> ws;
+    try {
+      ws = workspace(c.memory, ctx.device);
+    } catch (const OutOfMemoryError&) {
+      tried += detail::str_cat(" algo ", c.algo, ": no memory for ", c.memory, " bytes;");
+      continue;
+    }
+    cudnnStatus_t s = Op::run(h, d, p, typename Op::Algo(c.algo), ws ? ws->data() : nullptr,
+                              c.memory, pr.dtype);
+    if (s == CUDNN_STATUS_SUCCESS) return;
+    tried += detail::str_cat(" algo ", c.algo, ": ", cudnnGetErrorString(s), ";");
+  }
+  detail::fail(ErrorKind::Cudnn, __FILE__, __LINE__, nullptr,
+               detail::str_cat(describe(Op::kOp, pr), ": every algorithm failed:", tried));
+}
+
+// ---- stem channel padding ----
+constexpr int64_t kStemChannels = 4;
+bool pad_stem(DType t, int64_t c_in, int64_t groups) {
+  return t == DType::f16 && c_in == 3 && groups == 1;
+}
+// t (A, 3, H, W) -> (A, 4, H, W) NHWC with channel 3 zero.
+Tensor pad_channels(const Tensor& t) {
+  NoGradGuard no_grad;
+  Shape s = t.shape();
+  s[1] = kStemChannels;
+  Tensor p = zeros(s, TensorOptions(t.dtype()).with_device(t.device())
+                          .with_memory_format(MemoryFormat::ChannelsLast));
+  p.narrow(1, 0, t.size(1)).copy_(t.detach());
+  return p;
+}
+Tensor padded_empty(const Tensor& like) {
+  Shape s = like.shape();
+  s[1] = kStemChannels;
+  return empty(s, TensorOptions(like.dtype()).with_device(like.device())
+                      .with_memory_format(MemoryFormat::ChannelsLast));
+}
+
+// y += bias broadcast over (N, H, W).
+void add_bias(const Tensor& y, const Tensor& bias, MemoryFormat fmt) {
+  NoGradGuard no_grad;
+  Tensor b = bias.detach().to(y.dtype()).contiguous();
+  const int64_t o = y.size(1);
+  TensorDesc bd(y.dtype(), {1, o, 1, 1}, {o, 1, 1, 1});
+  TensorDesc yd(y.dtype(), y.shape(), format_strides(y.shape(), fmt));
+  Context& ctx = context();
+  CUDNN_CHECK(cudnnSetStream(ctx.cudnn, current_stream()));
+  CUDNN_CHECK(cudnnAddTensor(ctx.cudnn, scalar_one(y.dtype()), bd.d, b.raw_data(),
+                             scalar_one(y.dtype()), yd.d, y.raw_data()));
+}
+
+MemoryFormat layout_of(const Tensor& t) { return t.suggest_memory_format(); }
+
+}  // namespace
+
+void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
+                    const ConvParams& p) {
+  if (y.numel() == 0) return;
+  if (x.numel() == 0 || w.numel() == 0) {  // empty reduction
+    if (bias.defined()) y.copy_(bias.view({1, y.size(1), 1, 1}).expand(y.shape())); else y.zero_();
+    return;
+  }
+  const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
+  const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
+  Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
+  Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
+  Tensor yb = out_buffer(y, fmt);
+  Problem pr{x.dtype(), fmt, xc.shape(), wc.shape(), yb.shape(), p};
+  execute<Fwd>(pr, {xc.raw_data(), wc.raw_data(), yb.raw_data()});
+  if (bias.defined()) add_bias(yb, bias, fmt);
+  finish_out(y, yb);
+}
+
+void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w,
+                          const ConvParams& p) {
+  if (dx.numel() == 0) return;
+  if (dy.numel() == 0 || w.numel() == 0) {
+    dx.zero_();
+    return;
+  }
+  const bool pad = pad_stem(dx.dtype(), dx.size(1), p.groups);
+  const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(dx);
+  Tensor dyc = dense_in(dy, fmt);
+  Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
+  Tensor dxb = pad ? padded_empty(dx) : out_buffer(dx, fmt);
+  Problem pr{dx.dtype(), fmt, dxb.shape(), wc.shape(), dyc.shape(), p};
+  execute<BwdData>(pr, {dxb.raw_data(), wc.raw_data(), dyc.raw_data()});
+  if (pad) dx.copy_(dxb.narrow(1, 0, dx.size(1))); else finish_out(dx, dxb);
+}
+
+void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                            const ConvParams& p) {
+  if (dw.numel() == 0) return;
+  if (dy.numel() == 0 || x.numel() == 0) {
+    dw.zero_();
+    return;
+  }
+  const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
+  const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
+  Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
+  Tensor dyc = dense_in(dy, fmt);
+  Tensor dwb = pad ? padded_empty(dw) : out_buffer(dw, fmt);
+  Problem pr{x.dtype(), fmt, xc.shape(), dwb.shape(), dyc.shape(), p};
+  execute<BwdFilter>(pr, {xc.raw_data(), dwb.raw_data(), dyc.raw_data()});
+  if (pad) dw.copy_(dwb.narrow(1, 0, dw.size(1))); else finish_out(dw, dwb);
+}
+
+ConvCacheStats conv_algo_cache_stats() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return {g_hits, g_misses, g_cache.size()};
+}
+
+void clear_conv_algo_cache() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_cache.clear();
+  g_hits = g_misses = 0;
+}
+
+void set_conv_deterministic(bool on) { g_deterministic.store(on); }
+bool conv_deterministic() { return g_deterministic.load(); }
+
+}  // namespace kiln::cuda

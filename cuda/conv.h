@@ -1,0 +1,31 @@
+#pragma once
+// Controls and statistics of the cuDNN convolution wrapper (cuda/conv.cpp; the entry points are
+// declared in cuda/ops.h).
+//
+// Each distinct problem (device, op, dtype, layout, all sizes, padding, stride, dilation, groups,
+// determinism) is timed once with cudnnFind*AlgorithmEx; the ranked candidates are cached and
+// later calls run the fastest one that succeeds. A search cannot run inside CUDA graph capture:
+// run one eager step first (the graph executor's warm-up does).
+#include <cstddef>
+#include <cstdint>
+
+namespace kiln::cuda {
+
+struct ConvCacheStats {
+  uint64_t hits = 0;    // calls whose problem was already cached
+  uint64_t misses = 0;  // calls that ran an algorithm search
+  size_t entries = 0;   // problems cached
+};
+ConvCacheStats conv_algo_cache_stats();
+// Forgets every cached choice and zeroes the counters (tests; after changing determinism).
+void clear_conv_algo_cache();
+
+// When on, only algorithms cuDNN reports as deterministic are used (bit-identical reruns).
+// Off by default. Part of the cache key, so toggling it never reuses the other mode's choice.
+void set_conv_deterministic(bool on);
+bool conv_deterministic();
+
+// The largest workspace an algorithm search offers cuDNN (bytes).
+inline constexpr size_t kConvMaxWorkspaceBytes = size_t(1) << 30;
+
+}  // namespace kiln::cuda

@@ -1,0 +1,220 @@
+// cuDNN convolution (cuda/conv.cpp) against the CPU backend in f64: every distinct conv shape of
+// ResNet-50 at batch 2 and small spatial sizes, f32 and f16, NCHW and NHWC, forward,
+// backward-data and backward-weight; groups, dilation, bias, mixed layouts; the algorithm cache.
+// Outputs are pre-filled with NaN so an unwritten element fails.
+#include <doctest/doctest.h>
+
+#include <vector>
+
+#include "core/generator.h"
+#include "cuda/conv.h"
+#include "cuda/ops.h"
+#include "ops/ops.h"
+#include "tests/gpu/ref_check.h"
+
+using namespace kiln;
+using namespace kiln::ref_check;
+
+namespace {
+
+struct ConvCase {
+  const char* name;
+  int64_t c_in, c_out, k, stride, pad, hw;  // square kernel, square input hw x hw
+  int64_t dil = 1, groups = 1;
+};
+
+// The distinct convolutions of ResNet-50 (v1.5: stride on the 3x3), spatial sizes shrunk.
+const std::vector<ConvCase> kResNet50 = {
+    {"stem 7x7/2 3->64", 3, 64, 7, 2, 3, 32},
+    {"l1 1x1 64->64", 64, 64, 1, 1, 0, 8},
+    {"l1 3x3 64->64", 64, 64, 3, 1, 1, 8},
+    {"l1 1x1 64->256", 64, 256, 1, 1, 0, 8},
+    {"l1 1x1 256->64", 256, 64, 1, 1, 0, 8},
+    {"l1 downsample 1x1 64->256", 64, 256, 1, 1, 0, 8},
+    {"l2 1x1 256->128", 256, 128, 1, 1, 0, 8},
+    {"l2 3x3/2 128->128", 128, 128, 3, 2, 1, 8},
+    {"l2 3x3 128->128", 128, 128, 3, 1, 1, 4},
+    {"l2 1x1 128->512", 128, 512, 1, 1, 0, 4},
+    {"l2 1x1 512->128", 512, 128, 1, 1, 0, 4},
+    {"l2 downsample 1x1/2 256->512", 256, 512, 1, 2, 0, 8},
+    {"l3 1x1 512->256", 512, 256, 1, 1, 0, 4},
+    {"l3 3x3/2 256->256", 256, 256, 3, 2, 1, 4},
+    {"l3 3x3 256->256", 256, 256, 3, 1, 1, 4},
+    {"l3 1x1 256->1024", 256, 1024, 1, 1, 0, 2},
+    {"l3 1x1 1024->256", 1024, 256, 1, 1, 0, 2},
+    {"l3 downsample 1x1/2 512->1024", 512, 1024, 1, 2, 0, 4},
+    {"l4 1x1 1024->512", 1024, 512, 1, 1, 0, 2},
+    {"l4 3x3/2 512->512", 512, 512, 3, 2, 1, 4},
+    {"l4 3x3 512->512", 512, 512, 3, 1, 1, 2},
+    {"l4 1x1 512->2048", 512, 2048, 1, 1, 0, 2},
+    {"l4 1x1 2048->512", 2048, 512, 1, 1, 0, 2},
+    {"l4 downsample 1x1/2 1024->2048", 1024, 2048, 1, 2, 0, 4},
+};
+
+ConvParams params_of(const ConvCase& c) {
+  ConvParams p;
+  p.stride_h = p.stride_w = c.stride;
+  p.pad_h = p.pad_w = c.pad;
+  p.dil_h = p.dil_w = c.dil;
+  p.groups = c.groups;
+  return p;
+}
+int64_t out_size(const ConvCase& c) {
+  return (c.hw + 2 * c.pad - c.dil * (c.k - 1) - 1) / c.stride + 1;
+}
+
+struct Reference {
+  Tensor x, w, dy;      // f64 CPU inputs (already rounded to the GPU dtype)
+  Tensor y, dx, dw;     // f64 CPU results
+};
+
+// CPU f64 forward and (through autograd) both gradients.
+Reference reference(const Tensor& x, const Tensor& w, const Tensor& dy, const ConvCase& c) {
+  Reference r{x, w, dy, {}, {}, {}};
+  Tensor xl = x.detach(), wl = w.detach();
+  xl.set_requires_grad(true);
+  wl.set_requires_grad(true);
+  Tensor y = F::conv2d(xl, wl, Tensor(), c.stride, c.pad, c.dil, c.groups);
+  y.backward(dy);
+  r.y = y.detach();
+  r.dx = xl.grad();
+  r.dw = wl.grad();
+  return r;
+}
+
+// Runs the three CUDA ops in (dtype, fmt) and compares them with the reference. The weight is
+// given in `w_fmt` (NCHW-contiguous weights with NHWC activations is the common case).
+void check_gpu(const Reference& r, const ConvCase& c, DType dtype, MemoryFormat fmt,
+               MemoryFormat w_fmt) {
+  CAPTURE(dtype_name(dtype));
+  CAPTURE(fmt == MemoryFormat::ChannelsLast ? "NHWC" : "NCHW");
+  const double tol = tol_for(dtype);
+  ConvParams p = params_of(c);
+  Tensor x = to_gpu(r.x, dtype, fmt), w = to_gpu(r.w, dtype, w_fmt), dy = to_gpu(r.dy, dtype, fmt);
+
+  Tensor y = nan_gpu(r.y.shape(), dtype, fmt);
+  cuda::conv2d_forward(y, x, w, Tensor(), p);
+  KILN_CHECK_OK(compare_scaled(y, r.y, tol));
+
+  Tensor dx = nan_gpu(r.x.shape(), dtype, fmt);
+  cuda::conv2d_backward_data(dx, dy, w, p);
+  KILN_CHECK_OK(compare_scaled(dx, r.dx, tol));
+
+  Tensor dw = nan_gpu(r.w.shape(), dtype, w_fmt);
+  cuda::conv2d_backward_weight(dw, dy, x, p);
+  KILN_CHECK_OK(compare_scaled(dw, r.dw, tol));
+}
+
+// Random inputs for case c (weights scaled by 1/sqrt(fan-in) so outputs are O(1)).
+void run_case(const ConvCase& c, Generator& gen) {
+  CAPTURE(c.name);
+  const int64_t n = 2, ho = out_size(c);
+  const double ws = 1.0 / std::sqrt(double(c.c_in / c.groups * c.k * c.k));
+  Tensor x = randn({n, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+  Tensor w = randn({c.c_out, c.c_in / c.groups, c.k, c.k}, DType::f64, &gen) * ws;
+  Tensor dy = randn({n, c.c_out, ho, ho}, DType::f64, &gen);
+  for (DType dtype : {DType::f32, DType::f16}) {
+    Reference r = reference(rounded(x, dtype), rounded(w, dtype), rounded(dy, dtype), c);
+    check_gpu(r, c, dtype, MemoryFormat::Contiguous, MemoryFormat::Contiguous);
+    check_gpu(r, c, dtype, MemoryFormat::ChannelsLast, MemoryFormat::Contiguous);
+    check_gpu(r, c, dtype, MemoryFormat::ChannelsLast, MemoryFormat::ChannelsLast);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("conv2d: every ResNet-50 convolution, f32/f16, NCHW/NHWC, fwd + both backwards") {
+  Generator gen(7);
+  for (const ConvCase& c : kResNet50) run_case(c, gen);
+}
+
+TEST_CASE("conv2d: groups, depthwise, dilation, odd sizes") {
+  Generator gen(8);
+  const std::vector<ConvCase> cases = {
+      {"grouped 3x3 8->16 g4", 8, 16, 3, 1, 1, 7, 1, 4},
+      {"depthwise 3x3/2 16 g16", 16, 16, 3, 2, 1, 9, 1, 16},
+      {"dilated 3x3 d2 8->8", 8, 8, 3, 1, 2, 9, 2, 1},
+      {"5x5/3 pad 1, 5->6", 5, 6, 5, 3, 1, 11, 1, 1},
+  };
+  for (const ConvCase& c : cases) run_case(c, gen);
+}
+
+TEST_CASE("conv2d: bias, mismatched output layout, f16 stem padding") {
+  Generator gen(9);
+  for (DType dtype : {DType::f32, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    // 3 input channels: the f16 run goes through the padded-to-4 NHWC path.
+    Tensor x = rounded(randn({2, 3, 12, 12}, DType::f64, &gen), dtype);
+    Tensor w = rounded(randn({8, 3, 3, 3}, DType::f64, &gen) * 0.2, dtype);
+    Tensor b = rounded(randn({8}, DType::f64, &gen), dtype);
+    Tensor ref = F::conv2d(x, w, b, 2, 1);
+    ConvParams p;
+    p.stride_h = p.stride_w = 2;
+    p.pad_h = p.pad_w = 1;
+    // x NCHW, y requested NHWC: computed in x's layout and copied over.
+    Tensor y = nan_gpu(ref.shape(), dtype, MemoryFormat::ChannelsLast);
+    cuda::conv2d_forward(y, to_gpu(x, dtype), to_gpu(w, dtype), to_gpu(b, dtype), p);
+    KILN_CHECK_OK(compare_scaled(y, ref, tol_for(dtype)));
+    // and the other way round
+    Tensor y2 = nan_gpu(ref.shape(), dtype);
+    cuda::conv2d_forward(y2, to_gpu(x, dtype, MemoryFormat::ChannelsLast), to_gpu(w, dtype),
+                         to_gpu(b, dtype), p);
+    KILN_CHECK_OK(compare_scaled(y2, ref, tol_for(dtype)));
+  }
+}
+
+TEST_CASE("conv2d: algorithm cache hits and misses") {
+  cuda::clear_conv_algo_cache();
+  auto stats = cuda::conv_algo_cache_stats();
+  CHECK(stats.hits == 0);
+  CHECK(stats.misses == 0);
+  CHECK(stats.entries == 0);
+  Generator gen(10);
+  Tensor xh = randn({2, 16, 8, 8}, DType::f64, &gen), wh = randn({16, 16, 3, 3}, DType::f64, &gen);
+  Tensor x = to_gpu(xh, DType::f32), w = to_gpu(wh, DType::f32);
+  ConvParams p;
+  p.pad_h = p.pad_w = 1;
+  Tensor y = nan_gpu({2, 16, 8, 8}, DType::f32);
+  cuda::conv2d_forward(y, x, w, Tensor(), p);
+  stats = cuda::conv_algo_cache_stats();
+  CHECK(stats.misses == 1);
+  CHECK(stats.hits == 0);
+  cuda::conv2d_forward(y, x, w, Tensor(), p);
+  cuda::conv2d_forward(y, x, w, Tensor(), p);
+  stats = cuda::conv_algo_cache_stats();
+  CHECK(stats.misses == 1);
+  CHECK(stats.hits == 2);
+  CHECK(stats.entries == 1);
+  // Every part of the problem is in the key: layout, padding, op, dtype.
+  Tensor yl = nan_gpu({2, 16, 8, 8}, DType::f32, MemoryFormat::ChannelsLast);
+  cuda::conv2d_forward(yl, to_gpu(xh, DType::f32, MemoryFormat::ChannelsLast), w, Tensor(), p);
+  ConvParams p0;  // no padding: 6x6 output
+  Tensor y0 = nan_gpu({2, 16, 6, 6}, DType::f32);
+  cuda::conv2d_forward(y0, x, w, Tensor(), p0);
+  Tensor dx = nan_gpu({2, 16, 8, 8}, DType::f32);
+  cuda::conv2d_backward_data(dx, y, w, p);
+  Tensor yh = nan_gpu({2, 16, 8, 8}, DType::f16);
+  cuda::conv2d_forward(yh, to_gpu(xh, DType::f16), to_gpu(wh, DType::f16), Tensor(), p);
+  stats = cuda::conv_algo_cache_stats();
+  CHECK(stats.misses == 5);
+  CHECK(stats.hits == 2);
+  CHECK(stats.entries == 5);
+  // The cached choice still computes the right thing.
+  KILN_CHECK_OK(compare_scaled(y, F::conv2d(rounded(xh, DType::f32), rounded(wh, DType::f32),
+                                            Tensor(), 1, 1),
+                               1e-4));
+}
+
+TEST_CASE("conv2d: deterministic mode gives bit-identical backward-weight") {
+  cuda::set_conv_deterministic(true);
+  Generator gen(11);
+  Tensor x = to_gpu(randn({4, 32, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
+  Tensor dy = to_gpu(randn({4, 32, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
+  ConvParams p;
+  p.pad_h = p.pad_w = 1;
+  Tensor a = nan_gpu({32, 32, 3, 3}, DType::f16), b = nan_gpu({32, 32, 3, 3}, DType::f16);
+  cuda::conv2d_backward_weight(a, dy, x, p);
+  cuda::conv2d_backward_weight(b, dy, x, p);
+  cuda::set_conv_deterministic(false);
+  CHECK(a.to_vector<float>() == b.to_vector<float>());
+}
