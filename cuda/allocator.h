@@ -2,6 +2,8 @@
 // Stream-ordered caching allocator for device memory. Blocks are rounded to size buckets and
 // kept after free for reuse, so the training step makes no cudaMalloc after warm-up. A block
 // freed on a stream is reused by later allocations on that same stream without a sync.
+// A block used on another stream must not be freed before that stream's work is ordered before
+// its own stream (event record + cudaStreamWaitEvent) or synchronised. Thread-safe.
 #include <cstddef>
 #include <cstdint>
 

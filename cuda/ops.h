@@ -9,6 +9,13 @@
 
 namespace kiln::cuda {
 
+// ---- copies (cuda/copy.cpp) ----
+// dst = src converted to dst's dtype; same shape (the caller expands src), any devices (at least
+// one cuda), dtypes and strides. Device-to-host copies synchronise before returning.
+void copy_tensor(const Tensor& dst, const Tensor& src);
+// Every element of the cuda tensor dst (any strides) = value converted to dst's dtype.
+void fill_tensor(const Tensor& dst, double value);
+
 // ---- elementwise and reductions (cuda/kernels/elementwise.cu, reduce.cu) ----
 void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar);
 // a and b already expanded to out's shape (zero strides where broadcast).

@@ -41,6 +41,7 @@ class StreamGuard {
 
  private:
   cudaStream_t prev_;
+  bool prev_set_;  // whether an outer guard was active (stream 0 is a valid override)
 };
 
 // Waits for all of the current device's work.

@@ -1,0 +1,75 @@
+#pragma once
+// NVTX ranges and a per-op GPU time profiler. Safe to include from CPU-only builds: without
+// CUDA everything here is a no-op.
+//
+//   cuda::NvtxRange r("forward");              // a named range in Nsight Systems
+//   KILN_PROFILE_OP("conv2d", x.shape_str());  // in an op: times the rest of the scope on the
+//                                             // current stream when the profiler is enabled;
+//                                             // the shape expression is evaluated only then
+//   cuda::enable_profiler(true); ...; std::cout << cuda::profiler_report();
+//
+// Op timing records CUDA events around the op on the current stream and reads them when the
+// report is made (which synchronises); nothing is recorded while a stream is being captured.
+// The table is shared by all threads (mutex).
+#include <string>
+
+namespace kiln::cuda {
+
+#ifdef KILN_WITH_CUDA
+
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name);
+  explicit NvtxRange(const std::string& name) : NvtxRange(name.c_str()) {}
+  ~NvtxRange();
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+void enable_profiler(bool on);
+bool profiler_enabled();
+// Clears the table (pending events included).
+void profiler_reset();
+// A table like torch.profiler's key_averages(): op, calls, total ms, mean ms, % of total; rows
+// sorted by total time. Synchronises on the pending events.
+std::string profiler_report();
+
+// Times its own lifetime on the current stream; `name` null means disabled (no work at all).
+// `name` must outlive the report (a string literal).
+class ProfileOp {
+ public:
+  ProfileOp(const char* name, std::string shape);
+  ~ProfileOp();
+  ProfileOp(const ProfileOp&) = delete;
+  ProfileOp& operator=(const ProfileOp&) = delete;
+
+ private:
+  const char* name_ = nullptr;
+  std::string shape_;
+  void* start_ = nullptr;  // cudaEvent_t, kept opaque so this header needs no CUDA headers
+  void* stream_ = nullptr;
+};
+
+#define KILN_PROFILE_CAT2(a, b) a##b
+#define KILN_PROFILE_CAT(a, b) KILN_PROFILE_CAT2(a, b)
+#define KILN_PROFILE_OP(name, shape)                                                   \
+  ::kiln::cuda::ProfileOp KILN_PROFILE_CAT(kiln_profile_op_, __LINE__)(                \
+      ::kiln::cuda::profiler_enabled() ? (name) : nullptr,                             \
+      ::kiln::cuda::profiler_enabled() ? std::string(shape) : std::string())
+
+#else  // CPU-only build
+
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char*) {}
+  explicit NvtxRange(const std::string&) {}
+};
+inline void enable_profiler(bool) {}
+inline bool profiler_enabled() { return false; }
+inline void profiler_reset() {}
+inline std::string profiler_report() { return "kiln profiler: built without CUDA\n"; }
+#define KILN_PROFILE_OP(name, shape) ((void)0)
+
+#endif
+
+}  // namespace kiln::cuda

@@ -1,0 +1,123 @@
+// Per-device runtime context, the thread-local current stream, and pinned host memory.
+#include "cuda/runtime.h"
+
+#include <array>
+#include <memory>
+#include <mutex>
+
+#include "cuda/check.h"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+
+// Contexts are created once and deliberately never destroyed: tearing down streams and
+// library handles during static destruction races the driver's own shutdown.
+std::array<Context*, kMaxDevices> g_contexts{};
+std::mutex g_context_mutex;
+
+// The StreamGuard override for this thread; `set` distinguishes "no override" from stream 0.
+struct StreamOverride {
+  bool set = false;
+  cudaStream_t stream = nullptr;
+};
+thread_local StreamOverride t_stream;
+
+// Restores the calling thread's current device on scope exit.
+class DeviceRestore {
+ public:
+  explicit DeviceRestore(int device) {
+    CUDA_CHECK(cudaGetDevice(&prev_));
+    if (device != prev_) CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceRestore() { cudaSetDevice(prev_); }  // best effort in a destructor
+
+ private:
+  int prev_ = 0;
+};
+
+Context* create_context(int device) {
+  DeviceRestore restore(device);
+  auto ctx = std::make_unique<Context>();
+  ctx->device = device;
+  CUDA_CHECK(cudaGetDeviceProperties(&ctx->props, device));
+  // Non-blocking: kiln's streams never serialise against the legacy default stream.
+  CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->compute, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->copy, cudaStreamNonBlocking));
+  CUDNN_CHECK(cudnnCreate(&ctx->cudnn));
+  CUDNN_CHECK(cudnnSetStream(ctx->cudnn, ctx->compute));
+  CUBLAS_CHECK(cublasLtCreate(&ctx->lt));
+  CUDA_CHECK(cudaMalloc(&ctx->lt_workspace, kLtWorkspaceBytes));
+  ctx->lt_workspace_bytes = kLtWorkspaceBytes;
+  return ctx.release();
+}
+
+}  // namespace
+
+int device_count() {
+  // Cached: the answer cannot change within a process, and probing a missing driver is slow.
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so later calls start clean
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+}
+
+bool is_available() { return device_count() > 0; }
+
+int current_device() {
+  int d = 0;
+  CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+void set_device(int device) {
+  KILN_CHECK(device >= 0 && device < device_count(), "set_device: device ", device,
+             " out of range (", device_count(), " CUDA devices visible)");
+  CUDA_CHECK(cudaSetDevice(device));
+}
+
+Context& context(int device) {
+  if (device < 0) device = current_device();
+  KILN_CHECK(device < device_count() && device < kMaxDevices, "cuda context: device ", device,
+             " out of range (", device_count(), " CUDA devices visible)");
+  std::lock_guard<std::mutex> lock(g_context_mutex);
+  if (!g_contexts[size_t(device)]) g_contexts[size_t(device)] = create_context(device);
+  return *g_contexts[size_t(device)];
+}
+
+cudaStream_t current_stream() {
+  if (t_stream.set) return t_stream.stream;
+  return context().compute;
+}
+
+StreamGuard::StreamGuard(cudaStream_t s) : prev_(t_stream.stream), prev_set_(t_stream.set) {
+  t_stream.set = true;
+  t_stream.stream = s;
+}
+
+StreamGuard::~StreamGuard() {
+  t_stream.set = prev_set_;
+  t_stream.stream = prev_;
+}
+
+void synchronize() { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+void* alloc_pinned(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+  return p;
+}
+
+void free_pinned(void* p) {
+  if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
+}  // namespace kiln::cuda

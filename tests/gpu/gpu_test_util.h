@@ -1,0 +1,79 @@
+#pragma once
+// Helpers of the GPU suites: device tensors from host values, NaN-prefilled outputs (so an
+// element a kernel forgets to write fails the comparison), and dtype-tied tolerances.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/generator.h"
+#include "core/tensor.h"
+
+namespace kiln::gputest {
+
+inline const Device kGpu = Device::cuda(0);
+
+inline TensorOptions gpu_opts(DType t, MemoryFormat fmt = MemoryFormat::Contiguous) {
+  return TensorOptions(t).with_device(kGpu).with_memory_format(fmt);
+}
+
+// Uniform values in [lo, hi) from a fixed seed.
+inline std::vector<double> uniform_values(int64_t n, double lo, double hi, uint64_t seed) {
+  Generator g(seed);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = lo + (hi - lo) * g.uniform();
+  return v;
+}
+
+inline Tensor gpu_tensor(const std::vector<double>& v, const Shape& shape, DType t,
+                         MemoryFormat fmt = MemoryFormat::Contiguous) {
+  return from_vector(v, shape, gpu_opts(t, fmt));
+}
+
+// An output to be fully overwritten, pre-filled with NaN.
+inline Tensor nan_output(const Shape& shape, DType t, MemoryFormat fmt = MemoryFormat::Contiguous) {
+  Tensor o = empty(shape, gpu_opts(t, fmt));
+  o.fill_(std::nan(""));
+  return o;
+}
+
+// The values the device really holds, widened to f64 on the host (the reference's input).
+inline Tensor host_f64(const Tensor& t) { return t.to(Device::cpu()).to(DType::f64).contiguous(); }
+
+struct Tol {
+  double atol, rtol;
+};
+inline Tol tol_for(DType t) {
+  switch (t) {
+    case DType::f64: return {1e-12, 1e-12};
+    case DType::f32: return {1e-5, 1e-5};
+    case DType::f16: return {1e-3, 2e-3};
+    case DType::bf16: return {1e-2, 1e-2};
+    default: return {0, 0};
+  }
+}
+
+// Checks |got - want| <= atol + rtol*|want| elementwise (NaN only matches NaN); reports the
+// first few mismatches.
+inline void check_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
+                        const std::string& what) {
+  REQUIRE_MESSAGE(got.size() == want.size(), what, ": size ", got.size(), " vs ", want.size());
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    bool ok = (std::isnan(g) && std::isnan(w)) ||
+              (std::isinf(w) && g == w) ||
+              (!std::isnan(g) && std::fabs(g - w) <= tol.atol + tol.rtol * std::fabs(w));
+    if (!ok && bad++ < 5) FAIL_CHECK(what << ": element " << i << " got " << g << " want " << w);
+  }
+  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", got.size(), " elements differ");
+}
+
+inline void check_close(const Tensor& got, const Tensor& want, Tol tol, const std::string& what) {
+  REQUIRE_MESSAGE(got.shape() == want.shape(), what, ": shape ", got.shape_str(), " vs ",
+                  want.shape_str());
+  check_close(got.to_vector<double>(), want.to_vector<double>(), tol, what);
+}
+
+}  // namespace kiln::gputest

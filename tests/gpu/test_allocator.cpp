@@ -1,0 +1,156 @@
+// The caching allocator: reuse without cudaMalloc, statistics, stream ordering, OOM message,
+// empty_cache, thread safety.
+#include <doctest/doctest.h>
+
+#include <thread>
+
+#include "cuda/allocator.h"
+#include "cuda/check.h"
+#include "cuda/runtime.h"
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace kiln;
+using namespace kiln::gputest;
+
+TEST_CASE("a freed block is reused: no new cudaMalloc for the same size") {
+  Allocator* a = cuda::caching_allocator(0);
+  for (size_t bytes : {size_t(1000), size_t(5) << 20, size_t(3)}) {
+    CAPTURE(bytes);
+    void* p = a->allocate(bytes);
+    REQUIRE(p != nullptr);
+    a->deallocate(p, bytes);
+    const cuda::AllocatorStats before = cuda::allocator_stats(0);
+    void* q = a->allocate(bytes);
+    const cuda::AllocatorStats after = cuda::allocator_stats(0);
+    CHECK(q == p);
+    CHECK(after.num_cuda_mallocs == before.num_cuda_mallocs);
+    CHECK(after.num_allocs == before.num_allocs + 1);
+    a->deallocate(q, bytes);
+  }
+  // The same through tensors, as a training step does it.
+  { Tensor t = empty({1 << 18}, gpu_opts(DType::f32)); }
+  const uint64_t mallocs = cuda::allocator_stats(0).num_cuda_mallocs;
+  for (int i = 0; i < 10; ++i) {
+    Tensor t = empty({1 << 18}, gpu_opts(DType::f32));
+    t.fill_(1.0);
+  }
+  CHECK(cuda::allocator_stats(0).num_cuda_mallocs == mallocs);
+  CHECK(a->allocate(0) == nullptr);
+  a->deallocate(nullptr, 0);
+}
+
+TEST_CASE("statistics: allocated, reserved, peak and its reset") {
+  Allocator* a = cuda::caching_allocator(0);
+  const cuda::AllocatorStats s0 = cuda::allocator_stats(0);
+  CHECK(s0.reserved_bytes >= s0.allocated_bytes);
+  void* small = a->allocate(1000);  // rounds to 1024
+  cuda::AllocatorStats s1 = cuda::allocator_stats(0);
+  CHECK(s1.allocated_bytes == s0.allocated_bytes + 1024);
+  CHECK(s1.reserved_bytes >= s1.allocated_bytes);
+  const size_t big_bytes = (size_t(64) << 20) + 1;  // rounds to 66 MiB
+  void* big = a->allocate(big_bytes);
+  cuda::AllocatorStats s2 = cuda::allocator_stats(0);
+  CHECK(s2.allocated_bytes == s1.allocated_bytes + (size_t(66) << 20));
+  CHECK(s2.peak_allocated_bytes >= s2.allocated_bytes);
+  a->deallocate(big, big_bytes);
+  cuda::AllocatorStats s3 = cuda::allocator_stats(0);
+  CHECK(s3.allocated_bytes == s1.allocated_bytes);
+  CHECK(s3.peak_allocated_bytes == s2.peak_allocated_bytes);  // the peak survives the free
+  CHECK(s3.reserved_bytes == s2.reserved_bytes);              // cached, not returned
+  cuda::reset_peak_stats(0);
+  CHECK(cuda::allocator_stats(0).peak_allocated_bytes == s3.allocated_bytes);
+  a->deallocate(small, 1000);
+  CHECK(cuda::allocator_stats(0).allocated_bytes == s0.allocated_bytes);
+}
+
+TEST_CASE("empty_cache returns every cached block") {
+  Allocator* a = cuda::caching_allocator(0);
+  void* p = a->allocate(size_t(8) << 20);
+  a->deallocate(p, size_t(8) << 20);
+  CHECK(cuda::allocator_stats(0).reserved_bytes > cuda::allocator_stats(0).allocated_bytes);
+  cuda::empty_cache(0);
+  cuda::AllocatorStats s = cuda::allocator_stats(0);
+  CHECK(s.reserved_bytes == s.allocated_bytes);
+}
+
+TEST_CASE("a small request does not take a much larger cached block") {
+  Allocator* a = cuda::caching_allocator(0);
+  void* big = a->allocate(size_t(64) << 20);
+  a->deallocate(big, size_t(64) << 20);
+  void* small = a->allocate(size_t(2) << 20);
+  CHECK(small != big);
+  a->deallocate(small, size_t(2) << 20);
+}
+
+TEST_CASE("stream order: a block freed on one stream is not handed to another") {
+  Allocator* a = cuda::caching_allocator(0);
+  const size_t bytes = size_t(4) << 20;
+  void* p = a->allocate(bytes);  // on the compute stream
+  a->deallocate(p, bytes);
+  cudaStream_t other = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  {
+    cuda::StreamGuard g(other);
+    void* q = a->allocate(bytes);
+    CHECK(q != p);
+    a->deallocate(q, bytes);
+    void* r = a->allocate(bytes);  // same stream as q: reused
+    CHECK(r == q);
+    a->deallocate(r, bytes);
+  }
+  void* s = a->allocate(bytes);  // back on the compute stream: p again
+  CHECK(s == p);
+  a->deallocate(s, bytes);
+  cuda::synchronize();
+  CUDA_CHECK(cudaStreamDestroy(other));
+}
+
+TEST_CASE("out of memory: OutOfMemoryError names the request and the allocator's bytes") {
+  Allocator* a = cuda::caching_allocator(0);
+  void* keep = a->allocate(1 << 20);
+  const size_t pib = size_t(1) << 50;
+  std::string msg;
+  try {
+    a->allocate(pib);
+    FAIL("1 PiB allocation did not throw");
+  } catch (const OutOfMemoryError& e) {
+    msg = e.what();
+  }
+  MESSAGE(msg);
+  cuda::AllocatorStats s = cuda::allocator_stats(0);
+  CHECK(msg.find(std::to_string(pib)) != std::string::npos);
+  CHECK(msg.find("cuda:0") != std::string::npos);
+  CHECK(msg.find(std::to_string(s.allocated_bytes) + " bytes allocated") != std::string::npos);
+  CHECK(msg.find(std::to_string(s.reserved_bytes) + " bytes reserved") != std::string::npos);
+  // The allocator and the device still work afterwards.
+  Tensor t = full({16}, 2.0, gpu_opts(DType::f32));
+  CHECK(t.to_vector<double>()[15] == 2.0);
+  a->deallocate(keep, 1 << 20);
+  CHECK_THROWS_AS(empty({int64_t(1) << 48}, gpu_opts(DType::f32)), OutOfMemoryError);
+}
+
+TEST_CASE("foreign pointers are refused") {
+  int x = 0;
+  CHECK_THROWS_AS(cuda::caching_allocator(0)->deallocate(&x, 4), Error);
+}
+
+TEST_CASE("thread safety: concurrent allocate/free balance out") {
+  Allocator* a = cuda::caching_allocator(0);
+  const size_t before = cuda::allocator_stats(0).allocated_bytes;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([a, t] {
+      std::vector<void*> ps;
+      for (int i = 0; i < 500; ++i) {
+        ps.push_back(a->allocate(size_t(512) * size_t(1 + (i + t) % 7)));
+        if (ps.size() > 8) {
+          a->deallocate(ps.front(), 0);
+          ps.erase(ps.begin());
+        }
+      }
+      for (void* p : ps) a->deallocate(p, 0);
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(cuda::allocator_stats(0).allocated_bytes == before);
+}

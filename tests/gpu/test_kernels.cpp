@@ -1,0 +1,234 @@
+// CUDA elementwise and row-reduction kernels against the CPU backend (f64 on the very values
+// the device holds), in every float dtype and layout path: vectorised dense, channels-last,
+// strided views, misaligned offsets, broadcasting, in place. Outputs are pre-filled with NaN.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cuda/ops.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace kiln;
+using namespace kiln::gputest;
+
+namespace {
+
+const DType kFloat[] = {DType::f32, DType::f16, DType::f64, DType::bf16};
+
+const UnaryOp kUnary[] = {UnaryOp::Neg, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt,
+                          UnaryOp::Relu, UnaryOp::Sigmoid, UnaryOp::Tanh, UnaryOp::PowScalar,
+                          UnaryOp::AddScalar, UnaryOp::MulScalar, UnaryOp::RsubScalar,
+                          UnaryOp::RdivScalar, UnaryOp::GtScalar};
+const BinaryOp kBinary[] = {BinaryOp::AddScaled, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Pow,
+                            BinaryOp::ReluBackward, BinaryOp::Eq};
+
+bool positive_domain(UnaryOp op) {
+  return op == UnaryOp::Log || op == UnaryOp::Sqrt || op == UnaryOp::PowScalar ||
+         op == UnaryOp::RdivScalar;
+}
+double scalar_for(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::PowScalar: return 2.5;
+    case UnaryOp::AddScalar: return 0.75;
+    case UnaryOp::MulScalar: return -1.5;
+    case UnaryOp::RsubScalar: return 2.0;
+    case UnaryOp::RdivScalar: return 3.0;
+    case UnaryOp::GtScalar: return 0.25;
+    default: return 0.0;
+  }
+}
+
+// Runs cuda::unary on `a` (any layout) into a NaN-filled output of layout `fmt` and compares
+// with cpu::unary in f64 on the same input values.
+void check_unary(UnaryOp op, const Tensor& a, MemoryFormat fmt, const std::string& what) {
+  const double s = scalar_for(op);
+  Tensor out = nan_output(a.shape(), a.dtype(), fmt);
+  cuda::unary(op, out, a, s);
+  Tensor a64 = host_f64(a);
+  Tensor want = empty(a.shape(), TensorOptions(DType::f64));
+  cpu::unary(op, want, a64, s);
+  check_close(out, want, tol_for(a.dtype()), what);
+}
+
+}  // namespace
+
+TEST_CASE("unary: every op, dtype and layout path") {
+  for (DType t : kFloat) {
+    for (UnaryOp op : kUnary) {
+      const std::string name = std::string(unary_name(op)) + " " + dtype_name(t);
+      CAPTURE(name);
+      const double lo = positive_domain(op) ? 0.5 : -3.0, hi = positive_domain(op) ? 2.0 : 3.0;
+      // dense, with a vector tail (1027 is not a multiple of any vector width)
+      Tensor a = gpu_tensor(uniform_values(1027, lo, hi, 1), {1027}, t);
+      check_unary(op, a, MemoryFormat::Contiguous, name + " dense");
+      // NHWC in and out: the flat path over channels-last memory
+      Tensor c = gpu_tensor(uniform_values(2 * 3 * 4 * 5, lo, hi, 2), {2, 3, 4, 5}, t,
+                            MemoryFormat::ChannelsLast);
+      check_unary(op, c, MemoryFormat::ChannelsLast, name + " nhwc");
+      // NHWC in, NCHW out: the strided path
+      check_unary(op, c, MemoryFormat::Contiguous, name + " nhwc->nchw");
+      // transposed view and a misaligned offset (one element in)
+      Tensor m = gpu_tensor(uniform_values(33 * 17, lo, hi, 3), {33, 17}, t);
+      check_unary(op, m.t(), MemoryFormat::Contiguous, name + " transposed");
+      check_unary(op, m.flatten().narrow(0, 1, 500), MemoryFormat::Contiguous,
+                  name + " misaligned");
+    }
+  }
+}
+
+TEST_CASE("unary in place (out aliases a)") {
+  for (DType t : kFloat) {
+    CAPTURE(dtype_name(t));
+    std::vector<double> v = uniform_values(1000, -2, 2, 4);
+    Tensor a = gpu_tensor(v, {1000}, t);
+    Tensor want = empty({1000}, TensorOptions(DType::f64));
+    cpu::unary(UnaryOp::MulScalar, want, host_f64(a), 3.0);
+    cuda::unary(UnaryOp::MulScalar, a, a, 3.0);
+    check_close(a, want, tol_for(t), "mul_ in place");
+  }
+}
+
+TEST_CASE("binary: every op, dtype, broadcasting and layout") {
+  struct Case {
+    Shape a, b;
+    MemoryFormat fa = MemoryFormat::Contiguous, fb = MemoryFormat::Contiguous;
+  };
+  const std::vector<Case> cases = {
+      {{4099}, {4099}},
+      {{3, 4}, {3, 4}},
+      {{3, 4}, {4}},
+      {{3, 1}, {1, 4}},
+      {{2, 3, 4}, {3, 1}},
+      {{4}, {2, 3, 4}},
+      {{2, 3, 4, 5}, {2, 3, 4, 5}, MemoryFormat::ChannelsLast, MemoryFormat::ChannelsLast},
+      {{2, 3, 4, 5}, {3, 1, 1}, MemoryFormat::ChannelsLast},
+      {{2, 3, 4, 5}, {2, 3, 4, 5}, MemoryFormat::ChannelsLast, MemoryFormat::Contiguous},
+  };
+  for (DType t : kFloat) {
+    for (BinaryOp op : kBinary) {
+      for (size_t ci = 0; ci < cases.size(); ++ci) {
+        const Case& c = cases[ci];
+        const std::string name = std::string(binary_name(op)) + " " + dtype_name(t) + " " +
+                                 shape_str(c.a) + " " + shape_str(c.b);
+        CAPTURE(name);
+        std::vector<double> va, vb;
+        if (op == BinaryOp::Eq) {  // small integers so that equal pairs occur
+          va = uniform_values(shape_numel(c.a), 0, 3, 10 + ci);
+          vb = uniform_values(shape_numel(c.b), 0, 3, 20 + ci);
+          for (auto& x : va) x = std::floor(x);
+          for (auto& x : vb) x = std::floor(x);
+        } else {
+          const bool pos_a = op == BinaryOp::Pow, pos_b = op == BinaryOp::Div;
+          va = uniform_values(shape_numel(c.a), pos_a ? 0.5 : -2, 2, 10 + ci);
+          vb = uniform_values(shape_numel(c.b), pos_b ? 0.5 : -2, 2, 20 + ci);
+        }
+        Tensor a = gpu_tensor(va, c.a, t, c.fa), b = gpu_tensor(vb, c.b, t, c.fb);
+        const Shape shape = F::broadcast_shapes(c.a, c.b, "test");
+        const double alpha = op == BinaryOp::AddScaled ? -0.7 : 1.0;
+        Tensor out = nan_output(shape, t, c.fa);
+        cuda::binary(op, out, a.expand(shape), b.expand(shape), alpha);
+        Tensor want = empty(shape, TensorOptions(DType::f64));
+        cpu::binary(op, want, host_f64(a).expand(shape), host_f64(b).expand(shape), alpha);
+        check_close(out, want, tol_for(t), name);
+      }
+    }
+  }
+}
+
+TEST_CASE("binary in place with a broadcast operand (add_)") {
+  Tensor self = gpu_tensor(uniform_values(24, -1, 1, 5), {2, 3, 4}, DType::f32);
+  Tensor other = gpu_tensor(uniform_values(4, -1, 1, 6), {4}, DType::f32);
+  Tensor want = empty({2, 3, 4}, TensorOptions(DType::f64));
+  cpu::binary(BinaryOp::AddScaled, want, host_f64(self), host_f64(other).expand({2, 3, 4}), 2.0);
+  cuda::binary(BinaryOp::AddScaled, self, self, other.expand({2, 3, 4}), 2.0);
+  check_close(self, want, tol_for(DType::f32), "add_ in place");
+}
+
+TEST_CASE("reduce_rows: sum and max, warp and block paths, NaN propagation") {
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {1, 1}, {7, 1000}, {3, 5000}, {1000, 3}, {4, 0}, {2, 2048}};
+  for (DType t : kFloat) {
+    for (auto [rows, inner] : shapes) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
+        const std::string name = std::string(op == ReduceOp::Sum ? "sum " : "max ") +
+                                 dtype_name(t) + " " + std::to_string(rows) + "x" +
+                                 std::to_string(inner);
+        CAPTURE(name);
+        std::vector<double> v = uniform_values(rows * inner, op == ReduceOp::Sum ? 0 : -1, 1, 7);
+        if (op == ReduceOp::Max && rows > 1 && inner > 2)
+          v[size_t(inner + inner / 2)] = std::numeric_limits<double>::quiet_NaN();  // row 1
+        Tensor x = gpu_tensor(v, {rows, inner}, t);
+        Tensor out = nan_output({rows}, t);
+        cuda::reduce_rows(op, out, x, rows, inner);
+        Tensor want = empty({rows}, TensorOptions(DType::f64));
+        cpu::reduce_rows(op, want, host_f64(x), rows, inner);
+        Tol tol = tol_for(t);
+        if (t == DType::f32) tol.rtol = 1e-5 + 1e-7 * double(inner);  // f32 accumulation
+        check_close(out, want, tol, name);
+      }
+    }
+  }
+}
+
+TEST_CASE("max_rows: values and first maximal index; scatter_rows routes gradients") {
+  for (DType t : kFloat) {
+    for (auto [rows, inner] : std::vector<std::pair<int64_t, int64_t>>{
+             {5, 7}, {64, 1000}, {3, 3000}, {1, 1}}) {
+      const std::string name = std::string(dtype_name(t)) + " " + std::to_string(rows) + "x" +
+                               std::to_string(inner);
+      CAPTURE(name);
+      // Integers 0..4: many ties, so "first maximal index" is really exercised.
+      std::vector<double> v = uniform_values(rows * inner, 0, 5, 8);
+      for (auto& x : v) x = std::floor(x);
+      Tensor x = gpu_tensor(v, {rows, inner}, t);
+      Tensor values = nan_output({rows}, t);
+      Tensor indices = full({rows}, -7.0, gpu_opts(DType::i64));
+      cuda::max_rows(values, indices, x, rows, inner);
+      std::vector<double> wv, wi;
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t best = 0;
+        for (int64_t i = 1; i < inner; ++i)
+          if (v[size_t(r * inner + i)] > v[size_t(r * inner + best)]) best = i;
+        wv.push_back(v[size_t(r * inner + best)]);
+        wi.push_back(double(best));
+      }
+      CHECK(values.to_vector<double>() == wv);
+      CHECK(indices.to_vector<double>() == wi);
+
+      std::vector<double> g = uniform_values(rows, -1, 1, 9);
+      Tensor gt = gpu_tensor(g, {rows}, t);
+      Tensor dx = nan_output({rows, inner}, t);
+      cuda::scatter_rows(dx, gt, indices, rows, inner);
+      std::vector<double> gexact = gt.to_vector<double>();
+      std::vector<double> want(size_t(rows * inner), 0.0);
+      for (int64_t r = 0; r < rows; ++r) want[size_t(r * inner + int64_t(wi[size_t(r)]))] = gexact[size_t(r)];
+      CHECK(dx.to_vector<double>() == want);
+    }
+  }
+}
+
+TEST_CASE("max_rows propagates NaN with its index") {
+  std::vector<double> v = {1, 5, std::nan(""), 7, 2, 3};
+  Tensor x = gpu_tensor(v, {2, 3}, DType::f32);
+  Tensor values = nan_output({2}, DType::f32);
+  Tensor indices = full({2}, -1.0, gpu_opts(DType::i64));
+  cuda::max_rows(values, indices, x, 2, 3);
+  auto vv = values.to_vector<double>();
+  CHECK(std::isnan(vv[0]));
+  CHECK(vv[1] == 7.0);
+  CHECK(indices.to_vector<double>() == std::vector<double>{2, 0});
+}
+
+TEST_CASE("F:: elementwise and reductions dispatch to the device") {
+  Tensor a = gpu_tensor(uniform_values(12, -1, 1, 12), {3, 4}, DType::f32);
+  Tensor b = gpu_tensor(uniform_values(4, -1, 1, 13), {4}, DType::f32);
+  Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+  check_close(F::add(a, b, 0.5), F::add(ha, hb, 0.5), tol_for(DType::f32), "F::add");
+  check_close(F::tanh(a), F::tanh(ha), tol_for(DType::f32), "F::tanh");
+  check_close(F::sum(a, {0}), F::sum(ha, {0}), tol_for(DType::f32), "F::sum dim 0");
+  check_close(F::mean(a), F::mean(ha), tol_for(DType::f32), "F::mean");
+  CHECK(F::sum(a).is_cuda());
+}
