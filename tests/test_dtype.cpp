@@ -206,8 +206,8 @@ TEST_CASE("to(dtype) between all eight dtypes") {
     if (src == DType::boolean) want_in = {0, 1, 1, 1, 1, 1};
     CHECK(in == want_in);
     for (DType dst : kAll) {
-      CAPTURE(dtype_name(src));
-      CAPTURE(dtype_name(dst));
+      CAPTURE(std::string(dtype_name(src)));
+      CAPTURE(std::string(dtype_name(dst)));
       Tensor b = a.to(dst);
       CHECK(b.dtype() == dst);
       CHECK(b.shape() == Shape{2, 3});
