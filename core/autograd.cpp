@@ -164,8 +164,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
                  "outputs; got ", r.desc(), " — pass a gradient of the same shape");
       g = ones_like(r);
     } else {
-      KILN_CHECK(g.shape() == r.shape(), "backward: gradient ", g.desc(), " does not match root ",
-                 r.desc());
+      KILN_CHECK(g.shape() == r.shape() && g.device() == r.device(), "backward: gradient ",
+                 g.desc(), " does not match root ", r.desc());
+      if (g.dtype() != r.dtype()) g = g.to(r.dtype());  // as validate_grads does for nodes
     }
     Edge e = edge_for(r);
     keep[e.fn.get()] = e.fn;

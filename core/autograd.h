@@ -133,7 +133,10 @@ class LambdaNode final : public Node {
  public:
   LambdaNode(std::string name, Fn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
-  std::vector<Tensor> apply(std::vector<Tensor>& g) override { return {fn_(g[0])}; }
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    if (!g[0].defined()) return {Tensor()};  // a zero gradient stays zero (undefined)
+    return {fn_(g[0])};
+  }
 
  private:
   std::string name_;
