@@ -56,7 +56,9 @@ struct InputMeta {
 class Node {
  public:
   Node();
-  virtual ~Node() = default;
+  // Unlinks the graph below iteratively: a chain of ~10^6 nodes would otherwise be freed by
+  // one recursive destructor call per node and overflow the stack.
+  virtual ~Node();
   virtual std::string name() const = 0;
   virtual std::vector<Tensor> apply(std::vector<Tensor>& grad_outputs) = 0;
   // Drops saved tensors after a backward without retain_graph.

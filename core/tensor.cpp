@@ -245,6 +245,11 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   return permute(p);
 }
 
+Tensor Tensor::t() const {
+  KILN_CHECK(dim() <= 2, "t: expects a tensor with <= 2 dims, got ", desc(), "; use transpose");
+  return dim() < 2 ? transpose(0, 0) : transpose(0, 1);
+}
+
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
   d = wrap_existing_dim(d, dim(), "slice");
   KILN_CHECK(step > 0, "slice: step must be positive, got ", step);
