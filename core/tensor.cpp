@@ -399,6 +399,10 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   autograd::check_inplace(*this, "copy_");
   Tensor s = src.detach();
   if (s.shape() != shape()) s = s.expand(shape());
+  // Source and destination in one buffer through different layouts (x.copy_(x.t()), shifted
+  // narrows): the loop would read elements it already overwrote. Copy from a snapshot.
+  if (s.shares_storage(*this) && (s.offset() != offset() || s.strides() != strides()))
+    s = s.clone();
   bump_version();
   if (is_cpu() && s.is_cpu()) {
     dispatch_all(dtype(), [&]<typename D>() {
