@@ -328,6 +328,16 @@ TEST_CASE("copy_ with broadcasting and dtype conversion; fill_; item; to_vector"
   base.copy_(ones({4}, DType::i64));
   CHECK(base.version() > v0);
   CHECK(base.to_vector<int64_t>() == std::vector<int64_t>(12, 1));
+  // source and destination overlapping in one buffer: the result is as if src were copied first
+  Tensor sq = arange(4, DType::f64).reshape({2, 2});
+  sq.copy_(sq.t());
+  CHECK(sq.to_vector<double>() == std::vector<double>{0, 2, 1, 3});
+  Tensor line = arange(5, DType::f64);
+  line.narrow(0, 1, 4).copy_(line.narrow(0, 0, 4));
+  CHECK(line.to_vector<double>() == std::vector<double>{0, 0, 1, 2, 3});
+  Tensor col = arange(3, DType::f64);
+  col.copy_(col.narrow(0, 2, 1));  // broadcast from an element of itself
+  CHECK(col.to_vector<double>() == std::vector<double>{2, 2, 2});
   // float -> f16 with rounding, f16 -> u8
   Tensor h = empty({2}, DType::f16);
   h.copy_(tensor({1.0 + 0x1p-11, 3.0}, DType::f64));
