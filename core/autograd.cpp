@@ -18,6 +18,23 @@ void GradMode::set_enabled(bool on) { g_grad_enabled = on; }
 
 Node::Node() : sequence_nr_(g_sequence.fetch_add(1)) {}
 
+Node::~Node() {
+  // Nodes whose last owner is this one are parked and released by the outermost ~Node's loop,
+  // so the depth of destructor calls stays at two whatever the depth of the graph.
+  thread_local std::vector<std::shared_ptr<Node>> pending;
+  thread_local bool draining = false;
+  for (Edge& e : next_edges_)
+    if (e.fn && e.fn.use_count() == 1) pending.push_back(std::move(e.fn));
+  if (draining) return;
+  draining = true;
+  while (!pending.empty()) {
+    std::shared_ptr<Node> n = std::move(pending.back());
+    pending.pop_back();
+    n.reset();  // may park more nodes
+  }
+  draining = false;
+}
+
 void Node::set_inputs(const std::vector<Tensor>& inputs) {
   next_edges_.clear();
   input_meta_.clear();
@@ -164,8 +181,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
                  "outputs; got ", r.desc(), " — pass a gradient of the same shape");
       g = ones_like(r);
     } else {
-      KILN_CHECK(g.shape() == r.shape(), "backward: gradient ", g.desc(), " does not match root ",
-                 r.desc());
+      KILN_CHECK(g.shape() == r.shape() && g.device() == r.device(), "backward: gradient ",
+                 g.desc(), " does not match root ", r.desc());
+      if (g.dtype() != r.dtype()) g = g.to(r.dtype());  // as validate_grads does for nodes
     }
     Edge e = edge_for(r);
     keep[e.fn.get()] = e.fn;

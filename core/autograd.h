@@ -56,7 +56,9 @@ struct InputMeta {
 class Node {
  public:
   Node();
-  virtual ~Node() = default;
+  // Unlinks the graph below iteratively: a chain of ~10^6 nodes would otherwise be freed by
+  // one recursive destructor call per node and overflow the stack.
+  virtual ~Node();
   virtual std::string name() const = 0;
   virtual std::vector<Tensor> apply(std::vector<Tensor>& grad_outputs) = 0;
   // Drops saved tensors after a backward without retain_graph.
@@ -133,7 +135,10 @@ class LambdaNode final : public Node {
  public:
   LambdaNode(std::string name, Fn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
-  std::vector<Tensor> apply(std::vector<Tensor>& g) override { return {fn_(g[0])}; }
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    if (!g[0].defined()) return {Tensor()};  // a zero gradient stays zero (undefined)
+    return {fn_(g[0])};
+  }
 
  private:
   std::string name_;

@@ -94,12 +94,11 @@ Device Device::parse(const std::string& s) {
   if (s == "cpu") return cpu();
   if (s == "cuda") return cuda(0);
   if (s.rfind("cuda:", 0) == 0) {
-    try {
-      size_t pos = 0;
-      int i = std::stoi(s.substr(5), &pos);
-      if (pos == s.size() - 5 && i >= 0) return cuda(i);
-    } catch (const std::exception&) {
-    }
+    // Digits only: std::stoi alone would also take " 1" and "+1".
+    const std::string num = s.substr(5);
+    bool digits = !num.empty() && num.size() <= 9;
+    for (char c : num) digits = digits && c >= '0' && c <= '9';
+    if (digits) return cuda(std::stoi(num));
   }
   KILN_FAIL("bad device string '", s, "' (expected cpu, cuda or cuda:N)");
 }

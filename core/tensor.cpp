@@ -48,10 +48,25 @@ static int64_t wrap_dim(int64_t d, int64_t ndim, const char* op) {
   return d < 0 ? d + n : d;
 }
 
+// For ops that index an existing dim: unlike wrap_dim, a 0-d tensor has none.
+static int64_t wrap_existing_dim(int64_t d, int64_t ndim, const char* op) {
+  KILN_CHECK(ndim > 0, op, ": dim ", d, " given for a 0-d tensor, which has no dims");
+  return wrap_dim(d, ndim, op);
+}
+
+static void check_shape(const Shape& shape, const char* op) {
+  for (int64_t d : shape)
+    KILN_CHECK(d >= 0, op, ": negative dimension in shape ", shape_str(shape));
+}
+
 // ---------------- metadata ----------------
 
-int64_t Tensor::size(int64_t d) const { return shape()[size_t(wrap_dim(d, dim(), "size"))]; }
-int64_t Tensor::stride(int64_t d) const { return strides()[size_t(wrap_dim(d, dim(), "stride"))]; }
+int64_t Tensor::size(int64_t d) const {
+  return shape()[size_t(wrap_existing_dim(d, dim(), "size"))];
+}
+int64_t Tensor::stride(int64_t d) const {
+  return strides()[size_t(wrap_existing_dim(d, dim(), "stride"))];
+}
 
 static bool strides_match(const Shape& shape, const Shape& strides, const Shape& want) {
   for (size_t i = 0; i < shape.size(); ++i)
@@ -62,8 +77,10 @@ static bool strides_match(const Shape& shape, const Shape& strides, const Shape&
 bool Tensor::is_contiguous(MemoryFormat fmt) const {
   if (fmt == MemoryFormat::ChannelsLast) {
     if (dim() != 4) return false;
+    if (numel() == 0) return true;
     return strides_match(shape(), strides(), channels_last_strides(shape()));
   }
+  if (numel() == 0) return true;  // no element to be out of place (as in PyTorch)
   return strides_match(shape(), strides(), contiguous_strides(shape()));
 }
 
@@ -217,14 +234,24 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  if (dim() == 0) {  // dims 0 and -1 of a 0-d tensor: nothing to swap
+    wrap_dim(d0, 0, "transpose");
+    wrap_dim(d1, 0, "transpose");
+    return permute({});
+  }
   std::vector<int64_t> p(static_cast<size_t>(dim()));
   std::iota(p.begin(), p.end(), 0);
   std::swap(p[size_t(wrap_dim(d0, dim(), "transpose"))], p[size_t(wrap_dim(d1, dim(), "transpose"))]);
   return permute(p);
 }
 
+Tensor Tensor::t() const {
+  KILN_CHECK(dim() <= 2, "t: expects a tensor with <= 2 dims, got ", desc(), "; use transpose");
+  return dim() < 2 ? transpose(0, 0) : transpose(0, 1);
+}
+
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  d = wrap_dim(d, dim(), "slice");
+  d = wrap_existing_dim(d, dim(), "slice");
   KILN_CHECK(step > 0, "slice: step must be positive, got ", step);
   const int64_t n = shape()[size_t(d)];
   if (start < 0) start += n;
@@ -246,14 +273,14 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
-  d = wrap_dim(d, dim(), "narrow");
+  d = wrap_existing_dim(d, dim(), "narrow");
   KILN_CHECK(start >= 0 && length >= 0 && start + length <= size(d), "narrow: [", start, ", ",
              start + length, ") out of range for dim ", d, " of ", desc());
   return slice(d, start, start + length);
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
-  d = wrap_dim(d, dim(), "select");
+  d = wrap_existing_dim(d, dim(), "select");
   int64_t n = size(d);
   KILN_CHECK(index >= -n && index < n, "select: index ", index, " out of range for dim ", d,
              " of ", desc());
@@ -275,6 +302,7 @@ Tensor Tensor::expand(const Shape& target) const {
     }
     int64_t cur = shape()[i - lead];
     int64_t want = target[i] == -1 ? cur : target[i];
+    KILN_CHECK(want >= 0, "expand: invalid size ", target[i], " in ", kiln::shape_str(target));
     KILN_CHECK(cur == want || cur == 1, "expand: cannot expand ", desc(), " to ",
                kiln::shape_str(target));
     ns[i] = want;
@@ -371,6 +399,10 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   autograd::check_inplace(*this, "copy_");
   Tensor s = src.detach();
   if (s.shape() != shape()) s = s.expand(shape());
+  // Source and destination in one buffer through different layouts (x.copy_(x.t()), shifted
+  // narrows): the loop would read elements it already overwrote. Copy from a snapshot.
+  if (s.shares_storage(*this) && (s.offset() != offset() || s.strides() != strides()))
+    s = s.clone();
   bump_version();
   if (is_cpu() && s.is_cpu()) {
     dispatch_all(dtype(), [&]<typename D>() {
@@ -443,6 +475,8 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   os << "tensor(";
   if (n > kMaxShown) {
     os << "...";
+  } else if (n == 0) {
+    os << "[]";
   } else if (t.dim() == 0) {
     os << v[0];
   } else {
@@ -488,8 +522,7 @@ Tensor make_tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape
 }
 
 Tensor empty(const Shape& shape, TensorOptions opts) {
-  for (int64_t d : shape)
-    KILN_CHECK(d >= 0, "empty: negative dimension in shape ", shape_str(shape));
+  check_shape(shape, "empty");
   Shape st = opts.memory_format == MemoryFormat::ChannelsLast ? channels_last_strides(shape)
                                                               : contiguous_strides(shape);
   auto storage =
@@ -520,6 +553,8 @@ Tensor ones_like(const Tensor& t) { return full_like(t, 1.0); }
 
 Tensor arange(double start, double end, double step, TensorOptions opts) {
   KILN_CHECK(step != 0, "arange: step must be non-zero");
+  KILN_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step),
+             "arange: start ", start, ", end ", end, " and step ", step, " must be finite");
   int64_t n = std::max<int64_t>(0, int64_t(std::ceil((end - start) / step)));
   std::vector<double> v(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) v[size_t(i)] = start + double(i) * step;
@@ -529,14 +564,29 @@ Tensor arange(int64_t end, TensorOptions opts) { return arange(0.0, double(end),
 
 template <typename Gen>
 static Tensor random_tensor(const Shape& shape, TensorOptions opts, Gen&& g) {
+  check_shape(shape, "random tensor");
   std::vector<double> v(static_cast<size_t>(shape_numel(shape)));
   for (auto& x : v) x = g();
   return from_vector(v, shape, opts);
 }
 
+// Draws k * 2^-bits with `bits` the significand width of the dtype: every such value is exact
+// in that dtype, so rounding can never turn a draw into 1.0 (a 53-bit draw rounded to bf16
+// would be 1.0 once in 512 samples). For f64 this is Generator::uniform.
+static int uniform_bits(DType t) {
+  switch (t) {
+    case DType::f32: return 24;
+    case DType::f16: return 11;
+    case DType::bf16: return 8;
+    default: return 53;
+  }
+}
+
 Tensor rand(const Shape& shape, TensorOptions opts, Generator* gen) {
   Generator& g = gen ? *gen : default_generator();
-  return random_tensor(shape, opts, [&] { return g.uniform(); });
+  const int bits = uniform_bits(opts.dtype);
+  const double scale = std::ldexp(1.0, -bits);
+  return random_tensor(shape, opts, [&] { return double(g.next_u64() >> (64 - bits)) * scale; });
 }
 Tensor randn(const Shape& shape, TensorOptions opts, Generator* gen) {
   Generator& g = gen ? *gen : default_generator();

@@ -138,7 +138,7 @@ class Tensor {
   Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
   Tensor permute(const std::vector<int64_t>& dims) const;
   Tensor transpose(int64_t d0, int64_t d1) const;
-  Tensor t() const { return transpose(0, 1); }
+  Tensor t() const;  // transpose of a <= 2-D tensor; 0-D and 1-D come back as a view of self
   Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
   Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
   Tensor select(int64_t dim, int64_t index) const;  // drops `dim`
