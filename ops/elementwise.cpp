@@ -231,7 +231,10 @@ void inplace_binary(BinaryOp op, const Tensor& self, const Tensor& other, double
   KILN_CHECK(shape == self.shape(), name, ": cannot broadcast ", other.desc(), " into ",
              self.desc());
   Tensor o = other.shape() == shape ? other.detach() : other.detach().expand(shape);
-  // Writing into self while reading self is safe elementwise (same offset read then written).
+  // Reading and writing the same element in place is safe; reading memory of self through
+  // another layout (x.add_(x.t())) is not, so such an operand is snapshotted first.
+  if (o.shares_storage(self) && (o.strides() != self.strides() || o.offset() != self.offset()))
+    o = o.clone();
   self.bump_version();
   switch (self.device().type) {
     case DeviceType::CPU: cpu::binary(op, self, self, o, alpha); break;

@@ -98,6 +98,10 @@ TEST_CASE("in-place ops") {
     w.add_(1.0);
   }
   CHECK(w.to_vector<float>() == std::vector<float>{2, 2});
+  // self read through another layout: x += xᵀ must use the old values of x.
+  Tensor x = from_vector<float>({0, 1, 2, 3}, {2, 2});
+  x.add_(x.t());
+  CHECK(x.to_vector<float>() == std::vector<float>{0, 3, 3, 6});
 }
 
 TEST_CASE("dtype and device mismatches are errors") {
