@@ -33,16 +33,24 @@ double calculate_gain(Nonlinearity nl, double a) {
 
 // Values are drawn on the host in f64 and copied, so a seed gives the same weights on every
 // device and dtype.
-const Tensor& uniform_(const Tensor& t, double lo, double hi, Generator* gen) {
+template <typename Draw>
+static const Tensor& fill_host(const Tensor& t, Draw&& draw) {
+  std::vector<double> v(size_t(t.numel()));
+  for (double& x : v) x = draw();
   NoGradGuard no_grad;
-  t.copy_(uniform(t.shape(), lo, hi, DType::f64, gen));
+  t.copy_(from_vector(v, t.shape(), DType::f64));
   return t;
 }
 
+const Tensor& uniform_(const Tensor& t, double lo, double hi, Generator* gen) {
+  KILN_CHECK(lo <= hi, "init::uniform_: lo ", lo, " > hi ", hi);
+  Generator& g = gen ? *gen : default_generator();
+  return fill_host(t, [&] { return lo + (hi - lo) * g.uniform(); });
+}
+
 const Tensor& normal_(const Tensor& t, double mean, double std, Generator* gen) {
-  NoGradGuard no_grad;
-  t.copy_(F::add(F::mul(randn(t.shape(), DType::f64, gen), std), mean));
-  return t;
+  Generator& g = gen ? *gen : default_generator();
+  return fill_host(t, [&] { return mean + std * g.normal(); });
 }
 
 const Tensor& constant_(const Tensor& t, double value) {

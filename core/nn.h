@@ -140,7 +140,7 @@ class AdaptiveAvgPool2d : public Module {
 class Flatten : public Module {
  public:
   explicit Flatten(int64_t start_dim = 1, int64_t end_dim = -1) : start_(start_dim), end_(end_dim) {}
-  Tensor forward(const Tensor& x) override { return F::flatten(x, start_, end_); }
+  Tensor forward(const Tensor& x) override { return x.flatten(start_, end_); }
   std::string type_name() const override { return "Flatten"; }
 
  private:
