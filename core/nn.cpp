@@ -1,0 +1,217 @@
+#include "core/nn.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace kiln::nn {
+
+namespace {
+std::string pair_str(Pair p) {
+  return p.h == p.w ? std::to_string(p.h)
+                    : "(" + std::to_string(p.h) + ", " + std::to_string(p.w) + ")";
+}
+}  // namespace
+
+// ---------------- init ----------------
+namespace init {
+
+std::pair<int64_t, int64_t> fan_in_out(const Tensor& t) {
+  KILN_CHECK(t.dim() >= 2, "init: fan in/out needs a tensor with at least 2 dims, got ", t.desc());
+  int64_t receptive = 1;
+  for (int64_t d = 2; d < t.dim(); ++d) receptive *= t.size(d);
+  return {t.size(1) * receptive, t.size(0) * receptive};
+}
+
+double calculate_gain(Nonlinearity nl, double a) {
+  switch (nl) {
+    case Nonlinearity::Linear: return 1.0;
+    case Nonlinearity::ReLU: return std::sqrt(2.0);
+    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + a * a));
+  }
+  KILN_FAIL("calculate_gain: bad nonlinearity");
+}
+
+// Values are drawn on the host in f64 and copied, so a seed gives the same weights on every
+// device and dtype.
+template <typename Draw>
+static const Tensor& fill_host(const Tensor& t, Draw&& draw) {
+  std::vector<double> v(size_t(t.numel()));
+  for (double& x : v) x = draw();
+  NoGradGuard no_grad;
+  t.copy_(from_vector(v, t.shape(), DType::f64));
+  return t;
+}
+
+const Tensor& uniform_(const Tensor& t, double lo, double hi, Generator* gen) {
+  KILN_CHECK(lo <= hi, "init::uniform_: lo ", lo, " > hi ", hi);
+  Generator& g = gen ? *gen : default_generator();
+  return fill_host(t, [&] { return lo + (hi - lo) * g.uniform(); });
+}
+
+const Tensor& normal_(const Tensor& t, double mean, double std, Generator* gen) {
+  Generator& g = gen ? *gen : default_generator();
+  return fill_host(t, [&] { return mean + std * g.normal(); });
+}
+
+const Tensor& constant_(const Tensor& t, double value) {
+  NoGradGuard no_grad;
+  t.fill_(value);
+  return t;
+}
+
+static double kaiming_std(const Tensor& t, double a, FanMode mode, Nonlinearity nl) {
+  auto [fan_in, fan_out] = fan_in_out(t);
+  int64_t fan = mode == FanMode::FanIn ? fan_in : fan_out;
+  KILN_CHECK(fan > 0, "kaiming init: zero fan for ", t.desc());
+  return calculate_gain(nl, a) / std::sqrt(double(fan));
+}
+
+const Tensor& kaiming_normal_(const Tensor& t, double a, FanMode mode, Nonlinearity nl,
+                              Generator* gen) {
+  return normal_(t, 0.0, kaiming_std(t, a, mode, nl), gen);
+}
+
+const Tensor& kaiming_uniform_(const Tensor& t, double a, FanMode mode, Nonlinearity nl,
+                               Generator* gen) {
+  double bound = std::sqrt(3.0) * kaiming_std(t, a, mode, nl);
+  return uniform_(t, -bound, bound, gen);
+}
+
+}  // namespace init
+
+// PyTorch's reset_parameters for Conv and Linear: kaiming_uniform(a=√5) gives U(±1/√fan_in).
+static void default_init(const Tensor& weight, const Tensor& bias, Generator* gen) {
+  init::kaiming_uniform_(weight, std::sqrt(5.0), init::FanMode::FanIn,
+                         init::Nonlinearity::LeakyReLU, gen);
+  if (bias.defined()) {
+    double bound = 1.0 / std::sqrt(double(init::fan_in_out(weight).first));
+    init::uniform_(bias, -bound, bound, gen);
+  }
+}
+
+// ---------------- Conv2d ----------------
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair kernel, Pair stride, Pair padding,
+               Pair dilation, int64_t groups, bool bias, Generator* gen)
+    : in_(in_channels), out_(out_channels), groups_(groups), kernel_(kernel), stride_(stride),
+      padding_(padding), dilation_(dilation) {
+  KILN_CHECK(in_channels > 0 && out_channels > 0 && groups > 0 && in_channels % groups == 0 &&
+                 out_channels % groups == 0,
+             "Conv2d: channels (", in_channels, ", ", out_channels,
+             ") must be positive and divisible by groups (", groups, ")");
+  KILN_CHECK(kernel.h > 0 && kernel.w > 0 && stride.h > 0 && stride.w > 0, "Conv2d: kernel ",
+             pair_str(kernel), " and stride ", pair_str(stride), " must be positive");
+  weight_ = register_parameter("weight", empty({out_, in_ / groups_, kernel.h, kernel.w}));
+  if (bias) bias_ = register_parameter("bias", empty({out_}));
+  reset_parameters(gen);
+}
+
+void Conv2d::reset_parameters(Generator* gen) { default_init(weight_, bias_, gen); }
+
+Tensor Conv2d::forward(const Tensor& x) {
+  return F::conv2d(x, weight_, bias_, stride_, padding_, dilation_, groups_);
+}
+
+std::string Conv2d::describe() const {
+  std::ostringstream os;
+  os << "Conv2d(" << in_ << ", " << out_ << ", kernel=" << pair_str(kernel_)
+     << ", stride=" << pair_str(stride_) << ", padding=" << pair_str(padding_);
+  if (dilation_.h != 1 || dilation_.w != 1) os << ", dilation=" << pair_str(dilation_);
+  if (groups_ != 1) os << ", groups=" << groups_;
+  if (!bias_.defined()) os << ", bias=false";
+  os << ")";
+  return os.str();
+}
+
+// ---------------- BatchNorm2d ----------------
+BatchNorm2d::BatchNorm2d(int64_t channels, double eps, double momentum)
+    : channels_(channels), eps_(eps), momentum_(momentum) {
+  KILN_CHECK(channels > 0, "BatchNorm2d: channels must be positive, got ", channels);
+  weight_ = register_parameter("weight", ones({channels}));
+  bias_ = register_parameter("bias", zeros({channels}));
+  running_mean_ = register_buffer("running_mean", zeros({channels}));
+  running_var_ = register_buffer("running_var", ones({channels}));
+  num_batches_tracked_ = register_buffer("num_batches_tracked", zeros({}, DType::i64));
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  KILN_CHECK(x.dim() == 4 && x.size(1) == channels_, "BatchNorm2d(", channels_,
+             "): expected input (N, ", channels_, ", H, W), got ", x.desc());
+  if (is_training()) {
+    NoGradGuard no_grad;
+    if (num_batches_tracked_.is_cpu()) {
+      ++*num_batches_tracked_.data<int64_t>();
+      num_batches_tracked_.bump_version();
+    } else {  // stays on the device: no host synchronisation
+      num_batches_tracked_.copy_(F::add(num_batches_tracked_.to(DType::f64), 1.0));
+    }
+  }
+  return F::batch_norm(x, weight_, bias_, running_mean_, running_var_, is_training(), momentum_,
+                       eps_);
+}
+
+std::string BatchNorm2d::describe() const {
+  std::ostringstream os;
+  os << "BatchNorm2d(" << channels_ << ", eps=" << eps_ << ", momentum=" << momentum_ << ")";
+  return os.str();
+}
+
+// ---------------- Linear ----------------
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator* gen)
+    : in_(in_features), out_(out_features) {
+  KILN_CHECK(in_features > 0 && out_features > 0, "Linear: features (", in_features, ", ",
+             out_features, ") must be positive");
+  weight_ = register_parameter("weight", empty({out_, in_}));
+  if (bias) bias_ = register_parameter("bias", empty({out_}));
+  reset_parameters(gen);
+}
+
+void Linear::reset_parameters(Generator* gen) { default_init(weight_, bias_, gen); }
+
+Tensor Linear::forward(const Tensor& x) { return F::linear(x, weight_, bias_); }
+
+std::string Linear::describe() const {
+  std::ostringstream os;
+  os << "Linear(" << in_ << ", " << out_ << (bias_.defined() ? "" : ", bias=false") << ")";
+  return os.str();
+}
+
+// ---------------- pooling ----------------
+Tensor MaxPool2d::forward(const Tensor& x) {
+  return F::max_pool2d(x, kernel_, stride_, padding_, dilation_);
+}
+std::string MaxPool2d::describe() const {
+  return "MaxPool2d(kernel=" + pair_str(kernel_) + ", stride=" + pair_str(stride_) +
+         ", padding=" + pair_str(padding_) + ")";
+}
+
+Tensor AvgPool2d::forward(const Tensor& x) {
+  return F::avg_pool2d(x, kernel_, stride_, padding_, count_include_pad_);
+}
+std::string AvgPool2d::describe() const {
+  return "AvgPool2d(kernel=" + pair_str(kernel_) + ", stride=" + pair_str(stride_) +
+         ", padding=" + pair_str(padding_) + ")";
+}
+
+std::string AdaptiveAvgPool2d::describe() const {
+  return "AdaptiveAvgPool2d(" + pair_str(output_) + ")";
+}
+
+// ---------------- Sequential ----------------
+Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
+  for (const ModulePtr& m : modules) push_back(m);
+}
+
+void Sequential::push_back(ModulePtr m) { register_module(std::to_string(size()), std::move(m)); }
+
+const ModulePtr& Sequential::operator[](size_t i) const {
+  KILN_CHECK(i < size(), "Sequential: index ", i, " out of range for ", size(), " modules");
+  return named_children()[i].second;
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor y = x;
+  for (const auto& [_, m] : named_children()) y = m->forward(y);
+  return y;
+}
+
+}  // namespace kiln::nn

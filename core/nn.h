@@ -1,0 +1,162 @@
+#pragma once
+// Layers over kiln::F and PyTorch's default initialisations.
+//
+// Defaults match torch.nn: Conv2d and Linear weights kaiming_uniform(a=√5), i.e.
+// U(±1/√fan_in), biases U(±1/√fan_in); BatchNorm2d weight 1, bias 0, running_mean 0,
+// running_var 1, num_batches_tracked 0 (i64). Random values come from `gen` (the default
+// generator when null), so a seed fixes a model's initial weights. Parameters are created f32
+// on the CPU; use Module::to to move or convert them.
+#include <initializer_list>
+#include <optional>
+
+#include "core/generator.h"
+#include "core/module.h"
+#include "ops/ops.h"
+
+namespace kiln::nn {
+
+using F::Pair;
+
+// ---------------- initialisers (in place, not recorded; return t) ----------------
+namespace init {
+enum class FanMode { FanIn, FanOut };
+enum class Nonlinearity { Linear, ReLU, LeakyReLU };
+// fan_in = size(1) * receptive field, fan_out = size(0) * receptive field (dim >= 2).
+std::pair<int64_t, int64_t> fan_in_out(const Tensor& t);
+// gain: 1 (Linear), √2 (ReLU), √(2/(1+a²)) (LeakyReLU with slope a).
+double calculate_gain(Nonlinearity nl, double a = 0.0);
+const Tensor& uniform_(const Tensor& t, double lo, double hi, Generator* gen = nullptr);
+const Tensor& normal_(const Tensor& t, double mean, double std, Generator* gen = nullptr);
+const Tensor& constant_(const Tensor& t, double value);
+// std = gain / √fan, gain from `nl` with slope a.
+const Tensor& kaiming_normal_(const Tensor& t, double a = 0.0, FanMode mode = FanMode::FanIn,
+                              Nonlinearity nl = Nonlinearity::LeakyReLU, Generator* gen = nullptr);
+// bound = gain · √(3 / fan).
+const Tensor& kaiming_uniform_(const Tensor& t, double a = 0.0, FanMode mode = FanMode::FanIn,
+                               Nonlinearity nl = Nonlinearity::LeakyReLU, Generator* gen = nullptr);
+}  // namespace init
+
+// x (N, in_channels, H, W) -> (N, out_channels, H', W').
+// weight (out, in/groups, kH, kW); bias (out) when `bias`.
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, Pair kernel, Pair stride = 1, Pair padding = 0,
+         Pair dilation = 1, int64_t groups = 1, bool bias = true, Generator* gen = nullptr);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Conv2d"; }
+  std::string describe() const override;
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }  // undefined without bias
+  // Re-draws weight (and bias) with PyTorch's default init.
+  void reset_parameters(Generator* gen = nullptr);
+
+ private:
+  int64_t in_, out_, groups_;
+  Pair kernel_, stride_, padding_, dilation_;
+  Tensor weight_, bias_;
+};
+
+// x (N, C, H, W). Training: batch statistics, running stats updated with `momentum`,
+// num_batches_tracked += 1. Eval: running statistics.
+class BatchNorm2d : public Module {
+ public:
+  explicit BatchNorm2d(int64_t channels, double eps = 1e-5, double momentum = 0.1);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "BatchNorm2d"; }
+  std::string describe() const override;
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  const Tensor& running_mean() const { return running_mean_; }
+  const Tensor& running_var() const { return running_var_; }
+  const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
+
+ private:
+  int64_t channels_;
+  double eps_, momentum_;
+  Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+};
+
+// x (N, in) -> (N, out). weight (out, in), bias (out) when `bias`.
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true, Generator* gen = nullptr);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Linear"; }
+  std::string describe() const override;
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  void reset_parameters(Generator* gen = nullptr);
+
+ private:
+  int64_t in_, out_;
+  Tensor weight_, bias_;
+};
+
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return F::relu(x); }
+  std::string type_name() const override { return "ReLU"; }
+};
+
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
+                     Pair dilation = 1)
+      : kernel_(kernel), stride_(stride.value_or(kernel)), padding_(padding), dilation_(dilation) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "MaxPool2d"; }
+  std::string describe() const override;
+
+ private:
+  Pair kernel_, stride_, padding_, dilation_;
+};
+
+class AvgPool2d : public Module {
+ public:
+  explicit AvgPool2d(Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
+                     bool count_include_pad = true)
+      : kernel_(kernel), stride_(stride.value_or(kernel)), padding_(padding),
+        count_include_pad_(count_include_pad) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "AvgPool2d"; }
+  std::string describe() const override;
+
+ private:
+  Pair kernel_, stride_, padding_;
+  bool count_include_pad_;
+};
+
+class AdaptiveAvgPool2d : public Module {
+ public:
+  explicit AdaptiveAvgPool2d(Pair output_size) : output_(output_size) {}
+  Tensor forward(const Tensor& x) override { return F::adaptive_avg_pool2d(x, output_); }
+  std::string type_name() const override { return "AdaptiveAvgPool2d"; }
+  std::string describe() const override;
+
+ private:
+  Pair output_;
+};
+
+class Flatten : public Module {
+ public:
+  explicit Flatten(int64_t start_dim = 1, int64_t end_dim = -1) : start_(start_dim), end_(end_dim) {}
+  Tensor forward(const Tensor& x) override { return x.flatten(start_, end_); }
+  std::string type_name() const override { return "Flatten"; }
+
+ private:
+  int64_t start_, end_;
+};
+
+// Applies its children in order; they are named "0", "1", ...
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  Sequential(std::initializer_list<ModulePtr> modules);
+  void push_back(ModulePtr m);
+  size_t size() const { return named_children().size(); }
+  const ModulePtr& operator[](size_t i) const;
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Sequential"; }
+};
+
+}  // namespace kiln::nn

@@ -1,0 +1,194 @@
+#include "models/resnet.h"
+
+#include <functional>
+#include <map>
+
+namespace kiln::models {
+
+using nn::BatchNorm2d;
+using nn::Conv2d;
+
+namespace {
+
+std::shared_ptr<Conv2d> conv3x3(int64_t in, int64_t out, int64_t stride, Generator* gen) {
+  return std::make_shared<Conv2d>(in, out, 3, stride, 1, 1, 1, /*bias=*/false, gen);
+}
+std::shared_ptr<Conv2d> conv1x1(int64_t in, int64_t out, int64_t stride, Generator* gen) {
+  return std::make_shared<Conv2d>(in, out, 1, stride, 0, 1, 1, /*bias=*/false, gen);
+}
+
+}  // namespace
+
+// ---------------- blocks ----------------
+// Registration order fixes the parameter order; it follows torchvision's __init__.
+BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+                       Generator* gen) {
+  conv1_ = register_module("conv1", conv3x3(in_planes, planes, stride, gen));
+  bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
+  relu_ = register_module("relu", std::make_shared<nn::ReLU>());
+  conv2_ = register_module("conv2", conv3x3(planes, planes, 1, gen));
+  bn2_ = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
+  if (downsample) downsample_ = register_module("downsample", std::move(downsample));
+}
+
+Tensor BasicBlock::forward(const Tensor& x) {
+  Tensor out = relu_->forward(bn1_->forward(conv1_->forward(x)));
+  out = bn2_->forward(conv2_->forward(out));
+  Tensor identity = downsample_ ? downsample_->forward(x) : x;
+  return F::relu(F::add(out, identity));
+}
+
+Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+                       Generator* gen) {
+  conv1_ = register_module("conv1", conv1x1(in_planes, planes, 1, gen));
+  bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
+  conv2_ = register_module("conv2", conv3x3(planes, planes, stride, gen));
+  bn2_ = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
+  conv3_ = register_module("conv3", conv1x1(planes, planes * kExpansion, 1, gen));
+  bn3_ = register_module("bn3", std::make_shared<BatchNorm2d>(planes * kExpansion));
+  relu_ = register_module("relu", std::make_shared<nn::ReLU>());
+  if (downsample) downsample_ = register_module("downsample", std::move(downsample));
+}
+
+Tensor Bottleneck::forward(const Tensor& x) {
+  Tensor out = relu_->forward(bn1_->forward(conv1_->forward(x)));
+  out = relu_->forward(bn2_->forward(conv2_->forward(out)));
+  out = bn3_->forward(conv3_->forward(out));
+  Tensor identity = downsample_ ? downsample_->forward(x) : x;
+  return F::relu(F::add(out, identity));
+}
+
+// ---------------- ResNet ----------------
+ResNet::ResNet(BlockKind block, std::vector<int64_t> layers, ResNetOptions opts)
+    : block_(block), opts_(opts), in_planes_(opts.width) {
+  KILN_CHECK(!layers.empty() && layers.size() <= 4, "ResNet: expected 1 to 4 stages, got ",
+             layers.size());
+  for (int64_t n : layers) KILN_CHECK(n > 0, "ResNet: every stage needs at least one block");
+  KILN_CHECK(opts.num_classes > 0 && opts.in_channels > 0 && opts.width > 0,
+             "ResNet: num_classes, in_channels and width must be positive");
+  Generator gen(opts.seed);
+  if (opts.imagenet_stem) {
+    conv1_ = register_module(
+        "conv1", std::make_shared<Conv2d>(opts.in_channels, opts.width, 7, 2, 3, 1, 1, false, &gen));
+  } else {
+    conv1_ = register_module("conv1", conv3x3(opts.in_channels, opts.width, 1, &gen));
+  }
+  bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(opts.width));
+  relu_ = register_module("relu", std::make_shared<nn::ReLU>());
+  if (opts.imagenet_stem)
+    maxpool_ = register_module("maxpool", std::make_shared<nn::MaxPool2d>(3, 2, 1));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    int64_t planes = opts.width << i;
+    layers_.push_back(register_module("layer" + std::to_string(i + 1),
+                                      make_layer(planes, layers[i], i == 0 ? 1 : 2, &gen)));
+  }
+  avgpool_ = register_module("avgpool", std::make_shared<nn::AdaptiveAvgPool2d>(1));
+  flatten_ = std::make_shared<nn::Flatten>(1);
+  fc_ = register_module("fc", std::make_shared<nn::Linear>(in_planes_, opts.num_classes, true, &gen));
+
+  // torchvision's init. The convs were drawn once with the default init; redraw them.
+  for (const auto& [_, m] : named_modules()) {
+    if (auto* c = dynamic_cast<const Conv2d*>(m)) {
+      nn::init::kaiming_normal_(c->weight(), 0.0, nn::init::FanMode::FanOut,
+                                nn::init::Nonlinearity::ReLU, &gen);
+    }
+    // BatchNorm2d already starts at weight 1, bias 0.
+  }
+  if (opts.zero_init_residual) {
+    for (const auto& [_, m] : named_modules()) {
+      if (auto* b = dynamic_cast<const Bottleneck*>(m)) nn::init::constant_(b->last_bn()->weight(), 0.0);
+      if (auto* b = dynamic_cast<const BasicBlock*>(m)) nn::init::constant_(b->last_bn()->weight(), 0.0);
+    }
+  }
+}
+
+std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t blocks, int64_t stride,
+                                                   Generator* gen) {
+  const int64_t expansion =
+      block_ == BlockKind::Basic ? BasicBlock::kExpansion : Bottleneck::kExpansion;
+  auto make_block = [&](int64_t in, int64_t s, nn::ModulePtr ds) -> nn::ModulePtr {
+    if (block_ == BlockKind::Basic) return std::make_shared<BasicBlock>(in, planes, s, ds, gen);
+    return std::make_shared<Bottleneck>(in, planes, s, ds, gen);
+  };
+  nn::ModulePtr downsample;
+  if (stride != 1 || in_planes_ != planes * expansion) {
+    downsample = std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
+        conv1x1(in_planes_, planes * expansion, stride, gen),
+        std::make_shared<BatchNorm2d>(planes * expansion)});
+  }
+  auto layer = std::make_shared<nn::Sequential>();
+  layer->push_back(make_block(in_planes_, stride, downsample));
+  in_planes_ = planes * expansion;
+  for (int64_t i = 1; i < blocks; ++i) layer->push_back(make_block(in_planes_, 1, nullptr));
+  return layer;
+}
+
+Tensor ResNet::forward(const Tensor& x) {
+  KILN_CHECK(x.dim() == 4 && x.size(1) == opts_.in_channels, "ResNet: expected input (N, ",
+             opts_.in_channels, ", H, W), got ", x.desc());
+  Tensor y = relu_->forward(bn1_->forward(conv1_->forward(x)));
+  if (maxpool_) y = maxpool_->forward(y);
+  for (const auto& layer : layers_) y = layer->forward(y);
+  y = flatten_->forward(avgpool_->forward(y));
+  return fc_->forward(y);
+}
+
+// ---------------- factories ----------------
+namespace {
+std::shared_ptr<ResNet> make(BlockKind b, std::vector<int64_t> layers, int64_t num_classes,
+                             bool zero_init_residual) {
+  ResNetOptions o;
+  o.num_classes = num_classes;
+  o.zero_init_residual = zero_init_residual;
+  return std::make_shared<ResNet>(b, std::move(layers), o);
+}
+}  // namespace
+
+std::shared_ptr<ResNet> resnet18(int64_t n, bool z) { return make(BlockKind::Basic, {2, 2, 2, 2}, n, z); }
+std::shared_ptr<ResNet> resnet34(int64_t n, bool z) { return make(BlockKind::Basic, {3, 4, 6, 3}, n, z); }
+std::shared_ptr<ResNet> resnet50(int64_t n, bool z) { return make(BlockKind::Bottleneck, {3, 4, 6, 3}, n, z); }
+std::shared_ptr<ResNet> resnet101(int64_t n, bool z) { return make(BlockKind::Bottleneck, {3, 4, 23, 3}, n, z); }
+std::shared_ptr<ResNet> resnet152(int64_t n, bool z) { return make(BlockKind::Bottleneck, {3, 8, 36, 3}, n, z); }
+
+std::shared_ptr<ResNet> resnet_small(int64_t num_classes, int64_t width, int64_t blocks_per_stage,
+                                     int64_t in_channels) {
+  ResNetOptions o;
+  o.num_classes = num_classes;
+  o.in_channels = in_channels;
+  o.width = width;
+  o.imagenet_stem = false;
+  return std::make_shared<ResNet>(BlockKind::Basic,
+                                  std::vector<int64_t>(3, blocks_per_stage), o);
+}
+
+namespace {
+const std::map<std::string, std::function<std::shared_ptr<ResNet>(int64_t)>>& registry() {
+  static const std::map<std::string, std::function<std::shared_ptr<ResNet>(int64_t)>> r = {
+      {"resnet18", [](int64_t n) { return resnet18(n); }},
+      {"resnet34", [](int64_t n) { return resnet34(n); }},
+      {"resnet50", [](int64_t n) { return resnet50(n); }},
+      {"resnet101", [](int64_t n) { return resnet101(n); }},
+      {"resnet152", [](int64_t n) { return resnet152(n); }},
+      {"resnet_small", [](int64_t n) { return resnet_small(n); }},
+  };
+  return r;
+}
+}  // namespace
+
+std::vector<std::string> model_names() {
+  std::vector<std::string> names;
+  for (const auto& [n, _] : registry()) names.push_back(n);
+  return names;
+}
+
+std::shared_ptr<ResNet> make_model(const std::string& name, int64_t num_classes) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::string valid;
+    for (const auto& n : model_names()) valid += (valid.empty() ? "" : ", ") + n;
+    KILN_FAIL("make_model: unknown model '", name, "'; valid names: ", valid);
+  }
+  return it->second(num_classes);
+}
+
+}  // namespace kiln::models
