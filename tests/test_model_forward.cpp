@@ -1,7 +1,6 @@
 // NEEDS F::conv2d, F::max_pool2d, F::adaptive_avg_pool2d, F::batch_norm, F::linear and
 // F::cross_entropy (implemented on other branches). This suite fails to link on branch
 // nn-models alone; run it after those branches are merged. It must NOT include
-// tests/pending_ops.h.
 //
 // Forward passes through the layers and the ResNets, BN running-statistics bookkeeping, and one
 // SGD step that lowers the loss of resnet_small on a fixed batch.

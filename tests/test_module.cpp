@@ -7,7 +7,6 @@
 
 #include "core/nn.h"
 #include "ops/ops.h"
-#include "tests/pending_ops.h"  // TEMPORARY: remove once conv/pool/bn/linear are merged
 
 using namespace kiln;
 using namespace kiln::nn;

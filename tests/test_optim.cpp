@@ -9,7 +9,6 @@
 #include "optim/adamw.h"
 #include "optim/schedule.h"
 #include "optim/sgd.h"
-#include "tests/pending_ops.h"  // TEMPORARY: remove once conv/pool/bn/linear are merged
 
 using namespace kiln;
 using namespace kiln::optim;

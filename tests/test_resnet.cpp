@@ -8,7 +8,6 @@
 #include <map>
 
 #include "models/resnet.h"
-#include "tests/pending_ops.h"  // TEMPORARY: remove once conv/pool/bn/linear are merged
 
 using namespace kiln;
 using namespace kiln::models;
