@@ -277,6 +277,9 @@ Tensor sigmoid(const Tensor& a) { return unary_op(UnaryOp::Sigmoid, a); }
 Tensor tanh(const Tensor& a) { return unary_op(UnaryOp::Tanh, a); }
 
 Tensor eq(const Tensor& a, const Tensor& b) {
+  // Integer tensors (labels, argmax indices) compare exactly in f64 up to 2^53.
+  if (!is_floating(a.dtype()) && a.dtype() == b.dtype())
+    return run_binary(BinaryOp::Eq, a.to(DType::f64), b.to(DType::f64), 1.0).to(DType::boolean);
   return run_binary(BinaryOp::Eq, a, b, 1.0).to(DType::boolean);
 }
 Tensor gt(const Tensor& a, double b) { return run_unary(UnaryOp::GtScalar, a, b).to(DType::boolean); }

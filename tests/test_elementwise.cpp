@@ -36,6 +36,9 @@ TEST_CASE("unary forward values") {
   CHECK(F::rdiv(x, 1.0).to_vector<double>() == std::vector<double>{-1.0, 2.0, 0.5});
   CHECK(F::gt(x, 0.0).dtype() == DType::boolean);
   CHECK(F::gt(x, 0.0).to_vector<int>() == std::vector<int>{0, 1, 1});
+  Tensor i = from_vector<int64_t>({3, 1, 4}, {3}, DType::i64);
+  Tensor j = from_vector<int64_t>({3, 2, 4}, {3}, DType::i64);
+  CHECK(F::eq(i, j).to_vector<int>() == std::vector<int>{1, 0, 1});
 }
 
 TEST_CASE("binary gradients, broadcasting both ways") {
