@@ -69,8 +69,8 @@ __global__ void softmax_bwd(T* dx, const T* dy, const T* y, int64_t rows, int64_
 // grad = (softmax - (1-ε)·onehot(t) - ε/C) · scale, with scale = grad_scale / N.
 template <typename T, typename I>
 __global__ void cross_entropy_rows(float* row_loss, int* row_hit, T* grad, const T* logits,
-                                   const I* target, int64_t rows, int64_t cols, float eps,
-                                   float scale) {
+                                   const I* target, int64_t rows, int64_t cols, double eps,
+                                   double scale) {
   using C = acc_t<T>;
   const int lane = threadIdx.x % 32;
   int64_t step;
@@ -197,13 +197,13 @@ void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& c
   // stream, so it is safe without a sync.
   Tensor row_loss = empty({rows}, TensorOptions(DType::f32).with_device(logits.device()));
   Tensor row_hit = empty({rows}, TensorOptions(DType::i32).with_device(logits.device()));
-  const float scale = float(grad_scale / double(rows));
+  const double scale = grad_scale / double(rows);  // rounded to the data's accumulation type
   dispatch_device_float(logits.dtype(), "cross_entropy", [&]<typename T>() {
     auto launch = [&]<typename I>() {
       cross_entropy_rows<T, I><<<warp_rows_grid(rows), kBlock, 0, stream>>>(
           static_cast<float*>(row_loss.raw_data()), static_cast<int*>(row_hit.raw_data()),
           static_cast<T*>(grad.raw_data()), static_cast<const T*>(logits.raw_data()),
-          static_cast<const I*>(target.raw_data()), rows, cols, float(label_smoothing), scale);
+          static_cast<const I*>(target.raw_data()), rows, cols, label_smoothing, scale);
       KILN_CUDA_CHECK_LAUNCH();
     };
     if (target.dtype() == DType::i64)

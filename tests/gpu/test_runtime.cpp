@@ -149,12 +149,22 @@ TEST_CASE("copy: NHWC, transposed, sliced and broadcast layouts") {
   std::vector<double> v = uniform_values(shape_numel(shape), -4, 4, 11);
   Tensor h = from_vector(v, shape, TensorOptions(DType::f32));
   for (DType t : {DType::f32, DType::f16, DType::f64}) {
-    CAPTURE(dtype_name(t));
+    std::string dtype = dtype_name(t);
+    CAPTURE(dtype);
     std::vector<double> want = h.to(t).to_vector<double>();
     // NHWC on the device (H2D into channels-last), back to contiguous host
     Tensor nhwc = from_vector(v, shape, gpu_opts(t, MemoryFormat::ChannelsLast));
     CHECK(nhwc.is_contiguous(MemoryFormat::ChannelsLast));
-    CHECK(nhwc.to_vector<double>() == want);
+    std::vector<double> got = nhwc.to_vector<double>();
+    for (size_t i = 0; i < got.size(); ++i)
+      if (got[i] != want[i]) {
+        std::string where = "first mismatch at " + std::to_string(i) + ": got " +
+                            std::to_string(got[i]) + " want " + std::to_string(want[i]);
+        CAPTURE(where);
+        CHECK(got[i] == want[i]);
+        break;
+      }
+    CHECK(got == want);
     Tensor back = empty(shape, TensorOptions(t));
     back.copy_(nhwc);  // D2H, NHWC -> NCHW, staged on the device
     CHECK(back.to_vector<double>() == want);
