@@ -1,9 +1,12 @@
 #include "core/autograd.h"
 
 #include <atomic>
+#include <mutex>
+#include <unordered_set>
 #include <queue>
 #include <unordered_map>
 
+#include "cuda/profiler.h"
 #include "ops/ops.h"
 
 namespace kiln {
@@ -131,6 +134,16 @@ void check_inplace(const Tensor& t, const char* op) {
 
 namespace {
 
+#ifdef KILN_WITH_CUDA
+// Node names as stable C strings for the profiler's table (which keeps the pointers).
+const char* interned_name(const Node& n) {
+  static std::mutex mu;
+  static std::unordered_set<std::string> names;
+  std::lock_guard<std::mutex> lock(mu);
+  return names.insert(n.name()).first->c_str();
+}
+#endif
+
 // Gradient shapes must match the forward input they belong to; catch an op's bug here rather
 // than as a wrong answer three layers later.
 void validate_grads(const Node& node, std::vector<Tensor>& grads) {
@@ -224,7 +237,12 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     std::vector<Tensor> in = std::move(buffers[n].grads);
     buffers.erase(n);
     if (in.empty()) in.resize(n->num_outputs());
-    std::vector<Tensor> out = n->apply(in);
+    std::vector<Tensor> out;
+    {
+      const bool on_gpu = !in.empty() && in[0].defined() && in[0].is_cuda();
+      KILN_PROFILE_OP(on_gpu ? interned_name(*n) : nullptr, in[0].desc());
+      out = n->apply(in);
+    }
     if (!retain_graph) n->release_saved();
     validate_grads(*n, out);
     const auto& edges = n->next_edges();

@@ -2,6 +2,7 @@
 // Shared helpers of ops/*.cpp: input validation with messages that name the op, and the CUDA
 // dispatch macro. Included only by ops implementation files.
 #include "core/tensor.h"
+#include "cuda/profiler.h"
 
 #ifdef KILN_WITH_CUDA
 #include "cuda/ops.h"
@@ -11,6 +12,10 @@
 #define KILN_CUDA_CALL(expr) \
   KILN_FAIL("this op was given a cuda tensor, but kiln was built without CUDA")
 #endif
+
+// Profiles the rest of the enclosing scope as op `name` (a string literal) when `t` is a cuda
+// tensor and the profiler is on: an NVTX range with the shape and CUDA-event timing.
+#define KILN_OP_SCOPE(name, t) KILN_PROFILE_OP((t).defined() && (t).is_cuda() ? (name) : nullptr, (t).desc())
 
 namespace kiln {
 

@@ -154,6 +154,7 @@ class BatchNormEvalBackward final : public Node {
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum, double eps) {
+  KILN_OP_SCOPE("batch_norm", x);
   validate(x, {weight, bias, running_mean, running_var}, training);
   const MemoryFormat fmt = x.suggest_memory_format();
   const Tensor xc = x.detach().contiguous(fmt);

@@ -125,6 +125,7 @@ class Conv2dBackward final : public Node {
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair stride, Pair padding,
               Pair dilation, int64_t groups) {
+  KILN_OP_SCOPE("conv2d", x);
   const ConvParams p = validate(x, weight, bias, stride, padding, dilation, groups);
   const int64_t oh = conv_out_size(x.size(2), weight.size(2), p.stride_h, p.pad_h, p.dil_h);
   const int64_t ow = conv_out_size(x.size(3), weight.size(3), p.stride_w, p.pad_w, p.dil_w);

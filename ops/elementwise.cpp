@@ -66,6 +66,7 @@ Tensor elementwise_out(const Shape& shape, const Tensor& a, const Tensor* b) {
 }
 
 Tensor run_unary(UnaryOp op, const Tensor& a, double s) {
+  KILN_OP_SCOPE(unary_name(op), a);
   check_defined(a, unary_name(op));
   Tensor out = elementwise_out(a.shape(), a, nullptr);
   switch (a.device().type) {
@@ -76,6 +77,7 @@ Tensor run_unary(UnaryOp op, const Tensor& a, double s) {
 }
 
 Tensor run_binary(BinaryOp op, const Tensor& a, const Tensor& b, double alpha) {
+  KILN_OP_SCOPE(binary_name(op), a);
   const char* name = binary_name(op);
   check_same(a, b, name);
   Shape shape = broadcast_shapes(a.shape(), b.shape(), name);

@@ -35,6 +35,7 @@ void check_targets(const Tensor& target, int64_t classes) {
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing) {
+  KILN_OP_SCOPE("cross_entropy", logits);
   check_defined(logits, "cross_entropy", "logits");
   check_defined(target, "cross_entropy", "target");
   check_float(logits, "cross_entropy");

@@ -138,6 +138,7 @@ class LinearBackward final : public Node {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  KILN_OP_SCOPE("matmul", a);
   const char* op = "matmul";
   check_same(a, b, op);
   check_float(a, op);
@@ -170,6 +171,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  KILN_OP_SCOPE("linear", x);
   const char* op = "linear";
   check_same(x, weight, op);
   check_float(x, op);

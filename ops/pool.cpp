@@ -134,6 +134,7 @@ class AdaptiveAvgPool2dBackward final : public Node {
 
 Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair padding,
                   Pair dilation) {
+  KILN_OP_SCOPE("max_pool2d", x);
   const PoolParams p = validate_window(x, kernel, stride, padding, dilation, "max_pool2d");
   const MemoryFormat fmt = x.suggest_memory_format();
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
@@ -156,6 +157,7 @@ Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
 
 Tensor avg_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair padding,
                   bool count_include_pad) {
+  KILN_OP_SCOPE("avg_pool2d", x);
   PoolParams p = validate_window(x, kernel, stride, padding, 1, "avg_pool2d");
   p.count_include_pad = count_include_pad;
   const MemoryFormat fmt = x.suggest_memory_format();
@@ -178,6 +180,7 @@ Tensor avg_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
 }
 
 Tensor adaptive_avg_pool2d(const Tensor& x, Pair output_size) {
+  KILN_OP_SCOPE("adaptive_avg_pool2d", x);
   check_input(x, "adaptive_avg_pool2d");
   KILN_CHECK(output_size.h > 0 && output_size.w > 0,
              "adaptive_avg_pool2d: output size must be positive, got (", output_size.h, ", ",

@@ -42,6 +42,7 @@ ReducePlan plan_reduction(const Tensor& x, const std::vector<int64_t>& dims, boo
 }
 
 Tensor reduce_rows_raw(ReduceOp op, const Tensor& x, const ReducePlan& p) {
+  KILN_OP_SCOPE("reduce", x);
   // (kept dims..., reduced dims...) contiguous, viewed as (rows, inner).
   Tensor xp = x.detach().permute(p.perm).contiguous();
   Tensor out = empty(p.out_shape, TensorOptions(x.dtype()).with_device(x.device()));

@@ -65,6 +65,7 @@ class SoftmaxBackward final : public Node {
 };
 
 Tensor softmax_impl(const Tensor& x, int64_t dim, bool log) {
+  KILN_OP_SCOPE(log ? "log_softmax" : "softmax", x);
   const char* op = op_name(log);
   check_defined(x, op);
   check_float(x, op);

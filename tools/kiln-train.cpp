@@ -25,6 +25,7 @@
 #include "optim/adamw.h"
 #include "optim/schedule.h"
 #include "optim/sgd.h"
+#include "cuda/profiler.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
@@ -52,6 +53,7 @@ struct Args {
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
+  bool profile = false;
 };
 
 void usage(FILE* f) {
@@ -77,6 +79,7 @@ void usage(FILE* f) {
       "  --device DEV         auto (default: cuda if present, else cpu), cpu, cuda, cuda:N\n"
       "  --print-freq N       progress line every N steps (default 50)\n"
       "  --output DIR         where the final model is written (default kiln-output)\n"
+      "  --profile            per-op GPU time table after the first epoch (cuda only)\n"
       "  -h, --help           this text\n",
       data::kFashionMnistDir);
 }
@@ -147,6 +150,8 @@ Args parse_args(int argc, char** argv) {
     } else if (f == "--label-smoothing") {
       a.label_smoothing = to_double(f, need(i, f), 0.0);
       KILN_CHECK(a.label_smoothing < 1.0, "flag --label-smoothing: must be < 1");
+    } else if (f == "--profile") {
+      a.profile = true;
     } else if (f == "--augment") {
       a.augment = true;
     } else if (f == "--seed") {
@@ -293,6 +298,10 @@ int run(const Args& a) {
               long(warm.steps), a.schedule.c_str(), a.augment ? ", crop+flip augmentation" : "");
   std::fflush(stdout);
 
+  if (a.profile) {
+    KILN_CHECK(dev.is_cuda(), "--profile times GPU ops; the device is ", dev);
+    cuda::enable_profiler(true);
+  }
   const auto start = Clock::now();
   int64_t step = 0;
   double last_acc = 0;
@@ -335,6 +344,10 @@ int run(const Args& a) {
       }
     }
     const double epoch_s = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+    if (a.profile && epoch == 0) {
+      std::printf("%s", cuda::profiler_report().c_str());
+      cuda::enable_profiler(false);
+    }
     EvalResult ev = evaluate(*model, test, dev);
     last_acc = ev.accuracy;
     std::printf("epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%%\n",
