@@ -352,7 +352,7 @@ TEST_CASE("training checkpoint round trip: model, optimizer, scaler, RNG, epoch/
   CHECK(raw.contains("optim.state.0.momentum_buffer"));
   CHECK(raw.contains("optim.group.1.lr"));
   CHECK(raw.contains("scaler.scale"));
-  CHECK(raw.metadata.at("kiln.rng.data") == data_state);
+  CHECK((raw.metadata.at("kiln.rng.data") == data_state));
   CHECK(raw.metadata.at("arch") == "resnet_small");
 
   default_generator().manual_seed(999);
@@ -365,8 +365,8 @@ TEST_CASE("training checkpoint round trip: model, optimizer, scaler, RNG, epoch/
   in.generators = {{"data", &fresh_gen}};
   load_checkpoint(path, in);
   KILN_CHECK_OK(compare_state(*model, *fresh, *opt, *fresh_opt));
-  CHECK(default_generator().state() == default_state);
-  CHECK(fresh_gen.state() == data_state);
+  CHECK((default_generator().state() == default_state));
+  CHECK((fresh_gen.state() == data_state));
   CHECK(in.epoch == 3);
   CHECK(in.step == 17);
   CHECK(in.metadata == st.metadata);
@@ -398,7 +398,7 @@ TEST_CASE("training checkpoint errors") {
   std::string before_rng = default_generator().state();
   auto unchanged = [&] {
     CHECK(bytes_of(other->state()[0].second) == other_bytes);
-    CHECK(default_generator().state() == before_rng);
+    CHECK((default_generator().state() == before_rng));
     auto now = other_opt->state_dict();
     REQUIRE(now.size() == before_opt.size());
     for (auto& [k, t] : before_opt) CHECK(same_tensor(now.at(k), t));
