@@ -25,10 +25,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string temp_path(const std::string& name) {
+// One folder per test process, removed at exit (a forked child leaves through _exit).
+struct TempDir {
   fs::path dir = fs::temp_directory_path() / ("kiln_test_ckpt_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  return (dir / name).string();
+  TempDir() { fs::create_directories(dir); }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+std::string temp_path(const std::string& name) {
+  static TempDir tmp;
+  return (tmp.dir / name).string();
 }
 
 std::shared_ptr<models::ResNet> small_net(uint64_t seed) {
