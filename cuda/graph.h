@@ -130,7 +130,7 @@ class GraphStep {
   GraphStepStats stats_;
 };
 
-// "f32[8,3,32,32]NHWC|i64[8]": dtype, shape and layout of each tensor, for run()'s fingerprint.
+// "f32[8, 3, 32, 32]NHWC|i64[8]": dtype, shape and layout of each tensor, for run()'s fingerprint.
 std::string shape_fingerprint(const std::vector<Tensor>& tensors);
 
 // True while the calling thread captures a graph: inside a GraphStep's capture, or while its
