@@ -102,19 +102,21 @@ class DeviceAllocator final : public Allocator {
     Block b = it->second;
     live_.erase(it);
     stats_.allocated_bytes -= b.size;
+    const FreeKey key{uintptr_t(b.stream), b.size};
     if (b.pool != 0) {
       Pool& pool = pools_.at(b.pool);
       if (!pool.released) {
-        pool.free.emplace(FreeKey{uintptr_t(b.stream), b.size}, b);
+        pool.free.emplace(key, b);
         return;
       }
       leave_pool(b);
-    } else if (const uint64_t id = open_pool_of(b.stream); id != 0) {
+    }
+    if (const uint64_t id = open_pool_of(b.stream); id != 0) {
       join_pool(b, id);  // freed during a capture on its stream: the graph may read it
-      pools_.at(id).free.emplace(FreeKey{uintptr_t(b.stream), b.size}, b);
+      pools_.at(id).free.emplace(key, b);
       return;
     }
-    free_.emplace(FreeKey{uintptr_t(b.stream), b.size}, b);
+    free_.emplace(key, b);
   }
 
   AllocatorStats stats() {
@@ -246,9 +248,9 @@ class DeviceAllocator final : public Allocator {
       if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) cudaGetLastError();
       ::kiln::detail::fail(
           ErrorKind::OutOfMemory, __FILE__, __LINE__, nullptr,
-          detail::str_cat("CUDA out of memory on cuda:", device_, ": tried to allocate ",
-                          requested, " bytes (", size, " rounded); kiln has ",
-                          stats_.allocated_bytes, " bytes allocated and ", stats_.reserved_bytes,
+          detail::str_cat("CUDA out of memory on cuda:", device_, ": tried to allocate ", requested,
+                          " bytes (", size, " rounded); kiln has ", stats_.allocated_bytes,
+                          " bytes allocated and ", stats_.reserved_bytes,
                           " bytes reserved; the device has ", free_b, " of ", total_b,
                           " bytes free",
                           capturing ? " (during CUDA graph capture, when the cache cannot be "

@@ -60,7 +60,7 @@ struct GraphStep::Staged {
   Tensor buffer;  // device staging buffer, input's layout; owned by the copy stream
   cudaEvent_t uploaded = nullptr;
   cudaEvent_t consumed = nullptr;
-  bool pending = false;   // uploaded but not yet moved into input
+  bool pending = false;  // uploaded but not yet moved into input
   bool consumed_recorded = false;
 };
 
@@ -189,8 +189,8 @@ void GraphStep::capture_and_launch() {
     const char* op = last_profiled_op();
     detail::fail(kind, __FILE__, __LINE__, nullptr,
                  detail::str_cat("GraphStep: the step cannot be captured as a CUDA graph",
-                                 op ? " (last op entered: " : "", op ? op : "", op ? ")" : "",
-                                 ": ", failure));
+                                 op ? " (last op entered: " : "", op ? op : "", op ? ")" : "", ": ",
+                                 failure));
   }
   // A re-capture first tries to patch the existing executable in place.
   if (exec_) {
@@ -225,8 +225,9 @@ void GraphStep::stage_input(const Tensor& input, const Tensor& host) {
   KILN_CHECK(input.defined() && input.is_cuda() && input.device().index == device_,
              "GraphStep::stage_input: the static input must be a tensor on cuda:", device_,
              ", got ", input.defined() ? input.desc() : std::string("an undefined tensor"));
-  KILN_CHECK(host.defined() && host.is_cpu(), "GraphStep::stage_input: the source must be a host "
-             "tensor, got ", host.defined() ? host.desc() : std::string("an undefined tensor"));
+  KILN_CHECK(host.defined() && host.is_cpu(),
+             "GraphStep::stage_input: the source must be a host tensor, got ",
+             host.defined() ? host.desc() : std::string("an undefined tensor"));
   KILN_CHECK(host.shape() == input.shape() && host.dtype() == input.dtype() &&
                  same_dense_layout(host, input),
              "GraphStep::stage_input: source ", host.desc(), " and static input ", input.desc(),
@@ -234,8 +235,9 @@ void GraphStep::stage_input(const Tensor& input, const Tensor& host) {
   if (input.numel() == 0) return;
   cudaPointerAttributes attr{};
   CUDA_CHECK(cudaPointerGetAttributes(&attr, host.raw_data()));
-  KILN_CHECK(attr.type == cudaMemoryTypeHost, "GraphStep::stage_input: ", host.desc(),
-             " is in pageable memory; the overlapped upload needs pinned memory (cuda::alloc_pinned)");
+  KILN_CHECK(
+      attr.type == cudaMemoryTypeHost, "GraphStep::stage_input: ", host.desc(),
+      " is in pageable memory; the overlapped upload needs pinned memory (cuda::alloc_pinned)");
   Staged* s = nullptr;
   for (auto& st : staged_)
     if (st->input.raw_data() == input.raw_data() && st->input.nbytes() == input.nbytes())
@@ -306,9 +308,9 @@ bool is_capturing() {
 }
 
 void check_not_capturing(const char* op, const char* why) {
-  KILN_CHECK(!is_capturing(), op, " cannot run while a CUDA graph is being captured (inside a "
-             "GraphStep's step): ", why, ". Do it outside the step (fill inputs before run(), "
-             "read results after it)");
+  KILN_CHECK(!is_capturing(), op,
+             " cannot run while a CUDA graph is being captured (inside a GraphStep's step): ", why,
+             ". Do it outside the step (fill inputs before run(), read results after it)");
 }
 
 }  // namespace kiln::cuda
