@@ -13,6 +13,7 @@
 
 #include "core/generator.h"
 #include "cuda/allocator.h"
+#include "cuda/check.h"
 #include "cuda/conv.h"
 #include "cuda/graph.h"
 #include "cuda/runtime.h"
@@ -354,6 +355,47 @@ TEST_CASE("graph: creating and destroying graphs does not grow reserved memory")
   // The first cycles fill the caches; after that a cycle is served from them.
   CHECK(reserved[9] == reserved[2]);
   CHECK(mallocs[9] == mallocs[2]);
+}
+
+TEST_CASE("allocator: a private pool keeps its blocks until released") {
+  Allocator* a = cuda::caching_allocator(0);
+  const size_t bytes = size_t(4) << 20;  // a bucket size: stats count it exactly
+  cudaStream_t s = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  {
+    cuda::StreamGuard guard(s);
+    void* before = a->allocate(bytes);  // a general block of stream s, still live
+    const cuda::AllocatorStats s0 = cuda::allocator_stats(0);
+    const uint64_t pool = cuda::create_pool(0);
+    cuda::open_pool(0, pool, s);
+    CHECK_THROWS_AS(cuda::open_pool(0, pool, s), Error);  // one open pool per stream
+    void* p = a->allocate(bytes);                         // new: the general cache has none
+    CHECK(cuda::allocator_stats(0).graph_pool_bytes == s0.graph_pool_bytes + bytes);
+    a->deallocate(before, bytes);  // freed while the pool is open: the pool adopts it
+    CHECK(cuda::allocator_stats(0).graph_pool_bytes == s0.graph_pool_bytes + 2 * bytes);
+    a->deallocate(p, bytes);
+    void* q = a->allocate(bytes);  // served by the pool
+    CHECK((q == p || q == before));
+    a->deallocate(q, bytes);
+    cuda::close_pool(0, pool);
+    void* r = a->allocate(bytes);  // pool closed: its cached blocks are not handed out
+    CHECK(r != p);
+    CHECK(r != before);
+    a->deallocate(r, bytes);
+    CHECK(cuda::allocator_stats(0).graph_pool_bytes == s0.graph_pool_bytes + 2 * bytes);
+    const size_t reserved = cuda::allocator_stats(0).reserved_bytes;
+    cuda::release_pool(0, pool);  // its blocks join the general cache of stream s
+    CHECK(cuda::allocator_stats(0).graph_pool_bytes == s0.graph_pool_bytes);
+    CHECK(cuda::allocator_stats(0).reserved_bytes == reserved);
+    void* t1 = a->allocate(bytes);
+    void* t2 = a->allocate(bytes);
+    void* t3 = a->allocate(bytes);
+    CHECK(cuda::allocator_stats(0).reserved_bytes == reserved);  // all three from the cache
+    for (void* t : {t1, t2, t3}) a->deallocate(t, bytes);
+    CHECK_THROWS_AS(cuda::open_pool(0, pool, s), Error);  // released
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 TEST_CASE("graph: option and input validation") {
