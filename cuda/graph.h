@@ -40,6 +40,12 @@
 // and keeps the graph for the captured fingerprint. The graph reads the static tensors it saw
 // at capture: keep the tensors of each shape if you come back to it.
 //
+// Memory: during capture the step's allocations come from the GraphStep's private pool
+// (cuda/allocator.h), and so do blocks of its stream freed meanwhile; all stay reserved while
+// the GraphStep lives, so replays find them untouched. Tensors the captured step leaves behind
+// (the gradients) live there and are rewritten by every replay; after an eager step (warm-up,
+// fallback) such handles refer to that step's tensors instead, while the graph keeps its own.
+//
 // Streams: run() is ordered after the work already queued on the caller's current stream and
 // makes that stream wait for the step, so the step behaves like one op on the caller's stream
 // (and tensors used on both sides need no extra synchronisation). Not thread-safe; use one
@@ -83,7 +89,8 @@ class GraphStep {
   GraphStep(const GraphStep&) = delete;
   GraphStep& operator=(const GraphStep&) = delete;
 
-  // Runs one step (see the header comment). `fingerprint` describes the work.
+  // Runs one step (see the header comment). `fingerprint` describes the work. When the capture
+  // fails it throws kiln::Error and the call performed no step; the next call captures again.
   void run(const std::string& fingerprint = "");
 
   // Keeps `t` alive as long as the GraphStep (static inputs and outputs). Returns t.
