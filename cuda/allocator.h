@@ -25,8 +25,8 @@ struct AllocatorStats {
   size_t reserved_bytes = 0;        // obtained from cudaMalloc (live + cached)
   size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
   uint64_t num_cuda_mallocs = 0;
-  uint64_t num_allocs = 0;          // allocate() calls
-  size_t graph_pool_bytes = 0;      // part of reserved_bytes held by private pools (live + cached)
+  uint64_t num_allocs = 0;      // allocate() calls
+  size_t graph_pool_bytes = 0;  // part of reserved_bytes held by private pools (live + cached)
 };
 
 Allocator* caching_allocator(int device);
