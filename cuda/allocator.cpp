@@ -9,6 +9,14 @@
 // used on another stream than its own must be freed only after that stream's work is ordered
 // before the owning stream (cudaEventRecord on the user stream + cudaStreamWaitEvent on the
 // owner), or after a synchronisation; otherwise a later allocation may overwrite it early.
+//
+// Private pools: a captured graph replays fixed addresses, so every block it touched must stay
+// out of other hands while the graph lives. During a capture on stream S (pool open on S):
+// allocations on S come from the pool's free list, then from S's general free list (its pending
+// work is ordered before the graph on S), then from cudaMalloc; S's blocks freed during the
+// capture join the pool whatever their origin, because the graph may read them. Pool blocks
+// freed later go back to the pool, not to the general cache. cudaMalloc runs in relaxed capture
+// mode: it is not stream work, and a thread-local capture would otherwise refuse it.
 #include "cuda/allocator.h"
 
 #include <array>
@@ -16,8 +24,10 @@
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "cuda/check.h"
+#include "cuda/graph.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {
@@ -37,10 +47,28 @@ struct Block {
   void* ptr = nullptr;
   size_t size = 0;
   cudaStream_t stream = nullptr;
+  uint64_t pool = 0;  // 0: the general cache
 };
 
 // Free lists ordered by (stream, size): lower_bound gives the best fit on one stream.
 using FreeKey = std::pair<uintptr_t, size_t>;
+using FreeList = std::multimap<FreeKey, Block>;
+
+struct Pool {
+  FreeList free;
+  size_t bytes = 0;       // blocks belonging to the pool, live or cached
+  bool released = false;  // the graph is gone; live blocks leave the pool when freed
+};
+
+// Removes and returns the best fit for `size` on `stream` (at most 2x), if any.
+bool take_best_fit(FreeList& list, cudaStream_t stream, size_t size, Block* out) {
+  auto it = list.lower_bound({uintptr_t(stream), size});
+  if (it == list.end() || it->first.first != uintptr_t(stream) || it->first.second > 2 * size)
+    return false;
+  *out = it->second;
+  list.erase(it);
+  return true;
+}
 
 class DeviceAllocator final : public Allocator {
  public:
@@ -52,17 +80,17 @@ class DeviceAllocator final : public Allocator {
     if (nbytes == 0) return nullptr;
     const size_t size = round_size(nbytes);
     cudaStream_t stream = stream_for_device();
-    auto it = free_.lower_bound({uintptr_t(stream), size});
-    if (it != free_.end() && it->first.first == uintptr_t(stream) &&
-        it->first.second <= 2 * size) {
-      Block b = it->second;
-      free_.erase(it);
+    const uint64_t pool_id = open_pool_of(stream);
+    Block b;
+    if (pool_id != 0) {
+      Pool& pool = pools_.at(pool_id);
+      if (take_best_fit(pool.free, stream, size, &b)) return hand_out(b);
+      if (!take_best_fit(free_, stream, size, &b)) b = new_block(size, nbytes, stream, true);
+      join_pool(b, pool_id);
       return hand_out(b);
     }
-    void* p = cuda_malloc_or_retry(size, nbytes);
-    stats_.reserved_bytes += size;
-    ++stats_.num_cuda_mallocs;
-    return hand_out(Block{p, size, stream});
+    if (take_best_fit(free_, stream, size, &b)) return hand_out(b);
+    return hand_out(new_block(size, nbytes, stream, false));
   }
 
   void deallocate(void* ptr, size_t) override {
@@ -74,7 +102,21 @@ class DeviceAllocator final : public Allocator {
     Block b = it->second;
     live_.erase(it);
     stats_.allocated_bytes -= b.size;
-    free_.emplace(FreeKey{uintptr_t(b.stream), b.size}, b);
+    const FreeKey key{uintptr_t(b.stream), b.size};
+    if (b.pool != 0) {
+      Pool& pool = pools_.at(b.pool);
+      if (!pool.released) {
+        pool.free.emplace(key, b);
+        return;
+      }
+      leave_pool(b);
+    }
+    if (const uint64_t id = open_pool_of(b.stream); id != 0) {
+      join_pool(b, id);  // freed during a capture on its stream: the graph may read it
+      pools_.at(id).free.emplace(key, b);
+      return;
+    }
+    free_.emplace(key, b);
   }
 
   AllocatorStats stats() {
@@ -88,8 +130,49 @@ class DeviceAllocator final : public Allocator {
   }
 
   void empty_cache() {
+    check_not_capturing("cuda::empty_cache()", "it synchronises the device");
     std::lock_guard<std::mutex> lock(mutex_);
     release_cached();
+  }
+
+  uint64_t create_pool() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const uint64_t id = next_pool_++;
+    pools_.emplace(id, Pool{});
+    return id;
+  }
+
+  void open_pool(uint64_t id, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pools_.find(id);
+    KILN_CHECK(it != pools_.end() && !it->second.released, "cuda allocator (cuda:", device_,
+               "): private pool ", id, " does not exist or was released");
+    KILN_CHECK(open_pool_of(stream) == 0, "cuda allocator (cuda:", device_,
+               "): a private pool is already open on stream ", static_cast<void*>(stream));
+    open_.emplace_back(stream, id);
+  }
+
+  void close_pool(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(open_, [id](const auto& e) { return e.second == id; });
+  }
+
+  void release_pool(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(open_, [id](const auto& e) { return e.second == id; });
+    auto it = pools_.find(id);
+    if (it == pools_.end() || it->second.released) return;
+    if (it->second.bytes == 0) {
+      pools_.erase(it);
+      return;
+    }
+    it->second.released = true;
+    FreeList cached = std::move(it->second.free);
+    it->second.free.clear();
+    for (auto& [key, b] : cached) {
+      leave_pool(b);  // erases the pool with its last block: `it` is dead from here
+      free_.emplace(key, b);
+    }
   }
 
  private:
@@ -101,13 +184,42 @@ class DeviceAllocator final : public Allocator {
     return b.ptr;
   }
 
+  Block new_block(size_t size, size_t requested, cudaStream_t stream, bool capturing) {
+    void* p = cuda_malloc_or_retry(size, requested, capturing);
+    stats_.reserved_bytes += size;
+    ++stats_.num_cuda_mallocs;
+    return Block{p, size, stream, 0};
+  }
+
+  void join_pool(Block& b, uint64_t id) {
+    b.pool = id;
+    pools_.at(id).bytes += b.size;
+    stats_.graph_pool_bytes += b.size;
+  }
+
+  // The block leaves its (released) pool for the general cache; the pool is forgotten once
+  // it holds nothing.
+  void leave_pool(Block& b) {
+    auto it = pools_.find(b.pool);
+    it->second.bytes -= b.size;
+    stats_.graph_pool_bytes -= b.size;
+    if (it->second.released && it->second.bytes == 0) pools_.erase(it);
+    b.pool = 0;
+  }
+
+  uint64_t open_pool_of(cudaStream_t stream) const {
+    for (const auto& [s, id] : open_)
+      if (s == stream) return id;
+    return 0;
+  }
+
   // The device's current stream when it is the current device, else its compute stream.
   cudaStream_t stream_for_device() {
     return current_device() == device_ ? current_stream() : context(device_).compute;
   }
 
-  // Frees every cached block. Cached blocks may still be read by queued work on their stream,
-  // so the device is synchronised first.
+  // Frees every block of the general cache. Cached blocks may still be read by queued work on
+  // their stream, so the device is synchronised first.
   void release_cached() {
     if (free_.empty()) return;
     DeviceScope scope(device_);
@@ -119,14 +231,16 @@ class DeviceAllocator final : public Allocator {
     free_.clear();
   }
 
-  void* cuda_malloc_or_retry(size_t size, size_t requested) {
+  // During a capture the cache cannot be released (that synchronises the device and would
+  // invalidate the capture), so running out of memory then is reported at once.
+  void* cuda_malloc_or_retry(size_t size, size_t requested, bool capturing) {
     DeviceScope scope(device_);
     void* p = nullptr;
-    cudaError_t e = cudaMalloc(&p, size);
-    if (e == cudaErrorMemoryAllocation) {
+    cudaError_t e = relaxed_malloc(&p, size);
+    if (e == cudaErrorMemoryAllocation && !capturing && !is_capturing()) {
       cudaGetLastError();  // clear it; the retry decides
       release_cached();
-      e = cudaMalloc(&p, size);
+      e = relaxed_malloc(&p, size);
     }
     if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();
@@ -134,14 +248,25 @@ class DeviceAllocator final : public Allocator {
       if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) cudaGetLastError();
       ::kiln::detail::fail(
           ErrorKind::OutOfMemory, __FILE__, __LINE__, nullptr,
-          detail::str_cat("CUDA out of memory on cuda:", device_, ": tried to allocate ",
-                          requested, " bytes (", size, " rounded); kiln has ",
-                          stats_.allocated_bytes, " bytes allocated and ", stats_.reserved_bytes,
+          detail::str_cat("CUDA out of memory on cuda:", device_, ": tried to allocate ", requested,
+                          " bytes (", size, " rounded); kiln has ", stats_.allocated_bytes,
+                          " bytes allocated and ", stats_.reserved_bytes,
                           " bytes reserved; the device has ", free_b, " of ", total_b,
-                          " bytes free"));
+                          " bytes free",
+                          capturing ? " (during CUDA graph capture, when the cache cannot be "
+                                      "released: give the warm-up room, or free memory first)"
+                                    : ""));
     }
     CUDA_CHECK(e);
     return p;
+  }
+
+  static cudaError_t relaxed_malloc(void** p, size_t size) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    const cudaError_t e = cudaMalloc(p, size);
+    cudaThreadExchangeStreamCaptureMode(&mode);  // restores the caller's mode; cannot fail here
+    return e;
   }
 
   class DeviceScope {
@@ -162,8 +287,11 @@ class DeviceAllocator final : public Allocator {
 
   const int device_;
   std::mutex mutex_;
-  std::multimap<FreeKey, Block> free_;
+  FreeList free_;  // the general cache
   std::unordered_map<void*, Block> live_;
+  std::unordered_map<uint64_t, Pool> pools_;
+  std::vector<std::pair<cudaStream_t, uint64_t>> open_;  // (stream, pool) being captured
+  uint64_t next_pool_ = 1;
   AllocatorStats stats_;
 };
 
@@ -187,5 +315,11 @@ Allocator* caching_allocator(int device) { return &device_allocator(device); }
 AllocatorStats allocator_stats(int device) { return device_allocator(device).stats(); }
 void reset_peak_stats(int device) { device_allocator(device).reset_peak(); }
 void empty_cache(int device) { device_allocator(device).empty_cache(); }
+uint64_t create_pool(int device) { return device_allocator(device).create_pool(); }
+void open_pool(int device, uint64_t pool, cudaStream_t stream) {
+  device_allocator(device).open_pool(pool, stream);
+}
+void close_pool(int device, uint64_t pool) { device_allocator(device).close_pool(pool); }
+void release_pool(int device, uint64_t pool) { device_allocator(device).release_pool(pool); }
 
 }  // namespace kiln::cuda

@@ -4,6 +4,15 @@
 // freed on a stream is reused by later allocations on that same stream without a sync.
 // A block used on another stream must not be freed before that stream's work is ordered before
 // its own stream (event record + cudaStreamWaitEvent) or synchronised. Thread-safe.
+//
+// Private pools (for CUDA graphs, cuda/graph.h): while a pool is open on a stream, every
+// allocation on that stream is served from the pool, and every block of that stream freed then
+// joins the pool (a graph being captured may still read it). Pool blocks are never handed to
+// anyone else while the pool lives, so a graph's replays find its memory untouched. Releasing
+// the pool returns its cached blocks to the general cache of their stream; its blocks still in
+// use join the general cache when freed.
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -16,13 +25,23 @@ struct AllocatorStats {
   size_t reserved_bytes = 0;        // obtained from cudaMalloc (live + cached)
   size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
   uint64_t num_cuda_mallocs = 0;
-  uint64_t num_allocs = 0;          // allocate() calls
+  uint64_t num_allocs = 0;      // allocate() calls
+  size_t graph_pool_bytes = 0;  // part of reserved_bytes held by private pools (live + cached)
 };
 
 Allocator* caching_allocator(int device);
 AllocatorStats allocator_stats(int device = -1);
 void reset_peak_stats(int device = -1);
-// Returns cached, unused blocks to the driver.
+// Returns cached, unused blocks to the driver (not those of private pools). An error during
+// graph capture, because it synchronises the device.
 void empty_cache(int device = -1);
+
+// Private pools (see above). Ids are never reused. open/close bracket a capture on `stream`;
+// at most one pool is open per stream. release_pool: the caller guarantees that no work
+// using the pool's memory is pending (the graph executor synchronises its stream first).
+uint64_t create_pool(int device);
+void open_pool(int device, uint64_t pool, cudaStream_t stream);
+void close_pool(int device, uint64_t pool);
+void release_pool(int device, uint64_t pool);
 
 }  // namespace kiln::cuda

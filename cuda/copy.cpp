@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cuda/check.h"
+#include "cuda/graph.h"
 #include "cuda/kernels/copy.cuh"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
@@ -73,6 +74,7 @@ void copy_device_to_device(const Tensor& dst, const Tensor& src) {
     }
     return;
   }
+  check_not_capturing("a copy between two cuda devices", "it synchronises both devices' streams");
   // Across devices (rare): make src dense in dst's dtype on its own device, move it with a peer
   // copy, then scatter into dst. Both streams are synchronised so the staging buffers can go.
   Tensor s = src;
@@ -92,6 +94,9 @@ void copy_device_to_device(const Tensor& dst, const Tensor& src) {
 }
 
 void copy_host_to_device(const Tensor& dst, const Tensor& src) {
+  check_not_capturing("a copy from host memory to a cuda tensor (from_vector, to(cuda), copy_)",
+                      "a replay would copy from that host address again, long after it changed "
+                      "or was freed");
   DeviceGuard guard(dst.device().index);
   cudaStream_t stream = current_stream();
   Tensor h = src;
@@ -113,6 +118,8 @@ void copy_host_to_device(const Tensor& dst, const Tensor& src) {
 }
 
 void copy_device_to_host(const Tensor& dst, const Tensor& src) {
+  check_not_capturing("Tensor::item() / a copy from a cuda tensor to the host (to_vector, to(cpu))",
+                      "it synchronises the host with the device");
   DeviceGuard guard(src.device().index);
   cudaStream_t stream = current_stream();
   Tensor s = src;

@@ -31,6 +31,7 @@ std::mutex g_mutex;
 std::vector<cudaEvent_t> g_free_events;  // guarded by g_mutex
 std::vector<Pending> g_pending;          // guarded by g_mutex
 std::map<std::string, Totals> g_totals;  // guarded by g_mutex
+thread_local const char* t_last_op = nullptr;
 
 cudaEvent_t take_event() {
   {
@@ -65,6 +66,9 @@ void drain_pending() {
 
 NvtxRange::NvtxRange(const char* name) { nvtxRangePushA(name); }
 NvtxRange::~NvtxRange() { nvtxRangePop(); }
+
+const char* last_profiled_op() { return t_last_op; }
+void set_last_profiled_op(const char* name) { t_last_op = name; }
 
 void enable_profiler(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
 bool profiler_enabled() { return g_enabled.load(std::memory_order_relaxed); }

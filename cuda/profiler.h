@@ -50,11 +50,17 @@ class ProfileOp {
   void* stream_ = nullptr;
 };
 
+// The last op that entered KILN_PROFILE_OP on this thread (null when none or after a reset):
+// the graph executor names it when a capture fails. Set whether or not the profiler is enabled.
+const char* last_profiled_op();
+void set_last_profiled_op(const char* name);
+
 #define KILN_PROFILE_CAT2(a, b) a##b
 #define KILN_PROFILE_CAT(a, b) KILN_PROFILE_CAT2(a, b)
 #define KILN_PROFILE_OP(name, shape)                                                   \
   ::kiln::cuda::ProfileOp KILN_PROFILE_CAT(kiln_profile_op_, __LINE__)(                \
-      ::kiln::cuda::profiler_enabled() ? (name) : nullptr,                             \
+      (::kiln::cuda::set_last_profiled_op(name),                                       \
+       ::kiln::cuda::profiler_enabled() ? (name) : nullptr),                           \
       ::kiln::cuda::profiler_enabled() ? std::string(shape) : std::string())
 
 #else  // CPU-only build

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "cuda/check.h"
+#include "cuda/graph.h"
 
 namespace kiln::cuda {
 namespace {
@@ -107,7 +108,10 @@ StreamGuard::~StreamGuard() {
   t_stream.stream = prev_;
 }
 
-void synchronize() { CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize() {
+  check_not_capturing("cuda::synchronize()", "it waits for the whole device");
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 void* alloc_pinned(size_t bytes) {
   if (bytes == 0) return nullptr;
