@@ -25,7 +25,8 @@ void convert_in_place(const Tensor& t, Convert&& convert) {
   NoGradGuard no_grad;
   Tensor c = convert(t.detach());
   Tensor g = t.grad();
-  if (c.dtype() != t.dtype() || c.device() != t.device()) repoint(t, c);
+  // A new storage or layout (dtype, device or memory format changed): re-point the handle.
+  if (!c.shares_storage(t) || c.strides() != t.strides()) repoint(t, c);
   if (g.defined()) t.set_grad(convert(g));
 }
 
@@ -153,6 +154,20 @@ void Module::to(DType dtype) {
   auto conv = [&](const Tensor& x) { return is_floating(x.dtype()) ? x.to(dtype) : x; };
   for (const Tensor& t : parameters()) convert_in_place(t, conv);
   for (const Tensor& t : buffers()) convert_in_place(t, conv);
+}
+
+void Module::convert(const std::string& name, DType dtype, Device device, MemoryFormat fmt) {
+  for (const auto& [n, t] : state()) {
+    if (n != name) continue;
+    KILN_CHECK(is_floating(t.dtype()) && is_floating(dtype), type_name(), ".convert: '", name,
+               "' is ", t.desc(), "; only floating tensors convert to floating dtypes (got ",
+               dtype_name(dtype), ")");
+    KILN_CHECK(fmt == MemoryFormat::Contiguous || t.dim() == 4, type_name(), ".convert: '", name,
+               "' is ", t.desc(), "; channels-last needs a 4-D tensor");
+    convert_in_place(t, [&](const Tensor& x) { return x.to(device).to(dtype).contiguous(fmt); });
+    return;
+  }
+  KILN_FAIL(type_name(), ".convert: no parameter or buffer named '", name, "'");
 }
 
 void Module::print_into(std::string& out, const std::string& name, int depth) const {

@@ -74,6 +74,11 @@ class Module {
   void to(Device device);
   // Converts floating parameters, buffers and gradients; integer buffers are kept.
   void to(DType dtype);
+  // Converts the one parameter or buffer called `name` (a dotted path as in state()) to
+  // `dtype` on `device`, dense in `fmt` (4-D only for ChannelsLast), in place: handles stay
+  // valid and an existing gradient is converted along. Used by mixed precision (optim/amp.h).
+  void convert(const std::string& name, DType dtype, Device device,
+               MemoryFormat fmt = MemoryFormat::Contiguous);
 
   // Indented tree of describe() lines.
   std::string print() const;

@@ -53,7 +53,8 @@ class Optimizer {
   virtual void step() = 0;
   virtual std::string name() const = 0;
   // set_to_none (PyTorch's default): grads become undefined; otherwise they are zeroed.
-  void zero_grad(bool set_to_none = true);
+  // Virtual: fused optimizers (optim/fused.h) keep gradients in an arena and always zero it.
+  virtual void zero_grad(bool set_to_none = true);
 
   std::vector<ParamGroup> param_groups;
 
