@@ -16,7 +16,11 @@ class CrossEntropyBackward final : public Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     if (!grads[0].defined()) return {Tensor()};
     Tensor grad = grad_.get(*this);
-    return {mul(grad, grads[0].to(grad.dtype()))};  // (N, C) · 0-d upstream
+    // (N, C) · 0-d upstream. A loss scale such as 65536 does not fit in f16, so 16-bit
+    // gradients are scaled in f32 and rounded once.
+    if (grad.dtype() == DType::f16 || grad.dtype() == DType::bf16)
+      return {mul(grad.to(DType::f32), grads[0].to(DType::f32)).to(grad.dtype())};
+    return {mul(grad, grads[0].to(grad.dtype()))};
   }
 
  private:
