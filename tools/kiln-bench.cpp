@@ -1,5 +1,8 @@
 // kiln-bench: speed of kiln on the GPU, printed as a table and written as JSON.
 //
+//   kiln-bench --model resnet50 [--batches 64,128,256] [--eager-only|--graph-only] [--json out.json]
+//       end-to-end training throughput, eager and CUDA graph (tools/bench/model_bench.cpp).
+//
 //   kiln-bench --ops [-b 256] [--dtype f16|f32] [--json out.json]
 //       every distinct ResNet-50 layer at the given batch: conv fwd / dgrad / wgrad, batch norm
 //       fwd / bwd, pooling, linear, softmax-cross-entropy; median time over repeats, TFLOP/s
@@ -7,6 +10,7 @@
 //
 // Timing: CUDA events around each launch on the compute stream, 5 warm-up runs, median of 20.
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -18,6 +22,7 @@
 #include "core/json.h"
 #include "core/tensor.h"
 #include "ops/ops.h"
+#include "tools/bench/model_bench.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
 #include "cuda/ops.h"
@@ -38,7 +43,11 @@ struct Row {
 
 void usage() {
   std::printf(
-      "usage: kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--json PATH]\n"
+      "usage: kiln-bench --model NAME [--batches B1,B2,...] [--eager-only|--graph-only] [--json PATH]\n"
+      "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--json PATH]\n"
+      "  --model NAME per-step training throughput of a model (resnet18 ... resnet152) on\n"
+      "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
+      "  --batches L  comma-separated batch sizes for --model (default 64,128,256)\n"
       "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
       "  -b BATCH     batch size (default 256)\n"
       "  --dtype T    f16 (default) or f32\n"
@@ -188,6 +197,8 @@ int main(int argc, char** argv) {
     int64_t batch = 256;
     std::string dtype = "f16", json_path;
     int repeat = 20;
+    std::string model;
+    kiln::bench::ModelBenchOptions mo;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       auto value = [&]() -> std::string {
@@ -197,6 +208,26 @@ int main(int argc, char** argv) {
       if (a == "-h" || a == "--help") {
         usage();
         return 0;
+      } else if (a == "--model") {
+        model = value();
+      } else if (a == "--batches") {
+        mo.batches.clear();
+        std::string list = value();
+        size_t pos = 0;
+        while (pos <= list.size()) {
+          size_t comma = list.find(',', pos);
+          std::string item = list.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+          char* end = nullptr;
+          long long b = std::strtoll(item.c_str(), &end, 10);
+          KILN_CHECK(!item.empty() && *end == '\0' && b > 0, "kiln-bench: --batches: bad size '", item, "'");
+          mo.batches.push_back(b);
+          if (comma == std::string::npos) break;
+          pos = comma + 1;
+        }
+      } else if (a == "--eager-only") {
+        mo.graph = false;
+      } else if (a == "--graph-only") {
+        mo.eager = false;
       } else if (a == "--ops") {
       } else if (a == "-b" || a == "--batch-size") {
         batch = std::stoll(value());
@@ -212,6 +243,15 @@ int main(int argc, char** argv) {
       } else {
         KILN_FAIL("kiln-bench: unknown flag '", a, "' (see --help)");
       }
+    }
+    if (!model.empty()) {
+      mo.model = model;
+      auto rows = kiln::bench::bench_model(mo);
+      if (!json_path.empty()) {
+        std::ofstream(json_path) << kiln::bench::rows_json(rows);
+        std::printf("wrote %s\n", json_path.c_str());
+      }
+      return 0;
     }
 #ifdef KILN_WITH_CUDA
     KILN_CHECK(kiln::cuda::device_count() > 0, "kiln-bench: no CUDA device found");

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,11 +23,13 @@
 #include "data/loader.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
-#include "optim/adamw.h"
+#include "optim/amp.h"
+#include "optim/fused.h"
 #include "optim/schedule.h"
-#include "optim/sgd.h"
+#include "optim/train_step.h"
 #include "cuda/profiler.h"
 #ifdef KILN_WITH_CUDA
+#include "cuda/graph.h"
 #include "cuda/runtime.h"
 #endif
 
@@ -54,6 +57,8 @@ struct Args {
   int64_t print_freq = 50;
   std::string output = "kiln-output";
   bool profile = false;
+  std::string amp = "auto";    // auto: on for cuda; on; off
+  std::string graph = "auto";  // auto: on for cuda; on; off
 };
 
 void usage(FILE* f) {
@@ -80,6 +85,10 @@ void usage(FILE* f) {
       "  --print-freq N       progress line every N steps (default 50)\n"
       "  --output DIR         where the final model is written (default kiln-output)\n"
       "  --profile            per-op GPU time table after the first epoch (cuda only)\n"
+      "  --amp on|off         FP16 storage with FP32 master weights and loss scaling\n"
+      "                       (default: on for cuda, off for cpu)\n"
+      "  --graph on|off       capture the whole training step as a CUDA graph and replay it\n"
+      "                       (default: on for cuda; off for cpu, where it does not exist)\n"
       "  -h, --help           this text\n",
       data::kFashionMnistDir);
 }
@@ -150,6 +159,10 @@ Args parse_args(int argc, char** argv) {
     } else if (f == "--label-smoothing") {
       a.label_smoothing = to_double(f, need(i, f), 0.0);
       KILN_CHECK(a.label_smoothing < 1.0, "flag --label-smoothing: must be < 1");
+    } else if (f == "--amp" || f == "--graph") {
+      std::string v = need(i, f);
+      KILN_CHECK(v == "on" || v == "off" || v == "auto", "flag ", f, ": expected on, off or auto, got '", v, "'");
+      (f == "--amp" ? a.amp : a.graph) = v;
     } else if (f == "--profile") {
       a.profile = true;
     } else if (f == "--augment") {
@@ -221,13 +234,14 @@ struct EvalResult {
   double loss = 0, accuracy = 0;
 };
 
-EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, Device dev) {
+EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, Device dev,
+                    amp::Precision precision) {
   NoGradGuard ng;
   model.eval();
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
   for (data::Batch& b : loader.epoch(0)) {
-    Tensor x = b.x.to(dev), y = b.y.to(dev);
+    Tensor x = amp::prepare_input(b.x, dev, precision), y = b.y.to(dev);
     Tensor logits = model(x);
     loss_sum += F::cross_entropy(logits, y).item() * double(b.y.size(0));
     correct += int64_t(F::sum(F::eq(F::argmax(logits, 1), y).to(DType::f32)).item());
@@ -270,15 +284,26 @@ int run(const Args& a) {
   data::DataLoader test(data::TensorDataset(test_set.images, test_set.labels), eo);
 
   auto model = build_model(a.arch, 10, 1, a.seed);
-  model->to(dev);
+  const bool mixed = a.amp == "on" || (a.amp == "auto" && dev.is_cuda());
+  const bool use_graph = a.graph == "on" || (a.graph == "auto" && dev.is_cuda());
+  KILN_CHECK(!mixed || dev.is_cuda(), "--amp on needs a CUDA device; the device is ", dev);
+  KILN_CHECK(!use_graph || dev.is_cuda(), "--graph on needs a CUDA device; the device is ", dev);
+  KILN_CHECK(!(use_graph && a.profile), "--profile times ops one by one; use it with --graph off");
+  const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
+  amp::prepare_model(*model, dev, precision);
+
   optim::ParamGroup proto;
   proto.lr = a.lr;
   proto.momentum = a.momentum;
   proto.weight_decay = a.wd;
   auto groups = optim::split_weight_decay(*model, proto);
-  std::unique_ptr<optim::Optimizer> opt;
-  if (a.optimizer == "sgd") opt = std::make_unique<optim::SGD>(groups);
-  else opt = std::make_unique<optim::AdamW>(groups);
+  std::unique_ptr<optim::FusedOptimizer> opt;
+  if (a.optimizer == "sgd") opt = std::make_unique<optim::FusedSGD>(groups);
+  else opt = std::make_unique<optim::FusedAdamW>(groups);
+  optim::LossScalerOptions so;
+  so.enabled = mixed;
+  optim::DynamicLossScaler scaler(dev, so);
+  optim::ClassifierStep train_step(*model, *opt, scaler, a.label_smoothing);
 
   const int64_t steps_per_epoch = train.num_batches();
   const int64_t total = steps_per_epoch * a.epochs;
@@ -290,70 +315,87 @@ int run(const Args& a) {
                                                  0.1, warm);
   else sched = std::make_unique<optim::StepLR>(total + 1, 1.0, warm);
 
-  std::printf("kiln-train: %s on %s (%ld train / %ld test images), %s, %ld parameters\n",
+  std::printf("kiln-train: %s on %s (%ld train / %ld test images), %s, %ld parameters, %s%s\n",
               a.arch.c_str(), dir.c_str(), long(train_set.images.size(0)),
-              long(test_set.images.size(0)), dev.str().c_str(), long(model->num_parameters()));
+              long(test_set.images.size(0)), dev.str().c_str(), long(model->num_parameters()),
+              mixed ? "mixed precision (fp16/fp32 masters)" : "fp32",
+              use_graph ? ", whole-step CUDA graph" : "");
   std::printf("  epochs %ld, batch %ld, %s lr %g momentum %g wd %g, warmup %ld steps, %s schedule%s\n",
               long(a.epochs), long(a.batch_size), a.optimizer.c_str(), a.lr, a.momentum, a.wd,
               long(warm.steps), a.schedule.c_str(), a.augment ? ", crop+flip augmentation" : "");
   std::fflush(stdout);
 
+  // Static inputs: every step copies its batch into them (the graph reads these addresses).
+  Tensor x_static = amp::prepare_input(zeros({a.batch_size, 1, train_set.images.size(1),
+                                              train_set.images.size(2)}), dev, precision);
+  Tensor y_static = zeros({a.batch_size}, TensorOptions(DType::i64).with_device(dev));
+  std::function<void()> step_fn = [&] { train_step.run(x_static, y_static); };
+#ifdef KILN_WITH_CUDA
+  std::unique_ptr<cuda::GraphStep> graph;
+  if (use_graph) graph = std::make_unique<cuda::GraphStep>(step_fn, cuda::GraphOptions{});
+#endif
   if (a.profile) {
     KILN_CHECK(dev.is_cuda(), "--profile times GPU ops; the device is ", dev);
     cuda::enable_profiler(true);
   }
+  amp::AsyncScalars metrics;
   const auto start = Clock::now();
   int64_t step = 0;
   double last_acc = 0;
   for (int64_t epoch = 0; epoch < a.epochs; ++epoch) {
     model->train();
     const auto epoch_start = Clock::now();
-    double loss_sum = 0;
-    int64_t correct = 0, seen = 0, window_images = 0;
+    train_step.reset_metrics();
+    int64_t seen = 0, window_images = 0;
     auto window_start = Clock::now();
     for (data::Batch& b : train.epoch(epoch)) {
       sched->apply(*opt, step);
-      Tensor x = b.x.to(dev), y = b.y.to(dev);
-      Tensor logits = (*model)(x);
-      Tensor loss = F::cross_entropy(logits, y, a.label_smoothing);
-      opt->zero_grad();
-      loss.backward();
-      opt->step();
-      ++step;
-      // Progress statistics (a host read per step; the GPU graph path of a later issue avoids it).
-      const int64_t bs = b.y.size(0);
-      loss_sum += loss.item() * double(bs);
-      {
-        NoGradGuard ng;
-        correct += int64_t(F::sum(F::eq(F::argmax(logits, 1), y).to(DType::f32)).item());
+      x_static.copy_(amp::prepare_input(b.x, dev, precision));
+      y_static.copy_(b.y);
+#ifdef KILN_WITH_CUDA
+      if (graph) {
+        opt->stage_lr();
+        graph->run();
+      } else {
+        step_fn();
       }
-      seen += bs;
-      window_images += bs;
+#else
+      step_fn();
+#endif
+      ++step;
+      seen += b.y.size(0);
+      window_images += b.y.size(0);
       const int64_t i = b.index + 1;
       if (i % a.print_freq == 0 || i == steps_per_epoch) {
+        // One read of the device accumulators per progress line.
+        metrics.record({train_step.loss_sum(), train_step.correct_sum(), scaler.scale_tensor()});
+        std::vector<double> m = metrics.values();
         const double now = std::chrono::duration<double>(Clock::now() - start).count();
         const double win = std::chrono::duration<double>(Clock::now() - window_start).count();
         const double eta = now / double(step) * double(total - step);
-        std::printf("epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f  %.0f img/s  ETA %s\n",
+        std::printf("epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  ETA %s\n",
                     long(epoch + 1), long(a.epochs), long(i), long(steps_per_epoch),
-                    loss_sum / double(seen), 100.0 * double(correct) / double(seen),
-                    opt->param_groups[0].lr, double(window_images) / win, fmt_time(eta).c_str());
+                    m[0] / double(seen), 100.0 * m[1] / double(seen), opt->param_groups[0].lr,
+                    mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+                    double(window_images) / win, fmt_time(eta).c_str());
         std::fflush(stdout);
         window_images = 0;
         window_start = Clock::now();
       }
     }
+    metrics.record({train_step.loss_sum(), train_step.correct_sum()});
+    std::vector<double> m = metrics.values();
     const double epoch_s = std::chrono::duration<double>(Clock::now() - epoch_start).count();
     if (a.profile && epoch == 0) {
       std::printf("%s", cuda::profiler_report().c_str());
       cuda::enable_profiler(false);
     }
-    EvalResult ev = evaluate(*model, test, dev);
+    EvalResult ev = evaluate(*model, test, dev, precision);
     last_acc = ev.accuracy;
     std::printf("epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss %.4f acc %.2f%%\n",
                 long(epoch + 1), long(a.epochs), fmt_time(epoch_s).c_str(),
-                double(seen) / epoch_s, loss_sum / double(seen),
-                100.0 * double(correct) / double(seen), ev.loss, 100.0 * ev.accuracy);
+                double(seen) / epoch_s, m[0] / double(seen), 100.0 * m[1] / double(seen),
+                ev.loss, 100.0 * ev.accuracy);
     std::fflush(stdout);
   }
 

@@ -1,0 +1,35 @@
+#include "optim/train_step.h"
+
+#include "ops/ops.h"
+
+namespace kiln::optim {
+
+ClassifierStep::ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLossScaler& scaler,
+                               double label_smoothing)
+    : model_(model), opt_(opt), scaler_(scaler), label_smoothing_(label_smoothing) {
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
+  loss_sum_ = zeros({}, f32);
+  correct_sum_ = zeros({}, f32);
+}
+
+void ClassifierStep::run(const Tensor& x, const Tensor& y) {
+  KILN_CHECK(x.dim() >= 2 && y.dim() == 1 && x.size(0) == y.size(0),
+             "ClassifierStep: inputs ", x.desc(), " and labels ", y.desc(), " do not match");
+  opt_.zero_grad();
+  Tensor logits = model_(x);
+  Tensor loss = F::cross_entropy(logits, y, label_smoothing_);
+  scaler_.scale(loss).backward();
+  scaler_.step(opt_);
+  scaler_.update();
+  NoGradGuard no_grad;
+  const double n = double(y.size(0));
+  F::add_(loss_sum_, loss.detach().to(DType::f32), n);
+  F::add_(correct_sum_, F::sum(F::eq(F::argmax(logits.detach(), 1), y).to(DType::f32)));
+}
+
+void ClassifierStep::reset_metrics() {
+  loss_sum_.zero_();
+  correct_sum_.zero_();
+}
+
+}  // namespace kiln::optim
