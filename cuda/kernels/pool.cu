@@ -124,6 +124,19 @@ struct alignas(sizeof(I) * V > 16 ? 16 : sizeof(I) * V) IVec {
   I v[V];
 };
 
+// a %= b, returning the remainder and leaving the quotient in a; 32-bit division when a fits.
+__device__ inline int divmod(int64_t& a, int b) {
+  if (a >= 0 && a <= int64_t(UINT32_MAX)) {
+    const uint32_t ua = uint32_t(a), q = ua / uint32_t(b);
+    a = q;
+    return int(ua - q * uint32_t(b));
+  }
+  const int64_t q = a / b;
+  const int r = int(a - q * b);
+  a = q;
+  return r;
+}
+
 struct NhwcGeom {
   int H, W, OH, OW, CV;  // CV: channel vectors per pixel
   int kh, kw, sh, sw, ph, pw, dh, dw;
@@ -136,11 +149,10 @@ __global__ void max_pool_fwd_nhwc(NhwcGeom g, T* y, I* idx, const T* x, int64_t 
   const int64_t C = int64_t(g.CV) * V;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t r = i;
-    const int cv = int(r % g.CV); r /= g.CV;
-    const int ow = int(r % g.OW); r /= g.OW;
-    const int oh = int(r % g.OH);
-    const int64_t n = r / g.OH;
+    int64_t n = i;
+    const int cv = divmod(n, g.CV);
+    const int ow = divmod(n, g.OW);
+    const int oh = divmod(n, g.OH);
     Cc best[V];
     IVec<I, V> arg;
 #pragma unroll
@@ -186,11 +198,10 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
   const int64_t C = int64_t(g.CV) * V;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t r = i;
-    const int cv = int(r % g.CV); r /= g.CV;
-    const int w = int(r % g.W); r /= g.W;
-    const int h = int(r % g.H);
-    const int64_t n = r / g.H;
+    int64_t n = i;
+    const int cv = divmod(n, g.CV);
+    const int w = divmod(n, g.W);
+    const int h = divmod(n, g.H);
     Cc acc[V];
 #pragma unroll
     for (int l = 0; l < V; ++l) acc[l] = 0;
@@ -231,8 +242,9 @@ __global__ void global_avg_fwd_nhwc(int HW, int CV, T* y, const T* x, int64_t n_
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = i / CV, cv = i % CV;
-    const T* p = x + n * HW * CV * V + cv * V;
+    int64_t n = i;
+    const int cv = divmod(n, CV);
+    const T* p = x + n * HW * CV * V + int64_t(cv) * V;
     Cc acc[V];
 #pragma unroll
     for (int l = 0; l < V; ++l) acc[l] = 0;
@@ -256,7 +268,9 @@ __global__ void global_avg_bwd_nhwc(int HW, int CV, T* dx, const T* dy, int64_t 
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t cv = i % CV, n = i / (int64_t(HW) * CV);
+    int64_t n = i;
+    const int cv = divmod(n, CV);
+    divmod(n, HW);
     const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + (n * CV + cv) * V);
     Vec<T> out;
 #pragma unroll
