@@ -64,8 +64,11 @@ class MaxPool2dBackward final : public Node {
  public:
   // Saves x when indices is undefined (CPU), else only the indices.
   MaxPool2dBackward(const Tensor& x, const Tensor& indices, const PoolParams& p)
-      : x_(indices.defined() ? Tensor() : x), indices_(indices), shape_(x.shape()),
-        format_(x.suggest_memory_format()), p_(p) {}
+      : x_(indices.defined() ? Tensor() : x),
+        indices_(indices),
+        shape_(x.shape()),
+        format_(x.suggest_memory_format()),
+        p_(p) {}
   std::string name() const override { return "MaxPool2dBackward"; }
   void release_saved() override {
     x_.release();
@@ -153,8 +156,8 @@ Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
       break;
     case DeviceType::CUDA:
       KILN_CUDA_CALL(indices = empty(y.shape(), TensorOptions(cuda::max_pool2d_indices_dtype(p))
-                                                     .with_device(x.device())
-                                                     .with_memory_format(fmt)));
+                                                    .with_device(x.device())
+                                                    .with_memory_format(fmt)));
       KILN_CUDA_CALL(cuda::max_pool2d_forward(y, indices, xd, p));
       break;
   }
