@@ -9,6 +9,11 @@
 // Precision: FP32 accumulation (compute type FLOAT) for f32 and f16; f16 may use tensor cores
 // (TENSOR_OP_MATH); f32 is restricted to FMA kernels, so no TF32 rounding.
 //
+// Host cost per call: each problem's descriptors and ranked algorithms live in a Plan cached
+// under a POD key (hashed, compared bytewise), so a call with a known problem builds the key,
+// finds the plan, allocates the workspace from the caching allocator and launches. Setting
+// KILN_CUDNN_FIND_LOG=1 prints what cudnnFind*AlgorithmEx returns for each new problem.
+//
 // Stem padding: an f16 convolution with 3 input channels (the ResNet stem) runs on copies of x
 // and w zero-padded to 4 channels in NHWC, which tensor-core kernels accept; the padded channels
 // contribute zeros. The copies cost one extra pass over x per call.
@@ -16,9 +21,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda/cudnn_util.h"
@@ -159,24 +168,67 @@ struct BwdFilter {
   }
 };
 
-// ---- the algorithm cache ----
+// ---- the plan cache ----
 struct Choice {
   int algo;
   size_t memory;
   cudnnMathType_t math;
 };
-using Key = std::vector<int64_t>;
+
+// The whole problem, as plain integers: zero-initialised and without padding, so it hashes and
+// compares bytewise.
+struct Key {
+  int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0;
+  int64_t x[4] = {}, w[4] = {}, y[4] = {};
+  int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
+  bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
+};
+static_assert(std::has_unique_object_representations_v<Key>, "Key must have no padding");
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    int64_t words[sizeof(Key) / sizeof(int64_t)];
+    std::memcpy(words, &k, sizeof(Key));
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
+    for (int64_t w : words) h = (h ^ uint64_t(w)) * 1099511628211ull;
+    return size_t(h ^ (h >> 29));
+  }
+};
+
+Problem problem_of(const Key& k) {
+  Problem pr{DType(k.dtype), MemoryFormat(k.fmt), Shape(k.x, k.x + 4), Shape(k.w, k.w + 4),
+             Shape(k.y, k.y + 4), ConvParams{}};
+  pr.p.stride_h = k.stride_h;
+  pr.p.stride_w = k.stride_w;
+  pr.p.pad_h = k.pad_h;
+  pr.p.pad_w = k.pad_w;
+  pr.p.dil_h = k.dil_h;
+  pr.p.dil_w = k.dil_w;
+  pr.p.groups = k.groups;
+  return pr;
+}
+
+// Everything a call needs besides the data pointers. `m` serialises users of the descriptors
+// (the conv descriptor's math type changes between candidates).
+struct Plan {
+  explicit Plan(const Problem& pr) : d(pr) {}
+  std::mutex m;
+  Descs d;
+  std::vector<Choice> candidates;  // best first; the one that last ran after failures moves up
+  cudnnMathType_t math = CUDNN_DEFAULT_MATH;  // currently set on d.conv
+};
+
 std::mutex g_mutex;
-std::map<Key, std::vector<Choice>> g_cache;
+std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> g_cache;
 uint64_t g_hits = 0, g_misses = 0;
 std::atomic<bool> g_deterministic{false};
 
-Key make_key(ConvOp op, const Problem& pr, int device, bool deterministic) {
-  Key k{device, int64_t(op), int64_t(pr.dtype), int64_t(pr.fmt), deterministic};
-  for (const Shape* s : {&pr.x, &pr.w, &pr.y}) k.insert(k.end(), s->begin(), s->end());
-  k.insert(k.end(), {pr.p.stride_h, pr.p.stride_w, pr.p.pad_h, pr.p.pad_w, pr.p.dil_h,
-                     pr.p.dil_w, pr.p.groups});
-  return k;
+bool find_log_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KILN_CUDNN_FIND_LOG");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  return on;
 }
 
 // Workspace from the caching allocator (null when bytes is 0). Freed on the current stream.
@@ -218,7 +270,17 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
   typename Op::Perf perf[Op::kCount];
   int n = 0;
   cudnnStatus_t s = Op::find(h, d, p, &n, perf, ws ? ws->data() : nullptr, max_ws);
+  if (find_log_enabled()) {
+    std::fprintf(stderr, "[kiln conv find] %s: %s, %d results (workspace offered %zu bytes)\n",
+                 describe(Op::kOp, pr).c_str(), cudnnGetErrorString(s), n, max_ws);
+    for (int i = 0; s == CUDNN_STATUS_SUCCESS && i < n; ++i)
+      std::fprintf(stderr, "    algo %d: %s, %.4f ms, %zu bytes, math %d, %s\n", int(perf[i].algo),
+                   cudnnGetErrorString(perf[i].status), double(perf[i].time), perf[i].memory,
+                   int(perf[i].mathType),
+                   perf[i].determinism == CUDNN_DETERMINISTIC ? "deterministic" : "nondeterministic");
+  }
   std::vector<Choice> out;
+
   if (s == CUDNN_STATUS_SUCCESS) {
     for (int i = 0; i < n; ++i) {
       if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > max_ws) continue;
@@ -242,47 +304,89 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
   return out;
 }
 
-// Runs one problem with the cached (or newly searched) candidates, falling through to the next
-// candidate when one fails.
+Key make_key(ConvOp op, DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w,
+             const Tensor& y, const ConvParams& p, int device, bool deterministic) {
+  Key k;
+  k.device = device;
+  k.op = int64_t(op);
+  k.dtype = int64_t(dtype);
+  k.fmt = int64_t(fmt);
+  k.deterministic = deterministic;
+  for (int d = 0; d < 4; ++d) {
+    k.x[d] = x.size(d);
+    k.w[d] = w.size(d);
+    k.y[d] = y.size(d);
+  }
+  k.stride_h = p.stride_h;
+  k.stride_w = p.stride_w;
+  k.pad_h = p.pad_h;
+  k.pad_w = p.pad_w;
+  k.dil_h = p.dil_h;
+  k.dil_w = p.dil_w;
+  k.groups = p.groups;
+  return k;
+}
+
+// Runs one problem (x, w, y dense in fmt) with its cached plan, searching on first sight, and
+// falls through to the next candidate when one fails.
 template <class Op>
-void execute(const Problem& pr, const Ptrs& p) {
+void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, const Tensor& y,
+             const ConvParams& cp) {
   Context& ctx = context();
   cudnnHandle_t h = ctx.cudnn;
   CUDNN_CHECK(cudnnSetStream(h, current_stream()));
-  Descs d(pr);
+  const Ptrs p{x.raw_data(), w.raw_data(), y.raw_data()};
   const bool deterministic = g_deterministic.load();
-  Key key = make_key(Op::kOp, pr, ctx.device, deterministic);
-  std::vector<Choice> candidates;
+  const Key key = make_key(Op::kOp, dtype, fmt, x, w, y, cp, ctx.device, deterministic);
+  std::shared_ptr<Plan> plan;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_cache.find(key);
     if (it != g_cache.end()) {
       ++g_hits;
-      candidates = it->second;
+      plan = it->second;
     } else {
       ++g_misses;
-      candidates = search<Op>(h, d, p, pr, ctx.device, deterministic);
-      g_cache.emplace(key, candidates);
+      const Problem pr = problem_of(key);
+      auto fresh = std::make_shared<Plan>(pr);
+      fresh->candidates = search<Op>(h, fresh->d, p, pr, ctx.device, deterministic);
+      fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
+      plan = g_cache.emplace(key, std::move(fresh)).first->second;
     }
   }
+  std::lock_guard<std::mutex> lock(plan->m);
+  std::vector<Choice>& cands = plan->candidates;
   std::string tried;
-  for (const Choice& c : candidates) {
-    CUDNN_CHECK(cudnnSetConvolutionMathType(
-        d.conv.d, pr.dtype == DType::f32 ? CUDNN_FMA_MATH : c.math));
+  bool out_of_memory = false;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    const Choice c = cands[i];
+    const cudnnMathType_t math = dtype == DType::f32 ? CUDNN_FMA_MATH : c.math;
+    if (math != plan->math) {
+      CUDNN_CHECK(cudnnSetConvolutionMathType(plan->d.conv.d, math));
+      plan->math = math;
+    }
     std::unique_ptr<Storage> ws;
     try {
       ws = workspace(c.memory, ctx.device);
     } catch (const OutOfMemoryError&) {
       tried += detail::str_cat(" algo ", c.algo, ": no memory for ", c.memory, " bytes;");
+      out_of_memory = true;
       continue;
     }
-    cudnnStatus_t s = Op::run(h, d, p, typename Op::Algo(c.algo), ws ? ws->data() : nullptr,
-                              c.memory, pr.dtype);
-    if (s == CUDNN_STATUS_SUCCESS) return;
+    cudnnStatus_t s = Op::run(h, plan->d, p, typename Op::Algo(c.algo),
+                              ws ? ws->data() : nullptr, c.memory, dtype);
+    if (s == CUDNN_STATUS_SUCCESS) {
+      // The ones before it failed outright (not for memory, which may come back): they would
+      // fail again, so this one goes first from now on.
+      if (i > 0 && !out_of_memory)
+        std::rotate(cands.begin(), cands.begin() + ptrdiff_t(i), cands.begin() + ptrdiff_t(i) + 1);
+      return;
+    }
     tried += detail::str_cat(" algo ", c.algo, ": ", cudnnGetErrorString(s), ";");
   }
   detail::fail(ErrorKind::Cudnn, __FILE__, __LINE__, nullptr,
-               detail::str_cat(describe(Op::kOp, pr), ": every algorithm failed:", tried));
+               detail::str_cat(describe(Op::kOp, problem_of(key)),
+                               ": every algorithm failed:", tried));
 }
 
 // ---- stem channel padding ----
@@ -336,8 +440,7 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
   Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
   Tensor yb = out_buffer(y, fmt);
-  Problem pr{x.dtype(), fmt, xc.shape(), wc.shape(), yb.shape(), p};
-  execute<Fwd>(pr, {xc.raw_data(), wc.raw_data(), yb.raw_data()});
+  execute<Fwd>(x.dtype(), fmt, xc, wc, yb, p);
   if (bias.defined()) add_bias(yb, bias, fmt);
   finish_out(y, yb);
 }
@@ -354,8 +457,7 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w,
   Tensor dyc = dense_in(dy, fmt);
   Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
   Tensor dxb = pad ? padded_empty(dx) : out_buffer(dx, fmt);
-  Problem pr{dx.dtype(), fmt, dxb.shape(), wc.shape(), dyc.shape(), p};
-  execute<BwdData>(pr, {dxb.raw_data(), wc.raw_data(), dyc.raw_data()});
+  execute<BwdData>(dx.dtype(), fmt, dxb, wc, dyc, p);
   if (pad) dx.copy_(dxb.narrow(1, 0, dx.size(1))); else finish_out(dx, dxb);
 }
 
@@ -371,8 +473,7 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
   Tensor dyc = dense_in(dy, fmt);
   Tensor dwb = pad ? padded_empty(dw) : out_buffer(dw, fmt);
-  Problem pr{x.dtype(), fmt, xc.shape(), dwb.shape(), dyc.shape(), p};
-  execute<BwdFilter>(pr, {xc.raw_data(), dwb.raw_data(), dyc.raw_data()});
+  execute<BwdFilter>(x.dtype(), fmt, xc, dwb, dyc, p);
   if (pad) dw.copy_(dwb.narrow(1, 0, dw.size(1))); else finish_out(dw, dwb);
 }
 

@@ -48,9 +48,20 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                             const ConvParams& p);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
-void max_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
-// dx = gradient routed to the first maximal element of each window (`=`, dx fully written).
-void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const PoolParams& p);
+// Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first
+// maximal element (NaN counts as maximal): `indices` (N, C, OH, OW), any layout, of dtype
+// max_pool2d_indices_dtype(p): u8 when the window has at most 255 positions, else i32. The
+// value 255 (u8) or -1 (i32) marks a window that holds no input element (its y is -inf).
+inline DType max_pool2d_indices_dtype(const PoolParams& p) {
+  return p.kernel_h * p.kernel_w <= 255 ? DType::u8 : DType::i32;
+}
+// y (N, C, OH, OW) = window maxima, indices as above (both `=`).
+void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
+                        const PoolParams& p);
+// dx (N, C, H, W) = dy routed to the saved positions, summed where windows overlap (`=`, dx
+// fully written; a gather without atomics, so deterministic).
+void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indices,
+                         const PoolParams& p);
 void avg_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
 void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p);
 // Adaptive average pooling with PyTorch's window rule (global average pooling when 1x1).

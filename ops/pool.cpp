@@ -58,29 +58,39 @@ Shape pooled_shape(const Tensor& x, const PoolParams& p) {
   return {x.size(0), x.size(1), oh, ow};
 }
 
+// On CPU the backward re-finds each window's maximum in the saved x; on CUDA it reads the argmax
+// indices the forward saved (smaller than x and needing no recomputation).
 class MaxPool2dBackward final : public Node {
  public:
-  MaxPool2dBackward(const Tensor& x, const PoolParams& p)
-      : x_(x), format_(x.suggest_memory_format()), p_(p) {}
+  // Saves x when indices is undefined (CPU), else only the indices.
+  MaxPool2dBackward(const Tensor& x, const Tensor& indices, const PoolParams& p)
+      : x_(indices.defined() ? Tensor() : x),
+        indices_(indices),
+        shape_(x.shape()),
+        format_(x.suggest_memory_format()),
+        p_(p) {}
   std::string name() const override { return "MaxPool2dBackward"; }
-  void release_saved() override { x_.release(); }
+  void release_saved() override {
+    x_.release();
+    indices_.release();
+  }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
-    const Tensor x = x_.get(*this);
-    Tensor dx = empty_in_format(x.shape(), g, format_);
+    Tensor dx = empty_in_format(shape_, g, format_);
     switch (g.device().type) {
       case DeviceType::CPU:
-        cpu::max_pool2d_backward(dx, g, x, p_);
+        cpu::max_pool2d_backward(dx, g, x_.get(*this), p_);
         break;
       case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::max_pool2d_backward(dx, dense(g), x, p_));
+        KILN_CUDA_CALL(cuda::max_pool2d_backward(dx, dense(g), indices_.get(*this), p_));
         break;
     }
     return {dx};
   }
 
  private:
-  SavedTensor x_;
+  SavedTensor x_, indices_;  // x on CPU, indices on CUDA; the other undefined
+  Shape shape_;
   MemoryFormat format_;
   PoolParams p_;
 };
@@ -139,16 +149,20 @@ Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
   const MemoryFormat fmt = x.suggest_memory_format();
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
   const Tensor xd = dense(x.detach());
+  Tensor indices;
   switch (x.device().type) {
     case DeviceType::CPU:
       cpu::max_pool2d_forward(y, xd, p);
       break;
     case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::max_pool2d_forward(y, xd, p));
+      KILN_CUDA_CALL(indices = empty(y.shape(), TensorOptions(cuda::max_pool2d_indices_dtype(p))
+                                                    .with_device(x.device())
+                                                    .with_memory_format(fmt)));
+      KILN_CUDA_CALL(cuda::max_pool2d_forward(y, indices, xd, p));
       break;
   }
   if (autograd::any_requires_grad({x})) {
-    auto node = std::make_shared<MaxPool2dBackward>(xd, p);
+    auto node = std::make_shared<MaxPool2dBackward>(xd, indices, p);
     node->set_inputs({x});
     autograd::set_history(y, node);
   }

@@ -1,8 +1,11 @@
 """PyTorch's side of `kiln-bench --ops`: the same ResNet-50 layers at the same batch, timed the
-same way (CUDA events, 5 warm-ups, median of N). Prints the same table; run in the same device
-call as kiln-bench and compare the two tables row by row.
+same way (5 warm-ups; median of N samples of one call ("single") and of B calls back to back,
+divided by B ("b2b"); rates from b2b). Prints the same columns and JSON fields; run in the same
+device call as kiln-bench and compare the two tables row by row. Byte counts are kiln's (max
+pooling: u8 indices), so GB/s compare as inverse times.
 
-    python3 tools/bench_torch_ops.py [-b 256] [--dtype f16|f32] [--repeat 20] [--json out.json]
+    python3 tools/bench_torch_ops.py [-b 256] [--dtype f16|f32] [--repeat 20] [--back-to-back 10]
+                                     [--json out.json]
 """
 import argparse
 import json
@@ -13,19 +16,28 @@ import torch.nn.functional as F
 PEAK_TFLOPS, PEAK_GBPS = 765.0, 4200.0
 
 
-def time_ms(fn, repeat):
-    for _ in range(5):
-        fn()
+def median_ms(fn, repeat, calls):
     ts = []
     for _ in range(repeat):
         a, b = torch.cuda.Event(True), torch.cuda.Event(True)
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / calls)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+BACK_TO_BACK = 10
+
+
+def time_ms(fn, repeat):
+    """(single, b2b) median ms per call."""
+    for _ in range(5):
+        fn()
+    return median_ms(fn, repeat, 1), median_ms(fn, repeat, BACK_TO_BACK)
 
 
 def resnet50_convs():
@@ -45,8 +57,11 @@ def main():
     ap.add_argument("-b", type=int, default=256)
     ap.add_argument("--dtype", default="f16", choices=["f16", "f32"])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--back-to-back", type=int, default=10)
     ap.add_argument("--json")
     args = ap.parse_args()
+    global BACK_TO_BACK
+    BACK_TO_BACK = args.back_to_back
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -83,11 +98,11 @@ def main():
             rows.append(("bn bwd", shape, time_ms(bwd, R), 0, 3 * n))
         x = torch.randn(N, 64, 112, 112, device=dev, dtype=dt).to(memory_format=cl)
         y, idx = F.max_pool2d(x, 3, 2, 1, return_indices=True)
-        n = (x.numel() + y.numel()) * es
+        n = (x.numel() + y.numel()) * es + y.numel()  # + kiln's u8 indices
         rows.append(("maxpool fwd", "64x112x112 3x3/2", time_ms(lambda: F.max_pool2d(x, 3, 2, 1), R), 0, n))
         rows.append(("maxpool bwd", "64x112x112 3x3/2", time_ms(
             lambda: torch.ops.aten.max_pool2d_with_indices_backward(y, x, [3, 3], [2, 2], [1, 1], [1, 1], False, idx), R),
-            0, n + x.numel() * es))
+            0, n))
         x = torch.randn(N, 2048, 7, 7, device=dev, dtype=dt).to(memory_format=cl)
         y = F.adaptive_avg_pool2d(x, 1)
         n = (x.numel() + y.numel()) * es
@@ -110,14 +125,19 @@ def main():
         loss.backward()
     rows.append(("softmax-CE fwd+bwd", "1000 classes", time_ms(ce, R), 0, 2 * logits.numel() * es))
 
-    print(f"{'op':20s} {'shape':28s} {'median ms':>10s} {'TFLOP/s':>10s} {'% peak':>8s}")
+    print(f"{'op':20s} {'shape':28s} {'single ms':>10s} {'b2b ms':>10s} {'TFLOP/s':>10s} {'% peak':>8s}")
     out = []
-    for op, shape, ms, flops, bytes_ in rows:
-        rate = flops / (ms * 1e-3) / 1e12 if flops else bytes_ / (ms * 1e-3) / 1e9
-        pct = 100 * rate / (PEAK_TFLOPS if flops else PEAK_GBPS)
+    for op, shape, (ms, ms_b2b), flops, bytes_ in rows:
+        def rate_of(t):
+            return flops / (t * 1e-3) / 1e12 if flops else bytes_ / (t * 1e-3) / 1e9
+        peak = PEAK_TFLOPS if flops else PEAK_GBPS
+        rate, rate1 = rate_of(ms_b2b), rate_of(ms)
         unit = "" if flops else " GB/s"
-        print(f"{op:20s} {shape:28s} {ms:10.4f} {rate:10.1f}{unit} {pct:6.1f}%")
-        out.append({"op": op, "shape": shape, "ms": ms, "tflops" if flops else "gbps": rate, "pct_peak": pct})
+        key = "tflops" if flops else "gbps"
+        print(f"{op:20s} {shape:28s} {ms:10.4f} {ms_b2b:10.4f} {rate:10.1f}{unit} {100 * rate / peak:6.1f}%")
+        out.append({"op": op, "shape": shape, "ms": ms, key: rate1, "pct_peak": 100 * rate1 / peak,
+                    "ms_b2b": ms_b2b, key + "_b2b": rate, "pct_peak_b2b": 100 * rate / peak,
+                    "b2b_calls": BACK_TO_BACK})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

@@ -1,8 +1,13 @@
 // 2-D max, average and adaptive-average pooling, forward and backward, for NCHW or NHWC
-// strided tensors. One thread per output element forward; backward gathers: one thread per
-// input element sums the windows that cover it, so dx is written once (`=`), with no atomics
-// and a fixed summation order (deterministic). Threads walk the written tensor in its memory
-// order (channels fastest for NHWC) so stores coalesce.
+// strided tensors. Backward gathers: one thread per input element (or input vector) sums the
+// windows that cover it, so dx is written once (`=`), with no atomics and a fixed summation order
+// (deterministic). Threads walk the written tensor in its memory order (channels fastest for
+// NHWC) so stores coalesce.
+//
+// Fast paths for dense NHWC tensors whose channel count is a multiple of the 16-byte vector
+// (8 halves, 4 floats, 2 doubles): one thread per 16-byte channel vector, max pooling forward and
+// backward and global (1x1) average pooling forward and backward. Coordinates are 32-bit there.
+#include <cstdint>
 #include <limits>
 
 #include "cuda/kernels/common.cuh"
@@ -15,7 +20,7 @@ struct PoolGeom {
   int64_t N, C, H, W, OH, OW;
   int64_t sx[4];  // strides of the (N, C, H, W) side
   int64_t sy[4];  // strides of the (N, C, OH, OW) side
-  int64_t sxr[4];  // strides of x where max pooling's backward re-reads it
+  int64_t si[4];  // strides of max pooling's indices (N, C, OH, OW)
   int kh, kw, sh, sw, ph, pw, dh, dw;
   bool include_pad;
   bool channels_fastest;  // the tensor a thread writes is NHWC
@@ -44,14 +49,15 @@ __device__ inline int64_t at(const int64_t* s, int64_t n, int64_t c, int64_t a, 
   return n * s[0] + c * s[1] + a * s[2] + b * s[3];
 }
 
-// The first maximal element of window (oh, ow) (NaN counts as maximal), as h*W + w; -1 if the
-// window holds no input element.
-template <typename T>
-__device__ inline int64_t window_argmax(const PoolGeom& g, const T* x, int64_t n, int64_t c,
-                                        int64_t oh, int64_t ow, acc_t<T>* value) {
+// Window-local position (i*kw + j) of the first maximal element of window (oh, ow) (NaN counts
+// as maximal) and its value; `empty` (and -inf) if the window holds no input element.
+template <typename T, typename I>
+__device__ inline I window_argmax(const PoolGeom& g, const T* x, int64_t n, int64_t c, int64_t oh,
+                                  int64_t ow, acc_t<T>* value) {
   using Cc = acc_t<T>;
   Cc best = -std::numeric_limits<Cc>::infinity();
-  int64_t arg = -1;
+  I arg = I(-1);
+  bool first = true;
   const int64_t hs = oh * g.sh - g.ph, ws = ow * g.sw - g.pw;
   for (int i = 0; i < g.kh; ++i) {
     const int64_t h = hs + int64_t(i) * g.dh;
@@ -59,35 +65,36 @@ __device__ inline int64_t window_argmax(const PoolGeom& g, const T* x, int64_t n
     for (int j = 0; j < g.kw; ++j) {
       const int64_t w = ws + int64_t(j) * g.dw;
       if (w < 0 || w >= g.W) continue;
-      const Cc v = cvt<Cc>(x[at(g.sxr, n, c, h, w)]);
-      if (arg < 0 || (isnan(v) && !isnan(best)) || v > best) {
+      const Cc v = cvt<Cc>(x[at(g.sx, n, c, h, w)]);
+      if (first || (isnan(v) && !isnan(best)) || v > best) {
         best = v;
-        arg = h * g.W + w;
+        arg = I(i * g.kw + j);
       }
+      first = false;
     }
   }
   *value = best;
   return arg;
 }
 
-template <typename T>
-__global__ void max_pool_fwd(PoolGeom g, T* y, const T* x, int64_t n_out) {
+template <typename T, typename I>
+__global__ void max_pool_fwd(PoolGeom g, T* y, I* idx, const T* x, int64_t n_out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
     const Idx4 o = decompose(i, g.C, g.OH, g.OW, g.channels_fastest);
     acc_t<T> v;
-    window_argmax(g, x, o.n, o.c, o.a, o.b, &v);
+    const I arg = window_argmax<T, I>(g, x, o.n, o.c, o.a, o.b, &v);
     y[at(g.sy, o.n, o.c, o.a, o.b)] = cvt<T>(v);
+    idx[at(g.si, o.n, o.c, o.a, o.b)] = arg;
   }
 }
 
-template <typename T>
-__global__ void max_pool_bwd(PoolGeom g, T* dx, const T* dy, const T* x, int64_t n_in) {
+template <typename T, typename I>
+__global__ void max_pool_bwd(PoolGeom g, T* dx, const T* dy, const I* idx, int64_t n_in) {
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
     const Idx4 p = decompose(i, g.C, g.H, g.W, g.channels_fastest);
-    const int64_t self = p.a * g.W + p.b;
     Cc acc = 0;
     for (int ki = 0; ki < g.kh; ++ki) {
       const int64_t th = p.a + g.ph - int64_t(ki) * g.dh;
@@ -97,12 +104,178 @@ __global__ void max_pool_bwd(PoolGeom g, T* dx, const T* dy, const T* x, int64_t
         const int64_t tw = p.b + g.pw - int64_t(kj) * g.dw;
         if (tw < 0 || tw % g.sw != 0 || tw / g.sw >= g.OW) continue;
         const int64_t ow = tw / g.sw;
-        Cc unused;
-        if (window_argmax(g, x, p.n, p.c, oh, ow, &unused) == self)
+        if (idx[at(g.si, p.n, p.c, oh, ow)] == I(ki * g.kw + kj))
           acc += cvt<Cc>(dy[at(g.sy, p.n, p.c, oh, ow)]);
       }
     }
     dx[at(g.sx, p.n, p.c, p.a, p.b)] = cvt<T>(acc);
+  }
+}
+
+// ---- dense NHWC, one thread per 16-byte channel vector ----
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int n = int(16 / sizeof(T));
+  T v[n];
+};
+// The indices matching one Vec<T>: 2..8 u8 or i32, loaded as one access where it fits 16 bytes.
+template <typename I, int V>
+struct alignas(sizeof(I) * V > 16 ? 16 : sizeof(I) * V) IVec {
+  I v[V];
+};
+
+// a %= b, returning the remainder and leaving the quotient in a; 32-bit division when a fits.
+__device__ inline int divmod(int64_t& a, int b) {
+  if (a >= 0 && a <= int64_t(UINT32_MAX)) {
+    const uint32_t ua = uint32_t(a), q = ua / uint32_t(b);
+    a = q;
+    return int(ua - q * uint32_t(b));
+  }
+  const int64_t q = a / b;
+  const int r = int(a - q * b);
+  a = q;
+  return r;
+}
+
+struct NhwcGeom {
+  int H, W, OH, OW, CV;  // CV: channel vectors per pixel
+  int kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+template <typename T, typename I>
+__global__ void max_pool_fwd_nhwc(NhwcGeom g, T* y, I* idx, const T* x, int64_t n_out) {
+  constexpr int V = Vec<T>::n;
+  using Cc = acc_t<T>;
+  const int64_t C = int64_t(g.CV) * V;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = i;
+    const int cv = divmod(n, g.CV);
+    const int ow = divmod(n, g.OW);
+    const int oh = divmod(n, g.OH);
+    Cc best[V];
+    IVec<I, V> arg;
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      best[l] = -std::numeric_limits<Cc>::infinity();
+      arg.v[l] = I(-1);
+    }
+    bool first = true;
+    const int hs = oh * g.sh - g.ph, ws = ow * g.sw - g.pw;
+    for (int ki = 0; ki < g.kh; ++ki) {
+      const int h = hs + ki * g.dh;
+      if (h < 0 || h >= g.H) continue;
+      for (int kj = 0; kj < g.kw; ++kj) {
+        const int w = ws + kj * g.dw;
+        if (w < 0 || w >= g.W) continue;
+        const Vec<T> v =
+            *reinterpret_cast<const Vec<T>*>(x + ((n * g.H + h) * g.W + w) * C + int64_t(cv) * V);
+        const I k = I(ki * g.kw + kj);
+#pragma unroll
+        for (int l = 0; l < V; ++l) {
+          const Cc f = cvt<Cc>(v.v[l]);
+          if (first || (isnan(f) && !isnan(best[l])) || f > best[l]) {
+            best[l] = f;
+            arg.v[l] = k;
+          }
+        }
+        first = false;
+      }
+    }
+    Vec<T> out;
+#pragma unroll
+    for (int l = 0; l < V; ++l) out.v[l] = cvt<T>(best[l]);
+    const int64_t o = i * V;  // the output is dense NHWC: vector i starts at element i*V
+    *reinterpret_cast<Vec<T>*>(y + o) = out;
+    *reinterpret_cast<IVec<I, V>*>(idx + o) = arg;
+  }
+}
+
+template <typename T, typename I>
+__global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, int64_t n_in) {
+  constexpr int V = Vec<T>::n;
+  using Cc = acc_t<T>;
+  const int64_t C = int64_t(g.CV) * V;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = i;
+    const int cv = divmod(n, g.CV);
+    const int w = divmod(n, g.W);
+    const int h = divmod(n, g.H);
+    Cc acc[V];
+#pragma unroll
+    for (int l = 0; l < V; ++l) acc[l] = 0;
+    for (int ki = 0; ki < g.kh; ++ki) {
+      const int th = h + g.ph - ki * g.dh;
+      if (th < 0 || th % g.sh != 0) continue;
+      const int oh = th / g.sh;
+      if (oh >= g.OH) continue;
+      for (int kj = 0; kj < g.kw; ++kj) {
+        const int tw = w + g.pw - kj * g.dw;
+        if (tw < 0 || tw % g.sw != 0) continue;
+        const int ow = tw / g.sw;
+        if (ow >= g.OW) continue;
+        const int64_t o = ((n * g.OH + oh) * g.OW + ow) * C + int64_t(cv) * V;
+        const IVec<I, V> iv = *reinterpret_cast<const IVec<I, V>*>(idx + o);
+        const I k = I(ki * g.kw + kj);
+        bool any = false;
+#pragma unroll
+        for (int l = 0; l < V; ++l) any |= iv.v[l] == k;
+        if (!any) continue;  // dy is read only where some lane took this window's maximum
+        const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + o);
+#pragma unroll
+        for (int l = 0; l < V; ++l)
+          if (iv.v[l] == k) acc[l] += cvt<Cc>(d.v[l]);
+      }
+    }
+    Vec<T> out;
+#pragma unroll
+    for (int l = 0; l < V; ++l) out.v[l] = cvt<T>(acc[l]);
+    *reinterpret_cast<Vec<T>*>(dx + i * V) = out;
+  }
+}
+
+// Global average pooling, x (N, HW, C) -> y (N, C): one thread per (n, channel vector).
+template <typename T>
+__global__ void global_avg_fwd_nhwc(int HW, int CV, T* y, const T* x, int64_t n_out) {
+  constexpr int V = Vec<T>::n;
+  using Cc = acc_t<T>;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = i;
+    const int cv = divmod(n, CV);
+    const T* p = x + n * HW * CV * V + int64_t(cv) * V;
+    Cc acc[V];
+#pragma unroll
+    for (int l = 0; l < V; ++l) acc[l] = 0;
+#pragma unroll 4
+    for (int s = 0; s < HW; ++s) {
+      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(p + int64_t(s) * CV * V);
+#pragma unroll
+      for (int l = 0; l < V; ++l) acc[l] += cvt<Cc>(v.v[l]);
+    }
+    Vec<T> out;
+#pragma unroll
+    for (int l = 0; l < V; ++l) out.v[l] = cvt<T>(acc[l] / Cc(HW));
+    *reinterpret_cast<Vec<T>*>(y + i * V) = out;
+  }
+}
+
+// dx (N, HW, C) = dy (N, C) / HW: one thread per dx channel vector.
+template <typename T>
+__global__ void global_avg_bwd_nhwc(int HW, int CV, T* dx, const T* dy, int64_t n_in) {
+  constexpr int V = Vec<T>::n;
+  using Cc = acc_t<T>;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = i;
+    const int cv = divmod(n, CV);
+    divmod(n, HW);
+    const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + (n * CV + cv) * V);
+    Vec<T> out;
+#pragma unroll
+    for (int l = 0; l < V; ++l) out.v[l] = cvt<T>(cvt<Cc>(d.v[l]) / Cc(HW));
+    *reinterpret_cast<Vec<T>*>(dx + i * V) = out;
   }
 }
 
@@ -202,7 +375,7 @@ __global__ void adaptive_avg_bwd(PoolGeom g, T* dx, const T* dy, int64_t n_in) {
 
 // `xs` is the (N, C, H, W) tensor, `ys` the (N, C, OH, OW) one; `written` decides thread order.
 PoolGeom make_pool_geom(const Tensor& xs, const Tensor& ys, const Tensor& written,
-                        const PoolParams* p) {
+                        const PoolParams* p, const Tensor* indices = nullptr) {
   PoolGeom g{};
   g.N = xs.size(0);
   g.C = xs.size(1);
@@ -212,8 +385,8 @@ PoolGeom make_pool_geom(const Tensor& xs, const Tensor& ys, const Tensor& writte
   g.OW = ys.size(3);
   for (int d = 0; d < 4; ++d) {
     g.sx[d] = xs.stride(d);
-    g.sxr[d] = xs.stride(d);
     g.sy[d] = ys.stride(d);
+    g.si[d] = indices ? indices->stride(d) : 0;
   }
   if (p) {
     g.kh = int(p->kernel_h); g.kw = int(p->kernel_w);
@@ -239,21 +412,94 @@ void run(const char* op, const Tensor& written, Launch&& launch) {
 template <typename T>
 T* ptr(const Tensor& t) { return static_cast<T*>(t.raw_data()); }
 
+// Calls f.template operator()<I>() with I the element type of max pooling's indices.
+template <typename F>
+void dispatch_index(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::u8: f.template operator()<uint8_t>(); break;
+    case DType::i32: f.template operator()<int32_t>(); break;
+    default: KILN_FAIL(op, " (cuda): indices must be u8 or i32, got ", dtype_name(t));
+  }
+}
+
+bool aligned(const Tensor& t, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(t.raw_data()) % bytes == 0;
+}
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+// Dense NHWC, whole 16-byte channel vectors, 32-bit spatial coordinates.
+template <typename T>
+bool nhwc_vectorisable(const Tensor& t) {
+  return t.is_contiguous(MemoryFormat::ChannelsLast) && t.size(1) % Vec<T>::n == 0 &&
+         aligned(t, 16) && t.size(2) * t.size(3) <= kIntMax && t.size(1) <= kIntMax;
+}
+template <typename T, typename I>
+bool indices_vectorisable(const Tensor& t) {
+  return t.is_contiguous(MemoryFormat::ChannelsLast) && t.size(1) % Vec<T>::n == 0 &&
+         aligned(t, alignof(IVec<I, Vec<T>::n>));
+}
+
+NhwcGeom make_nhwc_geom(const Tensor& xs, const Tensor& ys, int vec, const PoolParams& p) {
+  NhwcGeom g{};
+  g.H = int(xs.size(2));
+  g.W = int(xs.size(3));
+  g.OH = int(ys.size(2));
+  g.OW = int(ys.size(3));
+  g.CV = int(xs.size(1) / vec);
+  g.kh = int(p.kernel_h); g.kw = int(p.kernel_w);
+  g.sh = int(p.stride_h); g.sw = int(p.stride_w);
+  g.ph = int(p.pad_h); g.pw = int(p.pad_w);
+  g.dh = int(p.dil_h); g.dw = int(p.dil_w);
+  return g;
+}
+
+// y (N, C, 1, 1) addressed as n*C + c: contiguous or channels-last.
+bool flat_nc(const Tensor& y) {
+  return y.is_contiguous() || y.is_contiguous(MemoryFormat::ChannelsLast);
+}
+
 }  // namespace
 
-void max_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p) {
-  PoolGeom g = make_pool_geom(x, y, y, &p);
-  run("max_pool2d", y, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-    max_pool_fwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(y), ptr<T>(x), n);
+void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
+                        const PoolParams& p) {
+  if (y.numel() == 0) return;
+  dispatch_device_float(y.dtype(), "max_pool2d", [&]<typename T>() {
+    dispatch_index(indices.dtype(), "max_pool2d", [&]<typename I>() {
+      cudaStream_t s = current_stream();
+      if (nhwc_vectorisable<T>(x) && nhwc_vectorisable<T>(y) &&
+          indices_vectorisable<T, I>(indices)) {
+        const int64_t n = y.numel() / Vec<T>::n;
+        max_pool_fwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(
+            make_nhwc_geom(x, y, Vec<T>::n, p), ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
+      } else {
+        const int64_t n = y.numel();
+        max_pool_fwd<T, I><<<grid_for(n), kBlock, 0, s>>>(
+            make_pool_geom(x, y, y, &p, &indices), ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
+      }
+      KILN_CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
-void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indices,
                          const PoolParams& p) {
-  PoolGeom g = make_pool_geom(dx, dy, dx, &p);
-  for (int d = 0; d < 4; ++d) g.sxr[d] = x.stride(d);  // x may be laid out unlike dx
-  run("max_pool2d backward", dx, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-    max_pool_bwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy), ptr<T>(x), n);
+  if (dx.numel() == 0) return;
+  dispatch_device_float(dx.dtype(), "max_pool2d backward", [&]<typename T>() {
+    dispatch_index(indices.dtype(), "max_pool2d backward", [&]<typename I>() {
+      cudaStream_t s = current_stream();
+      if (nhwc_vectorisable<T>(dx) && nhwc_vectorisable<T>(dy) &&
+          indices_vectorisable<T, I>(indices)) {
+        const int64_t n = dx.numel() / Vec<T>::n;
+        max_pool_bwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(
+            make_nhwc_geom(dx, dy, Vec<T>::n, p), ptr<T>(dx), ptr<T>(dy), ptr<I>(indices), n);
+      } else {
+        const int64_t n = dx.numel();
+        max_pool_bwd<T, I><<<grid_for(n), kBlock, 0, s>>>(
+            make_pool_geom(dx, dy, dx, &p, &indices), ptr<T>(dx), ptr<T>(dy), ptr<I>(indices),
+            n);
+      }
+      KILN_CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -272,6 +518,18 @@ void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p
 }
 
 void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x) {
+  if (y.numel() == 0) return;
+  if (y.size(2) == 1 && y.size(3) == 1) {
+    const bool done = dispatch_device_float(y.dtype(), "adaptive_avg_pool2d", [&]<typename T>() {
+      if (!nhwc_vectorisable<T>(x) || !flat_nc(y) || !aligned(y, 16)) return false;
+      const int64_t n = y.numel() / Vec<T>::n;
+      global_avg_fwd_nhwc<T><<<grid_for(n), kBlock, 0, current_stream()>>>(
+          int(x.size(2) * x.size(3)), int(x.size(1) / Vec<T>::n), ptr<T>(y), ptr<T>(x), n);
+      KILN_CUDA_CHECK_LAUNCH();
+      return true;
+    });
+    if (done) return;
+  }
   PoolGeom g = make_pool_geom(x, y, y, nullptr);
   run("adaptive_avg_pool2d", y, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
     adaptive_avg_fwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(y), ptr<T>(x), n);
@@ -279,6 +537,20 @@ void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x) {
 }
 
 void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy) {
+  if (dx.numel() == 0) return;
+  if (dy.size(2) == 1 && dy.size(3) == 1) {
+    const bool done =
+        dispatch_device_float(dx.dtype(), "adaptive_avg_pool2d backward", [&]<typename T>() {
+          if (!nhwc_vectorisable<T>(dx) || !flat_nc(dy) || !aligned(dy, 16)) return false;
+          const int64_t n = dx.numel() / Vec<T>::n;
+          global_avg_bwd_nhwc<T><<<grid_for(n), kBlock, 0, current_stream()>>>(
+              int(dx.size(2) * dx.size(3)), int(dx.size(1) / Vec<T>::n), ptr<T>(dx), ptr<T>(dy),
+              n);
+          KILN_CUDA_CHECK_LAUNCH();
+          return true;
+        });
+    if (done) return;
+  }
   PoolGeom g = make_pool_geom(dx, dy, dx, nullptr);
   run("adaptive_avg_pool2d backward", dx,
       [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {

@@ -218,3 +218,46 @@ TEST_CASE("conv2d: deterministic mode gives bit-identical backward-weight") {
   cuda::set_conv_deterministic(false);
   CHECK(a.to_vector<float>() == b.to_vector<float>());
 }
+
+TEST_CASE("conv2d: a cached plan reused with other buffers computes on the new data") {
+  // The second call of each op hits the cached plan (descriptors built for the first call's
+  // problem) with different pointers; both results must match their own reference.
+  Generator gen(12);
+  for (const ConvCase& c : {ConvCase{"1x1 64->64", 64, 64, 1, 1, 0, 6},
+                            ConvCase{"3x3/2 16->32", 16, 32, 3, 2, 1, 9}}) {
+    CAPTURE(c.name);
+    for (DType dtype : {DType::f32, DType::f16}) {
+      CAPTURE(dtype_name(dtype));
+      const int64_t ho = out_size(c);
+      const double ws = 1.0 / std::sqrt(double(c.c_in * c.k * c.k));
+      const ConvParams p = params_of(c);
+      const MemoryFormat fmt = MemoryFormat::ChannelsLast;
+      std::vector<Tensor> ys, dxs, dws;
+      std::vector<Reference> refs;
+      const auto before = cuda::conv_algo_cache_stats();
+      for (int call = 0; call < 2; ++call) {
+        Tensor x = randn({2, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+        Tensor w = randn({c.c_out, c.c_in, c.k, c.k}, DType::f64, &gen) * ws;
+        Tensor dy = randn({2, c.c_out, ho, ho}, DType::f64, &gen);
+        refs.push_back(reference(rounded(x, dtype), rounded(w, dtype), rounded(dy, dtype), c));
+        const Reference& r = refs.back();
+        Tensor xg = to_gpu(r.x, dtype, fmt), wg = to_gpu(r.w, dtype, fmt);
+        Tensor dyg = to_gpu(r.dy, dtype, fmt);
+        ys.push_back(nan_gpu(r.y.shape(), dtype, fmt));
+        dxs.push_back(nan_gpu(r.x.shape(), dtype, fmt));
+        dws.push_back(nan_gpu(r.w.shape(), dtype, fmt));
+        cuda::conv2d_forward(ys.back(), xg, wg, Tensor(), p);
+        cuda::conv2d_backward_data(dxs.back(), dyg, wg, p);
+        cuda::conv2d_backward_weight(dws.back(), dyg, xg, p);
+      }
+      const auto after = cuda::conv_algo_cache_stats();
+      CHECK(after.hits >= before.hits + 3);  // the second call of each op
+      for (int call = 0; call < 2; ++call) {
+        CAPTURE(call);
+        KILN_CHECK_OK(compare_scaled(ys[size_t(call)], refs[size_t(call)].y, tol_for(dtype)));
+        KILN_CHECK_OK(compare_scaled(dxs[size_t(call)], refs[size_t(call)].dx, tol_for(dtype)));
+        KILN_CHECK_OK(compare_scaled(dws[size_t(call)], refs[size_t(call)].dw, tol_for(dtype)));
+      }
+    }
+  }
+}

@@ -1,6 +1,8 @@
 // CUDA pooling, softmax and fused cross-entropy kernels against naive f64 reference loops in
-// this file, run on the very values the device holds. NCHW and NHWC; f32, f16, f64. Outputs and
-// input gradients are pre-filled with NaN, so an unwritten element fails.
+// this file, run on the very values the device holds. NCHW and NHWC; f32, f16, f64; channel
+// counts that take the vectorised NHWC paths (multiples of 8) and those that do not. Outputs and
+// input gradients are pre-filled with NaN, so an unwritten element fails; max pooling's saved
+// indices are compared exactly (first maximum of the window on ties).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -27,17 +29,20 @@ int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) {
   return (in + 2 * p - d * (k - 1) - 1) / s + 1;
 }
 
-// Max pooling forward and backward: first maximal element per window takes the gradient.
+// Max pooling forward and backward: the first maximal element per window takes the gradient.
+// idx: window-local position i*kw + j of that element, -1 for a window with no input element.
 void max_pool_ref(const std::vector<double>& x, const std::vector<double>& dy, const Dims& D,
-                  const PoolParams& p, std::vector<double>& y, std::vector<double>& dx) {
+                  const PoolParams& p, std::vector<double>& y, std::vector<double>& dx,
+                  std::vector<double>& idx) {
   y.assign(size_t(D.N * D.C * D.OH * D.OW), 0);
+  idx.assign(y.size(), -1);
   dx.assign(x.size(), 0);
   for (int64_t n = 0; n < D.N; ++n)
     for (int64_t c = 0; c < D.C; ++c)
       for (int64_t oh = 0; oh < D.OH; ++oh)
         for (int64_t ow = 0; ow < D.OW; ++ow) {
           double best = -std::numeric_limits<double>::infinity();
-          int64_t arg = -1;
+          int64_t arg = -1, local = -1;
           for (int64_t i = 0; i < p.kernel_h; ++i)
             for (int64_t j = 0; j < p.kernel_w; ++j) {
               int64_t h = oh * p.stride_h - p.pad_h + i * p.dil_h;
@@ -46,11 +51,22 @@ void max_pool_ref(const std::vector<double>& x, const std::vector<double>& dy, c
               if (arg < 0 || x[size_t(D.x(n, c, h, w))] > best) {
                 best = x[size_t(D.x(n, c, h, w))];
                 arg = D.x(n, c, h, w);
+                local = i * p.kernel_w + j;
               }
             }
           y[size_t(D.y(n, c, oh, ow))] = best;
-          dx[size_t(arg)] += dy[size_t(D.y(n, c, oh, ow))];
+          idx[size_t(D.y(n, c, oh, ow))] = double(local);
+          if (arg >= 0) dx[size_t(arg)] += dy[size_t(D.y(n, c, oh, ow))];
         }
+}
+
+// The saved indices as the reference writes them (u8 stores -1 as 255).
+std::vector<double> indices_as_ref(const Tensor& idx) {
+  std::vector<double> v = idx.to_vector<double>();
+  if (idx.dtype() == DType::u8)
+    for (double& e : v)
+      if (e == 255) e = -1;
+  return v;
 }
 
 void avg_pool_ref(const std::vector<double>& x, const std::vector<double>& dy, const Dims& D,
@@ -104,22 +120,30 @@ void adaptive_ref(const std::vector<double>& x, const std::vector<double>& dy, c
 
 enum class Pool { Max, Avg, Adaptive };
 
+// x_values: generator of x (uniform by default); quantised values make ties common.
 void check_pool(Pool kind, DType t, MemoryFormat fmt, Shape in, const PoolParams& p, int64_t oh,
-                int64_t ow, const std::string& what) {
+                int64_t ow, const std::string& what, bool ties = false) {
   CAPTURE(what);
   Dims D{in[0], in[1], in[2], in[3], oh, ow};
-  Tensor x = gpu_tensor(uniform_values(shape_numel(in), -2, 2, 31), in, t, fmt);
+  std::vector<double> xs = uniform_values(shape_numel(in), -2, 2, 31);
+  if (ties)
+    for (double& v : xs) v = std::floor(v);  // {-2, -1, 0, 1}
+  Tensor x = gpu_tensor(xs, in, t, fmt);
   Tensor dy = gpu_tensor(uniform_values(D.N * D.C * oh * ow, -1, 1, 32),
                          {D.N, D.C, oh, ow}, t, fmt);
   Tensor y = nan_output({D.N, D.C, oh, ow}, t, fmt);
   Tensor dx = nan_output(in, t, fmt);
-  std::vector<double> xv = x.to_vector<double>(), dyv = dy.to_vector<double>(), wy, wdx;
+  std::vector<double> xv = x.to_vector<double>(), dyv = dy.to_vector<double>(), wy, wdx, widx;
   switch (kind) {
-    case Pool::Max:
-      cuda::max_pool2d_forward(y, x, p);
-      cuda::max_pool2d_backward(dx, dy, x, p);
-      max_pool_ref(xv, dyv, D, p, wy, wdx);
+    case Pool::Max: {
+      Tensor idx = empty({D.N, D.C, oh, ow}, gpu_opts(cuda::max_pool2d_indices_dtype(p), fmt));
+      idx.fill_(idx.dtype() == DType::u8 ? 254.0 : 1e6);  // a position no test window has
+      cuda::max_pool2d_forward(y, idx, x, p);
+      cuda::max_pool2d_backward(dx, dy, idx, p);
+      max_pool_ref(xv, dyv, D, p, wy, wdx, widx);
+      CHECK(indices_as_ref(idx) == widx);
       break;
+    }
     case Pool::Avg:
       cuda::avg_pool2d_forward(y, x, p);
       cuda::avg_pool2d_backward(dx, dy, p);
@@ -157,20 +181,71 @@ TEST_CASE("max_pool2d forward/backward vs reference, NCHW and NHWC") {
       check_pool(Pool::Max, t, f, {2, 4, 8, 6}, pool(2, 2, 0), 4, 3, "2x2 s2 " + tag);
       check_pool(Pool::Max, t, f, {1, 3, 8, 7}, pool(3, 1, 1, 2), out_size(8, 3, 1, 1, 2),
                  out_size(7, 3, 1, 1, 2), "3x3 s1 p1 d2 " + tag);
+      // 16 and 24 channels: the vectorised NHWC kernels for every dtype.
+      check_pool(Pool::Max, t, f, {2, 16, 11, 11}, pool(3, 2, 1), 6, 6, "3x3 s2 p1 c16 " + tag);
+      check_pool(Pool::Max, t, f, {1, 24, 7, 9}, pool(3, 1, 1, 2), out_size(7, 3, 1, 1, 2),
+                 out_size(9, 3, 1, 1, 2), "3x3 s1 p1 d2 c24 " + tag);
     }
 }
 
-TEST_CASE("max_pool2d backward with x and dx in different layouts") {
+TEST_CASE("max_pool2d ties go to the first maximum of the window") {
+  for (DType t : kDTypes)
+    for (MemoryFormat f : kFormats) {
+      const std::string tag = std::string(dtype_name(t)) +
+                              (f == MemoryFormat::ChannelsLast ? " nhwc" : " nchw");
+      check_pool(Pool::Max, t, f, {2, 16, 9, 9}, pool(3, 2, 1), 5, 5, "ties c16 " + tag, true);
+      check_pool(Pool::Max, t, f, {2, 3, 9, 9}, pool(3, 1, 1), 9, 9, "ties c3 " + tag, true);
+    }
+  // All equal: every window's first valid element is its maximum.
+  Tensor x = full({1, 8, 4, 4}, 1.5, gpu_opts(DType::f16, MemoryFormat::ChannelsLast));
   PoolParams p = pool(3, 2, 1);
-  Shape in{2, 3, 7, 7};
-  Tensor x = gpu_tensor(uniform_values(shape_numel(in), -2, 2, 40), in, DType::f32,
-                        MemoryFormat::ChannelsLast);
-  Tensor dy = gpu_tensor(uniform_values(2 * 3 * 4 * 4, -1, 1, 41), {2, 3, 4, 4}, DType::f32);
-  Tensor dx = nan_output(in, DType::f32, MemoryFormat::Contiguous);
-  cuda::max_pool2d_backward(dx, dy, x, p);
-  std::vector<double> wy, wdx;
-  max_pool_ref(x.to_vector<double>(), dy.to_vector<double>(), Dims{2, 3, 7, 7, 4, 4}, p, wy, wdx);
-  check_close(dx.to_vector<double>(), wdx, tol_for(DType::f32), "mixed layouts");
+  Tensor y = nan_output({1, 8, 2, 2}, DType::f16, MemoryFormat::ChannelsLast);
+  Tensor idx = empty({1, 8, 2, 2}, gpu_opts(DType::u8, MemoryFormat::ChannelsLast));
+  cuda::max_pool2d_forward(y, idx, x, p);
+  // Window (0,0) starts at (-1,-1): its first in-bounds position is (1,1) -> 4; the others
+  // start in bounds on their first row: (0,1) -> 3 (row -1 is out), (1,0) -> 1, (1,1) -> 0.
+  std::vector<double> iv = idx.to_vector<double>();  // NCHW logical order
+  for (int64_t c = 0; c < 8; ++c) {
+    CHECK(iv[size_t(c * 4 + 0)] == 4);
+    CHECK(iv[size_t(c * 4 + 1)] == 3);
+    CHECK(iv[size_t(c * 4 + 2)] == 1);
+    CHECK(iv[size_t(c * 4 + 3)] == 0);
+  }
+}
+
+TEST_CASE("max_pool2d: i32 indices for windows over 255 positions, and empty windows") {
+  for (DType t : {DType::f32, DType::f16})
+    for (MemoryFormat f : kFormats) {
+      const std::string tag = std::string(dtype_name(t)) +
+                              (f == MemoryFormat::ChannelsLast ? " nhwc" : " nchw");
+      PoolParams big = pool(16, 4, 0);
+      REQUIRE(cuda::max_pool2d_indices_dtype(big) == DType::i32);
+      check_pool(Pool::Max, t, f, {1, 8, 20, 20}, big, 2, 2, "16x16 s4 " + tag);
+      // kernel 2, dilation 5, padding 1 over 4x4: the window's two rows/cols are -1 and 4, both
+      // outside, so y = -inf and no gradient flows.
+      check_pool(Pool::Max, t, f, {1, 8, 4, 4}, pool(2, 1, 1, 5), 1, 1, "empty window " + tag);
+    }
+}
+
+TEST_CASE("max_pool2d backward with dy, indices and dx in different layouts") {
+  PoolParams p = pool(3, 2, 1);
+  for (int64_t C : {3, 8}) {
+    CAPTURE(C);
+    Shape in{2, C, 7, 7};
+    Tensor x = gpu_tensor(uniform_values(shape_numel(in), -2, 2, 40), in, DType::f32,
+                          MemoryFormat::ChannelsLast);
+    Tensor y = nan_output({2, C, 4, 4}, DType::f32, MemoryFormat::ChannelsLast);
+    Tensor idx = empty({2, C, 4, 4}, gpu_opts(DType::u8, MemoryFormat::ChannelsLast));
+    cuda::max_pool2d_forward(y, idx, x, p);
+    Tensor dy = gpu_tensor(uniform_values(2 * C * 4 * 4, -1, 1, 41), {2, C, 4, 4}, DType::f32);
+    Tensor dx = nan_output(in, DType::f32, MemoryFormat::Contiguous);
+    cuda::max_pool2d_backward(dx, dy, idx, p);
+    std::vector<double> wy, wdx, widx;
+    max_pool_ref(x.to_vector<double>(), dy.to_vector<double>(), Dims{2, C, 7, 7, 4, 4}, p, wy,
+                 wdx, widx);
+    check_close(dx.to_vector<double>(), wdx, tol_for(DType::f32), "mixed layouts");
+    CHECK(indices_as_ref(idx) == widx);
+  }
 }
 
 TEST_CASE("avg_pool2d forward/backward, with and without counting padding") {
@@ -193,6 +268,8 @@ TEST_CASE("adaptive_avg_pool2d forward/backward: global, uneven and enlarging wi
                               (f == MemoryFormat::ChannelsLast ? " nhwc" : " nchw");
       PoolParams unused;
       check_pool(Pool::Adaptive, t, f, {2, 8, 7, 7}, unused, 1, 1, "7x7->1x1 " + tag);
+      check_pool(Pool::Adaptive, t, f, {3, 64, 7, 7}, unused, 1, 1, "7x7->1x1 c64 " + tag);
+      check_pool(Pool::Adaptive, t, f, {2, 3, 5, 4}, unused, 1, 1, "5x4->1x1 c3 " + tag);
       check_pool(Pool::Adaptive, t, f, {2, 3, 9, 7}, unused, 4, 3, "9x7->4x3 " + tag);
       check_pool(Pool::Adaptive, t, f, {1, 2, 3, 5}, unused, 5, 7, "3x5->5x7 " + tag);
     }
