@@ -95,6 +95,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 }  // namespace
 
 struct ImageLoader::Shared {
+  Shared(ImageFolder f, std::shared_ptr<BufferPool> b)
+      : folder(std::move(f)), buffers(std::move(b)) {}
   ImageFolder folder;
   std::shared_ptr<BufferPool> buffers;
   std::mutex mu;  // guards the bad-file log
@@ -210,8 +212,7 @@ ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(st
 #ifdef KILN_WITH_CUDA
   pinned = o.pin_memory && cuda::is_available();
 #endif
-  shared_ = std::make_shared<Shared>(
-      Shared{std::move(folder), std::make_shared<BufferPool>(pinned), {}, {}, {}});
+  shared_ = std::make_shared<Shared>(std::move(folder), std::make_shared<BufferPool>(pinned));
 }
 
 ImageLoader::~ImageLoader() = default;
@@ -241,7 +242,7 @@ std::vector<int64_t> permutation(int64_t n, bool shuffle, uint64_t seed, int64_t
 
 std::vector<int64_t> ImageLoader::order(int64_t e) const {
   const std::vector<int64_t> g = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
-  std::vector<int64_t> mine(size_t(samples_per_epoch()));
+  std::vector<int64_t> mine(static_cast<size_t>(samples_per_epoch()));
   for (size_t i = 0; i < mine.size(); ++i)
     mine[i] = g[size_t((int64_t(i) * opts_.world_size + opts_.rank) % int64_t(g.size()))];
   return mine;
