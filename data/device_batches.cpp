@@ -185,7 +185,7 @@ Tensor SyntheticImages::pixels_cpu(int64_t k) const {
 }
 
 DeviceBatch SyntheticImages::next() {
-  const int64_t k = k_++, B = batch_size_, S = image_size_;
+  const int64_t k = k_++, B = batch_size_;
   const uint64_t seed = batch_seed(k);
   if (device_.is_cpu()) {
     ImageBatch b;
@@ -197,6 +197,7 @@ DeviceBatch SyntheticImages::next() {
     return normalize_on_cpu(b, stats_);
   }
 #ifdef KILN_WITH_CUDA
+  const int64_t S = image_size_;
   Tensor px = empty({B, S, S, 3}, TensorOptions(DType::u8).with_device(device_));
   cuda::fill_synthetic_bytes(px, seed);
   DeviceBatch out;
