@@ -110,10 +110,9 @@ struct ImageLoader::Shared {
   void record_bad(int64_t idx, const std::string& reason, bool warn) {
     std::lock_guard lk(mu);
     if (!bad.emplace(idx, reason).second) return;
-    const std::string& path = folder[idx].path;
-    bad_log.push_back(path + ": " + reason);
-    if (warn) std::fprintf(stderr, "kiln: warning: skipping bad image '%s': %s\n", path.c_str(),
-                           reason.c_str());
+    bad_log.push_back(reason);
+    // `reason` names the file (every read/decode error does).
+    if (warn) std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s\n", reason.c_str());
   }
 };
 

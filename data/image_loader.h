@@ -91,7 +91,8 @@ class ImageLoader {
   std::vector<int64_t> order(int64_t epoch) const;
   // Starts epoch e (workers begin at once). The epoch keeps the loader's shared state alive.
   ImageEpoch epoch(int64_t e) const;
-  // Every file found bad so far (any epoch), as "path: reason", in discovery order.
+  // Every file found bad so far (any epoch), as its error message (which names the file), in
+  // discovery order.
   std::vector<std::string> bad_files() const;
 
   struct Shared;  // folder, bad-file log, buffer pool (data/image_loader.cpp)
