@@ -30,8 +30,8 @@ DeviceBatch normalize_on_cpu(const ImageBatch& b, const NormalizeStats& st) {
 #ifdef KILN_WITH_CUDA
 struct DeviceFeeder::Gpu {
   struct Slot {
-    Tensor staging;     // u8 on the device: the host batch's whole buffer (pixels, labels)
-    ImageBatch host;    // kept until its upload is known to be complete
+    Tensor staging;   // u8 on the device: the host batch's whole buffer (pixels, labels)
+    ImageBatch host;  // kept until its upload is known to be complete
     cudaEvent_t copied = nullptr;    // on the copy stream, after the upload
     cudaEvent_t consumed = nullptr;  // on the compute stream, after the last read of staging
     bool pending = false;            // holds a batch not yet returned
@@ -104,8 +104,8 @@ struct DeviceFeeder::Gpu {
     // The staging buffer mirrors the host buffer byte for byte: same offsets for both views.
     const int64_t label_off = s.host.labels.offset() * int64_t(sizeof(int64_t));
     Tensor pixels = s.staging.narrow(0, 0, B * H * W * 3).view({B, H, W, 3});
-    Tensor labels = make_tensor(s.staging.storage(), label_off / int64_t(sizeof(int64_t)), {B},
-                                {1}, DType::i64);
+    Tensor labels = make_tensor(s.staging.storage(), label_off / int64_t(sizeof(int64_t)), {B}, {1},
+                                DType::i64);
     DeviceBatch out;
     out.index = s.host.index;
     out.x = empty({B, 3, H, W}, TensorOptions(dtype).with_device(device).with_memory_format(
@@ -129,8 +129,7 @@ DeviceFeeder::DeviceFeeder(ImageEpoch& epoch, Device device, DType dtype, Normal
   for (int c = 0; c < 3; ++c)
     KILN_CHECK(stats.stddev[c] > 0.0f, "DeviceFeeder: stddev[", c, "] must be > 0");
   if (device.is_cpu()) {
-    KILN_CHECK(dtype == DType::f32, "DeviceFeeder: the CPU output is f32, got ",
-               dtype_name(dtype));
+    KILN_CHECK(dtype == DType::f32, "DeviceFeeder: the CPU output is f32, got ", dtype_name(dtype));
     return;
   }
 #ifdef KILN_WITH_CUDA
@@ -157,14 +156,18 @@ std::optional<DeviceBatch> DeviceFeeder::next() {
 
 SyntheticImages::SyntheticImages(int64_t batch_size, int64_t image_size, int64_t classes,
                                  Device device, DType dtype, uint64_t seed, NormalizeStats stats)
-    : batch_size_(batch_size), image_size_(image_size), classes_(classes), device_(device),
-      dtype_(dtype), seed_(seed), stats_(stats) {
-  KILN_CHECK(batch_size >= 1 && image_size >= 1 && classes >= 1,
-             "SyntheticImages: batch_size (", batch_size, "), image_size (", image_size,
-             ") and classes (", classes, ") must be >= 1");
+    : batch_size_(batch_size),
+      image_size_(image_size),
+      classes_(classes),
+      device_(device),
+      dtype_(dtype),
+      seed_(seed),
+      stats_(stats) {
+  KILN_CHECK(batch_size >= 1 && image_size >= 1 && classes >= 1, "SyntheticImages: batch_size (",
+             batch_size, "), image_size (", image_size, ") and classes (", classes,
+             ") must be >= 1");
   KILN_CHECK(dtype == DType::f32 || (device.is_cuda() && dtype == DType::f16),
-             "SyntheticImages: output dtype must be f32 (or f16 on CUDA), got ",
-             dtype_name(dtype));
+             "SyntheticImages: output dtype must be f32 (or f16 on CUDA), got ", dtype_name(dtype));
 #ifndef KILN_WITH_CUDA
   KILN_CHECK(device.is_cpu(), "SyntheticImages: ", device.str(),
              " requested, but kiln was built without CUDA");
@@ -202,8 +205,8 @@ DeviceBatch SyntheticImages::next() {
   cuda::fill_synthetic_bytes(px, seed);
   DeviceBatch out;
   out.index = k;
-  out.x = empty({B, 3, S, S},
-                TensorOptions(dtype_).with_device(device_).with_memory_format(MemoryFormat::ChannelsLast));
+  out.x = empty({B, 3, S, S}, TensorOptions(dtype_).with_device(device_).with_memory_format(
+                                  MemoryFormat::ChannelsLast));
   cuda::normalize_images(out.x, px, stats_.mean, stats_.stddev);
   out.y = empty({B}, TensorOptions(DType::i64).with_device(device_));
   cuda::fill_synthetic_labels(out.y, seed, classes_);

@@ -50,16 +50,16 @@ int64_t export_image_folder(const Tensor& images, const Tensor& labels,
   for (int64_t c = 0; c < K; ++c) {
     dirs.push_back(fs::path(out) / class_folder_name(c, class_names[size_t(c)], K));
     fs::create_directories(dirs.back(), ec);
-    KILN_CHECK(!ec, "export_image_folder: cannot create '", dirs.back().string(), "': ",
-               ec.message());
+    KILN_CHECK(!ec, "export_image_folder: cannot create '", dirs.back().string(),
+               "': ", ec.message());
   }
   const size_t width = std::to_string(std::max<int64_t>(N - 1, 0)).size();
   const uint8_t* px = x.data<uint8_t>();
   const int64_t* lab = y.data<int64_t>();
   const int64_t out_c = (C == 1 && opts.rgb) ? 3 : C;
   for (int64_t i = 0; i < n; ++i) {
-    KILN_CHECK(lab[i] >= 0 && lab[i] < K, "export_image_folder: label ", lab[i], " of sample ",
-               i, " outside [0, ", K, ")");
+    KILN_CHECK(lab[i] >= 0 && lab[i] < K, "export_image_folder: label ", lab[i], " of sample ", i,
+               " outside [0, ", K, ")");
     Image im;
     im.height = H;
     im.width = W;

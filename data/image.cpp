@@ -38,9 +38,9 @@ const char* stb_reason() {
 void check_writable(const Image& im, const char* what) {
   KILN_CHECK(im.channels == 1 || im.channels == 3, what, ": channels must be 1 or 3, got ",
              im.channels);
-  KILN_CHECK(im.height > 0 && im.width > 0 && im.height <= kMaxImageSide &&
-                 im.width <= kMaxImageSide,
-             what, ": bad image size ", im.height, "x", im.width);
+  KILN_CHECK(
+      im.height > 0 && im.width > 0 && im.height <= kMaxImageSide && im.width <= kMaxImageSide,
+      what, ": bad image size ", im.height, "x", im.width);
   KILN_CHECK(int64_t(im.pixels.size()) == im.height * im.width * im.channels, what, ": ",
              im.pixels.size(), " pixel bytes for a ", im.height, "x", im.width, "x", im.channels,
              " image");

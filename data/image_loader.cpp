@@ -112,7 +112,8 @@ struct ImageLoader::Shared {
     if (!bad.emplace(idx, reason).second) return;
     bad_log.push_back(reason);
     // `reason` names the file (every read/decode error does).
-    if (warn) std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s\n", reason.c_str());
+    if (warn)
+      std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s\n", reason.c_str());
   }
 };
 
@@ -123,7 +124,7 @@ struct ImageEpoch::State {
   std::vector<int64_t> global;  // the epoch's permutation of all N files
   int64_t samples = 0;          // this rank's
   std::mutex mu;
-  std::set<int64_t> bad;        // distinct bad files met in this epoch
+  std::set<int64_t> bad;                                 // distinct bad files met in this epoch
   std::unique_ptr<OrderedPrefetch<ImageBatch>> batches;  // last: its threads stop first
 
   void note_bad(int64_t idx) {
@@ -173,8 +174,8 @@ struct ImageEpoch::State {
     b.pinned = shared->buffers->pinned();
     b.images = make_tensor(storage, 0, {b_count, S, S, 3}, contiguous_strides({b_count, S, S, 3}),
                            DType::u8);
-    b.labels = make_tensor(storage, int64_t(label_off / sizeof(int64_t)), {b_count}, {1},
-                           DType::i64);
+    b.labels =
+        make_tensor(storage, int64_t(label_off / sizeof(int64_t)), {b_count}, {1}, DType::i64);
     uint8_t* px = b.images.data<uint8_t>();
     int64_t* y = b.labels.data<int64_t>();
     for (int64_t i = 0; i < b_count; ++i) {

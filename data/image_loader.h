@@ -49,21 +49,21 @@ enum class Augment { Train, Eval };
 
 struct ImageLoaderOptions {
   int64_t batch_size = 256;
-  int64_t image_size = 224;         // output height = width
+  int64_t image_size = 224;  // output height = width
   Augment augment = Augment::Train;
-  int64_t resize_size = 256;        // Eval: the shorter side before the centre crop
-  RandomResizedCropParams crop;     // Train
-  bool horizontal_flip = true;      // Train
+  int64_t resize_size = 256;     // Eval: the shorter side before the centre crop
+  RandomResizedCropParams crop;  // Train
+  bool horizontal_flip = true;   // Train
   bool shuffle = true;
-  bool drop_last = false;           // drop the last batch when smaller than batch_size
+  bool drop_last = false;  // drop the last batch when smaller than batch_size
   uint64_t seed = 0;
-  int workers = 0;                  // 0: batches are built on the consumer's thread
-  int prefetch = 0;                 // batches built ahead; 0: 2 * workers
+  int workers = 0;   // 0: batches are built on the consumer's thread
+  int prefetch = 0;  // batches built ahead; 0: 2 * workers
   int64_t rank = 0;
   int64_t world_size = 1;
-  double max_bad_fraction = 0.01;   // of the epoch's samples; see "Bad files"
-  bool pin_memory = true;           // only effective with CUDA and a device
-  bool warn = true;                 // print the bad-file warnings
+  double max_bad_fraction = 0.01;  // of the epoch's samples; see "Bad files"
+  bool pin_memory = true;          // only effective with CUDA and a device
+  bool warn = true;                // print the bad-file warnings
 };
 
 struct ImageBatch {

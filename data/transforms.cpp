@@ -101,8 +101,8 @@ CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
              width);
   KILN_CHECK(p.scale_min > 0 && p.scale_min <= p.scale_max && p.ratio_min > 0 &&
                  p.ratio_min <= p.ratio_max,
-             "random_resized_crop_box: bad scale (", p.scale_min, ", ", p.scale_max,
-             ") or ratio (", p.ratio_min, ", ", p.ratio_max, ")");
+             "random_resized_crop_box: bad scale (", p.scale_min, ", ", p.scale_max, ") or ratio (",
+             p.ratio_min, ", ", p.ratio_max, ")");
   const double area = double(height) * double(width);
   const double log_lo = std::log(p.ratio_min), log_hi = std::log(p.ratio_max);
   for (int a = 0; a < p.attempts; ++a) {
@@ -127,23 +127,23 @@ CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
   return {(height - h) / 2, (width - w) / 2, h, w};
 }
 
-void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
-                  CropBox b, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
+void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels, CropBox b,
+                  uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
   KILN_CHECK(b.height > 0 && b.width > 0 && b.top >= 0 && b.left >= 0 &&
                  b.top + b.height <= height && b.left + b.width <= width,
              "resized_crop: box (top ", b.top, ", left ", b.left, ", ", b.height, "x", b.width,
              ") outside the ", height, "x", width, " image");
   KILN_CHECK(out_h > 0 && out_w > 0, "resized_crop: bad output size ", out_h, "x", out_w);
-  const AxisPlan ry = plan_axis(out_h, double(b.top), double(b.height) / double(out_h), b.top,
-                                b.top + b.height);
-  const AxisPlan rx = plan_axis(out_w, double(b.left), double(b.width) / double(out_w), b.left,
-                                b.left + b.width);
+  const AxisPlan ry =
+      plan_axis(out_h, double(b.top), double(b.height) / double(out_h), b.top, b.top + b.height);
+  const AxisPlan rx =
+      plan_axis(out_w, double(b.left), double(b.width) / double(out_w), b.left, b.left + b.width);
   resample(src, width, channels, ry, rx, dst, out_h, out_w, flip);
 }
 
 Size2 resize_shorter_side(int64_t height, int64_t width, int64_t size) {
-  KILN_CHECK(height > 0 && width > 0 && size > 0, "resize_shorter_side: bad sizes ", height,
-             "x", width, " -> ", size);
+  KILN_CHECK(height > 0 && width > 0 && size > 0, "resize_shorter_side: bad sizes ", height, "x",
+             width, " -> ", size);
   if (width <= height) return {int64_t(double(size) * double(height) / double(width)), size};
   return {size, int64_t(double(size) * double(width) / double(height))};
 }
@@ -162,9 +162,9 @@ void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64
   resample(src, width, channels, ry, rx, dst, crop, crop, false);
 }
 
-void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width,
-                              int64_t channels, int64_t out, Generator& gen, bool flip,
-                              uint8_t* dst, const RandomResizedCropParams& p) {
+void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
+                              int64_t out, Generator& gen, bool flip, uint8_t* dst,
+                              const RandomResizedCropParams& p) {
   const CropBox box = random_resized_crop_box(height, width, gen, p);
   const bool mirror = flip && gen.uniform() < 0.5;
   resized_crop(src, height, width, channels, box, dst, out, out, mirror);

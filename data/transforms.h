@@ -24,7 +24,7 @@ struct CropBox {
 };
 
 struct RandomResizedCropParams {
-  double scale_min = 0.08, scale_max = 1.0;       // crop area / image area
+  double scale_min = 0.08, scale_max = 1.0;             // crop area / image area
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // crop width / height (log-uniform)
   int attempts = 10;
 };
@@ -39,8 +39,8 @@ CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
 
 // dst (out_h, out_w, C) = `box` of src (height, width, C) resampled to out_h x out_w, mirrored
 // left-right when `flip`. The filter sees only pixels inside the box (crop, then resize).
-void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
-                  CropBox box, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip = false);
+void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels, CropBox box,
+                  uint8_t* dst, int64_t out_h, int64_t out_w, bool flip = false);
 
 // The size torchvision's Resize(size) gives: the shorter side becomes `size`, the longer one
 // int(size * long / short). Returns {height, width}.
@@ -57,9 +57,9 @@ void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64
 
 // Training transform: RandomResizedCrop(out) then a horizontal flip with p = 0.5 (when `flip`).
 // Draws the box first, then the flip. dst (out, out, C).
-void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width,
-                              int64_t channels, int64_t out, Generator& gen, bool flip,
-                              uint8_t* dst, const RandomResizedCropParams& p = {});
+void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
+                              int64_t out, Generator& gen, bool flip, uint8_t* dst,
+                              const RandomResizedCropParams& p = {});
 
 // ImageNet statistics on the 0..1 scale (RGB).
 inline constexpr float kImageNetMean[3] = {0.485f, 0.456f, 0.406f};

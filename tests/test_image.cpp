@@ -174,7 +174,8 @@ TEST_CASE("random_resized_crop_box: fallback is a centred crop at the nearest ra
   CHECK(t.top == (1000 - 13) / 2);
   // Same seed, same box.
   Generator g1(42), g2(42);
-  const CropBox a1 = random_resized_crop_box(375, 500, g1), a2 = random_resized_crop_box(375, 500, g2);
+  const CropBox a1 = random_resized_crop_box(375, 500, g1),
+                a2 = random_resized_crop_box(375, 500, g2);
   CHECK((a1.top == a2.top && a1.left == a2.left && a1.height == a2.height && a1.width == a2.width));
 }
 

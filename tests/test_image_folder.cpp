@@ -36,9 +36,10 @@ std::string error_of(const std::function<void()>& fn) {
 void make_solid_folder(const TempDir& dir, int64_t n, int64_t classes) {
   for (int64_t id = 0; id < n; ++id) {
     const int64_t c = id % classes;
-    const std::string path = dir / ("class" + std::to_string(c) + "/img" + std::to_string(100 + id) + ".png");
-    testing::write_png_at(path, testing::solid_image(9 + id % 5, 12 + id % 7, uint8_t(40 * c + 10),
-                                                     uint8_t(id), 77));
+    const std::string path =
+        dir / ("class" + std::to_string(c) + "/img" + std::to_string(100 + id) + ".png");
+    testing::write_png_at(
+        path, testing::solid_image(9 + id % 5, 12 + id % 7, uint8_t(40 * c + 10), uint8_t(id), 77));
   }
 }
 
@@ -77,7 +78,8 @@ std::vector<std::vector<uint8_t>> run_epoch(const ImageLoader& loader, int64_t e
     const uint8_t* p = b->images.data<uint8_t>();
     out.emplace_back(p, p + b->images.numel());
     if (labels)
-      for (int64_t i = 0; i < b->labels.numel(); ++i) labels->push_back(b->labels.data<int64_t>()[i]);
+      for (int64_t i = 0; i < b->labels.numel(); ++i)
+        labels->push_back(b->labels.data<int64_t>()[i]);
   }
   return out;
 }
@@ -114,7 +116,8 @@ TEST_CASE("ImageFolder: errors name the path") {
   const std::string missing = dir / "nope";
   CHECK(error_of([&] { ImageFolder f(missing); }).find(missing) != std::string::npos);
   testing::write_raw(dir / "file.png", {1});
-  CHECK(error_of([&] { ImageFolder f(dir / "file.png"); }).find("not a folder") != std::string::npos);
+  CHECK(error_of([&] { ImageFolder f(dir / "file.png"); }).find("not a folder") !=
+        std::string::npos);
   const std::string e = error_of([&] { ImageFolder f(dir.path().string()); });  // only a file
   CHECK(e.find("no class folders") != std::string::npos);
   fs::create_directories(dir / "empty_root");
@@ -267,7 +270,8 @@ TEST_CASE("ImageLoader: bad files are skipped, counted, named, replaced determin
     CHECK(ep.bad_count() == 3);
     const auto bad = loader.bad_files();
     REQUIRE(bad.size() == 3);
-    for (const char* name : {"img150_bad_trunc.png", "img151_bad_garbage.jpg", "img199_bad_empty.png"})
+    for (const char* name :
+         {"img150_bad_trunc.png", "img151_bad_garbage.jpg", "img199_bad_empty.png"})
       CHECK(std::count_if(bad.begin(), bad.end(), [&](const std::string& s) {
               return s.find(name) != std::string::npos;
             }) == 1);
@@ -278,8 +282,10 @@ TEST_CASE("ImageLoader: bad files are skipped, counted, named, replaced determin
             uint8_t(std::stoll(fs::path(s.path).stem().string().substr(3)) - 100));
     }
     const uint8_t* px = b->images.data<uint8_t>();
-    if (w == 0) ref.assign(px, px + b->images.numel());
-    else CHECK(std::equal(ref.begin(), ref.end(), px));
+    if (w == 0)
+      ref.assign(px, px + b->images.numel());
+    else
+      CHECK(std::equal(ref.begin(), ref.end(), px));
     // Known-bad files are still counted in later epochs.
     ImageEpoch ep1 = loader.epoch(1);
     CHECK(ep1.next().has_value());
@@ -321,8 +327,9 @@ TEST_CASE("DeviceFeeder on the CPU and the synthetic source") {
     for (int64_t i = 0; i < B; ++i)
       for (int64_t c = 0; c < 3; ++c)
         for (int64_t p = 0; p < 64; ++p) {
-          const float want = (float(raw[k][size_t((i * 64 + p) * 3 + c)]) / 255.0f - kImageNetMean[c]) /
-                             kImageNetStd[c];
+          const float want =
+              (float(raw[k][size_t((i * 64 + p) * 3 + c)]) / 255.0f - kImageNetMean[c]) /
+              kImageNetStd[c];
           REQUIRE(b->x.data<float>()[(i * 3 + c) * 64 + p] == doctest::Approx(want).epsilon(1e-6));
         }
     ++k;
@@ -339,7 +346,8 @@ TEST_CASE("DeviceFeeder on the CPU and the synthetic source") {
         doctest::Approx((p0[7 * 3 + 1] / 255.0f - kImageNetMean[1]) / kImageNetStd[1]));
   CHECK(std::set<uint8_t>(p0, p0 + px.numel()).size() > 100);  // looks random
   int64_t differ = 0;
-  for (int64_t i = 0; i < s0.x.numel(); ++i) differ += s0.x.data<float>()[i] != s1.x.data<float>()[i];
+  for (int64_t i = 0; i < s0.x.numel(); ++i)
+    differ += s0.x.data<float>()[i] != s1.x.data<float>()[i];
   CHECK(differ > s0.x.numel() / 2);
   for (int64_t i = 0; i < 4; ++i) {
     CHECK(s0.y.data<int64_t>()[i] >= 0);
@@ -357,8 +365,9 @@ TEST_CASE("Fashion-MNIST exported as PNG loads end to end") {
   TempDir dir;
   const std::string out = dir / "fmnist";
   CHECK(export_image_folder(d.images, d.labels, names, out, {.limit = 200}) == 200);
-  CHECK(error_of([&] { export_image_folder(d.images, d.labels, names, out, {.limit = 1}); })
-            .find("not empty") != std::string::npos);
+  CHECK(error_of([&] {
+          export_image_folder(d.images, d.labels, names, out, {.limit = 1});
+        }).find("not empty") != std::string::npos);
   const ImageFolder folder(out);
   REQUIRE(folder.num_classes() == 10);
   CHECK(folder.classes()[0] == "0_T-shirt_top");

@@ -72,7 +72,8 @@ std::vector<int> parse_list(const std::string& s) {
   size_t pos = 0;
   while (pos <= s.size()) {
     const size_t comma = s.find(',', pos);
-    const std::string item = s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    const std::string item =
+        s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
     const int v = std::stoi(item);
     KILN_CHECK(v >= 0, "kiln-loader-bench: worker counts must be >= 0, got ", v);
     out.push_back(v);
@@ -132,10 +133,11 @@ int main(int argc, char** argv) {
       folder = temp_dir = generate_folder(generate, format);
     }
     const data::ImageFolder images(folder);
-    std::printf("%s: %lld images, %lld classes; batch %lld, %s\n", folder.c_str(),
-                static_cast<long long>(images.size()),
-                static_cast<long long>(images.num_classes()), static_cast<long long>(batch),
-                eval ? "eval (resize 256 + center crop 224)" : "train (random resized crop 224 + flip)");
+    std::printf(
+        "%s: %lld images, %lld classes; batch %lld, %s\n", folder.c_str(),
+        static_cast<long long>(images.size()), static_cast<long long>(images.num_classes()),
+        static_cast<long long>(batch),
+        eval ? "eval (resize 256 + center crop 224)" : "train (random resized crop 224 + flip)");
     std::printf("%8s %10s %12s %16s %10s\n", "workers", "images", "images/s", "images/s/worker",
                 "ms/batch");
     for (int w : workers) {

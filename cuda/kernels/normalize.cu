@@ -1,6 +1,6 @@
 // Input-pipeline kernels: u8 NHWC -> normalised float NHWC, and the synthetic source.
-#include "cuda/normalize.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/normalize.h"
 #include "data/synthetic_hash.h"
 
 namespace kiln::cuda {
@@ -30,8 +30,8 @@ __global__ void synthetic_bytes_kernel(uint8_t* __restrict__ out, uint64_t seed,
     out[i] = data::synthetic_byte(seed, i);
 }
 
-__global__ void synthetic_labels_kernel(int64_t* __restrict__ out, uint64_t seed,
-                                        int64_t classes, int64_t n) {
+__global__ void synthetic_labels_kernel(int64_t* __restrict__ out, uint64_t seed, int64_t classes,
+                                        int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     out[i] = data::synthetic_label(seed, i, classes);
@@ -46,8 +46,7 @@ void normalize_images(const Tensor& out, const Tensor& in, const float mean[3],
              "normalize_images: input must be u8 (N, H, W, 3) contiguous, got ", in.desc());
   KILN_CHECK(out.dtype() == DType::f32 || out.dtype() == DType::f16,
              "normalize_images: output must be f32 or f16, got ", out.desc());
-  KILN_CHECK(out.dim() == 4 &&
-                 out.shape() == Shape({in.size(0), 3, in.size(1), in.size(2)}) &&
+  KILN_CHECK(out.dim() == 4 && out.shape() == Shape({in.size(0), 3, in.size(1), in.size(2)}) &&
                  out.is_contiguous(MemoryFormat::ChannelsLast),
              "normalize_images: output must be (N, 3, H, W) channels-last matching input ",
              in.desc(), ", got ", out.desc());
@@ -66,11 +65,11 @@ void normalize_images(const Tensor& out, const Tensor& in, const float mean[3],
   cudaStream_t stream = current_stream();
   const auto* src = static_cast<const uint8_t*>(in.raw_data());
   if (out.dtype() == DType::f32)
-    normalize_kernel<float><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<float*>(out.raw_data()), src, a, n);
+    normalize_kernel<float>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<float*>(out.raw_data()), src, a, n);
   else
-    normalize_kernel<__half><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<__half*>(out.raw_data()), src, a, n);
+    normalize_kernel<__half>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<__half*>(out.raw_data()), src, a, n);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -45,13 +45,13 @@ TEST_CASE("normalize_images matches the CPU reference (f32, f16; odd sizes)") {
                   std::string("normalize ") + dtype_name(dt) + " " + shape_str(s));
     }
   const Tensor px = random_u8({2, 4, 4, 3}, 1).to(kGpu);
-  CHECK_THROWS_AS(cuda::normalize_images(nan_output({2, 3, 4, 4}, DType::f32), px, kImageNetMean,
-                                         kImageNetStd),
-                  Error);  // NCHW output refused
-  CHECK_THROWS_AS(cuda::normalize_images(nan_output({2, 3, 4, 4}, DType::f64,
-                                                    MemoryFormat::ChannelsLast),
-                                         px, kImageNetMean, kImageNetStd),
-                  Error);
+  CHECK_THROWS_AS(
+      cuda::normalize_images(nan_output({2, 3, 4, 4}, DType::f32), px, kImageNetMean, kImageNetStd),
+      Error);  // NCHW output refused
+  CHECK_THROWS_AS(
+      cuda::normalize_images(nan_output({2, 3, 4, 4}, DType::f64, MemoryFormat::ChannelsLast), px,
+                             kImageNetMean, kImageNetStd),
+      Error);
 }
 
 TEST_CASE("synthetic bytes and labels: GPU equals CPU") {
@@ -84,7 +84,8 @@ TEST_CASE("DeviceFeeder on CUDA equals the CPU feeder, batch by batch") {
     im.width = 20 + int64_t(g.below(20));
     im.pixels.resize(size_t(im.height * im.width * 3));
     for (auto& p : im.pixels) p = uint8_t(g.below(256));
-    testing::write_png_at(dir / ("c" + std::to_string(id % 2) + "/" + std::to_string(id) + ".png"), im);
+    testing::write_png_at(dir / ("c" + std::to_string(id % 2) + "/" + std::to_string(id) + ".png"),
+                          im);
   }
   ImageLoaderOptions o;
   o.batch_size = 3;  // 4 batches, the last of 2: both staging slots reused, a short batch
