@@ -80,9 +80,17 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     lk.unlock();
     release(n, p);
   }
-  void release(size_t n, void* p) {
+  // Runs in storage deleters and destructors, which must not throw: a failing cudaFreeHost
+  // (the driver already shut down at exit) leaks the buffer instead.
+  void release(size_t n, void* p) noexcept {
 #ifdef KILN_WITH_CUDA
-    if (pinned_) return cuda::free_pinned(p);
+    if (pinned_) {
+      try {
+        cuda::free_pinned(p);
+      } catch (const std::exception&) {
+      }
+      return;
+    }
 #endif
     cpu_allocator()->deallocate(p, n);
   }
