@@ -74,22 +74,39 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
       const int64_t pj = flip ? out_w - 1 - j : j;
       const float* w = rx.w.data() + pj * rx.max_taps;
       const uint8_t* s = srow + rx.start[size_t(pj)] * C;
+      const int64_t taps = rx.count[size_t(pj)];
+      if (C == 3) {  // RGB: the three channels share each tap's weight
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+        for (int64_t t = 0; t < taps; ++t) {
+          a0 += w[t] * float(s[t * 3]);
+          a1 += w[t] * float(s[t * 3 + 1]);
+          a2 += w[t] * float(s[t * 3 + 2]);
+        }
+        trow[j * 3] = a0;
+        trow[j * 3 + 1] = a1;
+        trow[j * 3 + 2] = a2;
+        continue;
+      }
       for (int64_t c = 0; c < C; ++c) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < rx.count[size_t(pj)]; ++t) acc += w[t] * float(s[t * C + c]);
+        for (int64_t t = 0; t < taps; ++t) acc += w[t] * float(s[t * C + c]);
         trow[j * C + c] = acc;
       }
     }
   }
+  // Vertical pass row by row, taps outer so the inner loop runs over contiguous floats.
+  std::vector<float> acc(size_t(out_w * C));
   for (int64_t i = 0; i < out_h; ++i) {
     const float* w = ry.w.data() + i * ry.max_taps;
     const float* t0 = tmp.data() + (ry.start[size_t(i)] - row0) * out_w * C;
-    uint8_t* drow = dst + i * out_w * C;
-    for (int64_t k = 0; k < out_w * C; ++k) {
-      float acc = 0.0f;
-      for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) acc += w[t] * t0[t * out_w * C + k];
-      drow[k] = to_u8(acc);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
+      const float wt = w[t];
+      const float* row = t0 + t * out_w * C;
+      for (int64_t k = 0; k < out_w * C; ++k) acc[size_t(k)] += wt * row[k];
     }
+    uint8_t* drow = dst + i * out_w * C;
+    for (int64_t k = 0; k < out_w * C; ++k) drow[k] = to_u8(acc[size_t(k)]);
   }
 }
 
