@@ -13,6 +13,7 @@
 #include "data/fashion_mnist.h"
 #include "data/image_folder.h"
 #include "data/image_loader.h"
+#include "data/prefetch.h"
 #include "image_test_util.h"
 
 using namespace kiln;
@@ -409,4 +410,24 @@ TEST_CASE("Fashion-MNIST exported as PNG loads end to end") {
   CHECK(batches.size() == 4);
   const auto order = train.order(0);
   for (size_t i = 0; i < labels.size(); ++i) CHECK(labels[i] == folder[order[i]].label);
+}
+
+TEST_CASE("OrderedPrefetch: index order, errors after the earlier items, early destruction") {
+  for (int workers : {0, 1, 3}) {
+    OrderedPrefetch<int64_t> q(10, workers, 2, [](int64_t k) {
+      KILN_CHECK(k != 6, "item ", k, " fails");
+      return k * k;
+    });
+    for (int64_t k = 0; k < 6; ++k) {
+      std::optional<int64_t> v = q.next();
+      REQUIRE(v.has_value());
+      CHECK(*v == k * k);
+    }
+    CHECK(error_of([&] { q.next(); }).find("item 6 fails") != std::string::npos);
+    CHECK_FALSE(q.next().has_value());
+  }
+  {  // dropped after one item while workers wait on a full queue: must not hang
+    OrderedPrefetch<int64_t> q(1000, 3, 2, [](int64_t k) { return k; });
+    CHECK(q.next() == std::optional<int64_t>(0));
+  }
 }
