@@ -1,0 +1,131 @@
+#include "data/image.h"
+
+#include <fstream>
+#include <iterator>
+
+#include "core/error.h"
+
+// The stb implementations live here, once in kiln, as static functions so that no other
+// translation unit (a tool or test that includes stb itself) can clash with them. Only the two
+// formats we accept are compiled in: less decoder surface for untrusted files.
+#define STB_IMAGE_IMPLEMENTATION
+#define STB_IMAGE_STATIC
+#define STBI_ONLY_JPEG
+#define STBI_ONLY_PNG
+#define STBI_NO_STDIO
+#define STBI_MAX_DIMENSIONS 16384  // stb's own guard, behind ours
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#define STB_IMAGE_WRITE_STATIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
+#include <stb_image.h>
+#include <stb_image_write.h>
+#pragma GCC diagnostic pop
+
+namespace kiln::data {
+namespace {
+
+static_assert(kMaxImageSide <= STBI_MAX_DIMENSIONS, "our guard must be the tighter one");
+
+const char* stb_reason() {
+  const char* r = stbi_failure_reason();
+  return r ? r : "unknown reason";
+}
+
+void check_writable(const Image& im, const char* what) {
+  KILN_CHECK(im.channels == 1 || im.channels == 3, what, ": channels must be 1 or 3, got ",
+             im.channels);
+  KILN_CHECK(
+      im.height > 0 && im.width > 0 && im.height <= kMaxImageSide && im.width <= kMaxImageSide,
+      what, ": bad image size ", im.height, "x", im.width);
+  KILN_CHECK(int64_t(im.pixels.size()) == im.height * im.width * im.channels, what, ": ",
+             im.pixels.size(), " pixel bytes for a ", im.height, "x", im.width, "x", im.channels,
+             " image");
+}
+
+void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  KILN_CHECK(f, "cannot open '", path, "' for writing");
+  f.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  f.close();
+  KILN_CHECK(f, "error writing '", path, "'");
+}
+
+void append_bytes(void* ctx, void* data, int size) {
+  auto* out = static_cast<std::vector<uint8_t>*>(ctx);
+  const auto* p = static_cast<const uint8_t*>(data);
+  out->insert(out->end(), p, p + size);
+}
+
+}  // namespace
+
+std::vector<uint8_t> read_file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KILN_CHECK(f, "cannot open image file '", path, "'");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  KILN_CHECK(!f.bad(), "error reading image file '", path, "'");
+  return bytes;
+}
+
+ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name) {
+  KILN_CHECK(size > 0, "image '", name, "': empty file");
+  KILN_CHECK(size <= size_t(INT32_MAX), "image '", name, "': file too large (", size, " bytes)");
+  int w = 0, h = 0, c = 0;
+  if (!stbi_info_from_memory(data, int(size), &w, &h, &c))
+    KILN_FAIL("image '", name, "': not a readable JPEG/PNG (", stb_reason(), ")");
+  return {h, w, c};
+}
+
+Image decode_image(const uint8_t* data, size_t size, const std::string& name) {
+  const ImageInfo info = probe_image(data, size, name);
+  KILN_CHECK(info.height > 0 && info.width > 0 && info.height <= kMaxImageSide &&
+                 info.width <= kMaxImageSide && info.height * info.width <= kMaxImagePixels,
+             "image '", name, "': header claims ", info.width, "x", info.height,
+             " pixels, over the limit (", kMaxImageSide, " per side, ", kMaxImagePixels,
+             " in all)");
+  int w = 0, h = 0, c = 0;
+  stbi_uc* px = stbi_load_from_memory(data, int(size), &w, &h, &c, 3);
+  if (!px) KILN_FAIL("image '", name, "': decoding failed (", stb_reason(), ")");
+  Image im;
+  im.height = h;
+  im.width = w;
+  im.channels = 3;
+  im.pixels.assign(px, px + size_t(h) * size_t(w) * 3);
+  stbi_image_free(px);
+  // The decoder must agree with the header we checked.
+  KILN_CHECK(h == info.height && w == info.width, "image '", name, "': header says ", info.width,
+             "x", info.height, " but decoded ", w, "x", h);
+  return im;
+}
+
+Image read_image(const std::string& path) {
+  const std::vector<uint8_t> bytes = read_file_bytes(path);
+  return decode_image(bytes.data(), bytes.size(), path);
+}
+
+std::vector<uint8_t> encode_png(const Image& im) {
+  check_writable(im, "encode_png");
+  std::vector<uint8_t> out;
+  const int stride = int(im.width * im.channels);
+  KILN_CHECK(stbi_write_png_to_func(append_bytes, &out, int(im.width), int(im.height),
+                                    int(im.channels), im.pixels.data(), stride),
+             "encode_png: stb_image_write failed for a ", im.width, "x", im.height, " image");
+  return out;
+}
+
+void write_png(const std::string& path, const Image& im) { write_bytes(path, encode_png(im)); }
+
+void write_jpeg(const std::string& path, const Image& im, int quality) {
+  check_writable(im, "write_jpeg");
+  KILN_CHECK(quality >= 1 && quality <= 100, "write_jpeg: quality must be 1..100, got ", quality);
+  std::vector<uint8_t> out;
+  KILN_CHECK(stbi_write_jpg_to_func(append_bytes, &out, int(im.width), int(im.height),
+                                    int(im.channels), im.pixels.data(), quality),
+             "write_jpeg: stb_image_write failed for '", path, "'");
+  write_bytes(path, out);
+}
+
+}  // namespace kiln::data

@@ -1,0 +1,48 @@
+#pragma once
+// Image files: JPEG/PNG decoding to RGB u8 HWC (stb_image) and PNG/JPEG encoding
+// (stb_image_write), with a size guard applied to the header before any pixel is decoded.
+//
+//   Image im = read_image("cat.jpg");        // im.pixels: height * width * 3 bytes, HWC, RGB
+//   write_png("out.png", im);                // exact (lossless) round trip
+//
+// Every failure is a kiln::Error naming the file (or the `name` given for in-memory data) and
+// stb's reason ("corrupt JPEG", "bad png sig", ...). Thread-safe: stb keeps its failure reason
+// thread-local and decodes without global state.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln::data {
+
+// Limits checked on the header before decoding: a forged header claiming a huge image is
+// rejected instead of triggering a huge allocation.
+inline constexpr int64_t kMaxImageSide = 16384;
+inline constexpr int64_t kMaxImagePixels = 100'000'000;
+
+struct Image {
+  int64_t height = 0;
+  int64_t width = 0;
+  int64_t channels = 3;         // 3 (RGB) from the decoder; 1 or 3 for the writers
+  std::vector<uint8_t> pixels;  // (height, width, channels) row-major
+};
+
+// Decodes a JPEG or PNG held in memory to RGB (grayscale and alpha are converted; 16-bit PNG
+// is reduced to 8 bits). `name` is used in error messages.
+Image decode_image(const uint8_t* data, size_t size, const std::string& name);
+// Reads and decodes the file at `path`.
+Image read_image(const std::string& path);
+// The whole file as bytes; kiln::Error naming the path when it cannot be read.
+std::vector<uint8_t> read_file_bytes(const std::string& path);
+
+// Header-only probe: width/height/channels of a JPEG or PNG without decoding it.
+struct ImageInfo {
+  int64_t height = 0, width = 0, channels = 0;
+};
+ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name);
+
+// Encodes `im` (channels 1 or 3) and writes it to `path` (overwriting). JPEG quality 1..100.
+void write_png(const std::string& path, const Image& im);
+void write_jpeg(const std::string& path, const Image& im, int quality = 90);
+std::vector<uint8_t> encode_png(const Image& im);
+
+}  // namespace kiln::data

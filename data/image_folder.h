@@ -1,0 +1,43 @@
+#pragma once
+// ImageFolder: a dataset laid out as root/<class>/<image>, as torchvision's ImageFolder reads it.
+//
+//   root/cat/001.jpg  root/cat/sub/002.PNG  root/dog/xyz.jpeg   ->  classes {"cat", "dog"}
+//
+// Class folders are the sub-folders of root, sorted by name (byte order); class i is the i-th.
+// Files are found recursively inside each class folder and kept when their extension is .jpg,
+// .jpeg or .png (any case); samples are sorted by path within a class, classes in class order.
+// The constructor only lists files: nothing is decoded, and nothing under root is ever written.
+// Errors (kiln::Error, naming the path): root missing or not a folder, no class folders, a
+// class folder without any image file.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln::data {
+
+struct ImageSample {
+  std::string path;
+  int64_t label = 0;
+};
+
+class ImageFolder {
+ public:
+  explicit ImageFolder(const std::string& root);
+
+  const std::string& root() const { return root_; }
+  const std::vector<std::string>& classes() const { return classes_; }
+  const std::vector<ImageSample>& samples() const { return samples_; }
+  int64_t size() const { return int64_t(samples_.size()); }
+  int64_t num_classes() const { return int64_t(classes_.size()); }
+  const ImageSample& operator[](int64_t i) const { return samples_[size_t(i)]; }
+
+ private:
+  std::string root_;
+  std::vector<std::string> classes_;
+  std::vector<ImageSample> samples_;
+};
+
+// Whether `path` ends in .jpg, .jpeg or .png, case-insensitively.
+bool has_image_extension(const std::string& path);
+
+}  // namespace kiln::data

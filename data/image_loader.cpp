@@ -1,0 +1,294 @@
+#include "data/image_loader.h"
+
+#include <cstdio>
+#include <numeric>
+#include <set>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "core/generator.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/runtime.h"
+#endif
+
+namespace kiln::data {
+namespace {
+
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+// Mixing rather than adding keeps (seed, e) and (seed + 1, e - 1) on different streams.
+uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
+uint64_t shuffle_seed(uint64_t seed, int64_t e) { return mix(mix(seed, uint64_t(e)), 0); }
+uint64_t sample_seed(uint64_t seed, int64_t e, int64_t p) {
+  return mix(mix(seed, uint64_t(e)), uint64_t(p) + 1);
+}
+
+// kiln::Error texts end in " [file:line, check failed: ...]": drop that for user warnings.
+std::string reason_of(const std::exception& e) {
+  std::string s = e.what();
+  const size_t at = s.rfind(" [");
+  return at == std::string::npos ? s : s.substr(0, at);
+}
+
+// Batch buffers recycled by size. Pinned buffers are costly to allocate (and cudaHostAlloc
+// synchronises the device), so they are kept for reuse rather than freed after each batch.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  explicit BufferPool(bool pinned) : pinned_(pinned) {}
+  ~BufferPool() {
+    for (auto& [n, p] : free_) release(n, p);
+  }
+  bool pinned() const { return pinned_; }
+
+  // A CPU storage of `n` bytes that returns to the pool when its last tensor is dropped.
+  std::shared_ptr<Storage> storage(size_t n) {
+    void* p = take(n);
+    auto self = shared_from_this();
+    return std::shared_ptr<Storage>(new Storage(p, n, Device::cpu()), [self, p, n](Storage* s) {
+      delete s;
+      self->give(n, p);
+    });
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 64;
+  void* take(size_t n) {
+    {
+      std::lock_guard lk(mu_);
+      for (size_t i = 0; i < free_.size(); ++i)
+        if (free_[i].first == n) {
+          void* p = free_[i].second;
+          free_.erase(free_.begin() + std::ptrdiff_t(i));
+          return p;
+        }
+    }
+#ifdef KILN_WITH_CUDA
+    if (pinned_) return cuda::alloc_pinned(n);
+#endif
+    return cpu_allocator()->allocate(n);
+  }
+  void give(size_t n, void* p) {
+    std::unique_lock lk(mu_);
+    if (free_.size() < kMaxFree) {
+      free_.emplace_back(n, p);
+      return;
+    }
+    lk.unlock();
+    release(n, p);
+  }
+  // Runs in storage deleters and destructors, which must not throw: a failing cudaFreeHost
+  // (the driver already shut down at exit) leaks the buffer instead.
+  void release(size_t n, void* p) noexcept {
+#ifdef KILN_WITH_CUDA
+    if (pinned_) {
+      try {
+        cuda::free_pinned(p);
+      } catch (const std::exception&) {
+      }
+      return;
+    }
+#endif
+    cpu_allocator()->deallocate(p, n);
+  }
+
+  const bool pinned_;
+  std::mutex mu_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
+}  // namespace
+
+struct ImageLoader::Shared {
+  Shared(ImageFolder f, std::shared_ptr<BufferPool> b)
+      : folder(std::move(f)), buffers(std::move(b)) {}
+  ImageFolder folder;
+  std::shared_ptr<BufferPool> buffers;
+  std::mutex mu;  // guards the bad-file log
+  std::unordered_map<int64_t, std::string> bad;
+  std::vector<std::string> bad_log;
+
+  bool known_bad(int64_t idx) {
+    std::lock_guard lk(mu);
+    return bad.count(idx) > 0;
+  }
+  void record_bad(int64_t idx, const std::string& reason, bool warn) {
+    std::lock_guard lk(mu);
+    if (!bad.emplace(idx, reason).second) return;
+    bad_log.push_back(reason);
+    // `reason` names the file (every read/decode error does).
+    if (warn)
+      std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s\n", reason.c_str());
+  }
+};
+
+struct ImageEpoch::State {
+  std::shared_ptr<ImageLoader::Shared> shared;
+  ImageLoaderOptions opts;
+  int64_t epoch = 0;
+  std::vector<int64_t> global;  // the epoch's permutation of all N files
+  int64_t samples = 0;          // this rank's
+  std::mutex mu;
+  std::set<int64_t> bad;                                 // distinct bad files met in this epoch
+  std::unique_ptr<OrderedPrefetch<ImageBatch>> batches;  // last: its threads stop first
+
+  void note_bad(int64_t idx) {
+    std::lock_guard lk(mu);
+    bad.insert(idx);
+    const double limit = opts.max_bad_fraction * double(samples);
+    if (double(bad.size()) <= limit) return;
+    std::string list;
+    int shown = 0;
+    for (int64_t i : bad) {
+      if (shown++ == 8) {
+        list += ", ...";
+        break;
+      }
+      list += (list.empty() ? "'" : ", '") + shared->folder[i].path + "'";
+    }
+    KILN_FAIL("ImageLoader: ", bad.size(), " unreadable images in epoch ", epoch, " of '",
+              shared->folder.root(), "', more than max_bad_fraction = ", opts.max_bad_fraction,
+              " of its ", samples, " samples: ", list);
+  }
+
+  // The image at padded position p, or the next one in the epoch's sequence that decodes.
+  std::pair<Image, int64_t> load(int64_t p) {
+    const auto n = int64_t(global.size());
+    for (int64_t a = 0; a < n; ++a) {
+      const int64_t idx = global[size_t((p + a) % n)];
+      if (!shared->known_bad(idx)) {
+        try {
+          return {read_image(shared->folder[idx].path), shared->folder[idx].label};
+        } catch (const Error& e) {
+          shared->record_bad(idx, reason_of(e), opts.warn);
+        }
+      }
+      note_bad(idx);
+    }
+    KILN_FAIL("ImageLoader: no image under '", shared->folder.root(), "' could be decoded");
+  }
+
+  ImageBatch build(int64_t k) {
+    const int64_t bs = opts.batch_size, S = opts.image_size;
+    const int64_t b_count = std::min(bs, samples - k * bs);
+    const size_t img_bytes = size_t(b_count * S * S * 3);
+    const size_t label_off = (img_bytes + 63) / 64 * 64;
+    auto storage = shared->buffers->storage(label_off + size_t(b_count) * sizeof(int64_t));
+    ImageBatch b;
+    b.index = k;
+    b.pinned = shared->buffers->pinned();
+    b.images = make_tensor(storage, 0, {b_count, S, S, 3}, contiguous_strides({b_count, S, S, 3}),
+                           DType::u8);
+    b.labels =
+        make_tensor(storage, int64_t(label_off / sizeof(int64_t)), {b_count}, {1}, DType::i64);
+    uint8_t* px = b.images.data<uint8_t>();
+    int64_t* y = b.labels.data<int64_t>();
+    for (int64_t i = 0; i < b_count; ++i) {
+      const int64_t p = (k * bs + i) * opts.world_size + opts.rank;
+      Generator gen(sample_seed(opts.seed, epoch, p));
+      auto [im, label] = load(p);
+      uint8_t* dst = px + i * S * S * 3;
+      if (opts.augment == Augment::Train)
+        random_resized_crop_flip(im.pixels.data(), im.height, im.width, 3, S, gen,
+                                 opts.horizontal_flip, dst, opts.crop);
+      else
+        resize_center_crop(im.pixels.data(), im.height, im.width, 3, opts.resize_size, S, dst);
+      y[i] = label;
+    }
+    return b;
+  }
+};
+
+ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(std::move(opts)) {
+  const auto& o = opts_;
+  KILN_CHECK(o.batch_size >= 1, "ImageLoader: batch_size must be >= 1, got ", o.batch_size);
+  KILN_CHECK(o.image_size >= 1 && o.resize_size >= 1, "ImageLoader: image_size (", o.image_size,
+             ") and resize_size (", o.resize_size, ") must be >= 1");
+  KILN_CHECK(o.augment == Augment::Train || o.resize_size >= o.image_size,
+             "ImageLoader: Eval needs resize_size (", o.resize_size, ") >= image_size (",
+             o.image_size, ")");
+  KILN_CHECK(o.workers >= 0 && o.prefetch >= 0, "ImageLoader: workers (", o.workers,
+             ") and prefetch (", o.prefetch, ") must be >= 0");
+  KILN_CHECK(o.world_size >= 1 && o.rank >= 0 && o.rank < o.world_size, "ImageLoader: rank ",
+             o.rank, " outside [0, world_size = ", o.world_size, ")");
+  KILN_CHECK(o.max_bad_fraction >= 0.0 && o.max_bad_fraction <= 1.0,
+             "ImageLoader: max_bad_fraction must be in [0, 1], got ", o.max_bad_fraction);
+  bool pinned = false;
+#ifdef KILN_WITH_CUDA
+  pinned = o.pin_memory && cuda::is_available();
+#endif
+  shared_ = std::make_shared<Shared>(std::move(folder), std::make_shared<BufferPool>(pinned));
+}
+
+ImageLoader::~ImageLoader() = default;
+
+const ImageFolder& ImageLoader::folder() const { return shared_->folder; }
+
+int64_t ImageLoader::samples_per_epoch() const {
+  return (shared_->folder.size() + opts_.world_size - 1) / opts_.world_size;
+}
+
+int64_t ImageLoader::num_batches() const {
+  const int64_t n = samples_per_epoch(), bs = opts_.batch_size;
+  return opts_.drop_last ? n / bs : (n + bs - 1) / bs;
+}
+
+namespace {
+std::vector<int64_t> permutation(int64_t n, bool shuffle, uint64_t seed, int64_t e) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t(0));
+  if (shuffle) {
+    Generator gen(shuffle_seed(seed, e));
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen.below(i)]);
+  }
+  return order;
+}
+}  // namespace
+
+std::vector<int64_t> ImageLoader::order(int64_t e) const {
+  const std::vector<int64_t> g = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
+  std::vector<int64_t> mine(static_cast<size_t>(samples_per_epoch()));
+  for (size_t i = 0; i < mine.size(); ++i)
+    mine[i] = g[size_t((int64_t(i) * opts_.world_size + opts_.rank) % int64_t(g.size()))];
+  return mine;
+}
+
+ImageEpoch ImageLoader::epoch(int64_t e) const {
+  auto s = std::make_unique<ImageEpoch::State>();
+  s->shared = shared_;
+  s->opts = opts_;
+  s->epoch = e;
+  s->global = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
+  s->samples = samples_per_epoch();
+  const int64_t capacity = opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers;
+  ImageEpoch::State* st = s.get();
+  s->batches = std::make_unique<OrderedPrefetch<ImageBatch>>(
+      num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->build(k); });
+  return ImageEpoch(std::move(s));
+}
+
+std::vector<std::string> ImageLoader::bad_files() const {
+  std::lock_guard lk(shared_->mu);
+  return shared_->bad_log;
+}
+
+ImageEpoch::ImageEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
+ImageEpoch::ImageEpoch(ImageEpoch&&) noexcept = default;
+ImageEpoch& ImageEpoch::operator=(ImageEpoch&&) noexcept = default;
+ImageEpoch::~ImageEpoch() = default;
+
+std::optional<ImageBatch> ImageEpoch::next() {
+  KILN_CHECK(state_, "ImageEpoch::next on a moved-from epoch");
+  return state_->batches->next();
+}
+int64_t ImageEpoch::size() const { return state_ ? state_->batches->size() : 0; }
+int64_t ImageEpoch::bad_count() const {
+  if (!state_) return 0;
+  std::lock_guard lk(state_->mu);
+  return int64_t(state_->bad.size());
+}
+
+}  // namespace kiln::data

@@ -1,0 +1,205 @@
+#include "data/transforms.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace kiln::data {
+namespace {
+
+// The taps of one axis: output i reads source indices start[i] .. start[i] + count[i] - 1
+// with weights w[i * max_taps + t], which sum to 1.
+struct AxisPlan {
+  std::vector<int64_t> start;
+  std::vector<int64_t> count;
+  std::vector<float> w;
+  int64_t max_taps = 0;
+};
+
+// Output pixel i covers source coordinates origin + [i, i + 1) * scale; taps are restricted to
+// source indices [lo, hi).
+AxisPlan plan_axis(int64_t out, double origin, double scale, int64_t lo, int64_t hi) {
+  const double support = std::max(scale, 1.0);  // triangle half-width in source pixels
+  AxisPlan p;
+  p.max_taps = int64_t(std::ceil(support)) * 2 + 2;
+  p.start.resize(size_t(out));
+  p.count.resize(size_t(out));
+  p.w.assign(size_t(out * p.max_taps), 0.0f);
+  std::vector<double> tmp(size_t(p.max_taps));
+  for (int64_t i = 0; i < out; ++i) {
+    const double center = origin + (double(i) + 0.5) * scale;
+    const int64_t first = std::max<int64_t>(lo, int64_t(std::floor(center - support - 0.5)));
+    const int64_t last = std::min<int64_t>(hi - 1, int64_t(std::ceil(center + support - 0.5)));
+    double total = 0.0;
+    int64_t n = 0, s = -1;
+    for (int64_t j = first; j <= last && n < p.max_taps; ++j) {
+      const double x = std::abs((double(j) + 0.5 - center) / support);
+      const double wt = x < 1.0 ? 1.0 - x : 0.0;
+      if (wt <= 0.0 && n == 0) continue;  // skip leading zero taps
+      if (s < 0) s = j;
+      tmp[size_t(n++)] = wt;
+      total += wt;
+    }
+    while (n > 0 && tmp[size_t(n - 1)] <= 0.0) --n;
+    if (total <= 0.0) {  // cannot happen for a centre inside [lo, hi); nearest pixel as a guard
+      s = std::clamp<int64_t>(int64_t(center), lo, hi - 1);
+      n = 1;
+      tmp[0] = total = 1.0;
+    }
+    p.start[size_t(i)] = s;
+    p.count[size_t(i)] = n;
+    for (int64_t t = 0; t < n; ++t) p.w[size_t(i * p.max_taps + t)] = float(tmp[size_t(t)] / total);
+  }
+  return p;
+}
+
+uint8_t to_u8(float v) { return uint8_t(std::clamp(std::nearbyint(v), 0.0f, 255.0f)); }
+
+// Horizontal pass over the needed source rows into floats, then the vertical pass.
+void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPlan& ry,
+              const AxisPlan& rx, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
+  int64_t row0 = INT64_MAX, row1 = 0;
+  for (int64_t i = 0; i < out_h; ++i) {
+    row0 = std::min(row0, ry.start[size_t(i)]);
+    row1 = std::max(row1, ry.start[size_t(i)] + ry.count[size_t(i)]);
+  }
+  const int64_t C = channels;
+  std::vector<float> tmp(size_t((row1 - row0) * out_w * C));
+  for (int64_t r = row0; r < row1; ++r) {
+    const uint8_t* srow = src + r * width * C;
+    float* trow = tmp.data() + (r - row0) * out_w * C;
+    for (int64_t j = 0; j < out_w; ++j) {
+      const int64_t pj = flip ? out_w - 1 - j : j;
+      const float* w = rx.w.data() + pj * rx.max_taps;
+      const uint8_t* s = srow + rx.start[size_t(pj)] * C;
+      const int64_t taps = rx.count[size_t(pj)];
+      if (C == 3) {  // RGB: the three channels share each tap's weight
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+        for (int64_t t = 0; t < taps; ++t) {
+          a0 += w[t] * float(s[t * 3]);
+          a1 += w[t] * float(s[t * 3 + 1]);
+          a2 += w[t] * float(s[t * 3 + 2]);
+        }
+        trow[j * 3] = a0;
+        trow[j * 3 + 1] = a1;
+        trow[j * 3 + 2] = a2;
+        continue;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < taps; ++t) acc += w[t] * float(s[t * C + c]);
+        trow[j * C + c] = acc;
+      }
+    }
+  }
+  // Vertical pass row by row, taps outer so the inner loop runs over contiguous floats.
+  std::vector<float> acc(size_t(out_w * C));
+  for (int64_t i = 0; i < out_h; ++i) {
+    const float* w = ry.w.data() + i * ry.max_taps;
+    const float* t0 = tmp.data() + (ry.start[size_t(i)] - row0) * out_w * C;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
+      const float wt = w[t];
+      const float* row = t0 + t * out_w * C;
+      for (int64_t k = 0; k < out_w * C; ++k) acc[size_t(k)] += wt * row[k];
+    }
+    uint8_t* drow = dst + i * out_w * C;
+    for (int64_t k = 0; k < out_w * C; ++k) drow[k] = to_u8(acc[size_t(k)]);
+  }
+}
+
+}  // namespace
+
+CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
+                                const RandomResizedCropParams& p) {
+  KILN_CHECK(height > 0 && width > 0, "random_resized_crop_box: bad image size ", height, "x",
+             width);
+  KILN_CHECK(p.scale_min > 0 && p.scale_min <= p.scale_max && p.ratio_min > 0 &&
+                 p.ratio_min <= p.ratio_max,
+             "random_resized_crop_box: bad scale (", p.scale_min, ", ", p.scale_max, ") or ratio (",
+             p.ratio_min, ", ", p.ratio_max, ")");
+  const double area = double(height) * double(width);
+  const double log_lo = std::log(p.ratio_min), log_hi = std::log(p.ratio_max);
+  for (int a = 0; a < p.attempts; ++a) {
+    const double target = area * (p.scale_min + (p.scale_max - p.scale_min) * gen.uniform());
+    const double ratio = std::exp(log_lo + (log_hi - log_lo) * gen.uniform());
+    const auto w = int64_t(std::nearbyint(std::sqrt(target * ratio)));
+    const auto h = int64_t(std::nearbyint(std::sqrt(target / ratio)));
+    if (w > 0 && w <= width && h > 0 && h <= height) {
+      const auto top = int64_t(gen.below(uint64_t(height - h + 1)));
+      const auto left = int64_t(gen.below(uint64_t(width - w + 1)));
+      return {top, left, h, w};
+    }
+  }
+  const double in_ratio = double(width) / double(height);
+  int64_t w = width, h = height;
+  if (in_ratio < p.ratio_min)
+    h = int64_t(std::nearbyint(double(w) / p.ratio_min));
+  else if (in_ratio > p.ratio_max)
+    w = int64_t(std::nearbyint(double(h) * p.ratio_max));
+  h = std::clamp<int64_t>(h, 1, height);
+  w = std::clamp<int64_t>(w, 1, width);
+  return {(height - h) / 2, (width - w) / 2, h, w};
+}
+
+void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels, CropBox b,
+                  uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
+  KILN_CHECK(b.height > 0 && b.width > 0 && b.top >= 0 && b.left >= 0 &&
+                 b.top + b.height <= height && b.left + b.width <= width,
+             "resized_crop: box (top ", b.top, ", left ", b.left, ", ", b.height, "x", b.width,
+             ") outside the ", height, "x", width, " image");
+  KILN_CHECK(out_h > 0 && out_w > 0, "resized_crop: bad output size ", out_h, "x", out_w);
+  const AxisPlan ry =
+      plan_axis(out_h, double(b.top), double(b.height) / double(out_h), b.top, b.top + b.height);
+  const AxisPlan rx =
+      plan_axis(out_w, double(b.left), double(b.width) / double(out_w), b.left, b.left + b.width);
+  resample(src, width, channels, ry, rx, dst, out_h, out_w, flip);
+}
+
+Size2 resize_shorter_side(int64_t height, int64_t width, int64_t size) {
+  KILN_CHECK(height > 0 && width > 0 && size > 0, "resize_shorter_side: bad sizes ", height, "x",
+             width, " -> ", size);
+  if (width <= height) return {int64_t(double(size) * double(height) / double(width)), size};
+  return {size, int64_t(double(size) * double(width) / double(height))};
+}
+
+void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
+                        int64_t resize, int64_t crop, uint8_t* dst) {
+  KILN_CHECK(crop > 0 && crop <= resize, "resize_center_crop: crop ", crop,
+             " must be in 1..resize (", resize, ")");
+  const Size2 r = resize_shorter_side(height, width, resize);
+  // torchvision's CenterCrop offset: round((resized - crop) / 2), Python's half-to-even.
+  const double top = std::nearbyint(double(r.height - crop) / 2.0);
+  const double left = std::nearbyint(double(r.width - crop) / 2.0);
+  const double sy = double(height) / double(r.height), sx = double(width) / double(r.width);
+  const AxisPlan ry = plan_axis(crop, top * sy, sy, 0, height);
+  const AxisPlan rx = plan_axis(crop, left * sx, sx, 0, width);
+  resample(src, width, channels, ry, rx, dst, crop, crop, false);
+}
+
+void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
+                              int64_t out, Generator& gen, bool flip, uint8_t* dst,
+                              const RandomResizedCropParams& p) {
+  const CropBox box = random_resized_crop_box(height, width, gen, p);
+  const bool mirror = flip && gen.uniform() < 0.5;
+  resized_crop(src, height, width, channels, box, dst, out, out, mirror);
+}
+
+void normalize_nhwc_to_nchw(const uint8_t* src, int64_t n, int64_t height, int64_t width,
+                            const float mean[3], const float stddev[3], float* dst) {
+  float lut[3][256];
+  for (int c = 0; c < 3; ++c)
+    for (int v = 0; v < 256; ++v) lut[c][v] = (float(v) / 255.0f - mean[c]) / stddev[c];
+  const int64_t hw = height * width;
+#pragma omp parallel for if (n > 1)
+  for (int64_t b = 0; b < n; ++b) {
+    const uint8_t* s = src + b * hw * 3;
+    float* d = dst + b * 3 * hw;
+    for (int64_t p = 0; p < hw; ++p)
+      for (int c = 0; c < 3; ++c) d[c * hw + p] = lut[c][s[p * 3 + c]];
+  }
+}
+
+}  // namespace kiln::data

@@ -1,0 +1,433 @@
+// ImageFolder and ImageLoader: class discovery and errors, batches and labels, determinism
+// across worker counts, sharding, bad-file handling, the CPU feeder and synthetic source,
+// and Fashion-MNIST exported as PNG files loaded end to end.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "data/device_batches.h"
+#include "data/export_images.h"
+#include "data/fashion_mnist.h"
+#include "data/image_folder.h"
+#include "data/image_loader.h"
+#include "data/prefetch.h"
+#include "image_test_util.h"
+
+using namespace kiln;
+using namespace kiln::data;
+using kiln::testing::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Files of `n` solid images: red = 40 * class + 10 identifies the class, green the file id.
+// Class c gets files id with id % classes == c; sizes vary so the transforms resample.
+void make_solid_folder(const TempDir& dir, int64_t n, int64_t classes) {
+  for (int64_t id = 0; id < n; ++id) {
+    const int64_t c = id % classes;
+    const std::string path =
+        dir / ("class" + std::to_string(c) + "/img" + std::to_string(100 + id) + ".png");
+    testing::write_png_at(
+        path, testing::solid_image(9 + id % 5, 12 + id % 7, uint8_t(40 * c + 10), uint8_t(id), 77));
+  }
+}
+
+// Files with random content and varied sizes (augmentation shows in the bytes).
+void make_random_folder(const TempDir& dir, int64_t n) {
+  Generator g(7);
+  for (int64_t id = 0; id < n; ++id) {
+    Image im;
+    im.height = 20 + int64_t(g.below(30));
+    im.width = 20 + int64_t(g.below(30));
+    im.pixels.resize(size_t(im.height * im.width * 3));
+    for (auto& p : im.pixels) p = uint8_t(g.below(256));
+    const std::string path = dir / ("c" + std::to_string(id % 3) + "/" + std::to_string(id) +
+                                    (id % 2 ? ".png" : ".jpg"));
+    fs::create_directories(fs::path(path).parent_path());
+    if (id % 2)
+      write_png(path, im);
+    else
+      write_jpeg(path, im, 90);
+  }
+}
+
+// (path, size, mtime) of everything under `root`.
+std::map<std::string, std::pair<uintmax_t, fs::file_time_type>> snapshot(const fs::path& root) {
+  std::map<std::string, std::pair<uintmax_t, fs::file_time_type>> m;
+  for (const auto& e : fs::recursive_directory_iterator(root))
+    m[e.path().string()] = {e.is_regular_file() ? e.file_size() : 0, e.last_write_time()};
+  return m;
+}
+
+std::vector<std::vector<uint8_t>> run_epoch(const ImageLoader& loader, int64_t e,
+                                            std::vector<int64_t>* labels = nullptr) {
+  std::vector<std::vector<uint8_t>> out;
+  ImageEpoch ep = loader.epoch(e);
+  while (std::optional<ImageBatch> b = ep.next()) {
+    const uint8_t* p = b->images.data<uint8_t>();
+    out.emplace_back(p, p + b->images.numel());
+    if (labels)
+      for (int64_t i = 0; i < b->labels.numel(); ++i)
+        labels->push_back(b->labels.data<int64_t>()[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ImageFolder: sorted classes, recursive files, image extensions only") {
+  TempDir dir;
+  const Image im = testing::solid_image(2, 2, 1, 2, 3);
+  testing::write_png_at(dir / "b_dog/2.png", im);
+  testing::write_png_at(dir / "b_dog/1.JPG", im);  // content irrelevant: only listed
+  testing::write_png_at(dir / "a_cat/x.jpeg", im);
+  testing::write_png_at(dir / "a_cat/sub/y.Png", im);
+  testing::write_raw(dir / "a_cat/notes.txt", {'h', 'i'});
+  testing::write_raw(dir / "README.png", {'x'});  // a file in root is not a class
+  const ImageFolder f(dir.path().string());
+  CHECK(f.classes() == std::vector<std::string>{"a_cat", "b_dog"});
+  REQUIRE(f.size() == 4);
+  CHECK(f[0].path == dir / "a_cat/sub/y.Png");
+  CHECK(f[1].path == dir / "a_cat/x.jpeg");
+  CHECK(f[2].path == dir / "b_dog/1.JPG");
+  CHECK(f[3].path == dir / "b_dog/2.png");
+  CHECK(f[0].label == 0);
+  CHECK(f[1].label == 0);
+  CHECK(f[2].label == 1);
+  CHECK(f[3].label == 1);
+  CHECK(has_image_extension("a.JPEG"));
+  CHECK_FALSE(has_image_extension("a.gif"));
+  CHECK_FALSE(has_image_extension("jpg"));
+}
+
+TEST_CASE("ImageFolder: errors name the path") {
+  TempDir dir;
+  const std::string missing = dir / "nope";
+  CHECK(error_of([&] { ImageFolder f(missing); }).find(missing) != std::string::npos);
+  testing::write_raw(dir / "file.png", {1});
+  CHECK(error_of([&] { ImageFolder f(dir / "file.png"); }).find("not a folder") !=
+        std::string::npos);
+  const std::string e = error_of([&] { ImageFolder f(dir.path().string()); });  // only a file
+  CHECK(e.find("no class folders") != std::string::npos);
+  fs::create_directories(dir / "empty_root");
+  CHECK(error_of([&] { ImageFolder f(dir / "empty_root"); }).find("no class folders") !=
+        std::string::npos);
+  testing::write_png_at(dir / "r/full/a.png", testing::solid_image(2, 2, 0, 0, 0));
+  fs::create_directories(dir / "r/hollow");
+  testing::write_raw(dir / "r/hollow/a.txt", {1});
+  const std::string e2 = error_of([&] { ImageFolder f(dir / "r"); });
+  CHECK(e2.find(dir / "r/hollow") != std::string::npos);
+  CHECK(e2.find("full") == std::string::npos);
+}
+
+TEST_CASE("ImageLoader: batches hold the right images and labels; shuffling; nothing written") {
+  TempDir dir;
+  make_solid_folder(dir, 23, 3);
+  const auto before = snapshot(dir.path());
+  const ImageFolder folder(dir.path().string());
+  for (Augment aug : {Augment::Eval, Augment::Train}) {
+    ImageLoaderOptions o;
+    o.batch_size = 5;
+    o.image_size = 6;
+    o.resize_size = 8;
+    o.augment = aug;
+    o.seed = 11;
+    o.workers = 2;
+    const ImageLoader loader(folder, o);
+    CHECK(loader.num_batches() == 5);
+    std::vector<int64_t> seen;
+    for (int64_t e = 0; e < 2; ++e) {
+      const std::vector<int64_t> order = loader.order(e);
+      REQUIRE(order.size() == 23);
+      CHECK(std::set<int64_t>(order.begin(), order.end()).size() == 23);
+      ImageEpoch ep = loader.epoch(e);
+      CHECK(ep.size() == 5);
+      int64_t pos = 0, k = 0;
+      while (std::optional<ImageBatch> b = ep.next()) {
+        CHECK(b->index == k++);
+        const int64_t B = b->images.size(0);
+        CHECK(b->images.shape() == Shape{B, 6, 6, 3});
+        CHECK(B == (k == 5 ? 3 : 5));
+        for (int64_t i = 0; i < B; ++i, ++pos) {
+          const ImageSample& s = folder[order[size_t(pos)]];
+          const int64_t id = std::stoll(fs::path(s.path).stem().string().substr(3)) - 100;
+          CHECK(b->labels.data<int64_t>()[i] == s.label);
+          const uint8_t* px = b->images.data<uint8_t>() + i * 6 * 6 * 3;
+          for (int64_t p = 0; p < 36; ++p) {  // solid images stay solid under any transform
+            REQUIRE(px[p * 3] == uint8_t(40 * s.label + 10));
+            REQUIRE(px[p * 3 + 1] == uint8_t(id));
+            REQUIRE(px[p * 3 + 2] == 77);
+          }
+        }
+      }
+      CHECK(pos == 23);
+      seen.insert(seen.end(), order.begin(), order.end());
+    }
+    CHECK(!std::equal(seen.begin(), seen.begin() + 23, seen.begin() + 23));  // epochs differ
+  }
+  ImageLoaderOptions o;
+  o.batch_size = 5;
+  o.drop_last = true;
+  o.shuffle = false;
+  const ImageLoader dl(folder, o);
+  CHECK(dl.num_batches() == 4);
+  CHECK(dl.order(3)[0] == 0);
+  CHECK(run_epoch(dl, 0).size() == 4);
+  CHECK(snapshot(dir.path()) == before);
+  CHECK_THROWS_AS(ImageLoader(folder, ImageLoaderOptions{.batch_size = 0}), Error);
+  CHECK_THROWS_AS(ImageLoader(folder, ImageLoaderOptions{.rank = 2, .world_size = 2}), Error);
+  CHECK_THROWS_AS(ImageLoader(folder, ImageLoaderOptions{.max_bad_fraction = 1.5}), Error);
+}
+
+TEST_CASE("ImageLoader: batches are bit-identical for 0, 1 and 3 workers") {
+  TempDir dir;
+  make_random_folder(dir, 14);
+  const ImageFolder folder(dir.path().string());
+  std::vector<std::vector<uint8_t>> ref;
+  std::vector<int64_t> ref_labels;
+  for (int w : {0, 1, 3}) {
+    ImageLoaderOptions o;
+    o.batch_size = 4;
+    o.image_size = 16;
+    o.seed = 3;
+    o.workers = w;
+    o.prefetch = w == 3 ? 1 : 0;
+    const ImageLoader loader(folder, o);
+    std::vector<int64_t> labels;
+    const auto batches = run_epoch(loader, 1, &labels);
+    if (w == 0) {
+      ref = batches;
+      ref_labels = labels;
+      REQUIRE(ref.size() == 4);
+      CHECK(run_epoch(loader, 2) != ref);  // another epoch, other crops
+    } else {
+      CHECK(batches == ref);
+      CHECK(labels == ref_labels);
+    }
+  }
+}
+
+TEST_CASE("ImageLoader: sharding splits each epoch's sequence across ranks") {
+  TempDir dir;
+  make_solid_folder(dir, 10, 2);
+  const ImageFolder folder(dir.path().string());
+  std::multiset<int64_t> all;
+  for (int64_t r = 0; r < 3; ++r) {
+    ImageLoaderOptions o;
+    o.rank = r;
+    o.world_size = 3;
+    o.seed = 5;
+    const ImageLoader loader(folder, o);
+    CHECK(loader.samples_per_epoch() == 4);
+    const auto ord = loader.order(0);
+    all.insert(ord.begin(), ord.end());
+  }
+  CHECK(all.size() == 12);  // 10 padded to 12 by wrapping
+  for (int64_t i = 0; i < 10; ++i) CHECK(all.count(i) >= 1);
+}
+
+TEST_CASE("ImageLoader: bad files are skipped, counted, named, replaced deterministically") {
+  TempDir dir;
+  make_solid_folder(dir, 10, 2);
+  std::vector<uint8_t> good = read_file_bytes(dir / "class0/img100.png");
+  testing::write_raw(dir / "class0/img150_bad_trunc.png",
+                     std::vector<uint8_t>(good.begin(), good.begin() + 50));
+  testing::write_raw(dir / "class1/img151_bad_garbage.jpg", {'n', 'o', 'p', 'e', 0, 1, 2});
+  testing::write_raw(dir / "class1/img199_bad_empty.png", {});  // last: replacement wraps
+  const ImageFolder folder(dir.path().string());
+  REQUIRE(folder.size() == 13);
+  // Expected: each position's own file, or the next good one in (unshuffled) order.
+  std::vector<int64_t> want;
+  for (int64_t p = 0; p < 13; ++p) {
+    int64_t q = p;
+    while (folder[q % 13].path.find("_bad_") != std::string::npos) ++q;
+    want.push_back(q % 13);
+  }
+  std::vector<uint8_t> ref;
+  for (int w : {0, 2}) {
+    ImageLoaderOptions o;
+    o.batch_size = 13;
+    o.image_size = 4;
+    o.shuffle = false;
+    o.max_bad_fraction = 0.5;
+    o.workers = w;
+    o.warn = w == 0;  // the warnings appear once on stderr
+    const ImageLoader loader(folder, o);
+    ImageEpoch ep = loader.epoch(0);
+    std::optional<ImageBatch> b = ep.next();
+    REQUIRE(b);
+    CHECK(ep.bad_count() == 3);
+    const auto bad = loader.bad_files();
+    REQUIRE(bad.size() == 3);
+    for (const char* name :
+         {"img150_bad_trunc.png", "img151_bad_garbage.jpg", "img199_bad_empty.png"})
+      CHECK(std::count_if(bad.begin(), bad.end(), [&](const std::string& s) {
+              return s.find(name) != std::string::npos;
+            }) == 1);
+    for (int64_t p = 0; p < 13; ++p) {
+      const ImageSample& s = folder[want[size_t(p)]];
+      CHECK(b->labels.data<int64_t>()[p] == s.label);
+      CHECK(b->images.data<uint8_t>()[p * 48 + 1] ==
+            uint8_t(std::stoll(fs::path(s.path).stem().string().substr(3)) - 100));
+    }
+    const uint8_t* px = b->images.data<uint8_t>();
+    if (w == 0)
+      ref.assign(px, px + b->images.numel());
+    else
+      CHECK(std::equal(ref.begin(), ref.end(), px));
+    // Known-bad files are still counted in later epochs.
+    ImageEpoch ep1 = loader.epoch(1);
+    CHECK(ep1.next().has_value());
+    CHECK(ep1.bad_count() == 3);
+  }
+  // Over the threshold: 3 bad > 0.1 * 13, and the default 1%.
+  for (double frac : {0.1, 0.01}) {
+    ImageLoaderOptions o;
+    o.batch_size = 4;
+    o.shuffle = false;
+    o.max_bad_fraction = frac;
+    o.warn = false;
+    const ImageLoader loader(folder, o);
+    const std::string e = error_of([&] { run_epoch(loader, 0); });
+    INFO(e);
+    CHECK(e.find("max_bad_fraction") != std::string::npos);
+    CHECK(e.find("_bad_") != std::string::npos);
+  }
+}
+
+TEST_CASE("DeviceFeeder on the CPU and the synthetic source") {
+  TempDir dir;
+  make_random_folder(dir, 7);
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 3;
+  o.image_size = 8;
+  o.workers = 1;
+  const ImageLoader loader(folder, o);
+  const auto raw = run_epoch(loader, 0);
+  ImageEpoch ep = loader.epoch(0);
+  DeviceFeeder feed(ep, Device::cpu());
+  size_t k = 0;
+  while (std::optional<DeviceBatch> b = feed.next()) {
+    REQUIRE(k < raw.size());
+    const int64_t B = b->x.size(0);
+    CHECK(b->x.shape() == Shape{B, 3, 8, 8});
+    CHECK(b->x.dtype() == DType::f32);
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t c = 0; c < 3; ++c)
+        for (int64_t p = 0; p < 64; ++p) {
+          const float want =
+              (float(raw[k][size_t((i * 64 + p) * 3 + c)]) / 255.0f - kImageNetMean[c]) /
+              kImageNetStd[c];
+          REQUIRE(b->x.data<float>()[(i * 3 + c) * 64 + p] == doctest::Approx(want).epsilon(1e-6));
+        }
+    ++k;
+  }
+  CHECK(k == raw.size());
+  CHECK_THROWS_AS(DeviceFeeder(ep, Device::cpu(), DType::f16), Error);
+
+  SyntheticImages syn(4, 5, 10, Device::cpu(), DType::f32, 9);
+  const DeviceBatch s0 = syn.next(), s1 = syn.next();
+  CHECK(s0.x.shape() == Shape{4, 3, 5, 5});
+  const Tensor px = syn.pixels_cpu(0);
+  const uint8_t* p0 = px.data<uint8_t>();
+  CHECK(s0.x.data<float>()[1 * 25 + 7] ==
+        doctest::Approx((p0[7 * 3 + 1] / 255.0f - kImageNetMean[1]) / kImageNetStd[1]));
+  CHECK(std::set<uint8_t>(p0, p0 + px.numel()).size() > 100);  // looks random
+  int64_t differ = 0;
+  for (int64_t i = 0; i < s0.x.numel(); ++i)
+    differ += s0.x.data<float>()[i] != s1.x.data<float>()[i];
+  CHECK(differ > s0.x.numel() / 2);
+  for (int64_t i = 0; i < 4; ++i) {
+    CHECK(s0.y.data<int64_t>()[i] >= 0);
+    CHECK(s0.y.data<int64_t>()[i] < 10);
+  }
+}
+
+TEST_CASE("Fashion-MNIST exported as PNG loads end to end") {
+  if (!fs::exists(kFashionMnistDir)) {
+    WARN_MESSAGE(false, "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+    return;
+  }
+  const IdxPair d = load_fashion_mnist(Split::Train);
+  const std::vector<std::string> names(kFashionMnistClasses.begin(), kFashionMnistClasses.end());
+  TempDir dir;
+  const std::string out = dir / "fmnist";
+  CHECK(export_image_folder(d.images, d.labels, names, out, {.limit = 200}) == 200);
+  CHECK(error_of([&] {
+          export_image_folder(d.images, d.labels, names, out, {.limit = 1});
+        }).find("not empty") != std::string::npos);
+  const ImageFolder folder(out);
+  REQUIRE(folder.num_classes() == 10);
+  CHECK(folder.classes()[0] == "0_T-shirt_top");
+  CHECK(folder.classes()[9] == "9_Ankle_boot");
+  REQUIRE(folder.size() == 200);
+
+  ImageLoaderOptions o;  // 28 -> Resize(28) + CenterCrop(28) is the identity: exact pixels
+  o.batch_size = 64;
+  o.image_size = 28;
+  o.resize_size = 28;
+  o.augment = Augment::Eval;
+  o.shuffle = false;
+  o.workers = 2;
+  const ImageLoader loader(folder, o);
+  ImageEpoch ep = loader.epoch(0);
+  const uint8_t* src = d.images.contiguous().data<uint8_t>();
+  const uint8_t* lab = d.labels.contiguous().data<uint8_t>();
+  int64_t pos = 0;
+  while (std::optional<ImageBatch> b = ep.next()) {
+    for (int64_t i = 0; i < b->images.size(0); ++i, ++pos) {
+      const int64_t idx = std::stoll(fs::path(folder[pos].path).stem().string());
+      REQUIRE(idx < 200);
+      CHECK(b->labels.data<int64_t>()[i] == int64_t(lab[idx]));
+      const uint8_t* px = b->images.data<uint8_t>() + i * 28 * 28 * 3;
+      for (int64_t p = 0; p < 28 * 28; ++p)
+        for (int64_t c = 0; c < 3; ++c) REQUIRE(px[p * 3 + c] == src[idx * 784 + p]);
+    }
+  }
+  CHECK(pos == 200);
+  CHECK(ep.bad_count() == 0);
+
+  // The training transform at ImageNet size through the same files.
+  o.augment = Augment::Train;
+  o.image_size = 224;
+  o.shuffle = true;
+  const ImageLoader train(folder, o);
+  std::vector<int64_t> labels;
+  const auto batches = run_epoch(train, 0, &labels);
+  CHECK(batches.size() == 4);
+  const auto order = train.order(0);
+  for (size_t i = 0; i < labels.size(); ++i) CHECK(labels[i] == folder[order[i]].label);
+}
+
+TEST_CASE("OrderedPrefetch: index order, errors after the earlier items, early destruction") {
+  for (int workers : {0, 1, 3}) {
+    OrderedPrefetch<int64_t> q(10, workers, 2, [](int64_t k) {
+      KILN_CHECK(k != 6, "item ", k, " fails");
+      return k * k;
+    });
+    for (int64_t k = 0; k < 6; ++k) {
+      std::optional<int64_t> v = q.next();
+      REQUIRE(v.has_value());
+      CHECK(*v == k * k);
+    }
+    CHECK(error_of([&] { q.next(); }).find("item 6 fails") != std::string::npos);
+    CHECK_FALSE(q.next().has_value());
+  }
+  {  // dropped after one item while workers wait on a full queue: must not hang
+    OrderedPrefetch<int64_t> q(1000, 3, 2, [](int64_t k) { return k; });
+    CHECK(q.next() == std::optional<int64_t>(0));
+  }
+}
