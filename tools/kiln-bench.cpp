@@ -35,6 +35,7 @@
 #endif
 
 namespace {
+int g_back_to_back = 10;
 
 constexpr double kPeakTflops = 765.0;  // measured FP16 dense matmul on the H200 (GPU.md)
 constexpr double kPeakGBps = 4200.0;   // measured device-to-device copy, read + write
@@ -69,7 +70,6 @@ void usage() {
 #ifdef KILN_WITH_CUDA
 using namespace kiln;
 
-int g_back_to_back = 10;
 
 // Median ms over `repeat` samples of `calls` calls each, divided by `calls`.
 double median_ms(const std::function<void()>& fn, int repeat, int calls, cudaEvent_t a,
