@@ -59,6 +59,7 @@ void usage() {
       "  --model NAME per-step training throughput of a model (resnet18 ... resnet152) on\n"
       "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
       "  --batches L  comma-separated batch sizes for --model (default 64,128,256)\n"
+      "  --profile    with --model: per-op GPU time table of a few eager steps\n"
       "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
       "  -b BATCH     batch size (default 256)\n"
       "  --dtype T    f16 (default) or f32\n"
@@ -251,6 +252,8 @@ int main(int argc, char** argv) {
           if (comma == std::string::npos) break;
           pos = comma + 1;
         }
+      } else if (a == "--profile") {
+        mo.profile = true;
       } else if (a == "--eager-only") {
         mo.graph = false;
       } else if (a == "--graph-only") {

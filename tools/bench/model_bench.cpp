@@ -23,6 +23,7 @@
 #include "cuda/check.h"
 #include "cuda/conv.h"
 #include "cuda/graph.h"
+#include "cuda/profiler.h"
 #include "cuda/runtime.h"
 #endif
 
@@ -95,6 +96,14 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       Timing t;
       if (!graph) {
         t = time_steps([&] { step.run(x, y); }, o.warmup, o.windows, o.steps_per_window);
+        if (o.profile) {
+          cuda::profiler_reset();
+          cuda::enable_profiler(true);
+          for (int i = 0; i < 5; ++i) step.run(x, y);
+          cuda::enable_profiler(false);
+          std::printf("per-op profile of 5 eager steps, %s batch %ld:\n%s", o.model.c_str(),
+                      long(batch), cuda::profiler_report().c_str());
+        }
       } else {
         cuda::GraphStep g([&] { step.run(x, y); }, {.warmup_steps = 3});
         t = time_steps([&] {

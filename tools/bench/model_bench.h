@@ -11,6 +11,7 @@ struct ModelBenchOptions {
   std::vector<int64_t> batches = {64, 128, 256};
   int64_t image_size = 224;
   bool eager = true, graph = true;
+  bool profile = false;  // after the eager rows: a per-op table of a few eager steps
   int warmup = 8, windows = 5, steps_per_window = 10;
   double gflop_per_image = 24.3;  // ResNet-50 forward + backward at 224x224
   double peak_tflops = 765.0;     // measured FP16 dense matmul on the H200
