@@ -32,7 +32,7 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t num_replica
 }
 
 std::vector<int64_t> DistributedSampler::global_indices(int64_t epoch) const {
-  std::vector<int64_t> order(size_t(dataset_size_));
+  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
   if (opts_.shuffle) {
     // Mixing (rather than seed + epoch) keeps (seed, e) and (seed + 1, e - 1) apart.
