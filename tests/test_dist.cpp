@@ -8,10 +8,12 @@
 #include <map>
 #include <set>
 
+#include "core/autograd.h"
 #include "core/dist_env.h"
 #include "core/launcher.h"
 #include "core/rendezvous.h"
 #include "data/distributed_sampler.h"
+#include "ops/ops.h"
 
 using namespace kiln;
 using namespace kiln::data;
@@ -315,4 +317,28 @@ TEST_CASE("launcher: children see torchrun's variables; a failure stops the othe
   CHECK(thrown.exit_code == 1);
   CHECK(thrown.failed_rank == 1);
   CHECK_THROWS_AS(launch_processes({"/bin/true"}, {.nproc = 0}), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The hook GradBucketer uses to launch a bucket's all-reduce as soon as its gradients are done.
+TEST_CASE("post-accumulate-grad hooks run after each accumulation, in order, and detach") {
+  Tensor w = tensor({1.0, 2.0}).set_requires_grad(true);
+  Tensor unused = tensor({3.0}).set_requires_grad(true);
+  std::vector<std::string> calls;
+  const uint64_t a = autograd::add_post_accumulate_grad_hook(w, [&](const Tensor& leaf) {
+    CHECK(leaf.is_same(w));
+    CHECK(!GradMode::is_enabled());
+    calls.push_back("a:" + std::to_string(leaf.grad().to_vector<double>()[0]));
+  });
+  autograd::add_post_accumulate_grad_hook(w, [&](const Tensor&) { calls.push_back("b"); });
+  autograd::add_post_accumulate_grad_hook(unused, [&](const Tensor&) { calls.push_back("u"); });
+  F::sum(w * 3.0).backward();
+  CHECK(calls == std::vector<std::string>{"a:3.000000", "b"});
+  F::sum(w * 2.0).backward();  // `+=`: the hook sees the accumulated gradient
+  CHECK(calls == std::vector<std::string>{"a:3.000000", "b", "a:5.000000", "b"});
+  autograd::remove_post_accumulate_grad_hook(w, a);
+  calls.clear();
+  F::sum(w * 1.0).backward();
+  CHECK(calls == std::vector<std::string>{"b"});
+  CHECK_THROWS_AS(autograd::add_post_accumulate_grad_hook(w * 2.0, [](const Tensor&) {}), Error);
 }
