@@ -79,8 +79,20 @@ LaunchResult supervise(const LaunchOptions& opts, const std::vector<DistEnv>& en
   for (int r = 0; r < opts.nproc; ++r) {
     std::cout.flush();
     std::cerr.flush();
+    // The launcher stops a failed rank's siblings with SIGTERM, which must end them even when
+    // the parent installed a handler (test frameworks do): the child resets it to the default
+    // with SIGTERM blocked, so none arrives in between.
+    sigset_t term, old_mask;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &term, &old_mask);
     const pid_t pid = ::fork();
-    if (pid == 0) start(envs[size_t(r)]);  // never returns
+    if (pid == 0) {
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+      start(envs[size_t(r)]);  // never returns
+    }
+    ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
       const int err = errno;
       kill_all(SIGKILL);

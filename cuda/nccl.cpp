@@ -47,10 +47,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   KILN_FAIL("unknown ReduceOp");
 }
 
-bool is_floating(DType t) {
-  return t == DType::f16 || t == DType::bf16 || t == DType::f32 || t == DType::f64;
-}
-
 // Dense: the elements fill [raw_data, raw_data + nbytes) in some order, so a flat byte copy or
 // a flat NCCL call covers exactly the tensor.
 bool is_dense(const Tensor& t) {
