@@ -268,8 +268,9 @@ void Rendezvous::join_as_peer() {
   }
   set_nodelay(fd);
   peers_[0] = fd;
-  // Rank 0 was listening when we connected, so its own deadline ends before ours.
-  op_deadline_ = deadline();
+  // Rank 0 was listening when we connected, so its own deadline ends before ours; the slack
+  // lets its verdict (the welcome, or a closed socket after naming the missing ranks) arrive.
+  op_deadline_ = deadline() + std::min<Clock::duration>(opts_.timeout, std::chrono::seconds(5));
   const uint32_t who[2] = {uint32_t(rank_), uint32_t(world_size_)};
   Blob hello(sizeof(who));
   std::memcpy(hello.data(), who, sizeof(who));
