@@ -23,8 +23,7 @@ int parse_int(const char* name, const std::string& text, long lo, long hi) {
 
 }  // namespace
 
-DistEnv DistEnv::from_lookup(
-    const std::function<std::optional<std::string>(const char*)>& getenv) {
+DistEnv DistEnv::from_lookup(const std::function<std::optional<std::string>(const char*)>& getenv) {
   DistEnv env;
   const auto world = getenv("WORLD_SIZE");
   const auto rank = getenv("RANK");
@@ -33,12 +32,13 @@ DistEnv DistEnv::from_lookup(
   const auto port = getenv("MASTER_PORT");
   if (world) env.world_size = parse_int("WORLD_SIZE", *world, 1, 1 << 20);
   if (env.world_size > 1) {
-    KILN_CHECK(rank.has_value(), "environment variable RANK is not set but WORLD_SIZE=",
-               env.world_size, " (launch with kiln-train --nproc N or torchrun)");
-    KILN_CHECK(addr.has_value(), "environment variable MASTER_ADDR is not set but WORLD_SIZE=",
-               env.world_size);
-    KILN_CHECK(port.has_value(), "environment variable MASTER_PORT is not set but WORLD_SIZE=",
-               env.world_size);
+    KILN_CHECK(rank.has_value(),
+               "environment variable RANK is not set but WORLD_SIZE=", env.world_size,
+               " (launch with kiln-train --nproc N or torchrun)");
+    KILN_CHECK(addr.has_value(),
+               "environment variable MASTER_ADDR is not set but WORLD_SIZE=", env.world_size);
+    KILN_CHECK(port.has_value(),
+               "environment variable MASTER_PORT is not set but WORLD_SIZE=", env.world_size);
   }
   if (rank) env.rank = parse_int("RANK", *rank, 0, env.world_size - 1);
   env.local_rank = local ? parse_int("LOCAL_RANK", *local, 0, env.world_size - 1) : env.rank;

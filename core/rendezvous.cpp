@@ -36,11 +36,17 @@ struct Header {
 
 const char* op_name(uint32_t op) {
   switch (op) {
-    case 1: return "join";
-    case 2: return "join";
-    case 3: return "broadcast";
-    case 4: case 5: return "all_gather";
-    default: return "an unknown operation";
+    case 1:
+      return "join";
+    case 2:
+      return "join";
+    case 3:
+      return "broadcast";
+    case 4:
+    case 5:
+      return "all_gather";
+    default:
+      return "an unknown operation";
   }
 }
 
@@ -85,9 +91,8 @@ void send_all(int fd, const void* data, size_t n, Clock::time_point deadline,
       continue;
     }
     if (w < 0 && errno == EINTR) continue;
-    KILN_CHECK(w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK),
-               "rendezvous: sending to ", who, " failed: ", std::strerror(errno),
-               " (did it exit?)");
+    KILN_CHECK(w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK), "rendezvous: sending to ", who,
+               " failed: ", std::strerror(errno), " (did it exit?)");
     KILN_CHECK(wait_fd(fd, POLLOUT, deadline), "rendezvous: timed out sending to ", who);
   }
 }
@@ -102,7 +107,8 @@ bool recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
       n -= size_t(r);
       continue;
     }
-    KILN_CHECK(r != 0, "rendezvous: ", who, " closed the connection (it exited or failed; see its error)");
+    KILN_CHECK(r != 0, "rendezvous: ", who,
+               " closed the connection (it exited or failed; see its error)");
     if (errno == EINTR) continue;
     KILN_CHECK(errno == EAGAIN || errno == EWOULDBLOCK, "rendezvous: receiving from ", who,
                " failed: ", std::strerror(errno));
@@ -213,10 +219,10 @@ void Rendezvous::join_as_root() {
     const int r = int(who[0]);
     if (int(who[1]) != world_size_ || r < 1 || r >= world_size_ || peers_[size_t(r)] >= 0) {
       ::close(fd);
-      KILN_FAIL("rendezvous: rank 0 (world size ", world_size_, ") got a join from rank ", who[0],
-                " with world size ", who[1],
-                (r >= 1 && r < world_size_ && peers_[size_t(r)] >= 0) ? " (rank already joined)"
-                                                                        : "");
+      KILN_FAIL(
+          "rendezvous: rank 0 (world size ", world_size_, ") got a join from rank ", who[0],
+          " with world size ", who[1],
+          (r >= 1 && r < world_size_ && peers_[size_t(r)] >= 0) ? " (rank already joined)" : "");
     }
     peers_[size_t(r)] = fd;
     ++arrived;

@@ -9,16 +9,16 @@
 #include "cuda/check.h"
 #include "cuda/runtime.h"
 
-#define NCCL_CHECK(expr)                                                                   \
-  do {                                                                                     \
-    ncclResult_t _r = (expr);                                                              \
-    if (_r != ncclSuccess) [[unlikely]] {                                                  \
-      const char* _last = ncclGetLastError(nullptr);                                       \
-      ::kiln::detail::fail(::kiln::ErrorKind::Generic, __FILE__, __LINE__, #expr,          \
-                           ::kiln::detail::str_cat("NCCL error ", ncclGetErrorString(_r),  \
-                                                   _last && *_last ? ": " : "",            \
-                                                   _last ? _last : ""));                   \
-    }                                                                                      \
+#define NCCL_CHECK(expr)                                                            \
+  do {                                                                              \
+    ncclResult_t _r = (expr);                                                       \
+    if (_r != ncclSuccess) [[unlikely]] {                                           \
+      const char* _last = ncclGetLastError(nullptr);                                \
+      ::kiln::detail::fail(                                                         \
+          ::kiln::ErrorKind::Generic, __FILE__, __LINE__, #expr,                    \
+          ::kiln::detail::str_cat("NCCL error ", ncclGetErrorString(_r),            \
+                                  _last&&* _last ? ": " : "", _last ? _last : "")); \
+    }                                                                               \
   } while (0)
 
 namespace kiln::cuda {
@@ -26,23 +26,35 @@ namespace {
 
 ncclDataType_t nccl_type(DType t, const char* op) {
   switch (t) {
-    case DType::f16: return ncclFloat16;
-    case DType::bf16: return ncclBfloat16;
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-    case DType::u8: return ncclUint8;
-    default: KILN_FAIL(op, ": NCCL cannot reduce dtype ", dtype_name(t));
+    case DType::f16:
+      return ncclFloat16;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::u8:
+      return ncclUint8;
+    default:
+      KILN_FAIL(op, ": NCCL cannot reduce dtype ", dtype_name(t));
   }
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return ncclSum;
-    case ReduceOp::Avg: return ncclAvg;
-    case ReduceOp::Max: return ncclMax;
-    case ReduceOp::Min: return ncclMin;
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Avg:
+      return ncclAvg;
+    case ReduceOp::Max:
+      return ncclMax;
+    case ReduceOp::Min:
+      return ncclMin;
   }
   KILN_FAIL("unknown ReduceOp");
 }
@@ -82,11 +94,10 @@ Rendezvous::Blob Communicator::make_unique_id() {
 }
 
 Communicator::Communicator(Rendezvous& rv, int device)
-    : Communicator(rv.broadcast(rv.rank() == 0 ? make_unique_id() : Rendezvous::Blob{}),
-                   rv.rank(), rv.world_size(), device) {}
+    : Communicator(rv.broadcast(rv.rank() == 0 ? make_unique_id() : Rendezvous::Blob{}), rv.rank(),
+                   rv.world_size(), device) {}
 
-Communicator::Communicator(const Rendezvous::Blob& unique_id, int rank, int world_size,
-                           int device)
+Communicator::Communicator(const Rendezvous::Blob& unique_id, int rank, int world_size, int device)
     : rank_(rank), world_size_(world_size), device_(device) {
   ncclUniqueId id;
   KILN_CHECK(unique_id.size() == sizeof(id), "Communicator: the unique id has ", unique_id.size(),
@@ -122,8 +133,8 @@ void Communicator::all_reduce(const Tensor& t, ReduceOp op, cudaStream_t stream)
              "all_reduce: Avg needs a floating dtype, got ", t.desc());
   DeviceScope scope(device_);
   void* p = t.raw_data();
-  NCCL_CHECK(ncclAllReduce(p, p, size_t(t.numel()), nccl_type(t.dtype(), "all_reduce"),
-                           nccl_op(op), comm_, stream ? stream : current_stream()));
+  NCCL_CHECK(ncclAllReduce(p, p, size_t(t.numel()), nccl_type(t.dtype(), "all_reduce"), nccl_op(op),
+                           comm_, stream ? stream : current_stream()));
   t.bump_version();
 }
 
@@ -167,8 +178,8 @@ GradBucketer::GradBucketer(Communicator& comm, std::vector<Tensor> params, Bucke
     const Tensor& p = params_[i];
     KILN_CHECK(p.defined() && p.is_leaf() && p.requires_grad(), "GradBucketer: parameter ", i,
                " is not a leaf that requires grad");
-    KILN_CHECK(p.is_cuda() && p.device().index == comm.device(), "GradBucketer: parameter ", i,
-               " ", p.desc(), " is not on the communicator's device cuda:", comm.device());
+    KILN_CHECK(p.is_cuda() && p.device().index == comm.device(), "GradBucketer: parameter ", i, " ",
+               p.desc(), " is not on the communicator's device cuda:", comm.device());
     KILN_CHECK(is_floating(p.dtype()), "GradBucketer: parameter ", i, " has dtype ",
                dtype_name(p.dtype()));
     KILN_CHECK(seen.insert(p.impl_ptr().get()).second, "GradBucketer: parameter ", i,
@@ -206,8 +217,8 @@ GradBucketer::GradBucketer(Communicator& comm, std::vector<Tensor> params, Bucke
   CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   ready_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i)
-    hook_ids_.push_back(autograd::add_post_accumulate_grad_hook(
-        params_[i], [this, i](const Tensor&) {
+    hook_ids_.push_back(
+        autograd::add_post_accumulate_grad_hook(params_[i], [this, i](const Tensor&) {
           if (sync_) mark_ready(i);
         }));
 }

@@ -142,8 +142,8 @@ class GradBucketer {
   std::vector<Tensor> params_;
   BucketOptions opts_;
   std::vector<Bucket> buckets_;
-  std::vector<size_t> bucket_of_;    // param -> bucket
-  std::vector<uint8_t> ready_;       // param marked in this step
+  std::vector<size_t> bucket_of_;  // param -> bucket
+  std::vector<uint8_t> ready_;     // param marked in this step
   std::vector<uint64_t> hook_ids_;
   size_t next_launch_ = 0;
   bool sync_ = true;

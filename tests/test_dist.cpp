@@ -66,8 +66,11 @@ TEST_CASE("DistEnv: defaults, valid values and errors that name the variable") {
   CHECK(single.world_size == 1);
   CHECK(!single.distributed());
 
-  DistEnv e = parse({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
-                     {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "1234"}});
+  DistEnv e = parse({{"RANK", "2"},
+                     {"WORLD_SIZE", "4"},
+                     {"LOCAL_RANK", "0"},
+                     {"MASTER_ADDR", "node7"},
+                     {"MASTER_PORT", "1234"}});
   CHECK(e.rank == 2);
   CHECK(e.world_size == 4);
   CHECK(e.local_rank == 0);
@@ -146,8 +149,10 @@ TEST_CASE("DistributedSampler: shards are equal, disjoint, cover the data, deter
 
 TEST_CASE("DistributedSampler: PyTorch's layout without shuffle; epochs and seeds differ") {
   // PyTorch: indices + indices[:padding], then indices[rank::world].
-  CHECK(DistributedSampler(5, 2, 0, {.shuffle = false}).indices(0) == std::vector<int64_t>{0, 2, 4});
-  CHECK(DistributedSampler(5, 2, 1, {.shuffle = false}).indices(0) == std::vector<int64_t>{1, 3, 0});
+  CHECK(DistributedSampler(5, 2, 0, {.shuffle = false}).indices(0) ==
+        std::vector<int64_t>{0, 2, 4});
+  CHECK(DistributedSampler(5, 2, 1, {.shuffle = false}).indices(0) ==
+        std::vector<int64_t>{1, 3, 0});
   CHECK(DistributedSampler(2, 5, 4, {.shuffle = false}).global_indices(0) ==
         std::vector<int64_t>{0, 1, 0, 1, 0});
   CHECK(DistributedSampler(7, 3, 2, {.shuffle = false, .drop_last = true}).indices(0) ==
@@ -173,7 +178,8 @@ TEST_CASE("DataLoader with a DistributedSampler loads exactly the rank's shard")
   for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = i;
   TensorDataset ds(from_vector(px, {n, 2, 2}, DType::u8), from_vector(labels, {n}, DType::i64));
   for (int workers : {0, 2}) {
-    auto sampler = std::make_shared<DistributedSampler>(n, 3, 1, DistributedSamplerOptions{.seed = 9});
+    auto sampler =
+        std::make_shared<DistributedSampler>(n, 3, 1, DistributedSamplerOptions{.seed = 9});
     LoaderOptions opts;
     opts.batch_size = 3;
     opts.sampler = sampler;
@@ -250,8 +256,8 @@ TEST_CASE("Rendezvous: a rank that never arrives fails rank 0 in time, naming it
 TEST_CASE("Rendezvous: an unreachable rank 0 fails in time, naming the address") {
   const int port = find_free_port();  // nobody listens there
   const auto t0 = Clock::now();
-  const std::string err = error_of(
-      [&] { Rendezvous rv("127.0.0.1", port, 1, 2, {.timeout = milliseconds(400)}); });
+  const std::string err =
+      error_of([&] { Rendezvous rv("127.0.0.1", port, 1, 2, {.timeout = milliseconds(400)}); });
   CHECK(seconds_since(t0) < 3.0);
   CHECK(contains(err, "could not reach rank 0 at 127.0.0.1:" + std::to_string(port)));
   CHECK(contains(error_of([] { Rendezvous("no-such-host.invalid", 1234, 1, 2); }),

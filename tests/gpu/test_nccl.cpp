@@ -13,11 +13,11 @@
 #include "tests/gpu/gpu_test_util.h"
 
 #ifdef KILN_WITH_NCCL
-#include "cuda/graph.h"
-#include "cuda/nccl.h"
 #include "core/autograd.h"
 #include "core/launcher.h"
 #include "core/rendezvous.h"
+#include "cuda/graph.h"
+#include "cuda/nccl.h"
 #include "ops/ops.h"
 
 using namespace kiln;
@@ -101,7 +101,7 @@ void check_found_inf(Worker& w, cuda::Communicator& comm) {
 // Rank 1 leaves the last parameter out of its loss (no gradient there: zeros in the average).
 struct Toy {
   std::vector<Tensor> params;
-  std::vector<Tensor> inputs;  // this rank's x_k
+  std::vector<Tensor> inputs;             // this rank's x_k
   std::vector<std::vector<double>> want;  // average over ranks of x_k, logical order
   std::vector<DType> dtypes;
 };
@@ -125,7 +125,8 @@ Toy make_toy(Worker& w) {
     Tensor p = from_vector(rank_values(n, 0, 50 + int(k)), s.shape, w.opts(s.dt, s.f));
     p.set_requires_grad(true);
     toy.params.push_back(p);
-    toy.inputs.push_back(from_vector(rank_values(n, w.env.rank, int(k)), s.shape, w.opts(s.dt, s.f)));
+    toy.inputs.push_back(
+        from_vector(rank_values(n, w.env.rank, int(k)), s.shape, w.opts(s.dt, s.f)));
     std::vector<double> avg(static_cast<size_t>(n), 0.0);
     for (int q = 0; q < kWorld; ++q) {
       if (q == 1 && k + 1 == specs.size()) continue;  // rank 1 leaves it out
@@ -187,11 +188,13 @@ void check_bucketer(Worker& w, cuda::Communicator& comm) {
     for (double& x : v) x /= 2;
 
   // The same step captured into a CUDA graph and replayed.
-  cuda::GraphStep graph([&] {
-    for (Tensor& p : toy.params) p.set_grad(Tensor());
-    toy_backward(toy, w.env.rank);
-    ddp.finish();
-  }, {.warmup_steps = 2});
+  cuda::GraphStep graph(
+      [&] {
+        for (Tensor& p : toy.params) p.set_grad(Tensor());
+        toy_backward(toy, w.env.rank);
+        ddp.finish();
+      },
+      {.warmup_steps = 2});
   for (int step = 0; step < 4; ++step) {
     graph.run();
     graph.synchronize();
@@ -210,8 +213,8 @@ TEST_CASE("nccl: 2 ranks (all_reduce, broadcast, found_inf, GradBucketer, graph 
     return;
   }
   ::setenv(kWorkerVar, "1", 1);
-  LaunchResult r = launch_processes({"/proc/self/exe", "--test-case=nccl worker"},
-                                    {.nproc = kWorld});
+  LaunchResult r =
+      launch_processes({"/proc/self/exe", "--test-case=nccl worker"}, {.nproc = kWorld});
   ::unsetenv(kWorkerVar);
   INFO(r.message);
   CHECK(r.ok());
