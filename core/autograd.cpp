@@ -91,6 +91,11 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>& grads) {
   } else {
     cur.add_(g);  // `+=`
   }
+  AutogradMeta& m = var.autograd_meta();
+  if (!m.post_accumulate_hooks.empty()) {
+    const auto hooks = m.post_accumulate_hooks;  // a hook may add or remove hooks
+    for (const auto& [id, fn] : hooks) fn(var);
+  }
   return {};
 }
 
@@ -115,6 +120,22 @@ Edge edge_for(const Tensor& t) {
     m.grad_accumulator = acc;
   }
   return {acc, 0};
+}
+
+uint64_t add_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(const Tensor&)> fn) {
+  KILN_CHECK(leaf.defined() && leaf.is_leaf() && leaf.requires_grad(),
+             "add_post_accumulate_grad_hook: needs a leaf that requires grad");
+  KILN_CHECK(fn, "add_post_accumulate_grad_hook: empty hook");
+  static std::atomic<uint64_t> next_id{1};
+  const uint64_t id = next_id++;
+  leaf.autograd_meta().post_accumulate_hooks.emplace_back(id, std::move(fn));
+  return id;
+}
+
+void remove_post_accumulate_grad_hook(const Tensor& leaf, uint64_t id) {
+  if (!leaf.defined() || !leaf.impl().autograd) return;
+  auto& hooks = leaf.impl().autograd->post_accumulate_hooks;
+  std::erase_if(hooks, [id](const auto& h) { return h.first == id; });
 }
 
 void set_history(const Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr) {

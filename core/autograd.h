@@ -16,6 +16,7 @@
 // node is an error. A SavedTensor remembers its storage's version and refuses to unpack if an
 // in-place op changed it in between.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -123,6 +124,15 @@ Edge edge_for(const Tensor& t);
 void set_history(const Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr = 0);
 // Refuses in-place modification of a tensor that autograd tracks (`op` names the op).
 void check_inplace(const Tensor& t, const char* op);
+
+// Registers `fn` to run right after a gradient is accumulated into leaf `leaf`'s .grad (PyTorch's
+// register_post_accumulate_grad_hook): once per AccumulateGrad call, on the backward's thread,
+// with grad mode off; fn receives the leaf (its .grad is complete for this backward unless the
+// leaf is reached again). Returns an id for remove_post_accumulate_grad_hook. Hooks run in
+// registration order. Throws if `leaf` is not a leaf that requires grad.
+uint64_t add_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(const Tensor&)> fn);
+// Removes a hook; unknown ids are ignored.
+void remove_post_accumulate_grad_hook(const Tensor& leaf, uint64_t id);
 
 // Runs backward from `roots` with the given gradients (undefined = ones for one-element roots).
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,

@@ -10,6 +10,7 @@
 // unsqueeze) share storage and the storage's version counter. In-place ops bump the counter.
 // Every differentiable view and op records an autograd Node (see core/autograd.h).
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -55,6 +56,8 @@ struct AutogradMeta {
   uint32_t output_nr = 0;         // which output of grad_fn this tensor is
   std::shared_ptr<class TensorImpl> grad;  // accumulated gradient (leaves)
   std::weak_ptr<Node> grad_accumulator;   // leaves: the AccumulateGrad node, created lazily
+  // Leaves: run by AccumulateGrad after each accumulation (autograd::add_post_accumulate_grad_hook).
+  std::vector<std::pair<uint64_t, std::function<void(const Tensor&)>>> post_accumulate_hooks;
 };
 
 class TensorImpl {

@@ -78,7 +78,7 @@ struct Epoch::State {
   Batch build(int64_t k) const {
     const TensorDataset& ds = *data;
     const int64_t begin = k * opts.batch_size;
-    const int64_t end = std::min<int64_t>(begin + opts.batch_size, ds.size());
+    const int64_t end = std::min<int64_t>(begin + opts.batch_size, int64_t(order.size()));
     const int64_t b_count = end - begin;
     const int64_t C = ds.channels(), H = ds.height(), W = ds.width(), pad = opts.crop_padding;
     Batch b;
@@ -213,6 +213,8 @@ DataLoader::DataLoader(TensorDataset dataset, LoaderOptions opts)
     for (int64_t c = 0; c < C; ++c) out[size_t(c)] = v[v.size() == 1 ? 0 : size_t(c)];
     return out;
   };
+  KILN_CHECK(!(opts_.shuffle && opts_.sampler),
+             "DataLoader: shuffle must be false with a sampler (the sampler sets the order)");
   const std::vector<float> mean = per_channel(opts_.mean, "mean");
   const std::vector<float> sd = per_channel(opts_.stddev, "stddev");
   auto lut = std::make_shared<std::vector<float>>(size_t(C * 256));
@@ -226,11 +228,22 @@ DataLoader::DataLoader(TensorDataset dataset, LoaderOptions opts)
 }
 
 int64_t DataLoader::num_batches() const {
-  const int64_t n = dataset_->size(), bs = opts_.batch_size;
+  const int64_t n = opts_.sampler ? opts_.sampler->size() : dataset_->size();
+  const int64_t bs = opts_.batch_size;
   return opts_.drop_last ? n / bs : (n + bs - 1) / bs;
 }
 
 std::vector<int64_t> DataLoader::order(int64_t epoch) const {
+  if (opts_.sampler) {
+    std::vector<int64_t> idx = opts_.sampler->indices(epoch);
+    KILN_CHECK(int64_t(idx.size()) == opts_.sampler->size(), "DataLoader: the sampler returned ",
+               idx.size(), " indices for epoch ", epoch, " but its size() is ",
+               opts_.sampler->size());
+    for (int64_t i : idx)
+      KILN_CHECK(i >= 0 && i < dataset_->size(), "DataLoader: sampler index ", i,
+                 " is out of range for a dataset of ", dataset_->size(), " samples");
+    return idx;
+  }
   std::vector<int64_t> order(size_t(dataset_->size()));
   for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
   if (opts_.shuffle) {

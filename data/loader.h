@@ -43,9 +43,19 @@ struct Batch {
   int64_t index = 0;  // the batch's number within its epoch
 };
 
+// Chooses the samples of each epoch in place of the loader's own order (a rank's shard of a
+// DistributedSampler, say). indices(e) must return size() indices in [0, dataset size).
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  virtual int64_t size() const = 0;
+  virtual std::vector<int64_t> indices(int64_t epoch) const = 0;
+};
+
 struct LoaderOptions {
   int64_t batch_size = 64;
-  bool shuffle = false;
+  bool shuffle = false;     // must stay false with a sampler (the sampler orders)
+  std::shared_ptr<const Sampler> sampler;  // null: all samples, in order or shuffled
   bool drop_last = false;  // drop the last batch when it is smaller than batch_size
   uint64_t seed = 0;       // drives shuffling and augmentation
   int workers = 0;         // 0: each batch is built on the consumer's thread inside next()
@@ -77,14 +87,15 @@ class Epoch;
 class DataLoader {
  public:
   // Throws kiln::Error for batch_size < 1, workers < 0, prefetch < 0, crop_padding < 0,
-  // mean/stddev sizes other than 1 or C, stddev <= 0.
+  // mean/stddev sizes other than 1 or C, stddev <= 0, shuffle together with a sampler.
   DataLoader(TensorDataset dataset, LoaderOptions opts);
 
   const TensorDataset& dataset() const { return *dataset_; }
   const LoaderOptions& options() const { return opts_; }
-  // Batches per epoch: ceil(N / batch_size), or floor with drop_last.
+  // Batches per epoch: ceil(N / batch_size), or floor with drop_last; N is the sampler's size
+  // when there is one.
   int64_t num_batches() const;
-  // Sample indices of epoch e in visiting order (0..N-1 unless shuffle).
+  // Sample indices of epoch e in visiting order (0..N-1 unless shuffle; the sampler's if set).
   std::vector<int64_t> order(int64_t epoch) const;
   // Starts epoch e (workers begin building at once).
   Epoch epoch(int64_t e) const;

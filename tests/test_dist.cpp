@@ -1,0 +1,350 @@
+// Data-parallel plumbing without GPUs: torchrun environment parsing, DistributedSampler (and its
+// DataLoader hook), the TCP rendezvous between forked local processes, and the launcher.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "core/autograd.h"
+#include "core/dist_env.h"
+#include "core/launcher.h"
+#include "core/rendezvous.h"
+#include "data/distributed_sampler.h"
+#include "ops/ops.h"
+
+using namespace kiln;
+using namespace kiln::data;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+DistEnv parse(const Env& vars) {
+  return DistEnv::from_lookup([&](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+// The message of the kiln::Error that fn throws ("" when it throws nothing).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Inside a forked rank: reports a failed expectation on stderr and turns it into exit code 1.
+int expect(bool ok, const std::string& what) {
+  if (!ok) std::cerr << "expectation failed: " << what << std::endl;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+TEST_CASE("DistEnv: defaults, valid values and errors that name the variable") {
+  DistEnv single = parse({});
+  CHECK(single.rank == 0);
+  CHECK(single.world_size == 1);
+  CHECK(!single.distributed());
+
+  DistEnv e = parse({{"RANK", "2"},
+                     {"WORLD_SIZE", "4"},
+                     {"LOCAL_RANK", "0"},
+                     {"MASTER_ADDR", "node7"},
+                     {"MASTER_PORT", "1234"}});
+  CHECK(e.rank == 2);
+  CHECK(e.world_size == 4);
+  CHECK(e.local_rank == 0);
+  CHECK(e.master_addr == "node7");
+  CHECK(e.master_port == 1234);
+  CHECK(e.distributed());
+  // LOCAL_RANK defaults to RANK.
+  CHECK(parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "9"}})
+            .local_rank == 1);
+
+  const Env ok = {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "80"}};
+  auto with = [&](const std::string& k, const std::string& v) {
+    Env x = ok;
+    x[k] = v;
+    return error_of([&] { parse(x); });
+  };
+  auto without = [&](const std::string& k) {
+    Env x = ok;
+    x.erase(k);
+    return error_of([&] { parse(x); });
+  };
+  CHECK(contains(with("RANK", "abc"), "RANK='abc'"));
+  CHECK(contains(with("RANK", "2"), "RANK=2 is out of range"));
+  CHECK(contains(with("RANK", "-1"), "RANK=-1 is out of range"));
+  CHECK(contains(with("WORLD_SIZE", "0"), "WORLD_SIZE=0"));
+  CHECK(contains(with("WORLD_SIZE", "2x"), "WORLD_SIZE='2x'"));
+  CHECK(contains(with("LOCAL_RANK", "5"), "LOCAL_RANK=5"));
+  CHECK(contains(with("MASTER_PORT", "70000"), "MASTER_PORT=70000"));
+  CHECK(contains(with("MASTER_PORT", ""), "MASTER_PORT is set but empty"));
+  CHECK(contains(with("MASTER_ADDR", ""), "MASTER_ADDR is set but empty"));
+  CHECK(contains(without("RANK"), "RANK is not set"));
+  CHECK(contains(without("MASTER_ADDR"), "MASTER_ADDR is not set"));
+  CHECK(contains(without("MASTER_PORT"), "MASTER_PORT is not set"));
+  CHECK(without("LOCAL_RANK").empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_CASE("DistributedSampler: shards are equal, disjoint, cover the data, deterministic") {
+  for (int64_t n : {0, 1, 7, 10, 12, 31}) {
+    for (int64_t world : {1, 2, 3, 4}) {
+      for (bool drop_last : {false, true}) {
+        if (drop_last && n < world) continue;
+        CAPTURE(n);
+        CAPTURE(world);
+        CAPTURE(drop_last);
+        const int64_t per = drop_last ? n / world : (n + world - 1) / world;
+        std::multiset<int64_t> seen;
+        for (int64_t r = 0; r < world; ++r) {
+          DistributedSampler s(n, world, r, {.shuffle = true, .seed = 5, .drop_last = drop_last});
+          const std::vector<int64_t> idx = s.indices(3);
+          CHECK(s.size() == per);
+          CHECK(int64_t(idx.size()) == per);
+          CHECK(idx == DistributedSampler(n, world, r, {true, 5, drop_last}).indices(3));
+          for (int64_t i : idx) {
+            CHECK(i >= 0);
+            CHECK(i < n);
+            seen.insert(i);
+          }
+        }
+        const std::set<int64_t> distinct(seen.begin(), seen.end());
+        if (drop_last) {
+          CHECK(int64_t(seen.size()) == world * (n / world));
+          CHECK(distinct.size() == seen.size());  // disjoint
+        } else {
+          CHECK(int64_t(distinct.size()) == n);  // every sample, each at least once
+          // Only the padding repeats: n + padding entries in all.
+          CHECK(int64_t(seen.size()) == world * per);
+          if (n >= world) {
+            for (int64_t i : distinct) CHECK(seen.count(i) <= 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("DistributedSampler: PyTorch's layout without shuffle; epochs and seeds differ") {
+  // PyTorch: indices + indices[:padding], then indices[rank::world].
+  CHECK(DistributedSampler(5, 2, 0, {.shuffle = false}).indices(0) ==
+        std::vector<int64_t>{0, 2, 4});
+  CHECK(DistributedSampler(5, 2, 1, {.shuffle = false}).indices(0) ==
+        std::vector<int64_t>{1, 3, 0});
+  CHECK(DistributedSampler(2, 5, 4, {.shuffle = false}).global_indices(0) ==
+        std::vector<int64_t>{0, 1, 0, 1, 0});
+  CHECK(DistributedSampler(7, 3, 2, {.shuffle = false, .drop_last = true}).indices(0) ==
+        std::vector<int64_t>{2, 5});
+
+  DistributedSampler a(100, 4, 1, {.seed = 1});
+  CHECK(a.indices(0) != a.indices(1));
+  CHECK(a.global_indices(0) != a.global_indices(1));
+  CHECK(a.indices(0) != DistributedSampler(100, 4, 1, {.seed = 2}).indices(0));
+  // Every rank draws the same epoch permutation.
+  CHECK(a.global_indices(4) == DistributedSampler(100, 4, 3, {.seed = 1}).global_indices(4));
+
+  CHECK_THROWS_AS(DistributedSampler(10, 0, 0), Error);
+  CHECK_THROWS_AS(DistributedSampler(10, 2, 2), Error);
+  CHECK_THROWS_AS(DistributedSampler(10, 2, -1), Error);
+  CHECK_THROWS_AS(DistributedSampler(1, 2, 0, {.drop_last = true}), Error);
+}
+
+TEST_CASE("DataLoader with a DistributedSampler loads exactly the rank's shard") {
+  const int64_t n = 11;
+  std::vector<uint8_t> px(size_t(n * 4));
+  std::vector<int64_t> labels(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = i;
+  TensorDataset ds(from_vector(px, {n, 2, 2}, DType::u8), from_vector(labels, {n}, DType::i64));
+  for (int workers : {0, 2}) {
+    auto sampler =
+        std::make_shared<DistributedSampler>(n, 3, 1, DistributedSamplerOptions{.seed = 9});
+    LoaderOptions opts;
+    opts.batch_size = 3;
+    opts.sampler = sampler;
+    opts.workers = workers;
+    DataLoader loader(ds, opts);
+    CHECK(loader.num_batches() == 2);  // 4 samples per rank -> batches of 3 and 1
+    std::vector<int64_t> got;
+    for (Batch& b : loader.epoch(2))
+      for (int64_t v : b.y.to_vector<int64_t>()) got.push_back(v);
+    CHECK(got == sampler->indices(2));
+    CHECK(loader.order(2) == sampler->indices(2));
+  }
+  LoaderOptions bad;
+  bad.sampler = std::make_shared<DistributedSampler>(n, 2, 0);
+  bad.shuffle = true;
+  CHECK(contains(error_of([&] { DataLoader(ds, bad); }), "shuffle"));
+  // A sampler for a larger dataset hands out indices the loader refuses.
+  LoaderOptions big;
+  big.sampler = std::make_shared<DistributedSampler>(n + 40, 1, 0);
+  DataLoader loader(ds, big);
+  CHECK(contains(error_of([&] { loader.epoch(0); }), "out of range"));
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_CASE("Rendezvous: broadcast, all_gather and barrier across 3 local processes") {
+  LaunchResult r = launch_functions(
+      [](const DistEnv& env) {
+        Rendezvous rv(env, {.timeout = milliseconds(10000)});
+        int bad = expect(rv.rank() == env.rank && rv.world_size() == 3, "rank/world");
+        Rendezvous::Blob mine(40, uint8_t(env.rank + 1));  // only rank 0's counts
+        Rendezvous::Blob id = rv.broadcast(mine);
+        bad |= expect(id == Rendezvous::Blob(40, uint8_t(1)), "broadcast blob");
+        // Blobs of different sizes: rank r sends r + 1 bytes of value 10 + r.
+        auto all = rv.all_gather(Rendezvous::Blob(size_t(env.rank + 1), uint8_t(10 + env.rank)));
+        bad |= expect(all.size() == 3, "all_gather size");
+        for (int q = 0; q < 3 && all.size() == 3; ++q)
+          bad |= expect(all[size_t(q)] == Rendezvous::Blob(size_t(q + 1), uint8_t(10 + q)),
+                        "all_gather blob of rank " + std::to_string(q));
+        rv.barrier();
+        bad |= expect(rv.broadcast(Rendezvous::Blob{}).empty(), "empty broadcast");
+        return bad;
+      },
+      {.nproc = 3});
+  INFO(r.message);
+  CHECK(r.ok());
+
+  // A world of one needs no peers.
+  Rendezvous solo("127.0.0.1", 1, 0, 1);
+  CHECK(solo.broadcast({1, 2}) == Rendezvous::Blob{1, 2});
+  CHECK(solo.all_gather({3}) == std::vector<Rendezvous::Blob>{{3}});
+}
+
+TEST_CASE("Rendezvous: a rank that never arrives fails rank 0 in time, naming it") {
+  LaunchResult r = launch_functions(
+      [](const DistEnv& env) {
+        if (env.rank == 2) return 0;  // never joins
+        const auto t0 = Clock::now();
+        const std::string err =
+            error_of([&] { Rendezvous rv(env, {.timeout = milliseconds(1500)}); });
+        const double took = seconds_since(t0);
+        if (env.rank == 0)
+          return expect(contains(err, "waiting for rank(s) 2 of world size 3") &&
+                            contains(err, "arrived: 0, 1") && took < 4.0,
+                        "rank 0: '" + err + "' after " + std::to_string(took) + " s");
+        // Rank 1 joined; it learns of the failure when rank 0 gives up.
+        return expect(contains(err, "rank 0 closed the connection") && took < 4.0,
+                      "rank 1: '" + err + "'");
+      },
+      {.nproc = 3});
+  INFO(r.message);
+  CHECK(r.ok());
+}
+
+TEST_CASE("Rendezvous: an unreachable rank 0 fails in time, naming the address") {
+  const int port = find_free_port();  // nobody listens there
+  const auto t0 = Clock::now();
+  const std::string err =
+      error_of([&] { Rendezvous rv("127.0.0.1", port, 1, 2, {.timeout = milliseconds(400)}); });
+  CHECK(seconds_since(t0) < 3.0);
+  CHECK(contains(err, "could not reach rank 0 at 127.0.0.1:" + std::to_string(port)));
+  CHECK(contains(error_of([] { Rendezvous("no-such-host.invalid", 1234, 1, 2); }),
+                 "no-such-host.invalid"));
+  CHECK_THROWS_AS(Rendezvous("127.0.0.1", 1234, 2, 2), Error);
+  CHECK_THROWS_AS(Rendezvous("127.0.0.1", 0, 1, 2), Error);
+}
+
+TEST_CASE("Rendezvous: ranks in different collectives are told so") {
+  LaunchResult r = launch_functions(
+      [](const DistEnv& env) {
+        Rendezvous rv(env, {.timeout = milliseconds(3000)});
+        if (env.rank == 0) {
+          rv.broadcast({1});
+          // Stay until rank 1 has sent its all_gather message (its send would fail otherwise).
+          error_of([&] { rv.all_gather({}); });
+          return 0;
+        }
+        const std::string err = error_of([&] { rv.all_gather({2}); });
+        return expect(contains(err, "rank 1 is in all_gather but rank 0 is in broadcast"),
+                      "rank 1: '" + err + "'");
+      },
+      {.nproc = 2});
+  INFO(r.message);
+  CHECK(r.ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_CASE("launcher: children see torchrun's variables; a failure stops the others") {
+  ::unsetenv("NCCL_NVLS_ENABLE");
+  LaunchResult ok = launch_processes(
+      {"/bin/sh", "-c",
+       "test \"$RANK\" = \"$LOCAL_RANK\" && test \"$WORLD_SIZE\" = 3 && test \"$RANK\" -lt 3 && "
+       "test \"$MASTER_ADDR\" = 127.0.0.1 && test \"$MASTER_PORT\" -gt 0 && "
+       "test \"$NCCL_NVLS_ENABLE\" = 0"},
+      {.nproc = 3});
+  INFO(ok.message);
+  CHECK(ok.ok());
+  CHECK(ok.failed_rank == -1);
+
+  // Rank 1 fails at once; the others would sleep for a minute but are terminated.
+  const auto t0 = Clock::now();
+  LaunchResult bad = launch_processes(
+      {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60"}, {.nproc = 3});
+  CHECK(seconds_since(t0) < 10.0);
+  CHECK(bad.exit_code == 3);
+  CHECK(bad.failed_rank == 1);
+  CHECK(contains(bad.message, "rank 1 exited with code 3"));
+
+  LaunchResult sig = launch_processes({"/bin/sh", "-c", "kill -SEGV $$"}, {.nproc = 1});
+  CHECK(sig.exit_code == 128 + 11);
+  CHECK(contains(sig.message, "signal 11"));
+
+  LaunchResult missing = launch_processes({"/nonexistent/kiln-train"}, {.nproc = 2});
+  CHECK(missing.exit_code == 127);
+
+  LaunchResult thrown = launch_functions(
+      [](const DistEnv& env) -> int {
+        KILN_CHECK(env.rank != 1, "rank 1 gives up");
+        return 0;
+      },
+      {.nproc = 2});
+  CHECK(thrown.exit_code == 1);
+  CHECK(thrown.failed_rank == 1);
+  CHECK_THROWS_AS(launch_processes({"/bin/true"}, {.nproc = 0}), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The hook GradBucketer uses to launch a bucket's all-reduce as soon as its gradients are done.
+TEST_CASE("post-accumulate-grad hooks run after each accumulation, in order, and detach") {
+  Tensor w = tensor({1.0, 2.0}).set_requires_grad(true);
+  Tensor unused = tensor({3.0}).set_requires_grad(true);
+  std::vector<std::string> calls;
+  const uint64_t a = autograd::add_post_accumulate_grad_hook(w, [&](const Tensor& leaf) {
+    CHECK(leaf.is_same(w));
+    CHECK(!GradMode::is_enabled());
+    calls.push_back("a:" + std::to_string(leaf.grad().to_vector<double>()[0]));
+  });
+  autograd::add_post_accumulate_grad_hook(w, [&](const Tensor&) { calls.push_back("b"); });
+  autograd::add_post_accumulate_grad_hook(unused, [&](const Tensor&) { calls.push_back("u"); });
+  F::sum(w * 3.0).backward();
+  CHECK(calls == std::vector<std::string>{"a:3.000000", "b"});
+  F::sum(w * 2.0).backward();  // `+=`: the hook sees the accumulated gradient
+  CHECK(calls == std::vector<std::string>{"a:3.000000", "b", "a:5.000000", "b"});
+  autograd::remove_post_accumulate_grad_hook(w, a);
+  calls.clear();
+  F::sum(w * 1.0).backward();
+  CHECK(calls == std::vector<std::string>{"b"});
+  CHECK_THROWS_AS(autograd::add_post_accumulate_grad_hook(w * 2.0, [](const Tensor&) {}), Error);
+}
