@@ -133,20 +133,29 @@ BatchNorm2d::BatchNorm2d(int64_t channels, double eps, double momentum)
   num_batches_tracked_ = register_buffer("num_batches_tracked", zeros({}, DType::i64));
 }
 
-Tensor BatchNorm2d::forward(const Tensor& x) {
+void BatchNorm2d::check_and_count(const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.size(1) == channels_, "BatchNorm2d(", channels_,
              "): expected input (N, ", channels_, ", H, W), got ", x.desc());
-  if (is_training()) {
-    NoGradGuard no_grad;
-    if (num_batches_tracked_.is_cpu()) {
-      ++*num_batches_tracked_.data<int64_t>();
-      num_batches_tracked_.bump_version();
-    } else {  // stays on the device: no host synchronisation
-      num_batches_tracked_.copy_(F::add(num_batches_tracked_.to(DType::f64), 1.0));
-    }
+  if (!is_training()) return;
+  NoGradGuard no_grad;
+  if (num_batches_tracked_.is_cpu()) {
+    ++*num_batches_tracked_.data<int64_t>();
+    num_batches_tracked_.bump_version();
+  } else {  // stays on the device: no host synchronisation
+    num_batches_tracked_.copy_(F::add(num_batches_tracked_.to(DType::f64), 1.0));
   }
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  check_and_count(x);
   return F::batch_norm(x, weight_, bias_, running_mean_, running_var_, is_training(), momentum_,
                        eps_);
+}
+
+Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
+  check_and_count(x);
+  return F::batch_norm_relu(x, residual, weight_, bias_, running_mean_, running_var_,
+                            is_training(), momentum_, eps_);
 }
 
 std::string BatchNorm2d::describe() const {

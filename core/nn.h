@@ -62,6 +62,9 @@ class BatchNorm2d : public Module {
  public:
   explicit BatchNorm2d(int64_t channels, double eps = 1e-5, double momentum = 0.1);
   Tensor forward(const Tensor& x) override;
+  // relu(bn(x) + residual), residual optional: F::batch_norm_relu with this module's state
+  // (fused on the GPU). Counts a batch like forward().
+  Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string describe() const override;
   const Tensor& weight() const { return weight_; }
@@ -71,6 +74,8 @@ class BatchNorm2d : public Module {
   const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
+  void check_and_count(const Tensor& x);
+
   int64_t channels_;
   double eps_, momentum_;
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;

@@ -31,11 +31,12 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
   if (downsample) downsample_ = register_module("downsample", std::move(downsample));
 }
 
+// relu(bn(conv(x))) and relu(bn(conv(out)) + identity) go through BatchNorm2d::forward_relu:
+// one fused kernel each on the GPU (the module `relu` stays registered for torchvision's names).
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = relu_->forward(bn1_->forward(conv1_->forward(x)));
-  out = bn2_->forward(conv2_->forward(out));
+  Tensor out = bn1_->forward_relu(conv1_->forward(x));
   Tensor identity = downsample_ ? downsample_->forward(x) : x;
-  return F::relu(F::add(out, identity));
+  return bn2_->forward_relu(conv2_->forward(out), identity);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
@@ -51,11 +52,10 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = relu_->forward(bn1_->forward(conv1_->forward(x)));
-  out = relu_->forward(bn2_->forward(conv2_->forward(out)));
-  out = bn3_->forward(conv3_->forward(out));
+  Tensor out = bn1_->forward_relu(conv1_->forward(x));
+  out = bn2_->forward_relu(conv2_->forward(out));
   Tensor identity = downsample_ ? downsample_->forward(x) : x;
-  return F::relu(F::add(out, identity));
+  return bn3_->forward_relu(conv3_->forward(out), identity);
 }
 
 // ---------------- ResNet ----------------
@@ -126,7 +126,7 @@ std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t block
 Tensor ResNet::forward(const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.size(1) == opts_.in_channels, "ResNet: expected input (N, ",
              opts_.in_channels, ", H, W), got ", x.desc());
-  Tensor y = relu_->forward(bn1_->forward(conv1_->forward(x)));
+  Tensor y = bn1_->forward_relu(conv1_->forward(x));
   if (maxpool_) y = maxpool_->forward(y);
   for (const auto& layer : layers_) y = layer->forward(y);
   y = flatten_->forward(avgpool_->forward(y));

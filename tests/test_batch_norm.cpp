@@ -222,3 +222,31 @@ TEST_CASE("batch_norm errors") {
   Tensor rg = zeros({3}, TensorOptions(DType::f64).with_requires_grad());
   CHECK_THROWS_AS(F::batch_norm(x, Tensor(), Tensor(), rg, rv, true), Error);
 }
+
+TEST_CASE("batch_norm_relu is relu(batch_norm(x) + residual), differentiable in every input") {
+  using kiln::testing::gradcheck;
+  using kiln::testing::leaf;
+  for (bool with_residual : {false, true}) {
+    CAPTURE(with_residual);
+    Tensor x = leaf({3, 4, 3, 2}, -2, 2), z = leaf({3, 4, 3, 2}, -1, 1);
+    Tensor w = leaf({4}, 0.5, 1.5), b = leaf({4}, -0.3, 0.3);
+    Tensor rm = zeros({4}, DType::f64), rv = ones({4}, DType::f64);
+    Tensor rm2 = zeros({4}, DType::f64), rv2 = ones({4}, DType::f64);
+    Tensor residual = with_residual ? z : Tensor();
+    Tensor got = F::batch_norm_relu(x, residual, w, b, rm, rv, true, 0.1, 1e-5);
+    Tensor want = F::batch_norm(x, w, b, rm2, rv2, true, 0.1, 1e-5);
+    if (with_residual) want = F::add(want, z);
+    want = F::relu(want);
+    KILN_CHECK_OK(kiln::testing::compare(got, want, 0, 0));
+    KILN_CHECK_OK(kiln::testing::compare(rm, rm2, 0, 0));
+    KILN_CHECK_OK(kiln::testing::compare(rv, rv2, 0, 0));
+    std::vector<Tensor> inputs = {x, w, b};
+    if (with_residual) inputs.push_back(z);
+    KILN_CHECK_OK(gradcheck(
+        [&](const std::vector<Tensor>& in) {
+          Tensor r = in.size() > 3 ? in[3] : Tensor();
+          return F::batch_norm_relu(in[0], r, in[1], in[2], Tensor(), Tensor(), true);
+        },
+        inputs));
+  }
+}

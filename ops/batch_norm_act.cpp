@@ -1,0 +1,124 @@
+// relu(batch_norm(x) [+ residual]): the tail of every ResNet block. On CUDA, in training, with
+// f16 channels-last data and f32 parameters, it is one cuDNN fused kernel each way
+// (CUDNN_BATCHNORM_OPS_BN_ACTIVATION / _ADD_ACTIVATION), saving the separate add and ReLU
+// passes over the activation and their saved tensors. Elsewhere it is the composition of
+// F::batch_norm, F::add and F::relu, which defines the result.
+#include <cstdlib>
+#include <cstring>
+
+#include "ops/backend.h"
+#include "ops/ops.h"
+
+namespace kiln::F {
+namespace {
+
+#ifdef KILN_WITH_CUDA
+// KILN_FUSED_BN=0 turns the fused path off (for A/B measurements and bisecting).
+bool fused_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KILN_FUSED_BN");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+             const Tensor& running_mean, const Tensor& running_var, bool training) {
+  auto nhwc_f16 = [&](const Tensor& t) {
+    return t.is_cuda() && t.dtype() == DType::f16 && t.dim() == 4 &&
+           t.is_contiguous(MemoryFormat::ChannelsLast);
+  };
+  auto param = [&](const Tensor& p) {
+    return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
+           p.size(0) == x.size(1) && p.is_contiguous();
+  };
+  if (!training || !fused_enabled() || !nhwc_f16(x)) return false;
+  if (residual.defined() && !(nhwc_f16(residual) && residual.shape() == x.shape() &&
+                              residual.device() == x.device()))
+    return false;
+  return param(weight) && param(bias) && param(running_mean) && param(running_var);
+}
+
+class BatchNormActBackward final : public Node {
+ public:
+  BatchNormActBackward(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                       const Tensor& save_mean, const Tensor& save_invstd, const Tensor& reserve,
+                       bool add, double eps)
+      : x_(x), y_(y), weight_(weight), bias_(bias), save_mean_(save_mean),
+        save_invstd_(save_invstd), reserve_(reserve), add_(add), eps_(eps) {}
+  std::string name() const override {
+    return add_ ? "BatchNormAddReluBackward" : "BatchNormReluBackward";
+  }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &y_, &weight_, &bias_, &save_mean_, &save_invstd_, &reserve_})
+      s->release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor x = x_.get(*this), y = y_.get(*this), w = weight_.get(*this), b = bias_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    Tensor dx = empty_like(x);
+    Tensor dz = add_ ? empty_like(x) : Tensor();
+    Tensor dw = empty_like(w), db = empty_like(b);  // cuDNN always computes both
+    if (add_)
+      cuda::batch_norm_add_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
+                                         save_invstd_.get(*this), reserve_.get(*this), eps_);
+    else
+      cuda::batch_norm_relu_backward(dx, dw, db, dy, x, y, w, b, save_mean_.get(*this),
+                                     save_invstd_.get(*this), reserve_.get(*this), eps_);
+    return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
+            needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
+  }
+
+ private:
+  SavedTensor x_, y_, weight_, bias_, save_mean_, save_invstd_, reserve_;
+  bool add_;
+  double eps_;
+};
+#endif
+
+}  // namespace
+
+Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                       const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
+                       bool training, double momentum, double eps) {
+  check_defined(x, "batch_norm_relu", "x");
+#ifdef KILN_WITH_CUDA
+  if (fusable(x, residual, weight, bias, running_mean, running_var, training)) {
+    KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : "batch_norm_relu", x);
+    autograd::check_inplace(running_mean, "batch_norm_relu (running_mean update)");
+    autograd::check_inplace(running_var, "batch_norm_relu (running_var update)");
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor y = empty_like(x);
+    Tensor save_mean = empty({x.size(1)}, f32), save_invstd = empty({x.size(1)}, f32);
+    Tensor reserve;
+    {
+      NoGradGuard no_grad;  // running statistics change in place, outside the graph
+      running_mean.bump_version();
+      running_var.bump_version();
+      reserve = residual.defined()
+                    ? cuda::batch_norm_add_relu_forward_training(
+                          y, save_mean, save_invstd, x, residual, weight, bias, running_mean,
+                          running_var, momentum, eps)
+                    : cuda::batch_norm_relu_forward_training(y, save_mean, save_invstd, x, weight,
+                                                             bias, running_mean, running_var,
+                                                             momentum, eps);
+    }
+    if (autograd::any_requires_grad({x, residual, weight, bias})) {
+      auto node = std::make_shared<BatchNormActBackward>(x, y, weight, bias, save_mean,
+                                                         save_invstd, reserve,
+                                                         residual.defined(), eps);
+      node->set_inputs({x, residual, weight, bias});
+      autograd::set_history(y, node);
+    }
+    return y;
+  }
+#endif
+  Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
+  if (residual.defined()) y = add(y, residual);
+  return relu(y);
+}
+
+}  // namespace kiln::F
