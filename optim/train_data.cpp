@@ -18,15 +18,18 @@ namespace fs = std::filesystem;
 DataKind detect_data(const std::string& data) {
   if (data == "fashion-mnist") return DataKind::FashionMnist;
   std::error_code ec;
-  KILN_CHECK(fs::is_directory(data, ec), "--data '", data, "': no such folder (expected "
+  KILN_CHECK(fs::is_directory(data, ec), "--data '", data,
+             "': no such folder (expected "
              "'fashion-mnist', a folder of MNIST-style IDX files, or an ImageFolder root "
              "holding train/ and val/)");
-  if (fs::is_directory(fs::path(data) / "train", ec) && fs::is_directory(fs::path(data) / "val", ec))
+  if (fs::is_directory(fs::path(data) / "train", ec) &&
+      fs::is_directory(fs::path(data) / "val", ec))
     return DataKind::ImageFolder;
   for (const char* n : {"train-images-idx3-ubyte", "train-images-idx3-ubyte.gz",
                         "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"})
     if (fs::is_regular_file(fs::path(data) / n, ec)) return DataKind::Idx;
-  KILN_FAIL("--data '", data, "': not a dataset folder: expected MNIST-style IDX files "
+  KILN_FAIL("--data '", data,
+            "': not a dataset folder: expected MNIST-style IDX files "
             "(train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-...) or an "
             "ImageFolder root with train/ and val/ sub-folders of class folders");
 }
@@ -98,9 +101,11 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     lo.shuffle = false;
     lo.drop_last = false;
     img_test_ = std::make_unique<data::ImageLoader>(std::move(val), lo);
-    KILN_CHECK(img_train_->num_batches() > 0, "--data '", o.data, "': ",
-               img_train_->samples_per_epoch(), " training images per process, fewer than one "
-               "batch of ", o.batch_size);
+    KILN_CHECK(img_train_->num_batches() > 0, "--data '", o.data,
+               "': ", img_train_->samples_per_epoch(),
+               " training images per process, fewer than one "
+               "batch of ",
+               o.batch_size);
     return;
   }
   const bool fmnist = kind_ == DataKind::FashionMnist;
@@ -148,11 +153,13 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     eo.sampler = std::make_shared<data::DistributedSampler>(
         test_size_, o.world_size, o.rank, data::DistributedSamplerOptions{false, o.seed, false});
   }
-  idx_train_ = std::make_unique<data::DataLoader>(
-      data::TensorDataset(train.images, train.labels), lo);
+  idx_train_ =
+      std::make_unique<data::DataLoader>(data::TensorDataset(train.images, train.labels), lo);
   idx_test_ = std::make_unique<data::DataLoader>(data::TensorDataset(test.images, test.labels), eo);
-  KILN_CHECK(idx_train_->num_batches() > 0, "--data '", o.data, "': fewer training images per "
-             "process than one batch of ", o.batch_size);
+  KILN_CHECK(idx_train_->num_batches() > 0, "--data '", o.data,
+             "': fewer training images per "
+             "process than one batch of ",
+             o.batch_size);
 }
 
 TrainData::~TrainData() = default;
@@ -162,16 +169,20 @@ int64_t TrainData::steps_per_epoch() const {
 }
 
 std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
-  if (idx_train_) return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
+  if (idx_train_)
+    return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
-                       ? DType::f16 : DType::f32;
+                       ? DType::f16
+                       : DType::f32;
   return std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, dt);
 }
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {
-  if (idx_test_) return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
+  if (idx_test_)
+    return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
-                       ? DType::f16 : DType::f32;
+                       ? DType::f16
+                       : DType::f32;
   return std::make_unique<ImageStream>(img_test_->epoch(0), opts_.device, dt);
 }
 

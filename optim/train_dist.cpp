@@ -24,7 +24,11 @@ class BucketedStep final : public StepRunner {
  public:
   BucketedStep(cuda::Communicator& comm, nn::Module& model, optim::FusedOptimizer& opt,
                optim::DynamicLossScaler& scaler, double label_smoothing)
-      : comm_(comm), model_(model), opt_(opt), scaler_(scaler), label_smoothing_(label_smoothing),
+      : comm_(comm),
+        model_(model),
+        opt_(opt),
+        scaler_(scaler),
+        label_smoothing_(label_smoothing),
         buckets_(comm, model.parameters()) {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
     loss_sum_ = zeros({}, f32);
@@ -66,7 +70,8 @@ class BucketedStep final : public StepRunner {
 
 }  // namespace
 
-DataParallel::DataParallel(const DistEnv& env, nn::Module& model) : impl_(std::make_unique<Impl>()) {
+DataParallel::DataParallel(const DistEnv& env, nn::Module& model)
+    : impl_(std::make_unique<Impl>()) {
   impl_->device = Device::cuda(env.local_rank);
   impl_->rv = std::make_unique<Rendezvous>(env);
   impl_->comm = std::make_unique<cuda::Communicator>(*impl_->rv, env.local_rank);
@@ -103,7 +108,8 @@ bool data_parallel_available() { return false; }
 struct DataParallel::Impl {};
 
 DataParallel::DataParallel(const DistEnv& env, nn::Module&) {
-  KILN_FAIL("WORLD_SIZE=", env.world_size, ": data-parallel training needs a kiln built with "
+  KILN_FAIL("WORLD_SIZE=", env.world_size,
+            ": data-parallel training needs a kiln built with "
             "CUDA and NCCL");
 }
 

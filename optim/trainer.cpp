@@ -12,11 +12,11 @@
 #include "core/dist_env.h"
 #include "core/launcher.h"
 #include "cuda/profiler.h"
-#include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/schedule.h"
-#include "optim/train_dist.h"
 #include "optim/train_data.h"
+#include "optim/train_dist.h"
+#include "optim/train_parts.h"
 #include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/graph.h"
@@ -31,102 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-Device pick_device(const std::string& s, const DistEnv& env) {
-#ifdef KILN_WITH_CUDA
-  if (env.distributed()) {
-    KILN_CHECK(s == "auto" || s == "cuda", "--device ", s, ": data-parallel ranks use GPU "
-               "LOCAL_RANK; leave --device at auto");
-    KILN_CHECK(env.local_rank < cuda::device_count(), "LOCAL_RANK ", env.local_rank, " but only ",
-               cuda::device_count(), " CUDA device(s) present");
-    cuda::set_device(env.local_rank);
-    return Device::cuda(env.local_rank);
-  }
-  if (s == "auto") return cuda::device_count() > 0 ? Device::cuda(0) : Device::cpu();
-  Device d = Device::parse(s);
-  if (d.is_cuda())
-    KILN_CHECK(d.index < cuda::device_count(), "--device ", s, ": only ", cuda::device_count(),
-               " CUDA device(s) present");
-  return d;
-#else
-  if (s == "auto") return Device::cpu();
-  Device d = Device::parse(s);
-  KILN_CHECK(d.is_cpu(), "--device ", s, ": this kiln was built without CUDA");
-  return d;
-#endif
-}
-
-// IDX (28x28, 1 channel): small 3x3 stem; ImageFolder: torchvision's stem (but resnet_small).
-std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d) {
-  struct Spec {
-    models::BlockKind kind;
-    std::vector<int64_t> layers;
-  };
-  static const std::map<std::string, Spec> specs = {
-      {"resnet_small", {models::BlockKind::Basic, {1, 1, 1}}},
-      {"resnet18", {models::BlockKind::Basic, {2, 2, 2, 2}}},
-      {"resnet34", {models::BlockKind::Basic, {3, 4, 6, 3}}},
-      {"resnet50", {models::BlockKind::Bottleneck, {3, 4, 6, 3}}},
-      {"resnet101", {models::BlockKind::Bottleneck, {3, 4, 23, 3}}},
-      {"resnet152", {models::BlockKind::Bottleneck, {3, 8, 36, 3}}}};
-  auto it = specs.find(c.arch);
-  if (it == specs.end()) models::make_model(c.arch, 10);  // throws, listing valid names
-  KILN_CHECK(c.width == 0 || c.arch == "resnet_small", "--width applies to resnet_small only");
-  models::ResNetOptions o;
-  o.num_classes = d.num_classes();
-  o.in_channels = d.channels();
-  o.imagenet_stem = d.kind() == DataKind::ImageFolder && c.arch != "resnet_small";
-  o.seed = c.seed;
-  if (c.arch == "resnet_small") o.width = c.width > 0 ? c.width : 32;
-  return std::make_shared<models::ResNet>(it->second.kind, it->second.layers, o);
-}
-
-std::string fmt_time(double s) {
-  char buf[32];
-  const int m = int(s) / 60;
-  std::snprintf(buf, sizeof buf, "%d:%02d", m, int(s) - 60 * m);
-  return buf;
-}
-
-// Σ loss, top-1 and top-5 hits and the sample count over this rank's share of the test set.
-// A sample is a top-k hit when fewer than k logits exceed its label's (ties count as hits).
-std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
-  NoGradGuard ng;
-  model.eval();
-  double loss = 0, top1 = 0, top5 = 0, seen = 0;
-  auto stream = data.test_epoch();
-  while (std::optional<data::DeviceBatch> b = stream->next()) {
-    Tensor logits = model(b->x).to(DType::f32).to(Device::cpu()).contiguous();
-    Tensor y = b->y.to(Device::cpu());
-    const int64_t n = logits.size(0), k = logits.size(1);
-    const float* l = logits.data<float>();
-    const int64_t* t = y.data<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = l + i * k;
-      const float target = row[t[i]];
-      float mx = row[0];
-      int64_t above = 0;
-      for (int64_t j = 0; j < k; ++j) {
-        mx = std::max(mx, row[j]);
-        above += row[j] > target;
-      }
-      double sum = 0;
-      for (int64_t j = 0; j < k; ++j) sum += std::exp(double(row[j]) - mx);
-      loss += std::log(sum) + mx - target;
-      top1 += above < 1;
-      top5 += above < 5;
-    }
-    seen += double(n);
-  }
-  model.train();
-  return {loss, top1, top5, seen};
-}
-
-std::string json_number(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.6g", std::isfinite(v) ? v : 0.0);
-  return buf;
 }
 
 }  // namespace
@@ -171,8 +75,10 @@ Summary run(const Config& c) {
   proto.weight_decay = c.wd;
   auto groups = optim::split_weight_decay(*model, proto);
   std::unique_ptr<optim::FusedOptimizer> opt;
-  if (c.optimizer == "sgd") opt = std::make_unique<optim::FusedSGD>(groups);
-  else opt = std::make_unique<optim::FusedAdamW>(groups);
+  if (c.optimizer == "sgd")
+    opt = std::make_unique<optim::FusedSGD>(groups);
+  else
+    opt = std::make_unique<optim::FusedAdamW>(groups);
   optim::LossScalerOptions so;
   so.enabled = mixed;
   optim::DynamicLossScaler scaler(dev, so);
@@ -198,25 +104,30 @@ Summary run(const Config& c) {
   const int64_t world = env.world_size;
   optim::Warmup warm{int64_t(std::llround(c.warmup_epochs * double(steps_per_epoch))), 0.0};
   std::unique_ptr<optim::LRSchedule> sched;
-  if (c.schedule == "cosine") sched = std::make_unique<optim::CosineLR>(std::max(total, warm.steps + 1), 0.0, warm);
+  if (c.schedule == "cosine")
+    sched = std::make_unique<optim::CosineLR>(std::max(total, warm.steps + 1), 0.0, warm);
   else if (c.schedule == "step")
-    sched = std::make_unique<optim::MultiStepLR>(std::vector<int64_t>{total / 2, total * 3 / 4}, 0.1, warm);
-  else sched = std::make_unique<optim::StepLR>(total + 1, 1.0, warm);
+    sched = std::make_unique<optim::MultiStepLR>(std::vector<int64_t>{total / 2, total * 3 / 4},
+                                                 0.1, warm);
+  else
+    sched = std::make_unique<optim::StepLR>(total + 1, 1.0, warm);
 
   if (talk) {
-    std::printf("kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
-                "parameters, %s%s\n",
-                c.arch.c_str(), data.description().c_str(), long(data.train_size()),
-                long(data.test_size()), long(data.num_classes()), dev.str().c_str(),
-                world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
-                long(model->num_parameters()), mixed ? "mixed precision (fp16/fp32 masters)" : "fp32",
-                use_graph ? ", whole-step CUDA graph" : "");
-    std::printf("  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
-                "schedule%s%s\n",
-                long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "",
-                c.optimizer.c_str(), c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
-                c.augment ? ", crop+flip augmentation" : "",
-                start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
+    std::printf(
+        "kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
+        "parameters, %s%s\n",
+        c.arch.c_str(), data.description().c_str(), long(data.train_size()), long(data.test_size()),
+        long(data.num_classes()), dev.str().c_str(),
+        world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
+        long(model->num_parameters()), mixed ? "mixed precision (fp16/fp32 masters)" : "fp32",
+        use_graph ? ", whole-step CUDA graph" : "");
+    std::printf(
+        "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
+        "schedule%s%s\n",
+        long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "", c.optimizer.c_str(),
+        c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
+        c.augment ? ", crop+flip augmentation" : "",
+        start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
     std::fflush(stdout);
   }
 
@@ -255,8 +166,10 @@ Summary run(const Config& c) {
   const Tensor& loss_sum = dp_step ? dp_step->loss_sum() : plain_step.loss_sum();
   const Tensor& correct_sum = dp_step ? dp_step->correct_sum() : plain_step.correct_sum();
   std::function<void()> step_fn = [&] {
-    if (dp_step) dp_step->run(x_static, y_static);
-    else plain_step.run(x_static, y_static);
+    if (dp_step)
+      dp_step->run(x_static, y_static);
+    else
+      plain_step.run(x_static, y_static);
   };
 #ifdef KILN_WITH_CUDA
   std::unique_ptr<cuda::GraphStep> graph;
@@ -270,8 +183,10 @@ Summary run(const Config& c) {
   for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
     model->train();
     const auto epoch_start = Clock::now();
-    if (dp_step) dp_step->reset_metrics();
-    else plain_step.reset_metrics();
+    if (dp_step)
+      dp_step->reset_metrics();
+    else
+      plain_step.reset_metrics();
     int64_t seen = 0, window_images = 0;
     auto window_start = Clock::now();
     auto stream = data.train_epoch(epoch);
@@ -298,13 +213,13 @@ Summary run(const Config& c) {
         metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
         std::vector<double> m = metrics.values();
         const double eta = seconds_since(start) / double(step - first_step) * double(total - step);
-        std::printf("epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
-                    "ETA %s\n",
-                    long(epoch + 1), long(c.epochs), long(i), long(steps_per_epoch),
-                    m[0] / double(seen), 100.0 * m[1] / double(seen), opt->param_groups[0].lr,
-                    mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
-                    double(window_images * world) / seconds_since(window_start),
-                    fmt_time(eta).c_str());
+        std::printf(
+            "epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
+            "ETA %s\n",
+            long(epoch + 1), long(c.epochs), long(i), long(steps_per_epoch), m[0] / double(seen),
+            100.0 * m[1] / double(seen), opt->param_groups[0].lr,
+            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+            double(window_images * world) / seconds_since(window_start), fmt_time(eta).c_str());
         std::fflush(stdout);
         window_images = 0;
         window_start = Clock::now();
@@ -323,10 +238,11 @@ Summary run(const Config& c) {
     sum.epochs_done = epoch + 1;
     const double train_loss = m[0] / m[2], train_top1 = m[1] / m[2], ips = m[2] / epoch_s;
     if (talk) {
-      std::printf("epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss "
-                  "%.4f top-1 %.2f%% top-5 %.2f%%\n",
-                  long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips, train_loss,
-                  100.0 * train_top1, sum.test_loss, 100.0 * sum.test_top1, 100.0 * sum.test_top5);
+      std::printf(
+          "epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss "
+          "%.4f top-1 %.2f%% top-5 %.2f%%\n",
+          long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips, train_loss,
+          100.0 * train_top1, sum.test_loss, 100.0 * sum.test_top1, 100.0 * sum.test_top5);
       std::fflush(stdout);
     }
     if (lead) {
@@ -340,13 +256,15 @@ Summary run(const Config& c) {
       save_checkpoint((out / "checkpoint.safetensors").string(), st);
       std::FILE* f = std::fopen((out / "log.jsonl").c_str(), "a");
       KILN_CHECK(f != nullptr, "cannot append to '", (out / "log.jsonl").string(), "'");
-      std::fprintf(f, "{\"epoch\": %ld, \"train_loss\": %s, \"train_top1\": %s, \"test_loss\": %s, "
+      std::fprintf(f,
+                   "{\"epoch\": %ld, \"train_loss\": %s, \"train_top1\": %s, \"test_loss\": %s, "
                    "\"test_top1\": %s, \"test_top5\": %s, \"images_per_s\": %s, \"seconds\": %s, "
                    "\"lr\": %s}\n",
-                   long(epoch + 1), json_number(train_loss).c_str(), json_number(train_top1).c_str(),
-                   json_number(sum.test_loss).c_str(), json_number(sum.test_top1).c_str(),
-                   json_number(sum.test_top5).c_str(), json_number(ips).c_str(),
-                   json_number(epoch_s).c_str(), json_number(opt->param_groups[0].lr).c_str());
+                   long(epoch + 1), json_number(train_loss).c_str(),
+                   json_number(train_top1).c_str(), json_number(sum.test_loss).c_str(),
+                   json_number(sum.test_top1).c_str(), json_number(sum.test_top5).c_str(),
+                   json_number(ips).c_str(), json_number(epoch_s).c_str(),
+                   json_number(opt->param_groups[0].lr).c_str());
       std::fclose(f);
     }
   }
@@ -359,9 +277,10 @@ Summary run(const Config& c) {
     const std::string path = (out / "model.safetensors").string();
     save_weights(path, *model, WeightsDType::Float32, wmeta);
     if (talk)
-      std::printf("final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
-                  100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
-                  fmt_time(seconds_since(start)).c_str(), path.c_str());
+      std::printf(
+          "final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
+          100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
+          fmt_time(seconds_since(start)).c_str(), path.c_str());
   }
   return sum;
 }
@@ -375,7 +294,8 @@ int main(const std::vector<std::string>& args) {
       return 0;
     }
     if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
-      KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc, ": data-parallel training "
+      KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc,
+                 ": data-parallel training "
                  "needs a kiln built with CUDA and NCCL");
       std::vector<std::string> argv = {"/proc/self/exe"};
       argv.insert(argv.end(), args.begin(), args.end());

@@ -44,7 +44,7 @@ struct Config {
   double momentum = 0.9;
   double wd = 5e-4;
   double warmup_epochs = 0.1;
-  std::string optimizer = "sgd";   // sgd | adamw
+  std::string optimizer = "sgd";    // sgd | adamw
   std::string schedule = "cosine";  // cosine | step | constant
   double label_smoothing = 0.0;
   bool augment = false;      // IDX data: random crop (padding 4) + flip
@@ -62,7 +62,7 @@ struct Config {
   std::string weights;         // safetensors weights (torchvision names), strict
   bool evaluate = false;       // evaluate only
   int nproc = 1;
-  bool quiet = false;          // no progress lines (tests)
+  bool quiet = false;  // no progress lines (tests)
 };
 
 // Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.

@@ -18,6 +18,7 @@
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
+#include "optim/train_dist.h"
 #include "optim/train_step.h"
 #include "optim/trainer.h"
 
@@ -60,9 +61,17 @@ const std::string& image_folder() {
 
 // A fast job: resnet_small of width 8 on 16x16 crops, batch 32 (9 steps per epoch).
 std::vector<std::string> job(const std::string& out, int64_t epochs) {
-  return {"--data", image_folder(), "--arch", "resnet_small", "--width", "8", "--image-size", "16",
-          "-b", "32", "--epochs", std::to_string(epochs), "--workers", "1", "--device", "cpu",
-          "--lr", "0.05", "--output", out, "--quiet"};
+  return {"--data",       image_folder(),
+          "--arch",       "resnet_small",
+          "--width",      "8",
+          "--image-size", "16",
+          "-b",           "32",
+          "--epochs",     std::to_string(epochs),
+          "--workers",    "1",
+          "--device",     "cpu",
+          "--lr",         "0.05",
+          "--output",     out,
+          "--quiet"};
 }
 
 std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& more) {
@@ -137,8 +146,8 @@ TEST_CASE("kiln-train: ImageFolder of PNGs trains, logs, checkpoints and resumes
   CHECK(st.scaler.count("scale") == 1);
 
   // --evaluate with the final weights reproduces the last evaluation.
-  train::Summary e = train::run(train::parse_args(
-      with(job(out.string(), 1), {"--evaluate", "--weights", (out / "model.safetensors").string()})));
+  train::Summary e = train::run(train::parse_args(with(
+      job(out.string(), 1), {"--evaluate", "--weights", (out / "model.safetensors").string()})));
   CHECK(e.test_top1 == doctest::Approx(s.test_top1));
   CHECK(e.test_loss == doctest::Approx(s.test_loss).epsilon(1e-4));
 
@@ -156,13 +165,13 @@ TEST_CASE("kiln-train: 1 epoch + resume + 1 epoch equals 2 epochs bit for bit") 
   for (const char* optimizer : {"sgd", "adamw"}) {
     INFO(optimizer);
     auto args = [&](const fs::path& out, int64_t epochs) {
-      return with(job(out.string(), epochs), {"--schedule", "constant", "--optimizer", optimizer,
-                                              "--label-smoothing", "0.1"});
+      return with(job(out.string(), epochs),
+                  {"--schedule", "constant", "--optimizer", optimizer, "--label-smoothing", "0.1"});
     };
     train::run(train::parse_args(args(a, 2)));
     train::run(train::parse_args(args(b, 1)));
-    train::run(train::parse_args(
-        with(args(b, 2), {"--resume", (b / "checkpoint.safetensors").string()})));
+    train::run(
+        train::parse_args(with(args(b, 2), {"--resume", (b / "checkpoint.safetensors").string()})));
     check_same_bits(load_safetensors((a / "model.safetensors").string()),
                     load_safetensors((b / "model.safetensors").string()));
     check_same_bits(load_safetensors((a / "checkpoint.safetensors").string()),
@@ -185,6 +194,7 @@ TEST_CASE("kiln-train: bad flags and data fail with kiln::Error / exit code 1") 
   CHECK(c.batch_size == 7);
 
   CHECK(train::main({"--bogus"}) == 1);
+  if (!train::data_parallel_available()) CHECK(train::main({"--nproc", "2"}) == 1);
   const std::string out = (tmp().dir / "bad").string();
   CHECK(train::main({"--data", (tmp().dir / "missing").string(), "--output", out}) == 1);
   fs::create_directories(tmp().dir / "empty");
@@ -195,9 +205,9 @@ TEST_CASE("kiln-train: bad flags and data fail with kiln::Error / exit code 1") 
   CHECK_THROWS_AS(train::run(train::parse_args(
                       with(job(out, 1), {"--resume", (tmp().dir / "none.safetensors").string()}))),
                   Error);
-  CHECK_THROWS_AS(train::run(train::parse_args(with(job(out, 1), {"--width", "8", "--arch",
-                                                                  "resnet18"}))),
-                  Error);
+  CHECK_THROWS_AS(
+      train::run(train::parse_args(with(job(out, 1), {"--width", "8", "--arch", "resnet18"}))),
+      Error);
 }
 
 namespace {
@@ -223,8 +233,10 @@ struct Rig {
     proto.momentum = 0.9;
     proto.weight_decay = 1e-3;
     auto groups = optim::split_weight_decay(*model, proto);
-    if (adamw) opt = std::make_unique<optim::FusedAdamW>(groups);
-    else opt = std::make_unique<optim::FusedSGD>(groups);
+    if (adamw)
+      opt = std::make_unique<optim::FusedAdamW>(groups);
+    else
+      opt = std::make_unique<optim::FusedSGD>(groups);
     optim::LossScalerOptions so;
     so.init_scale = 4.0;
     so.growth_interval = 2;
