@@ -158,6 +158,45 @@ Tensor FusedOptimizer::state(size_t arena, size_t i) const {
                      DType::f32);
 }
 
+std::map<std::string, Tensor> FusedOptimizer::state_dict() const {
+  std::map<std::string, Tensor> out;
+  for (size_t g = 0; g < param_groups.size(); ++g)
+    out["group." + std::to_string(g) + ".lr"] = full({}, param_groups[g].lr, DType::f64);
+  out["step"] = step_count_;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const std::string prefix = "state." + std::to_string(i) + ".";
+    out[prefix + "master"] = master(i);
+    for (int k = 0; k < num_state_; ++k) out[prefix + state_key(k)] = state(size_t(k), i);
+  }
+  return out;
+}
+
+// The arenas are live: a partial load could not be undone, so everything is checked first.
+void FusedOptimizer::load_state_dict(const std::map<std::string, Tensor>& dict) {
+  NoGradGuard no_grad;
+  const std::map<std::string, Tensor> live = state_dict();
+  for (const auto& [key, t] : dict)
+    KILN_CHECK(live.count(key), name(), "::load_state_dict: unexpected key '", key, "'");
+  for (const auto& [key, dst] : live) {
+    auto it = dict.find(key);
+    KILN_CHECK(it != dict.end(), name(), "::load_state_dict: missing key '", key, "'");
+    const Tensor& src = it->second;
+    KILN_CHECK(src.defined() && (dst.dim() <= 1 ? src.numel() == dst.numel()
+                                                : src.shape() == dst.shape()),
+               name(), "::load_state_dict: '", key, "' is ", src.desc(), " but the optimizer's is ",
+               dst.desc());
+    KILN_CHECK(is_floating(src.dtype()) == is_floating(dst.dtype()), name(),
+               "::load_state_dict: '", key, "' is ", src.desc(), ", expected ", dst.dtype());
+  }
+  for (size_t g = 0; g < param_groups.size(); ++g)
+    param_groups[g].lr = dict.at("group." + std::to_string(g) + ".lr").item();
+  for (const auto& [key, dst] : live) {
+    if (key.rfind("group.", 0) == 0) continue;
+    const Tensor& src = dict.at(key);
+    dst.copy_(dst.dim() <= 1 ? src.reshape(dst.shape()) : src);
+  }
+}
+
 void FusedOptimizer::zero_grad(bool /*set_to_none*/) {
   NoGradGuard no_grad;
   grads_.zero_();

@@ -64,6 +64,15 @@ class FusedOptimizer : public Optimizer {
   // Successful steps taken (i32 scalar, on the device).
   const Tensor& step_count() const { return step_count_; }
 
+  // Checkpointable state (core/checkpoint.h): "group.<g>.lr" (0-d f64), "step" (the i32
+  // counter), and per parameter i "state.<i>.master" (FP32 master) and "state.<i>.<key>" for
+  // each state arena (FusedSGD: momentum_buffer; FusedAdamW: exp_avg, exp_avg_sq). Tensors are
+  // live views of the arenas (no copy). load_state_dict checks every key, shape and element
+  // count before copying anything in (a load that throws changes nothing); every key must be
+  // present and no other key may be.
+  std::map<std::string, Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, Tensor>& dict) override;
+
   // ---- used by DynamicLossScaler and clip_grad_norm_ (optim/amp.h) ----
   // One pass over the gradient arena: *found_inf |= non-finite, per-chunk Σg² kept for the norm.
   void check_grads(const Tensor& found_inf);
@@ -88,6 +97,8 @@ class FusedOptimizer : public Optimizer {
   // Options of group g as the kernels see them.
   virtual fused::GroupOptions group_options(const ParamGroup& g) const = 0;
   virtual int num_state_arenas() const = 0;
+  // The state_dict key of state arena k ("momentum_buffer", "exp_avg", ...).
+  virtual std::string state_key(int arena) const = 0;
   // Builds arenas and tables; called by the derived constructor (it needs the virtuals above).
   void build();
 
@@ -128,6 +139,7 @@ class FusedSGD : public FusedOptimizer {
   void launch(const fused::StepArgs& a) override;
   fused::GroupOptions group_options(const ParamGroup& g) const override;
   int num_state_arenas() const override;
+  std::string state_key(int) const override { return "momentum_buffer"; }
 };
 
 // torch.optim.AdamW's update (optim/adamw.h) over the arenas.
@@ -141,6 +153,7 @@ class FusedAdamW : public FusedOptimizer {
   void launch(const fused::StepArgs& a) override;
   fused::GroupOptions group_options(const ParamGroup& g) const override;
   int num_state_arenas() const override;
+  std::string state_key(int arena) const override { return arena == 0 ? "exp_avg" : "exp_avg_sq"; }
 };
 
 }  // namespace kiln::optim

@@ -60,11 +60,12 @@ class Optimizer {
 
   // Flat, checkpointable view: "state.<i>.<key>" for parameter i (numbered across groups in
   // order, as PyTorch does) and "group.<g>.lr" (0-d f64). Tensors are the live state (no copy).
-  std::map<std::string, Tensor> state_dict() const;
+  // Virtual: fused optimizers (optim/fused.h) keep their state in arenas.
+  virtual std::map<std::string, Tensor> state_dict() const;
   // Restores from state_dict()'s form. Shapes must match; values are copied onto each
   // parameter's device and dtype ("step" becomes a host f64 scalar). Missing keys leave the
   // state empty (a parameter that never had a gradient).
-  void load_state_dict(const std::map<std::string, Tensor>& dict);
+  virtual void load_state_dict(const std::map<std::string, Tensor>& dict);
 
  protected:
   // State of parameter i (numbered as above); created empty on first access.

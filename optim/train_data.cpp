@@ -1,0 +1,189 @@
+#include "optim/train_data.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "data/distributed_sampler.h"
+#include "data/fashion_mnist.h"
+#include "data/image_folder.h"
+#include "data/image_loader.h"
+#include "data/loader.h"
+#include "ops/ops.h"
+
+namespace kiln::train {
+
+namespace fs = std::filesystem;
+
+DataKind detect_data(const std::string& data) {
+  if (data == "fashion-mnist") return DataKind::FashionMnist;
+  std::error_code ec;
+  KILN_CHECK(fs::is_directory(data, ec), "--data '", data,
+             "': no such folder (expected "
+             "'fashion-mnist', a folder of MNIST-style IDX files, or an ImageFolder root "
+             "holding train/ and val/)");
+  if (fs::is_directory(fs::path(data) / "train", ec) &&
+      fs::is_directory(fs::path(data) / "val", ec))
+    return DataKind::ImageFolder;
+  for (const char* n : {"train-images-idx3-ubyte", "train-images-idx3-ubyte.gz",
+                        "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"})
+    if (fs::is_regular_file(fs::path(data) / n, ec)) return DataKind::Idx;
+  KILN_FAIL("--data '", data,
+            "': not a dataset folder: expected MNIST-style IDX files "
+            "(train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-...) or an "
+            "ImageFolder root with train/ and val/ sub-folders of class folders");
+}
+
+namespace {
+
+// CPU batches of an IDX epoch, moved to the device as the model wants them.
+class IdxStream final : public BatchStream {
+ public:
+  IdxStream(data::Epoch ep, Device dev, amp::Precision p)
+      : ep_(std::move(ep)), dev_(dev), precision_(p) {}
+  std::optional<data::DeviceBatch> next() override {
+    std::optional<data::Batch> b = ep_.next();
+    if (!b) return std::nullopt;
+    return data::DeviceBatch{amp::prepare_input(b->x, dev_, precision_), b->y.to(dev_), b->index};
+  }
+
+ private:
+  data::Epoch ep_;
+  Device dev_;
+  amp::Precision precision_;
+};
+
+// Decoded u8 batches, uploaded and normalised by a DeviceFeeder (which points at ep_).
+class ImageStream final : public BatchStream {
+ public:
+  ImageStream(data::ImageEpoch ep, Device dev, DType dtype)
+      : ep_(std::move(ep)), feed_(ep_, dev, dtype) {}
+  std::optional<data::DeviceBatch> next() override { return feed_.next(); }
+
+ private:
+  data::ImageEpoch ep_;
+  data::DeviceFeeder feed_;
+};
+
+// Per-channel statistics of u8 images (N, H, W), as fractions of 255.
+std::pair<float, float> pixel_stats(const Tensor& images) {
+  Tensor x = images.to(DType::f64);
+  const double mean = F::mean(x).item() / 255.0;
+  const double sq = F::mean(F::mul(x, x)).item() / (255.0 * 255.0);
+  return {float(mean), float(std::sqrt(std::max(sq - mean * mean, 1e-12)))};
+}
+
+}  // namespace
+
+TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)) {
+  if (kind_ == DataKind::ImageFolder) {
+    data::ImageFolder train(o.data + "/train"), val(o.data + "/val");
+    KILN_CHECK(train.classes() == val.classes(), "--data '", o.data, "': train/ has ",
+               train.num_classes(), " class folders and val/ ", val.num_classes(),
+               "; both must hold the same class folders");
+    num_classes_ = train.num_classes();
+    channels_ = 3;
+    height_ = width_ = o.image_size;
+    train_size_ = train.size();
+    test_size_ = val.size();
+    description_ = "ImageFolder " + o.data;
+    data::ImageLoaderOptions lo;
+    lo.batch_size = o.batch_size;
+    lo.image_size = o.image_size;
+    lo.resize_size = int64_t(std::llround(double(o.image_size) * 256.0 / 224.0));
+    lo.drop_last = true;
+    lo.seed = o.seed;
+    lo.workers = o.workers;
+    lo.rank = o.rank;
+    lo.world_size = o.world_size;
+    img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
+    lo.augment = data::Augment::Eval;
+    lo.shuffle = false;
+    lo.drop_last = false;
+    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), lo);
+    KILN_CHECK(img_train_->num_batches() > 0, "--data '", o.data,
+               "': ", img_train_->samples_per_epoch(),
+               " training images per process, fewer than one "
+               "batch of ",
+               o.batch_size);
+    return;
+  }
+  const bool fmnist = kind_ == DataKind::FashionMnist;
+  const std::string dir = fmnist ? data::kFashionMnistDir : o.data;
+  auto load = [&](data::Split s) {
+    return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
+  };
+  data::IdxPair train = load(data::Split::Train), test = load(data::Split::Test);
+  num_classes_ = std::max(int64_t(F::max(train.labels.to(DType::f64)).item()), int64_t(9)) + 1;
+  channels_ = 1;
+  height_ = train.images.size(1);
+  width_ = train.images.size(2);
+  train_size_ = train.images.size(0);
+  test_size_ = test.images.size(0);
+  description_ = (fmnist ? "Fashion-MNIST " : "IDX ") + dir;
+
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.seed = o.seed;
+  lo.workers = o.workers;
+  if (fmnist) {  // the training set's pixel mean and std
+    lo.mean = {0.2860f};
+    lo.stddev = {0.3530f};
+  } else {
+    auto [m, s] = pixel_stats(train.images);
+    lo.mean = {m};
+    lo.stddev = {s};
+  }
+  if (o.augment) {
+    lo.crop_padding = 4;
+    lo.horizontal_flip = true;
+  }
+  data::LoaderOptions eo = lo;
+  eo.shuffle = false;
+  eo.drop_last = false;
+  eo.crop_padding = 0;
+  eo.horizontal_flip = false;
+  eo.batch_size = o.eval_batch_size;
+  if (o.world_size > 1) {
+    lo.shuffle = false;
+    lo.sampler = std::make_shared<data::DistributedSampler>(
+        train_size_, o.world_size, o.rank, data::DistributedSamplerOptions{true, o.seed, false});
+    eo.sampler = std::make_shared<data::DistributedSampler>(
+        test_size_, o.world_size, o.rank, data::DistributedSamplerOptions{false, o.seed, false});
+  }
+  idx_train_ =
+      std::make_unique<data::DataLoader>(data::TensorDataset(train.images, train.labels), lo);
+  idx_test_ = std::make_unique<data::DataLoader>(data::TensorDataset(test.images, test.labels), eo);
+  KILN_CHECK(idx_train_->num_batches() > 0, "--data '", o.data,
+             "': fewer training images per "
+             "process than one batch of ",
+             o.batch_size);
+}
+
+TrainData::~TrainData() = default;
+
+int64_t TrainData::steps_per_epoch() const {
+  return idx_train_ ? idx_train_->num_batches() : img_train_->num_batches();
+}
+
+std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
+  if (idx_train_)
+    return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
+  const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
+                       ? DType::f16
+                       : DType::f32;
+  return std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, dt);
+}
+
+std::unique_ptr<BatchStream> TrainData::test_epoch() const {
+  if (idx_test_)
+    return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
+  const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
+                       ? DType::f16
+                       : DType::f32;
+  return std::make_unique<ImageStream>(img_test_->epoch(0), opts_.device, dt);
+}
+
+}  // namespace kiln::train

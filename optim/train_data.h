@@ -1,0 +1,74 @@
+#pragma once
+// kiln-train's data sources (optim/trainer.h): which kind --data names, and each epoch's
+// batches already on the training device in the model's input form (amp::prepare_input's).
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "data/device_batches.h"
+#include "optim/amp.h"
+
+namespace kiln::data {
+class DataLoader;
+class ImageLoader;
+}  // namespace kiln::data
+
+namespace kiln::train {
+
+enum class DataKind { FashionMnist, Idx, ImageFolder };
+
+// "fashion-mnist", a folder with train-images-idx3-ubyte[.gz] (IDX), or a folder with train/
+// and val/ sub-folders (ImageFolder). Anything else throws kiln::Error saying what was expected.
+DataKind detect_data(const std::string& data);
+
+// One epoch's batches: x as the model takes it (on the device, f16 channels-last for Mixed16),
+// y i64 on the device.
+class BatchStream {
+ public:
+  virtual ~BatchStream() = default;
+  virtual std::optional<data::DeviceBatch> next() = 0;
+};
+
+struct DataOptions {
+  std::string data = "fashion-mnist";
+  int64_t batch_size = 128;
+  int64_t eval_batch_size = 1000;  // IDX; ImageFolder evaluates with batch_size
+  int64_t image_size = 224;        // ImageFolder
+  bool augment = false;            // IDX: crop (padding 4) + flip; ImageFolder always augments
+  uint64_t seed = 0;
+  int workers = 2;
+  int64_t rank = 0, world_size = 1;  // shards (DistributedSampler's scheme) when world_size > 1
+  Device device;
+  amp::Precision precision = amp::Precision::FP32;
+};
+
+class TrainData {
+ public:
+  explicit TrainData(const DataOptions& opts);
+  ~TrainData();
+
+  DataKind kind() const { return kind_; }
+  const std::string& description() const { return description_; }
+  int64_t num_classes() const { return num_classes_; }
+  int64_t channels() const { return channels_; }
+  int64_t height() const { return height_; }  // training input size
+  int64_t width() const { return width_; }
+  int64_t train_size() const { return train_size_; }  // whole dataset (all ranks)
+  int64_t test_size() const { return test_size_; }
+  int64_t steps_per_epoch() const;  // this rank's (the last partial batch is dropped)
+
+  std::unique_ptr<BatchStream> train_epoch(int64_t epoch) const;
+  std::unique_ptr<BatchStream> test_epoch() const;  // this rank's shard, in order
+
+ private:
+  DataOptions opts_;
+  DataKind kind_;
+  std::string description_;
+  int64_t num_classes_ = 0, channels_ = 0, height_ = 0, width_ = 0;
+  int64_t train_size_ = 0, test_size_ = 0;
+  std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
+  std::unique_ptr<data::ImageLoader> img_train_, img_test_;
+};
+
+}  // namespace kiln::train

@@ -1,0 +1,127 @@
+#include "optim/train_dist.h"
+
+#include "ops/ops.h"
+#ifdef KILN_WITH_NCCL
+#include "core/rendezvous.h"
+#include "cuda/nccl.h"
+#endif
+
+namespace kiln::train {
+
+#ifdef KILN_WITH_NCCL
+
+bool data_parallel_available() { return true; }
+
+struct DataParallel::Impl {
+  Device device;
+  std::unique_ptr<Rendezvous> rv;
+  std::unique_ptr<cuda::Communicator> comm;
+};
+
+namespace {
+
+class BucketedStep final : public StepRunner {
+ public:
+  BucketedStep(cuda::Communicator& comm, nn::Module& model, optim::FusedOptimizer& opt,
+               optim::DynamicLossScaler& scaler, double label_smoothing)
+      : comm_(comm),
+        model_(model),
+        opt_(opt),
+        scaler_(scaler),
+        label_smoothing_(label_smoothing),
+        buckets_(comm, model.parameters()) {
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
+    loss_sum_ = zeros({}, f32);
+    correct_sum_ = zeros({}, f32);
+  }
+
+  void run(const Tensor& x, const Tensor& y) override {
+    opt_.zero_grad();
+    Tensor logits = model_(x);
+    Tensor loss = F::cross_entropy(logits, y, label_smoothing_);
+    scaler_.scale(loss).backward();  // buckets launch as their gradients complete
+    buckets_.finish();               // .grad = average over ranks
+    if (scaler_.enabled()) {
+      scaler_.unscale_(opt_);
+      comm_.agree_found_inf(scaler_.found_inf());
+    }
+    scaler_.step(opt_);
+    scaler_.update();
+    NoGradGuard no_grad;
+    F::add_(loss_sum_, loss.detach().to(DType::f32), double(y.size(0)));
+    F::add_(correct_sum_, F::sum(F::eq(F::argmax(logits.detach(), 1), y).to(DType::f32)));
+  }
+  const Tensor& loss_sum() const override { return loss_sum_; }
+  const Tensor& correct_sum() const override { return correct_sum_; }
+  void reset_metrics() override {
+    loss_sum_.zero_();
+    correct_sum_.zero_();
+  }
+
+ private:
+  cuda::Communicator& comm_;
+  nn::Module& model_;
+  optim::FusedOptimizer& opt_;
+  optim::DynamicLossScaler& scaler_;
+  double label_smoothing_;
+  cuda::GradBucketer buckets_;
+  Tensor loss_sum_, correct_sum_;
+};
+
+}  // namespace
+
+DataParallel::DataParallel(const DistEnv& env, nn::Module& model)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->device = Device::cuda(env.local_rank);
+  impl_->rv = std::make_unique<Rendezvous>(env);
+  impl_->comm = std::make_unique<cuda::Communicator>(*impl_->rv, env.local_rank);
+  NoGradGuard no_grad;
+  impl_->comm->broadcast(model.state());
+}
+
+DataParallel::~DataParallel() = default;
+
+std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module& model, optim::FusedOptimizer& opt,
+                                                    optim::DynamicLossScaler& scaler,
+                                                    double label_smoothing) {
+  return std::make_unique<BucketedStep>(*impl_->comm, model, opt, scaler, label_smoothing);
+}
+
+void DataParallel::sync_buffers(nn::Module& model) {
+  NoGradGuard no_grad;
+  impl_->comm->broadcast(model.buffers());
+}
+
+void DataParallel::sum_host(std::vector<double>& values) {
+  Tensor host = empty({int64_t(values.size())}, DType::f64);
+  for (size_t i = 0; i < values.size(); ++i) host.data<double>()[i] = values[i];
+  Tensor dev = host.to(impl_->device);
+  impl_->comm->all_reduce(dev, cuda::ReduceOp::Sum);
+  Tensor back = dev.to(Device::cpu());
+  for (size_t i = 0; i < values.size(); ++i) values[i] = back.data<double>()[i];
+}
+
+#else  // no NCCL
+
+bool data_parallel_available() { return false; }
+
+struct DataParallel::Impl {};
+
+DataParallel::DataParallel(const DistEnv& env, nn::Module&) {
+  KILN_FAIL("WORLD_SIZE=", env.world_size,
+            ": data-parallel training needs a kiln built with "
+            "CUDA and NCCL");
+}
+
+DataParallel::~DataParallel() = default;
+
+std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module&, optim::FusedOptimizer&,
+                                                    optim::DynamicLossScaler&, double) {
+  return nullptr;
+}
+void DataParallel::sync_buffers(nn::Module&) {}
+void DataParallel::sum_host(std::vector<double>&) {}
+
+#endif
+
+}  // namespace kiln::train

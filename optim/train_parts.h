@@ -1,0 +1,31 @@
+#pragma once
+// Pieces of kiln-train's job (optim/trainer.h): device choice, model construction, evaluation
+// and log formatting.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dist_env.h"
+#include "models/resnet.h"
+#include "optim/train_data.h"
+#include "optim/trainer.h"
+
+namespace kiln::train {
+
+// --device (auto: cuda:0 when present, else cpu). A data-parallel rank (env.distributed())
+// always gets GPU env.local_rank, made the current device.
+Device pick_device(const std::string& device, const DistEnv& env);
+
+// --arch for the data: IDX data (28x28, 1 channel) gets the small 3x3 stem without max pool;
+// ImageFolder data 3 channels and torchvision's stem (resnet_small keeps its small stem).
+// Initial weights from c.seed. Unknown names throw, listing the valid ones.
+std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& data);
+
+// {Σ loss, top-1 hits, top-5 hits, samples} over this rank's share of the test set, the model
+// in eval mode (train mode again on return). A sample is a top-k hit when fewer than k logits
+// exceed its label's (ties count as hits).
+std::vector<double> evaluate(nn::Module& model, const TrainData& data);
+
+std::string fmt_time(double seconds);  // "m:ss"
+std::string json_number(double v);     // %.6g; non-finite values as 0
+}  // namespace kiln::train

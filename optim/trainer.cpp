@@ -1,0 +1,316 @@
+#include "optim/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+
+#include "core/checkpoint.h"
+#include "core/dist_env.h"
+#include "core/launcher.h"
+#include "cuda/profiler.h"
+#include "ops/ops.h"
+#include "optim/schedule.h"
+#include "optim/train_data.h"
+#include "optim/train_dist.h"
+#include "optim/train_parts.h"
+#include "optim/train_step.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/graph.h"
+#include "cuda/runtime.h"
+#endif
+
+namespace kiln::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
+Summary run(const Config& c) {
+  const DistEnv env = DistEnv::from_env();
+  const Device dev = pick_device(c.device, env);
+  const bool lead = env.rank == 0;
+  const bool talk = lead && !c.quiet;
+  manual_seed(c.seed);
+
+  const bool mixed = c.amp == "on" || (c.amp == "auto" && dev.is_cuda());
+  const bool use_graph = c.graph == "on" || (c.graph == "auto" && dev.is_cuda());
+  KILN_CHECK(!mixed || dev.is_cuda(), "--amp on needs a CUDA device; the device is ", dev);
+  KILN_CHECK(!use_graph || dev.is_cuda(), "--graph on needs a CUDA device; the device is ", dev);
+  KILN_CHECK(!c.profile || dev.is_cuda(), "--profile times GPU ops; the device is ", dev);
+  KILN_CHECK(!(use_graph && c.profile), "--profile times ops one by one; use it with --graph off");
+  const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
+
+  DataOptions dopt;
+  dopt.data = c.data;
+  dopt.batch_size = c.batch_size;
+  dopt.image_size = c.image_size;
+  dopt.augment = c.augment;
+  dopt.seed = c.seed;
+  dopt.workers = c.workers;
+  dopt.rank = env.rank;
+  dopt.world_size = env.world_size;
+  dopt.device = dev;
+  dopt.precision = precision;
+  TrainData data(dopt);
+
+  auto model = build_model(c, data);
+  if (!c.weights.empty()) load_weights(c.weights, *model, KeyMatch::Strict);
+  amp::prepare_model(*model, dev, precision);
+  std::unique_ptr<DataParallel> dp;
+  if (env.distributed()) dp = std::make_unique<DataParallel>(env, *model);  // broadcasts rank 0's
+
+  optim::ParamGroup proto;
+  proto.lr = c.lr;
+  proto.momentum = c.momentum;
+  proto.weight_decay = c.wd;
+  auto groups = optim::split_weight_decay(*model, proto);
+  std::unique_ptr<optim::FusedOptimizer> opt;
+  if (c.optimizer == "sgd")
+    opt = std::make_unique<optim::FusedSGD>(groups);
+  else
+    opt = std::make_unique<optim::FusedAdamW>(groups);
+  optim::LossScalerOptions so;
+  so.enabled = mixed;
+  optim::DynamicLossScaler scaler(dev, so);
+
+  const std::map<std::string, std::string> meta = {
+      {"arch", c.arch}, {"data", c.data}, {"num_classes", std::to_string(data.num_classes())}};
+  int64_t start_epoch = 0, step = 0;
+  if (!c.resume.empty()) {
+    TrainingState st;
+    st.model = model.get();
+    st.optimizer = opt.get();
+    load_checkpoint(c.resume, st);
+    auto arch = st.metadata.find("arch");
+    KILN_CHECK(arch == st.metadata.end() || arch->second == c.arch, "--resume '", c.resume,
+               "' holds a ", arch->second, ", but --arch is ", c.arch);
+    scaler.load_state_dict(st.scaler);
+    start_epoch = st.epoch;
+    step = st.step;
+  }
+
+  const int64_t steps_per_epoch = data.steps_per_epoch();
+  const int64_t total = steps_per_epoch * c.epochs;
+  const int64_t world = env.world_size;
+  optim::Warmup warm{int64_t(std::llround(c.warmup_epochs * double(steps_per_epoch))), 0.0};
+  std::unique_ptr<optim::LRSchedule> sched;
+  if (c.schedule == "cosine")
+    sched = std::make_unique<optim::CosineLR>(std::max(total, warm.steps + 1), 0.0, warm);
+  else if (c.schedule == "step")
+    sched = std::make_unique<optim::MultiStepLR>(std::vector<int64_t>{total / 2, total * 3 / 4},
+                                                 0.1, warm);
+  else
+    sched = std::make_unique<optim::StepLR>(total + 1, 1.0, warm);
+
+  if (talk) {
+    std::printf(
+        "kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
+        "parameters, %s%s\n",
+        c.arch.c_str(), data.description().c_str(), long(data.train_size()), long(data.test_size()),
+        long(data.num_classes()), dev.str().c_str(),
+        world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
+        long(model->num_parameters()), mixed ? "mixed precision (fp16/fp32 masters)" : "fp32",
+        use_graph ? ", whole-step CUDA graph" : "");
+    std::printf(
+        "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
+        "schedule%s%s\n",
+        long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "", c.optimizer.c_str(),
+        c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
+        c.augment ? ", crop+flip augmentation" : "",
+        start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
+    std::fflush(stdout);
+  }
+
+  Summary sum;
+  sum.epochs_done = start_epoch;
+  auto run_eval = [&] {
+    if (dp) dp->sync_buffers(*model);
+    std::vector<double> ev = evaluate(*model, data);
+    if (dp) dp->sum_host(ev);
+    sum.test_loss = ev[0] / ev[3];
+    sum.test_top1 = ev[1] / ev[3];
+    sum.test_top5 = ev[2] / ev[3];
+  };
+  if (c.evaluate) {
+    run_eval();
+    if (talk)
+      std::printf("evaluation: test loss %.4f top-1 %.2f%% top-5 %.2f%%\n", sum.test_loss,
+                  100.0 * sum.test_top1, 100.0 * sum.test_top5);
+    return sum;
+  }
+
+  namespace fs = std::filesystem;
+  const fs::path out(c.output);
+  if (lead) {
+    fs::create_directories(out);
+    if (c.resume.empty()) fs::remove(out / "log.jsonl");
+  }
+
+  // Static inputs: every step copies its batch into them (the graph reads these addresses).
+  Tensor x_static = amp::prepare_input(
+      zeros({c.batch_size, data.channels(), data.height(), data.width()}), dev, precision);
+  Tensor y_static = zeros({c.batch_size}, TensorOptions(DType::i64).with_device(dev));
+  optim::ClassifierStep plain_step(*model, *opt, scaler, c.label_smoothing);
+  std::unique_ptr<StepRunner> dp_step;
+  if (dp) dp_step = dp->make_step(*model, *opt, scaler, c.label_smoothing);
+  const Tensor& loss_sum = dp_step ? dp_step->loss_sum() : plain_step.loss_sum();
+  const Tensor& correct_sum = dp_step ? dp_step->correct_sum() : plain_step.correct_sum();
+  std::function<void()> step_fn = [&] {
+    if (dp_step)
+      dp_step->run(x_static, y_static);
+    else
+      plain_step.run(x_static, y_static);
+  };
+#ifdef KILN_WITH_CUDA
+  std::unique_ptr<cuda::GraphStep> graph;
+  if (use_graph) graph = std::make_unique<cuda::GraphStep>(step_fn, cuda::GraphOptions{});
+#endif
+  if (c.profile) cuda::enable_profiler(true);
+
+  amp::AsyncScalars metrics;
+  const auto start = Clock::now();
+  const int64_t first_step = step;
+  for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
+    model->train();
+    const auto epoch_start = Clock::now();
+    if (dp_step)
+      dp_step->reset_metrics();
+    else
+      plain_step.reset_metrics();
+    int64_t seen = 0, window_images = 0;
+    auto window_start = Clock::now();
+    auto stream = data.train_epoch(epoch);
+    while (std::optional<data::DeviceBatch> b = stream->next()) {
+      sched->apply(*opt, step);
+      x_static.copy_(b->x);
+      y_static.copy_(b->y);
+#ifdef KILN_WITH_CUDA
+      if (graph) {
+        opt->stage_lr();
+        graph->run();
+      } else {
+        step_fn();
+      }
+#else
+      step_fn();
+#endif
+      ++step;
+      seen += b->y.size(0);
+      window_images += b->y.size(0);
+      const int64_t i = b->index + 1;
+      if (talk && (i % c.print_freq == 0 || i == steps_per_epoch)) {
+        // One read of the device accumulators per progress line.
+        metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
+        std::vector<double> m = metrics.values();
+        const double eta = seconds_since(start) / double(step - first_step) * double(total - step);
+        std::printf(
+            "epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
+            "ETA %s\n",
+            long(epoch + 1), long(c.epochs), long(i), long(steps_per_epoch), m[0] / double(seen),
+            100.0 * m[1] / double(seen), opt->param_groups[0].lr,
+            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+            double(window_images * world) / seconds_since(window_start), fmt_time(eta).c_str());
+        std::fflush(stdout);
+        window_images = 0;
+        window_start = Clock::now();
+      }
+    }
+    metrics.record({loss_sum, correct_sum});
+    std::vector<double> m = metrics.values();
+    m.push_back(double(seen));
+    if (dp) dp->sum_host(m);
+    const double epoch_s = seconds_since(epoch_start);
+    if (c.profile && epoch == start_epoch) {
+      if (talk) std::printf("%s", cuda::profiler_report().c_str());
+      cuda::enable_profiler(false);
+    }
+    run_eval();
+    sum.epochs_done = epoch + 1;
+    const double train_loss = m[0] / m[2], train_top1 = m[1] / m[2], ips = m[2] / epoch_s;
+    if (talk) {
+      std::printf(
+          "epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss "
+          "%.4f top-1 %.2f%% top-5 %.2f%%\n",
+          long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips, train_loss,
+          100.0 * train_top1, sum.test_loss, 100.0 * sum.test_top1, 100.0 * sum.test_top5);
+      std::fflush(stdout);
+    }
+    if (lead) {
+      TrainingState st;
+      st.model = model.get();
+      st.optimizer = opt.get();
+      st.scaler = scaler.state_dict();
+      st.epoch = epoch + 1;
+      st.step = step;
+      st.metadata = meta;
+      save_checkpoint((out / "checkpoint.safetensors").string(), st);
+      std::FILE* f = std::fopen((out / "log.jsonl").c_str(), "a");
+      KILN_CHECK(f != nullptr, "cannot append to '", (out / "log.jsonl").string(), "'");
+      std::fprintf(f,
+                   "{\"epoch\": %ld, \"train_loss\": %s, \"train_top1\": %s, \"test_loss\": %s, "
+                   "\"test_top1\": %s, \"test_top5\": %s, \"images_per_s\": %s, \"seconds\": %s, "
+                   "\"lr\": %s}\n",
+                   long(epoch + 1), json_number(train_loss).c_str(),
+                   json_number(train_top1).c_str(), json_number(sum.test_loss).c_str(),
+                   json_number(sum.test_top1).c_str(), json_number(sum.test_top5).c_str(),
+                   json_number(ips).c_str(), json_number(epoch_s).c_str(),
+                   json_number(opt->param_groups[0].lr).c_str());
+      std::fclose(f);
+    }
+  }
+
+  if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained
+  if (lead) {
+    std::map<std::string, std::string> wmeta = meta;
+    wmeta["epochs"] = std::to_string(sum.epochs_done);
+    wmeta["test_top1"] = json_number(sum.test_top1);
+    const std::string path = (out / "model.safetensors").string();
+    save_weights(path, *model, WeightsDType::Float32, wmeta);
+    if (talk)
+      std::printf(
+          "final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
+          100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
+          fmt_time(seconds_since(start)).c_str(), path.c_str());
+  }
+  return sum;
+}
+
+int main(const std::vector<std::string>& args) {
+  try {
+    bool help = false;
+    const Config c = parse_args(args, &help);
+    if (help) {
+      std::fputs(usage().c_str(), stdout);
+      return 0;
+    }
+    if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
+      KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc,
+                 ": data-parallel training "
+                 "needs a kiln built with CUDA and NCCL");
+      std::vector<std::string> argv = {"/proc/self/exe"};
+      argv.insert(argv.end(), args.begin(), args.end());
+      LaunchOptions lo;
+      lo.nproc = c.nproc;
+      LaunchResult r = launch_processes(argv, lo);
+      if (!r.ok()) std::fprintf(stderr, "kiln-train: %s\n", r.message.c_str());
+      return r.exit_code;
+    }
+    run(c);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln-train: error: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace kiln::train

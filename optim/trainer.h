@@ -1,0 +1,84 @@
+#pragma once
+// The image-classifier training job behind tools/kiln-train, callable in-process (tests):
+//
+//   kiln::train::Config c = kiln::train::parse_args({"--data", root, "--epochs", "1"});
+//   kiln::train::Summary s = kiln::train::run(c);
+//   int rc = kiln::train::main({"--data", root});   // the tool: errors -> message, exit code 1
+//
+// Data (--data), detected from the folder's contents:
+//   "fashion-mnist"   Debian's dataset-fashion-mnist (data/fashion_mnist.h);
+//   IDX folder        MNIST-style train-/t10k-images-idx3-ubyte[.gz] and labels (data/idx.h);
+//   ImageFolder root  holding train/ and val/ class folders (data/image_folder.h): decoded by
+//                     data/image_loader.h, RandomResizedCrop(image_size) + flip for training,
+//                     Resize(image_size·256/224) + CenterCrop(image_size) for evaluation,
+//                     normalised with ImageNet statistics on the device (data/device_batches.h).
+// 28x28 IDX data trains 1-channel models with the small 3x3 stem; ImageFolder data 3-channel
+// models with torchvision's stem (resnet_small keeps its small stem).
+//
+// Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
+// (core/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
+// DIR/model.safetensors at the end (torchvision names, f32), DIR/log.jsonl with one JSON object
+// per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
+// seconds, lr (top-1/top-5 as fractions).
+//
+// --resume DIR/checkpoint.safetensors continues at the saved epoch with bit-identical state: an
+// uninterrupted run and a run stopped and resumed at an epoch boundary give the same weights
+// (CPU; on the GPU up to the nondeterminism of the kernels), as long as the schedule's length
+// (--epochs) is the same or the schedule does not depend on it (constant).
+//
+// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (core/launcher.h);
+// each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
+// averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln::train {
+
+struct Config {
+  std::string arch = "resnet_small";
+  std::string data = "fashion-mnist";
+  int64_t epochs = 1;
+  int64_t batch_size = 128;
+  double lr = 0.1;
+  double momentum = 0.9;
+  double wd = 5e-4;
+  double warmup_epochs = 0.1;
+  std::string optimizer = "sgd";    // sgd | adamw
+  std::string schedule = "cosine";  // cosine | step | constant
+  double label_smoothing = 0.0;
+  bool augment = false;      // IDX data: random crop (padding 4) + flip
+  int64_t image_size = 224;  // ImageFolder data
+  int64_t width = 0;         // resnet_small's width (0: 32)
+  uint64_t seed = 0;
+  int workers = 2;
+  std::string device = "auto";
+  int64_t print_freq = 50;
+  std::string output = "kiln-output";
+  bool profile = false;
+  std::string amp = "auto";    // auto | on | off
+  std::string graph = "auto";  // auto | on | off
+  std::string resume;          // checkpoint path
+  std::string weights;         // safetensors weights (torchvision names), strict
+  bool evaluate = false;       // evaluate only
+  int nproc = 1;
+  bool quiet = false;  // no progress lines (tests)
+};
+
+// Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.
+// "--help" sets help (the caller prints usage()).
+Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
+std::string usage();
+
+struct Summary {
+  int64_t epochs_done = 0;  // epoch counter at the end (resumed epochs included)
+  double test_loss = 0, test_top1 = 0, test_top5 = 0;  // last evaluation
+};
+
+// Runs the job in this process (one rank when WORLD_SIZE is set). Throws kiln::Error.
+Summary run(const Config& config);
+
+// The tool: parses, launches --nproc children or runs, prints errors; returns the exit code.
+int main(const std::vector<std::string>& args);
+
+}  // namespace kiln::train
