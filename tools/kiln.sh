@@ -29,13 +29,16 @@ install_missing() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# build [target...]: configure and build the named targets (all when none).
 build() {
   # nvcc lives outside PATH in a default toolkit install; let CMake's CUDA detection see it.
   if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH=/usr/local/cuda/bin:$PATH
   fi
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA="${KILN_CUDA:-AUTO}"
-  cmake --build "$build_dir" -j "$jobs"
+  local targets=()
+  for t in "$@"; do targets+=(--target "$t"); done
+  cmake --build "$build_dir" -j "$jobs" "${targets[@]}"
 }
 
 cmd=${1:-}
@@ -43,7 +46,7 @@ cmd=${1:-}
 case "$cmd" in
   train)
     install_missing
-    build
+    build kiln-train
     exec "$build_dir/kiln-train" "$@"
     ;;
   test)
