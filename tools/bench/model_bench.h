@@ -22,6 +22,7 @@ struct ModelRow {
   int64_t batch = 0;
   double step_ms = 0, images_per_s = 0, mfu = 0, host_ms = 0;
   double peak_allocated_gib = 0, reserved_gib = 0, final_scale = 0;
+  int64_t skipped_steps = 0, total_steps = 0;  // loss-scaler skips over the row's steps
 };
 
 std::vector<ModelRow> bench_model(const ModelBenchOptions& opts);
