@@ -26,6 +26,11 @@ class Generator {
   std::mt19937_64 engine_;
 };
 
+// The seed of an independent random stream named by (seed, a, b): SplitMix64 mixing, so
+// nearby tuples such as (s, e) and (s + 1, e - 1) do not share a stream. Loaders derive their
+// per-epoch and per-sample generators with it, which keeps them independent of thread timing.
+uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b);
+
 // The process-wide default generator used when none is passed.
 Generator& default_generator();
 void manual_seed(uint64_t seed);

@@ -14,17 +14,9 @@
 namespace kiln::data {
 namespace {
 
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-// Mixing rather than adding keeps (seed, e) and (seed + 1, e - 1) on different streams.
-uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
-uint64_t shuffle_seed(uint64_t seed, int64_t e) { return mix(mix(seed, uint64_t(e)), 0); }
+uint64_t shuffle_seed(uint64_t seed, int64_t e) { return derive_seed(seed, uint64_t(e), 0); }
 uint64_t sample_seed(uint64_t seed, int64_t e, int64_t p) {
-  return mix(mix(seed, uint64_t(e)), uint64_t(p) + 1);
+  return derive_seed(seed, uint64_t(e), uint64_t(p) + 1);
 }
 
 // kiln::Error texts end in " [file:line, check failed: ...]": drop that for user warnings.
