@@ -260,8 +260,10 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     if (in.empty()) in.resize(n->num_outputs());
     std::vector<Tensor> out;
     {
+#ifdef KILN_WITH_CUDA
       const bool on_gpu = !in.empty() && in[0].defined() && in[0].is_cuda();
       KILN_PROFILE_OP(on_gpu ? interned_name(*n) : nullptr, in[0].desc());
+#endif
       out = n->apply(in);
     }
     if (!retain_graph) n->release_saved();

@@ -39,11 +39,13 @@ struct Config {
   std::string arch = "resnet_small";
   std::string data = "fashion-mnist";
   int64_t epochs = 1;
-  int64_t batch_size = 128;
-  double lr = 0.1;
+  // Defaults chosen for the built-in job: one epoch of Fashion-MNIST on 2 CPU cores reaches
+  // 88.4% with batch 32 / lr 0.05 (87.1% with batch 128 / lr 0.1); see NOTES.md.
+  int64_t batch_size = 32;
+  double lr = 0.05;
   double momentum = 0.9;
   double wd = 5e-4;
-  double warmup_epochs = 0.1;
+  double warmup_epochs = 0.05;
   std::string optimizer = "sgd";    // sgd | adamw
   std::string schedule = "cosine";  // cosine | step | constant
   double label_smoothing = 0.0;
