@@ -1,6 +1,6 @@
 // kiln-bench: speed of kiln on the GPU, printed as a table and written as JSON.
 //
-//   kiln-bench --model resnet50 [--batches 64,128,256] [--eager-only|--graph-only] [--json out.json]
+//   kiln-bench --model resnet50 [--batches 32,64,128,256] [--eager-only|--graph-only] [--json out.json]
 //       end-to-end training throughput, eager and CUDA graph (tools/bench/model_bench.cpp).
 //
 //   kiln-bench --ops [-b 256] [--dtype f16|f32] [--back-to-back 10] [--json out.json]
@@ -58,7 +58,7 @@ void usage() {
       "                  [--json PATH]\n"
       "  --model NAME per-step training throughput of a model (resnet18 ... resnet152) on\n"
       "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
-      "  --batches L  comma-separated batch sizes for --model (default 64,128,256)\n"
+      "  --batches L  comma-separated batch sizes for --model (default 32,64,128,256)\n"
       "  --profile    with --model: per-op GPU time table of a few eager steps\n"
       "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
       "  -b BATCH     batch size (default 256)\n"

@@ -8,7 +8,7 @@ namespace kiln::bench {
 
 struct ModelBenchOptions {
   std::string model = "resnet50";
-  std::vector<int64_t> batches = {64, 128, 256};
+  std::vector<int64_t> batches = {32, 64, 128, 256};
   int64_t image_size = 224;
   bool eager = true, graph = true;
   bool profile = false;  // after the eager rows: a per-op table of a few eager steps
