@@ -30,6 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/conv_engine.h"
 #include "cuda/cudnn_util.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
@@ -37,7 +38,6 @@
 namespace kiln::cuda {
 namespace {
 
-enum class ConvOp : int { Forward, BackwardData, BackwardFilter };
 const char* op_name(ConvOp op) {
   switch (op) {
     case ConvOp::Forward: return "forward";
@@ -173,12 +173,14 @@ struct Choice {
   int algo;
   size_t memory;
   cudnnMathType_t math;
+  float ms = -1;  // cudnnFind's time; -1 for an untimed fallback
 };
 
 // The whole problem, as plain integers: zero-initialised and without padding, so it hashes and
 // compares bytewise.
 struct Key {
   int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0;
+  int64_t backend = 0, align = 0;  // backend API allowed; byte alignment of the operands (<= 16)
   int64_t x[4] = {}, w[4] = {}, y[4] = {};
   int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
@@ -214,6 +216,7 @@ struct Plan {
   explicit Plan(const Problem& pr) : d(pr) {}
   std::mutex m;
   Descs d;
+  std::shared_ptr<ConvEngine> engine;  // the backend API's plan, when it beat the legacy API
   std::vector<Choice> candidates;  // best first; the one that last ran after failures moves up
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;  // currently set on d.conv
 };
@@ -222,6 +225,19 @@ std::mutex g_mutex;
 std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> g_cache;
 uint64_t g_hits = 0, g_misses = 0;
 std::atomic<bool> g_deterministic{false};
+std::atomic<int> g_backend{-1};  // -1: not yet read from KILN_CUDNN_BACKEND
+
+bool backend_enabled() {
+  int v = g_backend.load();
+  if (v < 0) {
+    const char* e = std::getenv("KILN_CUDNN_BACKEND");
+    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+    int expected = -1;
+    g_backend.compare_exchange_strong(expected, v);
+    v = g_backend.load();
+  }
+  return v != 0;
+}
 
 bool find_log_enabled() {
   static const bool on = [] {
@@ -285,13 +301,14 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
     for (int i = 0; i < n; ++i) {
       if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > max_ws) continue;
       if (deterministic && perf[i].determinism != CUDNN_DETERMINISTIC) continue;
-      out.push_back({int(perf[i].algo), perf[i].memory, perf[i].mathType});
+      out.push_back({int(perf[i].algo), perf[i].memory, perf[i].mathType, perf[i].time});
     }
   }
   if (!deterministic) {  // determinism of an untimed algorithm is unknown
     for (auto [a, bytes] : sizes) {
       bool have = std::any_of(out.begin(), out.end(), [&](const Choice& c) { return c.algo == a; });
-      if (!have && bytes <= kConvMaxWorkspaceBytes) out.push_back({a, bytes, preferred_math(pr.dtype)});
+      if (!have && bytes <= kConvMaxWorkspaceBytes)
+        out.push_back({a, bytes, preferred_math(pr.dtype), -1.0f});
     }
   }
   if (out.empty()) {
@@ -307,6 +324,9 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
 Key make_key(ConvOp op, DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w,
              const Tensor& y, const ConvParams& p, int device, bool deterministic) {
   Key k;
+  k.backend = backend_enabled();
+  k.align = std::min({pointer_alignment(x.raw_data()), pointer_alignment(w.raw_data()),
+                      pointer_alignment(y.raw_data())});
   k.device = device;
   k.op = int64_t(op);
   k.dtype = int64_t(dtype);
@@ -351,10 +371,28 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
       auto fresh = std::make_shared<Plan>(pr);
       fresh->candidates = search<Op>(h, fresh->d, p, pr, ctx.device, deterministic);
       fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
+      const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p};
+      if (key.backend && conv_engine_supports(cp_be)) {
+        fresh->engine = tune_conv_engine(h, cp_be, key.align, p.x, p.w, p.y, ctx.device,
+                                         deterministic, fresh->candidates.front().ms,
+                                         find_log_enabled(), describe(Op::kOp, pr));
+        if (find_log_enabled())
+          std::fprintf(stderr, "[kiln conv] %s: %s\n", describe(Op::kOp, pr).c_str(),
+                       fresh->engine ? ("backend API, " + conv_engine_name(*fresh->engine)).c_str()
+                                     : "legacy API");
+      }
       plan = g_cache.emplace(key, std::move(fresh)).first->second;
     }
   }
   std::lock_guard<std::mutex> lock(plan->m);
+  if (plan->engine) {
+    const cudnnStatus_t s = run_conv_engine(h, *plan->engine, p.x, p.w, p.y, ctx.device);
+    if (s == CUDNN_STATUS_SUCCESS) return;
+    // Not expected once tuned; the legacy candidates take over for good.
+    std::fprintf(stderr, "[kiln conv] %s: backend plan failed (%s); using the legacy API\n",
+                 describe(Op::kOp, problem_of(key)).c_str(), cudnnGetErrorString(s));
+    plan->engine.reset();
+  }
   std::vector<Choice>& cands = plan->candidates;
   std::string tried;
   bool out_of_memory = false;
@@ -487,6 +525,9 @@ void clear_conv_algo_cache() {
   g_cache.clear();
   g_hits = g_misses = 0;
 }
+
+void set_conv_backend(bool on) { g_backend.store(on ? 1 : 0); }
+bool conv_backend() { return backend_enabled(); }
 
 void set_conv_deterministic(bool on) { g_deterministic.store(on); }
 bool conv_deterministic() { return g_deterministic.load(); }

@@ -25,6 +25,12 @@ void clear_conv_algo_cache();
 void set_conv_deterministic(bool on);
 bool conv_deterministic();
 
+// When on (the default; KILN_CUDNN_BACKEND=0 turns it off), f16 and bf16 problems are also
+// tuned on cuDNN's backend graph API (cuda/conv_engine.h), and its fastest plan is used when it
+// beats the legacy API's best algorithm. Part of the cache key.
+void set_conv_backend(bool on);
+bool conv_backend();
+
 // The largest workspace an algorithm search offers cuDNN (bytes).
 inline constexpr size_t kConvMaxWorkspaceBytes = size_t(1) << 30;
 

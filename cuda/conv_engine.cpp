@@ -1,0 +1,192 @@
+// Convolution on cuDNN's backend graph API (contract in cuda/conv_engine.h).
+#include "cuda/conv_engine.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "core/storage.h"
+#include "cuda/check.h"
+#include "cuda/cudnn_graph.h"
+#include "cuda/cudnn_util.h"
+#include "cuda/conv.h"
+#include "cuda/runtime.h"
+
+namespace kiln::cuda {
+
+// Unique ids of the three operands in the operation graph and the variant pack.
+constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3;
+
+struct ConvEngine {
+  // The descriptors the plan was built from stay alive with it.
+  be::Desc x, w, y, conv, op, graph;
+  be::Candidate plan;
+};
+
+namespace {
+
+constexpr size_t kMaxCandidates = 10;  // plans timed per problem
+constexpr int kTimedRuns = 3;
+
+std::vector<int64_t> v64(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
+
+be::Desc conv_descriptor(const ConvProblem& pr) {
+  be::Desc c(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  c.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
+  c.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
+  c.set_i64(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, 2);
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_DILATIONS, {pr.p.dil_h, pr.p.dil_w});
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, {pr.p.stride_h, pr.p.stride_w});
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, {pr.p.pad_h, pr.p.pad_w});
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, {pr.p.pad_h, pr.p.pad_w});
+  c.finalize("convolution descriptor");
+  return c;
+}
+
+// The operation node: attribute names per direction (x, w, y, conv, alpha, beta).
+struct OpAttrs {
+  cudnnBackendDescriptorType_t type;
+  cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
+};
+OpAttrs op_attrs(ConvOp op) {
+  switch (op) {
+    case ConvOp::Forward:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA};
+    case ConvOp::BackwardData:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA};
+    case ConvOp::BackwardFilter:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA};
+  }
+  KILN_FAIL("conv engine: bad op");
+}
+
+// Builds the descriptors of `pr` into e (no plan yet).
+void build_graph(cudnnHandle_t h, const ConvProblem& pr, int64_t alignment, ConvEngine& e) {
+  const cudnnDataType_t dt = cudnn_dtype(pr.dtype);
+  e.x = be::tensor(kUidX, dt, v64(pr.x), v64(format_strides(pr.x, pr.fmt)), alignment);
+  e.w = be::tensor(kUidW, dt, v64(pr.w), v64(format_strides(pr.w, pr.fmt)), alignment);
+  e.y = be::tensor(kUidY, dt, v64(pr.y), v64(format_strides(pr.y, pr.fmt)), alignment);
+  e.conv = conv_descriptor(pr);
+  const OpAttrs a = op_attrs(pr.op);
+  e.op = be::Desc(a.type);
+  const float one = 1.0f, zero = 0.0f;
+  e.op.set_desc(a.x, e.x).set_desc(a.w, e.w).set_desc(a.y, e.y).set_desc(a.conv, e.conv);
+  e.op.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &zero);
+  e.op.finalize("convolution operation");
+  e.graph = be::operation_graph(h, {&e.op});
+}
+
+}  // namespace
+
+int64_t pointer_alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int64_t al = 16;
+  while (al > 1 && a % uintptr_t(al) != 0) al /= 2;
+  return al;
+}
+
+bool conv_engine_supports(const ConvProblem& pr) {
+  return (pr.dtype == DType::f16 || pr.dtype == DType::bf16) && pr.p.groups == 1 &&
+         pr.x.size() == 4;
+}
+
+std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
+                                             int64_t alignment, void* x, void* w, void* y,
+                                             int device, bool deterministic, float beat_ms,
+                                             bool log, const std::string& what) {
+  auto e = std::make_shared<ConvEngine>();
+  std::vector<be::Candidate> cands;
+  try {
+    build_graph(h, pr, alignment, *e);
+    cands = be::candidates(h, e->graph, kMaxCandidates, !deterministic);
+  } catch (const Error& err) {
+    if (log) std::fprintf(stderr, "[kiln conv engine] %s: not describable: %s\n", what.c_str(), err.what());
+    return nullptr;
+  }
+  int64_t max_ws = 0;
+  for (const be::Candidate& c : cands)
+    if (size_t(c.workspace) <= kConvMaxWorkspaceBytes) max_ws = std::max(max_ws, c.workspace);
+  std::unique_ptr<Storage> ws;
+  while (max_ws > 0 && !ws) {
+    try {
+      ws = std::make_unique<Storage>(size_t(max_ws), Device::cuda(device));
+    } catch (const OutOfMemoryError&) {
+      max_ws /= 2;
+    }
+  }
+  void* wsp = ws ? ws->data() : nullptr;
+  const std::vector<int64_t> uids{kUidX, kUidW, kUidY};
+  const std::vector<void*> ptrs{x, w, y};
+  cudaStream_t s = current_stream();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  int best = -1;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    be::Candidate& c = cands[i];
+    if (c.workspace > max_ws) continue;
+    if (be::run(h, c, uids, ptrs, wsp) != CUDNN_STATUS_SUCCESS) {  // warm-up, and a check
+      if (log) std::fprintf(stderr, "    %s: does not run\n", c.name.c_str());
+      continue;
+    }
+    CUDA_CHECK(cudaEventRecord(a, s));
+    for (int r = 0; r < kTimedRuns; ++r) be::run(h, c, uids, ptrs, wsp);
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    c.ms = ms / kTimedRuns;
+    if (best < 0 || c.ms < cands[size_t(best)].ms) best = int(i);
+  }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  if (log) {
+    std::fprintf(stderr, "[kiln conv engine] %s: %zu plans, legacy best %.4f ms\n", what.c_str(),
+                 cands.size(), double(beat_ms));
+    for (const be::Candidate& c : cands)
+      std::fprintf(stderr, "    %s: %.4f ms, workspace %lld bytes%s\n", c.name.c_str(),
+                   double(c.ms), static_cast<long long>(c.workspace),
+                   c.deterministic ? "" : ", nondeterministic");
+  }
+  if (best < 0) return nullptr;
+  if (beat_ms >= 0 && cands[size_t(best)].ms >= beat_ms) return nullptr;
+  e->plan = std::move(cands[size_t(best)]);
+  return e;
+}
+
+cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
+                              int device) {
+  std::unique_ptr<Storage> ws;
+  if (e.plan.workspace > 0)
+    ws = std::make_unique<Storage>(size_t(e.plan.workspace), Device::cuda(device));
+  return be::run(h, e.plan, {kUidX, kUidW, kUidY}, {x, w, y}, ws ? ws->data() : nullptr);
+}
+
+std::string conv_engine_name(const ConvEngine& e) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, ", %.4f ms", double(e.plan.ms));
+  return e.plan.name + buf;
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,57 @@
+#pragma once
+// Convolution through cuDNN's backend graph API (cuda/cudnn_graph.h), the path cuda/conv.cpp
+// prefers for f16 and bf16 when it is faster than the legacy API's best algorithm. Internal to
+// cuda/.
+//
+// Why: for NHWC FP16 problems, the legacy cudnnFind* API offers a handful of algorithms, and for
+// the 1x1 convolutions of ResNet-50 its best is 2-3x slower than the engines the backend API's
+// heuristics offer (NOTES.md). Each problem is tuned once: the top-ranked execution plans run on
+// the real operands, timed with CUDA events, and the fastest is kept.
+#include <cudnn.h>
+
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+#include "ops/kinds.h"
+
+namespace kiln::cuda {
+
+enum class ConvOp : int { Forward, BackwardData, BackwardFilter };
+
+// One problem in cuDNN's terms: x input activations, w filter, y output activations, whichever
+// of them is being computed; all dense in `fmt`.
+struct ConvProblem {
+  ConvOp op;
+  DType dtype;
+  MemoryFormat fmt;
+  Shape x, w, y;
+  ConvParams p;
+};
+
+struct ConvEngine;  // a tuned execution plan
+
+// Whether the backend path can describe the problem: f16/bf16, 4-D, one group, and pointers
+// aligned to at least `alignment` bytes (the descriptors promise it).
+bool conv_engine_supports(const ConvProblem& pr);
+
+// Tunes the problem on the given operands (the output operand is overwritten: the caller runs
+// the chosen plan afterwards). Returns null when no plan runs, or none beats `beat_ms` (the legacy API's best time;
+// negative: no bar). Must run outside graph capture. `log` prints every candidate's time.
+std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
+                                             int64_t alignment, void* x, void* w, void* y,
+                                             int device, bool deterministic, float beat_ms,
+                                             bool log, const std::string& what);
+
+// Runs the tuned plan on the handle's stream. Returns cuDNN's status (the caller falls back to
+// the legacy path on failure).
+cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
+                              int device);
+
+// Description of the chosen plan for logs ("engine 3 k1=2 ..., 0.081 ms").
+std::string conv_engine_name(const ConvEngine& e);
+
+// Byte alignment of a device pointer, capped at 16.
+int64_t pointer_alignment(const void* p);
+
+}  // namespace kiln::cuda
