@@ -225,18 +225,20 @@ std::mutex g_mutex;
 std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> g_cache;
 uint64_t g_hits = 0, g_misses = 0;
 std::atomic<bool> g_deterministic{false};
-std::atomic<int> g_backend{-1};  // -1: not yet read from KILN_CUDNN_BACKEND
+std::atomic<int> g_backend{-1};  // a ConvBackend; -1: not yet read from KILN_CUDNN_BACKEND
 
-bool backend_enabled() {
+ConvBackend backend_mode() {
   int v = g_backend.load();
   if (v < 0) {
     const char* e = std::getenv("KILN_CUDNN_BACKEND");
-    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+    ConvBackend m = ConvBackend::Auto;
+    if (e && std::strcmp(e, "0") == 0) m = ConvBackend::Off;
+    if (e && std::strcmp(e, "force") == 0) m = ConvBackend::Force;
     int expected = -1;
-    g_backend.compare_exchange_strong(expected, v);
+    g_backend.compare_exchange_strong(expected, int(m));
     v = g_backend.load();
   }
-  return v != 0;
+  return ConvBackend(v);
 }
 
 bool find_log_enabled() {
@@ -324,7 +326,7 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
 Key make_key(ConvOp op, DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w,
              const Tensor& y, const ConvParams& p, int device, bool deterministic) {
   Key k;
-  k.backend = backend_enabled();
+  k.backend = int64_t(backend_mode());
   k.align = std::min({pointer_alignment(x.raw_data()), pointer_alignment(w.raw_data()),
                       pointer_alignment(y.raw_data())});
   k.device = device;
@@ -372,9 +374,11 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
       fresh->candidates = search<Op>(h, fresh->d, p, pr, ctx.device, deterministic);
       fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
       const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p};
-      if (key.backend && conv_engine_supports(cp_be)) {
+      if (ConvBackend(key.backend) != ConvBackend::Off && conv_engine_supports(cp_be)) {
+        const float bar = ConvBackend(key.backend) == ConvBackend::Force
+                              ? -1.0f : fresh->candidates.front().ms;
         fresh->engine = tune_conv_engine(h, cp_be, key.align, p.x, p.w, p.y, ctx.device,
-                                         deterministic, fresh->candidates.front().ms,
+                                         deterministic, bar,
                                          find_log_enabled(), describe(Op::kOp, pr));
         if (find_log_enabled())
           std::fprintf(stderr, "[kiln conv] %s: %s\n", describe(Op::kOp, pr).c_str(),
@@ -517,7 +521,12 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
 
 ConvCacheStats conv_algo_cache_stats() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return {g_hits, g_misses, g_cache.size()};
+  size_t engines = 0;
+  for (const auto& [key, plan] : g_cache) {
+    std::lock_guard<std::mutex> plan_lock(plan->m);  // execute() may drop a failing engine
+    engines += plan->engine != nullptr;
+  }
+  return {g_hits, g_misses, g_cache.size(), engines};
 }
 
 void clear_conv_algo_cache() {
@@ -526,8 +535,8 @@ void clear_conv_algo_cache() {
   g_hits = g_misses = 0;
 }
 
-void set_conv_backend(bool on) { g_backend.store(on ? 1 : 0); }
-bool conv_backend() { return backend_enabled(); }
+void set_conv_backend(ConvBackend mode) { g_backend.store(int(mode)); }
+ConvBackend conv_backend() { return backend_mode(); }
 
 void set_conv_deterministic(bool on) { g_deterministic.store(on); }
 bool conv_deterministic() { return g_deterministic.load(); }

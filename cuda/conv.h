@@ -15,6 +15,7 @@ struct ConvCacheStats {
   uint64_t hits = 0;    // calls whose problem was already cached
   uint64_t misses = 0;  // calls that ran an algorithm search
   size_t entries = 0;   // problems cached
+  size_t engine_plans = 0;  // of which run on a backend-API plan
 };
 ConvCacheStats conv_algo_cache_stats();
 // Forgets every cached choice and zeroes the counters (tests; after changing determinism).
@@ -25,11 +26,13 @@ void clear_conv_algo_cache();
 void set_conv_deterministic(bool on);
 bool conv_deterministic();
 
-// When on (the default; KILN_CUDNN_BACKEND=0 turns it off), f16 and bf16 problems are also
-// tuned on cuDNN's backend graph API (cuda/conv_engine.h), and its fastest plan is used when it
-// beats the legacy API's best algorithm. Part of the cache key.
-void set_conv_backend(bool on);
-bool conv_backend();
+// Whether f16 and bf16 problems are also tuned on cuDNN's backend graph API
+// (cuda/conv_engine.h). Auto (the default) uses its fastest plan when that beats the legacy
+// API's best algorithm; Force uses it whenever one runs (tests); Off never. The environment sets
+// the default: KILN_CUDNN_BACKEND=0 (Off), =force (Force). Part of the cache key.
+enum class ConvBackend : int { Off = 0, Auto = 1, Force = 2 };
+void set_conv_backend(ConvBackend mode);
+ConvBackend conv_backend();
 
 // The largest workspace an algorithm search offers cuDNN (bytes).
 inline constexpr size_t kConvMaxWorkspaceBytes = size_t(1) << 30;

@@ -261,3 +261,52 @@ TEST_CASE("conv2d: a cached plan reused with other buffers computes on the new d
     }
   }
 }
+
+TEST_CASE("conv2d: backend-API plans (forced) on every ResNet-50 convolution, f16/bf16 NHWC") {
+  // Force: every problem the backend API can run uses its fastest plan, so this checks those
+  // plans themselves (Auto keeps a legacy algorithm where that is faster).
+  cuda::clear_conv_algo_cache();
+  cuda::set_conv_backend(cuda::ConvBackend::Force);
+  Generator gen(13);
+  for (const ConvCase& c : kResNet50) {
+    CAPTURE(c.name);
+    const int64_t ho = out_size(c);
+    const double ws = 1.0 / std::sqrt(double(c.c_in * c.k * c.k));
+    Tensor x = randn({2, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+    Tensor w = randn({c.c_out, c.c_in, c.k, c.k}, DType::f64, &gen) * ws;
+    Tensor dy = randn({2, c.c_out, ho, ho}, DType::f64, &gen);
+    for (DType dtype : {DType::f16, DType::bf16}) {
+      Reference r = reference(rounded(x, dtype), rounded(w, dtype), rounded(dy, dtype), c);
+      check_gpu(r, c, dtype, MemoryFormat::ChannelsLast, MemoryFormat::ChannelsLast);
+      check_gpu(r, c, dtype, MemoryFormat::ChannelsLast, MemoryFormat::Contiguous);
+    }
+  }
+  const auto st = cuda::conv_algo_cache_stats();
+  cuda::set_conv_backend(cuda::ConvBackend::Auto);
+  MESSAGE("backend-API plans: ", st.engine_plans, " of ", st.entries, " problems");
+  // 24 shapes x 2 dtypes x 3 directions; a problem no engine runs falls back to the legacy
+  // API, which is allowed, but most must have a plan or this test checks nothing.
+  CHECK(st.entries == 24 * 2 * 3);
+  CHECK(st.engine_plans * 10 >= st.entries * 9);
+  cuda::clear_conv_algo_cache();
+}
+
+TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic mode") {
+  cuda::clear_conv_algo_cache();
+  cuda::set_conv_backend(cuda::ConvBackend::Force);
+  cuda::set_conv_deterministic(true);
+  Generator gen(14);
+  Tensor x = to_gpu(randn({8, 64, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
+  Tensor dy = to_gpu(randn({8, 256, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
+  ConvParams p;
+  Tensor a = nan_gpu({256, 64, 1, 1}, DType::f16, MemoryFormat::ChannelsLast);
+  Tensor b = nan_gpu({256, 64, 1, 1}, DType::f16, MemoryFormat::ChannelsLast);
+  cuda::conv2d_backward_weight(a, dy, x, p);
+  cuda::conv2d_backward_weight(b, dy, x, p);
+  const auto st = cuda::conv_algo_cache_stats();
+  cuda::set_conv_deterministic(false);
+  cuda::set_conv_backend(cuda::ConvBackend::Auto);
+  CHECK(st.engine_plans == 1);
+  CHECK(a.to_vector<float>() == b.to_vector<float>());
+  cuda::clear_conv_algo_cache();
+}
