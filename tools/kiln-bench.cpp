@@ -27,6 +27,8 @@
 #include "core/json.h"
 #include "core/tensor.h"
 #include "ops/ops.h"
+#include "core/dist_env.h"
+#include "core/launcher.h"
 #include "tools/bench/model_bench.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
@@ -60,6 +62,7 @@ void usage() {
       "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
       "  --batches L  comma-separated batch sizes for --model (default 32,64,128,256)\n"
       "  --profile    with --model: per-op GPU time table of a few eager steps\n"
+      "  --nproc N    with --model: data-parallel over N local GPUs (batch per GPU)\n"
       "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
       "  -b BATCH     batch size (default 256)\n"
       "  --dtype T    f16 (default) or f32\n"
@@ -226,6 +229,7 @@ int main(int argc, char** argv) {
     std::string dtype = "f16", json_path;
     int repeat = 20;
     std::string model;
+    int nproc = 1;
     kiln::bench::ModelBenchOptions mo;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -252,6 +256,9 @@ int main(int argc, char** argv) {
           if (comma == std::string::npos) break;
           pos = comma + 1;
         }
+      } else if (a == "--nproc") {
+        nproc = std::stoi(value());
+        KILN_CHECK(nproc >= 1, "kiln-bench: --nproc must be >= 1");
       } else if (a == "--profile") {
         mo.profile = true;
       } else if (a == "--eager-only") {
@@ -277,10 +284,22 @@ int main(int argc, char** argv) {
         KILN_FAIL("kiln-bench: unknown flag '", a, "' (see --help)");
       }
     }
+    if (nproc > 1) {
+      KILN_CHECK(!model.empty(), "kiln-bench: --nproc needs --model");
+      // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
+      std::vector<std::string> args{"/proc/self/exe"};
+      for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--nproc") { ++i; continue; }
+        args.push_back(argv[i]);
+      }
+      kiln::LaunchResult r = kiln::launch_processes(args, {.nproc = nproc});
+      if (!r.ok()) std::fprintf(stderr, "kiln-bench: %s\n", r.message.c_str());
+      return r.exit_code;
+    }
     if (!model.empty()) {
       mo.model = model;
       auto rows = kiln::bench::bench_model(mo);
-      if (!json_path.empty()) {
+      if (!json_path.empty() && kiln::DistEnv::from_env().rank == 0) {
         std::ofstream(json_path) << kiln::bench::rows_json(rows);
         std::printf("wrote %s\n", json_path.c_str());
       }

@@ -12,11 +12,13 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "core/dist_env.h"
 #include "core/json.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
+#include "optim/train_dist.h"
 #include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/allocator.h"
@@ -75,7 +77,14 @@ Timing time_steps(Fn&& step, int warmup, int windows, int per_window) {
 
 std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
   std::vector<ModelRow> rows;
-  const Device dev = Device::cuda(0);
+  // Under a launcher (kiln-bench --nproc N, torchrun) every rank runs the same rows data-parallel
+  // (train::DataParallel: bucketed FP16 gradient all-reduce overlapping backward, agreed
+  // found-inf) with `batch` images per GPU; rank 0 reports.
+  const DistEnv env = DistEnv::from_env();
+  if (env.distributed()) cuda::set_device(env.local_rank);
+  const Device dev = Device::cuda(env.distributed() ? env.local_rank : 0);
+  const bool report = env.rank == 0;
+  std::unique_ptr<train::DataParallel> dp;
   for (int64_t batch : o.batches) {
     for (bool graph : {false, true}) {
       if (graph ? !o.graph : !o.eager) continue;
@@ -88,24 +97,32 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       proto.weight_decay = 5e-5;
       optim::FusedSGD opt(optim::split_weight_decay(*model, proto));
       optim::DynamicLossScaler scaler(dev);
-      optim::ClassifierStep step(*model, opt, scaler);
+      optim::ClassifierStep local_step(*model, opt, scaler);
+      // The first row's model is rank 0's start for every rank; later rows' models differ per
+      // rank, which changes nothing in the work a step does.
+      if (env.distributed() && !dp) dp = std::make_unique<train::DataParallel>(env, *model);
+      std::unique_ptr<train::StepRunner> dp_step =
+          dp ? dp->make_step(*model, opt, scaler, 0.0) : nullptr;
+      auto step_once = [&](const Tensor& xs, const Tensor& ys) {
+        if (dp_step) dp_step->run(xs, ys); else local_step.run(xs, ys);
+      };
       Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev);
       Tensor y = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(dev));
       cuda::synchronize();
       cuda::reset_peak_stats();
       Timing t;
       if (!graph) {
-        t = time_steps([&] { step.run(x, y); }, o.warmup, o.windows, o.steps_per_window);
-        if (o.profile) {
+        t = time_steps([&] { step_once(x, y); }, o.warmup, o.windows, o.steps_per_window);
+        if (o.profile && report) {
           cuda::profiler_reset();
           cuda::enable_profiler(true);
-          for (int i = 0; i < 5; ++i) step.run(x, y);
+          for (int i = 0; i < 5; ++i) step_once(x, y);
           cuda::enable_profiler(false);
           std::printf("per-op profile of 5 eager steps, %s batch %ld:\n%s", o.model.c_str(),
                       long(batch), cuda::profiler_report().c_str());
         }
       } else {
-        cuda::GraphStep g([&] { step.run(x, y); }, {.warmup_steps = 3});
+        cuda::GraphStep g([&] { step_once(x, y); }, {.warmup_steps = 3});
         t = time_steps([&] {
           opt.stage_lr();
           g.run();
@@ -119,8 +136,9 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.mode = graph ? "graph" : "eager";
       r.step_ms = t.step_ms;
       r.host_ms = t.host_ms;
-      r.images_per_s = double(batch) / (t.step_ms * 1e-3);
-      r.mfu = r.images_per_s * o.gflop_per_image * 1e9 / (o.peak_tflops * 1e12);
+      r.gpus = env.world_size;
+      r.images_per_s = double(batch) * env.world_size / (t.step_ms * 1e-3);
+      r.mfu = r.images_per_s / env.world_size * o.gflop_per_image * 1e9 / (o.peak_tflops * 1e12);
       r.peak_allocated_gib = double(st.peak_allocated_bytes) / double(1ull << 30);
       r.reserved_gib = double(st.reserved_bytes) / double(1ull << 30);
       // A step the loss scaler skipped still runs forward and backward, so its time looks
@@ -130,6 +148,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.skipped_steps = int64_t(scaler.skipped_steps().item());
       r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window;
       rows.push_back(r);
+      if (!report) continue;
+      if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);
       std::printf("%-10s batch %4ld %-5s  %8.2f ms/step  %8.0f img/s  MFU %5.1f%%  host %6.2f ms/step"
                   "  peak %6.2f GiB  reserved %6.2f GiB  scale %g  skipped %ld/%ld%s\n",
                   r.model.c_str(), long(batch), r.mode.c_str(), r.step_ms, r.images_per_s,
@@ -155,10 +175,11 @@ std::string rows_json(const std::vector<ModelRow>& rows) {
     std::snprintf(buf, sizeof buf,
                   "%s{\"model\":%s,\"batch\":%ld,\"mode\":\"%s\",\"step_ms\":%.4f,"
                   "\"images_per_s\":%.1f,\"mfu\":%.4f,\"host_ms_per_step\":%.4f,"
-                  "\"peak_allocated_gib\":%.3f,\"reserved_gib\":%.3f,\"skipped_steps\":%ld}",
+                  "\"peak_allocated_gib\":%.3f,\"reserved_gib\":%.3f,\"skipped_steps\":%ld,"
+                  "\"gpus\":%d}",
                   i ? "," : "", json::quote(r.model).c_str(), long(r.batch), r.mode.c_str(),
                   r.step_ms, r.images_per_s, r.mfu, r.host_ms, r.peak_allocated_gib,
-                  r.reserved_gib, long(r.skipped_steps));
+                  r.reserved_gib, long(r.skipped_steps), r.gpus);
     out += buf;
   }
   return out + "]\n";
