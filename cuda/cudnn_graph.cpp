@@ -56,6 +56,7 @@ struct ConfigInfo {
   int64_t engine = -1;
   bool deterministic = true;
   bool reduced_precision = false;
+  bool runtime_compiled = false;
   std::string name;
 };
 
@@ -79,6 +80,13 @@ ConfigInfo describe_config(const Desc& cfg) {
           notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)
         info.reduced_precision = true;
     }
+  }
+  cudnnBackendBehaviorNote_t behavior[CUDNN_BEHAVIOR_NOTE_TYPE_COUNT];
+  int64_t nb = 0;
+  if (cudnnBackendGetAttribute(e, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
+                               CUDNN_BEHAVIOR_NOTE_TYPE_COUNT, &nb, behavior) == CUDNN_STATUS_SUCCESS) {
+    for (int64_t i = 0; i < nb; ++i)
+      if (behavior[i] == CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) info.runtime_compiled = true;
   }
   info.name = "engine " + std::to_string(info.engine);
   // Knob choices tell apart configurations of one engine.
@@ -184,7 +192,10 @@ std::vector<Candidate> candidates(cudnnHandle_t handle, const Desc& graph, size_
     for (Desc& cfg : heuristic_configs(graph, mode)) {
       if (out.size() >= max) return out;
       ConfigInfo info = describe_config(cfg);
-      if (info.reduced_precision || (!allow_nondeterministic && !info.deterministic)) continue;
+      // Runtime-compiled engines take NVRTC seconds to finalise, per problem and process.
+      if (info.reduced_precision || info.runtime_compiled ||
+          (!allow_nondeterministic && !info.deterministic))
+        continue;
       if (!seen.insert(info.name).second) continue;
       Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
       plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);

@@ -70,7 +70,8 @@ struct Candidate {
 
 // Up to `max` execution plans for `graph`, in the order of heuristics mode A (then the fallback
 // list, without repeats), skipping configurations that do not finalise, that reduce in reduced
-// precision or down-convert inputs, and — unless `allow_nondeterministic` — nondeterministic ones.
+// precision or down-convert inputs, that compile at runtime (NVRTC, seconds per plan), and —
+// unless `allow_nondeterministic` — nondeterministic ones.
 std::vector<Candidate> candidates(cudnnHandle_t handle, const Desc& graph, size_t max,
                                   bool allow_nondeterministic);
 
