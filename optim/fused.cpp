@@ -37,13 +37,15 @@ bool is_capturing() {
 
 }  // namespace
 
-// Pinned host slots the lr array is copied from. Eager steps rotate through kSlots slots, each
-// reused only after its previous copy completed (an event, practically always already done);
-// a step being captured copies from the last slot, which stage_lr() rewrites before replays.
+// Pinned host slots the lr array is copied from. Uploads (eager steps, and stage_lr() before a
+// replay) rotate through kSlots slots, each reused only after its previous copy completed (an
+// event, practically always already done). A captured step copies nothing: its kernels read the
+// device lr array, which stage_lr() refreshes on the caller's stream before each replay (a host
+// slot read by the replay itself could be rewritten by the host before the replay ran).
 struct FusedOptimizer::PinnedRing {
   static constexpr int kSlots = 8;
   size_t groups = 0;
-  double* host = nullptr;  // (kSlots + 1) x groups
+  double* host = nullptr;  // kSlots x groups
 #ifdef KILN_WITH_CUDA
   cudaEvent_t events[kSlots] = {};
   bool recorded[kSlots] = {};
@@ -51,7 +53,7 @@ struct FusedOptimizer::PinnedRing {
   int next = 0;
   explicit PinnedRing(size_t g) : groups(g) {
 #ifdef KILN_WITH_CUDA
-    host = static_cast<double*>(cuda::alloc_pinned((kSlots + 1) * g * sizeof(double)));
+    host = static_cast<double*>(cuda::alloc_pinned(kSlots * g * sizeof(double)));
     for (auto& e : events) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 #endif
   }
@@ -61,7 +63,6 @@ struct FusedOptimizer::PinnedRing {
     cuda::free_pinned(host);
 #endif
   }
-  double* graph_slot() const { return host + kSlots * groups; }
 };
 
 FusedOptimizer::FusedOptimizer(std::vector<ParamGroup> groups) : Optimizer(std::move(groups)) {}
@@ -247,33 +248,21 @@ void FusedOptimizer::upload_lr() {
     return;
   }
 #ifdef KILN_WITH_CUDA
+  if (is_capturing()) return;  // replays read lr_ as stage_lr() left it
   PinnedRing& r = *ring_;
-  const bool capturing = is_capturing();
-  double* src = nullptr;
-  int slot = -1;
-  if (capturing) {
-    src = r.graph_slot();
-  } else {
-    slot = r.next;
-    r.next = (r.next + 1) % PinnedRing::kSlots;
-    if (r.recorded[slot]) CUDA_CHECK(cudaEventSynchronize(r.events[slot]));
-    src = r.host + size_t(slot) * G;
-  }
+  const int slot = r.next;
+  r.next = (r.next + 1) % PinnedRing::kSlots;
+  if (r.recorded[slot]) CUDA_CHECK(cudaEventSynchronize(r.events[slot]));
+  double* src = r.host + size_t(slot) * G;
   for (size_t g = 0; g < G; ++g) src[g] = param_groups[g].lr;
   CUDA_CHECK(cudaMemcpyAsync(lr_.raw_data(), src, G * sizeof(double), cudaMemcpyHostToDevice,
                              cuda::current_stream()));
-  if (slot >= 0) {
-    CUDA_CHECK(cudaEventRecord(r.events[slot], cuda::current_stream()));
-    r.recorded[slot] = true;
-  }
+  CUDA_CHECK(cudaEventRecord(r.events[slot], cuda::current_stream()));
+  r.recorded[slot] = true;
 #endif
 }
 
-void FusedOptimizer::stage_lr() {
-  if (device_.is_cpu()) return upload_lr();
-  double* dst = ring_->graph_slot();
-  for (size_t g = 0; g < param_groups.size(); ++g) dst[g] = param_groups[g].lr;
-}
+void FusedOptimizer::stage_lr() { upload_lr(); }
 
 void FusedOptimizer::check_grads(const Tensor& found_inf) {
   KILN_CHECK(found_inf.device() == device_ && found_inf.dtype() == DType::f32, name(),

@@ -84,8 +84,10 @@ class FusedOptimizer : public Optimizer {
   // norm (f32 0-d, on the device). Runs check_grads itself unless unscale_ already did.
   Tensor clip_grad_norm(double max_norm);
 
-  // For a captured step (CUDA graph): writes the groups' current lr into the pinned slot that
-  // the captured H2D copy reads. Call before each replay, after the previous replay's copy ran.
+  // For a captured step (CUDA graph): copies the groups' current lr into the device array the
+  // captured kernels read, on the current stream (ordered before a replay launched after it on
+  // that stream, and after the replays before it). Call before each replay; a replay without it
+  // uses the lr staged (or uploaded by an eager step) last.
   void stage_lr();
 
   // Chunk table size (for tests and the graph executor's accounting).
