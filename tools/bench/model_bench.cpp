@@ -29,6 +29,20 @@
 
 namespace kiln::bench {
 
+TrainSetup make_train_setup(const std::string& model, Device device) {
+  TrainSetup s;
+  s.model = models::make_model(model, 1000);
+  amp::prepare_model(*s.model, device);
+  optim::ParamGroup proto;
+  proto.lr = 0.1;
+  proto.momentum = 0.9;
+  proto.weight_decay = 5e-5;
+  s.opt = std::make_unique<optim::FusedSGD>(optim::split_weight_decay(*s.model, proto));
+  s.scaler = std::make_unique<optim::DynamicLossScaler>(device);
+  s.step = std::make_unique<optim::ClassifierStep>(*s.model, *s.opt, *s.scaler);
+  return s;
+}
+
 #ifdef KILN_WITH_CUDA
 namespace {
 
@@ -80,15 +94,10 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
     for (bool graph : {false, true}) {
       if (graph ? !o.graph : !o.eager) continue;
       // A fresh model, optimizer and scaler per row: rows do not share warm-up or state.
-      auto model = models::make_model(o.model, 1000);
-      amp::prepare_model(*model, dev);
-      optim::ParamGroup proto;
-      proto.lr = 0.1;
-      proto.momentum = 0.9;
-      proto.weight_decay = 5e-5;
-      optim::FusedSGD opt(optim::split_weight_decay(*model, proto));
-      optim::DynamicLossScaler scaler(dev);
-      optim::ClassifierStep step(*model, opt, scaler);
+      TrainSetup setup = make_train_setup(o.model, dev);
+      optim::FusedSGD& opt = *setup.opt;
+      optim::DynamicLossScaler& scaler = *setup.scaler;
+      optim::ClassifierStep& step = *setup.step;
       Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev);
       Tensor y = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(dev));
       cuda::synchronize();
