@@ -3,6 +3,10 @@
 //   kiln-bench --model resnet50 [--batches 32,64,128,256] [--eager-only|--graph-only] [--json out.json]
 //       end-to-end training throughput, eager and CUDA graph (tools/bench/model_bench.cpp).
 //
+//   kiln-bench --model resnet50 --verify-graph [--batches 64] [--verify-steps 12]
+//       is a CUDA-graph replay of the training step bit-identical to eager steps? Exit status 0
+//       when it is at every batch, 1 otherwise (tools/bench/verify_graph.cpp).
+//
 //   kiln-bench --ops [-b 256] [--dtype f16|f32] [--back-to-back 10] [--json out.json]
 //       every distinct ResNet-50 layer at the given batch: conv fwd / dgrad / wgrad, batch norm
 //       fwd / bwd, pooling, linear, softmax-cross-entropy; median time over repeats, TFLOP/s
@@ -56,6 +60,8 @@ struct Row {
 void usage() {
   std::printf(
       "usage: kiln-bench --model NAME [--batches B1,B2,...] [--eager-only|--graph-only] [--json PATH]\n"
+      "       kiln-bench --model NAME --verify-graph [--batches B1,B2,...] [--verify-steps K]\n"
+      "                  [--verify-any-conv]\n"
       "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]\n"
       "                  [--json PATH]\n"
       "  --model NAME per-step training throughput of a model (resnet18 ... resnet152) on\n"
@@ -63,6 +69,13 @@ void usage() {
       "  --batches L  comma-separated batch sizes for --model (default 32,64,128,256)\n"
       "  --profile    with --model: per-op GPU time table of a few eager steps\n"
       "  --nproc N    with --model: data-parallel over N local GPUs (batch per GPU)\n"
+      "  --verify-graph  with --model: K eager steps against K whole-step CUDA graph steps (3\n"
+      "               warm-up, capture, replays) per batch, deterministic convolutions; compares\n"
+      "               loss, loss scale, skips, parameters, buffers, gradients and optimizer state\n"
+      "               bitwise after every step; exit status 0 only when all are equal\n"
+      "  --verify-steps K  steps per side for --verify-graph (default 12, at least 5)\n"
+      "  --verify-any-conv  --verify-graph with bench's (fastest, not necessarily deterministic)\n"
+      "               convolution algorithms: compare loss scale and skips, not bits\n"
       "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
       "  -b BATCH     batch size (default 256)\n"
       "  --dtype T    f16 (default) or f32\n"
@@ -259,6 +272,14 @@ int main(int argc, char** argv) {
       } else if (a == "--nproc") {
         nproc = std::stoi(value());
         KILN_CHECK(nproc >= 1, "kiln-bench: --nproc must be >= 1");
+      } else if (a == "--verify-graph") {
+        mo.verify_graph = true;
+      } else if (a == "--verify-steps") {
+        mo.verify_steps = std::stoi(value());
+        KILN_CHECK(mo.verify_steps >= 5, "kiln-bench: --verify-steps must be at least 5 (3 warm-up "
+                   "steps, a capture, a replay)");
+      } else if (a == "--verify-any-conv") {
+        mo.verify_deterministic = false;
       } else if (a == "--profile") {
         mo.profile = true;
       } else if (a == "--eager-only") {
@@ -296,8 +317,10 @@ int main(int argc, char** argv) {
       if (!r.ok()) std::fprintf(stderr, "kiln-bench: %s\n", r.message.c_str());
       return r.exit_code;
     }
+    KILN_CHECK(!mo.verify_graph || !model.empty(), "kiln-bench: --verify-graph needs --model NAME");
     if (!model.empty()) {
       mo.model = model;
+      if (mo.verify_graph) return kiln::bench::verify_graph(mo) ? 0 : 1;
       auto rows = kiln::bench::bench_model(mo);
       if (!json_path.empty() && kiln::DistEnv::from_env().rank == 0) {
         std::ofstream(json_path) << kiln::bench::rows_json(rows);

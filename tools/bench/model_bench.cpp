@@ -31,6 +31,20 @@
 
 namespace kiln::bench {
 
+TrainSetup make_train_setup(const std::string& model, Device device) {
+  TrainSetup s;
+  s.model = models::make_model(model, 1000);
+  amp::prepare_model(*s.model, device);
+  optim::ParamGroup proto;
+  proto.lr = 0.1;
+  proto.momentum = 0.9;
+  proto.weight_decay = 5e-5;
+  s.opt = std::make_unique<optim::FusedSGD>(optim::split_weight_decay(*s.model, proto));
+  s.scaler = std::make_unique<optim::DynamicLossScaler>(device);
+  s.step = std::make_unique<optim::ClassifierStep>(*s.model, *s.opt, *s.scaler);
+  return s;
+}
+
 #ifdef KILN_WITH_CUDA
 namespace {
 
@@ -89,22 +103,17 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
     for (bool graph : {false, true}) {
       if (graph ? !o.graph : !o.eager) continue;
       // A fresh model, optimizer and scaler per row: rows do not share warm-up or state.
-      auto model = models::make_model(o.model, 1000);
-      amp::prepare_model(*model, dev);
-      optim::ParamGroup proto;
-      proto.lr = 0.1;
-      proto.momentum = 0.9;
-      proto.weight_decay = 5e-5;
-      optim::FusedSGD opt(optim::split_weight_decay(*model, proto));
-      optim::DynamicLossScaler scaler(dev);
-      optim::ClassifierStep local_step(*model, opt, scaler);
+      TrainSetup setup = make_train_setup(o.model, dev);
+      optim::FusedSGD& opt = *setup.opt;
+      optim::DynamicLossScaler& scaler = *setup.scaler;
+      optim::ClassifierStep& step = *setup.step;
       // The first row's model is rank 0's start for every rank; later rows' models differ per
       // rank, which changes nothing in the work a step does.
-      if (env.distributed() && !dp) dp = std::make_unique<train::DataParallel>(env, *model);
+      if (env.distributed() && !dp) dp = std::make_unique<train::DataParallel>(env, *setup.model);
       std::unique_ptr<train::StepRunner> dp_step =
-          dp ? dp->make_step(*model, opt, scaler, 0.0) : nullptr;
+          dp ? dp->make_step(*setup.model, opt, scaler, 0.0) : nullptr;
       auto step_once = [&](const Tensor& xs, const Tensor& ys) {
-        if (dp_step) dp_step->run(xs, ys); else local_step.run(xs, ys);
+        if (dp_step) dp_step->run(xs, ys); else step.run(xs, ys);
       };
       Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev);
       Tensor y = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(dev));

@@ -1,8 +1,15 @@
 #pragma once
-// kiln-bench --model: end-to-end training throughput (see model_bench.cpp).
+// kiln-bench --model: end-to-end training throughput (see model_bench.cpp), and
+// kiln-bench --model --verify-graph: whole-step graph replay against eager steps (verify_graph.cpp).
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "core/module.h"
+#include "optim/amp.h"
+#include "optim/fused.h"
+#include "optim/train_step.h"
 
 namespace kiln::bench {
 
@@ -15,6 +22,9 @@ struct ModelBenchOptions {
   int warmup = 8, windows = 5, steps_per_window = 10;
   double gflop_per_image = 24.3;  // ResNet-50 forward + backward at 224x224
   double peak_tflops = 765.0;     // measured FP16 dense matmul on the H200
+  bool verify_graph = false;      // run verify_graph instead of the benchmark
+  int verify_steps = 12;          // steps of each side in verify_graph
+  bool verify_deterministic = true;  // verify_graph: deterministic cuDNN convolutions
 };
 
 struct ModelRow {
@@ -26,7 +36,30 @@ struct ModelRow {
   int gpus = 1;  // data-parallel ranks; batch is per GPU, images_per_s over all of them
 };
 
+// One training setup as bench_model measures it: `model` (models::make_model, 1000 classes)
+// prepared for mixed precision on `device`, FusedSGD (lr 0.1, momentum 0.9, weight decay 5e-5,
+// split_weight_decay groups), a DynamicLossScaler with default options, and the ClassifierStep
+// over them. Members are declared so that destruction runs step, scaler, opt, model.
+struct TrainSetup {
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::FusedSGD> opt;
+  std::unique_ptr<optim::DynamicLossScaler> scaler;
+  std::unique_ptr<optim::ClassifierStep> step;
+};
+TrainSetup make_train_setup(const std::string& model, Device device);
+
 std::vector<ModelRow> bench_model(const ModelBenchOptions& opts);
+
+// For each batch of opts.batches: setup A runs opts.verify_steps eager ClassifierStep steps,
+// then an identically built setup B runs as many steps through cuda::GraphStep (3 eager
+// warm-up steps, one capture, replays), on the same inputs, with deterministic cuDNN
+// convolutions (unless !opts.verify_deterministic: then bench_model's algorithms, and only the
+// loss / scale / skip columns are meaningful). After every step both sides' parameters, buffers, gradients, optimizer state,
+// loss-scaler state and the step's loss are snapshotted on the device (no host synchronisation
+// between steps, like bench_model) and compared bitwise afterwards. Prints a per-step table,
+// the tensors that differ at the first differing step and after the last, and one verdict line
+// per batch. Returns true when every batch matched bitwise. CUDA only (KILN_FAIL otherwise).
+bool verify_graph(const ModelBenchOptions& opts);
 std::string rows_json(const std::vector<ModelRow>& rows);
 
 }  // namespace kiln::bench
