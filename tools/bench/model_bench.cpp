@@ -122,12 +122,13 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       Timing t;
       if (!graph) {
         t = time_steps([&] { step_once(x, y); }, o.warmup, o.windows, o.steps_per_window);
-        if (o.profile && report) {
+        if (o.profile) {  // every rank steps (their collectives pair up); rank 0 prints
           cuda::profiler_reset();
           cuda::enable_profiler(true);
           for (int i = 0; i < 5; ++i) step_once(x, y);
           cuda::enable_profiler(false);
-          std::printf("per-op profile of 5 eager steps, %s batch %ld:\n%s", o.model.c_str(),
+          if (report)
+            std::printf("per-op profile of 5 eager steps, %s batch %ld:\n%s", o.model.c_str(),
                       long(batch), cuda::profiler_report().c_str());
         }
       } else {
