@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "core/storage.h"
@@ -26,7 +27,15 @@ struct ConvEngine {
 
 namespace {
 
-constexpr size_t kMaxCandidates = 10;  // plans timed per problem
+// Plans timed per problem: 10, or KILN_CONV_CANDIDATES.
+size_t max_candidates() {
+  static const size_t n = [] {
+    const char* v = std::getenv("KILN_CONV_CANDIDATES");
+    const long x = v ? std::strtol(v, nullptr, 10) : 0;
+    return x > 0 ? size_t(x) : size_t(10);
+  }();
+  return n;
+}
 constexpr int kTimedRuns = 3;
 
 std::vector<int64_t> v64(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
@@ -119,7 +128,7 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
   std::vector<be::Candidate> cands;
   try {
     build_graph(h, pr, alignment, *e);
-    cands = be::candidates(h, e->graph, kMaxCandidates, !deterministic);
+    cands = be::candidates(h, e->graph, max_candidates(), !deterministic);
   } catch (const Error& err) {
     if (log) std::fprintf(stderr, "[kiln conv engine] %s: not describable: %s\n", what.c_str(), err.what());
     return nullptr;
