@@ -18,8 +18,8 @@
 namespace kiln::cuda {
 namespace {
 
-constexpr int kTile = 32;      // channels per block, channels-inner sums
-constexpr int kTileRows = 8;   // rows per block step, channels-inner sums
+constexpr int kTile = 32;     // channels per block, channels-inner sums
+constexpr int kTileRows = 8;  // rows per block step, channels-inner sums
 constexpr int kMaxParts = 1024;
 constexpr int kWarps = kBlock / 32;
 
@@ -29,8 +29,8 @@ struct Geometry {
 };
 
 Geometry geometry_of(const Tensor& x, const char* op) {
-  KILN_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::f16 || x.dtype() == DType::bf16,
-             op, " (cuda): x must be f32, f16 or bf16, got ", x.desc());
+  KILN_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::f16 || x.dtype() == DType::bf16, op,
+             " (cuda): x must be f32, f16 or bf16, got ", x.desc());
   KILN_CHECK(x.dim() >= 2, op, " (cuda): x must be (N, C, ...), got ", x.desc());
   Geometry g;
   g.n = x.size(0);
@@ -46,29 +46,36 @@ Geometry geometry_of(const Tensor& x, const char* op) {
 }
 
 void check_like(const Tensor& t, const Tensor& x, const char* op, const char* what) {
-  KILN_CHECK(t.defined() && t.dtype() == x.dtype() && t.device() == x.device() &&
-                 dense_same_layout(t, x),
-             op, " (cuda): ", what, " must match x ", x.desc(), " in dtype, device and layout, got ",
-             t.defined() ? t.desc() : "undefined");
+  KILN_CHECK(
+      t.defined() && t.dtype() == x.dtype() && t.device() == x.device() && dense_same_layout(t, x),
+      op, " (cuda): ", what, " must match x ", x.desc(), " in dtype, device and layout, got ",
+      t.defined() ? t.desc() : "undefined");
 }
 
 // Device pointer of a contiguous f32 tensor of `n` elements on x's device; null when undefined.
 float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op, const char* what) {
   if (!t.defined()) return nullptr;
-  KILN_CHECK(t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n &&
-                 t.device() == x.device(),
-             op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ",
-             x.device(), ", got ", t.desc());
+  KILN_CHECK(
+      t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n && t.device() == x.device(),
+      op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ", x.device(),
+      ", got ", t.desc());
   return static_cast<float*>(t.raw_data());
 }
 
 template <typename F>
 void dispatch_data(DType t, F&& f) {
   switch (t) {
-    case DType::f32: f.template operator()<float>(); break;
-    case DType::f16: f.template operator()<__half>(); break;
-    case DType::bf16: f.template operator()<__nv_bfloat16>(); break;
-    default: KILN_FAIL("sync_batch_norm (cuda): unsupported dtype ", dtype_name(t));
+    case DType::f32:
+      f.template operator()<float>();
+      break;
+    case DType::f16:
+      f.template operator()<__half>();
+      break;
+    case DType::bf16:
+      f.template operator()<__nv_bfloat16>();
+      break;
+    default:
+      KILN_FAIL("sync_batch_norm (cuda): unsupported dtype ", dtype_name(t));
   }
 }
 
@@ -106,8 +113,8 @@ struct GradTerms {
 
 // Block (kTile, kTileRows); grid (ceil(C/kTile), parts). partial (2, parts, C).
 template <typename Terms>
-__global__ void sums_inner_kernel(Terms terms, float* __restrict__ partial, int64_t rows,
-                                  int64_t C, int parts) {
+__global__ void sums_inner_kernel(Terms terms, float* __restrict__ partial, int64_t rows, int64_t C,
+                                  int parts) {
   __shared__ float sh1[kTileRows][kTile + 1], sh2[kTileRows][kTile + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = int64_t(blockIdx.x) * kTile + tx;
@@ -196,17 +203,16 @@ void channel_sums(float* out, const Geometry& g, Terms terms, bool with_count, D
   float* pp = static_cast<float*>(partial.raw_data());
   cudaStream_t s = current_stream();
   if (g.inner) {
-    const dim3 grid(unsigned(tiles), unsigned(parts)), block(kTile, kTileRows);
+    const dim3 grid{unsigned(tiles), unsigned(parts)}, block{kTile, kTileRows};
     sums_inner_kernel<<<grid, block, 0, s>>>(terms, pp, rows, C, parts);
   } else {
-    const dim3 grid(unsigned(C), unsigned(parts));
+    const dim3 grid{unsigned(C), unsigned(parts)};
     sums_outer_kernel<<<grid, kBlock, 0, s>>>(terms, pp, g.n, C, g.s, parts);
   }
   KILN_CUDA_CHECK_LAUNCH();
   // partial goes back to the stream-ordered allocator after this call: the kernels below are
   // ordered after its last use on the same stream.
-  sums_finish_kernel<<<grid_for(2 * C), kBlock, 0, s>>>(out, pp, C, parts, float(rows),
-                                                         with_count);
+  sums_finish_kernel<<<grid_for(2 * C), kBlock, 0, s>>>(out, pp, C, parts, float(rows), with_count);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -304,9 +310,9 @@ void sync_batch_norm_apply(const Tensor& y, const Tensor& save_mean, const Tenso
   KILN_CUDA_CHECK_LAUNCH();
   const int64_t numel = x.numel();
   dispatch_data(x.dtype(), [&]<typename T>() {
-    apply_kernel<T><<<grid_for(numel), kBlock, 0, s>>>(
-        static_cast<T*>(y.raw_data()), static_cast<const T*>(x.raw_data()), mean, invstd, w, b,
-        numel, C, g.s, g.inner);
+    apply_kernel<T><<<grid_for(numel), kBlock, 0, s>>>(static_cast<T*>(y.raw_data()),
+                                                       static_cast<const T*>(x.raw_data()), mean,
+                                                       invstd, w, b, numel, C, g.s, g.inner);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }
@@ -321,8 +327,8 @@ void sync_batch_norm_backward_sums(const Tensor& sums, const Tensor& dy, const T
   const float* k = f32_ptr(invstd, g.c, x, op, "invstd");
   KILN_CHECK(out && m && k, op, " (cuda): sums, mean and invstd are required");
   dispatch_data(x.dtype(), [&]<typename T>() {
-    GradTerms<T> terms{static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
-                       m, k};
+    GradTerms<T> terms{static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()), m,
+                       k};
     channel_sums(out, g, terms, false, x.device());
   });
 }
