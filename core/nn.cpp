@@ -188,7 +188,8 @@ int64_t enable_sync_batch_norm(Module& root, const StatsAllReduce& reduce) {
       ++count;
     }
     const auto& children = m->named_children();
-    for (auto it = children.rbegin(); it != children.rend(); ++it) stack.push_back(it->second.get());
+    for (auto it = children.rbegin(); it != children.rend(); ++it)
+      stack.push_back(it->second.get());
   }
   return count;
 }
