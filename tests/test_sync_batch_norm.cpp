@@ -187,8 +187,8 @@ TEST_CASE("sync_batch_norm: per-rank mean losses, gradients averaged over ranks 
            db = zeros({3}, DType::f64);
     for (int r = 0; r < R; ++r) {
       const size_t i = size_t(r);
-      KILN_CHECK_OK(compare(xs[i].grad(), F::mul(x.grad().narrow(0, r * n, n), double(R)), kTol,
-                            kTol));
+      KILN_CHECK_OK(
+          compare(xs[i].grad(), F::mul(x.grad().narrow(0, r * n, n), double(R)), kTol, kTol));
       F::add_(da, as[i].grad(), 1.0 / R);
       F::add_(dw, ws[i].grad(), 1.0 / R);
       F::add_(db, bs[i].grad(), 1.0 / R);
@@ -211,8 +211,8 @@ TEST_CASE("sync_batch_norm: a rank with no upstream gradient still reduces, and 
   std::vector<Tensor> ws = {param_leaf(p.w), param_leaf(p.w)}, grads(2);
   ThreadSum sum(2);
   run_ranks(sum, 2, [&](int r) {
-    Tensor y = F::sync_batch_norm(xs[size_t(r)], ws[size_t(r)], p.b, Tensor(), Tensor(),
-                                  kMomentum, kEps, sum.for_rank(r));
+    Tensor y = F::sync_batch_norm(xs[size_t(r)], ws[size_t(r)], p.b, Tensor(), Tensor(), kMomentum,
+                                  kEps, sum.for_rank(r));
     if (r == 0) {
       F::sum(F::mul(y, g.narrow(0, 0, 2))).backward();
     } else {
@@ -237,14 +237,18 @@ TEST_CASE("sync_batch_norm with one rank (identity reducer) is batch_norm; gradc
       CAPTURE(int(fmt));
       const int64_t c = shape[1];
       Tensor x = leaf(shape, -2.0, 2.0), w = leaf({c}, 0.5, 1.5), b = leaf({c});
-      KILN_CHECK_OK(gradcheck([&](auto& in) {
-        return F::sync_batch_norm(in[0].contiguous(fmt), in[1], in[2], Tensor(), Tensor(),
-                                  kMomentum, kEps, identity);
-      }, {x, w, b}));
-      KILN_CHECK_OK(gradcheck([&](auto& in) {  // no affine parameters
-        return F::sync_batch_norm(in[0].contiguous(fmt), Tensor(), Tensor(), Tensor(), Tensor(),
-                                  kMomentum, kEps, identity);
-      }, {x}));
+      KILN_CHECK_OK(gradcheck(
+          [&](auto& in) {
+            return F::sync_batch_norm(in[0].contiguous(fmt), in[1], in[2], Tensor(), Tensor(),
+                                      kMomentum, kEps, identity);
+          },
+          {x, w, b}));
+      KILN_CHECK_OK(gradcheck(
+          [&](auto& in) {  // no affine parameters
+            return F::sync_batch_norm(in[0].contiguous(fmt), Tensor(), Tensor(), Tensor(), Tensor(),
+                                      kMomentum, kEps, identity);
+          },
+          {x}));
     }
   }
   // f32 and f64 forward and running stats against batch_norm.
@@ -267,18 +271,23 @@ TEST_CASE("sync_batch_norm errors") {
   const F::StatsAllReduce identity = [](const Tensor&) {};
   Tensor x = randn({2, 3, 2, 2}, DType::f64), w = ones({3}, DType::f64);
   CHECK_THROWS_AS(F::sync_batch_norm(x, w, w, Tensor(), Tensor(), 0.1, kEps, {}), Error);
-  CHECK_THROWS_AS(F::sync_batch_norm(randn({6}, DType::f64), Tensor(), Tensor(), Tensor(),
-                                     Tensor(), 0.1, kEps, identity), Error);
+  CHECK_THROWS_AS(F::sync_batch_norm(randn({6}, DType::f64), Tensor(), Tensor(), Tensor(), Tensor(),
+                                     0.1, kEps, identity),
+                  Error);
   CHECK_THROWS_AS(F::sync_batch_norm(randn({1, 3}, DType::f64), Tensor(), Tensor(), Tensor(),
-                                     Tensor(), 0.1, kEps, identity), Error);  // one value per channel
+                                     Tensor(), 0.1, kEps, identity),
+                  Error);  // one value per channel
   CHECK_THROWS_AS(F::sync_batch_norm(x, ones({4}, DType::f64), Tensor(), Tensor(), Tensor(), 0.1,
-                                     kEps, identity), Error);
-  CHECK_THROWS_AS(F::sync_batch_norm(x, ones({3}), Tensor(), Tensor(), Tensor(), 0.1, kEps,
-                                     identity), Error);  // f32 weight for f64 x
-  CHECK_THROWS_AS(F::sync_batch_norm(x.to(DType::f16), Tensor(), Tensor(), Tensor(), Tensor(),
-                                     0.1, kEps, identity), Error);  // f16 on the CPU
-  CHECK_THROWS_AS(F::sync_batch_norm(x, w, w, zeros({3}, DType::f64), Tensor(), 0.1, kEps,
-                                     identity), Error);
+                                     kEps, identity),
+                  Error);
+  CHECK_THROWS_AS(
+      F::sync_batch_norm(x, ones({3}), Tensor(), Tensor(), Tensor(), 0.1, kEps, identity),
+      Error);  // f32 weight for f64 x
+  CHECK_THROWS_AS(F::sync_batch_norm(x.to(DType::f16), Tensor(), Tensor(), Tensor(), Tensor(), 0.1,
+                                     kEps, identity),
+                  Error);  // f16 on the CPU
+  CHECK_THROWS_AS(
+      F::sync_batch_norm(x, w, w, zeros({3}, DType::f64), Tensor(), 0.1, kEps, identity), Error);
   // A failing reducer propagates, and the running statistics are left as they were.
   Tensor rm = zeros({3}, DType::f64), rv = ones({3}, DType::f64);
   CHECK_THROWS_AS(F::sync_batch_norm(x, w, w, rm, rv, 0.1, kEps,
@@ -315,8 +324,8 @@ TEST_CASE("BatchNorm2d sync: training uses the reducer, eval is plain BN; enable
   // The tree walk counts a module reachable twice once; an empty reducer is refused.
   auto shared = std::make_shared<nn::BatchNorm2d>(4);
   nn::Sequential seq{std::make_shared<nn::BatchNorm2d>(2), shared,
-                     std::make_shared<nn::Sequential>(
-                         std::initializer_list<nn::ModulePtr>{shared, std::make_shared<nn::ReLU>()})};
+                     std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
+                         shared, std::make_shared<nn::ReLU>()})};
   CHECK(nn::enable_sync_batch_norm(seq, counting) == 2);
   CHECK(shared->sync_enabled());
   CHECK_THROWS_AS(nn::enable_sync_batch_norm(seq, {}), Error);
