@@ -7,7 +7,7 @@
 //
 // The variance comes from Σx² - n·mean², which loses digits when |mean| >> std (as a one-pass
 // kernel would); PyTorch instead all-gathers per-rank (mean, invstd, count), which a sum-only
-// reducer cannot express. f32 sums are exact enough for normalised activations.
+// reducer cannot express. f32 sums are accurate enough for activations with |mean| ~ std.
 //
 // Gradients and data parallelism. Let rank q's loss be L_q and L = Σ_q L_q. Backwards from the
 // losses, every gradient rank r computes is ∂L/∂(its tensor): per-sample ops (conv, ReLU, pool,

@@ -91,7 +91,8 @@ std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module& model, optim::Fu
 int64_t DataParallel::enable_sync_batch_norm(nn::Module& model) {
   // The current stream, not GradBucketer's: NCCL runs the operations of one communicator in
   // the order they are issued, whatever their streams, and every rank issues these and the
-  // gradient buckets in the same order (its backward's), so they cannot cross.
+  // gradient buckets in the same order (its backward's), so they cannot cross. The price: a
+  // backward SyncBN reduction waits for the bucket all-reduces issued before it.
   cuda::Communicator* comm = impl_->comm.get();
   return nn::enable_sync_batch_norm(
       model, [comm](const Tensor& t) { comm->all_reduce(t, cuda::ReduceOp::Sum); });
