@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <unordered_set>
 
 namespace kiln::nn {
 
@@ -148,20 +149,49 @@ void BatchNorm2d::check_and_count(const Tensor& x) {
 
 Tensor BatchNorm2d::forward(const Tensor& x) {
   check_and_count(x);
+  if (is_training() && sync_)
+    return F::sync_batch_norm(x, weight_, bias_, running_mean_, running_var_, momentum_, eps_,
+                              sync_);
   return F::batch_norm(x, weight_, bias_, running_mean_, running_var_, is_training(), momentum_,
                        eps_);
 }
 
 Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
   check_and_count(x);
+  if (is_training() && sync_) {  // no fused sync kernel: the composition batch_norm_relu defines
+    Tensor y = F::sync_batch_norm(x, weight_, bias_, running_mean_, running_var_, momentum_, eps_,
+                                  sync_);
+    return F::relu(residual.defined() ? F::add(y, residual) : y);
+  }
   return F::batch_norm_relu(x, residual, weight_, bias_, running_mean_, running_var_,
                             is_training(), momentum_, eps_);
 }
 
 std::string BatchNorm2d::describe() const {
   std::ostringstream os;
-  os << "BatchNorm2d(" << channels_ << ", eps=" << eps_ << ", momentum=" << momentum_ << ")";
+  os << "BatchNorm2d(" << channels_ << ", eps=" << eps_ << ", momentum=" << momentum_
+     << (sync_ ? ", sync" : "") << ")";
   return os.str();
+}
+
+int64_t enable_sync_batch_norm(Module& root, const StatsAllReduce& reduce) {
+  KILN_CHECK(reduce, "enable_sync_batch_norm: the statistics all-reduce is empty");
+  int64_t count = 0;
+  std::unordered_set<const Module*> seen;  // a module reachable twice is counted once
+  std::vector<Module*> stack{&root};
+  while (!stack.empty()) {
+    Module* m = stack.back();
+    stack.pop_back();
+    if (!seen.insert(m).second) continue;
+    if (auto* bn = dynamic_cast<BatchNorm2d*>(m)) {
+      bn->set_sync(reduce);
+      ++count;
+    }
+    const auto& children = m->named_children();
+    for (auto it = children.rbegin(); it != children.rend(); ++it)
+      stack.push_back(it->second.get());
+  }
+  return count;
 }
 
 // ---------------- Linear ----------------

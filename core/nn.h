@@ -56,15 +56,24 @@ class Conv2d : public Module {
   Tensor weight_, bias_;
 };
 
+using F::StatsAllReduce;
+
 // x (N, C, H, W). Training: batch statistics, running stats updated with `momentum`,
 // num_batches_tracked += 1. Eval: running statistics.
+// Synchronised (set_sync): in training the statistics are the global batch's, all ranks' x
+// together (F::sync_batch_norm, one `reduce` call per forward and per backward); eval mode is
+// unchanged.
 class BatchNorm2d : public Module {
  public:
   explicit BatchNorm2d(int64_t channels, double eps = 1e-5, double momentum = 0.1);
   Tensor forward(const Tensor& x) override;
   // relu(bn(x) + residual), residual optional: F::batch_norm_relu with this module's state
-  // (fused on the GPU). Counts a batch like forward().
+  // (fused on the GPU). Counts a batch like forward(). Synchronised: sync_batch_norm, then add
+  // and relu (not fused).
   Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
+  // An empty `reduce` turns synchronisation off. The reducer's captures must outlive training.
+  void set_sync(StatsAllReduce reduce) { sync_ = std::move(reduce); }
+  bool sync_enabled() const { return static_cast<bool>(sync_); }
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string describe() const override;
   const Tensor& weight() const { return weight_; }
@@ -79,7 +88,12 @@ class BatchNorm2d : public Module {
   int64_t channels_;
   double eps_, momentum_;
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
+  StatsAllReduce sync_;
 };
+
+// Synchronised batch norm for data-parallel training: set_sync(reduce) on every BatchNorm2d in
+// `root`'s tree (root included). Returns how many modules it set. `reduce` must not be empty.
+int64_t enable_sync_batch_norm(Module& root, const StatsAllReduce& reduce);
 
 // x (N, in) -> (N, out). weight (out, in), bias (out) when `bias`.
 class Linear : public Module {

@@ -7,6 +7,7 @@
 // Unless stated otherwise: inputs may have any strides; outputs are new contiguous tensors of
 // the inputs' dtype and device; all inputs of one op must share dtype and device.
 #include <array>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -101,6 +102,30 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,
                        const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
                        bool training, double momentum = 0.1, double eps = 1e-5);
+
+// ---------------- synchronised batch norm (ops/sync_batch_norm.cpp) ----------------
+// Sums a small dense 1-D statistics tensor IN PLACE over all data-parallel ranks (kiln-train:
+// an NCCL all-reduce on the current stream; one rank: do nothing). The tensor has the
+// statistics' dtype (f32 on CUDA, x's on the CPU) and lives on x's device. Every rank must
+// make the same calls in the same order with the same sizes (a collective).
+using StatsAllReduce = std::function<void(const Tensor&)>;
+
+// batch_norm in training mode over the GLOBAL batch: the union along N of every rank's x.
+// x (N, C, ...) NCHW or channels-last, the rank's shard (N may differ between ranks); weight,
+// bias, running stats as in batch_norm (running_var gets the unbiased variance of the global
+// batch). CPU: f32/f64 with parameters of x's dtype; CUDA: f32/f16/bf16 with f32 parameters.
+// Forward: ONE all_reduce of the packed local [Σx (C), Σx² (C), count] (statistics dtype: f32
+// on CUDA also for 16-bit x). Backward, when x needs a gradient: ONE all_reduce of the packed
+// local [Σdy (C), Σdy·x̂ (C)] (an undefined dy counts as zeros, so every rank takes part).
+// Gradients: dx (=) is this rank's slice of the full-batch batch_norm's dx for the upstream
+// gradients of all ranks, i.e. ∂(Σ_ranks loss)/∂x; dweight (=) = Σ_local dy·x̂ and dbias (=) =
+// Σ_local dy are this rank's parts, summing over ranks to the full-batch gradients. With a
+// per-rank mean loss and GradBucketer's averaging this is big-batch training exactly (the
+// reasoning is in ops/sync_batch_norm.cpp). Needs more than one value per channel on each
+// rank (as batch_norm). No host synchronisation.
+Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                       const Tensor& running_mean, const Tensor& running_var, double momentum,
+                       double eps, const StatsAllReduce& all_reduce);
 
 // ---------------- softmax and losses (ops/softmax.cpp, ops/loss.cpp) ----------------
 Tensor softmax(const Tensor& x, int64_t dim);

@@ -45,6 +45,8 @@ std::string usage() {
          "  --weights PATH       start from weights (safetensors, torchvision names, strict)\n"
          "  --evaluate           evaluate only (with --weights or --resume)\n"
          "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds)\n"
+         "  --sync-bn            data-parallel: BatchNorm statistics over the global batch of\n"
+         "                       all processes (SyncBN); does nothing with one process\n"
          "  --profile            per-op GPU time table after the first epoch (cuda, --graph off)\n"
          "  --amp on|off         FP16 storage with FP32 master weights and loss scaling\n"
          "                       (default: on for cuda, off for cpu)\n"
@@ -146,6 +148,8 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
       a.evaluate = true;
     else if (f == "--quiet")
       a.quiet = true;
+    else if (f == "--sync-bn")
+      a.sync_bn = true;
     else if (f == "--seed")
       a.seed = uint64_t(to_int(f, need(), 0));
     else if (f == "--workers" || f == "-j")

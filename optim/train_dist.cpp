@@ -1,5 +1,6 @@
 #include "optim/train_dist.h"
 
+#include "core/nn.h"
 #include "ops/ops.h"
 #ifdef KILN_WITH_NCCL
 #include "core/rendezvous.h"
@@ -87,6 +88,16 @@ std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module& model, optim::Fu
   return std::make_unique<BucketedStep>(*impl_->comm, model, opt, scaler, label_smoothing);
 }
 
+int64_t DataParallel::enable_sync_batch_norm(nn::Module& model) {
+  // The current stream, not GradBucketer's: NCCL runs the operations of one communicator in
+  // the order they are issued, whatever their streams, and every rank issues these and the
+  // gradient buckets in the same order (its backward's), so they cannot cross. The price: a
+  // backward SyncBN reduction waits for the bucket all-reduces issued before it.
+  cuda::Communicator* comm = impl_->comm.get();
+  return nn::enable_sync_batch_norm(
+      model, [comm](const Tensor& t) { comm->all_reduce(t, cuda::ReduceOp::Sum); });
+}
+
 void DataParallel::sync_buffers(nn::Module& model) {
   NoGradGuard no_grad;
   impl_->comm->broadcast(model.buffers());
@@ -119,6 +130,7 @@ std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module&, optim::FusedOpt
                                                     optim::DynamicLossScaler&, double) {
   return nullptr;
 }
+int64_t DataParallel::enable_sync_batch_norm(nn::Module&) { return 0; }
 void DataParallel::sync_buffers(nn::Module&) {}
 void DataParallel::sum_host(std::vector<double>&) {}
 

@@ -36,6 +36,10 @@ class DataParallel {
   // every rank skips (and backs off) together. Capturable in a CUDA graph.
   std::unique_ptr<StepRunner> make_step(nn::Module& model, optim::FusedOptimizer& opt,
                                         optim::DynamicLossScaler& scaler, double label_smoothing);
+  // SyncBN: every BatchNorm2d of `model` normalises training batches with the statistics of
+  // all ranks' batches, reduced by an NCCL all-reduce (Sum) on the current stream. Returns how
+  // many BatchNorm2d it set. This DataParallel must outlive the model's training steps.
+  int64_t enable_sync_batch_norm(nn::Module& model);
   // Rank 0's BatchNorm statistics (and other buffers) to every rank, before evaluating.
   void sync_buffers(nn::Module& model);
   // values = element-wise sum over ranks (a blocking all-reduce; for per-epoch counts).

@@ -68,6 +68,7 @@ Summary run(const Config& c) {
   amp::prepare_model(*model, dev, precision);
   std::unique_ptr<DataParallel> dp;
   if (env.distributed()) dp = std::make_unique<DataParallel>(env, *model);  // broadcasts rank 0's
+  const int64_t sync_bn_layers = c.sync_bn && dp ? dp->enable_sync_batch_norm(*model) : 0;
 
   optim::ParamGroup proto;
   proto.lr = c.lr;
@@ -128,6 +129,13 @@ Summary run(const Config& c) {
         c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
         c.augment ? ", crop+flip augmentation" : "",
         start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
+    if (c.sync_bn && dp)
+      std::printf("  sync BN: %ld BatchNorm2d layers normalise with the statistics of all %ld "
+                  "processes' batches\n",
+                  long(sync_bn_layers), long(world));
+    else if (c.sync_bn)
+      std::printf("  --sync-bn: one process, so its batch is the global batch: nothing to "
+                  "synchronise\n");
     std::fflush(stdout);
   }
 

@@ -29,6 +29,8 @@
 // --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (core/launcher.h);
 // each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
 // averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
+// --sync-bn makes every BatchNorm2d normalise with the statistics of the global batch
+// (F::sync_batch_norm, an NCCL all-reduce per BN layer in forward and backward).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -64,6 +66,7 @@ struct Config {
   std::string weights;         // safetensors weights (torchvision names), strict
   bool evaluate = false;       // evaluate only
   int nproc = 1;
+  bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
   bool quiet = false;  // no progress lines (tests)
 };
 

@@ -63,6 +63,29 @@ void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
                          const Tensor& save_mean, const Tensor& save_invstd);
 }  // namespace kiln::cpu
 
+// ---- sync_batch_norm (ops/cpu/sync_batch_norm.cpp) ----
+// The local halves of F::sync_batch_norm; the op all-reduces `stats` and `sums` in between.
+// x, y, dy, dx: (N, C, ...) any strides; per-channel tensors of x's dtype, any stride; weight
+// and bias may be undefined (1 and 0). Sums are accumulated in double.
+namespace kiln::cpu {
+// stats (2C+1) = [Σx per channel, Σx² per channel, N·spatial] (=).
+void sync_batch_norm_stats(const Tensor& stats, const Tensor& x);
+// From the global `stats`: mean = Σx/n, var = Σx²/n - mean² (biased, clamped at 0),
+// save_mean (=), save_invstd (=) = 1/sqrt(var + eps), y (=) = (x - mean)·invstd·weight + bias;
+// running stats (when defined) r = (1-momentum)·r + momentum·stat (variance unbiased: n/(n-1)).
+void sync_batch_norm_apply(const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd,
+                           const Tensor& x, const Tensor& weight, const Tensor& bias,
+                           const Tensor& running_mean, const Tensor& running_var,
+                           const Tensor& stats, double momentum, double eps);
+// sums (2C) = [Σdy, Σdy·x̂] per channel (=), x̂ = (x - mean)·invstd.
+void sync_batch_norm_backward_sums(const Tensor& sums, const Tensor& dy, const Tensor& x,
+                                   const Tensor& mean, const Tensor& invstd);
+// dx (=) = weight·invstd·(dy - Σdy/n - x̂·Σdy·x̂/n) with the global `sums` and n = count[0].
+void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                 const Tensor& weight, const Tensor& mean, const Tensor& invstd,
+                                 const Tensor& sums, const Tensor& count);
+}  // namespace kiln::cpu
+
 // ---- softmax (ops/cpu/softmax.cpp) ----
 // Over the last dim of contiguous (rows, cols) tensors; outputs (=).
 namespace kiln::cpu {
