@@ -15,8 +15,6 @@
 //
 // Backward: cuDNN wants the forward's epsilon, but with the saved mean and inverse std passed
 // it does not recompute them; the plain backward's contract has no eps, so kDefaultEps stands in.
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 
 #include "cuda/cudnn_util.h"
@@ -97,21 +95,6 @@ std::unique_ptr<Storage> scratch(size_t bytes, Device dev) {
   return std::make_unique<Storage>(bytes, dev);
 }
 
-// Whether the *Ex calls get a zeroed workspace (KILN_BN_WS_ZERO=1): under investigation, see
-// NOTES.md (batch 64 graph defect).
-bool zero_workspace() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_BN_WS_ZERO");
-    return v && std::strcmp(v, "1") == 0;
-  }();
-  return on;
-}
-std::unique_ptr<Storage> ex_workspace(size_t bytes, Device dev) {
-  auto ws = scratch(bytes, dev);
-  if (ws && zero_workspace()) CUDA_CHECK(cudaMemsetAsync(ws->data(), 0, bytes, current_stream()));
-  return ws;
-}
-
 void check_fused(const char* op, const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.dtype() == DType::f16 && x.is_contiguous(MemoryFormat::ChannelsLast),
              op, ": cuDNN's fused batch norm needs a 4-D f16 channels-last (NHWC) input, got ",
@@ -160,7 +143,7 @@ Tensor forward_training(BnOps ops, const Tensor& y, const Tensor& save_mean,
     size_t ws_bytes = 0;
     CUDNN_CHECK(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
         h, l.mode, cops, d.data.d, zd, d.data.d, d.param.d, ad, &ws_bytes));
-    auto ws = ex_workspace(ws_bytes, dev);
+    auto ws = scratch(ws_bytes, dev);
     CUDNN_CHECK(cudnnBatchNormalizationForwardTrainingEx(
         h, l.mode, cops, &kOne, &kZero, d.data.d, xc.raw_data(), zd, ptr_or_null(zc), d.data.d,
         yb.raw_data(), d.param.d, w.raw_data(), b.raw_data(), momentum,
@@ -220,7 +203,7 @@ void backward(BnOps ops, const Tensor& dx, const Tensor& dz, const Tensor& dweig
     size_t ws_bytes = 0;
     CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
         h, l.mode, cops, d.data.d, yd, d.data.d, dzd, d.data.d, d.param.d, ad, &ws_bytes));
-    auto ws = ex_workspace(ws_bytes, dev);
+    auto ws = scratch(ws_bytes, dev);
     CUDNN_CHECK(cudnnBatchNormalizationBackwardEx(
         h, l.mode, cops, &kOne, &kZero, &kOne, &kZero, d.data.d, xc.raw_data(), yd,
         ptr_or_null(yc), d.data.d, dyc.raw_data(), dzd, ptr_or_null(dzb), d.data.d,

@@ -432,14 +432,8 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
 }
 
 // ---- stem channel padding ----
-// 4 by default; KILN_STEM_CHANNELS=8 pads to 8 (16-byte pixels, which more kernels accept).
-int64_t stem_channels() {
-  static const int64_t c = [] {
-    const char* v = std::getenv("KILN_STEM_CHANNELS");
-    return (v && std::strcmp(v, "8") == 0) ? int64_t(8) : int64_t(4);
-  }();
-  return c;
-}
+// 4 channels; padding to 8 was measured slower end to end (NOTES.md, v4).
+constexpr int64_t kStemChannels = 4;
 bool pad_stem(DType t, int64_t c_in, int64_t groups) {
   return t == DType::f16 && c_in == 3 && groups == 1;
 }
@@ -447,7 +441,7 @@ bool pad_stem(DType t, int64_t c_in, int64_t groups) {
 Tensor pad_channels(const Tensor& t) {
   NoGradGuard no_grad;
   Shape s = t.shape();
-  s[1] = stem_channels();
+  s[1] = kStemChannels;
   Tensor p = zeros(s, TensorOptions(t.dtype()).with_device(t.device())
                           .with_memory_format(MemoryFormat::ChannelsLast));
   p.narrow(1, 0, t.size(1)).copy_(t.detach());
@@ -455,7 +449,7 @@ Tensor pad_channels(const Tensor& t) {
 }
 Tensor padded_empty(const Tensor& like) {
   Shape s = like.shape();
-  s[1] = stem_channels();
+  s[1] = kStemChannels;
   return empty(s, TensorOptions(like.dtype()).with_device(like.device())
                       .with_memory_format(MemoryFormat::ChannelsLast));
 }
