@@ -9,10 +9,16 @@
 // Precision: FP32 accumulation (compute type FLOAT) for f32 and f16; f16 may use tensor cores
 // (TENSOR_OP_MATH); f32 is restricted to FMA kernels, so no TF32 rounding.
 //
-// Host cost per call: each problem's descriptors and ranked algorithms live in a Plan cached
-// under a POD key (hashed, compared bytewise), so a call with a known problem builds the key,
-// finds the plan, allocates the workspace from the caching allocator and launches. Setting
-// KILN_CUDNN_FIND_LOG=1 prints what cudnnFind*AlgorithmEx returns for each new problem.
+// Two cuDNN APIs: each new problem is timed with the legacy cudnnFind*AlgorithmEx and, for f16
+// and bf16, also tuned on the backend graph API (cuda/conv_engine.h), whose engines are 2-5x
+// faster on ResNet-50's NHWC problems; the faster of the two bests is kept (ConvBackend in
+// cuda/conv.h). A backend plan that fails at run time hands over to the legacy candidates.
+//
+// Host cost per call: each problem's descriptors, ranked algorithms and backend plan live in a
+// Plan cached under a POD key (hashed, compared bytewise), so a call with a known problem builds
+// the key, finds the plan, allocates the workspace from the caching allocator and launches.
+// KILN_CUDNN_FIND_LOG=1 prints, for each new problem, what cudnnFind returned, every backend
+// plan's time, and the choice.
 //
 // Stem padding: an f16 convolution with 3 input channels (the ResNet stem) runs on copies of x
 // and w zero-padded to 4 channels in NHWC, which tensor-core kernels accept; the padded channels

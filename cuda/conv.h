@@ -3,9 +3,10 @@
 // declared in cuda/ops.h).
 //
 // Each distinct problem (device, op, dtype, layout, all sizes, padding, stride, dilation, groups,
-// determinism) is timed once with cudnnFind*AlgorithmEx; the ranked candidates are cached and
-// later calls run the fastest one that succeeds. A search cannot run inside CUDA graph capture:
-// run one eager step first (the graph executor's warm-up does).
+// determinism, backend mode, operand alignment) is timed once — cudnnFind*AlgorithmEx, and for
+// f16/bf16 the backend API's top plans — and the choice is cached; later calls run it. A search
+// cannot run inside CUDA graph capture: run one eager step first (the graph executor's warm-up
+// does).
 #include <cstddef>
 #include <cstdint>
 
