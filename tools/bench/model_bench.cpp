@@ -170,7 +170,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       // not training and its figure is not a valid measurement).
       r.final_scale = scaler.scale_value();
       r.skipped_steps = int64_t(scaler.skipped_steps().item());
-      r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window + 5;  // + issue probes
+      r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window + 5 +  // + issue probes
+                      (o.profile && !graph ? 5 : 0);                           // + profiled
       rows.push_back(r);
       if (!report) continue;
       if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);
