@@ -140,11 +140,13 @@ class Conv2dBackward final : public Node {
   }
 
  private:
-  // The engine's target for input i, unless it shares memory with an operand (a leaf's .grad
-  // may: cuDNN's output must not alias its inputs).
+  // The engine's target for input i, unless its dtype differs from dy's (mixed-precision
+  // graphs: the gradient is converted after apply) or it shares memory with an operand (a
+  // leaf's .grad may: cuDNN's output must not alias its inputs).
   Tensor target(size_t i, std::initializer_list<Tensor> operands) const {
     Tensor t = accumulate_target(i);
-    if (!t.defined()) return t;
+    const Tensor& dy = *operands.begin();
+    if (!t.defined() || !dy.defined() || t.dtype() != dy.dtype()) return {};
     for (const Tensor& o : operands)
       if (o.defined() && t.shares_storage(o)) return {};
     return t;
