@@ -1,6 +1,8 @@
 #include "core/autograd.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_set>
 #include <queue>
@@ -36,6 +38,11 @@ Node::~Node() {
     n.reset();  // may park more nodes
   }
   draining = false;
+}
+
+void Node::set_accumulate_target(size_t input_nr, const Tensor& t) {
+  if (accumulate_targets_.size() <= input_nr) accumulate_targets_.resize(input_nr + 1);
+  accumulate_targets_[input_nr] = t;
 }
 
 void Node::set_inputs(const std::vector<Tensor>& inputs) {
@@ -78,13 +85,25 @@ AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable)
   input_meta_.push_back({variable_->shape, variable_->dtype, variable_->device});
 }
 
+Tensor AccumulateGrad::grad_for_accumulation() const {
+  Tensor cur = Tensor(variable_).grad();
+  if (!cur.defined() || cur.requires_grad()) return {};
+  if (cur.shape() != variable_->shape || cur.dtype() != variable_->dtype ||
+      cur.device() != variable_->device)
+    return {};
+  if (!cur.is_contiguous(cur.suggest_memory_format())) return {};  // dense: no overlap, no gaps
+  return cur;
+}
+
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>& grads) {
   Tensor var(variable_);
   Tensor g = grads[0];
   if (!g.defined()) return {};
   NoGradGuard no_grad;
   Tensor cur = var.grad();
-  if (!cur.defined()) {
+  if (g.is_same(accumulate_target(0))) {
+    // The producer already did `.grad += g` in place (the engine offered .grad, see backward).
+  } else if (!cur.defined()) {
     // First gradient: `=`. Always a private copy, laid out like the variable, so later `+=`
     // never writes into a tensor someone else holds.
     var.set_grad(g.clone(var.suggest_memory_format()).detach());
@@ -155,6 +174,19 @@ void check_inplace(const Tensor& t, const char* op) {
 
 namespace {
 
+std::atomic<int> g_accumulate{-1};  // -1: not yet read from KILN_ACCUMULATE_GRADS
+std::atomic<uint64_t> g_offered{0}, g_offered_leaf{0}, g_used{0};
+
+// A buffered partial sum the engine may hand to a node to accumulate into: nobody else can
+// observe the in-place update (the engine holds the only handle, and that handle the only
+// reference to the memory), it is dense (an expanded tensor would take several `+=` into one
+// element), and it is exactly the input's shape, dtype and device.
+bool exclusive_partial_sum(const Tensor& t, const InputMeta& m) {
+  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 &&
+         !t.requires_grad() && t.shape() == m.shape && t.dtype() == m.dtype &&
+         t.device() == m.device && t.is_contiguous(t.suggest_memory_format());
+}
+
 #ifdef KILN_WITH_CUDA
 // Node names as stable C strings for the profiler's table (which keeps the pointers).
 const char* interned_name(const Node& n) {
@@ -183,6 +215,27 @@ void validate_grads(const Node& node, std::vector<Tensor>& grads) {
 
 }  // namespace
 
+bool accumulate_into_enabled() {
+  int v = g_accumulate.load();
+  if (v < 0) {
+    const char* e = std::getenv("KILN_ACCUMULATE_GRADS");
+    int expected = -1;
+    g_accumulate.compare_exchange_strong(expected, (e && std::strcmp(e, "0") == 0) ? 0 : 1);
+    v = g_accumulate.load();
+  }
+  return v == 1;
+}
+void set_accumulate_into_enabled(bool on) { g_accumulate.store(on ? 1 : 0); }
+
+AccumulateStats accumulate_stats() {
+  return {g_offered.load(), g_used.load(), g_offered_leaf.load()};
+}
+void reset_accumulate_stats() {
+  g_offered = 0;
+  g_used = 0;
+  g_offered_leaf = 0;
+}
+
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
               bool retain_graph) {
   KILN_CHECK(roots.size() == grads.size(), "backward: ", roots.size(), " roots but ",
@@ -191,16 +244,87 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 
   struct Buffer {
     std::vector<Tensor> grads;
+    // AccumulateGrad only: grads[0] is the leaf's .grad, into which the producer accumulated.
+    bool in_grad = false;
   };
   std::unordered_map<Node*, Buffer> buffers;
   std::unordered_map<Node*, int> deps;
   std::unordered_map<Node*, std::shared_ptr<Node>> keep;  // owners while the engine runs
 
-  auto add_grad = [&](const Edge& e, const Tensor& g) {
+  auto slot_of = [&](const Edge& e) -> Tensor& {
     Buffer& b = buffers[e.fn.get()];
     if (b.grads.empty()) b.grads.resize(e.fn->num_outputs());
-    Tensor& slot = b.grads[e.input_nr];
+    return b.grads[e.input_nr];
+  };
+  auto add_grad = [&](const Edge& e, const Tensor& g) {
+    Tensor& slot = slot_of(e);
     slot = slot.defined() ? F::add(slot, g) : g;  // `+=` across edges into one output
+  };
+
+  // Accumulate-into (see core/autograd.h). Before node n runs, for each input i it opts in for:
+  //  * the consumer's slot already holds a partial sum that only the engine can see: it moves
+  //    into n as target i (so the slot is empty while n runs, and its handle is the only one);
+  //  * the slot is empty, the consumer is an AccumulateGrad, this edge is its last pending
+  //    contribution (deps == 1) and the leaf's .grad is defined: .grad is the target. With
+  //    more contributions pending the first one is buffered as today, so the summation order —
+  //    .grad + (g1 + g2 + ...) — and hence every bit of the result is unchanged.
+  // After apply, a used target is stored in the slot (nothing to add); an unused one goes back
+  // into the slot and the fresh gradient is added to it as before, in the same order.
+  struct Offer {
+    size_t i;
+    Tensor target;
+    bool leaf;  // target is a leaf's .grad (else a moved-out partial sum)
+  };
+  std::vector<Offer> offers;
+  const bool accumulate = accumulate_into_enabled();
+  auto offer_targets = [&](Node* n) {
+    offers.clear();
+    const auto& edges = n->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid() || !n->can_accumulate_into(i)) continue;
+      bool repeated = false;  // two inputs of n feed one slot: keep it simple, offer none
+      for (size_t j = 0; j < edges.size(); ++j)
+        repeated |= j != i && edges[j].fn == e.fn && edges[j].input_nr == e.input_nr;
+      if (repeated) continue;
+      auto it = buffers.find(e.fn.get());
+      Tensor* slot = it != buffers.end() && !it->second.grads.empty()
+                         ? &it->second.grads[e.input_nr] : nullptr;
+      const InputMeta& m = n->input_meta()[i];
+      Offer o{i, Tensor(), false};
+      if (slot && slot->defined()) {
+        if (!exclusive_partial_sum(*slot, m)) continue;
+        o.target = std::move(*slot);
+        *slot = Tensor();
+      } else if (auto* acc = dynamic_cast<AccumulateGrad*>(e.fn.get());
+                 acc && deps[acc] == 1) {
+        o.target = acc->grad_for_accumulation();
+        if (!o.target.defined()) continue;
+        o.leaf = true;
+      } else {
+        continue;
+      }
+      n->set_accumulate_target(i, o.target);
+      offers.push_back(std::move(o));
+      ++g_offered;
+      if (offers.back().leaf) ++g_offered_leaf;
+    }
+  };
+  auto settle_targets = [&](Node* n, std::vector<Tensor>& out) {
+    for (Offer& o : offers) {
+      const Edge& e = n->next_edges()[o.i];
+      Tensor& slot = slot_of(e);  // empty: moved out, or nothing buffered
+      if (o.i < out.size() && out[o.i].is_same(o.target)) {
+        ++g_used;
+        slot = std::move(o.target);
+        out[o.i] = Tensor();  // already summed
+        if (o.leaf) buffers[e.fn.get()].in_grad = true;
+      } else if (!o.leaf) {
+        slot = std::move(o.target);  // add_grad adds the fresh gradient to it, as before
+      }
+    }
+    offers.clear();
+    n->clear_accumulate_targets();
   };
 
   std::vector<Node*> root_nodes;
@@ -255,19 +379,27 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   while (!ready.empty()) {
     Node* n = ready.top();
     ready.pop();
-    std::vector<Tensor> in = std::move(buffers[n].grads);
+    Buffer& buf = buffers[n];
+    std::vector<Tensor> in = std::move(buf.grads);
+    if (buf.in_grad) n->set_accumulate_target(0, in[0]);  // tells AccumulateGrad not to add
     buffers.erase(n);
     if (in.empty()) in.resize(n->num_outputs());
+    if (accumulate) offer_targets(n);
     std::vector<Tensor> out;
-    {
+    try {
 #ifdef KILN_WITH_CUDA
       const bool on_gpu = !in.empty() && in[0].defined() && in[0].is_cuda();
       KILN_PROFILE_OP(on_gpu ? interned_name(*n) : nullptr, in[0].desc());
 #endif
       out = n->apply(in);
+    } catch (...) {
+      n->clear_accumulate_targets();  // no tensor of this backward outlives it in the node
+      throw;
     }
     if (!retain_graph) n->release_saved();
     validate_grads(*n, out);
+    if (!offers.empty()) settle_targets(n, out);
+    n->clear_accumulate_targets();
     const auto& edges = n->next_edges();
     for (size_t i = 0; i < edges.size(); ++i) {
       const Edge& e = edges[i];

@@ -12,6 +12,14 @@
 // empty). It never writes into an existing buffer: the engine sums gradients that reach the
 // same input (`+=`) and AccumulateGrad adds into a leaf's .grad (`+=`, or `=` on first use).
 //
+// Exception, opt-in (accumulate-into): a node whose can_accumulate_into(i) is true may be handed,
+// before apply(), a tensor accumulate_target(i) that the engine would otherwise add gradient i
+// to: the partial sum already buffered for that input (when the engine holds the only reference
+// to it and its memory), or the leaf's .grad (the AccumulateGrad behind the edge would `+=` into
+// it anyway). A node that uses the target computes `target += grad_i` in place and returns the
+// target itself as gradient i; otherwise it returns a fresh gradient as usual and the engine
+// adds. This saves the separate `+=` pass (cuDNN's beta = 1 for convolution backward).
+//
 // Backward frees saved tensors unless retain_graph is set; a second backward through such a
 // node is an error. A SavedTensor remembers its storage's version and refuses to unpack if an
 // in-place op changed it in between.
@@ -64,6 +72,16 @@ class Node {
   virtual std::vector<Tensor> apply(std::vector<Tensor>& grad_outputs) = 0;
   // Drops saved tensors after a backward without retain_graph.
   virtual void release_saved() {}
+  // Whether apply() honours accumulate_target(input_nr) (see the contract above).
+  virtual bool can_accumulate_into(size_t /*input_nr*/) const { return false; }
+  // The tensor gradient `input_nr` may be accumulated into during apply(), or undefined. Dense,
+  // with the input's shape, dtype and device. Set and cleared by the engine around apply().
+  Tensor accumulate_target(size_t input_nr) const {
+    return input_nr < accumulate_targets_.size() ? accumulate_targets_[input_nr] : Tensor();
+  }
+  // Engine only.
+  void set_accumulate_target(size_t input_nr, const Tensor& t);
+  void clear_accumulate_targets() { accumulate_targets_.clear(); }
 
   size_t num_inputs() const { return next_edges_.size(); }
   uint32_t num_outputs() const { return num_outputs_; }
@@ -81,6 +99,9 @@ class Node {
   std::vector<InputMeta> input_meta_;
   uint32_t num_outputs_ = 1;
   uint64_t sequence_nr_;
+
+ private:
+  std::vector<Tensor> accumulate_targets_;
 };
 
 // A tensor kept for backward. Stores an autograd-free alias (no reference cycle through the
@@ -103,12 +124,19 @@ class SavedTensor {
   bool released_ = false;
 };
 
-// The sink of a leaf: adds incoming gradients into the leaf's .grad.
+// The sink of a leaf: adds incoming gradients into the leaf's .grad, then runs the leaf's
+// post-accumulate hooks. When the engine sets accumulate_target(0) and the incoming gradient is
+// that very tensor (the leaf's .grad, into which the producers already accumulated in place),
+// it only runs the hooks.
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> variable);
   std::string name() const override { return "AccumulateGrad"; }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override;
+  // The leaf's .grad when a producer may accumulate into it in place with the same effect as
+  // this node's `+=`: defined, dense, the leaf's shape, dtype and device. Else undefined (the
+  // first gradient of a leaf is a copy, `=`, made here).
+  Tensor grad_for_accumulation() const;
 
  private:
   std::shared_ptr<TensorImpl> variable_;
@@ -133,6 +161,18 @@ void check_inplace(const Tensor& t, const char* op);
 uint64_t add_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(const Tensor&)> fn);
 // Removes a hook; unknown ids are ignored.
 void remove_post_accumulate_grad_hook(const Tensor& leaf, uint64_t id);
+
+// Accumulate-into (see Node): on unless KILN_ACCUMULATE_GRADS=0 or switched off here.
+bool accumulate_into_enabled();
+void set_accumulate_into_enabled(bool on);
+// Counters since the last reset (all threads): targets handed to nodes, and targets the nodes
+// used (gradient accumulated in place instead of by a separate add).
+struct AccumulateStats {
+  uint64_t offered = 0, used = 0;
+  uint64_t offered_leaf = 0;  // of `offered`: a leaf's .grad
+};
+AccumulateStats accumulate_stats();
+void reset_accumulate_stats();
 
 // Runs backward from `roots` with the given gradients (undefined = ones for one-element roots).
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,

@@ -23,6 +23,10 @@
 // Stem padding: an f16 convolution with 3 input channels (the ResNet stem) runs on copies of x
 // and w zero-padded to 4 channels in NHWC, which tensor-core kernels accept; the padded channels
 // contribute zeros. The copies cost one extra pass over x per call.
+//
+// Accumulate (backward entry points): dx/dw `+=` through cuDNN's beta = 1, in place, so the
+// autograd engine needs no separate add (core/autograd.h, accumulate-into). beta is part of the
+// plan cache's key: the backend API bakes it into the operation graph.
 #include "cuda/conv.h"
 
 #include <algorithm>
@@ -60,13 +64,15 @@ struct Problem {
   MemoryFormat fmt;
   Shape x, w, y;
   ConvParams p;
+  bool accumulate = false;  // beta = 1: the computed operand is `+=`
 };
 std::string describe(ConvOp op, const Problem& pr) {
   return detail::str_cat("conv2d ", op_name(op), " ", dtype_name(pr.dtype),
                          pr.fmt == MemoryFormat::ChannelsLast ? " NHWC" : " NCHW", " x",
                          shape_str(pr.x), " w", shape_str(pr.w), " y", shape_str(pr.y), " stride (",
                          pr.p.stride_h, ",", pr.p.stride_w, ") pad (", pr.p.pad_h, ",", pr.p.pad_w,
-                         ") dilation (", pr.p.dil_h, ",", pr.p.dil_w, ") groups ", pr.p.groups);
+                         ") dilation (", pr.p.dil_h, ",", pr.p.dil_w, ") groups ", pr.p.groups,
+                         pr.accumulate ? " accumulate" : "");
 }
 
 struct Ptrs {
@@ -94,7 +100,7 @@ struct Descs {
   }
 };
 
-// alpha = 1, beta = 0 in the scaling type cuDNN expects for the data type.
+// alpha = 1, beta = 0 or 1 in the scaling type cuDNN expects for the data type.
 const void* scalar_one(DType t) {
   static const float f = 1.0f;
   static const double d = 1.0;
@@ -130,9 +136,9 @@ struct Fwd {
                                                   kCount, n, perf, ws, bytes);
   }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
-                           size_t bytes, DType t) {
+                           size_t bytes, DType t, const void* beta) {
     return cudnnConvolutionForward(h, scalar_one(t), d.x.d, p.x, d.w.d, p.w, d.conv.d, a, ws,
-                                   bytes, scalar_zero(t), d.y.d, p.y);
+                                   bytes, beta, d.y.d, p.y);
   }
 };
 struct BwdData {
@@ -149,9 +155,9 @@ struct BwdData {
                                                        p.x, kCount, n, perf, ws, bytes);
   }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
-                           size_t bytes, DType t) {
+                           size_t bytes, DType t, const void* beta) {
     return cudnnConvolutionBackwardData(h, scalar_one(t), d.w.d, p.w, d.y.d, p.y, d.conv.d, a, ws,
-                                        bytes, scalar_zero(t), d.x.d, p.x);
+                                        bytes, beta, d.x.d, p.x);
   }
 };
 struct BwdFilter {
@@ -168,9 +174,9 @@ struct BwdFilter {
                                                          d.w.d, p.w, kCount, n, perf, ws, bytes);
   }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
-                           size_t bytes, DType t) {
+                           size_t bytes, DType t, const void* beta) {
     return cudnnConvolutionBackwardFilter(h, scalar_one(t), d.x.d, p.x, d.y.d, p.y, d.conv.d, a,
-                                          ws, bytes, scalar_zero(t), d.w.d, p.w);
+                                          ws, bytes, beta, d.w.d, p.w);
   }
 };
 
@@ -185,7 +191,7 @@ struct Choice {
 // The whole problem, as plain integers: zero-initialised and without padding, so it hashes and
 // compares bytewise.
 struct Key {
-  int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0;
+  int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0, accumulate = 0;
   int64_t backend = 0, align = 0;  // backend API allowed; byte alignment of the operands (<= 16)
   int64_t x[4] = {}, w[4] = {}, y[4] = {};
   int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
@@ -213,6 +219,7 @@ Problem problem_of(const Key& k) {
   pr.p.dil_h = k.dil_h;
   pr.p.dil_w = k.dil_w;
   pr.p.groups = k.groups;
+  pr.accumulate = k.accumulate != 0;
   return pr;
 }
 
@@ -330,8 +337,10 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
 }
 
 Key make_key(ConvOp op, DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w,
-             const Tensor& y, const ConvParams& p, int device, bool deterministic) {
+             const Tensor& y, const ConvParams& p, int device, bool deterministic,
+             bool accumulate) {
   Key k;
+  k.accumulate = accumulate;
   k.backend = int64_t(backend_mode());
   k.align = std::min({pointer_alignment(x.raw_data()), pointer_alignment(w.raw_data()),
                       pointer_alignment(y.raw_data())});
@@ -355,17 +364,35 @@ Key make_key(ConvOp op, DType dtype, MemoryFormat fmt, const Tensor& x, const Te
   return k;
 }
 
+// The operand an operation computes (y, dx = x or dw = w).
+template <class Op>
+void*& output_ptr(Ptrs& p) {
+  if constexpr (Op::kOp == ConvOp::Forward) return p.y;
+  else if constexpr (Op::kOp == ConvOp::BackwardData) return p.x;
+  else return p.w;
+}
+template <class Op>
+const Tensor& output_of(const Tensor& x, const Tensor& w, const Tensor& y) {
+  if constexpr (Op::kOp == ConvOp::Forward) return y;
+  else if constexpr (Op::kOp == ConvOp::BackwardData) return x;
+  else return w;
+}
+
 // Runs one problem (x, w, y dense in fmt) with its cached plan, searching on first sight, and
-// falls through to the next candidate when one fails.
+// falls through to the next candidate when one fails. With accumulate the computed operand is
+// `+=` (beta = 1): a separate problem in the cache, searched and tuned on a zeroed scratch
+// output, since the timing runs would otherwise add into the real one several times.
 template <class Op>
 void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, const Tensor& y,
-             const ConvParams& cp) {
+             const ConvParams& cp, bool accumulate) {
   Context& ctx = context();
   cudnnHandle_t h = ctx.cudnn;
   CUDNN_CHECK(cudnnSetStream(h, current_stream()));
   const Ptrs p{x.raw_data(), w.raw_data(), y.raw_data()};
   const bool deterministic = g_deterministic.load();
-  const Key key = make_key(Op::kOp, dtype, fmt, x, w, y, cp, ctx.device, deterministic);
+  const Key key =
+      make_key(Op::kOp, dtype, fmt, x, w, y, cp, ctx.device, deterministic, accumulate);
+  const void* beta = accumulate ? scalar_one(dtype) : scalar_zero(dtype);
   std::shared_ptr<Plan> plan;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -376,14 +403,23 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
     } else {
       ++g_misses;
       const Problem pr = problem_of(key);
+      Ptrs tp = p;  // the operands searched and tuned on
+      Tensor scratch;
+      if (accumulate) {
+        const Tensor& out = output_of<Op>(x, w, y);
+        scratch = zeros(out.shape(), TensorOptions(dtype).with_device(out.device())
+                                         .with_memory_format(fmt));
+        output_ptr<Op>(tp) = scratch.raw_data();
+      }
       auto fresh = std::make_shared<Plan>(pr);
-      fresh->candidates = search<Op>(h, fresh->d, p, pr, ctx.device, deterministic);
+      // cudnnFind times beta = 0 (it overwrites the output); beta = 1 adds one read of it.
+      fresh->candidates = search<Op>(h, fresh->d, tp, pr, ctx.device, deterministic);
       fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
-      const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p};
+      const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, pr.accumulate};
       if (ConvBackend(key.backend) != ConvBackend::Off && conv_engine_supports(cp_be)) {
         const float bar = ConvBackend(key.backend) == ConvBackend::Force
                               ? -1.0f : fresh->candidates.front().ms;
-        fresh->engine = tune_conv_engine(h, cp_be, key.align, p.x, p.w, p.y, ctx.device,
+        fresh->engine = tune_conv_engine(h, cp_be, key.align, tp.x, tp.w, tp.y, ctx.device,
                                          deterministic, bar,
                                          find_log_enabled(), describe(Op::kOp, pr));
         if (find_log_enabled())
@@ -422,7 +458,7 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
       continue;
     }
     cudnnStatus_t s = Op::run(h, plan->d, p, typename Op::Algo(c.algo),
-                              ws ? ws->data() : nullptr, c.memory, dtype);
+                              ws ? ws->data() : nullptr, c.memory, dtype, beta);
     if (s == CUDNN_STATUS_SUCCESS) {
       // The ones before it failed outright (not for memory, which may come back): they would
       // fail again, so this one goes first from now on.
@@ -489,40 +525,58 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
   Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
   Tensor yb = out_buffer(y, fmt);
-  execute<Fwd>(x.dtype(), fmt, xc, wc, yb, p);
+  execute<Fwd>(x.dtype(), fmt, xc, wc, yb, p, false);
   if (bias.defined()) add_bias(yb, bias, fmt);
   finish_out(y, yb);
 }
 
-void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w,
-                          const ConvParams& p) {
+// accumulate runs with beta = 1 only when the output is dense in the problem's layout and not
+// stem-padded: the result must land in the real operand. Otherwise a fresh result is added.
+void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
+                          bool accumulate) {
   if (dx.numel() == 0) return;
   if (dy.numel() == 0 || w.numel() == 0) {
-    dx.zero_();
+    if (!accumulate) dx.zero_();
     return;
   }
   const bool pad = pad_stem(dx.dtype(), dx.size(1), p.groups);
   const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(dx);
+  if (accumulate && (pad || !dx.is_contiguous(fmt))) {
+    NoGradGuard no_grad;
+    Tensor fresh = empty(dx.shape(), TensorOptions(dx.dtype()).with_device(dx.device())
+                                         .with_memory_format(fmt));
+    conv2d_backward_data(fresh, dy, w, p, false);
+    dx.add_(fresh);
+    return;
+  }
   Tensor dyc = dense_in(dy, fmt);
   Tensor wc = pad ? pad_channels(w) : dense_in(w, fmt);
   Tensor dxb = pad ? padded_empty(dx) : out_buffer(dx, fmt);
-  execute<BwdData>(dx.dtype(), fmt, dxb, wc, dyc, p);
+  execute<BwdData>(dx.dtype(), fmt, dxb, wc, dyc, p, accumulate);
   if (pad) dx.copy_(dxb.narrow(1, 0, dx.size(1))); else finish_out(dx, dxb);
 }
 
 void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
-                            const ConvParams& p) {
+                            const ConvParams& p, bool accumulate) {
   if (dw.numel() == 0) return;
   if (dy.numel() == 0 || x.numel() == 0) {
-    dw.zero_();
+    if (!accumulate) dw.zero_();
     return;
   }
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
   const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
+  if (accumulate && (pad || !dw.is_contiguous(fmt))) {
+    NoGradGuard no_grad;
+    Tensor fresh = empty(dw.shape(), TensorOptions(dw.dtype()).with_device(dw.device())
+                                         .with_memory_format(fmt));
+    conv2d_backward_weight(fresh, dy, x, p, false);
+    dw.add_(fresh);
+    return;
+  }
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
   Tensor dyc = dense_in(dy, fmt);
   Tensor dwb = pad ? padded_empty(dw) : out_buffer(dw, fmt);
-  execute<BwdFilter>(x.dtype(), fmt, xc, dwb, dyc, p);
+  execute<BwdFilter>(x.dtype(), fmt, xc, dwb, dyc, p, accumulate);
   if (pad) dw.copy_(dwb.narrow(1, 0, dw.size(1))); else finish_out(dw, dwb);
 }
 

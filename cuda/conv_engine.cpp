@@ -99,9 +99,9 @@ void build_graph(cudnnHandle_t h, const ConvProblem& pr, int64_t alignment, Conv
   e.conv = conv_descriptor(pr);
   const OpAttrs a = op_attrs(pr.op);
   e.op = be::Desc(a.type);
-  const float one = 1.0f, zero = 0.0f;
+  const float one = 1.0f, beta = pr.accumulate ? 1.0f : 0.0f;
   e.op.set_desc(a.x, e.x).set_desc(a.w, e.w).set_desc(a.y, e.y).set_desc(a.conv, e.conv);
-  e.op.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &zero);
+  e.op.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &beta);
   e.op.finalize("convolution operation");
   e.graph = be::operation_graph(h, {&e.op});
 }

@@ -20,13 +20,15 @@ namespace kiln::cuda {
 enum class ConvOp : int { Forward, BackwardData, BackwardFilter };
 
 // One problem in cuDNN's terms: x input activations, w filter, y output activations, whichever
-// of them is being computed; all dense in `fmt`.
+// of them is being computed; all dense in `fmt`. accumulate: the computed operand is `+=`
+// (the operation's beta = 1), else `=` (beta = 0).
 struct ConvProblem {
   ConvOp op;
   DType dtype;
   MemoryFormat fmt;
   Shape x, w, y;
   ConvParams p;
+  bool accumulate = false;
 };
 
 struct ConvEngine;  // a tuned execution plan
@@ -35,8 +37,9 @@ struct ConvEngine;  // a tuned execution plan
 // aligned to at least `alignment` bytes (the descriptors promise it).
 bool conv_engine_supports(const ConvProblem& pr);
 
-// Tunes the problem on the given operands (the output operand is overwritten: the caller runs
-// the chosen plan afterwards). Returns null when no plan runs, or none beats `beat_ms` (the legacy API's best time;
+// Tunes the problem on the given operands: each candidate runs several times, so the output
+// operand is overwritten — or, with accumulate, added to repeatedly — and must be a scratch
+// buffer or one the caller computes afterwards (the caller runs the chosen plan then). Returns null when no plan runs, or none beats `beat_ms` (the legacy API's best time;
 // negative: no bar). Must run outside graph capture. `log` prints every candidate's time.
 std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
                                              int64_t alignment, void* x, void* w, void* y,

@@ -40,12 +40,15 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const
                      const Tensor& x, const Tensor& w);
 
 // ---- convolution on cuDNN (cuda/conv.cpp) ----
-// Tensors are 4-D, NCHW or NHWC strided; bias (O) or undefined.
+// Tensors are 4-D, NCHW or NHWC strided; bias (O) or undefined. The backward outputs are `=`,
+// or `+=` with accumulate (cuDNN's beta = 1 when dx/dw is dense in the problem's layout; the
+// output must not share memory with the inputs).
 void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
                     const ConvParams& p);
-void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p);
+void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
+                          bool accumulate = false);
 void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
-                            const ConvParams& p);
+                            const ConvParams& p, bool accumulate = false);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

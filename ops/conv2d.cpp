@@ -59,8 +59,16 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
   return p;
 }
 
+// dx = dgrad(dy, w), a fresh tensor in `fmt`; or, with `acc` defined, acc += dgrad(dy, w) and
+// acc is returned. The CUDA path fuses the `+=` into cuDNN (beta = 1); the CPU path adds a
+// fresh result, which is correct but saves nothing.
 Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
-                         const ConvParams& p) {
+                         const ConvParams& p, const Tensor& acc) {
+  if (acc.defined() && dy.is_cuda()) {
+    KILN_CUDA_CALL(cuda::conv2d_backward_data(acc, dense(dy), dense(w), p, /*accumulate=*/true));
+    acc.bump_version();
+    return acc;
+  }
   Tensor dx =
       empty(x_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
   switch (dy.device().type) {
@@ -71,11 +79,19 @@ Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape
       KILN_CUDA_CALL(cuda::conv2d_backward_data(dx, dense(dy), dense(w), p));
       break;
   }
-  return dx;
+  if (!acc.defined()) return dx;
+  acc.add_(dx);
+  return acc;
 }
 
+// dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) as above.
 Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
-                           MemoryFormat fmt, const ConvParams& p) {
+                           MemoryFormat fmt, const ConvParams& p, const Tensor& acc) {
+  if (acc.defined() && dy.is_cuda()) {
+    KILN_CUDA_CALL(cuda::conv2d_backward_weight(acc, dense(dy), dense(x), p, /*accumulate=*/true));
+    acc.bump_version();
+    return acc;
+  }
   Tensor dw =
       empty(w_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
   switch (dy.device().type) {
@@ -86,7 +102,9 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_sha
       KILN_CUDA_CALL(cuda::conv2d_backward_weight(dw, dense(dy), dense(x), p));
       break;
   }
-  return dw;
+  if (!acc.defined()) return dw;
+  acc.add_(dw);
+  return acc;
 }
 
 class Conv2dBackward final : public Node {
@@ -99,23 +117,41 @@ class Conv2dBackward final : public Node {
     if (needs_input_grad(0)) w_ = SavedTensor(w);
   }
   std::string name() const override { return "Conv2dBackward"; }
+  // dx and dw may be accumulated into the engine's buffer (see Node in core/autograd.h).
+  bool can_accumulate_into(size_t i) const override { return i <= 1; }
   void release_saved() override {
     x_.release();
     w_.release();
   }
-  // dx and dw are fresh tensors (`=`); db = Σ_{n,h,w} dy.
+  // dx and dw are fresh tensors (`=`), or the engine's targets with `+=`; db = Σ_{n,h,w} dy.
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
     Tensor dx, dw, db;
-    if (needs_input_grad(0))
-      dx = run_backward_data(g, w_.get(*this), input_meta_[0].shape, x_format_, p_);
-    if (needs_input_grad(1))
-      dw = run_backward_weight(g, x_.get(*this), input_meta_[1].shape, w_format_, p_);
+    if (needs_input_grad(0)) {
+      const Tensor w = w_.get(*this);
+      dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}));
+    }
+    if (needs_input_grad(1)) {
+      const Tensor x = x_.get(*this);
+      dw = run_backward_weight(g, x, input_meta_[1].shape, w_format_, p_, target(1, {g, x}));
+    }
     if (needs_input_grad(2)) db = sum(g, {0, 2, 3});
     return {dx, dw, db};
   }
 
  private:
+  // The engine's target for input i, unless its dtype differs from dy's (mixed-precision
+  // graphs: the gradient is converted after apply) or it shares memory with an operand (a
+  // leaf's .grad may: cuDNN's output must not alias its inputs).
+  Tensor target(size_t i, std::initializer_list<Tensor> operands) const {
+    Tensor t = accumulate_target(i);
+    const Tensor& dy = *operands.begin();
+    if (!t.defined() || !dy.defined() || t.dtype() != dy.dtype()) return {};
+    for (const Tensor& o : operands)
+      if (o.defined() && t.shares_storage(o)) return {};
+    return t;
+  }
+
   SavedTensor x_, w_;
   MemoryFormat x_format_, w_format_;
   ConvParams p_;

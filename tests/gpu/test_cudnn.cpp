@@ -1,11 +1,13 @@
 // cuDNN convolution (cuda/conv.cpp) against the CPU backend in f64: every distinct conv shape of
 // ResNet-50 at batch 2 and small spatial sizes, f32 and f16, NCHW and NHWC, forward,
-// backward-data and backward-weight; groups, dilation, bias, mixed layouts; the algorithm cache.
+// backward-data and backward-weight; groups, dilation, bias, mixed layouts; the algorithm cache;
+// accumulating backward (beta = 1) directly and through autograd.
 // Outputs are pre-filled with NaN so an unwritten element fails.
 #include <doctest/doctest.h>
 
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/generator.h"
 #include "cuda/conv.h"
 #include "cuda/ops.h"
@@ -310,4 +312,112 @@ TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic m
   CHECK(st.engine_plans == 1);
   CHECK(a.to_vector<float>() == b.to_vector<float>());
   cuda::clear_conv_algo_cache();
+}
+
+TEST_CASE("conv2d: accumulate (beta = 1) adds into dx/dw once, legacy and backend-API plans") {
+  // Targets hold known values t0; after the call they must hold t0 + grad, not grad (beta
+  // ignored, or the search overwrote the target) and not t0 + k·grad (the tuning runs added
+  // into the real target). Each call runs twice with a fresh target: the first call searches,
+  // the second hits the cached plan. The stem (channel padding) and an NCHW weight gradient
+  // with NHWC activations take the fresh-result-plus-add path.
+  Generator gen(15);
+  const std::vector<ConvCase> cases = {{"1x1 64->256", 64, 256, 1, 1, 0, 8},
+                                       {"3x3/2 128->128", 128, 128, 3, 2, 1, 8},
+                                       {"1x1/2 256->512", 256, 512, 1, 2, 0, 8},
+                                       {"stem 7x7/2 3->64", 3, 64, 7, 2, 3, 16}};
+  for (cuda::ConvBackend mode : {cuda::ConvBackend::Off, cuda::ConvBackend::Force}) {
+    CAPTURE(int(mode));
+    cuda::clear_conv_algo_cache();
+    cuda::set_conv_backend(mode);
+    for (const ConvCase& c : cases) {
+      CAPTURE(c.name);
+      const DType dtype = DType::f16;
+      const double tol = tol_for(dtype);
+      const ConvParams p = params_of(c);
+      const int64_t ho = out_size(c);
+      const double ws = 1.0 / std::sqrt(double(c.c_in * c.k * c.k));
+      Tensor x = randn({2, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+      Tensor w = randn({c.c_out, c.c_in, c.k, c.k}, DType::f64, &gen) * ws;
+      Tensor dy = randn({2, c.c_out, ho, ho}, DType::f64, &gen);
+      const Reference r = reference(rounded(x, dtype), rounded(w, dtype), rounded(dy, dtype), c);
+      // Targets of the gradients' magnitude, so losing either part shows.
+      const Tensor t0x = rounded(randn(r.x.shape(), DType::f64, &gen) * max_abs(r.dx), dtype);
+      const Tensor t0w = rounded(randn(r.w.shape(), DType::f64, &gen) * max_abs(r.dw), dtype);
+      const MemoryFormat nhwc = MemoryFormat::ChannelsLast;
+      Tensor xg = to_gpu(r.x, dtype, nhwc), dyg = to_gpu(r.dy, dtype, nhwc);
+      for (MemoryFormat w_fmt : {nhwc, MemoryFormat::Contiguous}) {
+        CAPTURE(w_fmt == nhwc ? "w NHWC" : "w NCHW");
+        Tensor wg = to_gpu(r.w, dtype, w_fmt);
+        for (int call = 0; call < 2; ++call) {
+          CAPTURE(call);
+          Tensor dx = to_gpu(t0x, dtype, nhwc);
+          cuda::conv2d_backward_data(dx, dyg, wg, p, /*accumulate=*/true);
+          KILN_CHECK_OK(compare_scaled(dx, F::add(t0x, r.dx), tol));
+          Tensor dw = to_gpu(t0w, dtype, w_fmt);
+          cuda::conv2d_backward_weight(dw, dyg, xg, p, /*accumulate=*/true);
+          KILN_CHECK_OK(compare_scaled(dw, F::add(t0w, r.dw), tol));
+        }
+      }
+    }
+    // accumulate is part of the key: the same problem with beta = 0 is a new entry, and
+    // computes `=` (NaN-filled output fully overwritten).
+    const ConvCase& c = cases[0];
+    const ConvParams p = params_of(c);
+    Tensor x = randn({2, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+    Tensor w = randn({c.c_out, c.c_in, 1, 1}, DType::f64, &gen) * 0.125;
+    Tensor dy = randn({2, c.c_out, c.hw, c.hw}, DType::f64, &gen);
+    const Reference r = reference(rounded(x, DType::f16), rounded(w, DType::f16),
+                                  rounded(dy, DType::f16), c);
+    const auto before = cuda::conv_algo_cache_stats();
+    Tensor dx = nan_gpu(r.x.shape(), DType::f16, MemoryFormat::ChannelsLast);
+    cuda::conv2d_backward_data(dx, to_gpu(r.dy, DType::f16, MemoryFormat::ChannelsLast),
+                               to_gpu(r.w, DType::f16, MemoryFormat::ChannelsLast), p);
+    KILN_CHECK_OK(compare_scaled(dx, r.dx, tol_for(DType::f16)));
+    const auto after = cuda::conv_algo_cache_stats();
+    CHECK(after.misses == before.misses + 1);
+    cuda::set_conv_backend(cuda::ConvBackend::Auto);
+    cuda::clear_conv_algo_cache();
+  }
+}
+
+TEST_CASE("conv2d: autograd accumulates conv gradients in place on the GPU, same as without") {
+  // x feeds two convolutions (a residual fork) and the weights have a pre-filled .grad (as in
+  // the fused optimizer's arena): with accumulation on, the second dgrad lands in the first's
+  // buffer and both wgrads in .grad; gradients match the run without it.
+  Generator gen(16);
+  const MemoryFormat nhwc = MemoryFormat::ChannelsLast;
+  Tensor x0 = randn({4, 64, 8, 8}, DType::f64, &gen);
+  Tensor w1 = randn({64, 64, 3, 3}, DType::f64, &gen) * (1.0 / 24);
+  Tensor w2 = randn({256, 64, 1, 1}, DType::f64, &gen) * 0.125;
+  Tensor v1 = randn({4, 64, 8, 8}, DType::f64, &gen), v2 = randn({4, 256, 8, 8}, DType::f64, &gen);
+  std::vector<std::vector<double>> results[2];
+  for (bool on : {false, true}) {
+    const bool prev = autograd::accumulate_into_enabled();
+    autograd::set_accumulate_into_enabled(on);
+    autograd::reset_accumulate_stats();
+    Tensor x = to_gpu(x0, DType::f16, nhwc).set_requires_grad(true);
+    Tensor a = to_gpu(w1, DType::f16, nhwc).set_requires_grad(true);
+    Tensor b = to_gpu(w2, DType::f16, nhwc).set_requires_grad(true);
+    a.set_grad(to_gpu(F::mul(w1, 0.5), DType::f16, nhwc));
+    b.set_grad(to_gpu(F::mul(w2, -0.5), DType::f16, nhwc));
+    Tensor h = F::mul(x, 1.0);  // non-leaf fork, like a block input
+    Tensor y1 = F::conv2d(h, a, Tensor(), 1, 1), y2 = F::conv2d(h, b);
+    Tensor loss = F::add(F::sum(F::mul(y1, to_gpu(v1, DType::f16, nhwc)).to(DType::f32)),
+                         F::sum(F::mul(y2, to_gpu(v2, DType::f16, nhwc)).to(DType::f32)));
+    loss.backward();
+    const auto st = autograd::accumulate_stats();
+    autograd::set_accumulate_into_enabled(prev);
+    if (on) {
+      CHECK(st.offered == 3);  // h's partial sum, a.grad, b.grad
+      CHECK(st.used == 3);
+    }
+    for (const Tensor& t : {x, a, b}) results[on].push_back(to_cpu64(t.grad()).to_vector<double>());
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const Shape n{int64_t(results[0][i].size())};
+    const Tensor off = from_vector(results[0][i], n, DType::f64);
+    const Tensor on = from_vector(results[1][i], n, DType::f64);
+    KILN_CHECK_OK(testing::compare(on, off, 2e-2 * std::max(max_abs(off), 1e-30), 2e-2));
+  }
 }
