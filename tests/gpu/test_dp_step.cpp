@@ -140,7 +140,8 @@ void run_case(train::DataParallel& dp, const DistEnv& env, Device dev, amp::Prec
   // Gradients (scaled by 256 in both), the updated parameters and the BN statistics.
   if (fp16) {
     check_rel_l2_named(grads_of(*mine.model), grads_of(*ref.model), 5e-2, tag + " gradient");
-    check_rel_l2_named(mine.model->named_parameters(), ref.model->named_parameters(), 1e-2,
+    // BN biases start at 0, so after one step they carry their gradient's relative error.
+    check_rel_l2_named(mine.model->named_parameters(), ref.model->named_parameters(), 5e-2,
                        tag + " parameter after the step");
     check_rel_l2_named(mine.model->named_buffers(), ref.model->named_buffers(), 1e-2,
                        tag + " buffer after the step");
