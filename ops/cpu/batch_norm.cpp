@@ -5,23 +5,12 @@
 #include <vector>
 
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/ncs.h"
 
 namespace kiln::cpu {
 namespace {
 
-constexpr int64_t kParallelGrain = 32768;
-
-struct NCS {
-  int64_t n, c, s;     // sizes
-  int64_t sn, sc, ss;  // element strides
-};
-
-NCS ncs_of(const Tensor& t) {
-  NCS v{t.size(0), t.size(1), 1, t.stride(0), t.stride(1), 1};
-  for (int64_t d = 2; d < t.dim(); ++d) v.s *= t.size(d);
-  if (t.dim() > 2) v.ss = t.stride(-1);
-  return v;
-}
+constexpr int64_t kParallelGrain = kBnParallelGrain;
 
 // Per-channel parameter: element c of a (C) tensor, or `dflt` when undefined.
 template <typename T>
