@@ -1,7 +1,4 @@
 // conv2d: validation, forward, backward (data, weight, bias), device dispatch.
-#include <cstdlib>
-#include <cstring>
-
 #include "ops/backend.h"
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
@@ -110,16 +107,6 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_sha
   return acc;
 }
 
-// Whether the weight gradient may accumulate into .grad too (KILN_CONV_ACCUMULATE_WGRAD=0: only
-// the input gradient does; an experiment, see NOTES.md v5).
-bool accumulate_wgrad() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_CONV_ACCUMULATE_WGRAD");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
-
 class Conv2dBackward final : public Node {
  public:
   Conv2dBackward(const Tensor& x, const Tensor& w, const ConvParams& p)
@@ -131,9 +118,7 @@ class Conv2dBackward final : public Node {
   }
   std::string name() const override { return "Conv2dBackward"; }
   // dx and dw may be accumulated into the engine's buffer (see Node in core/autograd.h).
-  bool can_accumulate_into(size_t i) const override {
-    return i == 0 || (i == 1 && accumulate_wgrad());
-  }
+  bool can_accumulate_into(size_t i) const override { return i <= 1; }
   void release_saved() override {
     x_.release();
     w_.release();
