@@ -205,27 +205,44 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
     Cc acc[V];
 #pragma unroll
     for (int l = 0; l < V; ++l) acc[l] = 0;
-    for (int ki = 0; ki < g.kh; ++ki) {
-      const int th = h + g.ph - ki * g.dh;
-      if (th < 0 || th % g.sh != 0) continue;
-      const int oh = th / g.sh;
-      if (oh >= g.OH) continue;
-      for (int kj = 0; kj < g.kw; ++kj) {
-        const int tw = w + g.pw - kj * g.dw;
-        if (tw < 0 || tw % g.sw != 0) continue;
-        const int ow = tw / g.sw;
-        if (ow >= g.OW) continue;
-        const int64_t o = ((n * g.OH + oh) * g.OW + ow) * C + int64_t(cv) * V;
-        const IVec<I, V> iv = *reinterpret_cast<const IVec<I, V>*>(idx + o);
-        const I k = I(ki * g.kw + kj);
-        bool any = false;
+    // Adds dy of output (oh, ow) where a lane's argmax is window position k.
+    auto gather = [&](int oh, int ow, I k) {
+      const int64_t o = ((n * g.OH + oh) * g.OW + ow) * C + int64_t(cv) * V;
+      const IVec<I, V> iv = *reinterpret_cast<const IVec<I, V>*>(idx + o);
+      bool any = false;
 #pragma unroll
-        for (int l = 0; l < V; ++l) any |= iv.v[l] == k;
-        if (!any) continue;  // dy is read only where some lane took this window's maximum
-        const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + o);
+      for (int l = 0; l < V; ++l) any |= iv.v[l] == k;
+      if (!any) return;  // dy is read only where some lane took this window's maximum
+      const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + o);
 #pragma unroll
-        for (int l = 0; l < V; ++l)
-          if (iv.v[l] == k) acc[l] += cvt<Cc>(d.v[l]);
+      for (int l = 0; l < V; ++l)
+        if (iv.v[l] == k) acc[l] += cvt<Cc>(d.v[l]);
+    };
+    if (g.dh == 1 && g.dw == 1) {
+      // Undilated: the windows covering row hp = h + ph are oh in [ceil((hp - kh + 1) / sh),
+      // floor(hp / sh)], at kernel row hp - oh·sh; four divisions per thread instead of two per
+      // kernel position (integer division dominated this kernel's time).
+      const int hp = h + g.ph, wp = w + g.pw;
+      const int oh_lo = hp < g.kh ? 0 : (hp - g.kh + g.sh) / g.sh;
+      const int oh_hi = min(hp / g.sh, g.OH - 1);
+      const int ow_lo = wp < g.kw ? 0 : (wp - g.kw + g.sw) / g.sw;
+      const int ow_hi = min(wp / g.sw, g.OW - 1);
+      for (int oh = oh_lo; oh <= oh_hi; ++oh)
+        for (int ow = ow_lo; ow <= ow_hi; ++ow)
+          gather(oh, ow, I((hp - oh * g.sh) * g.kw + (wp - ow * g.sw)));
+    } else {
+      for (int ki = 0; ki < g.kh; ++ki) {
+        const int th = h + g.ph - ki * g.dh;
+        if (th < 0 || th % g.sh != 0) continue;
+        const int oh = th / g.sh;
+        if (oh >= g.OH) continue;
+        for (int kj = 0; kj < g.kw; ++kj) {
+          const int tw = w + g.pw - kj * g.dw;
+          if (tw < 0 || tw % g.sw != 0) continue;
+          const int ow = tw / g.sw;
+          if (ow >= g.OW) continue;
+          gather(oh, ow, I(ki * g.kw + kj));
+        }
       }
     }
     Vec<T> out;

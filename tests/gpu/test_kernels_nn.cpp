@@ -183,6 +183,10 @@ TEST_CASE("max_pool2d forward/backward vs reference, NCHW and NHWC") {
                  out_size(7, 3, 1, 1, 2), "3x3 s1 p1 d2 " + tag);
       // 16 and 24 channels: the vectorised NHWC kernels for every dtype.
       check_pool(Pool::Max, t, f, {2, 16, 11, 11}, pool(3, 2, 1), 6, 6, "3x3 s2 p1 c16 " + tag);
+      check_pool(Pool::Max, t, f, {2, 16, 10, 7}, pool(2, 2, 0), 5, 3, "2x2 s2 c16 " + tag);
+      check_pool(Pool::Max, t, f, {1, 16, 6, 5}, pool(3, 1, 1), 6, 5, "3x3 s1 p1 c16 " + tag);
+      check_pool(Pool::Max, t, f, {1, 16, 12, 12}, pool(4, 3, 2), out_size(12, 4, 3, 2, 1),
+                 out_size(12, 4, 3, 2, 1), "4x4 s3 p2 c16 " + tag);
       check_pool(Pool::Max, t, f, {1, 24, 7, 9}, pool(3, 1, 1, 2), out_size(7, 3, 1, 1, 2),
                  out_size(9, 3, 1, 1, 2), "3x3 s1 p1 d2 c24 " + tag);
     }
