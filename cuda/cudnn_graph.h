@@ -33,7 +33,6 @@ class Desc {
   Desc& operator=(const Desc&) = delete;
 
   cudnnBackendDescriptor_t get() const { return d_; }
-  explicit operator bool() const { return d_ != nullptr; }
 
   Desc& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count,
             const void* values);

@@ -1,6 +1,4 @@
-// CPU batch-norm kernels. Every (N, C, ...) tensor is addressed as (N, C, S) with S the product
-// of the spatial dims: both dense layouts (row-major and channels-last) merge their spatial dims
-// into one stride, so one loop nest serves NCHW, NHWC and (N, C).
+// CPU batch-norm kernels, on the (N, C, S) addressing of ops/cpu/ncs.h.
 #include <cmath>
 #include <vector>
 
@@ -10,38 +8,12 @@
 namespace kiln::cpu {
 namespace {
 
-constexpr int64_t kParallelGrain = kBnParallelGrain;
-
-// Per-channel parameter: element c of a (C) tensor, or `dflt` when undefined.
-template <typename T>
-struct ChannelParam {
-  const T* p = nullptr;
-  int64_t stride = 0;
-  double dflt;
-  ChannelParam(const Tensor& t, double d) : dflt(d) {
-    if (t.defined()) {
-      p = t.data<T>();
-      stride = t.stride(0);
-    }
-  }
-  double operator[](int64_t c) const { return p ? double(p[c * stride]) : dflt; }
-};
-
 // Calls f(offset) for every element of channel c.
 template <typename F>
 inline void for_channel(const NCS& v, int64_t c, F&& f) {
   for (int64_t n = 0; n < v.n; ++n) {
     const int64_t base = n * v.sn + c * v.sc;
     for (int64_t s = 0; s < v.s; ++s) f(base + s * v.ss);
-  }
-}
-
-// Walks x and y (same logical shape, own strides) together over channel c.
-template <typename F>
-inline void for_channel2(const NCS& a, const NCS& b, int64_t c, F&& f) {
-  for (int64_t n = 0; n < a.n; ++n) {
-    const int64_t ba = n * a.sn + c * a.sc, bb = n * b.sn + c * b.sc;
-    for (int64_t s = 0; s < a.s; ++s) f(ba + s * a.ss, bb + s * b.ss);
   }
 }
 
@@ -57,12 +29,12 @@ void batch_norm_forward_training(const Tensor& y, const Tensor& save_mean,
     T* py = y.data<T>();
     T* pm = save_mean.data<T>();
     T* pi = save_invstd.data<T>();
-    ChannelParam<T> w(weight, 1.0), b(bias, 0.0);
+    const ChannelVec<T> w(weight, 1.0), b(bias, 0.0);
     T* rm = running_mean.defined() ? running_mean.data<T>() : nullptr;
     T* rv = running_var.defined() ? running_var.data<T>() : nullptr;
     const int64_t rms = rm ? running_mean.stride(0) : 0, rvs = rv ? running_var.stride(0) : 0;
     const double m = double(vx.n * vx.s);
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       // Two passes: the mean first, then squared deviations (no cancellation as E[x²]-E[x]²).
       double sum = 0;
@@ -91,8 +63,9 @@ void batch_norm_forward_eval(const Tensor& y, const Tensor& x, const Tensor& wei
     const NCS vx = ncs_of(x), vy = ncs_of(y);
     const T* px = x.data<T>();
     T* py = y.data<T>();
-    ChannelParam<T> w(weight, 1.0), b(bias, 0.0), rm(running_mean, 0.0), rv(running_var, 1.0);
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    const ChannelVec<T> w(weight, 1.0), b(bias, 0.0);
+    const ChannelVec<T> rm(running_mean, 0.0), rv(running_var, 1.0);
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       const double scale = w[c] / std::sqrt(rv[c] + eps), shift = b[c] - rm[c] * scale;
       for_channel2(vx, vy, c, [&](int64_t ox, int64_t oy) { py[oy] = T(double(px[ox]) * scale + shift); });
@@ -107,9 +80,9 @@ void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
     const NCS vx = ncs_of(x), vdy = ncs_of(dy);
     const T* px = x.data<T>();
     const T* pdy = dy.data<T>();
-    ChannelParam<T> w(weight, 1.0), mean(save_mean, 0.0), invstd(save_invstd, 1.0);
+    const ChannelVec<T> w(weight, 1.0), mean(save_mean, 0.0), invstd(save_invstd, 1.0);
     const double m = double(vx.n * vx.s);
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       const double mu = mean[c], is = invstd[c];
       double sum_dy = 0, sum_dy_xhat = 0;

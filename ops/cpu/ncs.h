@@ -24,4 +24,29 @@ inline NCS ncs_of(const Tensor& t) {
   return v;
 }
 
+// Element c of a (C)-like tensor of any stride, or `dflt` when the tensor is undefined.
+template <typename T>
+struct ChannelVec {
+  T* p = nullptr;
+  int64_t stride = 0;
+  double dflt = 0;
+  ChannelVec(const Tensor& t, double d = 0) : dflt(d) {
+    if (t.defined()) {
+      p = t.data<T>();
+      stride = t.stride(0);
+    }
+  }
+  double operator[](int64_t c) const { return p ? double(p[c * stride]) : dflt; }
+  void set(int64_t c, double v) const { p[c * stride] = T(v); }
+};
+
+// Calls f(offset_a, offset_b) for every element of channel c of two same-shaped tensors.
+template <typename F>
+inline void for_channel2(const NCS& a, const NCS& b, int64_t c, F&& f) {
+  for (int64_t n = 0; n < a.n; ++n) {
+    const int64_t ba = n * a.sn + c * a.sc, bb = n * b.sn + c * b.sc;
+    for (int64_t s = 0; s < a.s; ++s) f(ba + s * a.ss, bb + s * b.ss);
+  }
+}
+
 }  // namespace kiln::cpu

@@ -1,6 +1,4 @@
-// CPU halves of sync_batch_norm. Every (N, C, ...) tensor is addressed as (N, C, S), S the
-// product of the spatial dims: both dense layouts merge their spatial dims into one stride, so
-// one loop nest serves NCHW, NHWC and (N, C) (as in ops/cpu/batch_norm.cpp).
+// CPU halves of sync_batch_norm, on the (N, C, S) addressing of ops/cpu/ncs.h.
 #include <algorithm>
 #include <cmath>
 
@@ -8,43 +6,13 @@
 #include "ops/cpu/ncs.h"
 
 namespace kiln::cpu {
-namespace {
-
-constexpr int64_t kParallelGrain = kBnParallelGrain;
-
-// Element i of a (C)-like tensor (any stride), or `dflt` when undefined.
-template <typename T>
-struct Vec {
-  T* p = nullptr;
-  int64_t stride = 0;
-  double dflt = 0;
-  Vec(const Tensor& t, double d = 0) : dflt(d) {
-    if (t.defined()) {
-      p = t.data<T>();
-      stride = t.stride(0);
-    }
-  }
-  double operator[](int64_t i) const { return p ? double(p[i * stride]) : dflt; }
-  void set(int64_t i, double v) const { p[i * stride] = T(v); }
-};
-
-// Calls f(offset_a, offset_b) for every element of channel c of two same-shaped tensors.
-template <typename F>
-inline void for_channel2(const NCS& a, const NCS& b, int64_t c, F&& f) {
-  for (int64_t n = 0; n < a.n; ++n) {
-    const int64_t ba = n * a.sn + c * a.sc, bb = n * b.sn + c * b.sc;
-    for (int64_t s = 0; s < a.s; ++s) f(ba + s * a.ss, bb + s * b.ss);
-  }
-}
-
-}  // namespace
 
 void sync_batch_norm_stats(const Tensor& stats, const Tensor& x) {
   dispatch_float(x.dtype(), "sync_batch_norm", [&]<typename T>() {
     const NCS v = ncs_of(x);
     const T* px = x.data<T>();
-    const Vec<T> out(stats);
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    const ChannelVec<T> out(stats);
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < v.c; ++c) {
       double s1 = 0, s2 = 0;
       for_channel2(v, v, c, [&](int64_t o, int64_t) {
@@ -67,10 +35,10 @@ void sync_batch_norm_apply(const Tensor& y, const Tensor& save_mean, const Tenso
     const NCS vx = ncs_of(x), vy = ncs_of(y);
     const T* px = x.data<T>();
     T* py = y.data<T>();
-    const Vec<T> st(stats), sm(save_mean), si(save_invstd), w(weight, 1.0), b(bias, 0.0);
-    const Vec<T> rm(running_mean), rv(running_var);
+    const ChannelVec<T> st(stats), sm(save_mean), si(save_invstd), w(weight, 1.0), b(bias, 0.0);
+    const ChannelVec<T> rm(running_mean), rv(running_var);
     const double n = st[2 * vx.c];
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       const double mean = st[c] / n;
       const double var = std::max(st[vx.c + c] / n - mean * mean, 0.0);
@@ -95,8 +63,8 @@ void sync_batch_norm_backward_sums(const Tensor& sums, const Tensor& dy, const T
     const NCS vx = ncs_of(x), vd = ncs_of(dy);
     const T* px = x.data<T>();
     const T* pd = dy.data<T>();
-    const Vec<T> out(sums), m(mean), is(invstd);
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+    const ChannelVec<T> out(sums), m(mean), is(invstd);
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       const double mu = m[c], k = is[c];
       double s1 = 0, s2 = 0;
@@ -119,9 +87,9 @@ void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tenso
     const T* px = x.data<T>();
     const T* pd = dy.data<T>();
     T* pdx = dx.data<T>();
-    const Vec<T> s(sums), m(mean), is(invstd), w(weight, 1.0);
+    const ChannelVec<T> s(sums), m(mean), is(invstd), w(weight, 1.0);
     const double n = double(*count.data<T>());
-#pragma omp parallel for if (x.numel() > kParallelGrain) schedule(static)
+#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
     for (int64_t c = 0; c < vx.c; ++c) {
       const double mu = m[c], k = is[c], scale = w[c] * k;
       const double mean_dy = s[c] / n, mean_dy_xhat = s[vx.c + c] / n;
