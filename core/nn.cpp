@@ -112,6 +112,10 @@ Tensor Conv2d::forward(const Tensor& x) {
   return F::conv2d(x, weight_, bias_, stride_, padding_, dilation_, groups_);
 }
 
+Tensor Conv2d::forward(const Tensor& x, F::ChannelStats* stats) {
+  return F::conv2d(x, weight_, bias_, stride_, padding_, dilation_, groups_, stats);
+}
+
 std::string Conv2d::describe() const {
   std::ostringstream os;
   os << "Conv2d(" << in_ << ", " << out_ << ", kernel=" << pair_str(kernel_)
@@ -165,6 +169,26 @@ Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
   }
   return F::batch_norm_relu(x, residual, weight_, bias_, running_mean_, running_var_,
                             is_training(), momentum_, eps_);
+}
+
+Tensor BatchNorm2d::forward_from_stats(const Tensor& x, const F::ChannelStats& stats,
+                                       const Tensor& residual, bool relu) {
+  if (relu && !(is_training() && !sync_ && stats.defined())) return forward_relu(x, residual);
+  if (!relu && !(is_training() && !sync_ && stats.defined())) {
+    Tensor y = forward(x);
+    return residual.defined() ? F::add(y, residual) : y;
+  }
+  check_and_count(x);
+  return F::batch_norm_from_stats(x, stats, residual, relu, weight_, bias_, running_mean_,
+                                  running_var_, is_training(), momentum_, eps_);
+}
+
+Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu,
+               const Tensor& residual) {
+  F::ChannelStats stats;
+  const bool want = bn.is_training() && !bn.sync_enabled();
+  Tensor y = conv.forward(x, want ? &stats : nullptr);
+  return bn.forward_from_stats(y, stats, residual, relu);
 }
 
 std::string BatchNorm2d::describe() const {

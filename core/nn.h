@@ -43,6 +43,8 @@ class Conv2d : public Module {
   Conv2d(int64_t in_channels, int64_t out_channels, Pair kernel, Pair stride = 1, Pair padding = 0,
          Pair dilation = 1, int64_t groups = 1, bool bias = true, Generator* gen = nullptr);
   Tensor forward(const Tensor& x) override;
+  // forward(x), also asking for the output's per-channel statistics (F::conv2d's `stats`).
+  Tensor forward(const Tensor& x, F::ChannelStats* stats);
   std::string type_name() const override { return "Conv2d"; }
   std::string describe() const override;
   const Tensor& weight() const { return weight_; }
@@ -71,6 +73,11 @@ class BatchNorm2d : public Module {
   // (fused on the GPU). Counts a batch like forward(). Synchronised: sync_batch_norm, then add
   // and relu (not fused).
   Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
+  // act(bn(x) [+ residual]), act = relu when `relu`, where `stats` are x's statistics from the
+  // convolution that produced it (F::batch_norm_from_stats with this module's state; undefined
+  // stats or synchronisation: forward / forward_relu's path). Counts a batch like forward().
+  Tensor forward_from_stats(const Tensor& x, const F::ChannelStats& stats,
+                            const Tensor& residual, bool relu);
   // An empty `reduce` turns synchronisation off. The reducer's captures must outlive training.
   void set_sync(StatsAllReduce reduce) { sync_ = std::move(reduce); }
   bool sync_enabled() const { return static_cast<bool>(sync_); }
@@ -90,6 +97,12 @@ class BatchNorm2d : public Module {
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
   StatsAllReduce sync_;
 };
+
+// act(bn(conv(x)) [+ residual]): the convolution also produces the batch norm's statistics
+// when bn is training and not synchronised (cuDNN's statistics epilogue on the GPU, saving the
+// batch norm's own pass over the activation).
+Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu,
+               const Tensor& residual = Tensor());
 
 // Synchronised batch norm for data-parallel training: set_sync(reduce) on every BatchNorm2d in
 // `root`'s tree (root included). Returns how many modules it set. `reduce` must not be empty.

@@ -193,6 +193,7 @@ struct Choice {
 struct Key {
   int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0, accumulate = 0;
   int64_t backend = 0, align = 0;  // backend API allowed; byte alignment of the operands (<= 16)
+  int64_t stats = 0;  // forward with the statistics epilogue (g_stats_cache)
   int64_t x[4] = {}, w[4] = {}, y[4] = {};
   int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
@@ -236,6 +237,13 @@ struct Plan {
 
 std::mutex g_mutex;
 std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> g_cache;
+// Forward convolutions with the statistics epilogue: the tuned plan, or null when no plan
+// describes the problem (remembered, so it is not searched again).
+struct StatsPlan {
+  std::mutex m;  // serialises runs, as Plan::m does
+  std::shared_ptr<ConvEngine> engine;
+};
+std::unordered_map<Key, std::shared_ptr<StatsPlan>, KeyHash> g_stats_cache;
 uint64_t g_hits = 0, g_misses = 0;
 std::atomic<bool> g_deterministic{false};
 std::atomic<int> g_backend{-1};  // a ConvBackend; -1: not yet read from KILN_CUDNN_BACKEND
@@ -511,7 +519,78 @@ void add_bias(const Tensor& y, const Tensor& bias, MemoryFormat fmt) {
 
 MemoryFormat layout_of(const Tensor& t) { return t.suggest_memory_format(); }
 
+// KILN_CONV_STATS=0 turns the statistics epilogue off (A/B measurements).
+bool stats_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KILN_CONV_STATS");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 }  // namespace
+
+bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                          const Tensor& x, const Tensor& w, const ConvParams& p) {
+  if (!stats_enabled() || backend_mode() == ConvBackend::Off || x.dtype() != DType::f16 ||
+      p.groups != 1 || y.numel() == 0 || x.numel() == 0 || w.numel() == 0 ||
+      !y.is_contiguous(MemoryFormat::ChannelsLast))
+    return false;
+  const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
+  if (!pad && !(x.is_contiguous(MemoryFormat::ChannelsLast) &&
+                w.is_contiguous(MemoryFormat::ChannelsLast)))
+    return false;
+  KILN_CHECK(sum.dtype() == DType::f32 && sqsum.dtype() == DType::f32 && sum.is_contiguous() &&
+                 sqsum.is_contiguous() && sum.numel() == y.size(1) && sqsum.numel() == y.size(1),
+             "conv2d_forward_stats: sum and sqsum must be contiguous f32 (", y.size(1),
+             "), got ", sum.desc(), " and ", sqsum.desc());
+  const MemoryFormat fmt = MemoryFormat::ChannelsLast;
+  Tensor xc = pad ? pad_channels(x) : x;
+  Tensor wc = pad ? pad_channels(w) : w;
+  Context& ctx = context();
+  cudnnHandle_t h = ctx.cudnn;
+  CUDNN_CHECK(cudnnSetStream(h, current_stream()));
+  const bool deterministic = g_deterministic.load();
+  Key key = make_key(ConvOp::Forward, x.dtype(), fmt, xc, wc, y, p, ctx.device, deterministic,
+                     false);
+  key.stats = 1;
+  key.align = std::min({key.align, pointer_alignment(sum.raw_data()),
+                        pointer_alignment(sqsum.raw_data())});
+  std::shared_ptr<StatsPlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_stats_cache.find(key);
+    if (it != g_stats_cache.end()) {
+      ++g_hits;
+      plan = it->second;
+    } else {
+      ++g_misses;
+      const Problem pr = problem_of(key);
+      ConvProblem cp{ConvOp::Forward, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, false};
+      cp.stats = true;
+      const std::string what = describe(ConvOp::Forward, pr) + " + statistics";
+      auto fresh = std::make_shared<StatsPlan>();
+      fresh->engine = tune_conv_engine(h, cp, key.align, xc.raw_data(), wc.raw_data(),
+                                       y.raw_data(), ctx.device, deterministic, -1.0f,
+                                       find_log_enabled(), what, sum.raw_data(), sqsum.raw_data());
+      if (find_log_enabled())
+        std::fprintf(stderr, "[kiln conv] %s: %s\n", what.c_str(),
+                     fresh->engine ? conv_engine_name(*fresh->engine).c_str()
+                                   : "no plan; unfused");
+      plan = g_stats_cache.emplace(key, std::move(fresh)).first->second;
+    }
+  }
+  std::lock_guard<std::mutex> lock(plan->m);
+  if (!plan->engine) return false;
+  const cudnnStatus_t s = run_conv_engine(h, *plan->engine, xc.raw_data(), wc.raw_data(),
+                                          y.raw_data(), ctx.device, sum.raw_data(),
+                                          sqsum.raw_data());
+  if (s == CUDNN_STATUS_SUCCESS) return true;
+  std::fprintf(stderr, "[kiln conv] %s + statistics: plan failed (%s); unfused from now on\n",
+               describe(ConvOp::Forward, problem_of(key)).c_str(), cudnnGetErrorString(s));
+  plan->engine.reset();
+  return false;
+}
 
 void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
                     const ConvParams& p) {
@@ -593,6 +672,7 @@ ConvCacheStats conv_algo_cache_stats() {
 void clear_conv_algo_cache() {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_cache.clear();
+  g_stats_cache.clear();
   g_hits = g_misses = 0;
 }
 

@@ -17,12 +17,13 @@
 namespace kiln::cuda {
 
 // Unique ids of the three operands in the operation graph and the variant pack.
-constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3;
+constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3, kUidSum = 4, kUidSqSum = 5;
 
 struct ConvEngine {
   // The descriptors the plan was built from stay alive with it.
-  be::Desc x, w, y, conv, op, graph;
+  be::Desc x, w, y, conv, op, sum, sqsum, genstats, graph;
   be::Candidate plan;
+  bool stats = false;
 };
 
 namespace {
@@ -103,7 +104,38 @@ void build_graph(cudnnHandle_t h, const ConvProblem& pr, int64_t alignment, Conv
   e.op.set_desc(a.x, e.x).set_desc(a.w, e.w).set_desc(a.y, e.y).set_desc(a.conv, e.conv);
   e.op.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &beta);
   e.op.finalize("convolution operation");
-  e.graph = be::operation_graph(h, {&e.op});
+  if (!pr.stats) {
+    e.graph = be::operation_graph(h, {&e.op});
+    return;
+  }
+  KILN_CHECK(pr.op == ConvOp::Forward && !pr.accumulate,
+             "conv engine: statistics come only with a forward convolution that overwrites y");
+  // GenStats reads y as the convolution writes it: per-channel Σy and Σy² in f32, [1, O, 1, 1].
+  const int64_t o = pr.y[1];
+  e.stats = true;
+  e.sum = be::tensor(kUidSum, CUDNN_DATA_FLOAT, {1, o, 1, 1}, {o, 1, o, o}, alignment);
+  e.sqsum = be::tensor(kUidSqSum, CUDNN_DATA_FLOAT, {1, o, 1, 1}, {o, 1, o, o}, alignment);
+  e.genstats = be::Desc(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
+  const cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
+  const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+  e.genstats.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f32)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, e.y)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, e.sum)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, e.sqsum);
+  e.genstats.finalize("genstats operation");
+  e.graph = be::operation_graph(h, {&e.op, &e.genstats});
+}
+
+// The variant pack's ids and pointers.
+void operands(const ConvEngine& e, void* x, void* w, void* y, void* sum, void* sqsum,
+              std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
+  uids = {kUidX, kUidW, kUidY};
+  ptrs = {x, w, y};
+  if (e.stats) {
+    uids.insert(uids.end(), {kUidSum, kUidSqSum});
+    ptrs.insert(ptrs.end(), {sum, sqsum});
+  }
 }
 
 }  // namespace
@@ -123,7 +155,8 @@ bool conv_engine_supports(const ConvProblem& pr) {
 std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
                                              int64_t alignment, void* x, void* w, void* y,
                                              int device, bool deterministic, float beat_ms,
-                                             bool log, const std::string& what) {
+                                             bool log, const std::string& what, void* sum,
+                                             void* sqsum) {
   auto e = std::make_shared<ConvEngine>();
   std::vector<be::Candidate> cands;
   try {
@@ -145,8 +178,9 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
     }
   }
   void* wsp = ws ? ws->data() : nullptr;
-  const std::vector<int64_t> uids{kUidX, kUidW, kUidY};
-  const std::vector<void*> ptrs{x, w, y};
+  std::vector<int64_t> uids;
+  std::vector<void*> ptrs;
+  operands(*e, x, w, y, sum, sqsum, uids, ptrs);
   cudaStream_t s = current_stream();
   cudaEvent_t a, b;
   CUDA_CHECK(cudaEventCreate(&a));
@@ -185,11 +219,14 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
 }
 
 cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
-                              int device) {
+                              int device, void* sum, void* sqsum) {
   std::unique_ptr<Storage> ws;
   if (e.plan.workspace > 0)
     ws = std::make_unique<Storage>(size_t(e.plan.workspace), Device::cuda(device));
-  return be::run(h, e.plan, {kUidX, kUidW, kUidY}, {x, w, y}, ws ? ws->data() : nullptr);
+  std::vector<int64_t> uids;
+  std::vector<void*> ptrs;
+  operands(e, x, w, y, sum, sqsum, uids, ptrs);
+  return be::run(h, e.plan, uids, ptrs, ws ? ws->data() : nullptr);
 }
 
 std::string conv_engine_name(const ConvEngine& e) {

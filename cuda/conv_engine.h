@@ -29,6 +29,9 @@ struct ConvProblem {
   Shape x, w, y;
   ConvParams p;
   bool accumulate = false;
+  // Forward only: the same kernel also writes the per-channel sum and sum of squares of y
+  // (f32, O values each) — cuDNN's GenStats epilogue, for the batch norm that follows.
+  bool stats = false;
 };
 
 struct ConvEngine;  // a tuned execution plan
@@ -44,12 +47,13 @@ bool conv_engine_supports(const ConvProblem& pr);
 std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
                                              int64_t alignment, void* x, void* w, void* y,
                                              int device, bool deterministic, float beat_ms,
-                                             bool log, const std::string& what);
+                                             bool log, const std::string& what,
+                                             void* sum = nullptr, void* sqsum = nullptr);
 
-// Runs the tuned plan on the handle's stream. Returns cuDNN's status (the caller falls back to
-// the legacy path on failure).
+// Runs the tuned plan on the handle's stream (sum and sqsum: the stats outputs of a stats
+// problem). Returns cuDNN's status (the caller falls back to the legacy path on failure).
 cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
-                              int device);
+                              int device, void* sum = nullptr, void* sqsum = nullptr);
 
 // Description of the chosen plan for logs ("engine 3 k1=2 ..., 0.081 ms").
 std::string conv_engine_name(const ConvEngine& e);

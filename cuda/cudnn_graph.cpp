@@ -26,7 +26,8 @@ std::string last_error() {
                                                detail.empty() ? "" : ": ", detail));
 }
 
-// Engine configurations that heuristics `mode` ranks for `graph` (empty when it has none).
+}  // namespace
+
 std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mode) {
   Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
   heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
@@ -51,14 +52,6 @@ std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mo
   cfgs.resize(size_t(std::clamp<int64_t>(got, 0, n)));
   return cfgs;
 }
-
-struct ConfigInfo {
-  int64_t engine = -1;
-  bool deterministic = true;
-  bool reduced_precision = false;
-  bool runtime_compiled = false;
-  std::string name;
-};
 
 ConfigInfo describe_config(const Desc& cfg) {
   ConfigInfo info;
@@ -114,8 +107,6 @@ ConfigInfo describe_config(const Desc& cfg) {
   return info;
 }
 
-}  // namespace
-
 Desc::Desc(cudnnBackendDescriptorType_t type) {
   cudnnStatus_t s = cudnnBackendCreateDescriptor(type, &d_);
   if (s != CUDNN_STATUS_SUCCESS) fail(s, "creating a descriptor", -1);
@@ -162,13 +153,17 @@ Desc& Desc::finalize(const char* what) {
 cudnnStatus_t Desc::try_finalize() { return cudnnBackendFinalize(d_); }
 
 Desc tensor(int64_t uid, cudnnDataType_t dtype, const std::vector<int64_t>& dims,
-            const std::vector<int64_t>& strides, int64_t alignment) {
+            const std::vector<int64_t>& strides, int64_t alignment, bool is_virtual) {
   Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
   t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dtype);
   t.set_i64s(CUDNN_ATTR_TENSOR_DIMENSIONS, dims);
   t.set_i64s(CUDNN_ATTR_TENSOR_STRIDES, strides);
   t.set_i64(CUDNN_ATTR_TENSOR_UNIQUE_ID, uid);
   t.set_i64(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, alignment);
+  if (is_virtual) {
+    const bool v = true;
+    t.set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &v);
+  }
   t.finalize("tensor descriptor");
   return t;
 }

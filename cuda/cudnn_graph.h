@@ -50,8 +50,9 @@ class Desc {
 
 // A finalised tensor descriptor: dims and strides in elements, in NCHW order for 4-D tensors
 // whatever the memory layout; `alignment` in bytes (the smallest of the pointers it will see).
+// A virtual tensor lives only inside a fused kernel (no pointer in the variant pack).
 Desc tensor(int64_t uid, cudnnDataType_t dtype, const std::vector<int64_t>& dims,
-            const std::vector<int64_t>& strides, int64_t alignment);
+            const std::vector<int64_t>& strides, int64_t alignment, bool is_virtual = false);
 
 // A finalised operation graph of `ops` (each finalised) on `handle`.
 Desc operation_graph(cudnnHandle_t handle, const std::vector<const Desc*>& ops);
@@ -66,6 +67,19 @@ struct Candidate {
   std::string name;       // "engine 12" plus knob choices, for logs
   float ms = -1;          // measured time, when timed
 };
+
+// What cuDNN says of one engine configuration.
+struct ConfigInfo {
+  int64_t engine = -1;
+  bool deterministic = true;
+  bool reduced_precision = false;
+  bool runtime_compiled = false;
+  std::string name;
+};
+ConfigInfo describe_config(const Desc& cfg);
+
+// Engine configurations that heuristics `mode` ranks for `graph` (empty when it has none).
+std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mode);
 
 // Up to `max` execution plans for `graph`, in the order of heuristics mode A (then the fallback
 // list, without repeats), skipping configurations that do not finalise, that reduce in reduced

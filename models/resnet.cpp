@@ -17,6 +17,16 @@ std::shared_ptr<Conv2d> conv1x1(int64_t in, int64_t out, int64_t stride, Generat
   return std::make_shared<Conv2d>(in, out, 1, stride, 0, 1, 1, /*bias=*/false, gen);
 }
 
+// downsample(x), through nn::conv_bn when it is the usual Sequential(Conv2d, BatchNorm2d).
+Tensor run_downsample(nn::Module& ds, const Tensor& x) {
+  if (auto* seq = dynamic_cast<nn::Sequential*>(&ds); seq && seq->size() == 2) {
+    auto* conv = dynamic_cast<Conv2d*>((*seq)[0].get());
+    auto* bn = dynamic_cast<BatchNorm2d*>((*seq)[1].get());
+    if (conv && bn) return nn::conv_bn(*conv, *bn, x, /*relu=*/false);
+  }
+  return ds.forward(x);
+}
+
 }  // namespace
 
 // ---------------- blocks ----------------
@@ -33,10 +43,12 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 
 // relu(bn(conv(x))) and relu(bn(conv(out)) + identity) go through BatchNorm2d::forward_relu:
 // one fused kernel each on the GPU (the module `relu` stays registered for torchvision's names).
+// Each conv -> bn pair goes through nn::conv_bn, which has the convolution produce the batch
+// norm's statistics where it can.
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = bn1_->forward_relu(conv1_->forward(x));
-  Tensor identity = downsample_ ? downsample_->forward(x) : x;
-  return bn2_->forward_relu(conv2_->forward(out), identity);
+  Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
+  Tensor identity = downsample_ ? run_downsample(*downsample_, x) : x;
+  return nn::conv_bn(*conv2_, *bn2_, out, /*relu=*/true, identity);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
@@ -52,10 +64,10 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = bn1_->forward_relu(conv1_->forward(x));
-  out = bn2_->forward_relu(conv2_->forward(out));
-  Tensor identity = downsample_ ? downsample_->forward(x) : x;
-  return bn3_->forward_relu(conv3_->forward(out), identity);
+  Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
+  out = nn::conv_bn(*conv2_, *bn2_, out, /*relu=*/true);
+  Tensor identity = downsample_ ? run_downsample(*downsample_, x) : x;
+  return nn::conv_bn(*conv3_, *bn3_, out, /*relu=*/true, identity);
 }
 
 // ---------------- ResNet ----------------
@@ -126,7 +138,7 @@ std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t block
 Tensor ResNet::forward(const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.size(1) == opts_.in_channels, "ResNet: expected input (N, ",
              opts_.in_channels, ", H, W), got ", x.desc());
-  Tensor y = bn1_->forward_relu(conv1_->forward(x));
+  Tensor y = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
   if (maxpool_) y = maxpool_->forward(y);
   for (const auto& layer : layers_) y = layer->forward(y);
   y = flatten_->forward(avgpool_->forward(y));

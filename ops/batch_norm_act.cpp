@@ -8,6 +8,9 @@
 
 #include "ops/backend.h"
 #include "ops/ops.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/bn_nhwc.h"
+#endif
 
 namespace kiln::F {
 namespace {
@@ -77,9 +80,108 @@ class BatchNormActBackward final : public Node {
   bool add_;
   double eps_;
 };
+
+// Backward of batch_norm_from_stats's fused path (cuda/bn_nhwc.h).
+class BatchNormStatsBackward final : public Node {
+ public:
+  BatchNormStatsBackward(const Tensor& x, const Tensor& y, const Tensor& weight,
+                         const Tensor& save_mean, const Tensor& save_invstd,
+                         const Tensor& scale_shift, bool relu, bool add)
+      : x_(x), y_(y), weight_(weight), save_mean_(save_mean), save_invstd_(save_invstd),
+        scale_shift_(scale_shift), relu_(relu), add_(add) {}
+  std::string name() const override {
+    return add_ ? (relu_ ? "BatchNormAddReluBackward" : "BatchNormAddBackward")
+                : (relu_ ? "BatchNormReluBackward" : "BatchNormBackward");
+  }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &y_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
+      s->release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor x = x_.get(*this), w = weight_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor dx = empty_like(x);
+    Tensor dz = add_ && needs_input_grad(1) ? empty_like(x) : Tensor();
+    Tensor dw = needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
+    Tensor db = needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
+    // The ReLU mask: from the output when a residual was added, else recomputed from x.
+    Tensor y = relu_ && add_ ? y_.get(*this) : Tensor();
+    cuda::bn_nhwc_backward(dx, dz, dw, db, dy, x, y, w, save_mean_.get(*this),
+                           save_invstd_.get(*this), scale_shift_.get(*this), relu_);
+    return {needs_input_grad(0) ? dx : Tensor(), dz, dw, db};
+  }
+
+ private:
+  SavedTensor x_, y_, weight_, save_mean_, save_invstd_, scale_shift_;
+  bool relu_, add_;
+};
+
+bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                   const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                   const Tensor& running_var, bool training) {
+  if (!training || !fused_enabled() || !stats.defined() || !cuda::bn_nhwc_supported(x) ||
+      stats.version != x.version())
+    return false;
+  auto per_channel = [&](const Tensor& p) {
+    return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
+           p.size(0) == x.size(1) && p.is_contiguous();
+  };
+  if (residual.defined() &&
+      !(residual.dtype() == DType::f16 && residual.device() == x.device() &&
+        residual.shape() == x.shape() && residual.is_contiguous(MemoryFormat::ChannelsLast)))
+    return false;
+  return per_channel(weight) && per_channel(bias) && per_channel(running_mean) &&
+         per_channel(running_var) && per_channel(stats.sum) && per_channel(stats.sqsum) &&
+         x.numel() / x.size(1) > 1;
+}
 #endif
 
 }  // namespace
+
+Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                             bool relu, const Tensor& weight, const Tensor& bias,
+                             const Tensor& running_mean, const Tensor& running_var, bool training,
+                             double momentum, double eps) {
+  check_defined(x, "batch_norm_from_stats", "x");
+#ifdef KILN_WITH_CUDA
+  if (stats_fusable(x, stats, residual, weight, bias, running_mean, running_var, training)) {
+    KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", x);
+    autograd::check_inplace(running_mean, "batch_norm_from_stats (running_mean update)");
+    autograd::check_inplace(running_var, "batch_norm_from_stats (running_var update)");
+    const int64_t C = x.size(1);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor save_mean = empty({C}, f32), save_invstd = empty({C}, f32);
+    Tensor scale_shift = empty({2 * C}, f32);
+    {
+      NoGradGuard no_grad;  // running statistics change in place, outside the graph
+      running_mean.bump_version();
+      running_var.bump_version();
+      cuda::bn_nhwc_finalize(save_mean, save_invstd, scale_shift, stats.sum, stats.sqsum,
+                             weight.detach(), bias.detach(), running_mean, running_var,
+                             x.numel() / C, momentum, eps);
+    }
+    Tensor y = empty_like(x);
+    cuda::bn_nhwc_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
+                        scale_shift, relu);
+    if (autograd::any_requires_grad({x, residual, weight, bias})) {
+      auto node = std::make_shared<BatchNormStatsBackward>(
+          x.detach(), relu && residual.defined() ? y : Tensor(), weight.detach(), save_mean,
+          save_invstd, scale_shift, relu, residual.defined());
+      node->set_inputs({x, residual, weight, bias});
+      autograd::set_history(y, node);
+    }
+    return y;
+  }
+#endif
+  if (relu) return batch_norm_relu(x, residual, weight, bias, running_mean, running_var, training,
+                                   momentum, eps);
+  Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
+  return residual.defined() ? add(y, residual) : y;
+}
 
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,
                        const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,

@@ -160,7 +160,8 @@ class Conv2dBackward final : public Node {
 }  // namespace
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair stride, Pair padding,
-              Pair dilation, int64_t groups) {
+              Pair dilation, int64_t groups, ChannelStats* stats) {
+  if (stats) *stats = ChannelStats{};
   KILN_OP_SCOPE("conv2d", x);
   const ConvParams p = validate(x, weight, bias, stride, padding, dilation, groups);
   const int64_t oh = conv_out_size(x.size(2), weight.size(2), p.stride_h, p.pad_h, p.dil_h);
@@ -175,6 +176,16 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair st
       cpu::conv2d_forward(y, xd, wd, bd, p);
       break;
     case DeviceType::CUDA:
+#ifdef KILN_WITH_CUDA
+      if (stats && !bd.defined()) {
+        const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+        Tensor sum = empty({y.size(1)}, f32), sqsum = empty({y.size(1)}, f32);
+        if (cuda::conv2d_forward_stats(y, sum, sqsum, dense(xd), dense(wd), p)) {
+          *stats = ChannelStats{sum, sqsum, y.version()};
+          break;
+        }
+      }
+#endif
       KILN_CUDA_CALL(
           cuda::conv2d_forward(y, dense(xd), dense(wd), bd.defined() ? bd.contiguous() : bd, p));
       break;

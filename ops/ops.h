@@ -72,10 +72,22 @@ struct Pair {
   Pair(int64_t v) : h(v), w(v) {}  // NOLINT: F::conv2d(x, w, b, /*stride=*/2)
   Pair(int64_t h_, int64_t w_) : h(h_), w(w_) {}
 };
+// Per-channel Σx and Σx² (f32, C values each, no autograd) of a tensor x, computed by the op
+// that produced x, as of x's storage version `version`.
+struct ChannelStats {
+  Tensor sum, sqsum;
+  uint64_t version = 0;
+  bool defined() const { return sum.defined() && sqsum.defined(); }
+};
+
 // x (N, C, H, W), weight (O, C/groups, kH, kW), bias (O) or undefined -> (N, O, H', W').
-// The output keeps x's memory format (NCHW or NHWC).
+// The output keeps x's memory format (NCHW or NHWC). With `stats`, the output's per-channel
+// statistics come out of the convolution kernel itself where the backend can do that (CUDA,
+// f16 channels-last, no bias: cuDNN's GenStats epilogue) and *stats is set; elsewhere *stats
+// is left undefined. They feed F::batch_norm_from_stats.
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), Pair stride = 1,
-              Pair padding = 0, Pair dilation = 1, int64_t groups = 1);
+              Pair padding = 0, Pair dilation = 1, int64_t groups = 1,
+              ChannelStats* stats = nullptr);
 // Padding is implicit -inf. Output (N, C, H', W').
 Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride = std::nullopt,
                   Pair padding = 0, Pair dilation = 1);
@@ -102,6 +114,17 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,
                        const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
                        bool training, double momentum = 0.1, double eps = 1e-5);
+
+// act(batch_norm(x) [+ residual]) (act: relu, or identity when !relu), with batch_norm's
+// arguments and semantics, where `stats` are x's statistics from the op that produced it
+// (F::conv2d's). On CUDA, training, f16 channels-last x (and residual) with channels a multiple
+// of 8, f32 parameters and running stats, and stats current (x unmodified since), the forward is
+// one elementwise pass (cuda/bn_nhwc.h) and the backward kiln's two-pass kernels; otherwise it
+// is batch_norm_relu, or batch_norm [+ add], which define the result.
+Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                             bool relu, const Tensor& weight, const Tensor& bias,
+                             const Tensor& running_mean, const Tensor& running_var, bool training,
+                             double momentum = 0.1, double eps = 1e-5);
 
 // ---------------- synchronised batch norm (ops/sync_batch_norm.cpp) ----------------
 // Sums a small dense 1-D statistics tensor IN PLACE over all data-parallel ranks (kiln-train:

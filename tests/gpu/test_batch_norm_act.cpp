@@ -11,6 +11,7 @@ using namespace kiln;
 namespace {
 
 const Device kGpu = Device::cuda(0);
+const Device kCPU = Device::cpu();
 
 Tensor gpu_leaf(const Tensor& host, DType t, bool nhwc) {
   Tensor g = host.to(t).to(kGpu);
@@ -63,4 +64,114 @@ TEST_CASE("batch_norm_relu falls back to the composition for f32 and NCHW inputs
   Tensor y = F::batch_norm_relu(x, x, w, b, rm, rv, true);
   Tensor want = F::relu(F::add(F::batch_norm(x, w, b, zeros_like(rm), ones_like(rv), true), x));
   KILN_CHECK_OK(testing::compare(y, want, 1e-5, 1e-5));
+}
+
+// ---- statistics from the convolution (F::conv2d's stats, F::batch_norm_from_stats) ----
+
+namespace {
+
+// x (8, 32, 14, 12) f16 NHWC through a 3x3 convolution to 64 channels, with its statistics.
+struct ConvOut {
+  Tensor x, w, y;
+  F::ChannelStats stats;
+};
+ConvOut conv_with_stats(uint64_t seed) {
+  manual_seed(seed);
+  ConvOut o;
+  o.x = gpu_leaf(randn({8, 32, 14, 12}), DType::f16, true);
+  o.w = gpu_leaf(F::mul(randn({64, 32, 3, 3}), 0.1), DType::f16, true);
+  o.y = F::conv2d(o.x, o.w, Tensor(), 1, 1, 1, 1, &o.stats);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("conv2d's statistics epilogue: y unchanged, sums of y") {
+  ConvOut o = conv_with_stats(11);
+  REQUIRE_MESSAGE(o.stats.defined(), "no cuDNN plan for the statistics epilogue of a ResNet-like "
+                                     "f16 NHWC 3x3 convolution");
+  CHECK(o.stats.version == o.y.version());
+  Tensor plain = F::conv2d(o.x.detach(), o.w.detach(), Tensor(), 1, 1);
+  KILN_CHECK_OK(testing::compare(o.y.to(DType::f32), plain.to(DType::f32), 1e-3, 1e-3));
+  Tensor y32 = o.y.detach().to(DType::f32);
+  Tensor want_sum = F::sum(y32, {0, 2, 3}), want_sq = F::sum(F::mul(y32, y32), {0, 2, 3});
+  KILN_CHECK_OK(testing::compare(o.stats.sum, want_sum, 1e-2, 1e-4));
+  KILN_CHECK_OK(testing::compare(o.stats.sqsum, want_sq, 1e-2, 1e-4));
+  // The statistics path keeps the gradients of an ordinary convolution.
+  Tensor dy = randn({8, 64, 14, 12}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  o.y.backward(dy);
+  Tensor rx = gpu_leaf(o.x.detach().to(kCPU), DType::f16, true);
+  Tensor rw = gpu_leaf(o.w.detach().to(kCPU), DType::f16, true);
+  F::conv2d(rx, rw, Tensor(), 1, 1).backward(dy);
+  KILN_CHECK_OK(testing::compare(o.x.grad().to(DType::f32), rx.grad().to(DType::f32), 1e-3, 1e-3));
+  KILN_CHECK_OK(testing::compare(o.w.grad().to(DType::f32), rw.grad().to(DType::f32), 1e-3, 1e-3));
+}
+
+TEST_CASE("batch_norm_from_stats equals the unfused ops, forward and gradients") {
+  struct Case {
+    bool relu, residual;
+  };
+  for (Case cs : {Case{true, false}, Case{true, true}, Case{false, false}, Case{false, true}}) {
+    CAPTURE(cs.relu);
+    CAPTURE(cs.residual);
+    ConvOut o = conv_with_stats(21);
+    REQUIRE(o.stats.defined());
+    // The batch norm's input as a leaf; it shares the conv output's storage (and version), so
+    // the statistics stay current.
+    Tensor x = o.y.detach();
+    x.set_requires_grad(true);
+    const Shape shape = x.shape();
+    Tensor hz = randn(shape), hdy = randn(shape);
+    Tensor hw = uniform({64}, 0.5, 1.5), hb = uniform({64}, -0.5, 0.5);
+    Tensor z = gpu_leaf(hz, DType::f16, true);
+    Tensor w = gpu_leaf(hw, DType::f32, false), b = gpu_leaf(hb, DType::f32, false);
+    const TensorOptions opt = TensorOptions().with_device(kGpu);
+    Tensor rm = zeros({64}, opt), rv = ones({64}, opt);
+    Tensor y = F::batch_norm_from_stats(x, o.stats, cs.residual ? z : Tensor(), cs.relu, w, b,
+                                        rm, rv, true);
+    CHECK(y.dtype() == DType::f16);
+    CHECK(y.is_contiguous(MemoryFormat::ChannelsLast));
+    REQUIRE(y.grad_fn());
+    CHECK(y.grad_fn()->name().find("BatchNorm") != std::string::npos);
+    y.backward(hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast));
+    // Reference: the same f16 input in f32, unfused.
+    Tensor rx = gpu_leaf(x.detach().to(kCPU), DType::f32, false);
+    Tensor rz = gpu_leaf(hz.to(DType::f16), DType::f32, false);
+    Tensor rw = gpu_leaf(hw, DType::f32, false), rb = gpu_leaf(hb, DType::f32, false);
+    Tensor rrm = zeros({64}, opt), rrv = ones({64}, opt);
+    Tensor ry = F::batch_norm(rx, rw, rb, rrm, rrv, true);
+    if (cs.residual) ry = F::add(ry, rz);
+    if (cs.relu) ry = F::relu(ry);
+    ry.backward(hdy.to(DType::f16).to(DType::f32).to(kGpu));
+    KILN_CHECK_OK(testing::compare(y.to(DType::f32), ry, 2e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(rm, rrm, 1e-4, 1e-3));
+    KILN_CHECK_OK(testing::compare(rv, rrv, 1e-4, 1e-3));
+    KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad(), 3e-2, 2e-2));
+    KILN_CHECK_OK(testing::compare(w.grad(), rw.grad(), 5e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(b.grad(), rb.grad(), 5e-2, 1e-2));
+    if (cs.residual) KILN_CHECK_OK(testing::compare(z.grad().to(DType::f32), rz.grad(), 3e-2, 2e-2));
+  }
+}
+
+TEST_CASE("batch_norm_from_stats: stale statistics and eval mode take the unfused path") {
+  ConvOut o = conv_with_stats(31);
+  REQUIRE(o.stats.defined());
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor w = ones({64}, opt), b = zeros({64}, opt);
+  Tensor x = o.y.detach();
+  {
+    NoGradGuard no_grad;
+    x.mul_(2.0);  // the statistics now describe the old values
+  }
+  CHECK(o.stats.version != x.version());
+  Tensor rm = zeros({64}, opt), rv = ones({64}, opt);
+  Tensor y = F::batch_norm_from_stats(x, o.stats, Tensor(), true, w, b, rm, rv, true);
+  Tensor rm2 = zeros({64}, opt), rv2 = ones({64}, opt);
+  Tensor want = F::batch_norm_relu(x, Tensor(), w, b, rm2, rv2, true);
+  KILN_CHECK_OK(testing::compare(y.to(DType::f32), want.to(DType::f32), 1e-3, 1e-3));
+  KILN_CHECK_OK(testing::compare(rm, rm2, 1e-5, 1e-5));
+  // Eval: the running statistics, whatever the batch's.
+  Tensor ye = F::batch_norm_from_stats(x, o.stats, Tensor(), false, w, b, rm, rv, false);
+  Tensor we = F::batch_norm(x, w, b, rm, rv, false);
+  KILN_CHECK_OK(testing::compare(ye.to(DType::f32), we.to(DType::f32), 1e-3, 1e-3));
 }

@@ -1,0 +1,381 @@
+// Batch norm on f16 NHWC activations with known statistics (contract in cuda/bn_nhwc.h).
+//
+// Every pass moves 16-byte vectors: 8 neighbouring channels of one (n, h, w) row. The backward
+// sums run in two kernels like cuda/kernels/sync_batch_norm.cu: blocks write partial sums over a
+// fixed split of the rows, then one thread per channel adds them in order — bit-reproducible,
+// so a replayed CUDA graph matches eager execution.
+#include <algorithm>
+
+#include "cuda/bn_nhwc.h"
+#include "cuda/kernels/common.cuh"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kVec = 8;  // halves per 16-byte vector
+constexpr int kMaxParts = 1024;
+
+struct Vec8 {
+  float v[kVec];
+};
+
+__device__ inline Vec8 load8(const uint4* p, int64_t i) {
+  const uint4 u = p[i];
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+  Vec8 out;
+#pragma unroll
+  for (int j = 0; j < kVec / 2; ++j) {
+    const float2 f = __half22float2(h[j]);
+    out.v[2 * j] = f.x;
+    out.v[2 * j + 1] = f.y;
+  }
+  return out;
+}
+
+__device__ inline void store8(uint4* p, int64_t i, const Vec8& v) {
+  uint4 u;
+  __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+  for (int j = 0; j < kVec / 2; ++j) h[j] = __floats2half2_rn(v.v[2 * j], v.v[2 * j + 1]);
+  p[i] = u;
+}
+
+// 8 consecutive floats from a 16-byte aligned address.
+__device__ inline Vec8 load8f(const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  return Vec8{{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
+}
+
+// ---- forward ----
+
+__global__ void finalize_kernel(float* __restrict__ mean, float* __restrict__ invstd,
+                                float* __restrict__ scale_shift, float* __restrict__ rm,
+                                float* __restrict__ rv, const float* __restrict__ sum,
+                                const float* __restrict__ sqsum, const float* __restrict__ w,
+                                const float* __restrict__ b, int64_t C, double n,
+                                double momentum, double eps) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
+    const double mu = double(sum[c]) / n;
+    const double var = fmax(double(sqsum[c]) / n - mu * mu, 0.0);
+    const double k = 1.0 / sqrt(var + eps);
+    const double scale = (w != nullptr ? double(w[c]) : 1.0) * k;
+    mean[c] = float(mu);
+    invstd[c] = float(k);
+    scale_shift[c] = float(scale);
+    scale_shift[C + c] = float((b != nullptr ? double(b[c]) : 0.0) - mu * scale);
+    if (rm != nullptr) {
+      rm[c] = float((1.0 - momentum) * double(rm[c]) + momentum * mu);
+      rv[c] = float((1.0 - momentum) * double(rv[c]) + momentum * var * n / (n - 1.0));
+    }
+  }
+}
+
+// NaN stays NaN through the ReLU (a comparison with NaN is false).
+__device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
+
+template <bool kRelu, bool kAdd>
+__global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
+                             const uint4* __restrict__ z, const float* __restrict__ scale_shift,
+                             int64_t vecs, int64_t G, int64_t C) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c0 = (i % G) * kVec;
+    const Vec8 sc = load8f(scale_shift + c0), sh = load8f(scale_shift + C + c0);
+    Vec8 v = load8(x, i);
+    Vec8 r;
+    if constexpr (kAdd) r = load8(z, i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float a = fmaf(v.v[j], sc.v[j], sh.v[j]);
+      if constexpr (kAdd) a += r.v[j];
+      if constexpr (kRelu) a = relu_keep_nan(a);
+      v.v[j] = a;
+    }
+    store8(y, i, v);
+  }
+}
+
+// ---- backward ----
+
+// Where the ReLU mask comes from.
+enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskFromY = 2 };
+
+// g = dy·mask for the 8 channels of vector i.
+template <int kMode>
+__device__ inline Vec8 masked_grad(const uint4* dy, const uint4* y, const Vec8& xv, const Vec8& sc,
+                                   const Vec8& sh, int64_t i) {
+  Vec8 g = load8(dy, i);
+  if constexpr (kMode == kMaskFromX) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (!(fmaf(xv.v[j], sc.v[j], sh.v[j]) > 0.f)) g.v[j] = 0.f;
+  } else if constexpr (kMode == kMaskFromY) {
+    const Vec8 yv = load8(y, i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (!(yv.v[j] > 0.f)) g.v[j] = 0.f;
+  }
+  return g;
+}
+
+// Block (tx, ty), tx·ty = kBlock, tx vectors of a row side by side; grid (tiles, parts).
+// partial (parts, 2, C): Σg and Σg·(x - mean) over this part's rows.
+template <int kMode>
+__global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* __restrict__ x,
+                                     const uint4* __restrict__ y, const float* __restrict__ mean,
+                                     const float* __restrict__ scale_shift,
+                                     float* __restrict__ partial, int64_t rows, int64_t G,
+                                     int64_t C, int parts) {
+  __shared__ float sh_sums[kBlock * 2 * kVec];
+  const int tx = threadIdx.x, ty = threadIdx.y, nx = blockDim.x, ny = blockDim.y;
+  const int64_t gv = int64_t(blockIdx.x) * nx + tx;
+  float s1[kVec] = {}, s2[kVec] = {};
+  if (gv < G) {
+    const int64_t c0 = gv * kVec;
+    const Vec8 m = load8f(mean + c0);
+    Vec8 sc{}, shf{};
+    if constexpr (kMode == kMaskFromX) {
+      sc = load8f(scale_shift + c0);
+      shf = load8f(scale_shift + C + c0);
+    }
+    for (int64_t r = int64_t(blockIdx.y) * ny + ty; r < rows; r += int64_t(parts) * ny) {
+      const int64_t i = r * G + gv;
+      const Vec8 xv = load8(x, i);
+      const Vec8 g = masked_grad<kMode>(dy, y, xv, sc, shf, i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s1[j] += g.v[j];
+        s2[j] = fmaf(g.v[j], xv.v[j] - m.v[j], s2[j]);
+      }
+    }
+  }
+  // Column k of the block's (ny, nx·16) table: sums of one channel's term over the block's rows.
+  const int width = nx * 2 * kVec;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    sh_sums[ty * width + tx * 2 * kVec + j] = s1[j];
+    sh_sums[ty * width + tx * 2 * kVec + kVec + j] = s2[j];
+  }
+  __syncthreads();
+  for (int col = ty * nx + tx; col < width; col += nx * ny) {
+    float s = 0.f;
+    for (int row = 0; row < ny; ++row) s += sh_sums[row * width + col];
+    const int vx = col / (2 * kVec), k = col % (2 * kVec);
+    const int64_t v = int64_t(blockIdx.x) * nx + vx;
+    if (v < G) {
+      const int64_t c = v * kVec + (k % kVec);
+      partial[(int64_t(blockIdx.y) * 2 + k / kVec) * C + c] = s;
+    }
+  }
+}
+
+// Per channel: the parts' sums in order; dweight, dbias, and dx = A·g + B·x + C0.
+__global__ void backward_finish_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
+                                       float* __restrict__ coef, const float* __restrict__ partial,
+                                       const float* __restrict__ w, const float* __restrict__ mean,
+                                       const float* __restrict__ invstd, int64_t C, int parts,
+                                       double n) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
+    float s1 = 0.f, s2 = 0.f;
+    for (int q = 0; q < parts; ++q) {
+      s1 += partial[(int64_t(q) * 2) * C + c];
+      s2 += partial[(int64_t(q) * 2 + 1) * C + c];
+    }
+    const double k = double(invstd[c]);
+    const double sum_gxhat = double(s2) * k;
+    if (dweight != nullptr) dweight[c] = float(sum_gxhat);
+    if (dbias != nullptr) dbias[c] = s1;
+    const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
+    const double bcoef = -a * k * sum_gxhat / n;
+    coef[c] = float(a);
+    coef[C + c] = float(bcoef);
+    coef[2 * C + c] = float(-a * double(s1) / n - bcoef * double(mean[c]));
+  }
+}
+
+template <int kMode, bool kDz>
+__global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict__ dz,
+                                      const uint4* __restrict__ dy, const uint4* __restrict__ x,
+                                      const uint4* __restrict__ y,
+                                      const float* __restrict__ scale_shift,
+                                      const float* __restrict__ coef, int64_t vecs, int64_t G,
+                                      int64_t C) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c0 = (i % G) * kVec;
+    const Vec8 xv = load8(x, i);
+    Vec8 sc{}, shf{};
+    if constexpr (kMode == kMaskFromX) {
+      sc = load8f(scale_shift + c0);
+      shf = load8f(scale_shift + C + c0);
+    }
+    const Vec8 g = masked_grad<kMode>(dy, y, xv, sc, shf, i);
+    if constexpr (kDz) store8(dz, i, g);
+    const Vec8 a = load8f(coef + c0), b = load8f(coef + C + c0), c = load8f(coef + 2 * C + c0);
+    Vec8 out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.v[j] = fmaf(a.v[j], g.v[j], fmaf(b.v[j], xv.v[j], c.v[j]));
+    store8(dx, i, out);
+  }
+}
+
+// ---- host side ----
+
+const uint4* vec_in(const Tensor& t) { return static_cast<const uint4*>(t.raw_data()); }
+uint4* vec_out(const Tensor& t) { return static_cast<uint4*>(t.raw_data()); }
+
+void check_act(const Tensor& t, const Tensor& x, const char* op, const char* what) {
+  KILN_CHECK(t.defined() && t.dtype() == DType::f16 && t.shape() == x.shape() &&
+                 t.device() == x.device() && t.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): ", what, " must be f16 channels-last like x ", x.desc(), ", got ",
+             t.defined() ? t.desc() : "undefined");
+}
+
+float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op, const char* what) {
+  if (!t.defined()) return nullptr;
+  KILN_CHECK(
+      t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n && t.device() == x.device(),
+      op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ", x.device(),
+      ", got ", t.desc());
+  return static_cast<float*>(t.raw_data());
+}
+
+float* required(float* p, const char* op, const char* what) {
+  KILN_CHECK(p != nullptr, op, " (cuda): ", what, " is required");
+  return p;
+}
+
+void check_x(const Tensor& x, const char* op) {
+  KILN_CHECK(bn_nhwc_supported(x), op,
+             " (cuda): x must be f16, 4-D, channels-last, with channels a multiple of 8, got ",
+             x.desc());
+}
+
+}  // namespace
+
+bool bn_nhwc_supported(const Tensor& x) {
+  return x.defined() && x.is_cuda() && x.dtype() == DType::f16 && x.dim() == 4 &&
+         x.size(1) % kVec == 0 && x.size(1) > 0 && x.is_contiguous(MemoryFormat::ChannelsLast);
+}
+
+void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
+                      const Tensor& scale_shift, const Tensor& sum, const Tensor& sqsum,
+                      const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                      const Tensor& running_var, int64_t count, double momentum, double eps) {
+  const char* op = "bn_nhwc_finalize";
+  const int64_t C = sum.numel();
+  KILN_CHECK(count > 1, op, " (cuda): needs more than one value per channel, got ", count);
+  float* mean = required(f32_ptr(save_mean, C, sum, op, "save_mean"), op, "save_mean");
+  float* invstd = required(f32_ptr(save_invstd, C, sum, op, "save_invstd"), op, "save_invstd");
+  float* ss = required(f32_ptr(scale_shift, 2 * C, sum, op, "scale_shift"), op, "scale_shift");
+  const float* s = required(f32_ptr(sum, C, sum, op, "sum"), op, "sum");
+  const float* q = required(f32_ptr(sqsum, C, sum, op, "sqsum"), op, "sqsum");
+  float* rm = f32_ptr(running_mean, C, sum, op, "running_mean");
+  float* rv = f32_ptr(running_var, C, sum, op, "running_var");
+  KILN_CHECK((rm == nullptr) == (rv == nullptr), op,
+             " (cuda): running_mean and running_var must be given together");
+  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(
+      mean, invstd, ss, rm, rv, s, q, f32_ptr(weight, C, sum, op, "weight"),
+      f32_ptr(bias, C, sum, op, "bias"), C, double(count), momentum, eps);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
+                   bool relu) {
+  const char* op = "bn_nhwc_apply";
+  check_x(x, op);
+  check_act(y, x, op, "y");
+  if (z.defined()) check_act(z, x, op, "z");
+  const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
+  if (vecs == 0) return;
+  const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  const unsigned grid = grid_for(vecs);
+  cudaStream_t s = current_stream();
+  const uint4* zp = z.defined() ? vec_in(z) : nullptr;
+  if (relu && z.defined())
+    apply_kernel<true, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+  else if (relu)
+    apply_kernel<true, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+  else if (z.defined())
+    apply_kernel<false, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+  else
+    apply_kernel<false, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
+                      const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
+                      const Tensor& scale_shift, bool relu) {
+  const char* op = "bn_nhwc_backward";
+  check_x(x, op);
+  check_act(dx, x, op, "dx");
+  check_act(dy, x, op, "dy");
+  if (dz.defined()) check_act(dz, x, op, "dz");
+  const int mode = !relu ? kNoMask : (y.defined() ? kMaskFromY : kMaskFromX);
+  if (mode == kMaskFromY) check_act(y, x, op, "y");
+  const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
+  const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
+  const float* invstd =
+      required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
+  const float* ss = f32_ptr(scale_shift, 2 * C, x, op, "scale_shift");
+  if (mode == kMaskFromX) required(const_cast<float*>(ss), op, "scale_shift");
+  const float* w = f32_ptr(weight, C, x, op, "weight");
+  float* dw = f32_ptr(dweight, C, x, op, "dweight");
+  float* db = f32_ptr(dbias, C, x, op, "dbias");
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+
+  // Sums: tx vectors of a row per block row, enough blocks to fill the device.
+  const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
+  const int64_t tiles = (G + tx - 1) / tx;
+  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
+  const int64_t useful = (rows + ty - 1) / ty;
+  const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
+                                            std::clamp<int64_t>(useful, 1, kMaxParts)));
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
+  Tensor coef = empty({3 * C}, f32);
+  float* pp = static_cast<float*>(partial.raw_data());
+  float* cp = static_cast<float*>(coef.raw_data());
+  cudaStream_t s = current_stream();
+  const dim3 grid{unsigned(tiles), unsigned(parts)}, block{unsigned(tx), unsigned(ty)};
+  const uint4* yp = mode == kMaskFromY ? vec_in(y) : nullptr;
+  switch (mode) {
+    case kNoMask:
+      backward_sums_kernel<kNoMask><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
+                                                           pp, rows, G, C, parts);
+      break;
+    case kMaskFromX:
+      backward_sums_kernel<kMaskFromX><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
+                                                              pp, rows, G, C, parts);
+      break;
+    default:
+      backward_sums_kernel<kMaskFromY><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
+                                                              pp, rows, G, C, parts);
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+  backward_finish_kernel<<<grid_for(C), kBlock, 0, s>>>(dw, db, cp, pp, w, mean, invstd, C, parts,
+                                                         double(rows));
+  KILN_CUDA_CHECK_LAUNCH();
+  const unsigned agrid = grid_for(vecs);
+  uint4* dzp = dz.defined() ? vec_out(dz) : nullptr;
+  auto launch = [&]<int kMode>() {
+    if (dzp)
+      backward_apply_kernel<kMode, true><<<agrid, kBlock, 0, s>>>(vec_out(dx), dzp, vec_in(dy),
+                                                                  vec_in(x), yp, ss, cp, vecs, G, C);
+    else
+      backward_apply_kernel<kMode, false><<<agrid, kBlock, 0, s>>>(vec_out(dx), dzp, vec_in(dy),
+                                                                   vec_in(x), yp, ss, cp, vecs, G, C);
+  };
+  switch (mode) {
+    case kNoMask: launch.template operator()<kNoMask>(); break;
+    case kMaskFromX: launch.template operator()<kMaskFromX>(); break;
+    default: launch.template operator()<kMaskFromY>(); break;
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,601 @@
+// kiln-fusion-probe: which fused convolution + batch-norm operation graphs the installed cuDNN
+// can run on this GPU, how long their plans take to build, how fast the best one runs against
+// the plain convolution, and whether its results match the unfused computation.
+//
+//   kiln-fusion-probe [--batch N] [--plans K]
+//
+// A developer's tool for deciding what cuda/ can fuse (NOTES.md records its output); it exercises
+// ResNet-50 bottleneck shapes: conv + statistics epilogue, scale-bias-ReLU prologue + conv +
+// statistics, the same prologue on the weight gradient, and the data gradient with the ReLU
+// backward (mask recomputed from the saved pre-BN tensor) and per-channel reductions.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#ifndef KILN_WITH_CUDA
+int main() {
+  std::fprintf(stderr, "kiln-fusion-probe: this build has no CUDA backend\n");
+  return 2;
+}
+#else
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "cuda/cudnn_graph.h"
+
+namespace be = kiln::cuda::be;
+
+namespace {
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+using Dims = std::vector<int64_t>;
+
+// NHWC strides for NCHW-ordered dims.
+Dims nhwc(const Dims& d) { return {d[1] * d[2] * d[3], 1, d[3] * d[1], d[1]}; }
+
+// A device buffer per non-virtual tensor id.
+struct Buf {
+  cudnnDataType_t dt;
+  Dims dims;
+  size_t count = 0;
+  void* dev = nullptr;
+};
+
+struct Graph {
+  cudnnHandle_t h;
+  std::vector<std::unique_ptr<be::Desc>> keep;
+  std::vector<const be::Desc*> ops;
+  std::map<int64_t, Buf> bufs;
+  int64_t next_uid = 1;
+
+  const be::Desc& hold(be::Desc d) {
+    keep.push_back(std::make_unique<be::Desc>(std::move(d)));
+    return *keep.back();
+  }
+  // Real tensor (allocated) or virtual; returns its uid via out.
+  const be::Desc& tensor(int64_t& uid, cudnnDataType_t dt, const Dims& d, bool per_channel_or_filter,
+                         bool is_virtual) {
+    uid = next_uid++;
+    Dims st = nhwc(d);
+    if (!is_virtual) {
+      size_t n = size_t(d[0] * d[1] * d[2] * d[3]);
+      Buf b{dt, d, n, nullptr};
+      CK(cudaMalloc(&b.dev, n * (dt == CUDNN_DATA_HALF ? 2 : 4)));
+      bufs[uid] = b;
+    }
+    (void)per_channel_or_filter;
+    return hold(be::tensor(uid, dt, d, st, 16, is_virtual));
+  }
+  void pw(cudnnPointwiseMode_t mode, const be::Desc& x, const be::Desc* b, const be::Desc& y) {
+    be::Desc p(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    p.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
+    p.set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
+    p.finalize("pointwise");
+    const be::Desc& pd = hold(std::move(p));
+    be::Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pd);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
+    if (b) op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
+    op.finalize("pointwise op");
+    ops.push_back(&hold(std::move(op)));
+  }
+  void relu_bwd(const be::Desc& dy, const be::Desc& x, const be::Desc& dx) {
+    be::Desc p(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    cudnnPointwiseMode_t mode = CUDNN_POINTWISE_RELU_BWD;
+    p.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
+    p.set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
+    p.finalize("pointwise relu bwd");
+    const be::Desc& pd = hold(std::move(p));
+    be::Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pd);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_DYDESC, dy);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_DXDESC, dx);
+    op.finalize("relu bwd op");
+    ops.push_back(&hold(std::move(op)));
+  }
+  const be::Desc& convd(int64_t k, int64_t stride) {
+    be::Desc c(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+    cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+    cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+    c.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
+    c.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
+    c.set_i64(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, 2);
+    c.set_i64s(CUDNN_ATTR_CONVOLUTION_DILATIONS, {1, 1});
+    c.set_i64s(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, {stride, stride});
+    c.set_i64s(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, {k / 2, k / 2});
+    c.set_i64s(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, {k / 2, k / 2});
+    c.finalize("conv desc");
+    return hold(std::move(c));
+  }
+  void conv(cudnnBackendDescriptorType_t type, const be::Desc& x, const be::Desc& w,
+            const be::Desc& y, int64_t k, int64_t stride) {
+    const be::Desc& cd = convd(k, stride);
+    be::Desc op(type);
+    const float one = 1, zero = 0;
+    if (type == CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR) {
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, cd)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
+    } else if (type == CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR) {
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, cd)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
+    } else {
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, cd)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
+    }
+    op.finalize("conv op");
+    ops.push_back(&hold(std::move(op)));
+  }
+  void genstats(const be::Desc& x, const be::Desc& sum, const be::Desc& sq) {
+    be::Desc op(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
+    cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
+    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    op.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode);
+    op.set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
+    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, x);
+    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, sum);
+    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, sq);
+    op.finalize("genstats op");
+    ops.push_back(&hold(std::move(op)));
+  }
+  void reduce(const be::Desc& x, const be::Desc& y) {
+    be::Desc r(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    cudnnReduceTensorOp_t mode = CUDNN_REDUCE_TENSOR_ADD;
+    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    r.set(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode);
+    r.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f);
+    r.finalize("reduction desc");
+    const be::Desc& rd = hold(std::move(r));
+    be::Desc op(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
+    op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
+    op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_DESC, rd);
+    op.finalize("reduction op");
+    ops.push_back(&hold(std::move(op)));
+  }
+  ~Graph() {
+    for (auto& [uid, b] : bufs) cudaFree(b.dev);
+  }
+};
+
+// Host copies.
+std::vector<float> download(const Buf& b) {
+  std::vector<float> out(b.count);
+  if (b.dt == CUDNN_DATA_HALF) {
+    std::vector<__half> tmp(b.count);
+    CK(cudaMemcpy(tmp.data(), b.dev, b.count * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < b.count; ++i) out[i] = __half2float(tmp[i]);
+  } else {
+    CK(cudaMemcpy(out.data(), b.dev, b.count * 4, cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+void upload(const Buf& b, const std::vector<float>& v) {
+  if (b.dt == CUDNN_DATA_HALF) {
+    std::vector<__half> tmp(b.count);
+    for (size_t i = 0; i < b.count; ++i) tmp[i] = __float2half(v[i]);
+    CK(cudaMemcpy(b.dev, tmp.data(), b.count * 2, cudaMemcpyHostToDevice));
+  } else {
+    CK(cudaMemcpy(b.dev, v.data(), b.count * 4, cudaMemcpyHostToDevice));
+  }
+}
+std::vector<float> random_values(size_t n, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+struct Result {
+  bool ran = false;
+  float ms = -1;
+  std::string plan;
+};
+
+// Builds the graph, lists heuristics' configurations, finalises up to `max_plans` (timing the
+// build), runs and times each; leaves the best plan's outputs in the buffers.
+Result run_graph(Graph& g, const char* label, int max_plans) {
+  Result res;
+  std::printf("\n== %s\n", label);
+  be::Desc graph;
+  try {
+    graph = be::operation_graph(g.h, g.ops);
+  } catch (const std::exception& e) {
+    std::printf("   operation graph does not finalise: %s\n", e.what());
+    return res;
+  }
+  std::vector<be::Desc> cfgs;
+  std::vector<std::string> names;
+  for (auto [mode, mname] : {std::pair{CUDNN_HEUR_MODE_A, "A"}, std::pair{CUDNN_HEUR_MODE_B, "B"},
+                             std::pair{CUDNN_HEUR_MODE_FALLBACK, "fallback"}}) {
+    std::vector<be::Desc> got = be::heuristic_configs(graph, mode);
+    std::printf("   heuristics %s: %zu configurations:", mname, got.size());
+    for (be::Desc& c : got) {
+      be::ConfigInfo info = be::describe_config(c);
+      std::printf(" [%s%s%s]", info.name.c_str(), info.runtime_compiled ? " rtc" : "",
+                  info.deterministic ? "" : " nondet");
+      if (std::find(names.begin(), names.end(), info.name) == names.end()) {
+        names.push_back(info.name);
+        cfgs.push_back(std::move(c));
+      }
+    }
+    std::printf("\n");
+  }
+  std::vector<int64_t> uids;
+  std::vector<void*> ptrs;
+  for (auto& [uid, b] : g.bufs) {
+    uids.push_back(uid);
+    ptrs.push_back(b.dev);
+  }
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  int tried = 0;
+  size_t best = SIZE_MAX;
+  std::vector<be::Candidate> plans;
+  for (size_t i = 0; i < cfgs.size() && tried < max_plans; ++i) {
+    ++tried;
+    be::Candidate c;
+    c.name = names[i];
+    c.plan = be::Desc(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    c.plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &g.h);
+    c.plan.set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfgs[i]);
+    auto t0 = std::chrono::steady_clock::now();
+    cudnnStatus_t st = c.plan.try_finalize();
+    double build_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (st != CUDNN_STATUS_SUCCESS) {
+      char buf[512] = {0};
+      cudnnGetLastErrorString(buf, sizeof buf);
+      std::printf("   %s: plan does not finalise (%.2f s): %s %s\n", c.name.c_str(), build_s,
+                  cudnnGetErrorString(st), buf);
+      continue;
+    }
+    int64_t n = 0;
+    cudnnBackendGetAttribute(c.plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                             CUDNN_TYPE_INT64, 1, &n, &c.workspace);
+    void* ws = nullptr;
+    if (c.workspace > 0) CK(cudaMalloc(&ws, size_t(c.workspace)));
+    st = be::run(g.h, c, uids, ptrs, ws);
+    cudaError_t ce = cudaDeviceSynchronize();
+    if (st != CUDNN_STATUS_SUCCESS || ce != cudaSuccess) {
+      char buf[512] = {0};
+      cudnnGetLastErrorString(buf, sizeof buf);
+      std::printf("   %s: does not run: %s / %s %s\n", c.name.c_str(), cudnnGetErrorString(st),
+                  cudaGetErrorString(ce), buf);
+      if (ws) cudaFree(ws);
+      continue;
+    }
+    CK(cudaEventRecord(a));
+    for (int r = 0; r < 10; ++r) be::run(g.h, c, uids, ptrs, ws);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    c.ms = ms / 10;
+    std::printf("   %s: %.4f ms (plan build %.2f s, workspace %lld)\n", c.name.c_str(),
+                double(c.ms), build_s, static_cast<long long>(c.workspace));
+    if (ws) cudaFree(ws);
+    plans.push_back(std::move(c));
+    if (best == SIZE_MAX || plans.back().ms < plans[best].ms) best = plans.size() - 1;
+  }
+  if (best != SIZE_MAX) {
+    // Leave the best plan's outputs behind for the checks.
+    void* ws = nullptr;
+    if (plans[best].workspace > 0) CK(cudaMalloc(&ws, size_t(plans[best].workspace)));
+    be::run(g.h, plans[best], uids, ptrs, ws);
+    CK(cudaDeviceSynchronize());
+    if (ws) cudaFree(ws);
+    res.ran = true;
+    res.ms = plans[best].ms;
+    res.plan = plans[best].name;
+    std::printf("   best: %s %.4f ms\n", res.plan.c_str(), double(res.ms));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return res;
+}
+
+double max_rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  double scale = 1e-6, err = 0;
+  for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+  for (size_t i = 0; i < got.size(); ++i) err = std::max(err, double(std::fabs(got[i] - want[i])));
+  return err / scale;
+}
+
+// Per-channel sums of an NHWC tensor (and of squares).
+void channel_sums(const std::vector<float>& v, int64_t c, std::vector<double>& s,
+                  std::vector<double>& sq) {
+  s.assign(size_t(c), 0);
+  sq.assign(size_t(c), 0);
+  for (size_t i = 0; i < v.size(); ++i) {
+    s[i % size_t(c)] += v[i];
+    sq[i % size_t(c)] += double(v[i]) * v[i];
+  }
+}
+double max_rel_err_d(const std::vector<float>& got, const std::vector<double>& want) {
+  double scale = 1e-6, err = 0;
+  for (double w : want) scale = std::max(scale, std::fabs(w));
+  for (size_t i = 0; i < got.size(); ++i) err = std::max(err, std::fabs(got[i] - want[i]));
+  return err / scale;
+}
+
+struct Problem {
+  const char* name;
+  int64_t cin, cout, hw, k, stride;
+};
+
+constexpr auto F = CUDNN_DATA_FLOAT;
+constexpr auto H = CUDNN_DATA_HALF;
+
+void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, int plans) {
+  const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
+  const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
+  const Dims ci{1, p.cin, 1, 1}, co{1, p.cout, 1, 1};
+  // Plain convolution: the baseline, and the reference for the fused results.
+  Graph g0{h};
+  int64_t x0, w0, y0;
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
+  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, X0, W0, Y0, p.k, p.stride);
+  std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 1);
+  std::vector<float> wv = random_values(size_t(p.cout * p.cin * p.k * p.k), -0.1f, 0.1f, 2);
+  std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 3);
+  std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 4);
+  std::vector<float> xin = xv;
+  if (prologue)
+    for (size_t i = 0; i < xin.size(); ++i) {
+      const size_t c = i % size_t(p.cin);
+      xin[i] = std::max(0.0f, __half2float(__float2half(xv[i])) * sc[c] + bi[c]);
+    }
+  upload(g0.bufs[x0], xin);
+  upload(g0.bufs[w0], wv);
+  std::string label = std::string(p.name) + ": plain conv fprop";
+  Result r0 = run_graph(g0, label.c_str(), plans);
+  std::vector<float> yref = r0.ran ? download(g0.bufs[y0]) : std::vector<float>{};
+
+  Graph g{h};
+  int64_t x, w, y, s, q, sc_id = 0, bi_id = 0, u1, u2, u3;
+  const be::Desc& X = g.tensor(x, H, xd, false, false);
+  const be::Desc* conv_in = &X;
+  if (prologue) {
+    const be::Desc& S = g.tensor(sc_id, F, ci, true, false);
+    const be::Desc& B = g.tensor(bi_id, F, ci, true, false);
+    const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
+    const be::Desc& T2 = g.tensor(u2, F, xd, false, true);
+    const be::Desc& T3 = g.tensor(u3, H, xd, false, true);
+    g.pw(CUDNN_POINTWISE_MUL, X, &S, T1);
+    g.pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
+    g.pw(CUDNN_POINTWISE_RELU_FWD, T2, nullptr, T3);
+    conv_in = &T3;
+  }
+  const be::Desc& W = g.tensor(w, H, wd, true, false);
+  const be::Desc& Y = g.tensor(y, H, yd, false, false);
+  const be::Desc& S = g.tensor(s, F, co, true, false);
+  const be::Desc& Q = g.tensor(q, F, co, true, false);
+  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, *conv_in, W, Y, p.k, p.stride);
+  g.genstats(Y, S, Q);
+  upload(g.bufs[x], xv);
+  upload(g.bufs[w], wv);
+  if (prologue) {
+    upload(g.bufs[sc_id], sc);
+    upload(g.bufs[bi_id], bi);
+  }
+  label = std::string(p.name) + (prologue ? ": scale-bias-relu + conv fprop + genstats"
+                                          : ": conv fprop + genstats");
+  Result r = run_graph(g, label.c_str(), plans);
+  if (r.ran && r0.ran) {
+    std::vector<float> yv = download(g.bufs[y]);
+    std::vector<double> rs, rq;
+    channel_sums(yv, p.cout, rs, rq);
+    std::printf("   check: y vs unfused %.2e, sum %.2e, sqsum %.2e (relative to max)\n",
+                max_rel_err(yv, yref), max_rel_err_d(download(g.bufs[s]), rs),
+                max_rel_err_d(download(g.bufs[q]), rq));
+    std::printf("   fused/plain time: %.3f\n", double(r.ms / r0.ms));
+  }
+}
+
+void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
+  const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
+  const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
+  const Dims ci{1, p.cin, 1, 1};
+  std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 5);
+  std::vector<float> dyv = random_values(size_t(N * p.cout * ho * ho), -1, 1, 6);
+  std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 7);
+  std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 8);
+  std::vector<float> xin = xv;
+  for (size_t i = 0; i < xin.size(); ++i) {
+    const size_t c = i % size_t(p.cin);
+    xin[i] = std::max(0.0f, __half2float(__float2half(xv[i])) * sc[c] + bi[c]);
+  }
+  Graph g0{h};
+  int64_t x0, w0, y0;
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
+  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, X0, W0, Y0, p.k,
+          p.stride);
+  upload(g0.bufs[x0], xin);
+  upload(g0.bufs[y0], dyv);
+  Result r0 = run_graph(g0, (std::string(p.name) + ": plain wgrad").c_str(), plans);
+  Graph g{h};
+  int64_t x, w, y, s, b, u1, u2, u3;
+  const be::Desc& X = g.tensor(x, H, xd, false, false);
+  const be::Desc& S = g.tensor(s, F, ci, true, false);
+  const be::Desc& B = g.tensor(b, F, ci, true, false);
+  const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
+  const be::Desc& T2 = g.tensor(u2, F, xd, false, true);
+  const be::Desc& T3 = g.tensor(u3, H, xd, false, true);
+  g.pw(CUDNN_POINTWISE_MUL, X, &S, T1);
+  g.pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
+  g.pw(CUDNN_POINTWISE_RELU_FWD, T2, nullptr, T3);
+  const be::Desc& W = g.tensor(w, H, wd, true, false);
+  const be::Desc& Y = g.tensor(y, H, yd, false, false);
+  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, T3, W, Y, p.k, p.stride);
+  upload(g.bufs[x], xv);
+  upload(g.bufs[y], dyv);
+  upload(g.bufs[s], sc);
+  upload(g.bufs[b], bi);
+  Result r = run_graph(g, (std::string(p.name) + ": scale-bias-relu + wgrad").c_str(), plans);
+  if (r.ran && r0.ran) {
+    std::printf("   check: dw vs unfused %.2e\n",
+                max_rel_err(download(g.bufs[w]), download(g0.bufs[w0])));
+    std::printf("   fused/plain time: %.3f\n", double(r.ms / r0.ms));
+  }
+}
+
+// dgrad of a conv whose input was relu(scale * yprev + bias): dz = dgrad(dy) * [bn(yprev) > 0],
+// with `reductions` per-channel sums: 1 = sum(dz), 2 = also sum(dz * yprev).
+void probe_dgrad(cudnnHandle_t h, int64_t N, const Problem& p, int reductions, int plans) {
+  const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
+  const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
+  const Dims ci{1, p.cin, 1, 1};
+  std::vector<float> dyv = random_values(size_t(N * p.cout * ho * ho), -1, 1, 9);
+  std::vector<float> wv = random_values(size_t(p.cout * p.cin * p.k * p.k), -0.1f, 0.1f, 10);
+  std::vector<float> ypv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 11);
+  std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 12);
+  std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 13);
+  Graph g0{h};
+  int64_t x0, w0, y0;
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
+  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, X0, W0, Y0, p.k, p.stride);
+  upload(g0.bufs[w0], wv);
+  upload(g0.bufs[y0], dyv);
+  Result r0 = run_graph(g0, (std::string(p.name) + ": plain dgrad").c_str(), plans);
+  Graph g{h};
+  int64_t dx, w, dy, yp, s, b, u0, u1, u2, dz, r1 = 0, r2 = 0, u4 = 0;
+  const be::Desc& DY = g.tensor(dy, H, yd, false, false);
+  const be::Desc& W = g.tensor(w, H, wd, true, false);
+  const be::Desc& DX = g.tensor(dx, F, xd, false, true);
+  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, DX, W, DY, p.k, p.stride);
+  const be::Desc& YP = g.tensor(yp, H, xd, false, false);
+  const be::Desc& S = g.tensor(s, F, ci, true, false);
+  const be::Desc& B = g.tensor(b, F, ci, true, false);
+  const be::Desc& T0 = g.tensor(u0, F, xd, false, true);
+  const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
+  g.pw(CUDNN_POINTWISE_MUL, YP, &S, T0);
+  g.pw(CUDNN_POINTWISE_ADD, T0, &B, T1);
+  const be::Desc& DZ = g.tensor(dz, H, xd, false, false);
+  (void)u2;
+  g.relu_bwd(DX, T1, DZ);
+  if (reductions >= 1) {
+    const be::Desc& R1 = g.tensor(r1, F, ci, true, false);
+    g.reduce(DZ, R1);
+  }
+  if (reductions >= 2) {
+    const be::Desc& T4 = g.tensor(u4, F, xd, false, true);
+    g.pw(CUDNN_POINTWISE_MUL, DZ, &YP, T4);
+    const be::Desc& R2 = g.tensor(r2, F, ci, true, false);
+    g.reduce(T4, R2);
+  }
+  upload(g.bufs[dy], dyv);
+  upload(g.bufs[w], wv);
+  upload(g.bufs[yp], ypv);
+  upload(g.bufs[s], sc);
+  upload(g.bufs[b], bi);
+  std::string label = std::string(p.name) + ": dgrad + relu bwd (recomputed mask)" +
+                      (reductions == 1 ? " + sum" : reductions == 2 ? " + sum + sum(dz*y)" : "");
+  Result r = run_graph(g, label.c_str(), plans);
+  if (r.ran && r0.ran) {
+    std::vector<float> ref = download(g0.bufs[x0]);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const size_t c = i % size_t(p.cin);
+      if (__half2float(__float2half(ypv[i])) * sc[c] + bi[c] <= 0) ref[i] = 0;
+    }
+    std::vector<float> got = download(g.bufs[dz]);
+    std::printf("   check: dz vs unfused %.2e", max_rel_err(got, ref));
+    if (reductions >= 1) {
+      std::vector<double> rs(size_t(p.cin), 0), rp(size_t(p.cin), 0);
+      for (size_t i = 0; i < got.size(); ++i) {
+        rs[i % size_t(p.cin)] += got[i];
+        rp[i % size_t(p.cin)] += double(got[i]) * __half2float(__float2half(ypv[i]));
+      }
+      std::printf(", sum %.2e", max_rel_err_d(download(g.bufs[r1]), rs));
+      if (reductions >= 2) std::printf(", sum(dz*y) %.2e", max_rel_err_d(download(g.bufs[r2]), rp));
+    }
+    std::printf("\n   fused/plain time: %.3f\n", double(r.ms / r0.ms));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t N = 256;
+  int plans = 4;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) N = std::atol(argv[++i]);
+    else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) plans = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: kiln-fusion-probe [--batch N] [--plans K]\n");
+      return 2;
+    }
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::fprintf(stderr, "kiln-fusion-probe: no CUDA device\n");
+    return 2;
+  }
+  cudnnHandle_t h;
+  if (cudnnCreate(&h) != CUDNN_STATUS_SUCCESS) return 1;
+  std::printf("cuDNN %zu, batch %lld\n", cudnnGetVersion(), static_cast<long long>(N));
+  const Problem conv1{"l1.conv1 1x1 256->64 @56", 256, 64, 56, 1, 1};
+  const Problem conv2{"l1.conv2 3x3 64->64 @56", 64, 64, 56, 3, 1};
+  const Problem conv3{"l1.conv3 1x1 64->256 @56", 64, 256, 56, 1, 1};
+  const Problem l3c2{"l3.conv2 3x3 256->256 @14", 256, 256, 14, 3, 1};
+  try {
+    probe_forward(h, N, conv1, false, plans);
+    probe_forward(h, N, conv2, true, plans);
+    probe_forward(h, N, conv3, true, plans);
+    probe_forward(h, N, l3c2, true, plans);
+    probe_wgrad(h, N, conv2, plans);
+    probe_wgrad(h, N, conv3, plans);
+    probe_dgrad(h, N, conv2, 0, plans);
+    probe_dgrad(h, N, conv2, 1, plans);
+    probe_dgrad(h, N, conv2, 2, plans);
+    probe_dgrad(h, N, conv3, 2, plans);
+  } catch (const std::exception& e) {
+    std::printf("error: %s\n", e.what());
+    return 1;
+  }
+  cudnnDestroy(h);
+  return 0;
+}
+#endif
