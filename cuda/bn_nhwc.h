@@ -26,15 +26,17 @@ void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
                       const Tensor& running_var, int64_t count, double momentum, double eps);
 
 // y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity.
-// z may be undefined.
+// z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
+// mask, bit j of byte i set when y's element 8i + j is positive: the backward reads it instead
+// of y (1/16 of the bytes).
 void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
-                   bool relu);
+                   bool relu, const Tensor& mask = Tensor());
 
-// Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the mask is y > 0 when z was
-// given (y: the forward's output), else recomputed as x·scale + shift > 0. Writes dx (=),
-// dz (=) = g when defined, dweight (=) = Σ g·x̂ and dbias (=) = Σ g, x̂ = (x - mean)·invstd.
+// Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the forward's `mask` when z
+// was given, else recomputed as x·scale + shift > 0. Writes dx (=), dz (=) = g when defined,
+// dweight (=) = Σ g·x̂ and dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd.
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
-                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
+                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
                       const Tensor& scale_shift, bool relu);
 

@@ -46,9 +46,11 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const
 void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
                     const ConvParams& p);
 // The forward convolution (no bias) with the per-channel sum and sum of squares of y (f32, O
-// values each, `=`) from the same cuDNN kernel (a GenStats epilogue). Returns false — and writes
-// nothing — when that is not available: f16 channels-last only, backend API on, a plan found
-// for the problem (tuned on first sight, like conv2d_forward), KILN_CONV_STATS not 0.
+// values each, `=`) from the same cuDNN kernel (a GenStats epilogue, which sums the f32 results
+// before their rounding to f16, and across thread blocks in no fixed order: not bit-
+// reproducible). Returns false when that is not available — f16 channels-last only, backend API
+// on, a plan found for the problem (tuned on first sight, like conv2d_forward), KILN_CONV_STATS
+// not 0 — and then y, sum and sqsum hold no result.
 bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                           const Tensor& x, const Tensor& w, const ConvParams& p);
 void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,

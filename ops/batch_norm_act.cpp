@@ -84,17 +84,17 @@ class BatchNormActBackward final : public Node {
 // Backward of batch_norm_from_stats's fused path (cuda/bn_nhwc.h).
 class BatchNormStatsBackward final : public Node {
  public:
-  BatchNormStatsBackward(const Tensor& x, const Tensor& y, const Tensor& weight,
+  BatchNormStatsBackward(const Tensor& x, const Tensor& mask, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd,
                          const Tensor& scale_shift, bool relu, bool add)
-      : x_(x), y_(y), weight_(weight), save_mean_(save_mean), save_invstd_(save_invstd),
+      : x_(x), mask_(mask), weight_(weight), save_mean_(save_mean), save_invstd_(save_invstd),
         scale_shift_(scale_shift), relu_(relu), add_(add) {}
   std::string name() const override {
     return add_ ? (relu_ ? "BatchNormAddReluBackward" : "BatchNormAddBackward")
                 : (relu_ ? "BatchNormReluBackward" : "BatchNormBackward");
   }
   void release_saved() override {
-    for (SavedTensor* s : {&x_, &y_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
+    for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
   }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
@@ -108,15 +108,15 @@ class BatchNormStatsBackward final : public Node {
     Tensor dz = add_ && needs_input_grad(1) ? empty_like(x) : Tensor();
     Tensor dw = needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
-    // The ReLU mask: from the output when a residual was added, else recomputed from x.
-    Tensor y = relu_ && add_ ? y_.get(*this) : Tensor();
-    cuda::bn_nhwc_backward(dx, dz, dw, db, dy, x, y, w, save_mean_.get(*this),
+    // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
+    Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
+    cuda::bn_nhwc_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
                            save_invstd_.get(*this), scale_shift_.get(*this), relu_);
     return {needs_input_grad(0) ? dx : Tensor(), dz, dw, db};
   }
 
  private:
-  SavedTensor x_, y_, weight_, save_mean_, save_invstd_, scale_shift_;
+  SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
   bool relu_, add_;
 };
 
@@ -165,12 +165,15 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
                              x.numel() / C, momentum, eps);
     }
     Tensor y = empty_like(x);
+    Tensor mask = relu && residual.defined()
+                      ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
+                      : Tensor();
     cuda::bn_nhwc_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
-                        scale_shift, relu);
+                        scale_shift, relu, mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
-          x.detach(), relu && residual.defined() ? y : Tensor(), weight.detach(), save_mean,
-          save_invstd, scale_shift, relu, residual.defined());
+          x.detach(), mask, weight.detach(), save_mean, save_invstd, scale_shift, relu,
+          residual.defined());
       node->set_inputs({x, residual, weight, bias});
       autograd::set_history(y, node);
     }

@@ -2,6 +2,11 @@
 #include "ops/backend.h"
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/bn_nhwc.h"
+#include "cuda/conv.h"
+#include "cuda/sync_batch_norm.h"
+#endif
 
 namespace kiln::F {
 namespace {
@@ -179,10 +184,23 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair st
 #ifdef KILN_WITH_CUDA
       if (stats && !bd.defined()) {
         const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-        Tensor sum = empty({y.size(1)}, f32), sqsum = empty({y.size(1)}, f32);
-        if (cuda::conv2d_forward_stats(y, sum, sqsum, dense(xd), dense(wd), p)) {
-          *stats = ChannelStats{sum, sqsum, y.version()};
-          break;
+        if (cuda::conv_deterministic()) {
+          // cuDNN's statistics epilogue adds across thread blocks in no fixed order; kiln's own
+          // statistics pass is bit-reproducible.
+          if (cuda::bn_nhwc_supported(y)) {
+            cuda::conv2d_forward(y, dense(xd), dense(wd), Tensor(), p);
+            Tensor st = empty({2 * y.size(1) + 1}, f32);
+            cuda::sync_batch_norm_stats(st, y);
+            *stats = ChannelStats{st.narrow(0, 0, y.size(1)), st.narrow(0, y.size(1), y.size(1)),
+                                  y.version()};
+            break;
+          }
+        } else {
+          Tensor sum = empty({y.size(1)}, f32), sqsum = empty({y.size(1)}, f32);
+          if (cuda::conv2d_forward_stats(y, sum, sqsum, dense(xd), dense(wd), p)) {
+            *stats = ChannelStats{sum, sqsum, y.version()};
+            break;
+          }
         }
       }
 #endif

@@ -78,7 +78,7 @@ __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
                              const uint4* __restrict__ z, const float* __restrict__ scale_shift,
-                             int64_t vecs, int64_t G, int64_t C) {
+                             uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c0 = (i % G) * kVec;
@@ -94,28 +94,34 @@ __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
       v.v[j] = a;
     }
     store8(y, i, v);
+    if constexpr (kRelu && kAdd) {
+      unsigned bits = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) bits |= unsigned(v.v[j] > 0.f) << j;
+      mask[i] = uint8_t(bits);
+    }
   }
 }
 
 // ---- backward ----
 
 // Where the ReLU mask comes from.
-enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskFromY = 2 };
+enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskBits = 2 };
 
 // g = dy·mask for the 8 channels of vector i.
 template <int kMode>
-__device__ inline Vec8 masked_grad(const uint4* dy, const uint4* y, const Vec8& xv, const Vec8& sc,
-                                   const Vec8& sh, int64_t i) {
+__device__ inline Vec8 masked_grad(const uint4* dy, const uint8_t* mask, const Vec8& xv,
+                                   const Vec8& sc, const Vec8& sh, int64_t i) {
   Vec8 g = load8(dy, i);
   if constexpr (kMode == kMaskFromX) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
       if (!(fmaf(xv.v[j], sc.v[j], sh.v[j]) > 0.f)) g.v[j] = 0.f;
-  } else if constexpr (kMode == kMaskFromY) {
-    const Vec8 yv = load8(y, i);
+  } else if constexpr (kMode == kMaskBits) {
+    const unsigned bits = mask[i];
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
-      if (!(yv.v[j] > 0.f)) g.v[j] = 0.f;
+      if (!((bits >> j) & 1u)) g.v[j] = 0.f;
   }
   return g;
 }
@@ -124,7 +130,7 @@ __device__ inline Vec8 masked_grad(const uint4* dy, const uint4* y, const Vec8& 
 // partial (parts, 2, C): Σg and Σg·(x - mean) over this part's rows.
 template <int kMode>
 __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* __restrict__ x,
-                                     const uint4* __restrict__ y, const float* __restrict__ mean,
+                                     const uint8_t* __restrict__ y, const float* __restrict__ mean,
                                      const float* __restrict__ scale_shift,
                                      float* __restrict__ partial, int64_t rows, int64_t G,
                                      int64_t C, int parts) {
@@ -199,7 +205,7 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
 template <int kMode, bool kDz>
 __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict__ dz,
                                       const uint4* __restrict__ dy, const uint4* __restrict__ x,
-                                      const uint4* __restrict__ y,
+                                      const uint8_t* __restrict__ y,
                                       const float* __restrict__ scale_shift,
                                       const float* __restrict__ coef, int64_t vecs, int64_t G,
                                       int64_t C) {
@@ -243,6 +249,15 @@ float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op, cons
   return static_cast<float*>(t.raw_data());
 }
 
+// The ReLU bitmask: u8, one byte per 16-byte vector of x.
+uint8_t* mask_ptr(const Tensor& m, int64_t vecs, const Tensor& x, const char* op) {
+  KILN_CHECK(m.defined() && m.dtype() == DType::u8 && m.is_contiguous() && m.numel() == vecs &&
+                 m.device() == x.device(),
+             op, " (cuda): mask must be a contiguous u8 tensor of ", vecs, " elements on ",
+             x.device(), ", got ", m.defined() ? m.desc() : "undefined");
+  return static_cast<uint8_t*>(m.raw_data());
+}
+
 float* required(float* p, const char* op, const char* what) {
   KILN_CHECK(p != nullptr, op, " (cuda): ", what, " is required");
   return p;
@@ -284,30 +299,31 @@ void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
 }
 
 void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
-                   bool relu) {
+                   bool relu, const Tensor& mask) {
   const char* op = "bn_nhwc_apply";
   check_x(x, op);
   check_act(y, x, op, "y");
   if (z.defined()) check_act(z, x, op, "z");
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
+  uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
   if (vecs == 0) return;
   const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
   const unsigned grid = grid_for(vecs);
   cudaStream_t s = current_stream();
   const uint4* zp = z.defined() ? vec_in(z) : nullptr;
   if (relu && z.defined())
-    apply_kernel<true, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+    apply_kernel<true, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   else if (relu)
-    apply_kernel<true, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+    apply_kernel<true, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   else if (z.defined())
-    apply_kernel<false, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+    apply_kernel<false, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   else
-    apply_kernel<false, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, vecs, G, C);
+    apply_kernel<false, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
-                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
+                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
                       const Tensor& scale_shift, bool relu) {
   const char* op = "bn_nhwc_backward";
@@ -315,9 +331,9 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   check_act(dx, x, op, "dx");
   check_act(dy, x, op, "dy");
   if (dz.defined()) check_act(dz, x, op, "dz");
-  const int mode = !relu ? kNoMask : (y.defined() ? kMaskFromY : kMaskFromX);
-  if (mode == kMaskFromY) check_act(y, x, op, "y");
   const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
+  const int mode = !relu ? kNoMask : (mask.defined() ? kMaskBits : kMaskFromX);
+  const uint8_t* yp = mode == kMaskBits ? mask_ptr(mask, vecs, x, op) : nullptr;
   const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
   const float* invstd =
       required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
@@ -342,7 +358,6 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
   const dim3 grid{unsigned(tiles), unsigned(parts)}, block{unsigned(tx), unsigned(ty)};
-  const uint4* yp = mode == kMaskFromY ? vec_in(y) : nullptr;
   switch (mode) {
     case kNoMask:
       backward_sums_kernel<kNoMask><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
@@ -353,7 +368,7 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                                                               pp, rows, G, C, parts);
       break;
     default:
-      backward_sums_kernel<kMaskFromY><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
+      backward_sums_kernel<kMaskBits><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
                                                               pp, rows, G, C, parts);
   }
   KILN_CUDA_CHECK_LAUNCH();
@@ -373,7 +388,7 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   switch (mode) {
     case kNoMask: launch.template operator()<kNoMask>(); break;
     case kMaskFromX: launch.template operator()<kMaskFromX>(); break;
-    default: launch.template operator()<kMaskFromY>(); break;
+    default: launch.template operator()<kMaskBits>(); break;
   }
   KILN_CUDA_CHECK_LAUNCH();
 }
