@@ -229,6 +229,8 @@ cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, voi
   return be::run(h, e.plan, uids, ptrs, ws ? ws->data() : nullptr);
 }
 
+float conv_engine_ms(const ConvEngine& e) { return e.plan.ms; }
+
 std::string conv_engine_name(const ConvEngine& e) {
   char buf[64];
   std::snprintf(buf, sizeof buf, ", %.4f ms", double(e.plan.ms));

@@ -55,6 +55,9 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
 cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
                               int device, void* sum = nullptr, void* sqsum = nullptr);
 
+// The chosen plan's measured time (ms).
+float conv_engine_ms(const ConvEngine& e);
+
 // Description of the chosen plan for logs ("engine 3 k1=2 ..., 0.081 ms").
 std::string conv_engine_name(const ConvEngine& e);
 

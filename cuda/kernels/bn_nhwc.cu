@@ -75,14 +75,25 @@ __global__ void finalize_kernel(float* __restrict__ mean, float* __restrict__ in
 // NaN stays NaN through the ReLU (a comparison with NaN is false).
 __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 
+// A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
+// the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
+// per-channel factors are loaded once, not per vector.
 template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
                              const uint4* __restrict__ z, const float* __restrict__ scale_shift,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c0 = (i % G) * kVec;
-    const Vec8 sc = load8f(scale_shift + c0), sh = load8f(scale_shift + C + c0);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  int64_t c0 = (i % G) * kVec;
+  Vec8 sc = load8f(scale_shift + c0), sh = load8f(scale_shift + C + c0);
+  for (; i < vecs; i += stride) {
+    if (!fixed) {
+      c0 = (i % G) * kVec;
+      sc = load8f(scale_shift + c0);
+      sh = load8f(scale_shift + C + c0);
+    }
     Vec8 v = load8(x, i);
     Vec8 r;
     if constexpr (kAdd) r = load8(z, i);
@@ -146,7 +157,21 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
       sc = load8f(scale_shift + c0);
       shf = load8f(scale_shift + C + c0);
     }
-    for (int64_t r = int64_t(blockIdx.y) * ny + ty; r < rows; r += int64_t(parts) * ny) {
+    // Two rows per iteration: twice the loads in flight.
+    const int64_t step = int64_t(parts) * ny;
+    int64_t r = int64_t(blockIdx.y) * ny + ty;
+    for (; r + step < rows; r += 2 * step) {
+      const int64_t i0 = r * G + gv, i1 = (r + step) * G + gv;
+      const Vec8 x0 = load8(x, i0), x1 = load8(x, i1);
+      const Vec8 g0 = masked_grad<kMode>(dy, y, x0, sc, shf, i0);
+      const Vec8 g1 = masked_grad<kMode>(dy, y, x1, sc, shf, i1);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s1[j] += g0.v[j] + g1.v[j];
+        s2[j] = fmaf(g0.v[j], x0.v[j] - m.v[j], fmaf(g1.v[j], x1.v[j] - m.v[j], s2[j]));
+      }
+    }
+    if (r < rows) {
       const int64_t i = r * G + gv;
       const Vec8 xv = load8(x, i);
       const Vec8 g = masked_grad<kMode>(dy, y, xv, sc, shf, i);
@@ -209,18 +234,27 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
                                       const float* __restrict__ scale_shift,
                                       const float* __restrict__ coef, int64_t vecs, int64_t G,
                                       int64_t C) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c0 = (i % G) * kVec;
-    const Vec8 xv = load8(x, i);
-    Vec8 sc{}, shf{};
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;  // as in apply_kernel
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  Vec8 sc{}, shf{}, a, b, c;
+  auto load_factors = [&](int64_t v) {
+    const int64_t c0 = (v % G) * kVec;
     if constexpr (kMode == kMaskFromX) {
       sc = load8f(scale_shift + c0);
       shf = load8f(scale_shift + C + c0);
     }
+    a = load8f(coef + c0);
+    b = load8f(coef + C + c0);
+    c = load8f(coef + 2 * C + c0);
+  };
+  load_factors(i);
+  for (; i < vecs; i += stride) {
+    if (!fixed) load_factors(i);
+    const Vec8 xv = load8(x, i);
     const Vec8 g = masked_grad<kMode>(dy, y, xv, sc, shf, i);
     if constexpr (kDz) store8(dz, i, g);
-    const Vec8 a = load8f(coef + c0), b = load8f(coef + C + c0), c = load8f(coef + 2 * C + c0);
     Vec8 out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) out.v[j] = fmaf(a.v[j], g.v[j], fmaf(b.v[j], xv.v[j], c.v[j]));
