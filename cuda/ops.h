@@ -49,8 +49,9 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 // values each, `=`) from the same cuDNN kernel (a GenStats epilogue, which sums the f32 results
 // before their rounding to f16, and across thread blocks in no fixed order: not bit-
 // reproducible). Returns false when that is not available — f16 channels-last only, backend API
-// on, a plan found for the problem (tuned on first sight, like conv2d_forward), KILN_CONV_STATS
-// not 0 — and then y, sum and sqsum hold no result.
+// on, a plan found for the problem that beats the plain convolution plus a statistics pass
+// (tuned on first sight, like conv2d_forward; ConvBackend::Force takes any plan that runs),
+// KILN_CONV_STATS not 0 — and then y, sum and sqsum hold no result.
 bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                           const Tensor& x, const Tensor& w, const ConvParams& p);
 void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,

@@ -8,6 +8,7 @@
 
 #include "cuda/bn_nhwc.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/reduce.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -202,29 +203,34 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
   }
 }
 
-// Per channel: the parts' sums in order; dweight, dbias, and dx = A·g + B·x + C0.
+// Per channel, one warp: lane l adds parts l, l + 32, ... in order, then the warp's fixed
+// shuffle tree (so still bit-reproducible); then dweight, dbias, and dx = A·g + B·x + C0.
+// Block kBlock; grid ceil(32·C / kBlock).
 __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
                                        float* __restrict__ coef, const float* __restrict__ partial,
                                        const float* __restrict__ w, const float* __restrict__ mean,
                                        const float* __restrict__ invstd, int64_t C, int parts,
                                        double n) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    float s1 = 0.f, s2 = 0.f;
-    for (int q = 0; q < parts; ++q) {
-      s1 += partial[(int64_t(q) * 2) * C + c];
-      s2 += partial[(int64_t(q) * 2 + 1) * C + c];
-    }
-    const double k = double(invstd[c]);
-    const double sum_gxhat = double(s2) * k;
-    if (dweight != nullptr) dweight[c] = float(sum_gxhat);
-    if (dbias != nullptr) dbias[c] = s1;
-    const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
-    const double bcoef = -a * k * sum_gxhat / n;
-    coef[c] = float(a);
-    coef[C + c] = float(bcoef);
-    coef[2 * C + c] = float(-a * double(s1) / n - bcoef * double(mean[c]));
+  const int lane = threadIdx.x % 32;
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (c >= C) return;  // whole warps: c is the same for all 32 lanes
+  float s1 = 0.f, s2 = 0.f;
+  for (int q = lane; q < parts; q += 32) {
+    s1 += partial[(int64_t(q) * 2) * C + c];
+    s2 += partial[(int64_t(q) * 2 + 1) * C + c];
   }
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  if (lane != 0) return;
+  const double k = double(invstd[c]);
+  const double sum_gxhat = double(s2) * k;
+  if (dweight != nullptr) dweight[c] = float(sum_gxhat);
+  if (dbias != nullptr) dbias[c] = s1;
+  const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
+  const double bcoef = -a * k * sum_gxhat / n;
+  coef[c] = float(a);
+  coef[C + c] = float(bcoef);
+  coef[2 * C + c] = float(-a * double(s1) / n - bcoef * double(mean[c]));
 }
 
 template <int kMode, bool kDz>
@@ -406,8 +412,9 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                                                               pp, rows, G, C, parts);
   }
   KILN_CUDA_CHECK_LAUNCH();
-  backward_finish_kernel<<<grid_for(C), kBlock, 0, s>>>(dw, db, cp, pp, w, mean, invstd, C, parts,
-                                                         double(rows));
+  const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);
+  backward_finish_kernel<<<fgrid, kBlock, 0, s>>>(dw, db, cp, pp, w, mean, invstd, C, parts,
+                                                  double(rows));
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned agrid = grid_for(vecs);
   uint4* dzp = dz.defined() ? vec_out(dz) : nullptr;
