@@ -183,6 +183,21 @@ Tensor BatchNorm2d::forward_from_stats(const Tensor& x, const F::ChannelStats& s
                                   running_var_, is_training(), momentum_, eps_);
 }
 
+Tensor BatchNorm2d::forward_add_bn_relu(const Tensor& x, const F::ChannelStats& sx,
+                                        BatchNorm2d& shortcut_bn, const Tensor& r,
+                                        const F::ChannelStats& sr) {
+  BatchNorm2d& o = shortcut_bn;
+  if (!(is_training() && o.is_training() && !sync_ && !o.sync_ && sx.defined() && sr.defined()))
+    return forward_from_stats(x, sx, o.forward_from_stats(r, sr, Tensor(), false), true);
+  check_and_count(x);
+  o.check_and_count(r);
+  return F::batch_norm_add_batch_norm_relu(
+      x, sx, F::BatchNormParams{weight_, bias_, running_mean_, running_var_, momentum_, eps_}, r,
+      sr, F::BatchNormParams{o.weight_, o.bias_, o.running_mean_, o.running_var_, o.momentum_,
+                             o.eps_},
+      true);
+}
+
 Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu,
                const Tensor& residual) {
   F::ChannelStats stats;

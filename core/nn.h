@@ -78,6 +78,11 @@ class BatchNorm2d : public Module {
   // stats or synchronisation: forward / forward_relu's path). Counts a batch like forward().
   Tensor forward_from_stats(const Tensor& x, const F::ChannelStats& stats,
                             const Tensor& residual, bool relu);
+  // relu(bn(x) + shortcut_bn(r)), x's and r's statistics from their convolutions
+  // (F::batch_norm_add_batch_norm_relu; without statistics, training or with synchronisation:
+  // forward_from_stats of each). Counts a batch on both modules.
+  Tensor forward_add_bn_relu(const Tensor& x, const F::ChannelStats& sx, BatchNorm2d& shortcut_bn,
+                             const Tensor& r, const F::ChannelStats& sr);
   // An empty `reduce` turns synchronisation off. The reducer's captures must outlive training.
   void set_sync(StatsAllReduce reduce) { sync_ = std::move(reduce); }
   bool sync_enabled() const { return static_cast<bool>(sync_); }

@@ -40,4 +40,20 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
                       const Tensor& scale_shift, bool relu);
 
+// Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
+// a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
+// as in bn_nhwc_apply. One pass instead of two, and the shortcut's normalised tensor is never
+// written.
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_shift_x,
+                        const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask);
+
+// Its backward: g = dy masked by `mask`; dx (=) and dr (=) as bn_nhwc_backward's dx for each
+// side; dweight_x/dbias_x and dweight_r/dbias_r (=) when defined (Σ g·x̂ and Σ g per side).
+void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                           const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
+                           const Tensor& dy, const Tensor& mask, const Tensor& x,
+                           const Tensor& weight_x, const Tensor& mean_x, const Tensor& invstd_x,
+                           const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
+                           const Tensor& invstd_r);
+
 }  // namespace kiln::cuda

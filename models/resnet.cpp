@@ -17,14 +17,30 @@ std::shared_ptr<Conv2d> conv1x1(int64_t in, int64_t out, int64_t stride, Generat
   return std::make_shared<Conv2d>(in, out, 1, stride, 0, 1, 1, /*bias=*/false, gen);
 }
 
-// downsample(x), through nn::conv_bn when it is the usual Sequential(Conv2d, BatchNorm2d).
-Tensor run_downsample(nn::Module& ds, const Tensor& x) {
-  if (auto* seq = dynamic_cast<nn::Sequential*>(&ds); seq && seq->size() == 2) {
+// The usual downsample, Sequential(Conv2d, BatchNorm2d), as its two modules; nulls otherwise.
+std::pair<Conv2d*, BatchNorm2d*> conv_bn_pair(nn::Module* ds) {
+  if (auto* seq = dynamic_cast<nn::Sequential*>(ds); seq && seq->size() == 2) {
     auto* conv = dynamic_cast<Conv2d*>((*seq)[0].get());
     auto* bn = dynamic_cast<BatchNorm2d*>((*seq)[1].get());
-    if (conv && bn) return nn::conv_bn(*conv, *bn, x, /*relu=*/false);
+    if (conv && bn) return {conv, bn};
   }
-  return ds.forward(x);
+  return {nullptr, nullptr};
+}
+
+// relu(bn(conv(out)) + downsample(x)) (or + x without a downsample). A Conv2d + BatchNorm2d
+// shortcut joins the block's last batch norm in one fused op when both convolutions produce
+// their statistics.
+Tensor block_tail(Conv2d& conv, BatchNorm2d& bn, const Tensor& out, nn::Module* downsample,
+                  const Tensor& x) {
+  if (!downsample) return nn::conv_bn(conv, bn, out, /*relu=*/true, x);
+  auto [ds_conv, ds_bn] = conv_bn_pair(downsample);
+  if (!ds_conv) return nn::conv_bn(conv, bn, out, /*relu=*/true, downsample->forward(x));
+  const bool want = bn.is_training() && !bn.sync_enabled() && ds_bn->is_training() &&
+                    !ds_bn->sync_enabled();
+  F::ChannelStats s_main, s_short;
+  Tensor y = conv.forward(out, want ? &s_main : nullptr);
+  Tensor r = ds_conv->forward(x, want ? &s_short : nullptr);
+  return bn.forward_add_bn_relu(y, s_main, *ds_bn, r, s_short);
 }
 
 }  // namespace
@@ -47,8 +63,7 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 // norm's statistics where it can.
 Tensor BasicBlock::forward(const Tensor& x) {
   Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
-  Tensor identity = downsample_ ? run_downsample(*downsample_, x) : x;
-  return nn::conv_bn(*conv2_, *bn2_, out, /*relu=*/true, identity);
+  return block_tail(*conv2_, *bn2_, out, downsample_.get(), x);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
@@ -66,8 +81,7 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
   out = nn::conv_bn(*conv2_, *bn2_, out, /*relu=*/true);
-  Tensor identity = downsample_ ? run_downsample(*downsample_, x) : x;
-  return nn::conv_bn(*conv3_, *bn3_, out, /*relu=*/true, identity);
+  return block_tail(*conv3_, *bn3_, out, downsample_.get(), x);
 }
 
 // ---------------- ResNet ----------------

@@ -120,6 +120,41 @@ class BatchNormStatsBackward final : public Node {
   bool relu_, add_;
 };
 
+// Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br.
+class DualBatchNormBackward final : public Node {
+ public:
+  DualBatchNormBackward(const Tensor& x, const Tensor& r, const Tensor& mask, const Tensor& wx,
+                        const Tensor& wr, const Tensor& mean_x, const Tensor& invstd_x,
+                        const Tensor& mean_r, const Tensor& invstd_r)
+      : x_(x), r_(r), mask_(mask), wx_(wx), wr_(wr), mean_x_(mean_x), invstd_x_(invstd_x),
+        mean_r_(mean_r), invstd_r_(invstd_r) {}
+  std::string name() const override { return "BatchNormAddBatchNormReluBackward"; }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &r_, &mask_, &wx_, &wr_, &mean_x_, &invstd_x_, &mean_r_, &invstd_r_})
+      s->release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor x = x_.get(*this), r = r_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return std::vector<Tensor>(6);
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    const int64_t c = x.size(1);
+    auto param_grad = [&](size_t i) { return needs_input_grad(i) ? empty({c}, f32) : Tensor(); };
+    Tensor dx = empty_like(x), dr = empty_like(r);
+    Tensor dwx = param_grad(2), dbx = param_grad(3), dwr = param_grad(4), dbr = param_grad(5);
+    cuda::bn_nhwc_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x,
+                                wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this), r,
+                                wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this));
+    return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
+            dwr, dbr};
+  }
+
+ private:
+  SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;
+};
+
 bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                    const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                    const Tensor& running_var, bool training) {
@@ -184,6 +219,59 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
                                    momentum, eps);
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
   return residual.defined() ? add(y, residual) : y;
+}
+
+Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
+                                      const BatchNormParams& px, const Tensor& r,
+                                      const ChannelStats& sr, const BatchNormParams& pr,
+                                      bool training) {
+  check_defined(x, "batch_norm_add_batch_norm_relu", "x");
+  check_defined(r, "batch_norm_add_batch_norm_relu", "r");
+#ifdef KILN_WITH_CUDA
+  if (r.shape() == x.shape() &&
+      stats_fusable(x, sx, Tensor(), px.weight, px.bias, px.running_mean, px.running_var,
+                    training) &&
+      stats_fusable(r, sr, Tensor(), pr.weight, pr.bias, pr.running_mean, pr.running_var,
+                    training) &&
+      r.device() == x.device()) {
+    KILN_OP_SCOPE("batch_norm_add_batch_norm_relu", x);
+    const int64_t C = x.size(1);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    auto finalize = [&](const Tensor& t, const ChannelStats& st, const BatchNormParams& p,
+                        Tensor& mean, Tensor& invstd, Tensor& ss) {
+      autograd::check_inplace(p.running_mean, "batch_norm_add_batch_norm_relu (running_mean)");
+      autograd::check_inplace(p.running_var, "batch_norm_add_batch_norm_relu (running_var)");
+      mean = empty({C}, f32);
+      invstd = empty({C}, f32);
+      ss = empty({2 * C}, f32);
+      NoGradGuard no_grad;
+      p.running_mean.bump_version();
+      p.running_var.bump_version();
+      cuda::bn_nhwc_finalize(mean, invstd, ss, st.sum, st.sqsum, p.weight.detach(),
+                             p.bias.detach(), p.running_mean, p.running_var, t.numel() / C,
+                             p.momentum, p.eps);
+    };
+    Tensor mean_x, invstd_x, ss_x, mean_r, invstd_r, ss_r;
+    finalize(x, sx, px, mean_x, invstd_x, ss_x);
+    finalize(r, sr, pr, mean_r, invstd_r, ss_r);
+    Tensor y = empty_like(x);
+    Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()));
+    cuda::bn_nhwc_dual_apply(y, x.detach(), ss_x, r.detach(), ss_r, mask);
+    if (autograd::any_requires_grad({x, r, px.weight, px.bias, pr.weight, pr.bias})) {
+      auto node = std::make_shared<DualBatchNormBackward>(
+          x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), mean_x, invstd_x,
+          mean_r, invstd_r);
+      node->set_inputs({x, r, px.weight, px.bias, pr.weight, pr.bias});
+      autograd::set_history(y, node);
+    }
+    return y;
+  }
+#endif
+  Tensor shortcut = batch_norm_from_stats(r, sr, Tensor(), false, pr.weight, pr.bias,
+                                          pr.running_mean, pr.running_var, training, pr.momentum,
+                                          pr.eps);
+  return batch_norm_from_stats(x, sx, shortcut, true, px.weight, px.bias, px.running_mean,
+                               px.running_var, training, px.momentum, px.eps);
 }
 
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,

@@ -126,6 +126,20 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
                              const Tensor& running_mean, const Tensor& running_var, bool training,
                              double momentum = 0.1, double eps = 1e-5);
 
+// One batch norm's parameters and running statistics (F::batch_norm's arguments).
+struct BatchNormParams {
+  Tensor weight, bias, running_mean, running_var;
+  double momentum = 0.1, eps = 1e-5;
+};
+// relu(batch_norm(x) + batch_norm(r)), each batch norm with its own statistics (from the
+// convolutions that produced x and r) and parameters: the tail of a ResNet block whose shortcut
+// is a convolution + batch norm. Fused (one pass each way, the shortcut's normalised tensor
+// never written) under batch_norm_from_stats's conditions for both; otherwise that composition.
+Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
+                                      const BatchNormParams& px, const Tensor& r,
+                                      const ChannelStats& sr, const BatchNormParams& pr,
+                                      bool training);
+
 // ---------------- synchronised batch norm (ops/sync_batch_norm.cpp) ----------------
 // Sums a small dense 1-D statistics tensor IN PLACE over all data-parallel ranks (kiln-train:
 // an NCCL all-reduce on the current stream; one rank: do nothing). The tensor has the

@@ -268,6 +268,156 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
   }
 }
 
+
+// ---- two batch norms meeting at the residual add ----
+
+__global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
+                                  const float* __restrict__ ssx, const uint4* __restrict__ r,
+                                  const float* __restrict__ ssr, uint8_t* __restrict__ mask,
+                                  int64_t vecs, int64_t G, int64_t C) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;  // as in apply_kernel
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  Vec8 a1, b1, a2, b2;
+  auto load_factors = [&](int64_t v) {
+    const int64_t c0 = (v % G) * kVec;
+    a1 = load8f(ssx + c0);
+    b1 = load8f(ssx + C + c0);
+    a2 = load8f(ssr + c0);
+    b2 = load8f(ssr + C + c0);
+  };
+  load_factors(i);
+  for (; i < vecs; i += stride) {
+    if (!fixed) load_factors(i);
+    Vec8 v = load8(x, i);
+    const Vec8 u = load8(r, i);
+    unsigned bits = 0;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float a = relu_keep_nan(fmaf(v.v[j], a1.v[j], b1.v[j]) + fmaf(u.v[j], a2.v[j], b2.v[j]));
+      bits |= unsigned(a > 0.f) << j;
+      v.v[j] = a;
+    }
+    store8(y, i, v);
+    mask[i] = uint8_t(bits);
+  }
+}
+
+// As backward_sums_kernel, with three sums per channel: Σg, Σg·(x - mean_x), Σg·(r - mean_r).
+// partial (parts, 3, C).
+__global__ void dual_sums_kernel(const uint4* __restrict__ dy, const uint8_t* __restrict__ mask,
+                                 const uint4* __restrict__ x, const float* __restrict__ mean_x,
+                                 const uint4* __restrict__ r, const float* __restrict__ mean_r,
+                                 float* __restrict__ partial, int64_t rows, int64_t G, int64_t C,
+                                 int parts) {
+  __shared__ float sh_sums[kBlock * 3 * kVec];
+  const int tx = threadIdx.x, ty = threadIdx.y, nx = blockDim.x, ny = blockDim.y;
+  const int64_t gv = int64_t(blockIdx.x) * nx + tx;
+  float s1[kVec] = {}, s2[kVec] = {}, s3[kVec] = {};
+  if (gv < G) {
+    const int64_t c0 = gv * kVec;
+    const Vec8 mx = load8f(mean_x + c0), mr = load8f(mean_r + c0);
+    const Vec8 none{};
+    for (int64_t row = int64_t(blockIdx.y) * ny + ty; row < rows; row += int64_t(parts) * ny) {
+      const int64_t i = row * G + gv;
+      const Vec8 xv = load8(x, i), rv = load8(r, i);
+      const Vec8 g = masked_grad<kMaskBits>(dy, mask, xv, none, none, i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s1[j] += g.v[j];
+        s2[j] = fmaf(g.v[j], xv.v[j] - mx.v[j], s2[j]);
+        s3[j] = fmaf(g.v[j], rv.v[j] - mr.v[j], s3[j]);
+      }
+    }
+  }
+  const int width = nx * 3 * kVec;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    sh_sums[ty * width + tx * 3 * kVec + j] = s1[j];
+    sh_sums[ty * width + tx * 3 * kVec + kVec + j] = s2[j];
+    sh_sums[ty * width + tx * 3 * kVec + 2 * kVec + j] = s3[j];
+  }
+  __syncthreads();
+  for (int col = ty * nx + tx; col < width; col += nx * ny) {
+    float sum = 0.f;
+    for (int row = 0; row < ny; ++row) sum += sh_sums[row * width + col];
+    const int vx = col / (3 * kVec), k = col % (3 * kVec);
+    const int64_t v = int64_t(blockIdx.x) * nx + vx;
+    if (v < G) partial[(int64_t(blockIdx.y) * 3 + k / kVec) * C + v * kVec + (k % kVec)] = sum;
+  }
+}
+
+// One warp per channel as in backward_finish_kernel; coef (6C): A, B, C0 for x then for r.
+__global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ dbx,
+                                   float* __restrict__ dwr, float* __restrict__ dbr,
+                                   float* __restrict__ coef, const float* __restrict__ partial,
+                                   const float* __restrict__ wx, const float* __restrict__ mx,
+                                   const float* __restrict__ kx, const float* __restrict__ wr,
+                                   const float* __restrict__ mr, const float* __restrict__ kr,
+                                   int64_t C, int parts, double n) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (c >= C) return;
+  float s[3] = {0.f, 0.f, 0.f};
+  for (int q = lane; q < parts; q += 32)
+    for (int t = 0; t < 3; ++t) s[t] += partial[(int64_t(q) * 3 + t) * C + c];
+  for (int t = 0; t < 3; ++t) s[t] = warp_sum(s[t]);
+  if (lane != 0) return;
+  auto side = [&](int t, const float* w, const float* m, const float* kk, float* dw, float* db,
+                  float* out) {
+    const double k = double(kk[c]);
+    const double sum_gxhat = double(s[t]) * k;
+    if (dw != nullptr) dw[c] = float(sum_gxhat);
+    if (db != nullptr) db[c] = s[0];
+    const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
+    const double b = -a * k * sum_gxhat / n;
+    out[c] = float(a);
+    out[C + c] = float(b);
+    out[2 * C + c] = float(-a * double(s[0]) / n - b * double(m[c]));
+  };
+  side(1, wx, mx, kx, dwx, dbx, coef);
+  side(2, wr, mr, kr, dwr, dbr, coef + 3 * C);
+}
+
+__global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict__ dr,
+                                           const uint4* __restrict__ dy,
+                                           const uint8_t* __restrict__ mask,
+                                           const uint4* __restrict__ x,
+                                           const uint4* __restrict__ r,
+                                           const float* __restrict__ coef, int64_t vecs,
+                                           int64_t G, int64_t C) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  Vec8 a1, b1, c1, a2, b2, c2;
+  auto load_factors = [&](int64_t v) {
+    const int64_t c0 = (v % G) * kVec;
+    a1 = load8f(coef + c0);
+    b1 = load8f(coef + C + c0);
+    c1 = load8f(coef + 2 * C + c0);
+    a2 = load8f(coef + 3 * C + c0);
+    b2 = load8f(coef + 4 * C + c0);
+    c2 = load8f(coef + 5 * C + c0);
+  };
+  load_factors(i);
+  const Vec8 none{};
+  for (; i < vecs; i += stride) {
+    if (!fixed) load_factors(i);
+    const Vec8 xv = load8(x, i), rv = load8(r, i);
+    const Vec8 g = masked_grad<kMaskBits>(dy, mask, xv, none, none, i);
+    Vec8 ox, orr;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      ox.v[j] = fmaf(a1.v[j], g.v[j], fmaf(b1.v[j], xv.v[j], c1.v[j]));
+      orr.v[j] = fmaf(a2.v[j], g.v[j], fmaf(b2.v[j], rv.v[j], c2.v[j]));
+    }
+    store8(dx, i, ox);
+    store8(dr, i, orr);
+  }
+}
+
 // ---- host side ----
 
 const uint4* vec_in(const Tensor& t) { return static_cast<const uint4*>(t.raw_data()); }
@@ -431,6 +581,68 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
     case kMaskFromX: launch.template operator()<kMaskFromX>(); break;
     default: launch.template operator()<kMaskBits>(); break;
   }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_shift_x,
+                        const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask) {
+  const char* op = "bn_nhwc_dual_apply";
+  check_x(x, op);
+  check_act(y, x, op, "y");
+  check_act(r, x, op, "r");
+  const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
+  uint8_t* mp = mask_ptr(mask, vecs, x, op);
+  const float* ssx = required(f32_ptr(scale_shift_x, 2 * C, x, op, "scale_shift_x"), op, "scale_shift_x");
+  const float* ssr = required(f32_ptr(scale_shift_r, 2 * C, x, op, "scale_shift_r"), op, "scale_shift_r");
+  if (vecs == 0) return;
+  dual_apply_kernel<<<grid_for(vecs), kBlock, 0, current_stream()>>>(
+      vec_out(y), vec_in(x), ssx, vec_in(r), ssr, mp, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                           const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
+                           const Tensor& dy, const Tensor& mask, const Tensor& x,
+                           const Tensor& weight_x, const Tensor& mean_x, const Tensor& invstd_x,
+                           const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
+                           const Tensor& invstd_r) {
+  const char* op = "bn_nhwc_dual_backward";
+  check_x(x, op);
+  for (auto [t, what] : {std::pair{&dx, "dx"}, std::pair{&dr, "dr"}, std::pair{&dy, "dy"},
+                         std::pair{&r, "r"}})
+    check_act(*t, x, op, what);
+  const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+  const uint8_t* mp = mask_ptr(mask, vecs, x, op);
+  const float* mx = required(f32_ptr(mean_x, C, x, op, "mean_x"), op, "mean_x");
+  const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
+  const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
+  const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
+  const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
+  const int64_t tiles = (G + tx - 1) / tx;
+  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
+  const int64_t useful = (rows + ty - 1) / ty;
+  const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
+                                            std::clamp<int64_t>(useful, 1, kMaxParts)));
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
+  Tensor coef = empty({6 * C}, f32);
+  float* pp = static_cast<float*>(partial.raw_data());
+  float* cp = static_cast<float*>(coef.raw_data());
+  cudaStream_t s = current_stream();
+  const dim3 grid{unsigned(tiles), unsigned(parts)}, block{unsigned(tx), unsigned(ty)};
+  dual_sums_kernel<<<grid, block, 0, s>>>(vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp, rows,
+                                          G, C, parts);
+  KILN_CUDA_CHECK_LAUNCH();
+  const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);
+  dual_finish_kernel<<<fgrid, kBlock, 0, s>>>(
+      f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
+      f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
+      f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
+      mr, kr, C, parts, double(rows));
+  KILN_CUDA_CHECK_LAUNCH();
+  dual_backward_apply_kernel<<<grid_for(vecs), kBlock, 0, s>>>(
+      vec_out(dx), vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

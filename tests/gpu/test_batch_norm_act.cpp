@@ -208,3 +208,46 @@ TEST_CASE("deterministic convolutions: the statistics come from kiln's bit-repro
   Tensor y32 = a.y.detach().to(DType::f32);
   KILN_CHECK_OK(testing::compare(a.stats.sum, F::sum(y32, {0, 2, 3}), 1e-3, 1e-4));
 }
+
+TEST_CASE("batch_norm_add_batch_norm_relu equals the unfused ops, forward and gradients") {
+  manual_seed(51);
+  const Shape shape{8, 64, 14, 12};
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor hx = randn(shape), hr = F::add(F::mul(randn(shape), 2.0), 0.5), hdy = randn(shape);
+  Tensor x = gpu_leaf(hx, DType::f16, true), r = gpu_leaf(hr, DType::f16, true);
+  auto stats_of = [](const Tensor& t) {
+    Tensor t32 = t.detach().to(DType::f32);
+    return F::ChannelStats{F::sum(t32, {0, 2, 3}), F::sum(F::mul(t32, t32), {0, 2, 3}),
+                           t.version()};
+  };
+  Tensor hwx = uniform({64}, 0.5, 1.5), hbx = uniform({64}, -0.5, 0.5);
+  Tensor hwr = uniform({64}, 0.5, 1.5), hbr = uniform({64}, -0.5, 0.5);
+  F::BatchNormParams px{gpu_leaf(hwx, DType::f32, false), gpu_leaf(hbx, DType::f32, false),
+                        zeros({64}, opt), ones({64}, opt)};
+  F::BatchNormParams pr{gpu_leaf(hwr, DType::f32, false), gpu_leaf(hbr, DType::f32, false),
+                        zeros({64}, opt), ones({64}, opt), 0.2, 1e-3};
+  Tensor y = F::batch_norm_add_batch_norm_relu(x, stats_of(x), px, r, stats_of(r), pr, true);
+  REQUIRE(y.grad_fn());
+  CHECK(y.grad_fn()->name() == "BatchNormAddBatchNormReluBackward");
+  y.backward(hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast));
+  // Reference: f32, unfused.
+  Tensor rx = gpu_leaf(hx.to(DType::f16), DType::f32, false);
+  Tensor rr = gpu_leaf(hr.to(DType::f16), DType::f32, false);
+  Tensor rwx = gpu_leaf(hwx, DType::f32, false), rbx = gpu_leaf(hbx, DType::f32, false);
+  Tensor rwr = gpu_leaf(hwr, DType::f32, false), rbr = gpu_leaf(hbr, DType::f32, false);
+  Tensor rmx = zeros({64}, opt), rvx = ones({64}, opt), rmr = zeros({64}, opt), rvr = ones({64}, opt);
+  Tensor ry = F::relu(F::add(F::batch_norm(rx, rwx, rbx, rmx, rvx, true),
+                             F::batch_norm(rr, rwr, rbr, rmr, rvr, true, 0.2, 1e-3)));
+  ry.backward(hdy.to(DType::f16).to(DType::f32).to(kGpu));
+  KILN_CHECK_OK(testing::compare(y.to(DType::f32), ry, 2e-2, 1e-2));
+  KILN_CHECK_OK(testing::compare(px.running_mean, rmx, 1e-4, 1e-3));
+  KILN_CHECK_OK(testing::compare(px.running_var, rvx, 1e-4, 1e-3));
+  KILN_CHECK_OK(testing::compare(pr.running_mean, rmr, 1e-4, 1e-3));
+  KILN_CHECK_OK(testing::compare(pr.running_var, rvr, 1e-4, 1e-3));
+  KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad(), 3e-2, 2e-2));
+  KILN_CHECK_OK(testing::compare(r.grad().to(DType::f32), rr.grad(), 3e-2, 2e-2));
+  KILN_CHECK_OK(testing::compare(px.weight.grad(), rwx.grad(), 5e-2, 1e-2));
+  KILN_CHECK_OK(testing::compare(px.bias.grad(), rbx.grad(), 5e-2, 1e-2));
+  KILN_CHECK_OK(testing::compare(pr.weight.grad(), rwr.grad(), 5e-2, 1e-2));
+  KILN_CHECK_OK(testing::compare(pr.bias.grad(), rbr.grad(), 5e-2, 1e-2));
+}
