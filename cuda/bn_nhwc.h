@@ -34,11 +34,12 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tens
 
 // Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the forward's `mask` when z
 // was given, else recomputed as x·scale + shift > 0. Writes dx (=), dz (=) = g when defined,
-// dweight (=) = Σ g·x̂ and dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd.
+// dweight (=) = Σ g·x̂ and dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd — or `+=`
+// with accumulate_params (autograd's accumulate-into: they are the parameters' .grad).
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, bool relu);
+                      const Tensor& scale_shift, bool relu, bool accumulate_params = false);
 
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
@@ -48,12 +49,13 @@ void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_sh
                         const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask);
 
 // Its backward: g = dy masked by `mask`; dx (=) and dr (=) as bn_nhwc_backward's dx for each
-// side; dweight_x/dbias_x and dweight_r/dbias_r (=) when defined (Σ g·x̂ and Σ g per side).
+// side; dweight_x/dbias_x and dweight_r/dbias_r (=, or += with accumulate_params) when
+// defined (Σ g·x̂ and Σ g per side).
 void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
                            const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
                            const Tensor& dy, const Tensor& mask, const Tensor& x,
                            const Tensor& weight_x, const Tensor& mean_x, const Tensor& invstd_x,
                            const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
-                           const Tensor& invstd_r);
+                           const Tensor& invstd_r, bool accumulate_params = false);
 
 }  // namespace kiln::cuda

@@ -81,6 +81,26 @@ class BatchNormActBackward final : public Node {
   double eps_;
 };
 
+// The engine's accumulate-into targets for parameter gradients `inputs` of `node` (see Node in
+// core/autograd.h) when every needed one is usable by the kernels (contiguous f32 of C values
+// on x's device); else none, and the gradients come back fresh.
+std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t> inputs,
+                                  const Tensor& x) {
+  std::vector<Tensor> out;
+  for (size_t i : inputs) {
+    if (!node.needs_input_grad(i)) {
+      out.emplace_back();
+      continue;
+    }
+    Tensor t = node.accumulate_target(i);
+    if (!(t.defined() && t.dtype() == DType::f32 && t.is_contiguous() && t.dim() == 1 &&
+          t.size(0) == x.size(1) && t.device() == x.device()))
+      return {};
+    out.push_back(t);
+  }
+  return out;
+}
+
 // Backward of batch_norm_from_stats's fused path (cuda/bn_nhwc.h).
 class BatchNormStatsBackward final : public Node {
  public:
@@ -97,6 +117,8 @@ class BatchNormStatsBackward final : public Node {
     for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
   }
+  // dweight and dbias may be added straight into the parameters' .grad.
+  bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
@@ -106,12 +128,14 @@ class BatchNormStatsBackward final : public Node {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     Tensor dx = empty_like(x);
     Tensor dz = add_ && needs_input_grad(1) ? empty_like(x) : Tensor();
-    Tensor dw = needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
-    Tensor db = needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
+    const std::vector<Tensor> targets = param_targets(*this, {2, 3}, x);
+    const bool acc = !targets.empty();
+    Tensor dw = acc ? targets[0] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
+    Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
     Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
     cuda::bn_nhwc_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
-                           save_invstd_.get(*this), scale_shift_.get(*this), relu_);
+                           save_invstd_.get(*this), scale_shift_.get(*this), relu_, acc);
     return {needs_input_grad(0) ? dx : Tensor(), dz, dw, db};
   }
 
@@ -133,6 +157,7 @@ class DualBatchNormBackward final : public Node {
     for (SavedTensor* s : {&x_, &r_, &mask_, &wx_, &wr_, &mean_x_, &invstd_x_, &mean_r_, &invstd_r_})
       s->release();
   }
+  bool can_accumulate_into(size_t i) const override { return i >= 2 && i <= 5; }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), r = r_.get(*this);
     Tensor dy = grads[0];
@@ -143,10 +168,13 @@ class DualBatchNormBackward final : public Node {
     const int64_t c = x.size(1);
     auto param_grad = [&](size_t i) { return needs_input_grad(i) ? empty({c}, f32) : Tensor(); };
     Tensor dx = empty_like(x), dr = empty_like(r);
-    Tensor dwx = param_grad(2), dbx = param_grad(3), dwr = param_grad(4), dbr = param_grad(5);
+    const std::vector<Tensor> targets = param_targets(*this, {2, 3, 4, 5}, x);
+    const bool acc = !targets.empty();
+    Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
+    Tensor dwr = acc ? targets[2] : param_grad(4), dbr = acc ? targets[3] : param_grad(5);
     cuda::bn_nhwc_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x,
                                 wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this), r,
-                                wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this));
+                                wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this), acc);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }

@@ -210,7 +210,7 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
                                        float* __restrict__ coef, const float* __restrict__ partial,
                                        const float* __restrict__ w, const float* __restrict__ mean,
                                        const float* __restrict__ invstd, int64_t C, int parts,
-                                       double n) {
+                                       double n, bool acc) {
   const int lane = threadIdx.x % 32;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (c >= C) return;  // whole warps: c is the same for all 32 lanes
@@ -224,8 +224,8 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
   if (lane != 0) return;
   const double k = double(invstd[c]);
   const double sum_gxhat = double(s2) * k;
-  if (dweight != nullptr) dweight[c] = float(sum_gxhat);
-  if (dbias != nullptr) dbias[c] = s1;
+  if (dweight != nullptr) dweight[c] = float(sum_gxhat) + (acc ? dweight[c] : 0.f);
+  if (dbias != nullptr) dbias[c] = s1 + (acc ? dbias[c] : 0.f);
   const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
   const double bcoef = -a * k * sum_gxhat / n;
   coef[c] = float(a);
@@ -355,7 +355,7 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
                                    const float* __restrict__ wx, const float* __restrict__ mx,
                                    const float* __restrict__ kx, const float* __restrict__ wr,
                                    const float* __restrict__ mr, const float* __restrict__ kr,
-                                   int64_t C, int parts, double n) {
+                                   int64_t C, int parts, double n, bool acc) {
   const int lane = threadIdx.x % 32;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (c >= C) return;
@@ -368,8 +368,8 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
                   float* out) {
     const double k = double(kk[c]);
     const double sum_gxhat = double(s[t]) * k;
-    if (dw != nullptr) dw[c] = float(sum_gxhat);
-    if (db != nullptr) db[c] = s[0];
+    if (dw != nullptr) dw[c] = float(sum_gxhat) + (acc ? dw[c] : 0.f);
+    if (db != nullptr) db[c] = s[0] + (acc ? db[c] : 0.f);
     const double a = (w != nullptr ? double(w[c]) : 1.0) * k;
     const double b = -a * k * sum_gxhat / n;
     out[c] = float(a);
@@ -515,7 +515,7 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tens
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, bool relu) {
+                      const Tensor& scale_shift, bool relu, bool accumulate_params) {
   const char* op = "bn_nhwc_backward";
   check_x(x, op);
   check_act(dx, x, op, "dx");
@@ -564,7 +564,7 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);
   backward_finish_kernel<<<fgrid, kBlock, 0, s>>>(dw, db, cp, pp, w, mean, invstd, C, parts,
-                                                  double(rows));
+                                                  double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned agrid = grid_for(vecs);
   uint4* dzp = dz.defined() ? vec_out(dz) : nullptr;
@@ -605,7 +605,7 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
                            const Tensor& dy, const Tensor& mask, const Tensor& x,
                            const Tensor& weight_x, const Tensor& mean_x, const Tensor& invstd_x,
                            const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
-                           const Tensor& invstd_r) {
+                           const Tensor& invstd_r, bool accumulate_params) {
   const char* op = "bn_nhwc_dual_backward";
   check_x(x, op);
   for (auto [t, what] : {std::pair{&dx, "dx"}, std::pair{&dr, "dr"}, std::pair{&dy, "dy"},
@@ -639,7 +639,7 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
       f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
       f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
       f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
-      mr, kr, C, parts, double(rows));
+      mr, kr, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
   dual_backward_apply_kernel<<<grid_for(vecs), kBlock, 0, s>>>(
       vec_out(dx), vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);

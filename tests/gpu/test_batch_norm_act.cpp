@@ -251,3 +251,43 @@ TEST_CASE("batch_norm_add_batch_norm_relu equals the unfused ops, forward and gr
   KILN_CHECK_OK(testing::compare(pr.weight.grad(), rwr.grad(), 5e-2, 1e-2));
   KILN_CHECK_OK(testing::compare(pr.bias.grad(), rbr.grad(), 5e-2, 1e-2));
 }
+
+TEST_CASE("fused batch norms add their parameter gradients into an existing .grad") {
+  manual_seed(61);
+  autograd::reset_accumulate_stats();
+  const Shape shape{4, 32, 6, 10};
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor x = gpu_leaf(randn(shape), DType::f16, true), r = gpu_leaf(randn(shape), DType::f16, true);
+  Tensor dy = randn(shape).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  auto stats_of = [](const Tensor& t) {
+    Tensor t32 = t.detach().to(DType::f32);
+    return F::ChannelStats{F::sum(t32, {0, 2, 3}), F::sum(F::mul(t32, t32), {0, 2, 3}),
+                           t.version()};
+  };
+  F::BatchNormParams px{gpu_leaf(uniform({32}, 0.5, 1.5), DType::f32, false),
+                        gpu_leaf(uniform({32}, -0.5, 0.5), DType::f32, false), zeros({32}, opt),
+                        ones({32}, opt)};
+  F::BatchNormParams pr{gpu_leaf(uniform({32}, 0.5, 1.5), DType::f32, false),
+                        gpu_leaf(uniform({32}, -0.5, 0.5), DType::f32, false), zeros({32}, opt),
+                        ones({32}, opt)};
+  auto single = [&] {
+    return F::batch_norm_from_stats(x, stats_of(x), r, true, px.weight, px.bias, px.running_mean,
+                                    px.running_var, true);
+  };
+  auto dual = [&] {
+    return F::batch_norm_add_batch_norm_relu(x, stats_of(x), px, r, stats_of(r), pr, true);
+  };
+  for (bool is_dual : {false, true}) {
+    CAPTURE(is_dual);
+    for (const Tensor* p : {&px.weight, &px.bias, &pr.weight, &pr.bias}) p->set_grad(Tensor());
+    (is_dual ? dual() : single()).backward(dy);
+    Tensor once_w = px.weight.grad().clone(), once_b = px.bias.grad().clone();
+    Tensor once_rw = is_dual ? pr.weight.grad().clone() : Tensor();
+    (is_dual ? dual() : single()).backward(dy);  // .grad exists now: accumulated into
+    KILN_CHECK_OK(testing::compare(px.weight.grad(), F::mul(once_w, 2.0), 1e-5, 1e-5));
+    KILN_CHECK_OK(testing::compare(px.bias.grad(), F::mul(once_b, 2.0), 1e-5, 1e-5));
+    if (is_dual) KILN_CHECK_OK(testing::compare(pr.weight.grad(), F::mul(once_rw, 2.0), 1e-5, 1e-5));
+  }
+  // Only the batch norms' parameter gradients can have been accumulated into here.
+  CHECK(autograd::accumulate_stats().used > 0);
+}
