@@ -57,10 +57,9 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
   if (downsample) downsample_ = register_module("downsample", std::move(downsample));
 }
 
-// relu(bn(conv(x))) and relu(bn(conv(out)) + identity) go through BatchNorm2d::forward_relu:
-// one fused kernel each on the GPU (the module `relu` stays registered for torchvision's names).
-// Each conv -> bn pair goes through nn::conv_bn, which has the convolution produce the batch
-// norm's statistics where it can.
+// Each conv -> bn (-> add) -> relu goes through nn::conv_bn or block_tail: on the GPU the
+// convolution produces the batch norm's statistics and the rest is one fused pass each way (the
+// module `relu` stays registered for torchvision's names).
 Tensor BasicBlock::forward(const Tensor& x) {
   Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
   return block_tail(*conv2_, *bn2_, out, downsample_.get(), x);
