@@ -42,18 +42,8 @@ constexpr int kTimedRuns = 3;
 std::vector<int64_t> v64(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
 
 be::Desc conv_descriptor(const ConvProblem& pr) {
-  be::Desc c(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
-  cudnnDataType_t compute = CUDNN_DATA_FLOAT;
-  cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
-  c.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
-  c.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
-  c.set_i64(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, 2);
-  c.set_i64s(CUDNN_ATTR_CONVOLUTION_DILATIONS, {pr.p.dil_h, pr.p.dil_w});
-  c.set_i64s(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, {pr.p.stride_h, pr.p.stride_w});
-  c.set_i64s(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, {pr.p.pad_h, pr.p.pad_w});
-  c.set_i64s(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, {pr.p.pad_h, pr.p.pad_w});
-  c.finalize("convolution descriptor");
-  return c;
+  return be::convolution_2d({pr.p.stride_h, pr.p.stride_w}, {pr.p.pad_h, pr.p.pad_w},
+                            {pr.p.dil_h, pr.p.dil_w});
 }
 
 // The operation node: attribute names per direction (x, w, y, conv, alpha, beta).
@@ -98,12 +88,7 @@ void build_graph(cudnnHandle_t h, const ConvProblem& pr, int64_t alignment, Conv
   e.w = be::tensor(kUidW, dt, v64(pr.w), v64(format_strides(pr.w, pr.fmt)), alignment);
   e.y = be::tensor(kUidY, dt, v64(pr.y), v64(format_strides(pr.y, pr.fmt)), alignment);
   e.conv = conv_descriptor(pr);
-  const OpAttrs a = op_attrs(pr.op);
-  e.op = be::Desc(a.type);
-  const float one = 1.0f, beta = pr.accumulate ? 1.0f : 0.0f;
-  e.op.set_desc(a.x, e.x).set_desc(a.w, e.w).set_desc(a.y, e.y).set_desc(a.conv, e.conv);
-  e.op.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &beta);
-  e.op.finalize("convolution operation");
+  e.op = conv_operation(pr.op, e.x, e.w, e.y, e.conv, pr.accumulate ? 1.0f : 0.0f);
   if (!pr.stats) {
     e.graph = be::operation_graph(h, {&e.op});
     return;
@@ -115,15 +100,7 @@ void build_graph(cudnnHandle_t h, const ConvProblem& pr, int64_t alignment, Conv
   e.stats = true;
   e.sum = be::tensor(kUidSum, CUDNN_DATA_FLOAT, {1, o, 1, 1}, {o, 1, o, o}, alignment);
   e.sqsum = be::tensor(kUidSqSum, CUDNN_DATA_FLOAT, {1, o, 1, 1}, {o, 1, o, o}, alignment);
-  e.genstats = be::Desc(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
-  const cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
-  const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
-  e.genstats.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode)
-      .set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f32)
-      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, e.y)
-      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, e.sum)
-      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, e.sqsum);
-  e.genstats.finalize("genstats operation");
+  e.genstats = be::genstats(e.y, e.sum, e.sqsum);
   e.graph = be::operation_graph(h, {&e.op, &e.genstats});
 }
 
@@ -139,6 +116,17 @@ void operands(const ConvEngine& e, void* x, void* w, void* y, void* sum, void* s
 }
 
 }  // namespace
+
+be::Desc conv_operation(ConvOp op, const be::Desc& x, const be::Desc& w, const be::Desc& y,
+                        const be::Desc& conv, float beta) {
+  const OpAttrs a = op_attrs(op);
+  be::Desc d(a.type);
+  const float one = 1.0f;
+  d.set_desc(a.x, x).set_desc(a.w, w).set_desc(a.y, y).set_desc(a.conv, conv);
+  d.set(a.alpha, CUDNN_TYPE_FLOAT, 1, &one).set(a.beta, CUDNN_TYPE_FLOAT, 1, &beta);
+  d.finalize("convolution operation");
+  return d;
+}
 
 int64_t pointer_alignment(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);

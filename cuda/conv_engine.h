@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "cuda/cudnn_graph.h"
 #include "ops/kinds.h"
 
 namespace kiln::cuda {
@@ -35,6 +36,11 @@ struct ConvProblem {
 };
 
 struct ConvEngine;  // a tuned execution plan
+
+// A finalised operation node computing `op`'s output (y, dx = x, or dw = w) from the other two,
+// alpha 1 and `beta` (0: `=`, 1: `+=`), on the convolution descriptor `conv`.
+be::Desc conv_operation(ConvOp op, const be::Desc& x, const be::Desc& w, const be::Desc& y,
+                        const be::Desc& conv, float beta);
 
 // Whether the backend path can describe the problem: f16/bf16, 4-D, one group, and pointers
 // aligned to at least `alignment` bytes (the descriptors promise it).

@@ -168,6 +168,35 @@ Desc tensor(int64_t uid, cudnnDataType_t dtype, const std::vector<int64_t>& dims
   return t;
 }
 
+Desc convolution_2d(const std::vector<int64_t>& stride, const std::vector<int64_t>& pad,
+                    const std::vector<int64_t>& dilation) {
+  Desc c(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  c.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
+  c.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
+  c.set_i64(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, 2);
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_DILATIONS, dilation);
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, stride);
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, pad);
+  c.set_i64s(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, pad);
+  c.finalize("convolution descriptor");
+  return c;
+}
+
+Desc genstats(const Desc& x, const Desc& sum, const Desc& sqsum) {
+  Desc op(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
+  const cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
+  const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+  op.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f32)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, x)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, sum)
+      .set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, sqsum);
+  op.finalize("genstats operation");
+  return op;
+}
+
 Desc operation_graph(cudnnHandle_t handle, const std::vector<const Desc*>& ops) {
   Desc g(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   std::vector<cudnnBackendDescriptor_t> raw;

@@ -54,6 +54,14 @@ class Desc {
 Desc tensor(int64_t uid, cudnnDataType_t dtype, const std::vector<int64_t>& dims,
             const std::vector<int64_t>& strides, int64_t alignment, bool is_virtual = false);
 
+// A finalised 2-D cross-correlation descriptor with f32 compute; each argument is {h, w}.
+Desc convolution_2d(const std::vector<int64_t>& stride, const std::vector<int64_t>& pad,
+                    const std::vector<int64_t>& dilation);
+
+// A finalised GenStats operation: per-channel Σx and Σx² of x, in f32, into sum and sqsum
+// ([1, C, 1, 1] f32 tensors).
+Desc genstats(const Desc& x, const Desc& sum, const Desc& sqsum);
+
 // A finalised operation graph of `ops` (each finalised) on `handle`.
 Desc operation_graph(cudnnHandle_t handle, const std::vector<const Desc*>& ops);
 

@@ -32,9 +32,11 @@ int main() {
 #include <vector>
 
 #include "core/error.h"
+#include "cuda/conv_engine.h"
 #include "cuda/cudnn_graph.h"
 
 namespace be = kiln::cuda::be;
+using kiln::cuda::ConvOp;
 
 namespace {
 
@@ -61,6 +63,9 @@ struct Buf {
 };
 
 struct Graph {
+  explicit Graph(cudnnHandle_t handle) : h(handle) {}
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
   cudnnHandle_t h;
   std::vector<std::unique_ptr<be::Desc>> keep;
   std::vector<const be::Desc*> ops;
@@ -72,8 +77,7 @@ struct Graph {
     return *keep.back();
   }
   // Real tensor (allocated) or virtual; returns its uid via out.
-  const be::Desc& tensor(int64_t& uid, cudnnDataType_t dt, const Dims& d, bool per_channel_or_filter,
-                         bool is_virtual) {
+  const be::Desc& tensor(int64_t& uid, cudnnDataType_t dt, const Dims& d, bool is_virtual) {
     uid = next_uid++;
     Dims st = nhwc(d);
     if (!is_virtual) {
@@ -82,95 +86,60 @@ struct Graph {
       CK(cudaMalloc(&b.dev, n * (dt == CUDNN_DATA_HALF ? 2 : 4)));
       bufs[uid] = b;
     }
-    (void)per_channel_or_filter;
     return hold(be::tensor(uid, dt, d, st, 16, is_virtual));
   }
-  void pw(cudnnPointwiseMode_t mode, const be::Desc& x, const be::Desc* b, const be::Desc& y) {
+  const be::Desc& pointwise(cudnnPointwiseMode_t mode) {
     be::Desc p(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
-    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    const cudnnDataType_t f = CUDNN_DATA_FLOAT;
     p.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
     p.set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
     p.finalize("pointwise");
-    const be::Desc& pd = hold(std::move(p));
+    return hold(std::move(p));
+  }
+  // y = mode(x [, b]).
+  void pw(cudnnPointwiseMode_t mode, const be::Desc& x, const be::Desc* b, const be::Desc& y) {
     be::Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
-    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pd);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pointwise(mode));
     op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
     if (b) op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
     op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
     op.finalize("pointwise op");
     ops.push_back(&hold(std::move(op)));
   }
+  // dx = dy where x > 0, else 0.
   void relu_bwd(const be::Desc& dy, const be::Desc& x, const be::Desc& dx) {
-    be::Desc p(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
-    cudnnDataType_t f = CUDNN_DATA_FLOAT;
-    cudnnPointwiseMode_t mode = CUDNN_POINTWISE_RELU_BWD;
-    p.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
-    p.set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
-    p.finalize("pointwise relu bwd");
-    const be::Desc& pd = hold(std::move(p));
     be::Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
-    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pd);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pointwise(CUDNN_POINTWISE_RELU_BWD));
     op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_DYDESC, dy);
     op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
     op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_DXDESC, dx);
     op.finalize("relu bwd op");
     ops.push_back(&hold(std::move(op)));
   }
-  const be::Desc& convd(int64_t k, int64_t stride) {
-    be::Desc c(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
-    cudnnDataType_t compute = CUDNN_DATA_FLOAT;
-    cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
-    c.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
-    c.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
-    c.set_i64(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, 2);
-    c.set_i64s(CUDNN_ATTR_CONVOLUTION_DILATIONS, {1, 1});
-    c.set_i64s(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, {stride, stride});
-    c.set_i64s(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, {k / 2, k / 2});
-    c.set_i64s(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, {k / 2, k / 2});
-    c.finalize("conv desc");
-    return hold(std::move(c));
+  // A k x k convolution (padding k/2) in direction `op`: x, w, y as cuDNN names them.
+  void conv(ConvOp op, const be::Desc& x, const be::Desc& w, const be::Desc& y, int64_t k,
+            int64_t stride) {
+    const be::Desc& cd = hold(be::convolution_2d({stride, stride}, {k / 2, k / 2}, {1, 1}));
+    ops.push_back(&hold(kiln::cuda::conv_operation(op, x, w, y, cd, 0.0f)));
   }
-  void conv(cudnnBackendDescriptorType_t type, const be::Desc& x, const be::Desc& w,
-            const be::Desc& y, int64_t k, int64_t stride) {
-    const be::Desc& cd = convd(k, stride);
-    be::Desc op(type);
-    const float one = 1, zero = 0;
-    if (type == CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR) {
-      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, cd)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
-    } else if (type == CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR) {
-      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, cd)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
-    } else {
-      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
-          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, cd)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &one)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &zero);
-    }
-    op.finalize("conv op");
-    ops.push_back(&hold(std::move(op)));
+  // relu(x * scale + bias) with per-channel f32 scale and bias (their uids out), f32 inside,
+  // an f16 virtual result.
+  const be::Desc& scale_bias_relu(const be::Desc& x, const Dims& xd, int64_t& scale,
+                                  int64_t& bias) {
+    const Dims ci{1, xd[1], 1, 1};
+    int64_t u1, u2, u3;
+    const be::Desc& S = tensor(scale, CUDNN_DATA_FLOAT, ci, false);
+    const be::Desc& B = tensor(bias, CUDNN_DATA_FLOAT, ci, false);
+    const be::Desc& T1 = tensor(u1, CUDNN_DATA_FLOAT, xd, true);
+    const be::Desc& T2 = tensor(u2, CUDNN_DATA_FLOAT, xd, true);
+    const be::Desc& T3 = tensor(u3, CUDNN_DATA_HALF, xd, true);
+    pw(CUDNN_POINTWISE_MUL, x, &S, T1);
+    pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
+    pw(CUDNN_POINTWISE_RELU_FWD, T2, nullptr, T3);
+    return T3;
   }
   void genstats(const be::Desc& x, const be::Desc& sum, const be::Desc& sq) {
-    be::Desc op(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
-    cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
-    cudnnDataType_t f = CUDNN_DATA_FLOAT;
-    op.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode);
-    op.set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f);
-    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, x);
-    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, sum);
-    op.set_desc(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, sq);
-    op.finalize("genstats op");
-    ops.push_back(&hold(std::move(op)));
+    ops.push_back(&hold(be::genstats(x, sum, sq)));
   }
   void reduce(const be::Desc& x, const be::Desc& y) {
     be::Desc r(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
@@ -368,12 +337,12 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
   const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
   const Dims ci{1, p.cin, 1, 1}, co{1, p.cout, 1, 1};
   // Plain convolution: the baseline, and the reference for the fused results.
-  Graph g0{h};
+  Graph g0(h);
   int64_t x0, w0, y0;
-  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
-  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
-  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
-  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, X0, W0, Y0, p.k, p.stride);
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false);
+  g0.conv(ConvOp::Forward, X0, W0, Y0, p.k, p.stride);
   std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 1);
   std::vector<float> wv = random_values(size_t(p.cout * p.cin * p.k * p.k), -0.1f, 0.1f, 2);
   std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 3);
@@ -390,26 +359,15 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
   Result r0 = run_graph(g0, label.c_str(), plans);
   std::vector<float> yref = r0.ran ? download(g0.bufs[y0]) : std::vector<float>{};
 
-  Graph g{h};
-  int64_t x, w, y, s, q, sc_id = 0, bi_id = 0, u1, u2, u3;
-  const be::Desc& X = g.tensor(x, H, xd, false, false);
-  const be::Desc* conv_in = &X;
-  if (prologue) {
-    const be::Desc& S = g.tensor(sc_id, F, ci, true, false);
-    const be::Desc& B = g.tensor(bi_id, F, ci, true, false);
-    const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
-    const be::Desc& T2 = g.tensor(u2, F, xd, false, true);
-    const be::Desc& T3 = g.tensor(u3, H, xd, false, true);
-    g.pw(CUDNN_POINTWISE_MUL, X, &S, T1);
-    g.pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
-    g.pw(CUDNN_POINTWISE_RELU_FWD, T2, nullptr, T3);
-    conv_in = &T3;
-  }
-  const be::Desc& W = g.tensor(w, H, wd, true, false);
-  const be::Desc& Y = g.tensor(y, H, yd, false, false);
-  const be::Desc& S = g.tensor(s, F, co, true, false);
-  const be::Desc& Q = g.tensor(q, F, co, true, false);
-  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, *conv_in, W, Y, p.k, p.stride);
+  Graph g(h);
+  int64_t x, w, y, s, q, sc_id = 0, bi_id = 0;
+  const be::Desc& X = g.tensor(x, H, xd, false);
+  const be::Desc* conv_in = prologue ? &g.scale_bias_relu(X, xd, sc_id, bi_id) : &X;
+  const be::Desc& W = g.tensor(w, H, wd, false);
+  const be::Desc& Y = g.tensor(y, H, yd, false);
+  const be::Desc& S = g.tensor(s, F, co, false);
+  const be::Desc& Q = g.tensor(q, F, co, false);
+  g.conv(ConvOp::Forward, *conv_in, W, Y, p.k, p.stride);
   g.genstats(Y, S, Q);
   upload(g.bufs[x], xv);
   upload(g.bufs[w], wv);
@@ -444,30 +402,23 @@ void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
     const size_t c = i % size_t(p.cin);
     xin[i] = std::max(0.0f, __half2float(__float2half(xv[i])) * sc[c] + bi[c]);
   }
-  Graph g0{h};
+  Graph g0(h);
   int64_t x0, w0, y0;
-  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
-  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
-  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
-  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, X0, W0, Y0, p.k,
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false);
+  g0.conv(ConvOp::BackwardFilter, X0, W0, Y0, p.k,
           p.stride);
   upload(g0.bufs[x0], xin);
   upload(g0.bufs[y0], dyv);
   Result r0 = run_graph(g0, (std::string(p.name) + ": plain wgrad").c_str(), plans);
-  Graph g{h};
-  int64_t x, w, y, s, b, u1, u2, u3;
-  const be::Desc& X = g.tensor(x, H, xd, false, false);
-  const be::Desc& S = g.tensor(s, F, ci, true, false);
-  const be::Desc& B = g.tensor(b, F, ci, true, false);
-  const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
-  const be::Desc& T2 = g.tensor(u2, F, xd, false, true);
-  const be::Desc& T3 = g.tensor(u3, H, xd, false, true);
-  g.pw(CUDNN_POINTWISE_MUL, X, &S, T1);
-  g.pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
-  g.pw(CUDNN_POINTWISE_RELU_FWD, T2, nullptr, T3);
-  const be::Desc& W = g.tensor(w, H, wd, true, false);
-  const be::Desc& Y = g.tensor(y, H, yd, false, false);
-  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, T3, W, Y, p.k, p.stride);
+  Graph g(h);
+  int64_t x, w, y, s, b;
+  const be::Desc& X = g.tensor(x, H, xd, false);
+  const be::Desc& T3 = g.scale_bias_relu(X, xd, s, b);
+  const be::Desc& W = g.tensor(w, H, wd, false);
+  const be::Desc& Y = g.tensor(y, H, yd, false);
+  g.conv(ConvOp::BackwardFilter, T3, W, Y, p.k, p.stride);
   upload(g.bufs[x], xv);
   upload(g.bufs[y], dyv);
   upload(g.bufs[s], sc);
@@ -491,39 +442,39 @@ void probe_dgrad(cudnnHandle_t h, int64_t N, const Problem& p, int reductions, i
   std::vector<float> ypv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 11);
   std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 12);
   std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 13);
-  Graph g0{h};
+  Graph g0(h);
   int64_t x0, w0, y0;
-  const be::Desc& X0 = g0.tensor(x0, H, xd, false, false);
-  const be::Desc& W0 = g0.tensor(w0, H, wd, true, false);
-  const be::Desc& Y0 = g0.tensor(y0, H, yd, false, false);
-  g0.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, X0, W0, Y0, p.k, p.stride);
+  const be::Desc& X0 = g0.tensor(x0, H, xd, false);
+  const be::Desc& W0 = g0.tensor(w0, H, wd, false);
+  const be::Desc& Y0 = g0.tensor(y0, H, yd, false);
+  g0.conv(ConvOp::BackwardData, X0, W0, Y0, p.k, p.stride);
   upload(g0.bufs[w0], wv);
   upload(g0.bufs[y0], dyv);
   Result r0 = run_graph(g0, (std::string(p.name) + ": plain dgrad").c_str(), plans);
-  Graph g{h};
+  Graph g(h);
   int64_t dx, w, dy, yp, s, b, u0, u1, u2, dz, r1 = 0, r2 = 0, u4 = 0;
-  const be::Desc& DY = g.tensor(dy, H, yd, false, false);
-  const be::Desc& W = g.tensor(w, H, wd, true, false);
-  const be::Desc& DX = g.tensor(dx, F, xd, false, true);
-  g.conv(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, DX, W, DY, p.k, p.stride);
-  const be::Desc& YP = g.tensor(yp, H, xd, false, false);
-  const be::Desc& S = g.tensor(s, F, ci, true, false);
-  const be::Desc& B = g.tensor(b, F, ci, true, false);
-  const be::Desc& T0 = g.tensor(u0, F, xd, false, true);
-  const be::Desc& T1 = g.tensor(u1, F, xd, false, true);
+  const be::Desc& DY = g.tensor(dy, H, yd, false);
+  const be::Desc& W = g.tensor(w, H, wd, false);
+  const be::Desc& DX = g.tensor(dx, F, xd, true);
+  g.conv(ConvOp::BackwardData, DX, W, DY, p.k, p.stride);
+  const be::Desc& YP = g.tensor(yp, H, xd, false);
+  const be::Desc& S = g.tensor(s, F, ci, false);
+  const be::Desc& B = g.tensor(b, F, ci, false);
+  const be::Desc& T0 = g.tensor(u0, F, xd, true);
+  const be::Desc& T1 = g.tensor(u1, F, xd, true);
   g.pw(CUDNN_POINTWISE_MUL, YP, &S, T0);
   g.pw(CUDNN_POINTWISE_ADD, T0, &B, T1);
-  const be::Desc& DZ = g.tensor(dz, H, xd, false, false);
+  const be::Desc& DZ = g.tensor(dz, H, xd, false);
   (void)u2;
   g.relu_bwd(DX, T1, DZ);
   if (reductions >= 1) {
-    const be::Desc& R1 = g.tensor(r1, F, ci, true, false);
+    const be::Desc& R1 = g.tensor(r1, F, ci, false);
     g.reduce(DZ, R1);
   }
   if (reductions >= 2) {
-    const be::Desc& T4 = g.tensor(u4, F, xd, false, true);
+    const be::Desc& T4 = g.tensor(u4, F, xd, true);
     g.pw(CUDNN_POINTWISE_MUL, DZ, &YP, T4);
-    const be::Desc& R2 = g.tensor(r2, F, ci, true, false);
+    const be::Desc& R2 = g.tensor(r2, F, ci, false);
     g.reduce(T4, R2);
   }
   upload(g.bufs[dy], dyv);

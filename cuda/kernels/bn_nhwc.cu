@@ -430,13 +430,21 @@ void check_act(const Tensor& t, const Tensor& x, const char* op, const char* wha
              t.defined() ? t.desc() : "undefined");
 }
 
-float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op, const char* what) {
-  if (!t.defined()) return nullptr;
-  KILN_CHECK(
-      t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n && t.device() == x.device(),
-      op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ", x.device(),
-      ", got ", t.desc());
-  return static_cast<float*>(t.raw_data());
+// Launch shape of the backward sums over (rows, G vectors): tx vectors of a row side by side per
+// block row, ty rows, and enough parts (row splits) to fill the device. Depends only on the
+// shape and the device, which keeps the sums bit-reproducible.
+struct SumsLaunch {
+  dim3 grid, block;
+  int parts;
+};
+SumsLaunch sums_launch(int64_t rows, int64_t G) {
+  const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
+  const int64_t tiles = (G + tx - 1) / tx;
+  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
+  const int64_t useful = (rows + ty - 1) / ty;
+  const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
+                                            std::clamp<int64_t>(useful, 1, kMaxParts)));
+  return {dim3{unsigned(tiles), unsigned(parts)}, dim3{unsigned(tx), unsigned(ty)}, parts};
 }
 
 // The ReLU bitmask: u8, one byte per 16-byte vector of x.
@@ -534,20 +542,15 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   float* db = f32_ptr(dbias, C, x, op, "dbias");
   KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
 
-  // Sums: tx vectors of a row per block row, enough blocks to fill the device.
-  const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
-  const int64_t tiles = (G + tx - 1) / tx;
-  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
-  const int64_t useful = (rows + ty - 1) / ty;
-  const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
-                                            std::clamp<int64_t>(useful, 1, kMaxParts)));
+  const SumsLaunch L = sums_launch(rows, G);
+  const int parts = L.parts;
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
   float* pp = static_cast<float*>(partial.raw_data());
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
-  const dim3 grid{unsigned(tiles), unsigned(parts)}, block{unsigned(tx), unsigned(ty)};
+  const dim3 grid = L.grid, block = L.block;
   switch (mode) {
     case kNoMask:
       backward_sums_kernel<kNoMask><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
@@ -618,20 +621,15 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
   const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
   const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
-  const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
-  const int64_t tiles = (G + tx - 1) / tx;
-  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
-  const int64_t useful = (rows + ty - 1) / ty;
-  const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
-                                            std::clamp<int64_t>(useful, 1, kMaxParts)));
+  const SumsLaunch L = sums_launch(rows, G);
+  const int parts = L.parts;
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
   Tensor coef = empty({6 * C}, f32);
   float* pp = static_cast<float*>(partial.raw_data());
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
-  const dim3 grid{unsigned(tiles), unsigned(parts)}, block{unsigned(tx), unsigned(ty)};
-  dual_sums_kernel<<<grid, block, 0, s>>>(vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp, rows,
+  dual_sums_kernel<<<L.grid, L.block, 0, s>>>(vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp, rows,
                                           G, C, parts);
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);

@@ -128,6 +128,19 @@ inline bool dense_same_layout(const Tensor& a, const Tensor& b) {
          b.is_contiguous(MemoryFormat::ChannelsLast);
 }
 
+// ---- per-channel operands ----
+// Device pointer of a contiguous f32 tensor of `n` elements on x's device (batch-norm weights,
+// statistics, ...); null when t is undefined; a kiln::Error naming `op` and `what` otherwise.
+inline float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op,
+                      const char* what) {
+  if (!t.defined()) return nullptr;
+  KILN_CHECK(
+      t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n && t.device() == x.device(),
+      op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ", x.device(),
+      ", got ", t.desc());
+  return static_cast<float*>(t.raw_data());
+}
+
 // ---- launch sizing ----
 inline constexpr int kBlock = 256;
 // Blocks for a grid-stride loop over n items: enough to fill the device, never more than needed.

@@ -52,16 +52,6 @@ void check_like(const Tensor& t, const Tensor& x, const char* op, const char* wh
       t.defined() ? t.desc() : "undefined");
 }
 
-// Device pointer of a contiguous f32 tensor of `n` elements on x's device; null when undefined.
-float* f32_ptr(const Tensor& t, int64_t n, const Tensor& x, const char* op, const char* what) {
-  if (!t.defined()) return nullptr;
-  KILN_CHECK(
-      t.dtype() == DType::f32 && t.is_contiguous() && t.numel() == n && t.device() == x.device(),
-      op, " (cuda): ", what, " must be a contiguous f32 tensor of ", n, " elements on ", x.device(),
-      ", got ", t.desc());
-  return static_cast<float*>(t.raw_data());
-}
-
 template <typename F>
 void dispatch_data(DType t, F&& f) {
   switch (t) {
