@@ -335,7 +335,7 @@ constexpr auto H = CUDNN_DATA_HALF;
 void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, int plans) {
   const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
   const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
-  const Dims ci{1, p.cin, 1, 1}, co{1, p.cout, 1, 1};
+  const Dims co{1, p.cout, 1, 1};
   // Plain convolution: the baseline, and the reference for the fused results.
   Graph g0(h);
   int64_t x0, w0, y0;
@@ -392,7 +392,6 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
 void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
   const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
   const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
-  const Dims ci{1, p.cin, 1, 1};
   std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 5);
   std::vector<float> dyv = random_values(size_t(N * p.cout * ho * ho), -1, 1, 6);
   std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 7);
