@@ -12,20 +12,16 @@
 
 namespace kiln::cuda {
 
-// stats (2C+1) = [Σx per channel, Σx² per channel, N·spatial] (=).
+// Each function's contract is its namesake's in ops/cpu/kernels.h (stats, apply, backward sums,
+// backward dx), with the differences above: f32 per-channel tensors and f32 sums.
 void sync_batch_norm_stats(const Tensor& stats, const Tensor& x);
-// From the global `stats`: mean = Σx/n, var = Σx²/n - mean² (biased, clamped at 0),
-// save_mean (=), save_invstd (=) = 1/sqrt(var + eps), y (=) = (x - mean)·invstd·weight + bias;
-// running stats (when defined) r = (1-momentum)·r + momentum·stat (variance unbiased: n/(n-1)).
 void sync_batch_norm_apply(const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd,
                            const Tensor& x, const Tensor& weight, const Tensor& bias,
                            const Tensor& running_mean, const Tensor& running_var,
                            const Tensor& stats, double momentum, double eps);
-// sums (2C) = [Σdy, Σdy·x̂] per channel (=), x̂ = (x - mean)·invstd.
 void sync_batch_norm_backward_sums(const Tensor& sums, const Tensor& dy, const Tensor& x,
                                    const Tensor& mean, const Tensor& invstd);
-// dx (=) = weight·invstd·(dy - Σdy/n - x̂·Σdy·x̂/n) with the global `sums`, n = count[0] (a
-// one-element f32 device tensor, read on the device).
+// count: a one-element f32 device tensor holding n, read on the device.
 void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tensor& x,
                                  const Tensor& weight, const Tensor& mean, const Tensor& invstd,
                                  const Tensor& sums, const Tensor& count);
