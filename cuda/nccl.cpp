@@ -85,19 +85,15 @@ class DeviceScope {
 
 // ---------------- Communicator ----------------
 
-Rendezvous::Blob Communicator::make_unique_id() {
+std::vector<uint8_t> Communicator::make_unique_id() {
   ncclUniqueId id;
   NCCL_CHECK(ncclGetUniqueId(&id));
-  Rendezvous::Blob blob(sizeof(id));
+  std::vector<uint8_t> blob(sizeof(id));
   std::memcpy(blob.data(), &id, sizeof(id));
   return blob;
 }
 
-Communicator::Communicator(Rendezvous& rv, int device)
-    : Communicator(rv.broadcast(rv.rank() == 0 ? make_unique_id() : Rendezvous::Blob{}), rv.rank(),
-                   rv.world_size(), device) {}
-
-Communicator::Communicator(const Rendezvous::Blob& unique_id, int rank, int world_size, int device)
+Communicator::Communicator(const std::vector<uint8_t>& unique_id, int rank, int world_size, int device)
     : rank_(rank), world_size_(world_size), device_(device) {
   ncclUniqueId id;
   KILN_CHECK(unique_id.size() == sizeof(id), "Communicator: the unique id has ", unique_id.size(),

@@ -6,8 +6,8 @@
 //
 //   DistEnv env = DistEnv::from_env();
 //   cuda::set_device(env.local_rank);
-//   Rendezvous rv(env);
-//   cuda::Communicator comm(rv, env.local_rank);        // ncclUniqueId shared through rv
+//   Rendezvous rv(env);                                  // tools/train/rendezvous.h
+//   auto comm = train::join_communicator(rv, env.local_rank);  // ncclUniqueId shared through rv
 //   comm.broadcast(model->state());                       // same start on every rank
 //   cuda::GradBucketer ddp(comm, model->parameters());
 //   ... loss.backward();        // buckets' all-reduces start as their gradients complete
@@ -20,14 +20,13 @@
 // never synchronises the host, so a step using them can be captured into a CUDA graph
 // (cuda/graph.h); NCCL collectives are capturable. All ranks must issue the same collectives in
 // the same order with the same sizes; a rank that does not will hang the others inside NCCL
-// (the launcher, core/launcher.h, kills the siblings of a rank that dies).
+// (the launcher, tools/train/launcher.h, kills the siblings of a rank that dies).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "core/rendezvous.h"
 #include "core/tensor.h"
 
 namespace kiln::cuda {
@@ -36,16 +35,15 @@ enum class ReduceOp { Sum, Avg, Max, Min };
 
 class Communicator {
  public:
-  // Rank 0 creates the ncclUniqueId and broadcasts it through `rv`; every rank then joins the
-  // communicator of rv.world_size() ranks on `device` (blocking until all have joined).
-  Communicator(Rendezvous& rv, int device);
-  // From an id made by make_unique_id() on one rank and shared by other means.
-  Communicator(const Rendezvous::Blob& unique_id, int rank, int world_size, int device);
+  // Joins the communicator of world_size ranks on `device` (blocking until all have joined),
+  // from an id made by make_unique_id() on one rank and shared with the others by the caller
+  // (tools/train/train_dist.h: join_communicator does it through a Rendezvous).
+  Communicator(const std::vector<uint8_t>& unique_id, int rank, int world_size, int device);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  static Rendezvous::Blob make_unique_id();
+  static std::vector<uint8_t> make_unique_id();
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }

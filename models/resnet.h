@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/nn.h"
+#include "models/nn.h"
 
 namespace kiln::models {
 

@@ -4,7 +4,7 @@
 #include <set>
 
 #include "core/autograd.h"
-#include "core/nn.h"
+#include "models/nn.h"
 #include "ops/ops.h"
 #include "optim/fused_dispatch.h"
 

@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "core/module.h"
+#include "models/module.h"
 #include "optim/fused.h"
 
 namespace kiln::amp {

@@ -64,7 +64,7 @@ class FusedOptimizer : public Optimizer {
   // Successful steps taken (i32 scalar, on the device).
   const Tensor& step_count() const { return step_count_; }
 
-  // Checkpointable state (core/checkpoint.h): "group.<g>.lr" (0-d f64), "step" (the i32
+  // Checkpointable state (optim/checkpoint.h): "group.<g>.lr" (0-d f64), "step" (the i32
   // counter), and per parameter i "state.<i>.master" (FP32 master) and "state.<i>.<key>" for
   // each state arena (FusedSGD: momentum_buffer; FusedAdamW: exp_avg, exp_avg_sq). Tensors are
   // live views of the arenas (no copy). load_state_dict checks every key, shape and element

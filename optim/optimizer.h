@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/module.h"
+#include "models/module.h"
 #include "core/tensor.h"
 
 namespace kiln::optim {

@@ -10,7 +10,7 @@
 // loss and top-1 count are device tensors read asynchronously (amp::AsyncScalars) when the
 // caller wants to log, then reset with reset_metrics(). Nothing in run() reads device memory on
 // the host. On the CPU the same code runs in FP32 (the scaler may be disabled).
-#include "core/module.h"
+#include "models/module.h"
 #include "core/tensor.h"
 #include "optim/amp.h"
 #include "optim/fused.h"

@@ -10,7 +10,7 @@
 
 #include "core/autograd.h"
 #include "core/generator.h"
-#include "core/nn.h"
+#include "models/nn.h"
 #include "optim/adamw.h"
 #include "optim/amp.h"
 #include "optim/fused.h"

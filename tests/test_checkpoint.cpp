@@ -13,7 +13,7 @@
 #include <set>
 
 #include "core/autograd.h"
-#include "core/checkpoint.h"
+#include "optim/checkpoint.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"

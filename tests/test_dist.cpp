@@ -9,9 +9,9 @@
 #include <set>
 
 #include "core/autograd.h"
-#include "core/dist_env.h"
-#include "core/launcher.h"
-#include "core/rendezvous.h"
+#include "tools/train/dist_env.h"
+#include "tools/train/launcher.h"
+#include "tools/train/rendezvous.h"
 #include "data/distributed_sampler.h"
 #include "ops/ops.h"
 

@@ -1,4 +1,4 @@
-// kiln-train's job (optim/trainer.h) run in-process on the CPU: a small ImageFolder of real
+// kiln-train's job (tools/train/trainer.h) run in-process on the CPU: a small ImageFolder of real
 // Fashion-MNIST PNGs trains end to end, writes its log, checkpoint and weights, resumes bit for
 // bit; bad flags fail. And the fused optimizers' checkpoint state (optim/fused.h).
 #include <doctest/doctest.h>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core/checkpoint.h"
+#include "optim/checkpoint.h"
 #include "core/json.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
@@ -18,9 +18,9 @@
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
-#include "optim/train_dist.h"
+#include "tools/train/train_dist.h"
 #include "optim/train_step.h"
-#include "optim/trainer.h"
+#include "tools/train/trainer.h"
 
 using namespace kiln;
 namespace fs = std::filesystem;

@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "core/nn.h"
+#include "models/nn.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/sgd.h"

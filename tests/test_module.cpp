@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "core/nn.h"
+#include "models/nn.h"
 #include "ops/ops.h"
 
 using namespace kiln;

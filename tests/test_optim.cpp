@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "core/nn.h"
+#include "models/nn.h"
 #include "optim/adamw.h"
 #include "optim/schedule.h"
 #include "optim/sgd.h"

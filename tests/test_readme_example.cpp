@@ -2,7 +2,7 @@
 #include <doctest/doctest.h>
 
 #include "core/generator.h"
-#include "core/nn.h"
+#include "models/nn.h"
 #include "ops/ops.h"
 #include "optim/sgd.h"
 

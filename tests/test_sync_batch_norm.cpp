@@ -12,10 +12,10 @@
 #include <stdexcept>
 #include <thread>
 
-#include "core/nn.h"
+#include "models/nn.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
-#include "optim/trainer.h"
+#include "tools/train/trainer.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;

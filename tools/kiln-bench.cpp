@@ -31,8 +31,8 @@
 #include "core/json.h"
 #include "core/tensor.h"
 #include "ops/ops.h"
-#include "core/dist_env.h"
-#include "core/launcher.h"
+#include "tools/train/dist_env.h"
+#include "tools/train/launcher.h"
 #include "tools/bench/model_bench.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "core/autograd.h"
-#include "core/checkpoint.h"
+#include "optim/checkpoint.h"
 #include "core/error.h"
 #include "models/resnet.h"
 

@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "core/autograd.h"
-#include "core/nn.h"
+#include "models/nn.h"
 #include "cuda/runtime.h"
 #include "cuda/check.h"
 #include "optim/amp.h"

@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "core/autograd.h"
-#include "core/checkpoint.h"
+#include "optim/checkpoint.h"
 #include "models/resnet.h"
 #include "optim/sgd.h"
 

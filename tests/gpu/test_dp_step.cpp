@@ -1,5 +1,5 @@
 // A data-parallel training step on 2 GPUs against one GPU: the parent case launches 2 ranks of
-// this binary (core/launcher.h); each rank runs train::DataParallel's step (bucketed FP16
+// this binary (tools/train/launcher.h); each rank runs train::DataParallel's step (bucketed FP16
 // gradient all-reduce, agreed found-inf, SyncBN) on half of a batch and, on its own GPU, a
 // plain ClassifierStep on the whole batch, and compares, in FP32 (elementwise, tight) and in
 // mixed precision (relative L2 per tensor). With SyncBN the two are the same computation up to
@@ -18,12 +18,12 @@
 #include "tests/gpu/gpu_test_util.h"
 
 #ifdef KILN_WITH_NCCL
-#include "core/launcher.h"
+#include "tools/train/launcher.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
-#include "optim/train_dist.h"
+#include "tools/train/train_dist.h"
 #include "optim/train_step.h"
 #include "tests/gpu/ref_check.h"
 

@@ -1,5 +1,5 @@
 // NCCL data parallelism on 2 GPUs: the parent test launches 2 ranks of this binary through the
-// launcher (core/launcher.h); each rank runs the "nccl worker" case on GPU LOCAL_RANK over a
+// launcher (tools/train/launcher.h); each rank runs the "nccl worker" case on GPU LOCAL_RANK over a
 // loopback rendezvous. With fewer than 2 GPUs (or without NCCL) the cases print
 // "SKIPPED: needs 2 GPUs" and pass.
 //
@@ -14,8 +14,9 @@
 
 #ifdef KILN_WITH_NCCL
 #include "core/autograd.h"
-#include "core/launcher.h"
-#include "core/rendezvous.h"
+#include "tools/train/launcher.h"
+#include "tools/train/rendezvous.h"
+#include "tools/train/train_dist.h"
 #include "cuda/graph.h"
 #include "cuda/nccl.h"
 #include "ops/ops.h"
@@ -228,7 +229,8 @@ TEST_CASE("nccl worker") {
   REQUIRE(w.env.world_size == kWorld);
   cuda::set_device(w.env.local_rank);
   Rendezvous rv(w.env, {.timeout = std::chrono::seconds(60)});
-  cuda::Communicator comm(rv, w.env.local_rank);
+  auto comm_ptr = train::join_communicator(rv, w.env.local_rank);
+  cuda::Communicator& comm = *comm_ptr;
   CHECK(comm.rank() == w.env.rank);
   CHECK(comm.world_size() == kWorld);
   check_all_reduce(w, comm);

@@ -18,9 +18,10 @@
 #include "tests/gpu/ref_check.h"
 
 #ifdef KILN_WITH_NCCL
-#include "core/dist_env.h"
-#include "core/launcher.h"
-#include "core/rendezvous.h"
+#include "tools/train/dist_env.h"
+#include "tools/train/launcher.h"
+#include "tools/train/rendezvous.h"
+#include "tools/train/train_dist.h"
 #include "cuda/nccl.h"
 #endif
 
@@ -190,7 +191,8 @@ TEST_CASE("sync_batch_norm worker") {
   cuda::set_device(env.local_rank);
   const Device dev = Device::cuda(env.local_rank);
   Rendezvous rv(env, {.timeout = std::chrono::seconds(60)});
-  cuda::Communicator comm(rv, env.local_rank);
+  auto comm_ptr = train::join_communicator(rv, env.local_rank);
+  cuda::Communicator& comm = *comm_ptr;
   int calls = 0;
   const F::StatsAllReduce reduce = [&](const Tensor& t) {
     ++calls;

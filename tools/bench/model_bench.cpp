@@ -13,13 +13,13 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "core/dist_env.h"
+#include "tools/train/dist_env.h"
 #include "core/json.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
-#include "optim/train_dist.h"
+#include "tools/train/train_dist.h"
 #include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/allocator.h"

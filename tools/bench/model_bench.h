@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "core/module.h"
+#include "models/module.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
 #include "optim/train_step.h"

@@ -1,14 +1,14 @@
 #pragma once
-// Pieces of kiln-train's job (optim/trainer.h): device choice, model construction, evaluation
+// Pieces of kiln-train's job (tools/train/trainer.h): device choice, model construction, evaluation
 // and log formatting.
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "core/dist_env.h"
+#include "tools/train/dist_env.h"
 #include "models/resnet.h"
-#include "optim/train_data.h"
-#include "optim/trainer.h"
+#include "tools/train/train_data.h"
+#include "tools/train/trainer.h"
 
 namespace kiln::train {
 

@@ -1,11 +1,11 @@
-// kiln-train's flags (optim/trainer.h): PyTorch ImageNet example names where they exist.
+// kiln-train's flags (tools/train/trainer.h): PyTorch ImageNet example names where they exist.
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 
 #include "core/error.h"
 #include "data/fashion_mnist.h"
-#include "optim/trainer.h"
+#include "tools/train/trainer.h"
 
 namespace kiln::train {
 

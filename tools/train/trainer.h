@@ -16,7 +16,7 @@
 // models with torchvision's stem (resnet_small keeps its small stem).
 //
 // Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
-// (core/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
+// (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
 // DIR/model.safetensors at the end (torchvision names, f32), DIR/log.jsonl with one JSON object
 // per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
 // seconds, lr (top-1/top-5 as fractions).
@@ -26,7 +26,7 @@
 // (CPU; on the GPU up to the nondeterminism of the kernels), as long as the schedule's length
 // (--epochs) is the same or the schedule does not depend on it (constant).
 //
-// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (core/launcher.h);
+// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (tools/train/launcher.h);
 // each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
 // averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
 // --sync-bn makes every BatchNorm2d normalise with the statistics of the global batch

@@ -1,4 +1,4 @@
-#include "core/dist_env.h"
+#include "tools/train/dist_env.h"
 
 #include <cerrno>
 #include <cstdlib>

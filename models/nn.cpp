@@ -1,4 +1,4 @@
-#include "core/nn.h"
+#include "models/nn.h"
 
 #include <cmath>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "optim/trainer.h"
+#include "tools/train/trainer.h"
 
 #include <chrono>
 #include <cmath>
@@ -8,15 +8,15 @@
 #include <map>
 #include <memory>
 
-#include "core/checkpoint.h"
-#include "core/dist_env.h"
-#include "core/launcher.h"
+#include "optim/checkpoint.h"
+#include "tools/train/dist_env.h"
+#include "tools/train/launcher.h"
 #include "cuda/profiler.h"
 #include "ops/ops.h"
 #include "optim/schedule.h"
-#include "optim/train_data.h"
-#include "optim/train_dist.h"
-#include "optim/train_parts.h"
+#include "tools/train/train_data.h"
+#include "tools/train/train_dist.h"
+#include "tools/train/train_parts.h"
 #include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/graph.h"

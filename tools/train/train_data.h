@@ -1,5 +1,5 @@
 #pragma once
-// kiln-train's data sources (optim/trainer.h): which kind --data names, and each epoch's
+// kiln-train's data sources (tools/train/trainer.h): which kind --data names, and each epoch's
 // batches already on the training device in the model's input form (amp::prepare_input's).
 #include <cstdint>
 #include <memory>

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/dist_env.h"
+#include "tools/train/dist_env.h"
 
 namespace kiln {
 

@@ -1,4 +1,4 @@
-#include "core/launcher.h"
+#include "tools/train/launcher.h"
 
 #include <netdb.h>
 #include <netinet/in.h>

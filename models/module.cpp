@@ -1,4 +1,4 @@
-#include "core/module.h"
+#include "models/module.h"
 
 #include <set>
 

@@ -1,4 +1,4 @@
-#include "core/checkpoint.h"
+#include "optim/checkpoint.h"
 
 #include <cstring>
 #include <set>

@@ -1,9 +1,9 @@
-#include "optim/train_dist.h"
+#include "tools/train/train_dist.h"
 
-#include "core/nn.h"
+#include "models/nn.h"
 #include "ops/ops.h"
 #ifdef KILN_WITH_NCCL
-#include "core/rendezvous.h"
+#include "tools/train/rendezvous.h"
 #include "cuda/nccl.h"
 #endif
 
@@ -12,6 +12,12 @@ namespace kiln::train {
 #ifdef KILN_WITH_NCCL
 
 bool data_parallel_available() { return true; }
+
+std::unique_ptr<cuda::Communicator> join_communicator(Rendezvous& rv, int device) {
+  const Rendezvous::Blob id =
+      rv.broadcast(rv.rank() == 0 ? cuda::Communicator::make_unique_id() : Rendezvous::Blob{});
+  return std::make_unique<cuda::Communicator>(id, rv.rank(), rv.world_size(), device);
+}
 
 struct DataParallel::Impl {
   Device device;
@@ -75,7 +81,7 @@ DataParallel::DataParallel(const DistEnv& env, nn::Module& model)
     : impl_(std::make_unique<Impl>()) {
   impl_->device = Device::cuda(env.local_rank);
   impl_->rv = std::make_unique<Rendezvous>(env);
-  impl_->comm = std::make_unique<cuda::Communicator>(*impl_->rv, env.local_rank);
+  impl_->comm = join_communicator(*impl_->rv, env.local_rank);
   NoGradGuard no_grad;
   impl_->comm->broadcast(model.state());
 }

@@ -10,7 +10,7 @@
 #include <optional>
 
 #include "core/generator.h"
-#include "core/module.h"
+#include "models/module.h"
 #include "ops/ops.h"
 
 namespace kiln::nn {

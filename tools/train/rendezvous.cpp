@@ -1,4 +1,4 @@
-#include "core/rendezvous.h"
+#include "tools/train/rendezvous.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "optim/train_parts.h"
+#include "tools/train/train_parts.h"
 
 #include <algorithm>
 #include <cmath>

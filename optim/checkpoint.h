@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "core/generator.h"
-#include "core/module.h"
+#include "models/module.h"
 #include "core/serialization.h"
 
 namespace kiln::optim {

@@ -1,17 +1,28 @@
 #pragma once
-// kiln-train's data parallelism (optim/trainer.h): one process per GPU, NCCL underneath
+// kiln-train's data parallelism (tools/train/trainer.h): one process per GPU, NCCL underneath
 // (cuda/nccl.h). In builds without NCCL, data_parallel_available() is false and constructing a
 // DataParallel throws kiln::Error.
 #include <memory>
 #include <vector>
 
-#include "core/dist_env.h"
-#include "core/module.h"
+#include "tools/train/dist_env.h"
+#include "models/module.h"
 #include "optim/amp.h"
+
+#ifdef KILN_WITH_NCCL
+#include "cuda/nccl.h"
+#include "tools/train/rendezvous.h"
+#endif
 
 namespace kiln::train {
 
 bool data_parallel_available();
+
+#ifdef KILN_WITH_NCCL
+// Rank 0 makes the ncclUniqueId and broadcasts it through `rv`; every rank then joins the
+// communicator of rv.world_size() ranks on `device` (blocking until all have joined).
+std::unique_ptr<cuda::Communicator> join_communicator(Rendezvous& rv, int device);
+#endif
 
 // A training step with device-side metrics, as optim::ClassifierStep.
 class StepRunner {

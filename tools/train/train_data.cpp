@@ -1,4 +1,4 @@
-#include "optim/train_data.h"
+#include "tools/train/train_data.h"
 
 #include <algorithm>
 #include <cmath>
