@@ -1,7 +1,12 @@
 #include "data/image.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
-#include <iterator>
 
 #include "core/error.h"
 
@@ -62,11 +67,36 @@ void append_bytes(void* ctx, void* data, int size) {
 
 }  // namespace
 
+void read_file_into(const std::string& path, std::vector<uint8_t>& out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  KILN_CHECK(fd >= 0, "cannot open image file '", path, "' (", std::strerror(errno), ")");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    KILN_FAIL("image file '", path, "' is not a regular file");
+  }
+  // Read until EOF rather than trusting st_size: the file may change under us.
+  out.resize(size_t(st.st_size) + 1);
+  size_t n = 0;
+  while (true) {
+    if (n == out.size()) out.resize(out.size() * 2);
+    const ssize_t r = ::read(fd, out.data() + n, out.size() - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      const int err = errno;
+      ::close(fd);
+      KILN_FAIL("error reading image file '", path, "' (", std::strerror(err), ")");
+    }
+    if (r == 0) break;
+    n += size_t(r);
+  }
+  ::close(fd);
+  out.resize(n);
+}
+
 std::vector<uint8_t> read_file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  KILN_CHECK(f, "cannot open image file '", path, "'");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  KILN_CHECK(!f.bad(), "error reading image file '", path, "'");
+  std::vector<uint8_t> bytes;
+  read_file_into(path, bytes);
   return bytes;
 }
 

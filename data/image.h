@@ -33,6 +33,9 @@ Image decode_image(const uint8_t* data, size_t size, const std::string& name);
 Image read_image(const std::string& path);
 // The whole file as bytes; kiln::Error naming the path when it cannot be read.
 std::vector<uint8_t> read_file_bytes(const std::string& path);
+// The same into `out` (resized to the file's size; its capacity is reused, so a loader worker
+// reading one file after another allocates only when a file is larger than any before).
+void read_file_into(const std::string& path, std::vector<uint8_t>& out);
 
 // Header-only probe: width/height/channels of a JPEG or PNG without decoding it.
 struct ImageInfo {

@@ -37,6 +37,8 @@ std::string usage() {
          "  --augment            IDX data: random crop (padding 4) and horizontal flip\n"
          "  --seed N             seed for initial weights, shuffling and augmentation (default 0)\n"
          "  --workers N          data-loading threads (default 2)\n"
+         "  --decoder NAME       ImageFolder JPEGs: auto (default: nvjpeg on a GPU when built\n"
+         "                       with nvJPEG, else cpu), cpu, nvjpeg, stb or turbo\n"
          "  --device DEV         auto (default: cuda if present, else cpu), cpu, cuda, cuda:N\n"
          "  --print-freq N       progress line every N steps (default 50)\n"
          "  --output DIR         checkpoint.safetensors (each epoch), model.safetensors and\n"
@@ -154,6 +156,8 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
       a.seed = uint64_t(to_int(f, need(), 0));
     else if (f == "--workers" || f == "-j")
       a.workers = int(to_int(f, need(), 0));
+    else if (f == "--decoder")
+      a.decoder = one_of(f, need(), {"auto", "cpu", "nvjpeg", "stb", "turbo"});
     else if (f == "--device")
       a.device = need();
     else if (f == "--print-freq" || f == "-p")

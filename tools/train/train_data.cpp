@@ -6,6 +6,7 @@
 
 #include "data/distributed_sampler.h"
 #include "data/fashion_mnist.h"
+#include "data/gpu_jpeg.h"
 #include "data/image_folder.h"
 #include "data/image_loader.h"
 #include "data/loader.h"
@@ -65,6 +66,16 @@ class ImageStream final : public BatchStream {
   data::DeviceFeeder feed_;
 };
 
+// Batches decoded and transformed on the GPU (nvJPEG + the fused crop kernel).
+class GpuImageStream final : public BatchStream {
+ public:
+  explicit GpuImageStream(data::GpuJpegEpoch ep) : ep_(std::move(ep)) {}
+  std::optional<data::DeviceBatch> next() override { return ep_.next(); }
+
+ private:
+  data::GpuJpegEpoch ep_;
+};
+
 // Per-channel statistics of u8 images (N, H, W), as fractions of 255.
 std::pair<float, float> pixel_stats(const Tensor& images) {
   Tensor x = images.to(DType::f64);
@@ -96,11 +107,32 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     lo.workers = o.workers;
     lo.rank = o.rank;
     lo.world_size = o.world_size;
+    // --decoder (issue 15): the GPU path when asked, or by default on a CUDA device with nvJPEG.
+    KILN_CHECK(o.decoder == "auto" || o.decoder == "cpu" || o.decoder == "nvjpeg" ||
+                   o.decoder == "stb" || o.decoder == "turbo",
+               "--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
+    const bool gpu = o.decoder == "nvjpeg" ||
+                     (o.decoder == "auto" && o.device.is_cuda() && data::gpu_jpeg_available());
+    KILN_CHECK(!gpu || o.device.is_cuda(), "--decoder nvjpeg needs a CUDA device; the device is ",
+               o.device);
+    if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
+    const DType dt = o.device.is_cuda() && o.precision == amp::Precision::Mixed16 ? DType::f16
+                                                                                : DType::f32;
+    data::ImageLoaderOptions eo = lo;
+    eo.augment = data::Augment::Eval;
+    eo.shuffle = false;
+    eo.drop_last = false;
+    if (gpu) {
+      gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, dt);
+      gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, dt);
+      description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
+      KILN_CHECK(gpu_train_->num_batches() > 0, "--data '", o.data, "': ",
+                 gpu_train_->host().samples_per_epoch(),
+                 " training images per process, fewer than one batch of ", o.batch_size);
+      return;
+    }
     img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
-    lo.augment = data::Augment::Eval;
-    lo.shuffle = false;
-    lo.drop_last = false;
-    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), lo);
+    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), eo);
     KILN_CHECK(img_train_->num_batches() > 0, "--data '", o.data,
                "': ", img_train_->samples_per_epoch(),
                " training images per process, fewer than one "
@@ -165,10 +197,12 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
 TrainData::~TrainData() = default;
 
 int64_t TrainData::steps_per_epoch() const {
+  if (gpu_train_) return gpu_train_->num_batches();
   return idx_train_ ? idx_train_->num_batches() : img_train_->num_batches();
 }
 
 std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
+  if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
@@ -178,6 +212,7 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
 }
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {
+  if (gpu_test_) return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16

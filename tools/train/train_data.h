@@ -12,6 +12,7 @@
 namespace kiln::data {
 class DataLoader;
 class ImageLoader;
+class GpuJpegLoader;
 }  // namespace kiln::data
 
 namespace kiln::train {
@@ -38,6 +39,10 @@ struct DataOptions {
   bool augment = false;            // IDX: crop (padding 4) + flip; ImageFolder always augments
   uint64_t seed = 0;
   int workers = 2;
+  // ImageFolder decoding (issue 15): auto (nvjpeg on a CUDA device when kiln has nvJPEG, else
+  // cpu), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error when it
+  // cannot run), stb or turbo (CPU, forced).
+  std::string decoder = "auto";
   int64_t rank = 0, world_size = 1;  // shards (DistributedSampler's scheme) when world_size > 1
   Device device;
   amp::Precision precision = amp::Precision::FP32;
@@ -69,6 +74,7 @@ class TrainData {
   int64_t train_size_ = 0, test_size_ = 0;
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
+  std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg
 };
 
 }  // namespace kiln::train

@@ -57,6 +57,7 @@ Summary run(const Config& c) {
   dopt.augment = c.augment;
   dopt.seed = c.seed;
   dopt.workers = c.workers;
+  dopt.decoder = c.decoder;
   dopt.rank = env.rank;
   dopt.world_size = env.world_size;
   dopt.device = dev;

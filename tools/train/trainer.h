@@ -56,6 +56,7 @@ struct Config {
   int64_t width = 0;         // resnet_small's width (0: 32)
   uint64_t seed = 0;
   int workers = 2;
+  std::string decoder = "auto";  // ImageFolder: auto | cpu | nvjpeg | stb | turbo (issue 15)
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
