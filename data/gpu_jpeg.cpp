@@ -5,6 +5,7 @@
 #ifdef KILN_WITH_NVJPEG
 #include <nvjpeg.h>
 
+#include <cstdio>
 #include <future>
 #include <mutex>
 #include <vector>
@@ -78,6 +79,7 @@ struct GpuJpegLoader::Impl {
   nvjpegJpegState_t state = nullptr;
   bool hardware = false;
   int initialized_for = -1;  // the batch size nvjpegDecodeBatchedInitialize last saw
+  bool warned_batch_failure = false;
   cudaStream_t decode = nullptr;
   const ImageFolder* folder = nullptr;  // the host loader's (names in errors)
 
@@ -211,6 +213,13 @@ struct GpuJpegLoader::Impl {
       if (st == NVJPEG_STATUS_SUCCESS)
         st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
+      if (!gpu_ok && !warned_batch_failure) {
+        warned_batch_failure = true;
+        std::fprintf(stderr,
+                     "kiln: warning: nvJPEG batched decode failed (%s); that batch is decoded on "
+                     "the host (reported once per loader)\n",
+                     nvjpeg_status_name(st));
+      }
       if (!gpu_ok) {
         initialized_for = -1;  // reset the state before the next batch
         CUDA_CHECK(cudaStreamSynchronize(decode));
