@@ -55,7 +55,13 @@ AxisPlan plan_axis(int64_t out, double origin, double scale, int64_t lo, int64_t
   return p;
 }
 
-uint8_t to_u8(float v) { return uint8_t(std::clamp(std::nearbyint(v), 0.0f, 255.0f)); }
+// Clamp, then round to nearest (ties to even); written without branches (maxss/minss, an
+// inlined round), as it runs once per output value.
+inline uint8_t to_u8(float v) {
+  v = v > 0.0f ? v : 0.0f;
+  v = v < 255.0f ? v : 255.0f;
+  return uint8_t(int(std::nearbyint(v)));
+}
 
 // Horizontal pass over the needed source rows into floats, then the vertical pass.
 void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPlan& ry,
@@ -68,6 +74,56 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
   const int64_t C = channels;
   // Per-thread scratch: loader workers resample thousands of images; no allocation per image.
   thread_local std::vector<float> tmp, acc;
+  if (out_h < row1 - row0) {
+    // Shrinking vertically: the vertical pass first (contiguous, vectorised) over only the
+    // columns the horizontal taps reach, so the scalar horizontal pass runs on out_h rows
+    // instead of row1 - row0. The sums are the same up to float rounding order.
+    int64_t col0 = INT64_MAX, col1 = 0;
+    for (int64_t j = 0; j < out_w; ++j) {
+      col0 = std::min(col0, rx.start[size_t(j)]);
+      col1 = std::max(col1, rx.start[size_t(j)] + rx.count[size_t(j)]);
+    }
+    const int64_t cw = (col1 - col0) * C;
+    tmp.resize(size_t(out_h * cw));
+    for (int64_t i = 0; i < out_h; ++i) {
+      float* trow = tmp.data() + i * cw;
+      std::fill(trow, trow + cw, 0.0f);
+      const float* w = ry.w.data() + i * ry.max_taps;
+      for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
+        const float wt = w[t];
+        const uint8_t* srow = src + (ry.start[size_t(i)] + t) * width * C + col0 * C;
+        for (int64_t k = 0; k < cw; ++k) trow[k] += wt * float(srow[k]);
+      }
+    }
+    for (int64_t i = 0; i < out_h; ++i) {
+      const float* trow = tmp.data() + i * cw;
+      uint8_t* drow = dst + i * out_w * C;
+      for (int64_t j = 0; j < out_w; ++j) {
+        const int64_t pj = flip ? out_w - 1 - j : j;
+        const float* w = rx.w.data() + pj * rx.max_taps;
+        const float* s = trow + (rx.start[size_t(pj)] - col0) * C;
+        const int64_t taps = rx.count[size_t(pj)];
+        if (C == 3) {
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+          for (int64_t t = 0; t < taps; ++t) {
+            a0 += w[t] * s[t * 3];
+            a1 += w[t] * s[t * 3 + 1];
+            a2 += w[t] * s[t * 3 + 2];
+          }
+          drow[j * 3] = to_u8(a0);
+          drow[j * 3 + 1] = to_u8(a1);
+          drow[j * 3 + 2] = to_u8(a2);
+          continue;
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          float a = 0.0f;
+          for (int64_t t = 0; t < taps; ++t) a += w[t] * s[t * C + c];
+          drow[j * C + c] = to_u8(a);
+        }
+      }
+    }
+    return;
+  }
   tmp.resize(size_t((row1 - row0) * out_w * C));
   for (int64_t r = row0; r < row1; ++r) {
     const uint8_t* srow = src + r * width * C;
