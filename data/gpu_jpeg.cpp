@@ -338,6 +338,8 @@ struct GpuJpegEpoch::State {
   }
 
   std::optional<DeviceBatch> next() {
+    KILN_CHECK(cuda::current_device() == impl->device, "GpuJpegEpoch::next: the loader's device ",
+               impl->device, " is not the current device (", cuda::current_device(), ")");
     if (!primed) {
       primed = true;
       schedule(0);
@@ -369,14 +371,24 @@ struct GpuJpegEpoch::State {
   }
 };
 
-GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, DType dtype,
-                             NormalizeStats stats) {
-  KILN_CHECK(cuda::is_available(), "GpuJpegLoader: no CUDA device");
+GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
+                             DType dtype, NormalizeStats stats) {
+  KILN_CHECK(device.is_cuda() && device.index >= 0 && device.index < cuda::device_count(),
+             "GpuJpegLoader: ", device.str(), " is not a present CUDA device");
   KILN_CHECK(dtype == DType::f16 || dtype == DType::f32,
              "GpuJpegLoader: output dtype must be f16 or f32, got ", dtype_name(dtype));
   for (int c = 0; c < 3; ++c)
     KILN_CHECK(stats.stddev[c] > 0.0f, "GpuJpegLoader: stddev[", c, "] must be > 0");
-  impl_ = std::make_shared<Impl>(cuda::current_device(), dtype, stats, opts.image_size);
+  // nvJPEG's handle and the decode stream belong to `device`.
+  const int prev = cuda::current_device();
+  cuda::set_device(device.index);
+  try {
+    impl_ = std::make_shared<Impl>(device.index, dtype, stats, opts.image_size);
+  } catch (...) {
+    cuda::set_device(prev);
+    throw;
+  }
+  cuda::set_device(prev);
   Impl* impl = impl_.get();
   opts.defer_jpeg = [impl](const uint8_t* d, size_t n, const JpegInfo& info) {
     return impl->takes(d, n, info);
@@ -388,6 +400,21 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, DType 
 GpuJpegLoader::~GpuJpegLoader() = default;
 
 const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware" : "default"; }
+
+bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
+  const std::vector<uint8_t> bytes = read_file_bytes(path);
+  if (!looks_like_jpeg(bytes.data(), bytes.size())) return false;
+  JpegInfo info;
+  if (jpeg_turbo_available()) {
+    info = read_jpeg_info(bytes.data(), bytes.size(), path);
+  } else {
+    const ImageInfo pi = probe_image(bytes.data(), bytes.size(), path);
+    info.height = pi.height;
+    info.width = pi.width;
+    info.components = int(pi.channels);
+  }
+  return impl_->takes(bytes.data(), bytes.size(), info);
+}
 
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
   auto s = std::make_unique<GpuJpegEpoch::State>(impl_, host_->epoch(e));
@@ -416,12 +443,13 @@ bool gpu_jpeg_available() { return false; }
 struct GpuJpegLoader::Impl {};
 struct GpuJpegEpoch::State {};
 
-GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, DType, NormalizeStats) {
+GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, NormalizeStats) {
   KILN_FAIL("GpuJpegLoader: kiln was built without nvJPEG (CUDA builds find it in the toolkit)");
 }
 GpuJpegLoader::~GpuJpegLoader() = default;
 const char* GpuJpegLoader::backend() const { return "none"; }
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t) const { KILN_FAIL("GpuJpegLoader: built without nvJPEG"); }
+bool GpuJpegLoader::decodes_on_gpu(const std::string&) const { return false; }
 GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
 GpuJpegEpoch::GpuJpegEpoch(GpuJpegEpoch&&) noexcept = default;
 GpuJpegEpoch& GpuJpegEpoch::operator=(GpuJpegEpoch&&) noexcept = default;

@@ -44,10 +44,11 @@ class GpuJpegEpoch;
 
 class GpuJpegLoader {
  public:
-  // opts as for ImageLoader (its defer_jpeg is set here); dtype f16 or f32. Throws kiln::Error
-  // when nvJPEG is not built in or no device is present, and for ImageLoader's bad options.
-  GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, DType dtype = DType::f16,
-                NormalizeStats stats = {});
+  // opts as for ImageLoader (its defer_jpeg is set here); batches land on `device` (which must
+  // be the current device when epochs are consumed); dtype f16 or f32. Throws kiln::Error when
+  // nvJPEG is not built in or the device is missing, and for ImageLoader's bad options.
+  GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
+                DType dtype = DType::f16, NormalizeStats stats = {});
   ~GpuJpegLoader();
 
   const ImageLoader& host() const { return *host_; }
@@ -55,6 +56,8 @@ class GpuJpegLoader {
   // "hardware" or "default": the nvJPEG backend in use.
   const char* backend() const;
   GpuJpegEpoch epoch(int64_t e) const;
+  // Whether this JPEG file would be decoded by nvJPEG (false: on the host). For reports/tests.
+  bool decodes_on_gpu(const std::string& path) const;
 
   struct Impl;  // nvJPEG handle and state, decode stream, device buffers (data/gpu_jpeg.cpp)
 

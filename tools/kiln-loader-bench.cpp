@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
         o.drop_last = true;
         o.warn = false;
         if (dec == "nvjpeg") {
-          data::GpuJpegLoader loader(images, o);
+          data::GpuJpegLoader loader(images, o, Device::cuda(0));
           r = time_loader(loader, batches, [](const data::DeviceBatch& b) { return b.y.size(0); });
           std::printf("  (nvJPEG backend: %s)\n", loader.backend());
         } else {

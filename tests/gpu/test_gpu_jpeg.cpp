@@ -103,8 +103,21 @@ TEST_CASE("GPU JPEG path: same samples as the CPU path, pixels within tolerance;
     int64_t gpu_samples = 0, host_samples = 0;
     for (int w : {1, 4}) {
       o.workers = w;
-      GpuJpegLoader loader(folder, o, DType::f32);
-      MESSAGE("nvJPEG backend: ", loader.backend());
+      GpuJpegLoader loader(folder, o, gputest::kGpu, DType::f32);
+      if (w == 1) {
+        const std::string backend = loader.backend();
+        MESSAGE("nvJPEG backend: ", backend);
+        // Which files nvJPEG takes (the host decodes the rest): found, not assumed.
+        for (const char* f : {"c0/0.jpg", "c2/5.png", "c0/6.jpg", "c1/7.jpg", "c2/8.jpg"})
+          if (fs::exists(dir / f))
+            MESSAGE(f, " decoded on the GPU: ", loader.decodes_on_gpu(dir / f));
+        CHECK(loader.decodes_on_gpu(dir / "c0/0.jpg"));   // baseline 4:2:0 RGB
+        CHECK_FALSE(loader.decodes_on_gpu(dir / "c2/5.png"));
+#ifdef KILN_WITH_LIBJPEG
+        CHECK_FALSE(loader.decodes_on_gpu(dir / "c2/8.jpg"));  // CMYK
+        if (backend == "hardware") CHECK_FALSE(loader.decodes_on_gpu(dir / "c1/7.jpg"));
+#endif
+      }
       GpuJpegEpoch ep = loader.epoch(2);
       int64_t k = 0;
       while (std::optional<DeviceBatch> b = ep.next()) {
@@ -154,4 +167,41 @@ TEST_CASE("GPU JPEG path: same samples as the CPU path, pixels within tolerance;
             " levels, max ", worst);
     CHECK(sum / double(n) < kMeanLevels);
   }
+}
+
+TEST_CASE("GPU JPEG path: a valid header over corrupt scan data never crashes") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  for (int i = 0; i < 15; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(120 + 7 * i, 160, uint64_t(i)), 90);
+  }
+  std::vector<uint8_t> bad = read_file_bytes(dir / "c0/10.jpg");
+  for (size_t i = bad.size() / 3; i + 2 < bad.size(); ++i) bad[i] = uint8_t(i * 13 + 1);
+  put(dir, "c1/99_corrupt.jpg", bad);
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 16;
+  o.image_size = 32;
+  o.workers = 2;
+  o.shuffle = false;
+  o.max_bad_fraction = 0.5;
+  o.warn = false;
+  GpuJpegLoader loader(folder, o, gputest::kGpu);
+  GpuJpegEpoch ep = loader.epoch(0);
+  std::optional<DeviceBatch> b = ep.next();
+  REQUIRE(b);
+  CHECK(b->x.size(0) == 16);
+  CHECK_FALSE(ep.next().has_value());
+  const std::vector<double> x = values(b->x);
+  CHECK(std::all_of(x.begin(), x.end(), [](double v) { return std::isfinite(v); }));
+  // nvJPEG may decode the corrupt scan (garbage pixels, no error) or fail the batch, whose
+  // samples then go to the host, where libjpeg rejects the file and it is replaced.
+  MESSAGE("corrupt scan: bad files counted ", ep.bad_count(), ", host-decoded samples ",
+          ep.host_decoded());
+  CHECK(ep.bad_count() <= 1);
 }
