@@ -14,7 +14,8 @@ jobs=${KILN_JOBS:-$(nproc)}
 
 # Debian packages kiln needs: compiler and build tools, header-only libraries, zlib for gzipped
 # IDX files, and the Fashion-MNIST data set for the default training job.
-packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist)
+packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist
+          libjpeg62-turbo-dev)  # libjpeg-turbo: the CPU JPEG path (optional at configure time)
 
 install_missing() {
   local missing=()
