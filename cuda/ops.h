@@ -5,7 +5,7 @@
 // current device's compute stream, without synchronising the host. f32 and f16 data are
 // supported (f16: f32 accumulation); batch-norm parameters and statistics are always f32.
 #include "core/tensor.h"
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::cuda {
 

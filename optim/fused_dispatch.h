@@ -1,7 +1,7 @@
 #pragma once
 // Internal to optim/: runs a fused kernel on the arenas' device — the CPU reference
-// (optim::fused::ref) or its CUDA twin (cuda/optim.h).
-#include "optim/fused_kernels.h"
+// (fused::ref) or its CUDA twin (cuda/optim.h).
+#include "core/fused_optim.h"
 
 #ifdef KILN_WITH_CUDA
 #include "cuda/optim.h"

@@ -7,7 +7,7 @@
 namespace kiln::cuda {
 namespace {
 
-using namespace optim::fused;
+using namespace fused;
 
 constexpr int kThreads = 256;
 

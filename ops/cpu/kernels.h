@@ -3,7 +3,7 @@
 // writes every element of `out` (`=`), which the caller allocated with the right shape.
 // f32 and f64 compute; OpenMP splits large loops over the cores.
 #include "core/tensor.h"
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::cpu {
 

@@ -19,14 +19,9 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "core/hostdevice.h"
 
-#if defined(__CUDACC__)
-#define KILN_HD __host__ __device__ __forceinline__
-#else
-#define KILN_HD inline
-#endif
-
-namespace kiln::optim::fused {
+namespace kiln::fused {
 
 inline constexpr int64_t kChunk = 2048;         // elements per work item (one CUDA block)
 inline constexpr int64_t kArenaAlignBytes = 64;  // slot offsets, in every arena
@@ -237,4 +232,4 @@ void adamw_step(const StepArgs& a);
 void update_scale(const ScalerArgs& a);
 }  // namespace ref
 
-}  // namespace kiln::optim::fused
+}  // namespace kiln::fused
