@@ -358,6 +358,29 @@ Tensor Tensor::to(Device d) const {
   return out;
 }
 
+namespace detail {
+
+void copy_cpu(const Tensor& dst, const Tensor& src) {
+  dispatch_all(dst.dtype(), [&]<typename D>() {
+    D* dp = static_cast<D*>(dst.raw_data());
+    dispatch_all(src.dtype(), [&]<typename S>() {
+      const S* sp = static_cast<const S*>(src.raw_data());
+      for_each_offset(dst.shape(), dst.strides(), src.strides(),
+                      [&](int64_t od, int64_t os) { dp[od] = convert<D>(sp[os]); });
+    });
+  });
+}
+
+void fill_cpu(const Tensor& dst, double value) {
+  dispatch_all(dst.dtype(), [&]<typename D>() {
+    D* dp = static_cast<D*>(dst.raw_data());
+    const D v = convert<D>(value);
+    for_each_offset(dst.shape(), dst.strides(), dst.strides(), [&](int64_t o, int64_t) { dp[o] = v; });
+  });
+}
+
+}  // namespace detail
+
 const Tensor& Tensor::copy_(const Tensor& src) const {
   KILN_CHECK(src.defined(), "copy_: source is undefined");
   if (is_same(src)) return *this;
@@ -369,17 +392,6 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   if (s.shares_storage(*this) && (s.offset() != offset() || s.strides() != strides()))
     s = s.clone();
   bump_version();
-  if (is_cpu() && s.is_cpu()) {
-    dispatch_all(dtype(), [&]<typename D>() {
-      D* dp = static_cast<D*>(raw_data());
-      dispatch_all(s.dtype(), [&]<typename S>() {
-        const S* sp = static_cast<const S*>(s.raw_data());
-        detail::for_each_offset(shape(), strides(), s.strides(),
-                                [&](int64_t od, int64_t os) { dp[od] = convert<D>(sp[os]); });
-      });
-    });
-    return *this;
-  }
   // The device side's backend copies between its device and the host.
   backend(is_cpu() ? s.device() : device()).copy(*this, s);
   return *this;
@@ -388,15 +400,6 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
 const Tensor& Tensor::fill_(double value) const {
   autograd::check_inplace(*this, "fill_");
   bump_version();
-  if (is_cpu()) {
-    dispatch_all(dtype(), [&]<typename D>() {
-      D* dp = static_cast<D*>(raw_data());
-      D v = convert<D>(value);
-      detail::for_each_offset(shape(), strides(), strides(),
-                              [&](int64_t o, int64_t) { dp[o] = v; });
-    });
-    return *this;
-  }
   backend(device()).fill(*this, value);
   return *this;
 }

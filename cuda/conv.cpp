@@ -1,4 +1,4 @@
-// 2-D convolution on cuDNN (entry points in cuda/ops.h, cache controls in cuda/conv.h).
+// 2-D convolution on cuDNN (entry points in cuda/kernels.h, cache controls in cuda/conv.h).
 //
 // Layout: the problem runs in the layout of the activations (NHWC when x — dx for backward-data
 // — is channels-last, else NCHW); the filter descriptor uses the same format, and any operand
@@ -43,7 +43,7 @@
 #include "core/switches.h"
 #include "cuda/conv_engine.h"
 #include "cuda/cudnn_util.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {

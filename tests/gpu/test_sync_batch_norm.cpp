@@ -1,5 +1,5 @@
 // F::sync_batch_norm on the GPU.
-//  * The four CUDA kernels (cuda/sync_batch_norm.h), NaN-prefilled outputs, against the CPU
+//  * The four CUDA kernels (cuda/kernels.h), NaN-prefilled outputs, against the CPU
 //    kernels in f64 on the same rounded inputs: f16/bf16/f32, NHWC, NCHW and (N, C), channel
 //    counts off the 32-wide tile, and sizes that split the rows over many partial blocks.
 //  * The op with an identity reducer (one rank), f16 NHWC with f32 parameters, against the CPU
@@ -12,7 +12,7 @@
 #include <cstdlib>
 
 #include "cuda/runtime.h"
-#include "cuda/sync_batch_norm.h"
+#include "cuda/kernels.h"
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/ref_check.h"
