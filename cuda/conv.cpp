@@ -1,4 +1,4 @@
-// 2-D convolution on cuDNN (entry points in cuda/ops.h, cache controls in cuda/conv.h).
+// 2-D convolution on cuDNN (entry points in cuda/kernels.h, cache controls in cuda/conv.h).
 //
 // Layout: the problem runs in the layout of the activations (NHWC when x — dx for backward-data
 // — is channels-last, else NCHW); the filter descriptor uses the same format, and any operand
@@ -40,9 +40,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/switches.h"
 #include "cuda/conv_engine.h"
 #include "cuda/cudnn_util.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {
@@ -251,10 +252,7 @@ std::atomic<int> g_backend{-1};  // a ConvBackend; -1: not yet read from KILN_CU
 ConvBackend backend_mode() {
   int v = g_backend.load();
   if (v < 0) {
-    const char* e = std::getenv("KILN_CUDNN_BACKEND");
-    ConvBackend m = ConvBackend::Auto;
-    if (e && std::strcmp(e, "0") == 0) m = ConvBackend::Off;
-    if (e && std::strcmp(e, "force") == 0) m = ConvBackend::Force;
+    const ConvBackend m = ConvBackend(switches().cudnn_backend);
     int expected = -1;
     g_backend.compare_exchange_strong(expected, int(m));
     v = g_backend.load();
@@ -262,13 +260,7 @@ ConvBackend backend_mode() {
   return ConvBackend(v);
 }
 
-bool find_log_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_CUDNN_FIND_LOG");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
+bool find_log_enabled() { return switches().cudnn_find_log; }
 
 // Workspace from the caching allocator (null when bytes is 0). Freed on the current stream.
 std::unique_ptr<Storage> workspace(size_t bytes, int device) {
@@ -520,13 +512,7 @@ void add_bias(const Tensor& y, const Tensor& bias, MemoryFormat fmt) {
 MemoryFormat layout_of(const Tensor& t) { return t.suggest_memory_format(); }
 
 // KILN_CONV_STATS=0 turns the statistics epilogue off (A/B measurements).
-bool stats_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_CONV_STATS");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
+bool stats_enabled() { return switches().conv_stats; }
 
 }  // namespace
 
