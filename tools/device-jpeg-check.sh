@@ -6,10 +6,14 @@
 # bench.json, train.log, synth.log).
 #
 #   bash tools/device-jpeg-check.sh check            # build, tests, loader bench (~5 min)
-#   bash tools/device-jpeg-check.sh train            # + end to end: 20,000 train / 2,000 val
-#                                                    #   images, 3 epochs, b256, 16 workers
+#   bash tools/device-jpeg-check.sh train            # build, tests, end to end: kiln-bench
+#                                                    #   synthetic, then kiln-train on 20,000
+#                                                    #   train / 2,000 val JPEGs, 3 epochs,
+#                                                    #   b256, 16 workers (~6 min)
+#   bash tools/device-jpeg-check.sh all              # train, then check's loader bench
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
-# TRAIN_N (20000), VAL_N (2000), EPOCHS (3), SKIP_TESTS=1.
+# TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODER (auto), TRAIN_TIMEOUT (600 s),
+# SKIP_TESTS=1.
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
 set -uo pipefail
@@ -27,7 +31,7 @@ EPOCHS=${EPOCHS:-3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 t0=$(date +%s)
 targets="kiln-loader-bench gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder"
-[ "$mode" = train ] && targets="$targets kiln-train kiln-bench"
+[ "$mode" != check ] && targets="$targets kiln-train kiln-bench"
 { cmake -S . -B build-jpeg -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_DEPS_DIR="$deps" &&
   ninja -C build-jpeg -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
@@ -43,24 +47,32 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   done
   grep -E "MESSAGE|ERROR|test cases|Status" "$OUT/tests.log" | head -60
 fi
-corpus=/tmp/kiln-jpeg-corpus
-rm -rf "$corpus"
-timeout 200 "$B/kiln-loader-bench" --generate "$N" --classes 100 --output-dir "$corpus" \
-  --batches 0 2>&1 | tee "$OUT/bench.log"
-timeout 300 "$B/kiln-loader-bench" --folder "$corpus" --decoder stb,turbo,nvjpeg \
-  --workers "$WORKERS" -b 256 --batches "$BATCHES" --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
-timeout 120 "$B/kiln-loader-bench" --folder "$corpus" --decoder turbo,nvjpeg --workers 16 \
-  -b 256 --batches "$BATCHES" --eval 2>&1 | tee -a "$OUT/bench.log"
-if [ "$mode" = train ]; then
+loader_bench() {
+  corpus=/tmp/kiln-jpeg-corpus
+  rm -rf "$corpus"
+  timeout 200 "$B/kiln-loader-bench" --generate "$N" --classes 100 --output-dir "$corpus" \
+    --batches 0 2>&1 | tee -a "$OUT/bench.log"
+  timeout 300 "$B/kiln-loader-bench" --folder "$corpus" --decoder stb,turbo,nvjpeg \
+    --workers "$WORKERS" -b 256 --batches "$BATCHES" --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
+  timeout 120 "$B/kiln-loader-bench" --folder "$corpus" --decoder turbo,nvjpeg --workers 16 \
+    -b 256 --batches "$BATCHES" --eval 2>&1 | tee -a "$OUT/bench.log"
+}
+end_to_end() {
   data=/tmp/kiln-jpeg-train
   rm -rf "$data"
   timeout 300 "$B/kiln-loader-bench" --generate "$TRAIN_N" --val "$VAL_N" --classes 100 \
-    --output-dir "$data" --batches 0 2>&1 | tee "$OUT/train.log"
-  # Same call: the synthetic figure first, then kiln-train on the JPEG folder.
-  timeout 300 "$B/kiln-bench" --model resnet50 --batches 256 --graph-only 2>&1 | tee "$OUT/synth.log"
-  timeout 900 "$B/kiln-train" --arch resnet50 --data "$data" -b 256 --workers 16 \
-    --epochs "$EPOCHS" --decoder "${DECODER:-auto}" --print-freq 20 --output /tmp/kiln-jpeg-out \
-    2>&1 | tee -a "$OUT/train.log"
-  grep -E "done in|img/s" "$OUT/train.log" | tail -8
-fi
+    --output-dir "$data" --batches 0 2>&1 | tee -a "$OUT/train.log"
+  # Same call: the synthetic figure, then kiln-train on the JPEG folder.
+  timeout 240 "$B/kiln-bench" --model resnet50 --batches 256 --graph-only 2>&1 | tee "$OUT/synth.log"
+  timeout "${TRAIN_TIMEOUT:-600}" "$B/kiln-train" --arch resnet50 --data "$data" -b 256 \
+    --workers 16 --epochs "$EPOCHS" --decoder "${DECODER:-auto}" --print-freq 20 \
+    --output /tmp/kiln-jpeg-out 2>&1 | tee -a "$OUT/train.log"
+  grep -E "images/s|img/s" "$OUT/synth.log" | tail -3
+  grep -E "ImageFolder|done in" "$OUT/train.log" | tail -6
+}
+case "$mode" in
+  check) loader_bench ;;
+  train) end_to_end ;;
+  all) end_to_end; loader_bench ;;
+esac
 echo "total: $(( $(date +%s) - t0 )) s"
