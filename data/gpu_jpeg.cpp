@@ -108,7 +108,14 @@ struct GpuJpegLoader::Impl {
     hardware = s == NVJPEG_STATUS_SUCCESS;
     if (!hardware) KILN_NVJPEG_CHECK(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &handle));
     KILN_NVJPEG_CHECK(nvjpegJpegStateCreate(handle, &state));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&decode, cudaStreamNonBlocking));
+    // The decode stream gets the device's highest priority: nvJPEG's kernels (and our uploads)
+    // are small next to a training step's and must not queue behind its blocks, or decoding
+    // batch k + 1 stretches past step k (device call 2: 6,400 images/s end to end with a
+    // default-priority stream against 8,635 synthetic; the effect of the priority is not yet
+    // measured).
+    int least = 0, greatest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&decode, cudaStreamNonBlocking, greatest));
     for (Slot& sl : slots) {
       CUDA_CHECK(cudaEventCreateWithFlags(&sl.ready, cudaEventDisableTiming));
       CUDA_CHECK(cudaEventCreateWithFlags(&sl.consumed, cudaEventDisableTiming));

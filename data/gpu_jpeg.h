@@ -15,14 +15,19 @@
 // host-decoded samples and the per-sample crop jobs, and records an event; next() makes the
 // current stream wait for that event and runs cuda::crop_resize_normalize (cuda/crop_resize.h)
 // into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
-// batch k; the host never waits for the device except for buffers two batches old.
+// batch k; the host never waits for the device except for buffers two batches old. The decode
+// stream has the device's highest priority. Bitstreams stay in pageable host memory (nvJPEG
+// copies them); reading them into pinned buffers is not done.
 //
 // Backend: nvJPEG's hardware decoder where the GPU has one (A100, H100/H200: baseline JPEGs;
 // each file is checked with nvjpegDecodeBatchedSupported on the worker), else its default
-// (hybrid) backend, whose Huffman decoding runs on the decode thread. If a batched decode fails
-// (a corrupt scan behind a valid header), that batch's encoded samples are decoded on the host
-// instead, and a file that fails there too is replaced as the CPU path replaces bad files
-// (ImageEpoch::redo).
+// (hybrid) backend, whose Huffman decoding runs on the decode thread. Measured on the H200
+// (tests/gpu/test_gpu_jpeg.cpp): the hardware decoder takes baseline RGB and grayscale JPEGs
+// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. If a batched decode fails, that
+// batch's encoded samples are decoded on the host instead, and a file that fails there too is
+// replaced as the CPU path replaces bad files (ImageEpoch::redo). Not caught: corrupt scan data
+// behind a valid header, which the H200's hardware decoder decodes to garbage without an error
+// (the CPU path rejects such files).
 //
 // Output: x (B, 3, S, S) channels-last, f16 (or f32), normalised with `stats`; y i64 (B); both
 // fresh tensors on the loader's device, written on the current stream. One epoch at a time per
