@@ -378,8 +378,21 @@ struct GpuJpegEpoch::State {
   }
 };
 
+namespace {
+// A fixed pseudo-random number in [0, 1) for a file's bytes (FNV-1a over its size and up to 64
+// bytes from its middle): which files host_fraction sends to the host.
+double file_fraction(const uint8_t* data, size_t size) {
+  uint64_t h = 1469598103934665603ULL ^ uint64_t(size);
+  const size_t from = size / 2, to = std::min(size, from + 64);
+  for (size_t i = from; i < to; ++i) h = (h ^ data[i]) * 1099511628211ULL;
+  return double(h >> 11) * 0x1.0p-53;
+}
+}  // namespace
+
 GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
-                             DType dtype, NormalizeStats stats) {
+                             DType dtype, NormalizeStats stats, double host_fraction) {
+  KILN_CHECK(host_fraction >= 0.0 && host_fraction <= 1.0,
+             "GpuJpegLoader: host_fraction must be in [0, 1], got ", host_fraction);
   KILN_CHECK(device.is_cuda() && device.index >= 0 && device.index < cuda::device_count(),
              "GpuJpegLoader: ", device.str(), " is not a present CUDA device");
   KILN_CHECK(dtype == DType::f16 || dtype == DType::f32,
@@ -397,7 +410,8 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
   }
   cuda::set_device(prev);
   Impl* impl = impl_.get();
-  opts.defer_jpeg = [impl](const uint8_t* d, size_t n, const JpegInfo& info) {
+  opts.defer_jpeg = [impl, host_fraction](const uint8_t* d, size_t n, const JpegInfo& info) {
+    if (host_fraction > 0.0 && file_fraction(d, n) < host_fraction) return false;
     return impl->takes(d, n, info);
   };
   host_ = std::make_unique<ImageLoader>(std::move(folder), std::move(opts));
@@ -450,7 +464,8 @@ bool gpu_jpeg_available() { return false; }
 struct GpuJpegLoader::Impl {};
 struct GpuJpegEpoch::State {};
 
-GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, NormalizeStats) {
+GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, NormalizeStats,
+                             double) {
   KILN_FAIL("GpuJpegLoader: kiln was built without nvJPEG (CUDA builds find it in the toolkit)");
 }
 GpuJpegLoader::~GpuJpegLoader() = default;

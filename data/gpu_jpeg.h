@@ -52,8 +52,12 @@ class GpuJpegLoader {
   // opts as for ImageLoader (its defer_jpeg is set here); batches land on `device` (which must
   // be the current device when epochs are consumed); dtype f16 or f32. Throws kiln::Error when
   // nvJPEG is not built in or the device is missing, and for ImageLoader's bad options.
+  // host_fraction in [0, 1]: that fraction of the JPEGs nvJPEG would take is decoded by the
+  // CPU path on the workers instead (chosen per file by a hash of its bytes, so batches stay the
+  // same for any worker count), to share the decoding between GPU and CPU when the GPU decoder
+  // cannot keep up with the step alone.
   GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
-                DType dtype = DType::f16, NormalizeStats stats = {});
+                DType dtype = DType::f16, NormalizeStats stats = {}, double host_fraction = 0.0);
   ~GpuJpegLoader();
 
   const ImageLoader& host() const { return *host_; }

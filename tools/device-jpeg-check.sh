@@ -12,8 +12,9 @@
 #                                                    #   b256, 16 workers (~6 min)
 #   bash tools/device-jpeg-check.sh all              # train, then check's loader bench
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
-# TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (kiln-train --decoder values, one run
-# each: default "nvjpeg"; "nvjpeg cpu" compares both paths), TRAIN_TIMEOUT (600 s), SKIP_TESTS=1.
+# TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
+# DECODER[:HOST_FRACTION]: default "nvjpeg"; e.g. "nvjpeg nvjpeg:0.3 cpu"), TRAIN_TIMEOUT (600 s),
+# SKIP_TESTS=1.
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
 set -uo pipefail
@@ -64,11 +65,14 @@ end_to_end() {
     --output-dir "$data" --batches 0 2>&1 | tee -a "$OUT/train.log"
   # Same call: the synthetic figure, then kiln-train on the JPEG folder.
   timeout 240 "$B/kiln-bench" --model resnet50 --batches 256 --graph-only 2>&1 | tee "$OUT/synth.log"
-  for dec in ${DECODERS:-nvjpeg}; do
-    echo "== kiln-train --decoder $dec" | tee -a "$OUT/train.log"
+  for spec in ${DECODERS:-nvjpeg}; do  # DECODER or DECODER:HOST_FRACTION
+    dec=${spec%%:*}
+    frac=0
+    [[ $spec == *:* ]] && frac=${spec#*:}
+    echo "== kiln-train --decoder $dec --host-decode-fraction $frac" | tee -a "$OUT/train.log"
     timeout "${TRAIN_TIMEOUT:-600}" "$B/kiln-train" --arch resnet50 --data "$data" -b 256 \
-      --workers 16 --epochs "$EPOCHS" --decoder "$dec" --print-freq 20 \
-      --output /tmp/kiln-jpeg-out 2>&1 | tee -a "$OUT/train.log"
+      --workers 16 --epochs "$EPOCHS" --decoder "$dec" --host-decode-fraction "$frac" \
+      --print-freq 20 --output /tmp/kiln-jpeg-out 2>&1 | tee -a "$OUT/train.log"
   done
   grep -E "images/s|img/s" "$OUT/synth.log" | tail -3
   grep -E "^==|ImageFolder|done in" "$OUT/train.log"

@@ -206,3 +206,47 @@ TEST_CASE("GPU JPEG path: a valid header over corrupt scan data never crashes") 
           ep.host_decoded());
   CHECK(ep.bad_count() <= 1);
 }
+
+TEST_CASE("GPU JPEG path: host_fraction sends a fixed share of the files to the CPU path") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  for (int i = 0; i < 32; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(100 + 3 * i, 130, uint64_t(i)), 90);
+  }
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 8;
+  o.image_size = 32;
+  o.seed = 2;
+  o.warn = false;
+  for (double frac : {0.0, 0.5, 1.0}) {
+    std::vector<std::vector<double>> ref;
+    for (int w : {1, 3}) {
+      o.workers = w;
+      GpuJpegLoader loader(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, frac);
+      GpuJpegEpoch ep = loader.epoch(0);
+      size_t k = 0;
+      while (std::optional<DeviceBatch> b = ep.next()) {
+        if (w == 1)
+          ref.push_back(values(b->x));
+        else
+          CHECK(values(b->x) == ref[k]);  // the same files go to the host for any worker count
+        ++k;
+      }
+      CHECK(ep.gpu_decoded() + ep.host_decoded() == 32);
+      if (frac == 0.0) CHECK(ep.host_decoded() == 0);
+      if (frac == 1.0) CHECK(ep.gpu_decoded() == 0);
+      if (frac == 0.5) {
+        CHECK(ep.host_decoded() > 4);
+        CHECK(ep.gpu_decoded() > 4);
+      }
+    }
+  }
+  CHECK_THROWS_AS(GpuJpegLoader(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, 1.5),
+                  Error);
+}

@@ -39,6 +39,8 @@ std::string usage() {
          "  --workers N          data-loading threads (default 2)\n"
          "  --decoder NAME       ImageFolder JPEGs: auto (default: nvjpeg on a GPU when built\n"
          "                       with nvJPEG, else cpu), cpu, nvjpeg, stb or turbo\n"
+         "  --host-decode-fraction F  with nvjpeg: that share of the JPEGs is decoded by the\n"
+         "                       CPU workers instead (default 0)\n"
          "  --device DEV         auto (default: cuda if present, else cpu), cpu, cuda, cuda:N\n"
          "  --print-freq N       progress line every N steps (default 50)\n"
          "  --output DIR         checkpoint.safetensors (each epoch), model.safetensors and\n"
@@ -158,6 +160,8 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
       a.workers = int(to_int(f, need(), 0));
     else if (f == "--decoder")
       a.decoder = one_of(f, need(), {"auto", "cpu", "nvjpeg", "stb", "turbo"});
+    else if (f == "--host-decode-fraction")
+      a.host_decode_fraction = to_double(f, need(), 0.0);
     else if (f == "--device")
       a.device = need();
     else if (f == "--print-freq" || f == "-p")

@@ -123,7 +123,9 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     eo.shuffle = false;
     eo.drop_last = false;
     if (gpu) {
-      gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt);
+      gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt,
+                                                         data::NormalizeStats{},
+                                                         o.host_decode_fraction);
       gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt);
       description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
       KILN_CHECK(gpu_train_->num_batches() > 0, "--data '", o.data, "': ",

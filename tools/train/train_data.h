@@ -43,6 +43,7 @@ struct DataOptions {
   // cpu), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error when it
   // cannot run), stb or turbo (CPU, forced).
   std::string decoder = "auto";
+  double host_decode_fraction = 0.0;  // nvjpeg: share of JPEGs decoded on the CPU instead
   int64_t rank = 0, world_size = 1;  // shards (DistributedSampler's scheme) when world_size > 1
   Device device;
   amp::Precision precision = amp::Precision::FP32;

@@ -58,6 +58,7 @@ Summary run(const Config& c) {
   dopt.seed = c.seed;
   dopt.workers = c.workers;
   dopt.decoder = c.decoder;
+  dopt.host_decode_fraction = c.host_decode_fraction;
   dopt.rank = env.rank;
   dopt.world_size = env.world_size;
   dopt.device = dev;

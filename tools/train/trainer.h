@@ -57,6 +57,7 @@ struct Config {
   uint64_t seed = 0;
   int workers = 2;
   std::string decoder = "auto";  // ImageFolder: auto | cpu | nvjpeg | stb | turbo (issue 15)
+  double host_decode_fraction = 0.0;  // --decoder nvjpeg: JPEGs decoded on the CPU instead
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
