@@ -36,6 +36,9 @@
 #include "data/image.h"
 #include "data/image_loader.h"
 #include "data/jpeg_turbo.h"
+#ifdef KILN_WITH_CUDA
+#include "cuda/runtime.h"
+#endif
 
 namespace {
 
@@ -209,8 +212,10 @@ struct Row {
 
 // Times `batches` batches after a warm-up one, cycling over epochs; `epoch_fn(e)` returns an
 // object with next() -> optional<batch> and bad_count(); `count(batch)` its images.
-template <typename Loader, typename Count>
-Row time_loader(Loader& loader, int64_t batches, Count count) {
+// `sync()` runs before each epoch's clock stops (the GPU path: wait for the device, so queued
+// decodes and kernels are inside the timed window).
+template <typename Loader, typename Count, typename Sync>
+Row time_loader(Loader& loader, int64_t batches, Count count, Sync sync) {
   Row r;
   for (int64_t e = 0; r.batches < batches; ++e) {
     auto ep = loader.epoch(e);
@@ -231,6 +236,7 @@ Row time_loader(Loader& loader, int64_t batches, Count count) {
       r.images += count(*b);
       ++r.batches;
     }
+    sync();
     r.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.cpu += cpu_seconds() - c0;
     r.bad += ep.bad_count();
@@ -352,13 +358,18 @@ int main(int argc, char** argv) {
         o.warn = false;
         if (dec == "nvjpeg") {
           data::GpuJpegLoader loader(images, o, Device::cuda(0));
-          r = time_loader(loader, batches, [](const data::DeviceBatch& b) { return b.y.size(0); });
+          r = time_loader(
+              loader, batches, [](const data::DeviceBatch& b) { return b.y.size(0); }, [] {
+#ifdef KILN_WITH_CUDA
+                cuda::synchronize();
+#endif
+              });
           std::printf("  (nvJPEG backend: %s)\n", loader.backend());
         } else {
           o.decoder = data::parse_jpeg_decoder(dec);
           data::ImageLoader loader(images, o);
-          r = time_loader(loader, batches,
-                          [](const data::ImageBatch& b) { return b.images.size(0); });
+          r = time_loader(
+              loader, batches, [](const data::ImageBatch& b) { return b.images.size(0); }, [] {});
         }
         r.decoder = dec;
         r.workers = w;
