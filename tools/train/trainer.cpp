@@ -54,6 +54,7 @@ Summary run(const Config& c) {
 
   // Claim --output before anything expensive: a locked, unwritable or already used folder fails
   // now, not after an epoch of training.
+  detect_data(c.data);  // a wrong --data fails first, before a folder is created
   std::unique_ptr<OutputDir> out_dir;
   if (lead && !c.evaluate) {
     const OutputReuse reuse = !c.resume.empty() ? OutputReuse::Resume
