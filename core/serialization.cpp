@@ -176,7 +176,8 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   KILN_CHECK(shape.kind() == json::Value::Kind::Array, where(), ": shape is not an array");
   int64_t numel = 1;
   for (const json::Value& d : shape.array()) {
-    KILN_CHECK(d.is_integer() && d.unsigned_integer() <= uint64_t(INT64_MAX), where(),
+    KILN_CHECK(d.is_integer() && d.number() >= 0 && d.unsigned_integer() <= uint64_t(INT64_MAX),
+               where(),
                ": shape entries must be non-negative integers below 2^63");
     const int64_t n = int64_t(d.unsigned_integer());
     t.shape.push_back(n);

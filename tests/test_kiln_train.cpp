@@ -442,7 +442,8 @@ TEST_CASE("kiln-train: the epoch's checkpoint is saved before the evaluation") {
   fs::remove_all(out);
   const std::string m = run_error(with(job(out.string(), 1), {"--data", root.string()}));
   CHECK(m.find("bad.png") != std::string::npos);
-  models::ResNet& model = *job_model();
+  auto model_ptr = job_model();
+  models::ResNet& model = *model_ptr;
   TrainingState st;
   st.model = &model;
   optim::ParamGroup proto;

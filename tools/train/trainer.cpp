@@ -262,7 +262,7 @@ Summary run(const Config& c) {
         // One read of the device accumulators per progress line.
         metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
         std::vector<double> m = metrics.values();
-        if (!mixed) check_loss(m[0], epoch, 1, 0);
+        if (!mixed && !dp) check_loss(m[0], epoch, 1, 0);  // ranks stop together at epoch ends
         const double eta = seconds_since(start) / double(step - first_step) * double(total - step);
         std::printf(
             "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
