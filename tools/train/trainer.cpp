@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -188,7 +187,6 @@ Summary run(const Config& c) {
     return sum;
   }
 
-
   // Static inputs: every step copies its batch into them (the graph reads these addresses).
   Tensor x_static = amp::prepare_input(
       zeros({c.batch_size, data.channels(), data.height(), data.width()}), dev, precision);
@@ -213,6 +211,12 @@ Summary run(const Config& c) {
   amp::AsyncScalars metrics;
   const auto start = Clock::now();
   const int64_t first_step = step;
+  // What a diverged run leaves behind, for its error message.
+  auto kept = [&](int64_t epoch) {
+    return (c.resume.empty() && epoch == 0 ? std::string("no checkpoint was written")
+                                           : "the last checkpoint in '" + c.output + "' is kept") +
+           "; try a lower --lr or a longer --warmup-epochs";
+  };
   // A non-finite training loss: FP32 weights are already poisoned, so stop; with mixed precision
   // the scaler skips such steps, so stop only when it skipped every step (skipped_in_window).
   auto check_loss = [&](double loss, int64_t epoch, int64_t steps_in_window,
@@ -220,11 +224,7 @@ Summary run(const Config& c) {
     if (std::isfinite(loss) || (mixed && skipped_in_window < steps_in_window)) return;
     KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
               epoch + 1, mixed ? " and the loss scaler skipped every step" : "", " (lr ",
-              opt->param_groups[0].lr, "); stopping. ",
-              c.resume.empty() && epoch == 0
-                  ? std::string("No checkpoint was written")
-                  : "The last checkpoint in '" + c.output + "' is kept",
-              "; try a lower --lr or a longer --warmup-epochs");
+              opt->param_groups[0].lr, "); stopping: ", kept(epoch));
   };
   auto skipped_steps = [&]() -> int64_t {
     return mixed ? int64_t(scaler.skipped_steps().to(DType::f64).item()) : 0;
@@ -294,11 +294,8 @@ Summary run(const Config& c) {
     // Every rank holds the same weights; all check, so all stop together.
     const std::string bad = first_non_finite(*model);
     KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
-               "non-finite values (the first in '", bad, "'); stopping without saving them. ",
-               c.resume.empty() && epoch == 0
-                   ? std::string("No checkpoint was written")
-                   : "The last checkpoint in '" + c.output + "' is kept",
-               "; try a lower --lr or a longer --warmup-epochs");
+               "non-finite values (the first in '", bad, "'); stopping without saving them: ",
+               kept(epoch));
     // The checkpoint before the evaluation: a failing evaluation loses no training.
     if (lead) {
       TrainingState st;
