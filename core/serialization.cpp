@@ -4,10 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <algorithm>
 #include <sstream>
 
 #include "core/json.h"
@@ -143,9 +143,9 @@ void read_exact(int fd, void* dst, size_t n, uint64_t offset, const std::string&
     const size_t chunk = std::min<size_t>(n, size_t(1) << 30);
     ssize_t got = ::pread(fd, p, chunk, off_t(offset));
     if (got < 0 && errno == EINTR) continue;
-    KILN_CHECK(got > 0, "'", path, "': reading ", what, " failed at byte ", offset, ": ",
-               got == 0 ? "unexpected end of file (truncated while reading?)"
-                        : std::strerror(errno));
+    KILN_CHECK(
+        got > 0, "'", path, "': reading ", what, " failed at byte ", offset, ": ",
+        got == 0 ? "unexpected end of file (truncated while reading?)" : std::strerror(errno));
     p += got;
     n -= size_t(got);
     offset += uint64_t(got);
@@ -177,16 +177,15 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   int64_t numel = 1;
   for (const json::Value& d : shape.array()) {
     KILN_CHECK(d.is_integer() && d.number() >= 0 && d.unsigned_integer() <= uint64_t(INT64_MAX),
-               where(),
-               ": shape entries must be non-negative integers below 2^63");
+               where(), ": shape entries must be non-negative integers below 2^63");
     const int64_t n = int64_t(d.unsigned_integer());
     t.shape.push_back(n);
-    KILN_CHECK(!__builtin_mul_overflow(numel, n, &numel), where(), ": shape ",
-               shape_str(t.shape), "... has more than 2^63 elements");
+    KILN_CHECK(!__builtin_mul_overflow(numel, n, &numel), where(), ": shape ", shape_str(t.shape),
+               "... has more than 2^63 elements");
   }
   int64_t nbytes = 0;
-  KILN_CHECK(!__builtin_mul_overflow(numel, int64_t(dtype_size(t.dtype)), &nbytes), where(),
-             ": ", dtype_name(t.dtype), shape_str(t.shape), " needs more than 2^63 bytes");
+  KILN_CHECK(!__builtin_mul_overflow(numel, int64_t(dtype_size(t.dtype)), &nbytes), where(), ": ",
+             dtype_name(t.dtype), shape_str(t.shape), " needs more than 2^63 bytes");
   const json::Value& offs = v.at("data_offsets");
   KILN_CHECK(offs.kind() == json::Value::Kind::Array && offs.array().size() == 2, where(),
              ": data_offsets must be an array [begin, end]");
@@ -197,8 +196,8 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   t.end = offs.array()[1].unsigned_integer();
   KILN_CHECK(t.begin <= t.end && t.end <= data_size, where(), ": data [", t.begin, ", ", t.end,
              ") lies outside the ", data_size, "-byte data section (truncated file?)");
-  KILN_CHECK(t.end - t.begin == uint64_t(nbytes), where(), " has ", t.end - t.begin,
-             " bytes for ", dtype_name(t.dtype), shape_str(t.shape), " (", nbytes, " needed)");
+  KILN_CHECK(t.end - t.begin == uint64_t(nbytes), where(), " has ", t.end - t.begin, " bytes for ",
+             dtype_name(t.dtype), shape_str(t.shape), " (", nbytes, " needed)");
   return t;
 }
 

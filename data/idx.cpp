@@ -199,8 +199,11 @@ int64_t infer_num_classes(const IdxPair& train, int64_t min_classes) {
   for (int64_t c = 0; c < top; ++c)
     if (count[c] == 0) missing += 1, first_missing = first_missing < 0 ? c : first_missing;
   KILN_CHECK(missing == 0, quoted(train.labels_path), ": label ", top, " at index ", top_at,
-             " implies ", top + 1, " classes, but ", missing, " of the labels below it never "
-             "occur (the first: ", first_missing, "); a stray label? Labels must be classes "
+             " implies ", top + 1, " classes, but ", missing,
+             " of the labels below it never "
+             "occur (the first: ",
+             first_missing,
+             "); a stray label? Labels must be classes "
              "0..K-1");
   return top + 1;
 }

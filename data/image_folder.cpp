@@ -35,8 +35,8 @@ ImageFolder::ImageFolder(const std::string& root) : root_(root) {
   std::vector<fs::path> class_roots;
   for (const std::string& c : classes_) {
     class_roots.push_back(fs::canonical(fs::path(root) / c, ec));
-    KILN_CHECK(!ec, "ImageFolder: cannot resolve '", (fs::path(root) / c).string(), "': ",
-               ec.message());
+    KILN_CHECK(!ec, "ImageFolder: cannot resolve '", (fs::path(root) / c).string(),
+               "': ", ec.message());
   }
   auto inside = [](const fs::path& p, const fs::path& dir) {
     auto [d, q] = std::mismatch(dir.begin(), dir.end(), p.begin(), p.end());

@@ -154,7 +154,8 @@ struct ImageEpoch::State {
       const int64_t idx = global[size_t((p + a) % n)];
       if (!shared->known_bad(idx)) {
         try {
-          return {read_image(shared->folder[idx].path, opts.max_file_bytes), shared->folder[idx].label};
+          return {read_image(shared->folder[idx].path, opts.max_file_bytes),
+                  shared->folder[idx].label};
         } catch (const Error& e) {
           shared->record_bad(idx, reason_of(e), opts.warn);
         }
@@ -258,8 +259,9 @@ ImageEpoch ImageLoader::epoch(int64_t e) const {
   s->epoch = e;
   s->global = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
   s->samples = samples_per_epoch();
-  const int64_t capacity =
-      opts_.prefetch > 0 ? opts_.prefetch : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch);
+  const int64_t capacity = opts_.prefetch > 0
+                               ? opts_.prefetch
+                               : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch);
   ImageEpoch::State* st = s.get();
   s->batches = std::make_unique<OrderedPrefetch<ImageBatch>>(
       num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->build(k); });

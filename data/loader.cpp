@@ -253,7 +253,8 @@ Epoch DataLoader::epoch(int64_t e) const {
   s->order = order(e);
   s->num_batches = num_batches();
   s->capacity = std::max<int64_t>(
-      1, opts_.prefetch > 0 ? opts_.prefetch : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch));
+      1, opts_.prefetch > 0 ? opts_.prefetch
+                            : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch));
   s->slots.resize(size_t(s->capacity));
   Epoch ep(std::move(s));
   Epoch::State& st = *ep.state_;

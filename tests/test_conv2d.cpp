@@ -1,7 +1,6 @@
 // conv2d: forward against a naive 7-loop reference, gradients (finite differences and f32 vs
 // f64), memory formats, error paths, and the speed of one training-sized layer (printed only).
 #include <doctest/doctest.h>
-
 #include <sys/resource.h>
 #include <unistd.h>
 

@@ -314,8 +314,8 @@ TEST_CASE("ImageFolder: looping and cross-class folder links are skipped and cou
   testing::write_png_at(outside / "extra/img900.png", testing::solid_image(9, 9, 1, 2, 3));
   fs::create_directory_symlink(dir.path() / "class0", dir.path() / "class0/loop");
   fs::create_directories(dir.path() / "class1/sub");
-  fs::create_directory_symlink("..", dir.path() / "class1/sub/back");      // loop via ..
-  fs::create_directory_symlink(dir.path() / "class1", dir.path() / "class0/other");  // cross
+  fs::create_directory_symlink("..", dir.path() / "class1/sub/back");                 // loop via ..
+  fs::create_directory_symlink(dir.path() / "class1", dir.path() / "class0/other");   // cross
   fs::create_directory_symlink(outside.path() / "extra", dir.path() / "class1/ext");  // followed
   const ImageFolder f(dir.path().string());
   CHECK(f.size() == 7);

@@ -14,18 +14,18 @@
 #include <string>
 #include <vector>
 
-#include "optim/checkpoint.h"
 #include "core/json.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
+#include "optim/checkpoint.h"
 #include "optim/fused.h"
+#include "optim/train_step.h"
 #include "tools/train/output_dir.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
-#include "optim/train_step.h"
 #include "tools/train/trainer.h"
 
 using namespace kiln;
@@ -557,19 +557,19 @@ TEST_CASE("kiln-train: IDX labels are validated when the data is opened") {
   train[17] = 255;
   write_idx_split(dir, "train", train);
   write_idx_split(dir, "t10k", {0, 1, 2});
-  std::string m = run_error(with(job((tmp().dir / "idx-out").string(), 1),
-                                 {"--data", dir.string(), "--overwrite"}));
+  std::string m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
   CHECK(m.find("train-labels-idx1-ubyte") != std::string::npos);
   CHECK(m.find("label 255 at index 17") != std::string::npos);
   train[17] = 7;
   write_idx_split(dir, "train", train);
   write_idx_split(dir, "t10k", {0, 1, 12});
-  m = run_error(with(job((tmp().dir / "idx-out").string(), 1),
-                     {"--data", dir.string(), "--overwrite"}));
+  m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
   CHECK(m.find("t10k-labels-idx1-ubyte") != std::string::npos);
   CHECK(m.find("label 12 at index 2") != std::string::npos);
   write_idx_split(dir, "t10k", {});
-  m = run_error(with(job((tmp().dir / "idx-out").string(), 1),
-                     {"--data", dir.string(), "--overwrite"}));
+  m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
   CHECK(m.find("holds no images") != std::string::npos);
 }

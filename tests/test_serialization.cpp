@@ -1,6 +1,5 @@
 // safetensors round trips, atomic writes, and errors on damaged files.
 #include <doctest/doctest.h>
-
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -153,14 +152,17 @@ TEST_CASE("crafted safetensors headers: the spec's rules, messages name file and
   CHECK(load_safetensors(path).at("x").numel() == 2);
 
   // 2^62 * 4 elements overflow int64 (the old check wrapped to a small byte count).
-  expect(R"({"big":{"dtype":"F32","shape":[4611686018427387904,1,2,2],"data_offsets":[0,16]}})",
-         16, "2^63", "big");
-  expect(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-         8, "duplicate key 'x'", "");
-  expect(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-         12, "overlaps", "b");
-  expect(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
-         12, "belong to no tensor", "b");
+  expect(R"({"big":{"dtype":"F32","shape":[4611686018427387904,1,2,2],"data_offsets":[0,16]}})", 16,
+         "2^63", "big");
+  expect(
+      R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+      8, "duplicate key 'x'", "");
+  expect(
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+      12, "overlaps", "b");
+  expect(
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+      12, "belong to no tensor", "b");
   expect("{" + ok_x + "}", 12, "at the end of the data section", "");
   expect(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}})", 8, "integers", "x");
   expect(R"({"x":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8, "integers", "x");

@@ -201,9 +201,10 @@ void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& c
   const double scale = grad_scale / double(rows);  // rounded to the data's accumulation type
   const bool f32_grad = grad.dtype() == DType::f32;
   const bool half_logits = logits.dtype() == DType::f16 || logits.dtype() == DType::bf16;
-  KILN_CHECK(grad.dtype() == logits.dtype() || (f32_grad && half_logits),
-             "cross_entropy (cuda): grad must have the logits' dtype (or f32 for 16-bit logits), got ", grad.desc(),
-             " for logits ", logits.desc());
+  KILN_CHECK(
+      grad.dtype() == logits.dtype() || (f32_grad && half_logits),
+      "cross_entropy (cuda): grad must have the logits' dtype (or f32 for 16-bit logits), got ",
+      grad.desc(), " for logits ", logits.desc());
   dispatch_device_float(logits.dtype(), "cross_entropy", [&]<typename T>() {
     auto launch = [&]<typename G, typename I>() {
       cross_entropy_rows<T, G, I><<<warp_rows_grid(rows), kBlock, 0, stream>>>(

@@ -14,14 +14,13 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <omp.h>
 
+#include <Eigen/Dense>
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <new>
-
-#include <Eigen/Dense>
-#include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "ops/cpu/kernels.h"
@@ -216,25 +215,26 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
       {
         T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) errors.run([&] {
-          const T* img = xp + n * g.c * g.in_plane();
-          const T* cols = img;
-          if (!g.direct) {
-            im2col(g, img, col);
-            cols = col;
-          }
-          T* out = yp + n * g.o * g.out_plane();
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
-            MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            MapM<T> ym(out + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            ym.noalias() = wm * cm;
-          }
-          if (bp) {
-            MapM<T> ym(out, g.o, g.out_plane());
-            ym.colwise() += Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(bp, g.o);
-          }
-        });
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* img = xp + n * g.c * g.in_plane();
+            const T* cols = img;
+            if (!g.direct) {
+              im2col(g, img, col);
+              cols = col;
+            }
+            T* out = yp + n * g.o * g.out_plane();
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
+              MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              MapM<T> ym(out + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              ym.noalias() = wm * cm;
+            }
+            if (bp) {
+              MapM<T> ym(out, g.o, g.out_plane());
+              ym.colwise() += Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(bp, g.o);
+            }
+          });
       }
       errors.rethrow("conv2d");
     });
@@ -258,22 +258,23 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w,
       {
         T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) errors.run([&] {
-          const T* gout = dyp + n * g.o * g.out_plane();
-          T* img = dxp + n * g.c * g.in_plane();
-          // Direct: the column gradient is the image gradient.
-          T* cols = g.direct ? img : col;
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
-            MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            MapM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            cm.noalias() = wm.transpose() * dym;
-          }
-          if (!g.direct) {
-            std::fill(img, img + g.c * g.in_plane(), T(0));
-            col2im(g, cols, img);
-          }
-        });
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* gout = dyp + n * g.o * g.out_plane();
+            T* img = dxp + n * g.c * g.in_plane();
+            // Direct: the column gradient is the image gradient.
+            T* cols = g.direct ? img : col;
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
+              MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              MapM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              cm.noalias() = wm.transpose() * dym;
+            }
+            if (!g.direct) {
+              std::fill(img, img + g.c * g.in_plane(), T(0));
+              col2im(g, cols, img);
+            }
+          });
       }
       errors.rethrow("conv2d_backward_data");
     });
@@ -302,21 +303,22 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
         T* acc = partial.data() + wsize * omp_get_thread_num();
         T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) errors.run([&] {
-          const T* img = xp + n * g.c * g.in_plane();
-          const T* cols = img;
-          if (!g.direct) {
-            im2col(g, img, col);
-            cols = col;
-          }
-          const T* gout = dyp + n * g.o * g.out_plane();
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            MapM<T> am(acc + gr * g.og * g.k, g.og, g.k);
-            am.noalias() += dym * cm.transpose();
-          }
-        });
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* img = xp + n * g.c * g.in_plane();
+            const T* cols = img;
+            if (!g.direct) {
+              im2col(g, img, col);
+              cols = col;
+            }
+            const T* gout = dyp + n * g.o * g.out_plane();
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              MapM<T> am(acc + gr * g.og * g.k, g.og, g.k);
+              am.noalias() += dym * cm.transpose();
+            }
+          });
       }
       errors.rethrow("conv2d_backward_weight");
       T* out = dwc.data<T>();

@@ -44,8 +44,8 @@ TEST_CASE("cross_entropy f16 on the GPU: the loss scale is applied before the on
     for (int64_t j = 0; j < c; ++j) z += std::exp(x[size_t(i * c + j)] - m);
     ref_loss += (std::log(z) + m - x[size_t(i * c + tv[size_t(i)])]) / double(n);
     for (int64_t j = 0; j < c; ++j) {
-      const double unscaled = (std::exp(x[size_t(i * c + j)] - m) / z -
-                               (j == tv[size_t(i)] ? 1.0 : 0.0)) / double(n);
+      const double unscaled =
+          (std::exp(x[size_t(i * c + j)] - m) / z - (j == tv[size_t(i)] ? 1.0 : 0.0)) / double(n);
       subnormal_unscaled += std::fabs(unscaled) < std::ldexp(1.0, -14);
       const double ref = unscaled * 65536.0;
       // Half an f16 ulp: 2^-11 relative for normals, 2^-25 absolute among subnormals.
@@ -53,8 +53,8 @@ TEST_CASE("cross_entropy f16 on the GPU: the loss scale is applied before the on
       worst = std::max(worst, std::fabs(got[size_t(i * c + j)] - ref) / tol);
     }
   }
-  MESSAGE("worst error in half-ulps: ", worst, "; unscaled entries below f16's normal range: ",
-          subnormal_unscaled, " of ", n * c);
+  MESSAGE("worst error in half-ulps: ", worst,
+          "; unscaled entries below f16's normal range: ", subnormal_unscaled, " of ", n * c);
   CHECK(subnormal_unscaled > n * c / 2);  // the case the fix is for
   CHECK(loss.to(Device::cpu()).item() == doctest::Approx(ref_loss).epsilon(1e-5));
   CHECK(worst <= 1.001);
@@ -113,7 +113,6 @@ TEST_CASE("ResNet-50 forward + backward, FP32: CUDA matches kiln's CPU backend")
     CHECK(e <= 1e-3);
     ++compared;
   }
-  MESSAGE(compared, " parameter gradients; worst relative L2 error ", worst, " (", worst_name,
-          ")");
+  MESSAGE(compared, " parameter gradients; worst relative L2 error ", worst, " (", worst_name, ")");
   CHECK(compared == 161);
 }

@@ -48,13 +48,13 @@ OutputDir::OutputDir(const std::string& dir, OutputReuse reuse) : dir_(dir), reu
   const int werr = errno;
   ::close(pfd);
   ::unlink(probe.c_str());
-  KILN_CHECK(wrote, "--output '", dir, "' is not writable: writing '", probe, "' failed: ",
-             std::strerror(werr));
+  KILN_CHECK(wrote, "--output '", dir, "' is not writable: writing '", probe,
+             "' failed: ", std::strerror(werr));
 
   const std::string lock = file(kLockName);
   lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  KILN_CHECK(lock_fd_ >= 0, "--output '", dir, "': cannot create '", lock, "': ",
-             std::strerror(errno));
+  KILN_CHECK(lock_fd_ >= 0, "--output '", dir, "': cannot create '", lock,
+             "': ", std::strerror(errno));
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char pid[32] = {};
@@ -78,8 +78,8 @@ OutputDir::OutputDir(const std::string& dir, OutputReuse reuse) : dir_(dir), reu
     if (!found.empty()) {
       ::close(lock_fd_);
       lock_fd_ = -1;
-      KILN_FAIL("--output '", dir, "' already holds a run (", found,
-                "); pass --resume ", file("checkpoint.safetensors"),
+      KILN_FAIL("--output '", dir, "' already holds a run (", found, "); pass --resume ",
+                file("checkpoint.safetensors"),
                 " to continue it, --overwrite to replace it, or choose another --output");
     }
   }
@@ -99,7 +99,9 @@ OutputDir::~OutputDir() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock; the file stays (harmless)
 }
 
-std::string OutputDir::file(const std::string& name) const { return (fs::path(dir_) / name).string(); }
+std::string OutputDir::file(const std::string& name) const {
+  return (fs::path(dir_) / name).string();
+}
 
 void OutputDir::append_log(const std::string& line) {
   const std::string path = file("log.jsonl");

@@ -180,13 +180,11 @@ void validate(const Config& a) {
   KILN_CHECK(!a.output.empty(), "flag --output: empty path");
   KILN_CHECK(a.workers >= 0 && a.workers <= kMaxWorkers, "flag --workers: expected 0..",
              kMaxWorkers, " data-loading threads, got ", a.workers);
-  KILN_CHECK(a.nproc >= 1 && a.nproc <= kMaxProcesses, "flag --nproc: expected 1..",
-             kMaxProcesses, " processes, got ", a.nproc);
+  KILN_CHECK(a.nproc >= 1 && a.nproc <= kMaxProcesses, "flag --nproc: expected 1..", kMaxProcesses,
+             " processes, got ", a.nproc);
   KILN_CHECK(a.epochs >= 1, "flag --epochs: expected an integer >= 1, got ", a.epochs);
-  KILN_CHECK(a.batch_size >= 1, "flag --batch-size: expected an integer >= 1, got ",
-             a.batch_size);
-  KILN_CHECK(a.print_freq >= 1, "flag --print-freq: expected an integer >= 1, got ",
-             a.print_freq);
+  KILN_CHECK(a.batch_size >= 1, "flag --batch-size: expected an integer >= 1, got ", a.batch_size);
+  KILN_CHECK(a.print_freq >= 1, "flag --print-freq: expected an integer >= 1, got ", a.print_freq);
   KILN_CHECK(!a.evaluate || !a.weights.empty() || !a.resume.empty(),
              "flag --evaluate: needs --weights or --resume (otherwise a randomly initialised "
              "model would be evaluated)");

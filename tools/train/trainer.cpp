@@ -121,11 +121,12 @@ Summary run(const Config& c) {
     step = start_epoch * steps_per_epoch;
     if (talk && st.step != step) {
       auto bs = st.metadata.find("batch_size");
-      std::printf("kiln-train: '%s' was saved after %ld steps%s; at %ld steps per epoch the "
-                  "schedule continues at step %ld\n",
-                  c.resume.c_str(), long(st.step),
-                  bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(),
-                  long(steps_per_epoch), long(step));
+      std::printf(
+          "kiln-train: '%s' was saved after %ld steps%s; at %ld steps per epoch the "
+          "schedule continues at step %ld\n",
+          c.resume.c_str(), long(st.step),
+          bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(), long(steps_per_epoch),
+          long(step));
     }
   }
 
@@ -182,7 +183,8 @@ Summary run(const Config& c) {
     run_eval();
     if (talk)
       std::printf("evaluation: test loss %s top-1 %s%% top-5 %s%%\n",
-                  fmt_metric(sum.test_loss, 1, 4).c_str(), fmt_metric(sum.test_top1, 100, 2).c_str(),
+                  fmt_metric(sum.test_loss, 1, 4).c_str(),
+                  fmt_metric(sum.test_top1, 100, 2).c_str(),
                   fmt_metric(sum.test_top5, 100, 2).c_str());
     return sum;
   }
@@ -294,8 +296,8 @@ Summary run(const Config& c) {
     // Every rank holds the same weights; all check, so all stop together.
     const std::string bad = first_non_finite(*model);
     KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
-               "non-finite values (the first in '", bad, "'); stopping without saving them: ",
-               kept(epoch));
+               "non-finite values (the first in '", bad,
+               "'); stopping without saving them: ", kept(epoch));
     // The checkpoint before the evaluation: a failing evaluation loses no training.
     if (lead) {
       TrainingState st;
@@ -320,15 +322,13 @@ Summary run(const Config& c) {
       std::fflush(stdout);
     }
     if (lead)
-      out_dir->append_log(
-          "{\"epoch\": " + std::to_string(epoch + 1) +
-          ", \"train_loss\": " + json_number(train_loss) +
-          ", \"train_top1\": " + json_number(train_top1) +
-          ", \"test_loss\": " + json_number(sum.test_loss) +
-          ", \"test_top1\": " + json_number(sum.test_top1) +
-          ", \"test_top5\": " + json_number(sum.test_top5) +
-          ", \"images_per_s\": " + json_number(ips) + ", \"seconds\": " + json_number(epoch_s) +
-          ", \"lr\": " + json_number(opt->param_groups[0].lr) + "}");
+      out_dir->append_log("{\"epoch\": " + std::to_string(epoch + 1) + ", \"train_loss\": " +
+                          json_number(train_loss) + ", \"train_top1\": " + json_number(train_top1) +
+                          ", \"test_loss\": " + json_number(sum.test_loss) +
+                          ", \"test_top1\": " + json_number(sum.test_top1) + ", \"test_top5\": " +
+                          json_number(sum.test_top5) + ", \"images_per_s\": " + json_number(ips) +
+                          ", \"seconds\": " + json_number(epoch_s) +
+                          ", \"lr\": " + json_number(opt->param_groups[0].lr) + "}");
   }
 
   if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained
@@ -339,11 +339,10 @@ Summary run(const Config& c) {
     const std::string path = out_dir->file("model.safetensors");
     save_weights(path, *model, WeightsDType::Float32, wmeta);
     if (talk)
-      std::printf(
-          "final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
-          fmt_metric(sum.test_top1, 100, 2).c_str(), fmt_metric(sum.test_top5, 100, 2).c_str(),
-          long(sum.epochs_done),
-          fmt_time(seconds_since(start)).c_str(), path.c_str());
+      std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
+                  fmt_metric(sum.test_top1, 100, 2).c_str(),
+                  fmt_metric(sum.test_top5, 100, 2).c_str(), long(sum.epochs_done),
+                  fmt_time(seconds_since(start)).c_str(), path.c_str());
   }
   return sum;
 }

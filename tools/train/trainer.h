@@ -35,9 +35,10 @@
 // (--epochs) is the same or the schedule does not depend on it (constant). A different batch size
 // is allowed: the schedule continues at the saved epoch's first step of the new batch size.
 //
-// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (tools/train/launcher.h);
-// each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
-// averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
+// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
+// (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
+// the data, gradients averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed
+// across ranks.
 // --sync-bn makes every BatchNorm2d normalise with the statistics of the global batch
 // (F::sync_batch_norm, an NCCL all-reduce per BN layer in forward and backward).
 #include <cstdint>
@@ -74,8 +75,8 @@ struct Config {
   std::string resume;          // checkpoint path
   std::string weights;         // safetensors weights (torchvision names), strict
   bool evaluate = false;       // evaluate only
-  int64_t nproc = 1;  // 1..kMaxProcesses
-  bool overwrite = false;  // --overwrite: replace a previous run in --output
+  int64_t nproc = 1;           // 1..kMaxProcesses
+  bool overwrite = false;      // --overwrite: replace a previous run in --output
   bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
   bool quiet = false;  // no progress lines (tests)
 };
