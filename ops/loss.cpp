@@ -4,8 +4,7 @@
 // f32 and rounded to 16 bits once, after the upstream gradient (a loss scale such as 2^16) is
 // multiplied in: at batch 256 x 1000 classes most entries (~4e-6) are f16 subnormals, so
 // rounding before scaling would lose ~1.5% of their value (PyTorch's autocast scales in f32 too).
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -60,34 +59,18 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
              "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
   const int64_t n = logits.size(0), c = logits.size(1);
   const Tensor lc = logits.detach().contiguous();
+  const Tensor tc = target.to(DType::i64).contiguous();
+  // Targets on the host are range-checked here; on a device that would synchronise every step.
+  if (tc.is_cpu()) check_targets<int64_t>(tc, c);
   const bool half = logits.dtype() == DType::f16 || logits.dtype() == DType::bf16;
-  const DType grad_dtype = half ? DType::f32 : logits.dtype();
-  Tensor grad = empty({n, c}, TensorOptions(grad_dtype).with_device(logits.device()));
-  Tensor loss;
-  switch (logits.device().type) {
-    case DeviceType::CPU: {
-      const Tensor tc = target.contiguous();
-      if (tc.dtype() == DType::i64)
-        check_targets<int64_t>(tc, c);
-      else
-        check_targets<int32_t>(tc, c);
-      // 16-bit logits are computed in f32 and give an f32 loss, as on the GPU.
-      loss = empty({}, TensorOptions(grad_dtype));
-      cpu::cross_entropy_forward(loss, grad, half ? lc.to(DType::f32) : lc, tc, label_smoothing);
-      break;
-    }
-    case DeviceType::CUDA: {
-      // The fused kernel takes i64 targets and gives an f32 loss; targets are not range-checked
-      // on the host (that would synchronise every step).
-      const auto opts = TensorOptions(DType::f32).with_device(logits.device());
-      loss = empty({}, opts);
-      Tensor correct = empty({}, opts.with_dtype(DType::i64));
-      KILN_CUDA_CALL(cuda::cross_entropy_fused(loss, grad, correct, lc,
-                                               target.to(DType::i64).contiguous(),
-                                               label_smoothing, 1.0));
-      break;
-    }
-  }
+  const auto opts = TensorOptions(logits.dtype()).with_device(logits.device());
+  Tensor grad = empty({n, c}, opts.with_dtype(half ? DType::f32 : logits.dtype()));
+  // The loss in f32 (f64 for f64 logits): 16-bit logits give an f32 loss.
+  Tensor loss = empty({}, opts.with_dtype(logits.dtype() == DType::f64 ? DType::f64 : DType::f32));
+  Tensor correct = empty({}, opts.with_dtype(DType::i64));
+  // The CPU backend computes in f32 or f64: 16-bit logits are widened first.
+  const Tensor in = half && lc.is_cpu() ? lc.to(DType::f32) : lc;
+  backend(logits).cross_entropy(loss, grad, correct, in, tc, label_smoothing, 1.0);
   if (autograd::any_requires_grad({logits})) {
     auto node = std::make_shared<CrossEntropyBackward>(grad, logits.dtype());
     node->set_inputs({logits});
