@@ -42,6 +42,7 @@ std::string usage() {
          "  --output DIR         checkpoint.safetensors (each epoch), model.safetensors and\n"
          "                       log.jsonl go here (default kiln-output)\n"
          "  --resume PATH        continue from a checkpoint written by --output\n"
+         "  --overwrite          replace a previous run in --output (default: refuse)\n"
          "  --weights PATH       start from weights (safetensors, torchvision names, strict)\n"
          "  --evaluate           evaluate only (with --weights or --resume)\n"
          "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds)\n"
@@ -153,7 +154,7 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     else if (f == "--seed")
       a.seed = uint64_t(to_int(f, need(), 0));
     else if (f == "--workers" || f == "-j")
-      a.workers = int(to_int(f, need(), 0));
+      a.workers = to_int(f, need(), 0);
     else if (f == "--device")
       a.device = need();
     else if (f == "--print-freq" || f == "-p")
@@ -165,12 +166,31 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     else if (f == "--weights")
       a.weights = need();
     else if (f == "--nproc")
-      a.nproc = int(to_int(f, need(), 1));
+      a.nproc = to_int(f, need(), 1);
+    else if (f == "--overwrite")
+      a.overwrite = true;
     else
       KILN_FAIL("unknown flag '", f, "' (see --help)");
   }
-  KILN_CHECK(!a.output.empty(), "flag --output: empty path");
+  validate(a);
   return a;
+}
+
+void validate(const Config& a) {
+  KILN_CHECK(!a.output.empty(), "flag --output: empty path");
+  KILN_CHECK(a.workers >= 0 && a.workers <= kMaxWorkers, "flag --workers: expected 0..",
+             kMaxWorkers, " data-loading threads, got ", a.workers);
+  KILN_CHECK(a.nproc >= 1 && a.nproc <= kMaxProcesses, "flag --nproc: expected 1..", kMaxProcesses,
+             " processes, got ", a.nproc);
+  KILN_CHECK(a.epochs >= 1, "flag --epochs: expected an integer >= 1, got ", a.epochs);
+  KILN_CHECK(a.batch_size >= 1, "flag --batch-size: expected an integer >= 1, got ", a.batch_size);
+  KILN_CHECK(a.print_freq >= 1, "flag --print-freq: expected an integer >= 1, got ", a.print_freq);
+  KILN_CHECK(!a.evaluate || !a.weights.empty() || !a.resume.empty(),
+             "flag --evaluate: needs --weights or --resume (otherwise a randomly initialised "
+             "model would be evaluated)");
+  KILN_CHECK(a.resume.empty() || !a.overwrite,
+             "flags --resume and --overwrite contradict each other: --resume continues the run "
+             "in --output, --overwrite replaces it");
 }
 
 }  // namespace kiln::train
