@@ -169,6 +169,7 @@ Clock::time_point Rendezvous::deadline() const { return Clock::now() + opts_.tim
 void Rendezvous::join_as_root() {
   addrinfo* res = resolve(addr_, port_, true);
   std::string last_error = "no address";
+  int last_error_code = 0;
   for (addrinfo* a = res; a && listen_fd_ < 0; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
@@ -177,12 +178,20 @@ void Rendezvous::join_as_root() {
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, world_size_) == 0) {
       listen_fd_ = fd;
     } else {
+      last_error_code = errno;
       last_error = std::strerror(errno);
       ::close(fd);
     }
   }
   ::freeaddrinfo(res);
-  KILN_CHECK(listen_fd_ >= 0, "rendezvous: rank 0 cannot listen on ", where_, ": ", last_error);
+  const char* hint = last_error_code == EADDRINUSE
+                         ? " (the port is taken: another job, or a launcher's own store; set "
+                           "KILN_RDZV_PORT to a free port for every rank)"
+                     : last_error_code == EADDRNOTAVAIL
+                         ? " (MASTER_ADDR is not an address of this host: rank 0 must run there)"
+                         : "";
+  KILN_CHECK(listen_fd_ >= 0, "rendezvous: rank 0 cannot listen on ", where_, ": ", last_error,
+             hint);
   set_nonblocking(listen_fd_);
 
   const Clock::time_point until = deadline();

@@ -71,8 +71,9 @@ struct Config {
 };
 
 // Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.
-// "--help" sets help (the caller prints usage()).
-Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
+// "--help" sets help (the caller prints usage()), "--version" sets version.
+Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
+                  bool* version = nullptr);
 std::string usage();
 
 struct Summary {
