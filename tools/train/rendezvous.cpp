@@ -278,7 +278,7 @@ void Rendezvous::join_as_peer() {
     if (fd >= 0) break;
     KILN_CHECK(Clock::now() < until, "rendezvous: rank ", rank_, " could not reach rank 0 at ",
                where_, " within ", seconds(opts_.timeout), " s (last error: ", last_error,
-               "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?");
+               "); is rank 0 running, and are MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) right?");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   set_nodelay(fd);
