@@ -5,7 +5,8 @@
 #     launches on this host), Slurm's and Open MPI's variables (and mpirun if installed);
 #   kiln-train / kiln-bench --nproc larger than the GPUs (must fail before starting anything);
 #   kiln-bench --model resnet18 under torchrun, with 1 rank and with 2 ranks on one GPU (NCCL may
-#     refuse two ranks on one device: reported as such, not as a launch failure).
+#     refuse two ranks on one device: reported as such, not as a launch failure);
+#   kiln-bench rebuilt for sm_80 only, which must stop with one line saying what to rebuild with.
 # Usage (device tool, .deps carried as for tools/device-check.sh):
 #   bash tools/device-launch-check.sh
 # Logs go to $OUT; each check prints PASS, FAIL or NOTE with its log's name. Exit status: the
@@ -125,5 +126,18 @@ else
   # Expected: rank 1 stops because GPU 1 does not exist (one line naming it).
   note "torchrun --nproc_per_node=2 on 1 GPU: $(grep -ih "error" "$OUT/bench-torchrun-2.log" | head -2)"
 fi
+# 6. A build without code for this GPU (sm_80 SASS only; the H200 is 9.0): kiln must stop at
+#    start-up with one line naming the GPU and what to rebuild with. Last: it rebuilds in place.
+cmake $B -DCMAKE_CUDA_ARCHITECTURES=80-real > "$OUT/configure-80.log" 2>&1 \
+  && ninja -C $B -j 16 kiln-bench > "$OUT/build-80.log" 2>&1 || fail "sm_80 rebuild (build-80.log)"
+timeout 120 ./$B/kiln-bench --model resnet18 --batches 32 --graph-only > "$OUT/arch-mismatch.log" 2>&1
+rc=$?
+if [ $rc -ne 0 ] && grep -q "rebuild kiln with -DCMAKE_CUDA_ARCHITECTURES=" "$OUT/arch-mismatch.log"; then
+  pass "wrong-arch build stops: $(grep -o "CUDA device.*" "$OUT/arch-mismatch.log" | head -1)"
+else
+  fail "wrong-arch build (rc $rc): $(tail -3 "$OUT/arch-mismatch.log")"
+fi
+./$B/kiln-bench --version
+
 echo "device-launch-check: $fails failure(s)"
 exit $fails
