@@ -4,6 +4,8 @@
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -379,6 +381,38 @@ TEST_CASE("Rendezvous: an unreachable rank 0 fails in time, naming the address")
                  "no-such-host.invalid"));
   CHECK_THROWS_AS(Rendezvous("127.0.0.1", 1234, 2, 2), Error);
   CHECK_THROWS_AS(Rendezvous("127.0.0.1", 0, 1, 2), Error);
+}
+
+TEST_CASE("Rendezvous: rank 0 listens on every interface unless MASTER_ADDR is the loopback") {
+  // Another rank may reach rank 0's host by a different address than the one MASTER_ADDR resolves
+  // to there (a host name /etc/hosts maps to 127.0.1.1 locally). Stand-in: rank 0 is given this
+  // host's non-loopback IPv4 address, rank 1 connects to 127.0.0.1.
+  std::string ip;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i && ip.empty(); i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK))
+        continue;
+      char buf[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+      ip = buf;
+    }
+    ::freeifaddrs(ifs);
+  }
+  if (ip.empty()) {
+    MESSAGE("SKIPPED: this host has no non-loopback IPv4 address");
+    return;
+  }
+  const int port = find_free_port();
+  LaunchResult r = launch_functions(
+      [&](const DistEnv& env) {
+        Rendezvous rv(env.rank == 0 ? ip : "127.0.0.1", port, env.rank, 2,
+                      {.timeout = milliseconds(3000)});
+        return expect(rv.all_gather({}).size() == 2, "all_gather");
+      },
+      {.nproc = 2});
+  INFO("rank 0 given " << ip << ": " << r.message);
+  CHECK(r.ok());
 }
 
 TEST_CASE("Rendezvous: ranks in different collectives are told so") {

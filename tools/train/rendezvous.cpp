@@ -119,13 +119,15 @@ bool recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
 
 std::string rank_name(int r) { return "rank " + std::to_string(r); }
 
+// addr "" with passive: the wildcard address (every interface).
 addrinfo* resolve(const std::string& addr, int port, bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   if (passive) hints.ai_flags = AI_PASSIVE;
   addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res);
+  const int rc = ::getaddrinfo(addr.empty() ? nullptr : addr.c_str(),
+                               std::to_string(port).c_str(), &hints, &res);
   KILN_CHECK(rc == 0 && res, "rendezvous: cannot resolve MASTER_ADDR '", addr,
              "': ", ::gai_strerror(rc));
   return res;
@@ -166,8 +168,20 @@ void Rendezvous::close_all() {
 
 Clock::time_point Rendezvous::deadline() const { return Clock::now() + opts_.timeout; }
 
+namespace {
+
+// "localhost", "::1", "127.x.y.z": the job stays on this host.
+bool names_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
 void Rendezvous::join_as_root() {
-  addrinfo* res = resolve(addr_, port_, true);
+  // Rank 0 listens on every interface unless MASTER_ADDR names the loopback: the others reach it
+  // by MASTER_ADDR as they resolve it, which can differ from what this host resolves (a host
+  // name that /etc/hosts maps to 127.0.1.1 here and DNS to the real address elsewhere).
+  addrinfo* res = resolve(names_loopback(addr_) ? addr_ : "", port_, true);
   std::string last_error = "no address";
   int last_error_code = 0;
   for (addrinfo* a = res; a && listen_fd_ < 0; a = a->ai_next) {

@@ -1,7 +1,8 @@
 #pragma once
 // A small TCP rendezvous among the processes of a data-parallel job (no NCCL needed): rank 0
-// listens on MASTER_ADDR:port (DistEnv::rdzv_port: MASTER_PORT, or the next port under torchrun,
-// whose agent holds MASTER_PORT; see tools/train/dist_env.h), every other rank connects to it, and all later exchanges
+// listens on a port (DistEnv::rdzv_port: MASTER_PORT, or the next port under torchrun, whose
+// agent holds MASTER_PORT; see tools/train/dist_env.h) of every interface — only the loopback
+// when MASTER_ADDR is localhost or 127.x.y.z — and every other rank connects to MASTER_ADDR:port, and all later exchanges
 // run over those connections (a star through rank 0). It carries what must be agreed before
 // NCCL exists — the ncclUniqueId bytes (broadcast) — and small host-side agreements
 // (all_gather, barrier). It is not a data path: blobs are meant to be small (<= 64 MiB each).
