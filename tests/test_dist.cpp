@@ -20,6 +20,7 @@
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
 #include "tools/train/rendezvous.h"
+#include "tools/train/trainer.h"
 #include "data/distributed_sampler.h"
 #include "ops/ops.h"
 
@@ -222,6 +223,12 @@ TEST_CASE("plan_local_launch: --nproc is checked before anything is spawned") {
   CHECK(contains(error_of([&] { plan_local_launch(2, torch, 2); }),
                  "already rank 0 of 2 (local rank 0), launched by torchrun"));
   CHECK_THROWS_AS(plan_local_launch(0, single, 1), Error);
+  // The tools fail at once with --nproc beyond any machine's GPUs (without CUDA and NCCL they
+  // say so instead), and print their version.
+  const auto t0 = Clock::now();
+  CHECK(train::main({"--nproc", "1000", "--quiet"}) == 1);
+  CHECK(seconds_since(t0) < 10.0);
+  CHECK(train::main({"--version"}) == 0);
 }
 
 // ---------------------------------------------------------------------------------------------
