@@ -17,7 +17,8 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 configure() {  # dir build_dir
   cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_DEPS_DIR="$deps" > "$OUT/configure-$(basename "$1").log" 2>&1
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" \
+    > "$OUT/configure-$(basename "$1").log" 2>&1
 }
 configure . build-gpu || { tail -30 "$OUT"/configure-*.log; exit 1; }
 configure "$before" "$before/build-gpu" || { echo "before: configure failed"; exit 1; }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/version.h"
 #include "core/generator.h"
 #include "data/image.h"
 #include "data/image_loader.h"
@@ -37,7 +38,8 @@ void usage() {
       "  --batches N    timed batches per row (default 20)\n"
       "  --eval         Resize(256)+CenterCrop(224) instead of RandomResizedCrop+flip\n"
       "  --generate N   synthetic images to write when no --folder (default 512)\n"
-      "  --format F     synthetic image format, jpg (default) or png\n");
+      "  --format F     synthetic image format, jpg (default) or png\n"
+      "  --version      kiln's version and build\n");
 }
 
 std::string generate_folder(int64_t n, const std::string& format) {
@@ -100,6 +102,9 @@ int main(int argc, char** argv) {
       };
       if (a == "-h" || a == "--help") {
         usage();
+        return 0;
+      } else if (a == "--version") {
+        std::printf("%s\n", kiln::version_line("kiln-loader-bench").c_str());
         return 0;
       } else if (a == "--folder") {
         folder = value();

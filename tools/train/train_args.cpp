@@ -45,7 +45,8 @@ std::string usage() {
          "  --overwrite          replace a previous run in --output (default: refuse)\n"
          "  --weights PATH       start from weights (safetensors, torchvision names, strict)\n"
          "  --evaluate           evaluate only (with --weights or --resume)\n"
-         "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds)\n"
+         "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
+         "                       torchrun, mpirun or srun leave it out (README: launching)\n"
          "  --sync-bn            data-parallel: BatchNorm statistics over the global batch of\n"
          "                       all processes (SyncBN); does nothing with one process\n"
          "  --profile            per-op GPU time table after the first epoch (cuda, --graph off)\n"
@@ -54,6 +55,7 @@ std::string usage() {
          "  --graph on|off       capture the whole training step as a CUDA graph and replay it\n"
          "                       (default: on for cuda; off for cpu)\n"
          "  --quiet              no progress lines\n"
+         "  --version            kiln's version and build (CUDA architectures)\n"
          "  -h, --help           this text\n";
 }
 
@@ -88,9 +90,10 @@ std::string one_of(const std::string& flag, const std::string& v,
 
 }  // namespace
 
-Config parse_args(const std::vector<std::string>& argv, bool* help) {
+Config parse_args(const std::vector<std::string>& argv, bool* help, bool* version) {
   Config a;
   if (help) *help = false;
+  if (version) *version = false;
   std::vector<std::string> args;  // "--flag=value" split into two words
   for (const std::string& w : argv) {
     size_t eq = w.find('=');
@@ -110,6 +113,8 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     };
     if (f == "-h" || f == "--help") {
       if (help) *help = true;
+    } else if (f == "--version") {
+      if (version) *version = true;
     } else if (f == "--arch")
       a.arch = need();
     else if (f == "--data")

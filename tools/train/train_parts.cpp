@@ -20,8 +20,9 @@ Device pick_device(const std::string& s, const DistEnv& env) {
     KILN_CHECK(s == "auto" || s == "cuda", "--device ", s,
                ": data-parallel ranks use GPU "
                "LOCAL_RANK; leave --device at auto");
-    KILN_CHECK(env.local_rank < cuda::device_count(), "LOCAL_RANK ", env.local_rank, " but only ",
-               cuda::device_count(), " CUDA device(s) present");
+    KILN_CHECK(env.local_rank < cuda::device_count(), "this process is ", env.describe(),
+               ", so it uses GPU ", env.local_rank, ", but only ", cuda::device_count(),
+               " CUDA device(s) are visible to it");
     cuda::set_device(env.local_rank);
     return Device::cuda(env.local_rank);
   }

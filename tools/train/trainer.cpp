@@ -7,6 +7,8 @@
 #include <map>
 #include <memory>
 
+#include "core/device_query.h"
+#include "core/version.h"
 #include "optim/checkpoint.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
@@ -349,16 +351,22 @@ Summary run(const Config& c) {
 
 int main(const std::vector<std::string>& args) {
   try {
-    bool help = false;
-    const Config c = parse_args(args, &help);
+    bool help = false, version = false;
+    const Config c = parse_args(args, &help, &version);
     if (help) {
       std::fputs(usage().c_str(), stdout);
       return 0;
     }
-    if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
+    if (version) {
+      std::printf("%s\n", version_line("kiln-train").c_str());
+      return 0;
+    }
+    if (c.nproc > 1) {
       KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc,
                  ": data-parallel training "
                  "needs a kiln built with CUDA and NCCL");
+    }
+    if (plan_local_launch(c.nproc, DistEnv::from_env(), cuda_device_count())) {
       std::vector<std::string> argv = {"/proc/self/exe"};
       argv.insert(argv.end(), args.begin(), args.end());
       LaunchOptions lo;

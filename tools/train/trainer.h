@@ -85,8 +85,10 @@ inline constexpr int64_t kMaxWorkers = 1024;
 inline constexpr int64_t kMaxProcesses = 1024;
 
 // Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.
-// "--help" sets help (the caller prints usage()). The result has passed validate().
-Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
+// "--help" sets help (the caller prints usage()), "--version" sets version. The result has
+// passed validate().
+Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
+                  bool* version = nullptr);
 // Range and consistency checks of a Config (also run by run()): kiln::Error naming the flag and
 // the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs and
 // --batch-size >= 1, --evaluate needs --weights or --resume, --resume with --overwrite, ...).
