@@ -67,36 +67,33 @@ void append_bytes(void* ctx, void* data, int size) {
 
 }  // namespace
 
-void read_file_into(const std::string& path, std::vector<uint8_t>& out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  KILN_CHECK(fd >= 0, "cannot open image file '", path, "' (", std::strerror(errno), ")");
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    KILN_FAIL("image file '", path, "' is not a regular file");
+void read_file_into(const std::string& path, std::vector<uint8_t>& out, int64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  KILN_CHECK(fd >= 0, "cannot open image file '", path, "': ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  KILN_CHECK(::fstat(fd, &st) == 0, "cannot stat image file '", path, "': ", std::strerror(errno));
+  KILN_CHECK(S_ISREG(st.st_mode), "image file '", path, "' is not a regular file");
+  KILN_CHECK(int64_t(st.st_size) <= max_bytes, "image file '", path, "' is ", int64_t(st.st_size),
+             " bytes, over the per-file limit of ", max_bytes, " bytes");
+  out.resize(size_t(st.st_size));
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    KILN_CHECK(n >= 0, "error reading image file '", path, "': ", std::strerror(errno));
+    if (n == 0) break;  // shrank while reading: decode what is there
+    done += size_t(n);
   }
-  // Read until EOF rather than trusting st_size: the file may change under us.
-  out.resize(size_t(st.st_size) + 1);
-  size_t n = 0;
-  while (true) {
-    if (n == out.size()) out.resize(out.size() * 2);
-    const ssize_t r = ::read(fd, out.data() + n, out.size() - n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      const int err = errno;
-      ::close(fd);
-      KILN_FAIL("error reading image file '", path, "' (", std::strerror(err), ")");
-    }
-    if (r == 0) break;
-    n += size_t(r);
-  }
-  ::close(fd);
-  out.resize(n);
+  out.resize(done);
 }
 
-std::vector<uint8_t> read_file_bytes(const std::string& path) {
+std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes) {
   std::vector<uint8_t> bytes;
-  read_file_into(path, bytes);
+  read_file_into(path, bytes, max_bytes);
   return bytes;
 }
 
@@ -131,8 +128,8 @@ Image decode_image(const uint8_t* data, size_t size, const std::string& name) {
   return im;
 }
 
-Image read_image(const std::string& path) {
-  const std::vector<uint8_t> bytes = read_file_bytes(path);
+Image read_image(const std::string& path, int64_t max_bytes) {
+  const std::vector<uint8_t> bytes = read_file_bytes(path, max_bytes);
   return decode_image(bytes.data(), bytes.size(), path);
 }
 

@@ -136,7 +136,8 @@ struct ImageEpoch::State {
   void note_bad(int64_t idx) {
     std::lock_guard lk(mu);
     bad.insert(idx);
-    const double limit = opts.max_bad_fraction * double(samples);
+    const double limit =
+        std::max(opts.max_bad_fraction * double(samples), double(opts.min_bad_files));
     if (double(bad.size()) <= limit) return;
     std::string list;
     int shown = 0;
@@ -148,8 +149,8 @@ struct ImageEpoch::State {
       list += (list.empty() ? "'" : ", '") + shared->folder[i].path + "'";
     }
     KILN_FAIL("ImageLoader: ", bad.size(), " unreadable images in epoch ", epoch, " of '",
-              shared->folder.root(), "', more than max_bad_fraction = ", opts.max_bad_fraction,
-              " of its ", samples, " samples: ", list);
+              shared->folder.root(), "', more than max(max_bad_fraction = ", opts.max_bad_fraction,
+              " of its ", samples, " samples, min_bad_files = ", opts.min_bad_files, "): ", list);
   }
 
   // Decodes dataset item idx and writes its transformed pixels (S, S, 3) to dst, with a
@@ -158,7 +159,7 @@ struct ImageEpoch::State {
   bool transform_one(int64_t idx, uint64_t seed, uint8_t* dst, EncodedSample* enc) const {
     thread_local std::vector<uint8_t> bytes;  // per worker, reused: no allocation per file
     const std::string& path = shared->folder[idx].path;
-    read_file_into(path, bytes);
+    read_file_into(path, bytes, opts.max_file_bytes);
     Generator gen(seed);
     const int64_t S = opts.image_size;
     const bool train = opts.augment == Augment::Train;
@@ -300,6 +301,8 @@ ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(st
              "ImageLoader: decoder 'turbo' requested, but kiln was built without libjpeg-turbo");
   KILN_CHECK(o.max_bad_fraction >= 0.0 && o.max_bad_fraction <= 1.0,
              "ImageLoader: max_bad_fraction must be in [0, 1], got ", o.max_bad_fraction);
+  KILN_CHECK(o.min_bad_files >= 0 && o.max_file_bytes >= 1, "ImageLoader: min_bad_files (",
+             o.min_bad_files, ") must be >= 0 and max_file_bytes (", o.max_file_bytes, ") >= 1");
   bool pinned = false;
 #ifdef KILN_WITH_CUDA
   pinned = o.pin_memory && cuda::is_available();
@@ -350,6 +353,7 @@ ImageEpoch ImageLoader::epoch(int64_t e) const {
   s->decoder = opts_.decoder == JpegDecoder::Auto
                    ? (jpeg_turbo_available() ? JpegDecoder::Turbo : JpegDecoder::Stb)
                    : opts_.decoder;
+  // Workers share each batch (PartedPrefetch), so a few batches ahead keep them all busy.
   const int64_t capacity = opts_.prefetch > 0 ? opts_.prefetch : 4;
   ImageEpoch::State* st = s.get();
   s->batches = std::make_unique<PartedPrefetch<ImageBatch>>(

@@ -34,7 +34,7 @@ t0=$(date +%s)
 targets="kiln-loader-bench gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder"
 [ "$mode" != check ] && targets="$targets kiln-train kiln-bench"
 { cmake -S . -B build-jpeg -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_DEPS_DIR="$deps" &&
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" &&
   ninja -C build-jpeg -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED|Error" -A5 "$OUT/build.log" | head -60; exit 1; }
 grep "kiln:" "$OUT/build.log"

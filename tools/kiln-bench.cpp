@@ -27,9 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "core/device_query.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "core/tensor.h"
+#include "core/version.h"
 #include "ops/ops.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
@@ -68,7 +70,8 @@ void usage() {
       "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
       "  --batches L  comma-separated batch sizes for --model (default 32,64,128,256)\n"
       "  --profile    with --model: per-op GPU time table of a few eager steps\n"
-      "  --nproc N    with --model: data-parallel over N local GPUs (batch per GPU)\n"
+      "  --nproc N    with --model: data-parallel over N local GPUs (batch per GPU); under\n"
+      "               torchrun, mpirun or srun leave it out (README: launching)\n"
       "  --verify-graph  with --model: K eager steps against K whole-step CUDA graph steps (3\n"
       "               warm-up, capture, replays) per batch, deterministic convolutions; compares\n"
       "               loss, loss scale, skips, parameters, buffers, gradients and optimizer state\n"
@@ -81,7 +84,8 @@ void usage() {
       "  --dtype T    f16 (default) or f32\n"
       "  --repeat N   timed repetitions per op, median reported (default 20)\n"
       "  --back-to-back N  calls per sample in the b2b column (default 10)\n"
-      "  --json PATH  also write the rows as JSON\n");
+      "  --json PATH  also write the rows as JSON\n"
+      "  --version    kiln's version and build (CUDA architectures)\n");
 }
 
 #ifdef KILN_WITH_CUDA
@@ -253,6 +257,9 @@ int main(int argc, char** argv) {
       if (a == "-h" || a == "--help") {
         usage();
         return 0;
+      } else if (a == "--version") {
+        std::printf("%s\n", kiln::version_line("kiln-bench").c_str());
+        return 0;
       } else if (a == "--model") {
         model = value();
       } else if (a == "--batches") {
@@ -305,8 +312,8 @@ int main(int argc, char** argv) {
         KILN_FAIL("kiln-bench: unknown flag '", a, "' (see --help)");
       }
     }
-    if (nproc > 1) {
-      KILN_CHECK(!model.empty(), "kiln-bench: --nproc needs --model");
+    if (nproc > 1) KILN_CHECK(!model.empty(), "kiln-bench: --nproc needs --model");
+    if (kiln::plan_local_launch(nproc, kiln::DistEnv::from_env(), kiln::cuda_device_count())) {
       // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
       std::vector<std::string> args{"/proc/self/exe"};
       for (int i = 1; i < argc; ++i) {

@@ -15,6 +15,7 @@
 #include "core/autograd.h"
 #include "optim/checkpoint.h"
 #include "core/error.h"
+#include "core/version.h"
 #include "models/resnet.h"
 
 namespace {
@@ -27,6 +28,7 @@ void usage() {
       "  --in PATH          weights to load (strict), e.g. a torchvision state_dict\n"
       "  --out PATH         write the loaded weights back (f32, torchvision keys)\n"
       "  --num-classes N    classifier width (default 1000)\n"
+      "  --version          kiln's version and build\n"
       "  --eval-input X     safetensors file with one input tensor (N, C, H, W)\n"
       "  --eval-output Y    where the eval-mode logits go (tensor 'logits')\n");
 }
@@ -42,6 +44,10 @@ Args parse(int argc, char** argv) {
     std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") {
       usage();
+      std::exit(0);
+    }
+    if (flag == "--version") {
+      std::printf("%s\n", kiln::version_line("kiln-convert").c_str());
       std::exit(0);
     }
     KILN_CHECK(i + 1 < argc, "kiln-convert: ", flag, " needs a value");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/version.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
 
@@ -25,7 +26,8 @@ void usage() {
       "  --limit N    export the first N images only (default: all)\n"
       "  --rgb        3-channel PNGs (default: grayscale)\n"
       "  --force      write into a non-empty folder\n"
-      "  --data DIR   Fashion-MNIST IDX folder (default %s)\n",
+      "  --data DIR   Fashion-MNIST IDX folder (default %s)\n"
+      "  --version    kiln's version and build\n",
       kiln::data::kFashionMnistDir);
 }
 
@@ -44,6 +46,9 @@ int main(int argc, char** argv) {
       };
       if (a == "-h" || a == "--help") {
         usage();
+        return 0;
+      } else if (a == "--version") {
+        std::printf("%s\n", kiln::version_line("kiln-export-images").c_str());
         return 0;
       } else if (a == "--out") {
         out = value();

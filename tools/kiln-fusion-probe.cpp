@@ -13,8 +13,14 @@
 #include <cstring>
 #include <string>
 
+#include "core/version.h"
+
 #ifndef KILN_WITH_CUDA
-int main() {
+int main(int argc, char** argv) {
+  if (argc == 2 && !std::strcmp(argv[1], "--version")) {
+    std::printf("%s\n", kiln::version_line("kiln-fusion-probe").c_str());
+    return 0;
+  }
   std::fprintf(stderr, "kiln-fusion-probe: this build has no CUDA backend\n");
   return 2;
 }
@@ -511,10 +517,13 @@ int main(int argc, char** argv) {
   int64_t N = 256;
   int plans = 4;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) N = std::atol(argv[++i]);
+    if (!std::strcmp(argv[i], "--version")) {
+      std::printf("%s\n", kiln::version_line("kiln-fusion-probe").c_str());
+      return 0;
+    } else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) N = std::atol(argv[++i]);
     else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) plans = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: kiln-fusion-probe [--batch N] [--plans K]\n");
+      std::fprintf(stderr, "usage: kiln-fusion-probe [--batch N] [--plans K] [--version]\n");
       return 2;
     }
   }

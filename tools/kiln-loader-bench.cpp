@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/version.h"
 #include "core/generator.h"
 #include "data/gpu_jpeg.h"
 #include "data/image.h"
@@ -62,13 +63,14 @@ void usage() {
       "  --val M           also write M validation images (DIR/train and DIR/val)\n"
       "  --classes C       class folders of the generated corpus (default 4)\n"
       "  --output-dir DIR  write the generated corpus here and keep it (default: a temp folder)\n"
-      "  --format F        generated image format, jpg (default) or png\n");
+      "  --format F        generated image format, jpg (default) or png\n"
+      "  --version         kiln's version and build\n");
 }
 
 // One ImageNet-like picture: a smooth colour field (bilinear over a coarse random grid), a few
 // flat-coloured shapes with hard edges, oriented stripes, and per-pixel noise. The noise and
 // stripe amplitudes set the JPEG size; they are tuned so that quality 90 gives ~100 KB at the
-// corpus's mean of ~180 kpx (ImageNet's train set: ~110 KB).
+// corpus's mean of ~190 kpx (ImageNet's train set: ~110 KB).
 data::Image imagenet_like(Generator& gen) {
   data::Image im;
   const int64_t short_side = 300 + int64_t(gen.below(201));
@@ -263,6 +265,9 @@ int main(int argc, char** argv) {
       };
       if (a == "-h" || a == "--help") {
         usage();
+        return 0;
+      } else if (a == "--version") {
+        std::printf("%s\n", kiln::version_line("kiln-loader-bench").c_str());
         return 0;
       } else if (a == "--folder") {
         folder = value();

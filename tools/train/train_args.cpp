@@ -46,9 +46,11 @@ std::string usage() {
          "  --output DIR         checkpoint.safetensors (each epoch), model.safetensors and\n"
          "                       log.jsonl go here (default kiln-output)\n"
          "  --resume PATH        continue from a checkpoint written by --output\n"
+         "  --overwrite          replace a previous run in --output (default: refuse)\n"
          "  --weights PATH       start from weights (safetensors, torchvision names, strict)\n"
          "  --evaluate           evaluate only (with --weights or --resume)\n"
-         "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds)\n"
+         "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
+         "                       torchrun, mpirun or srun leave it out (README: launching)\n"
          "  --sync-bn            data-parallel: BatchNorm statistics over the global batch of\n"
          "                       all processes (SyncBN); does nothing with one process\n"
          "  --profile            per-op GPU time table after the first epoch (cuda, --graph off)\n"
@@ -57,6 +59,7 @@ std::string usage() {
          "  --graph on|off       capture the whole training step as a CUDA graph and replay it\n"
          "                       (default: on for cuda; off for cpu)\n"
          "  --quiet              no progress lines\n"
+         "  --version            kiln's version and build (CUDA architectures)\n"
          "  -h, --help           this text\n";
 }
 
@@ -91,9 +94,10 @@ std::string one_of(const std::string& flag, const std::string& v,
 
 }  // namespace
 
-Config parse_args(const std::vector<std::string>& argv, bool* help) {
+Config parse_args(const std::vector<std::string>& argv, bool* help, bool* version) {
   Config a;
   if (help) *help = false;
+  if (version) *version = false;
   std::vector<std::string> args;  // "--flag=value" split into two words
   for (const std::string& w : argv) {
     size_t eq = w.find('=');
@@ -113,6 +117,8 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     };
     if (f == "-h" || f == "--help") {
       if (help) *help = true;
+    } else if (f == "--version") {
+      if (version) *version = true;
     } else if (f == "--arch")
       a.arch = need();
     else if (f == "--data")
@@ -157,7 +163,7 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     else if (f == "--seed")
       a.seed = uint64_t(to_int(f, need(), 0));
     else if (f == "--workers" || f == "-j")
-      a.workers = int(to_int(f, need(), 0));
+      a.workers = to_int(f, need(), 0);
     else if (f == "--decoder")
       a.decoder = one_of(f, need(), {"auto", "cpu", "nvjpeg", "stb", "turbo"});
     else if (f == "--host-decode-fraction")
@@ -173,12 +179,31 @@ Config parse_args(const std::vector<std::string>& argv, bool* help) {
     else if (f == "--weights")
       a.weights = need();
     else if (f == "--nproc")
-      a.nproc = int(to_int(f, need(), 1));
+      a.nproc = to_int(f, need(), 1);
+    else if (f == "--overwrite")
+      a.overwrite = true;
     else
       KILN_FAIL("unknown flag '", f, "' (see --help)");
   }
-  KILN_CHECK(!a.output.empty(), "flag --output: empty path");
+  validate(a);
   return a;
+}
+
+void validate(const Config& a) {
+  KILN_CHECK(!a.output.empty(), "flag --output: empty path");
+  KILN_CHECK(a.workers >= 0 && a.workers <= kMaxWorkers, "flag --workers: expected 0..",
+             kMaxWorkers, " data-loading threads, got ", a.workers);
+  KILN_CHECK(a.nproc >= 1 && a.nproc <= kMaxProcesses, "flag --nproc: expected 1..", kMaxProcesses,
+             " processes, got ", a.nproc);
+  KILN_CHECK(a.epochs >= 1, "flag --epochs: expected an integer >= 1, got ", a.epochs);
+  KILN_CHECK(a.batch_size >= 1, "flag --batch-size: expected an integer >= 1, got ", a.batch_size);
+  KILN_CHECK(a.print_freq >= 1, "flag --print-freq: expected an integer >= 1, got ", a.print_freq);
+  KILN_CHECK(!a.evaluate || !a.weights.empty() || !a.resume.empty(),
+             "flag --evaluate: needs --weights or --resume (otherwise a randomly initialised "
+             "model would be evaluated)");
+  KILN_CHECK(a.resume.empty() || !a.overwrite,
+             "flags --resume and --overwrite contradict each other: --resume continues the run "
+             "in --output, --overwrite replaces it");
 }
 
 }  // namespace kiln::train

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 
 #include "ops/ops.h"
+#include "optim/checkpoint.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
@@ -18,8 +20,9 @@ Device pick_device(const std::string& s, const DistEnv& env) {
     KILN_CHECK(s == "auto" || s == "cuda", "--device ", s,
                ": data-parallel ranks use GPU "
                "LOCAL_RANK; leave --device at auto");
-    KILN_CHECK(env.local_rank < cuda::device_count(), "LOCAL_RANK ", env.local_rank, " but only ",
-               cuda::device_count(), " CUDA device(s) present");
+    KILN_CHECK(env.local_rank < cuda::device_count(), "this process is ", env.describe(),
+               ", so it uses GPU ", env.local_rank, ", but only ", cuda::device_count(),
+               " CUDA device(s) are visible to it");
     cuda::set_device(env.local_rank);
     return Device::cuda(env.local_rank);
   }
@@ -62,6 +65,7 @@ std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d)
 }
 
 std::string fmt_time(double s) {
+  if (!std::isfinite(s) || s < 0 || s > 1e9) return "?";
   char buf[32];
   const int m = int(s) / 60;
   std::snprintf(buf, sizeof buf, "%d:%02d", m, int(s) - 60 * m);
@@ -72,6 +76,7 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
   NoGradGuard ng;
   model.eval();
   double loss = 0, top1 = 0, top5 = 0, seen = 0;
+  bool diverged = false;
   auto stream = data.test_epoch();
   while (std::optional<data::DeviceBatch> b = stream->next()) {
     Tensor logits = model(b->x).to(DType::f32).to(Device::cpu()).contiguous();
@@ -81,12 +86,20 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
     const int64_t* t = y.data<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const float* row = l + i * k;
+      KILN_CHECK(t[i] >= 0 && t[i] < k, "evaluate: label ", t[i], " of test sample ",
+                 int64_t(seen) + i, " is outside the model's ", k, " classes");
       const float target = row[t[i]];
       float mx = row[0];
       int64_t above = 0;
+      bool finite = true;
       for (int64_t j = 0; j < k; ++j) {
+        finite &= std::isfinite(row[j]);
         mx = std::max(mx, row[j]);
         above += row[j] > target;
+      }
+      if (!finite) {  // NaN compares false: `above` would call this sample a hit
+        diverged = true;
+        continue;
       }
       double sum = 0;
       for (int64_t j = 0; j < k; ++j) sum += std::exp(double(row[j]) - mx);
@@ -97,13 +110,35 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
     seen += double(n);
   }
   model.train();
+  if (diverged) loss = top1 = top5 = std::numeric_limits<double>::quiet_NaN();
   return {loss, top1, top5, seen};
 }
 
 std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
   char buf[40];
-  std::snprintf(buf, sizeof buf, "%.6g", std::isfinite(v) ? v : 0.0);
+  std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
+}
+
+std::string fmt_metric(double v, double factor, int decimals) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v * factor);
+  return buf;
+}
+
+std::string first_non_finite(const nn::Module& model) {
+  NoGradGuard ng;
+  for (const auto& [name, t] : state_dict(model)) {
+    if (!is_floating(t.dtype())) continue;
+    const Tensor h = t.detach().to(Device::cpu()).to(DType::f64).contiguous();
+    const double* p = h.data<double>();
+    for (int64_t i = 0; i < h.numel(); ++i)
+      if (!std::isfinite(p[i])) return name;
+  }
+  return "";
 }
 
 }  // namespace kiln::train

@@ -23,9 +23,15 @@ std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& da
 
 // {Σ loss, top-1 hits, top-5 hits, samples} over this rank's share of the test set, the model
 // in eval mode (train mode again on return). A sample is a top-k hit when fewer than k logits
-// exceed its label's (ties count as hits).
+// exceed its label's (ties count as hits). When any logit is non-finite (a diverged model) the
+// loss and both hit counts are NaN: no accuracy is claimed. A label outside the logits throws.
 std::vector<double> evaluate(nn::Module& model, const TrainData& data);
 
-std::string fmt_time(double seconds);  // "m:ss"
-std::string json_number(double v);     // %.6g; non-finite values as 0
+std::string fmt_time(double seconds);  // "m:ss"; "?" for negative or non-finite values
+std::string json_number(double v);     // %.6g; non-finite values as null
+std::string fmt_metric(double v, double factor, int decimals);  // v·factor, or "nan"/"inf"
+
+// The name of the first parameter or buffer of `model` holding a NaN or inf, or "" when all
+// values are finite (one device-to-host copy per floating tensor).
+std::string first_non_finite(const nn::Module& model);
 }  // namespace kiln::train

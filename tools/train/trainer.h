@@ -19,16 +19,26 @@
 // (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
 // DIR/model.safetensors at the end (torchvision names, f32), DIR/log.jsonl with one JSON object
 // per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
-// seconds, lr (top-1/top-5 as fractions).
+// seconds, lr (top-1/top-5 as fractions; a non-finite value is null). The folder is claimed
+// before training (tools/train/output_dir.h): locked, probed for write access, and refused when
+// it holds a previous run unless --resume or --overwrite is given. Each epoch's checkpoint is
+// saved before the evaluation, so a failing evaluation loses no training.
+//
+// Divergence: evaluation metrics of non-finite logits are NaN (printed "nan", logged null),
+// never a count. A checkpoint is never written from non-finite weights: the run stops with an
+// error and the previous checkpoint stays. A run whose training loss is non-finite for a whole
+// epoch (FP32: at all; mixed precision: every step skipped by the loss scaler) stops too.
 //
 // --resume DIR/checkpoint.safetensors continues at the saved epoch with bit-identical state: an
 // uninterrupted run and a run stopped and resumed at an epoch boundary give the same weights
 // (CPU; on the GPU up to the nondeterminism of the kernels), as long as the schedule's length
-// (--epochs) is the same or the schedule does not depend on it (constant).
+// (--epochs) is the same or the schedule does not depend on it (constant). A different batch size
+// is allowed: the schedule continues at the saved epoch's first step of the new batch size.
 //
-// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (tools/train/launcher.h);
-// each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
-// averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
+// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
+// (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
+// the data, gradients averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed
+// across ranks.
 // --sync-bn makes every BatchNorm2d normalise with the statistics of the global batch
 // (F::sync_batch_norm, an NCCL all-reduce per BN layer in forward and backward).
 #include <cstdint>
@@ -55,7 +65,7 @@ struct Config {
   int64_t image_size = 224;  // ImageFolder data
   int64_t width = 0;         // resnet_small's width (0: 32)
   uint64_t seed = 0;
-  int workers = 2;
+  int64_t workers = 2;  // 0..kMaxWorkers
   std::string decoder = "auto";  // ImageFolder: auto | cpu | nvjpeg | stb | turbo (issue 15)
   double host_decode_fraction = 0.0;  // --decoder nvjpeg: JPEGs decoded on the CPU instead
   std::string device = "auto";
@@ -67,14 +77,24 @@ struct Config {
   std::string resume;          // checkpoint path
   std::string weights;         // safetensors weights (torchvision names), strict
   bool evaluate = false;       // evaluate only
-  int nproc = 1;
+  int64_t nproc = 1;           // 1..kMaxProcesses
+  bool overwrite = false;      // --overwrite: replace a previous run in --output
   bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
   bool quiet = false;  // no progress lines (tests)
 };
 
+inline constexpr int64_t kMaxWorkers = 1024;
+inline constexpr int64_t kMaxProcesses = 1024;
+
 // Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.
-// "--help" sets help (the caller prints usage()).
-Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
+// "--help" sets help (the caller prints usage()), "--version" sets version. The result has
+// passed validate().
+Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
+                  bool* version = nullptr);
+// Range and consistency checks of a Config (also run by run()): kiln::Error naming the flag and
+// the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs and
+// --batch-size >= 1, --evaluate needs --weights or --resume, --resume with --overwrite, ...).
+void validate(const Config& config);
 std::string usage();
 
 struct Summary {
