@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
 
+#include "core/json.h"
+#include "core/serialization.h"
 #include "ops/ops.h"
+#include "optim/checkpoint.h"
+#include "tools/cli/cli.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
@@ -37,38 +42,95 @@ Device pick_device(const std::string& s, const DistEnv& env) {
 #endif
 }
 
-std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d) {
-  struct Spec {
-    models::BlockKind kind;
-    std::vector<int64_t> layers;
-  };
-  static const std::map<std::string, Spec> specs = {
-      {"resnet_small", {models::BlockKind::Basic, {1, 1, 1}}},
-      {"resnet18", {models::BlockKind::Basic, {2, 2, 2, 2}}},
-      {"resnet34", {models::BlockKind::Basic, {3, 4, 6, 3}}},
-      {"resnet50", {models::BlockKind::Bottleneck, {3, 4, 6, 3}}},
-      {"resnet101", {models::BlockKind::Bottleneck, {3, 4, 23, 3}}},
-      {"resnet152", {models::BlockKind::Bottleneck, {3, 8, 36, 3}}}};
-  auto it = specs.find(c.arch);
-  if (it == specs.end()) models::make_model(c.arch, 10);  // throws, listing valid names
+ModelInfo model_info(const Config& c, const TrainData& d) {
   KILN_CHECK(c.width == 0 || c.arch == "resnet_small", "--width applies to resnet_small only");
-  models::ResNetOptions o;
-  o.num_classes = d.num_classes();
-  o.in_channels = d.channels();
-  o.imagenet_stem = d.kind() == DataKind::ImageFolder && c.arch != "resnet_small";
-  o.seed = c.seed;
-  if (c.arch == "resnet_small") o.width = c.width > 0 ? c.width : 32;
-  return std::make_shared<models::ResNet>(it->second.kind, it->second.layers, o);
+  ModelInfo m;
+  m.arch = c.arch;
+  m.num_classes = d.num_classes();
+  m.in_channels = d.channels();
+  m.imagenet_stem = d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist &&
+                    c.arch != "resnet_small";
+  m.width = c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
+  m.image_size = d.height();
+  m.resize_size = d.resize_size();
+  m.mean = d.mean();
+  m.std = d.stddev();
+  if (m.mean.size() == 1 && m.in_channels > 1) {
+    m.mean.assign(size_t(m.in_channels), m.mean[0]);
+    m.std.assign(size_t(m.in_channels), m.std[0]);
+  }
+  m.class_names = d.class_names();
+  return m;
+}
+
+std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d) {
+  return kiln::build_model(model_info(c, d), c.seed);
+}
+
+std::string load_pretrained(const std::string& path, models::ResNet& model) {
+  SafetensorsData file;
+  try {
+    file = load_safetensors(path);
+  } catch (const Error& e) {
+    cli::usage_error("--pretrained: ", cli::without_location(e.what()));
+  }
+  auto arch = file.metadata.find("arch");
+  const Tensor* fc = file.contains("fc.weight") ? &file.at("fc.weight") : nullptr;
+  const int64_t classes = model.options().num_classes;
+  if (fc == nullptr || fc->dim() != 2 || fc->size(0) == classes) {
+    try {
+      load_state(file.tensors, model, KeyMatch::Strict, path);
+    } catch (const Error& e) {
+      cli::usage_error("--pretrained: ", cli::without_location(e.what()));
+    }
+    return "--pretrained " + path + ": loaded all " + std::to_string(file.tensors.size()) +
+           " tensors";
+  }
+  NamedTensors body;
+  for (auto& [name, t] : file.tensors)
+    if (name != "fc.weight" && name != "fc.bias") body.emplace_back(name, t);
+  try {
+    LoadReport r = load_state(body, model, KeyMatch::Lenient, path);
+    const std::vector<std::string> classifier = {"fc.weight", "fc.bias"};
+    if (r.missing_keys != classifier || !r.unexpected_keys.empty()) {
+      std::string keys;
+      for (const auto& k : r.missing_keys) keys += (keys.empty() ? "" : ", ") + k;
+      for (const auto& k : r.unexpected_keys) keys += (keys.empty() ? "" : ", ") + k;
+      KILN_FAIL("keys that do not match the model: ", keys.substr(0, 300));
+    }
+  } catch (const Error& e) {
+    cli::usage_error("--pretrained '", path, "'",
+                     arch != file.metadata.end() ? " (a " + arch->second + ")" : "",
+                     " does not fit the model beyond its classifier: ",
+                     cli::without_location(e.what()));
+  }
+  return "--pretrained " + path + ": loaded all but the classifier (" +
+         std::to_string(fc->size(0)) + " classes in the file, " + std::to_string(classes) +
+         " here); fc re-initialised for fine-tuning";
+}
+
+std::vector<Tensor> freeze_backbone(models::ResNet& model) {
+  std::vector<Tensor> trained;
+  for (auto& [name, p] : model.named_parameters()) {
+    const bool classifier = name.rfind("fc.", 0) == 0;
+    p.set_requires_grad(classifier);
+    if (classifier) trained.push_back(p);
+  }
+  return trained;
 }
 
 std::string fmt_time(double s) {
-  char buf[32];
-  const int m = int(s) / 60;
-  std::snprintf(buf, sizeof buf, "%d:%02d", m, int(s) - 60 * m);
+  char buf[40];
+  const long t = long(std::max(s, 0.0));
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
   return buf;
 }
 
-std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
+std::vector<double> evaluate(nn::Module& model, const TrainData& data,
+                             const std::function<void(int64_t)>& progress) {
   NoGradGuard ng;
   model.eval();
   double loss = 0, top1 = 0, top5 = 0, seen = 0;
@@ -95,6 +157,7 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
       top5 += above < 5;
     }
     seen += double(n);
+    if (progress) progress(b->index + 1);
   }
   model.train();
   return {loss, top1, top5, seen};
@@ -104,6 +167,26 @@ std::string json_number(double v) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "%.6g", std::isfinite(v) ? v : 0.0);
   return buf;
+}
+
+void trim_jsonl(const std::string& path, const std::string& key, double max) {
+  std::ifstream f(path);
+  if (!f) return;
+  std::string kept;
+  bool dropped = false;
+  for (std::string line; std::getline(f, line);) {
+    bool keep = false;
+    try {
+      const json::Value v = json::parse(line);
+      keep = v.is_object() && v.contains(key) && v.at(key).number() <= max;
+    } catch (const Error&) {
+    }
+    if (keep)
+      kept += line + "\n";
+    else
+      dropped = true;
+  }
+  if (dropped) write_file_atomic(path, kept);
 }
 
 }  // namespace kiln::train

@@ -1,5 +1,7 @@
 #include "tools/train/trainer.h"
 
+#include <stdlib.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -7,8 +9,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "optim/checkpoint.h"
+#include "optim/model_file.h"
+#include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
 #include "cuda/profiler.h"
@@ -44,14 +49,20 @@ Summary run(const Config& c) {
 
   const bool mixed = c.amp == "on" || (c.amp == "auto" && dev.is_cuda());
   const bool use_graph = c.graph == "on" || (c.graph == "auto" && dev.is_cuda());
-  KILN_CHECK(!mixed || dev.is_cuda(), "--amp on needs a CUDA device; the device is ", dev);
-  KILN_CHECK(!use_graph || dev.is_cuda(), "--graph on needs a CUDA device; the device is ", dev);
-  KILN_CHECK(!c.profile || dev.is_cuda(), "--profile times GPU ops; the device is ", dev);
-  KILN_CHECK(!(use_graph && c.profile), "--profile times ops one by one; use it with --graph off");
+  if (mixed && !dev.is_cuda()) cli::usage_error("--amp on needs a CUDA device; the device is ", dev);
+  if (use_graph && !dev.is_cuda())
+    cli::usage_error("--graph on needs a CUDA device; the device is ", dev);
+  if (c.profile && !dev.is_cuda()) cli::usage_error("--profile times GPU ops; the device is ", dev);
+  if (use_graph && c.profile)
+    cli::usage_error("--profile times ops one by one; use it with --graph off");
+  if (c.nesterov && (c.optimizer != "sgd" || c.momentum <= 0.0))
+    cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
   const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
 
   DataOptions dopt;
   dopt.data = c.data;
+  dopt.dummy = c.dummy;
+  dopt.dummy_images = c.dummy_images;
   dopt.batch_size = c.batch_size;
   dopt.image_size = c.image_size;
   dopt.augment = c.augment;
@@ -63,9 +74,22 @@ Summary run(const Config& c) {
   dopt.precision = precision;
   TrainData data(dopt);
 
+  const ModelInfo info = model_info(c, data);
   auto model = build_model(c, data);
-  if (!c.weights.empty()) load_weights(c.weights, *model, KeyMatch::Strict);
+  if (!c.weights.empty()) {
+    const SafetensorsData w = load_safetensors(c.weights);
+    if (w.contains("fc.weight") && w.at("fc.weight").dim() == 2 &&
+        w.at("fc.weight").size(0) != info.num_classes)
+      cli::usage_error("--weights '", c.weights, "' has ", w.at("fc.weight").size(0),
+                       " classes, the data ", info.num_classes,
+                       " (--pretrained loads all but the classifier, for fine-tuning)");
+    load_state(w.tensors, *model, KeyMatch::Strict, c.weights);
+  }
+  const std::string pretrained_note =
+      c.pretrained.empty() ? "" : load_pretrained(c.pretrained, *model);
   amp::prepare_model(*model, dev, precision);
+  std::vector<Tensor> trained;  // --freeze-backbone: the classifier's parameters only
+  if (c.freeze_backbone) trained = freeze_backbone(*model);
   std::unique_ptr<DataParallel> dp;
   if (env.distributed()) dp = std::make_unique<DataParallel>(env, *model);  // broadcasts rank 0's
   const int64_t sync_bn_layers = c.sync_bn && dp ? dp->enable_sync_batch_norm(*model) : 0;
@@ -74,7 +98,13 @@ Summary run(const Config& c) {
   proto.lr = c.lr;
   proto.momentum = c.momentum;
   proto.weight_decay = c.wd;
+  proto.nesterov = c.nesterov;
   auto groups = optim::split_weight_decay(*model, proto);
+  if (c.freeze_backbone) {
+    groups = {proto, proto};
+    groups[1].weight_decay = 0.0;
+    for (const Tensor& p : trained) groups[p.dim() <= 1 ? 1 : 0].params.push_back(p);
+  }
   std::unique_ptr<optim::FusedOptimizer> opt;
   if (c.optimizer == "sgd")
     opt = std::make_unique<optim::FusedSGD>(groups);
@@ -84,8 +114,8 @@ Summary run(const Config& c) {
   so.enabled = mixed;
   optim::DynamicLossScaler scaler(dev, so);
 
-  const std::map<std::string, std::string> meta = {
-      {"arch", c.arch}, {"data", c.data}, {"num_classes", std::to_string(data.num_classes())}};
+  std::map<std::string, std::string> meta = model_metadata(info);
+  meta["data"] = c.dummy ? "dummy" : c.data;
   int64_t start_epoch = 0, step = 0;
   if (!c.resume.empty()) {
     TrainingState st;
@@ -99,8 +129,12 @@ Summary run(const Config& c) {
     start_epoch = st.epoch;
     step = st.step;
   }
-
   const int64_t steps_per_epoch = data.steps_per_epoch();
+  if (c.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
+    start_epoch = c.start_epoch;
+    step = start_epoch * steps_per_epoch;
+  }
+
   const int64_t total = steps_per_epoch * c.epochs;
   const int64_t world = env.world_size;
   optim::Warmup warm{int64_t(std::llround(c.warmup_epochs * double(steps_per_epoch))), 0.0};
@@ -128,7 +162,12 @@ Summary run(const Config& c) {
         long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "", c.optimizer.c_str(),
         c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
         c.augment ? ", crop+flip augmentation" : "",
-        start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
+        start_epoch > 0 ? (", starting after epoch " + std::to_string(start_epoch)).c_str() : "");
+    if (!pretrained_note.empty()) std::printf("  %s\n", pretrained_note.c_str());
+    if (c.freeze_backbone)
+      std::printf("  --freeze-backbone: training fc only (%ld of %ld parameters)\n",
+                  long(trained[0].numel() + (trained.size() > 1 ? trained[1].numel() : 0)),
+                  long(model->num_parameters()));
     if (c.sync_bn && dp)
       std::printf("  sync BN: %ld BatchNorm2d layers normalise with the statistics of all %ld "
                   "processes' batches\n",
@@ -141,9 +180,18 @@ Summary run(const Config& c) {
 
   Summary sum;
   sum.epochs_done = start_epoch;
+  const int64_t test_steps = data.test_steps();
   auto run_eval = [&] {
     if (dp) dp->sync_buffers(*model);
-    std::vector<double> ev = evaluate(*model, data);
+    const auto eval_start = Clock::now();
+    std::vector<double> ev = evaluate(*model, data, [&](int64_t i) {
+      if (talk && (i % c.print_freq == 0 || i == test_steps)) {
+        const double eta = seconds_since(eval_start) / double(i) * double(test_steps - i);
+        std::printf("  evaluating: step %4ld/%ld  ETA %s\n", long(i), long(test_steps),
+                    fmt_time(eta).c_str());
+        std::fflush(stdout);
+      }
+    });
     if (dp) dp->sum_host(ev);
     sum.test_loss = ev[0] / ev[3];
     sum.test_top1 = ev[1] / ev[3];
@@ -151,7 +199,7 @@ Summary run(const Config& c) {
   };
   if (c.evaluate) {
     run_eval();
-    if (talk)
+    if (lead)
       std::printf("evaluation: test loss %.4f top-1 %.2f%% top-5 %.2f%%\n", sum.test_loss,
                   100.0 * sum.test_top1, 100.0 * sum.test_top5);
     return sum;
@@ -161,8 +209,25 @@ Summary run(const Config& c) {
   const fs::path out(c.output);
   if (lead) {
     fs::create_directories(out);
-    if (c.resume.empty()) fs::remove(out / "log.jsonl");
+    if (c.resume.empty() && c.start_epoch < 0) {
+      fs::remove(out / "log.jsonl");
+      fs::remove(out / "steps.jsonl");
+    } else {  // lines past the checkpoint (a run stopped mid-epoch) would be duplicated
+      trim_jsonl((out / "log.jsonl").string(), "epoch", double(start_epoch));
+      trim_jsonl((out / "steps.jsonl").string(), "step", double(step));
+    }
   }
+  std::FILE* steps_log = nullptr;
+  if (lead) {
+    steps_log = std::fopen((out / "steps.jsonl").c_str(), "a");
+    KILN_CHECK(steps_log != nullptr, "cannot append to '", (out / "steps.jsonl").string(), "'");
+  }
+  struct CloseFile {
+    std::FILE*& f;
+    ~CloseFile() {
+      if (f) std::fclose(f);
+    }
+  } close_steps_log{steps_log};
 
   // Static inputs: every step copies its batch into them (the graph reads these addresses).
   Tensor x_static = amp::prepare_input(
@@ -188,6 +253,12 @@ Summary run(const Config& c) {
   amp::AsyncScalars metrics;
   const auto start = Clock::now();
   const int64_t first_step = step;
+  // Rank 0 reads each step's device accumulators after launching the next step, so the host
+  // stays one step ahead; `pending` is the step whose values are in flight.
+  struct Pending {
+    int64_t step, index, batch, seen;
+    double lr, data_s, period_s;
+  };
   for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
     model->train();
     const auto epoch_start = Clock::now();
@@ -196,9 +267,52 @@ Summary run(const Config& c) {
     else
       plain_step.reset_metrics();
     int64_t seen = 0, window_images = 0;
-    auto window_start = Clock::now();
+    double window_s = 0, window_data_s = 0, prev_loss = 0, prev_correct = 0;
+    std::optional<Pending> pending;
+    auto emit = [&](const Pending& p) {
+      const std::vector<double> m = metrics.values();  // cumulative over the epoch
+      const double loss = (m[0] - prev_loss) / double(p.batch);
+      const double top1 = (m[1] - prev_correct) / double(p.batch);
+      prev_loss = m[0];
+      prev_correct = m[1];
+      std::fprintf(steps_log,
+                   "{\"step\": %ld, \"epoch\": %ld, \"epoch_frac\": %s, \"loss\": %s, "
+                   "\"top1\": %s, \"lr\": %s, \"loss_scale\": %s, \"images_per_s\": %s, "
+                   "\"ms_compute\": %s, \"ms_data\": %s}\n",
+                   long(p.step), long(epoch + 1),
+                   json_number(double(epoch) + double(p.index) / double(steps_per_epoch)).c_str(),
+                   json_number(loss).c_str(), json_number(top1).c_str(),
+                   json_number(p.lr).c_str(), json_number(mixed ? m[2] : 1.0).c_str(),
+                   json_number(double(p.batch * world) / p.period_s).c_str(),
+                   json_number(1e3 * (p.period_s - p.data_s)).c_str(),
+                   json_number(1e3 * p.data_s).c_str());
+      window_images += p.batch;
+      window_s += p.period_s;
+      window_data_s += p.data_s;
+      if (talk && (p.index % c.print_freq == 0 || p.index == steps_per_epoch)) {
+        const double eta =
+            seconds_since(start) / double(p.step - first_step) * double(total - p.step);
+        std::printf(
+            "epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
+            "data wait %.0f%%  ETA %s\n",
+            long(epoch + 1), long(c.epochs), long(p.index), long(steps_per_epoch),
+            m[0] / double(p.seen), 100.0 * m[1] / double(p.seen), p.lr,
+            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+            double(window_images * world) / window_s, 100.0 * window_data_s / window_s,
+            fmt_time(eta).c_str());
+        std::fflush(stdout);
+        std::fflush(steps_log);
+        window_images = 0;
+        window_s = window_data_s = 0;
+      }
+    };
+    auto tick = Clock::now();  // end of the previous step's iteration
     auto stream = data.train_epoch(epoch);
-    while (std::optional<data::DeviceBatch> b = stream->next()) {
+    while (true) {
+      const auto fetch = Clock::now();
+      std::optional<data::DeviceBatch> b = stream->next();
+      const double data_s = seconds_since(fetch);
+      if (!b) break;
       sched->apply(*opt, step);
       x_static.copy_(b->x);
       y_static.copy_(b->y);
@@ -214,25 +328,20 @@ Summary run(const Config& c) {
 #endif
       ++step;
       seen += b->y.size(0);
-      window_images += b->y.size(0);
-      const int64_t i = b->index + 1;
-      if (talk && (i % c.print_freq == 0 || i == steps_per_epoch)) {
-        // One read of the device accumulators per progress line.
-        metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
-        std::vector<double> m = metrics.values();
-        const double eta = seconds_since(start) / double(step - first_step) * double(total - step);
-        std::printf(
-            "epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
-            "ETA %s\n",
-            long(epoch + 1), long(c.epochs), long(i), long(steps_per_epoch), m[0] / double(seen),
-            100.0 * m[1] / double(seen), opt->param_groups[0].lr,
-            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
-            double(window_images * world) / seconds_since(window_start), fmt_time(eta).c_str());
-        std::fflush(stdout);
-        window_images = 0;
-        window_start = Clock::now();
-      }
+      if (!lead) continue;
+      if (pending) emit(*pending);  // waits for the previous step, not this one
+      const auto now = Clock::now();
+      pending = Pending{step,
+                        b->index + 1,
+                        b->y.size(0),
+                        seen,
+                        opt->param_groups[0].lr,
+                        data_s,
+                        std::chrono::duration<double>(now - tick).count()};
+      tick = now;
+      metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
     }
+    if (pending) emit(*pending);
     metrics.record({loss_sum, correct_sum});
     std::vector<double> m = metrics.values();
     m.push_back(double(seen));
@@ -245,6 +354,7 @@ Summary run(const Config& c) {
     run_eval();
     sum.epochs_done = epoch + 1;
     const double train_loss = m[0] / m[2], train_top1 = m[1] / m[2], ips = m[2] / epoch_s;
+    if (steps_log) std::fflush(steps_log);
     if (talk) {
       std::printf(
           "epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss "
@@ -284,8 +394,7 @@ Summary run(const Config& c) {
     wmeta["test_top1"] = json_number(sum.test_top1);
     const std::string path = (out / "model.safetensors").string();
     save_weights(path, *model, WeightsDType::Float32, wmeta);
-    if (talk)
-      std::printf(
+    std::printf(
           "final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
           100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
           fmt_time(seconds_since(start)).c_str(), path.c_str());
@@ -294,17 +403,19 @@ Summary run(const Config& c) {
 }
 
 int main(const std::vector<std::string>& args) {
-  try {
+  return cli::run_tool("kiln-train", [&] {
     bool help = false;
     const Config c = parse_args(args, &help);
     if (help) {
       std::fputs(usage().c_str(), stdout);
       return 0;
     }
+    for (const auto& [name, value] : launch_env(c))  // main.py's --world-size/--rank/--dist-url
+      ::setenv(name.c_str(), value.c_str(), 1);
     if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
-      KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc,
-                 ": data-parallel training "
-                 "needs a kiln built with CUDA and NCCL");
+      if (!data_parallel_available())
+        cli::usage_error("--nproc ", c.nproc,
+                         ": data-parallel training needs a kiln built with CUDA and NCCL");
       std::vector<std::string> argv = {"/proc/self/exe"};
       argv.insert(argv.end(), args.begin(), args.end());
       LaunchOptions lo;
@@ -315,10 +426,7 @@ int main(const std::vector<std::string>& args) {
     }
     run(c);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-train: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace kiln::train
