@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <type_traits>
 
 namespace kiln::cli {
 
@@ -31,7 +32,7 @@ std::string fmt_number(double v) {
 // "an integer >= 1", "an integer between 0 and 65535", "an integer".
 template <typename T>
 std::string int_range(T lo, T hi) {
-  const bool has_lo = lo != std::numeric_limits<T>::min();
+  const bool has_lo = std::is_unsigned_v<T> || lo != std::numeric_limits<T>::min();
   const bool has_hi = hi != std::numeric_limits<T>::max();
   if (has_lo && has_hi)
     return "an integer between " + std::to_string(lo) + " and " + std::to_string(hi);

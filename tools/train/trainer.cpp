@@ -177,6 +177,10 @@ Summary run(const Config& c) {
                   "synchronise\n");
     std::fflush(stdout);
   }
+  if (lead && !talk && !pretrained_note.empty()) {  // fine-tuning is said even with --quiet
+    std::printf("%s\n", pretrained_note.c_str());
+    std::fflush(stdout);
+  }
 
   Summary sum;
   sum.epochs_done = start_epoch;
