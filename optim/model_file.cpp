@@ -47,8 +47,7 @@ int64_t meta_int(const std::string& text, const std::string& key, const std::str
   return v;
 }
 
-json::Value meta_array(const std::string& text, const std::string& key,
-                       const std::string& source) {
+json::Value meta_array(const std::string& text, const std::string& key, const std::string& source) {
   json::Value v;
   try {
     v = json::parse(text);
@@ -67,17 +66,16 @@ std::map<std::string, std::string> model_metadata(const ModelInfo& m) {
   for (size_t i = 0; i < m.class_names.size(); ++i)
     names += (i ? ", " : "") + json::quote(m.class_names[i]);
   names += "]";
-  std::map<std::string, std::string> meta = {
-      {"format", kModelFormat},
-      {"arch", m.arch},
-      {"num_classes", std::to_string(m.num_classes)},
-      {"in_channels", std::to_string(m.in_channels)},
-      {"width", std::to_string(m.width)},
-      {"stem", m.imagenet_stem ? "imagenet" : "small"},
-      {"image_size", std::to_string(m.image_size)},
-      {"resize_size", std::to_string(m.resize_size)},
-      {"mean", float_list(m.mean)},
-      {"std", float_list(m.std)}};
+  std::map<std::string, std::string> meta = {{"format", kModelFormat},
+                                             {"arch", m.arch},
+                                             {"num_classes", std::to_string(m.num_classes)},
+                                             {"in_channels", std::to_string(m.in_channels)},
+                                             {"width", std::to_string(m.width)},
+                                             {"stem", m.imagenet_stem ? "imagenet" : "small"},
+                                             {"image_size", std::to_string(m.image_size)},
+                                             {"resize_size", std::to_string(m.resize_size)},
+                                             {"mean", float_list(m.mean)},
+                                             {"std", float_list(m.std)}};
   if (!m.class_names.empty()) meta["class_names"] = names;
   return meta;
 }
@@ -93,15 +91,18 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
     return nullptr;
   };
   if (const std::string* v = get("arch")) m.arch = *v;
-  if (const std::string* v = get("num_classes")) m.num_classes = meta_int(*v, "num_classes", source, 1);
-  if (const std::string* v = get("in_channels")) m.in_channels = meta_int(*v, "in_channels", source, 1);
+  if (const std::string* v = get("num_classes"))
+    m.num_classes = meta_int(*v, "num_classes", source, 1);
+  if (const std::string* v = get("in_channels"))
+    m.in_channels = meta_int(*v, "in_channels", source, 1);
   if (const std::string* v = get("width")) m.width = meta_int(*v, "width", source, 1);
   if (const std::string* v = get("stem")) {
     KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '", *v,
                "', expected imagenet or small");
     m.imagenet_stem = *v == "imagenet";
   }
-  if (const std::string* v = get("image_size")) m.image_size = meta_int(*v, "image_size", source, 1);
+  if (const std::string* v = get("image_size"))
+    m.image_size = meta_int(*v, "image_size", source, 1);
   if (const std::string* v = get("resize_size"))
     m.resize_size = meta_int(*v, "resize_size", source, m.image_size);
   for (const char* key : {"mean", "std"}) {
@@ -118,8 +119,7 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
                out.size(), " values for ", m.in_channels, " input channel(s)");
     (std::string(key) == "mean" ? m.mean : m.std) = out;
   }
-  for (float s : m.std)
-    KILN_CHECK(s > 0.0f, "'", source, "': metadata 'std' holds a value <= 0");
+  for (float s : m.std) KILN_CHECK(s > 0.0f, "'", source, "': metadata 'std' holds a value <= 0");
   if (const std::string* v = get("class_names")) {
     m.class_names.clear();
     const json::Value list = meta_array(*v, "class_names", source);
@@ -193,7 +193,8 @@ LoadedModel load_model_file(const std::string& path) {
     shape.mean.assign(size_t(shape.in_channels), 0.5f);
     shape.std.assign(size_t(shape.in_channels), 0.5f);
   }
-  const bool described = file.metadata.count("format") && file.metadata.at("format") == kModelFormat;
+  const bool described =
+      file.metadata.count("format") && file.metadata.at("format") == kModelFormat;
   out.info = described ? read_model_metadata(file.metadata, path, shape, &absent) : shape;
   if (!described) {
     out.notes = "'" + path + "' has no kiln model metadata: " + out.info.arch +

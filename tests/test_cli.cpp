@@ -164,12 +164,37 @@ TEST_CASE("cli::without_location drops kiln::Error's suffix only") {
 
 TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
   bool help = true;
-  train::Config c = train::parse_args(
-      {"/data/imagenet", "-a", "resnet50", "-j", "8", "--epochs", "90", "--start-epoch", "3", "-b",
-       "256", "--learning-rate", "0.1", "--momentum", "0.8", "--weight-decay", "1e-4", "-p", "10",
-       "--resume", "ck.safetensors", "-e", "--pretrained", "w.safetensors", "--seed", "7", "--gpu",
-       "1", "--nesterov", "--freeze-backbone"},
-      &help);
+  train::Config c = train::parse_args({"/data/imagenet",
+                                       "-a",
+                                       "resnet50",
+                                       "-j",
+                                       "8",
+                                       "--epochs",
+                                       "90",
+                                       "--start-epoch",
+                                       "3",
+                                       "-b",
+                                       "256",
+                                       "--learning-rate",
+                                       "0.1",
+                                       "--momentum",
+                                       "0.8",
+                                       "--weight-decay",
+                                       "1e-4",
+                                       "-p",
+                                       "10",
+                                       "--resume",
+                                       "ck.safetensors",
+                                       "-e",
+                                       "--pretrained",
+                                       "w.safetensors",
+                                       "--seed",
+                                       "7",
+                                       "--gpu",
+                                       "1",
+                                       "--nesterov",
+                                       "--freeze-backbone"},
+                                      &help);
   CHECK_FALSE(help);
   CHECK(c.data == "/data/imagenet");
   CHECK(c.arch == "resnet50");
@@ -221,15 +246,15 @@ TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
 TEST_CASE("kiln-train: --world-size/--rank/--dist-url/--gpu map onto torchrun's variables") {
   using Env = std::vector<std::pair<std::string, std::string>>;
   CHECK(train::launch_env(train::parse_args({})).empty());
-  CHECK(train::launch_env(train::parse_args({"--world-size", "4", "--rank", "2", "--dist-url",
-                                             "tcp://10.0.0.1:23456"})) ==
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "4", "--rank", "2", "--dist-url", "tcp://10.0.0.1:23456"})) ==
         Env{{"WORLD_SIZE", "4"},
             {"RANK", "2"},
             {"LOCAL_RANK", "2"},
             {"MASTER_ADDR", "10.0.0.1"},
             {"MASTER_PORT", "23456"}});
-  CHECK(train::launch_env(train::parse_args({"--world-size", "2", "--rank", "1", "--gpu", "0",
-                                             "--dist-url", "tcp://h:1"}))[2] ==
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "2", "--rank", "1", "--gpu", "0", "--dist-url", "tcp://h:1"}))[2] ==
         std::pair<std::string, std::string>{"LOCAL_RANK", "0"});
   CHECK(train::launch_env(train::parse_args({"--world-size", "1"})).size() == 3);
   auto msg = [](const std::vector<std::string>& a) {

@@ -66,11 +66,24 @@ const std::string& image_folder() {
 // resnet_small of width 8 on 16x16 crops, batch 32: 9 steps per epoch.
 std::vector<std::string> job(const fs::path& out, int64_t epochs,
                              const std::vector<std::string>& more = {}) {
-  std::vector<std::string> a = {image_folder(), "-a",     "resnet_small", "--width",
-                                "8",            "--image-size", "16",     "-b",
-                                "32",           "--epochs", std::to_string(epochs),
-                                "-j",           "1",        "--device",   "cpu",
-                                "--output",     out.string(), "--quiet"};
+  std::vector<std::string> a = {image_folder(),
+                                "-a",
+                                "resnet_small",
+                                "--width",
+                                "8",
+                                "--image-size",
+                                "16",
+                                "-b",
+                                "32",
+                                "--epochs",
+                                std::to_string(epochs),
+                                "-j",
+                                "1",
+                                "--device",
+                                "cpu",
+                                "--output",
+                                out.string(),
+                                "--quiet"};
   a.insert(a.end(), more.begin(), more.end());
   return a;
 }
@@ -211,8 +224,8 @@ TEST_CASE("model files: metadata round trip, files without metadata, malformed m
                        Error);
   meta = model_metadata(m);
   meta["mean"] = "0.5";
-  CHECK_THROWS_WITH_AS(read_model_metadata(meta, "f"), doctest::Contains("'mean' is not a JSON array"),
-                       Error);
+  CHECK_THROWS_WITH_AS(read_model_metadata(meta, "f"),
+                       doctest::Contains("'mean' is not a JSON array"), Error);
   meta = model_metadata(m);
   meta["num_classes"] = "ten";
   CHECK_THROWS_WITH_AS(read_model_metadata(meta, "f"),
@@ -239,19 +252,19 @@ TEST_CASE("kiln-convert: reads the metadata, builds 1-channel models, refuses a 
 
   r = run_command(convert + " --in " + with + " --out " + out + " --num-classes 5");
   CHECK(r.code == 1);
-  CHECK(r.output == "kiln-convert: error: --num-classes 5 but '" + with +
-                        "' holds 4 (its metadata)\n");
+  CHECK(r.output ==
+        "kiln-convert: error: --num-classes 5 but '" + with + "' holds 4 (its metadata)\n");
 
-  r = run_command(convert + " --in " + without +
-                  " --out " + out + " --arch resnet_small --num-classes 4 --in-channels 1 --width 4");
+  r = run_command(convert + " --in " + without + " --out " + out +
+                  " --arch resnet_small --num-classes 4 --in-channels 1 --width 4");
   CHECK(r.code == 0);
   r = run_command(convert + " --in " + without + " --out " + out);  // read off the weights
   CHECK(r.code == 0);
   CHECK(r.output.find("from its weights") != std::string::npos);
 
   const auto before = fs::last_write_time(out);
-  r = run_command(convert + " --in " + without +
-                  " --out " + out + " --arch resnet_small --num-classes 10 --in-channels 1 --width 4");
+  r = run_command(convert + " --in " + without + " --out " + out +
+                  " --arch resnet_small --num-classes 10 --in-channels 1 --width 4");
   CHECK(r.code == 1);
   CHECK(r.output.find("fc.weight") != std::string::npos);
   CHECK(r.output.find(".cpp:") == std::string::npos);
@@ -355,8 +368,9 @@ TEST_CASE("kiln-train: --pretrained fine-tunes a model of another class count; s
   // Without --freeze-backbone the backbone trains.
   const fs::path out2 = tmp().dir / "finetune_all";
   train::run(train::parse_args(job(out2, 1, {"--pretrained", pre})));
-  CHECK_FALSE(same_values(load_safetensors((out2 / "model.safetensors").string()).at("conv1.weight"),
-                          orig.at("conv1.weight")));
+  CHECK_FALSE(
+      same_values(load_safetensors((out2 / "model.safetensors").string()).at("conv1.weight"),
+                  orig.at("conv1.weight")));
 
   // Same class count: everything loads, so evaluating reproduces the file's accuracy.
   train::Summary e1 = train::run(train::parse_args(
@@ -394,8 +408,9 @@ TEST_CASE("kiln-train: --nesterov changes the update; --dummy trains on syntheti
   train::run(train::parse_args(job(b, 1, {"--nesterov"})));
   CHECK_FALSE(same_values(load_safetensors((a / "model.safetensors").string()).at("conv1.weight"),
                           load_safetensors((b / "model.safetensors").string()).at("conv1.weight")));
-  CHECK_THROWS_WITH_AS(train::run(train::parse_args(job(b, 1, {"--nesterov", "--optimizer", "adamw"}))),
-                       doctest::Contains("--nesterov needs --optimizer sgd"), cli::UsageError);
+  CHECK_THROWS_WITH_AS(
+      train::run(train::parse_args(job(b, 1, {"--nesterov", "--optimizer", "adamw"}))),
+      doctest::Contains("--nesterov needs --optimizer sgd"), cli::UsageError);
 
   const fs::path d = tmp().dir / "dummy";
   train::Summary s = train::run(train::parse_args(
@@ -406,7 +421,8 @@ TEST_CASE("kiln-train: --nesterov changes the update; --dummy trains on syntheti
   CHECK(load_safetensors((d / "model.safetensors").string()).metadata.at("num_classes") == "1000");
 }
 
-TEST_CASE("kiln-predict: a model trained here names the validation images as the trainer scored them") {
+TEST_CASE(
+    "kiln-predict: a model trained here names the validation images as the trainer scored them") {
   const fs::path out = tmp().dir / "predict_model";
   train::Summary s = train::run(train::parse_args(job(out, 2, {"--lr", "0.1"})));
   const std::string weights = (out / "model.safetensors").string();
@@ -456,8 +472,8 @@ TEST_CASE("kiln-predict: a model trained here names the validation images as the
   fs::create_directories(empty);
   r = run_command(tool + " --weights " + weights + " " + empty.string());
   CHECK(r.code == 1);
-  CHECK(r.output == "kiln-predict: error: folder '" + empty.string() +
-                        "' holds no .jpg, .jpeg or .png file\n");
+  CHECK(r.output ==
+        "kiln-predict: error: folder '" + empty.string() + "' holds no .jpg, .jpeg or .png file\n");
 
   const std::string broken = (tmp().dir / "broken.png").string();
   std::ofstream(broken) << "not an image";

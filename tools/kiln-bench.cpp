@@ -19,8 +19,8 @@
 //           GPU, so this is (close to) the GPU time alone.
 // Rates and % peak use the b2b time. tools/bench_torch_ops.py prints the same columns.
 #include <algorithm>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -31,10 +31,10 @@
 #include "core/json.h"
 #include "core/tensor.h"
 #include "ops/ops.h"
+#include "tools/bench/model_bench.h"
 #include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
-#include "tools/bench/model_bench.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
 #include "cuda/ops.h"
@@ -255,7 +255,8 @@ int main(int argc, char** argv) {
       std::fputs(p.help().c_str(), stdout);
       return 0;
     }
-    if (eager_only && graph_only) kiln::cli::usage_error("--eager-only and --graph-only exclude each other");
+    if (eager_only && graph_only)
+      kiln::cli::usage_error("--eager-only and --graph-only exclude each other");
     if (eager_only) mo.graph = false;
     if (graph_only) mo.eager = false;
     if (any_conv) mo.verify_deterministic = false;
@@ -277,7 +278,8 @@ int main(int argc, char** argv) {
       if (!r.ok()) std::fprintf(stderr, "kiln-bench: %s\n", r.message.c_str());
       return r.exit_code;
     }
-    if (mo.verify_graph && model.empty()) kiln::cli::usage_error("--verify-graph needs --model NAME");
+    if (mo.verify_graph && model.empty())
+      kiln::cli::usage_error("--verify-graph needs --model NAME");
     if (!model.empty()) {
       mo.model = model;
       if (mo.verify_graph) return kiln::bench::verify_graph(mo) ? 0 : 1;

@@ -535,9 +535,8 @@ void probe_dgrad(cudnnHandle_t h, int64_t N, const Problem& p, int reductions, i
 
 int main(int argc, char** argv) {
   ProbeArgs args;
-  const int rc = kiln::cli::run_tool("kiln-fusion-probe", [&] {
-    return parse_probe_args(argc, argv, args) ? -1 : 0;
-  });
+  const int rc = kiln::cli::run_tool("kiln-fusion-probe",
+                                     [&] { return parse_probe_args(argc, argv, args) ? -1 : 0; });
   if (rc >= 0) return rc;  // --help, or a usage error
   const int64_t N = args.batch;
   const int plans = args.plans;

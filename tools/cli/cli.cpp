@@ -1,7 +1,7 @@
 #include "tools/cli/cli.h"
 
-#include <cerrno>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -64,8 +64,7 @@ Parser::Option& Parser::add(const std::string& names, const std::string& metavar
   o.names = split_names(names);
   KILN_CHECK(!o.names.empty(), "cli: option without a name");
   for (const std::string& n : o.names)
-    KILN_CHECK(n.size() >= 2 && n[0] == '-' && find(n) == nullptr, "cli: bad or repeated name ",
-               n);
+    KILN_CHECK(n.size() >= 2 && n[0] == '-' && find(n) == nullptr, "cli: bad or repeated name ", n);
   o.metavar = metavar;
   o.help = help;
   if (help.find("default") == std::string::npos) o.default_text = std::move(default_text);
@@ -107,10 +106,10 @@ void Parser::value(const std::string& names, const std::string& metavar, int* ou
 
 void Parser::value(const std::string& names, const std::string& metavar, uint64_t* out,
                    const std::string& help) {
-  add(names, metavar, help, std::to_string(*out)).set =
-      [=](const std::string& flag, const std::string& v) {
-        *out = parse_int(flag, v, uint64_t(0), std::numeric_limits<uint64_t>::max());
-      };
+  add(names, metavar, help, std::to_string(*out)).set = [=](const std::string& flag,
+                                                            const std::string& v) {
+    *out = parse_int(flag, v, uint64_t(0), std::numeric_limits<uint64_t>::max());
+  };
 }
 
 void Parser::value(const std::string& names, const std::string& metavar, double* out,
@@ -269,7 +268,8 @@ std::string Parser::help() const {
     left = "  " + left;
     // Continuation lines of a long text keep the column.
     std::string body;
-    for (char ch : text) body += ch == '\n' ? std::string("\n") + std::string(26, ' ') : std::string(1, ch);
+    for (char ch : text)
+      body += ch == '\n' ? std::string("\n") + std::string(26, ' ') : std::string(1, ch);
     if (left.size() < 25)
       s += left + std::string(26 - left.size(), ' ') + body + "\n";
     else

@@ -102,7 +102,7 @@ class Parser {
     bool seen = false;
   };
   struct HelpLine {
-    int option = -1;     // index into options_, or -1 for a section title
+    int option = -1;  // index into options_, or -1 for a section title
     std::string title;
   };
   Option& add(const std::string& names, const std::string& metavar, const std::string& help,

@@ -23,8 +23,8 @@ std::vector<std::string> collect_images(const std::vector<std::string>& paths) {
     std::error_code ec;
     if (fs::is_directory(p, ec)) {
       std::vector<std::string> found;
-      for (fs::recursive_directory_iterator it(p, fs::directory_options::skip_permission_denied,
-                                               ec),
+      for (fs::recursive_directory_iterator
+               it(p, fs::directory_options::skip_permission_denied, ec),
            end;
            !ec && it != end; it.increment(ec))
         if (it->is_regular_file(ec) && data::has_image_extension(it->path().string()))

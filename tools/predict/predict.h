@@ -36,9 +36,9 @@ Tensor preprocess(const data::Image& rgb, const ModelInfo& info);
 
 struct Prediction {
   std::string path;
-  std::vector<int64_t> classes;        // best first
-  std::vector<double> probabilities;   // softmax, same order
-  std::string error;                   // non-empty: the image could not be read
+  std::vector<int64_t> classes;       // best first
+  std::vector<double> probabilities;  // softmax, same order
+  std::string error;                  // non-empty: the image could not be read
 };
 
 // Predicts every image with `model` (on `device`), `top` classes each.

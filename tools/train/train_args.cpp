@@ -24,8 +24,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "resnet_small, resnet18, resnet34, resnet50, resnet101, resnet152\n"
           "(28x28 IDX inputs use a 3x3 stem, no max pool)");
   p.value("--data", "PATH", &c.data, "the data set, as DATA");
-  p.flag("--dummy", &c.dummy,
-         "synthetic data: random 3 x image-size² images, 1000 classes");
+  p.flag("--dummy", &c.dummy, "synthetic data: random 3 x image-size² images, 1000 classes");
   p.value("--dummy-images", "N", &c.dummy_images, "synthetic training images per epoch", 1);
   p.value("--image-size", "N", &c.image_size,
           "ImageFolder crop size (evaluation resizes to N*256/224)", 8);
@@ -75,7 +74,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.choice("--graph", &c.graph, {"auto", "on", "off"},
            "whole training step as one CUDA graph (auto: on for cuda)");
   p.value("--nproc", "N", &c.nproc, "data-parallel over N local GPUs (CUDA + NCCL builds)", 1);
-  p.flag("--sync-bn", &c.sync_bn, "data-parallel: BatchNorm statistics over all processes' batches");
+  p.flag("--sync-bn", &c.sync_bn,
+         "data-parallel: BatchNorm statistics over all processes' batches");
   p.value("--world-size", "N", &c.world_size,
           "main.py's: this job's number of processes (WORLD_SIZE; start\n"
           "each with its --rank) (default: from the environment)",
@@ -125,10 +125,8 @@ Config parse_args(const std::vector<std::string>& args, bool* help) {
     cli::usage_error("--pretrained and --weights both name starting weights; give one");
   if (c.start_epoch >= c.epochs)
     cli::usage_error("--start-epoch ", c.start_epoch, ": must be below --epochs ", c.epochs);
-  if (c.rank >= 0 && c.world_size < 0)
-    cli::usage_error("--rank ", c.rank, " needs --world-size");
-  if (p.given("--dist-url") && c.world_size < 0)
-    cli::usage_error("--dist-url needs --world-size");
+  if (c.rank >= 0 && c.world_size < 0) cli::usage_error("--rank ", c.rank, " needs --world-size");
+  if (p.given("--dist-url") && c.world_size < 0) cli::usage_error("--dist-url needs --world-size");
   return c;
 }
 
@@ -153,8 +151,8 @@ std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {
     const std::string port = colon != std::string::npos ? c.dist_url.substr(colon + 1) : "";
     char* end = nullptr;
     const long p = port.empty() ? 0 : std::strtol(port.c_str(), &end, 10);
-    if (c.dist_url.rfind(prefix, 0) != 0 || host.empty() || port.empty() || *end != '\0' ||
-        p < 1 || p > 65535)
+    if (c.dist_url.rfind(prefix, 0) != 0 || host.empty() || port.empty() || *end != '\0' || p < 1 ||
+        p > 65535)
       cli::usage_error("--dist-url '", c.dist_url,
                        "': expected tcp://HOST:PORT (port 1..65535) or env://");
     env.emplace_back("MASTER_ADDR", host);

@@ -128,8 +128,8 @@ TrainData::TrainData(const DataOptions& o)
     channels_ = 3;
     height_ = width_ = resize_size_ = o.image_size;
     train_size_ = o.dummy_images;
-    test_size_ = std::max(o.batch_size * o.world_size,
-                          int64_t(std::llround(double(o.dummy_images) / 25.6)));
+    test_size_ =
+        std::max(o.batch_size * o.world_size, int64_t(std::llround(double(o.dummy_images) / 25.6)));
     mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
     stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
     description_ = "synthetic data (--dummy)";
@@ -141,9 +141,9 @@ TrainData::TrainData(const DataOptions& o)
   if (kind_ == DataKind::ImageFolder) {
     data::ImageFolder train(o.data + "/train"), val(o.data + "/val");
     if (train.classes() != val.classes())
-      cli::usage_error("--data '", o.data, "': train/ has ",
-               train.num_classes(), " class folders and val/ ", val.num_classes(),
-               "; both must hold the same class folders");
+      cli::usage_error("--data '", o.data, "': train/ has ", train.num_classes(),
+                       " class folders and val/ ", val.num_classes(),
+                       "; both must hold the same class folders");
     num_classes_ = train.num_classes();
     class_names_ = train.classes();
     mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
@@ -168,11 +168,10 @@ TrainData::TrainData(const DataOptions& o)
     lo.drop_last = false;
     img_test_ = std::make_unique<data::ImageLoader>(std::move(val), lo);
     if (img_train_->num_batches() == 0)
-      cli::usage_error("--data '", o.data,
-               "': ", img_train_->samples_per_epoch(),
-               " training images per process, fewer than one "
-               "batch of ",
-               o.batch_size);
+      cli::usage_error("--data '", o.data, "': ", img_train_->samples_per_epoch(),
+                       " training images per process, fewer than one "
+                       "batch of ",
+                       o.batch_size);
     return;
   }
   const bool fmnist = kind_ == DataKind::FashionMnist;
@@ -232,9 +231,9 @@ TrainData::TrainData(const DataOptions& o)
   idx_test_ = std::make_unique<data::DataLoader>(data::TensorDataset(test.images, test.labels), eo);
   if (idx_train_->num_batches() == 0)
     cli::usage_error("--data '", o.data,
-             "': fewer training images per "
-             "process than one batch of ",
-             o.batch_size);
+                     "': fewer training images per "
+                     "process than one batch of ",
+                     o.batch_size);
 }
 
 TrainData::~TrainData() = default;
@@ -252,8 +251,8 @@ int64_t TrainData::test_steps() const {
 std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
   if (kind_ == DataKind::Synthetic)
     return std::make_unique<SyntheticStream>(
-        dummy_x_, steps_per_epoch(), opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1,
-        opts_.device);
+        dummy_x_, steps_per_epoch(),
+        opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
@@ -264,8 +263,8 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {
   if (kind_ == DataKind::Synthetic)
-    return std::make_unique<SyntheticStream>(dummy_x_, test_steps(), ~opts_.seed - uint64_t(opts_.rank),
-                                             opts_.device);
+    return std::make_unique<SyntheticStream>(dummy_x_, test_steps(),
+                                             ~opts_.seed - uint64_t(opts_.rank), opts_.device);
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16

@@ -17,10 +17,23 @@
 
 namespace kiln::train {
 
+namespace {
+
+Device parse_device(const std::string& s) {
+  try {
+    return Device::parse(s);
+  } catch (const Error&) {
+    cli::usage_error("--device '", s, "': expected auto, cpu, cuda or cuda:N");
+  }
+}
+
+}  // namespace
+
 Device pick_device(const std::string& s, const DistEnv& env) {
 #ifdef KILN_WITH_CUDA
   if (env.distributed()) {
-    KILN_CHECK(s == "auto" || s == "cuda", "--device ", s,
+    KILN_CHECK(s == "auto" || s == "cuda" || s == "cuda:" + std::to_string(env.local_rank),
+               "--device ", s,
                ": data-parallel ranks use GPU "
                "LOCAL_RANK; leave --device at auto");
     KILN_CHECK(env.local_rank < cuda::device_count(), "LOCAL_RANK ", env.local_rank, " but only ",
@@ -29,27 +42,33 @@ Device pick_device(const std::string& s, const DistEnv& env) {
     return Device::cuda(env.local_rank);
   }
   if (s == "auto") return cuda::device_count() > 0 ? Device::cuda(0) : Device::cpu();
-  Device d = Device::parse(s);
-  if (d.is_cuda())
-    KILN_CHECK(d.index < cuda::device_count(), "--device ", s, ": only ", cuda::device_count(),
-               " CUDA device(s) present");
+  Device d = parse_device(s);
+  if (d.is_cuda() && d.index >= cuda::device_count())
+    cli::usage_error("--device ", s, ": only ", cuda::device_count(), " CUDA device(s) present");
   return d;
 #else
   if (s == "auto") return Device::cpu();
-  Device d = Device::parse(s);
-  KILN_CHECK(d.is_cpu(), "--device ", s, ": this kiln was built without CUDA");
+  Device d = parse_device(s);
+  if (!d.is_cpu()) cli::usage_error("--device ", s, ": this kiln was built without CUDA");
   return d;
 #endif
 }
 
 ModelInfo model_info(const Config& c, const TrainData& d) {
-  KILN_CHECK(c.width == 0 || c.arch == "resnet_small", "--width applies to resnet_small only");
+  const std::vector<std::string> archs = models::model_names();
+  if (std::find(archs.begin(), archs.end(), c.arch) == archs.end()) {
+    std::string list;
+    for (const std::string& a : archs) list += (list.empty() ? "" : ", ") + a;
+    cli::usage_error("--arch '", c.arch, "': expected one of ", list);
+  }
+  if (c.width != 0 && c.arch != "resnet_small")
+    cli::usage_error("--width applies to resnet_small only (--arch is ", c.arch, ")");
   ModelInfo m;
   m.arch = c.arch;
   m.num_classes = d.num_classes();
   m.in_channels = d.channels();
-  m.imagenet_stem = d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist &&
-                    c.arch != "resnet_small";
+  m.imagenet_stem =
+      d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist && c.arch != "resnet_small";
   m.width = c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
   m.image_size = d.height();
   m.resize_size = d.resize_size();
@@ -99,10 +118,9 @@ std::string load_pretrained(const std::string& path, models::ResNet& model) {
       KILN_FAIL("keys that do not match the model: ", keys.substr(0, 300));
     }
   } catch (const Error& e) {
-    cli::usage_error("--pretrained '", path, "'",
-                     arch != file.metadata.end() ? " (a " + arch->second + ")" : "",
-                     " does not fit the model beyond its classifier: ",
-                     cli::without_location(e.what()));
+    cli::usage_error(
+        "--pretrained '", path, "'", arch != file.metadata.end() ? " (a " + arch->second + ")" : "",
+        " does not fit the model beyond its classifier: ", cli::without_location(e.what()));
   }
   return "--pretrained " + path + ": loaded all but the classifier (" +
          std::to_string(fc->size(0)) + " classes in the file, " + std::to_string(classes) +

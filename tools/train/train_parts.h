@@ -1,11 +1,10 @@
 #pragma once
 // Pieces of kiln-train's job (tools/train/trainer.h): device choice, model construction, evaluation
 // and log formatting.
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <functional>
 
 #include "models/resnet.h"
 #include "optim/model_file.h"

@@ -11,18 +11,18 @@
 #include <memory>
 #include <optional>
 
+#include "cuda/profiler.h"
+#include "ops/ops.h"
 #include "optim/checkpoint.h"
 #include "optim/model_file.h"
+#include "optim/schedule.h"
+#include "optim/train_step.h"
 #include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
-#include "cuda/profiler.h"
-#include "ops/ops.h"
-#include "optim/schedule.h"
 #include "tools/train/train_data.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
-#include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/graph.h"
 #include "cuda/runtime.h"
@@ -49,7 +49,8 @@ Summary run(const Config& c) {
 
   const bool mixed = c.amp == "on" || (c.amp == "auto" && dev.is_cuda());
   const bool use_graph = c.graph == "on" || (c.graph == "auto" && dev.is_cuda());
-  if (mixed && !dev.is_cuda()) cli::usage_error("--amp on needs a CUDA device; the device is ", dev);
+  if (mixed && !dev.is_cuda())
+    cli::usage_error("--amp on needs a CUDA device; the device is ", dev);
   if (use_graph && !dev.is_cuda())
     cli::usage_error("--graph on needs a CUDA device; the device is ", dev);
   if (c.profile && !dev.is_cuda()) cli::usage_error("--profile times GPU ops; the device is ", dev);
@@ -123,8 +124,9 @@ Summary run(const Config& c) {
     st.optimizer = opt.get();
     load_checkpoint(c.resume, st);
     auto arch = st.metadata.find("arch");
-    KILN_CHECK(arch == st.metadata.end() || arch->second == c.arch, "--resume '", c.resume,
-               "' holds a ", arch->second, ", but --arch is ", c.arch);
+    if (arch != st.metadata.end() && arch->second != c.arch)
+      cli::usage_error("--resume '", c.resume, "' holds a ", arch->second, ", but --arch is ",
+                       c.arch);
     scaler.load_state_dict(st.scaler);
     start_epoch = st.epoch;
     step = st.step;
@@ -285,8 +287,8 @@ Summary run(const Config& c) {
                    "\"ms_compute\": %s, \"ms_data\": %s}\n",
                    long(p.step), long(epoch + 1),
                    json_number(double(epoch) + double(p.index) / double(steps_per_epoch)).c_str(),
-                   json_number(loss).c_str(), json_number(top1).c_str(),
-                   json_number(p.lr).c_str(), json_number(mixed ? m[2] : 1.0).c_str(),
+                   json_number(loss).c_str(), json_number(top1).c_str(), json_number(p.lr).c_str(),
+                   json_number(mixed ? m[2] : 1.0).c_str(),
                    json_number(double(p.batch * world) / p.period_s).c_str(),
                    json_number(1e3 * (p.period_s - p.data_s)).c_str(),
                    json_number(1e3 * p.data_s).c_str());
@@ -398,10 +400,9 @@ Summary run(const Config& c) {
     wmeta["test_top1"] = json_number(sum.test_top1);
     const std::string path = (out / "model.safetensors").string();
     save_weights(path, *model, WeightsDType::Float32, wmeta);
-    std::printf(
-          "final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
-          100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
-          fmt_time(seconds_since(start)).c_str(), path.c_str());
+    std::printf("final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
+                100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
+                fmt_time(seconds_since(start)).c_str(), path.c_str());
   }
   return sum;
 }
