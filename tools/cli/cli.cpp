@@ -290,10 +290,17 @@ std::string Parser::help() const {
     for (const std::string& n : o.names) left += (left.empty() ? "" : ", ") + n;
     if (!o.metavar.empty()) left += " " + o.metavar;
     std::string text = o.help;
-    if (!o.default_text.empty() && !o.metavar.empty()) text += " (default " + o.default_text + ")";
+    if (!o.default_text.empty() && !o.metavar.empty()) {
+      // On the text's last line when it fits in 100 columns, else on a line of its own.
+      const size_t nl = text.rfind('\n');
+      const size_t last = nl == std::string::npos ? text.size() : text.size() - nl - 1;
+      const std::string def = "(default " + o.default_text + ")";
+      text += (26 + last + 1 + def.size() <= 100 ? " " : "\n") + def;
+    }
     row(left, text);
   }
   row("-h, --help", "this text");
+  for (size_t at; (at = s.find("\n\n\n")) != std::string::npos;) s.erase(at, 1);
   return s;
 }
 

@@ -14,10 +14,10 @@ namespace {
 void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.positional("DATA", &data,
                std::string("'fashion-mnist' (") + data::kFashionMnistDir +
-                   "), a folder of MNIST-style IDX files\n"
-                   "(train-images-idx3-ubyte[.gz], ...; classes.txt beside them names the "
-                   "classes),\nor an ImageFolder root holding train/ and val/ class folders; "
-                   "same as --data",
+                   "),\n"
+                   "a folder of MNIST-style IDX files (train-images-idx3-ubyte[.gz], ...;\n"
+                   "a classes.txt beside them names the classes), or an ImageFolder\n"
+                   "root holding train/ and val/ class folders; same as --data",
                0, 1);
   p.section("Model and data:");
   p.value("-a, --arch", "NAME", &c.arch,
@@ -35,7 +35,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("--epochs", "N", &c.epochs, "total number of epochs", 1);
   p.value("--start-epoch", "N", &c.start_epoch,
           "first epoch to run, counting from 0 (the schedule starts there;\n"
-          "with --resume it replaces the checkpoint's epoch) (default: 0)",
+          "with --resume it replaces the checkpoint's epoch) (default 0)",
           0);
   p.value("-b, --batch-size", "N", &c.batch_size,
           "batch size PER PROCESS (main.py's -b is per node: with --nproc N\n"
@@ -68,7 +68,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.flag("-e, --evaluate", &c.evaluate, "evaluate only (with --weights, --pretrained or --resume)");
   p.section("Devices and processes:");
   p.value("--device", "DEV", &c.device, "auto (cuda if present, else cpu), cpu, cuda, cuda:N");
-  p.value("--gpu", "N", &c.gpu, "GPU to use, as --device cuda:N (default: auto)", 0);
+  p.value("--gpu", "N", &c.gpu, "GPU to use, as --device cuda:N (default auto)", 0);
   p.choice("--amp", &c.amp, {"auto", "on", "off"},
            "FP16 storage with FP32 master weights and loss scaling\n(auto: on for cuda)");
   p.choice("--graph", &c.graph, {"auto", "on", "off"},
@@ -80,7 +80,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "main.py's: this job's number of processes (WORLD_SIZE; start\n"
           "each with its --rank) (default: from the environment)",
           1);
-  p.value("--rank", "R", &c.rank, "main.py's: this process's rank (RANK) (default: 0)", 0);
+  p.value("--rank", "R", &c.rank, "main.py's: this process's rank (RANK) (default 0)", 0);
   p.value("--dist-url", "URL", &c.dist_url,
           "main.py's: tcp://HOST:PORT (MASTER_ADDR, MASTER_PORT) or env://");
   p.section("Output:");
