@@ -535,3 +535,40 @@ TEST_CASE("kiln-plot: draws a run's logs; an empty folder is one clear line") {
   CHECK(r.code == 1);
   CHECK(read_jsonl(out / "log.jsonl").size() == 1);  // nothing overwritten
 }
+
+TEST_CASE("kiln-train: classes.txt beside IDX files names the classes in the model file") {
+  const fs::path dir = tmp().dir / "idx";
+  fs::create_directories(dir);
+  for (const char* f : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                        "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"})
+    fs::create_symlink(fs::path(data::kFashionMnistDir) / f, dir / f);
+  train::DataOptions o;
+  o.data = dir.string();
+  o.batch_size = 64;
+  o.device = Device::cpu();
+  {
+    const train::TrainData plain(o);
+    CHECK(plain.class_names().empty());
+    CHECK(plain.mean().size() == 1);
+  }
+  std::ofstream names(dir / "classes.txt");
+  for (int k = 0; k < 10; ++k) names << "kind " << k << (k == 3 ? "\r\n" : "\n");
+  names.close();
+  const train::TrainData d(o);
+  REQUIRE(d.class_names().size() == 10);
+  CHECK(d.class_names()[3] == "kind 3");
+  train::Config c;
+  c.data = dir.string();
+  const ModelInfo m = train::model_info(c, d);
+  CHECK(m.in_channels == 1);
+  CHECK_FALSE(m.imagenet_stem);
+  CHECK(m.image_size == 28);
+  CHECK(m.resize_size == 28);
+  CHECK(m.class_names[9] == "kind 9");
+  CHECK(read_model_metadata(model_metadata(m), "m").class_names == m.class_names);
+
+  std::ofstream(dir / "classes.txt") << "only\ntwo\n";
+  CHECK_THROWS_WITH_AS(train::TrainData{o},
+                       doctest::Contains("classes.txt' names 2 classes, but the labels have 10"),
+                       cli::UsageError);
+}
