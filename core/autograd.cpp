@@ -8,8 +8,8 @@
 #include <queue>
 #include <unordered_map>
 
-#include "cuda/profiler.h"
-#include "ops/ops.h"
+#include "core/backend.h"
+#include "core/switches.h"
 
 namespace kiln {
 
@@ -187,7 +187,6 @@ bool exclusive_partial_sum(const Tensor& t, const InputMeta& m) {
          t.device() == m.device && t.is_contiguous(t.suggest_memory_format());
 }
 
-#ifdef KILN_WITH_CUDA
 // Node names as stable C strings for the profiler's table (which keeps the pointers).
 const char* interned_name(const Node& n) {
   static std::mutex mu;
@@ -195,7 +194,19 @@ const char* interned_name(const Node& n) {
   std::lock_guard<std::mutex> lock(mu);
   return names.insert(n.name()).first->c_str();
 }
-#endif
+
+// a + b for two gradients of one output (validate_grads checked shape, dtype and device),
+// through the device's backend table; channels-last when both are, as F::add would choose.
+Tensor add_grads(const Tensor& a, const Tensor& b) {
+  const MemoryFormat fmt = a.suggest_memory_format() == MemoryFormat::ChannelsLast &&
+                                   b.suggest_memory_format() == MemoryFormat::ChannelsLast
+                               ? MemoryFormat::ChannelsLast
+                               : MemoryFormat::Contiguous;
+  Tensor out =
+      empty(a.shape(), TensorOptions(a.dtype()).with_device(a.device()).with_memory_format(fmt));
+  backend(a).binary(BinaryOp::AddScaled, out, a, b, 1.0);
+  return out;
+}
 
 // Gradient shapes must match the forward input they belong to; catch an op's bug here rather
 // than as a wrong answer three layers later.
@@ -218,9 +229,8 @@ void validate_grads(const Node& node, std::vector<Tensor>& grads) {
 bool accumulate_into_enabled() {
   int v = g_accumulate.load();
   if (v < 0) {
-    const char* e = std::getenv("KILN_ACCUMULATE_GRADS");
     int expected = -1;
-    g_accumulate.compare_exchange_strong(expected, (e && std::strcmp(e, "0") == 0) ? 0 : 1);
+    g_accumulate.compare_exchange_strong(expected, switches().accumulate_grads ? 1 : 0);
     v = g_accumulate.load();
   }
   return v == 1;
@@ -258,7 +268,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   };
   auto add_grad = [&](const Edge& e, const Tensor& g) {
     Tensor& slot = slot_of(e);
-    slot = slot.defined() ? F::add(slot, g) : g;  // `+=` across edges into one output
+    slot = slot.defined() ? add_grads(slot, g) : g;  // `+=` across edges into one output
   };
 
   // Accumulate-into (see core/autograd.h). Before node n runs, for each input i it opts in for:
@@ -387,10 +397,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     if (accumulate) offer_targets(n);
     std::vector<Tensor> out;
     try {
-#ifdef KILN_WITH_CUDA
-      const bool on_gpu = !in.empty() && in[0].defined() && in[0].is_cuda();
-      KILN_PROFILE_OP(on_gpu ? interned_name(*n) : nullptr, in[0].desc());
-#endif
+      const bool on_device = !in.empty() && in[0].defined() && !in[0].is_cpu();
+      OpProfileScope profile(on_device ? interned_name(*n) : nullptr,
+                             on_device ? in[0] : Tensor());
       out = n->apply(in);
     } catch (...) {
       n->clear_accumulate_targets();  // no tensor of this backward outlives it in the node

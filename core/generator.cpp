@@ -35,13 +35,6 @@ void Generator::set_state(const std::string& s) {
   KILN_CHECK(!is.fail(), "Generator::set_state: malformed state string");
 }
 
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 namespace {
 uint64_t mix(uint64_t a, uint64_t b) { return splitmix64(a ^ splitmix64(b)); }
 }  // namespace

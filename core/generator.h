@@ -5,6 +5,8 @@
 #include <random>
 #include <string>
 
+#include "core/hash.h"
+
 namespace kiln {
 
 class Generator {
@@ -30,9 +32,6 @@ class Generator {
 // nearby tuples such as (s, e) and (s + 1, e - 1) do not share a stream. Loaders derive their
 // per-epoch and per-sample generators with it, which keeps them independent of thread timing.
 uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b);
-// SplitMix64's output function: a 64-bit bijection that spreads nearby inputs apart (seed
-// mixing for derive_seed and data::DistributedSampler).
-uint64_t splitmix64(uint64_t z);
 
 // The process-wide default generator used when none is passed.
 Generator& default_generator();

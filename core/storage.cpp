@@ -1,5 +1,7 @@
 #include "core/storage.h"
 
+#include "core/backend.h"
+
 #include <cstdlib>
 
 namespace kiln {
@@ -27,19 +29,9 @@ Allocator* cpu_allocator() {
   return &a;
 }
 
-#ifdef KILN_WITH_CUDA
-namespace cuda {
-Allocator* caching_allocator(int device);  // cuda/allocator.cpp
-}
-#endif
-
 Allocator* allocator_for(Device device) {
   if (device.is_cpu()) return cpu_allocator();
-#ifdef KILN_WITH_CUDA
-  return cuda::caching_allocator(device.index);
-#else
-  KILN_FAIL("device ", device, " requested but kiln was built without CUDA");
-#endif
+  return backend(device).allocator(device.index);
 }
 
 Storage::Storage(size_t nbytes, Device device)

@@ -7,7 +7,7 @@
 
 #include "core/autograd.h"
 #include "core/generator.h"
-#include "ops/ops.h"
+#include "core/backend.h"
 
 namespace kiln {
 
@@ -288,33 +288,6 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   return narrow(d, index, 1).squeeze(d);
 }
 
-Tensor Tensor::expand(const Shape& target) const {
-  KILN_CHECK(int64_t(target.size()) >= dim(), "expand: target ", kiln::shape_str(target),
-             " has fewer dims than ", desc());
-  const size_t lead = target.size() - size_t(dim());
-  Shape ns(target.size()), nst(target.size());
-  for (size_t i = 0; i < target.size(); ++i) {
-    if (i < lead) {
-      KILN_CHECK(target[i] >= 0, "expand: -1 not allowed in a new leading dim");
-      ns[i] = target[i];
-      nst[i] = 0;
-      continue;
-    }
-    int64_t cur = shape()[i - lead];
-    int64_t want = target[i] == -1 ? cur : target[i];
-    KILN_CHECK(want >= 0, "expand: invalid size ", target[i], " in ", kiln::shape_str(target));
-    KILN_CHECK(cur == want || cur == 1, "expand: cannot expand ", desc(), " to ",
-               kiln::shape_str(target));
-    ns[i] = want;
-    nst[i] = (cur == want) ? strides()[i - lead] : 0;
-  }
-  Tensor out = make_view(*this, ns, nst, offset());
-  Shape in_shape = shape();
-  autograd::record_unary("ExpandBackward", *this, out,
-                         [in_shape](const Tensor& g) { return F::sum_to(g, in_shape); });
-  return out;
-}
-
 Tensor Tensor::squeeze(std::optional<int64_t> d) const {
   Shape ns, nst;
   std::optional<int64_t> wd;
@@ -385,13 +358,28 @@ Tensor Tensor::to(Device d) const {
   return out;
 }
 
-// Declared by cuda/copy.cpp when CUDA is built: any-device strided copy with dtype conversion.
-#ifdef KILN_WITH_CUDA
-namespace cuda {
-void copy_tensor(const Tensor& dst, const Tensor& src);
-void fill_tensor(const Tensor& dst, double value);
-}  // namespace cuda
-#endif
+namespace detail {
+
+void copy_cpu(const Tensor& dst, const Tensor& src) {
+  dispatch_all(dst.dtype(), [&]<typename D>() {
+    D* dp = static_cast<D*>(dst.raw_data());
+    dispatch_all(src.dtype(), [&]<typename S>() {
+      const S* sp = static_cast<const S*>(src.raw_data());
+      for_each_offset(dst.shape(), dst.strides(), src.strides(),
+                      [&](int64_t od, int64_t os) { dp[od] = convert<D>(sp[os]); });
+    });
+  });
+}
+
+void fill_cpu(const Tensor& dst, double value) {
+  dispatch_all(dst.dtype(), [&]<typename D>() {
+    D* dp = static_cast<D*>(dst.raw_data());
+    const D v = convert<D>(value);
+    for_each_offset(dst.shape(), dst.strides(), dst.strides(), [&](int64_t o, int64_t) { dp[o] = v; });
+  });
+}
+
+}  // namespace detail
 
 const Tensor& Tensor::copy_(const Tensor& src) const {
   KILN_CHECK(src.defined(), "copy_: source is undefined");
@@ -404,65 +392,17 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   if (s.shares_storage(*this) && (s.offset() != offset() || s.strides() != strides()))
     s = s.clone();
   bump_version();
-  if (is_cpu() && s.is_cpu()) {
-    dispatch_all(dtype(), [&]<typename D>() {
-      D* dp = static_cast<D*>(raw_data());
-      dispatch_all(s.dtype(), [&]<typename S>() {
-        const S* sp = static_cast<const S*>(s.raw_data());
-        detail::for_each_offset(shape(), strides(), s.strides(),
-                                [&](int64_t od, int64_t os) { dp[od] = convert<D>(sp[os]); });
-      });
-    });
-    return *this;
-  }
-#ifdef KILN_WITH_CUDA
-  cuda::copy_tensor(*this, s);
+  // The device side's backend copies between its device and the host.
+  backend(is_cpu() ? s.device() : device()).copy(*this, s);
   return *this;
-#else
-  KILN_FAIL("copy_: ", s.desc(), " -> ", desc(), " needs CUDA, and kiln was built without it");
-#endif
 }
 
 const Tensor& Tensor::fill_(double value) const {
   autograd::check_inplace(*this, "fill_");
   bump_version();
-  if (is_cpu()) {
-    dispatch_all(dtype(), [&]<typename D>() {
-      D* dp = static_cast<D*>(raw_data());
-      D v = convert<D>(value);
-      detail::for_each_offset(shape(), strides(), strides(),
-                              [&](int64_t o, int64_t) { dp[o] = v; });
-    });
-    return *this;
-  }
-#ifdef KILN_WITH_CUDA
-  cuda::fill_tensor(*this, value);
+  backend(device()).fill(*this, value);
   return *this;
-#else
-  KILN_FAIL("fill_ on ", desc(), " needs CUDA, and kiln was built without it");
-#endif
 }
-
-// ---------------- arithmetic ----------------
-
-Tensor Tensor::operator-() const { return F::neg(*this); }
-const Tensor& Tensor::add_(const Tensor& o, double alpha) const { F::add_(*this, o, alpha); return *this; }
-const Tensor& Tensor::add_(double v) const { F::add_(*this, v); return *this; }
-const Tensor& Tensor::mul_(const Tensor& o) const { F::mul_(*this, o); return *this; }
-const Tensor& Tensor::mul_(double v) const { F::mul_(*this, v); return *this; }
-
-Tensor operator+(const Tensor& a, const Tensor& b) { return F::add(a, b); }
-Tensor operator-(const Tensor& a, const Tensor& b) { return F::sub(a, b); }
-Tensor operator*(const Tensor& a, const Tensor& b) { return F::mul(a, b); }
-Tensor operator/(const Tensor& a, const Tensor& b) { return F::div(a, b); }
-Tensor operator+(const Tensor& a, double b) { return F::add(a, b); }
-Tensor operator-(const Tensor& a, double b) { return F::add(a, -b); }
-Tensor operator*(const Tensor& a, double b) { return F::mul(a, b); }
-Tensor operator/(const Tensor& a, double b) { return F::mul(a, 1.0 / b); }
-Tensor operator+(double a, const Tensor& b) { return F::add(b, a); }
-Tensor operator-(double a, const Tensor& b) { return F::rsub(b, a); }
-Tensor operator*(double a, const Tensor& b) { return F::mul(b, a); }
-Tensor operator/(double a, const Tensor& b) { return F::rdiv(b, a); }
 
 // ---------------- printing ----------------
 

@@ -195,6 +195,12 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
 // ---- factories ----
 // A tensor that views `storage` (used by views and by code that wraps foreign memory).
+namespace detail {
+// The CPU backend's copy and fill (Backend::copy, Backend::fill), strided with dtype conversion.
+void copy_cpu(const Tensor& dst, const Tensor& src);
+void fill_cpu(const Tensor& dst, double value);
+}  // namespace detail
+
 Tensor make_tensor(std::shared_ptr<Storage> storage, int64_t offset, Shape shape, Shape strides,
                    DType dtype);
 Tensor empty(const Shape& shape, TensorOptions opts = {});

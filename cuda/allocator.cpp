@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "cuda/check.h"
-#include "cuda/graph.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {

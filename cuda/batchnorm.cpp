@@ -1,11 +1,11 @@
-// Batch norm on cuDNN (entry points in cuda/ops.h), plain and fused with ReLU / add + ReLU.
+// Batch norm on cuDNN (entry points in cuda/kernels.h), plain and fused with ReLU / add + ReLU.
 //
 // Layout: 4-D inputs run in their own layout (NHWC or NCHW); (N, C) and (N, C, L) inputs are
 // viewed as (N, C, 1, 1) and (N, C, L, 1). NHWC f16 uses CUDNN_BATCHNORM_SPATIAL_PERSISTENT
 // (the fast single-pass kernels); everything else CUDNN_BATCHNORM_SPATIAL. Parameters and
 // statistics are f32 (the descriptor cudnnDeriveBNTensorDescriptor gives for f32/f16 data).
 //
-// cuDNN's conventions match the contract in cuda/ops.h: resultSaveInvVariance holds
+// cuDNN's conventions match the contract in cuda/kernels.h: resultSaveInvVariance holds
 // 1/sqrt(var_biased + eps), the running variance is updated with the unbiased batch variance,
 // and exponentialAverageFactor plays the role of momentum (r = (1-f)·r + f·stat).
 //
@@ -18,7 +18,7 @@
 #include <memory>
 
 #include "cuda/cudnn_util.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {

@@ -1,4 +1,4 @@
-// matmul and linear on cuBLASLt (declared in cuda/ops.h).
+// matmul and linear on cuBLASLt (declared in cuda/kernels.h).
 //
 // kiln's matrices are row-major; cuBLASLt's are column-major. A row-major (r × c) buffer is the
 // column-major (c × r) matrix, i.e. its transpose, so out = op(a)·op(b) is computed as
@@ -16,7 +16,7 @@
 
 #include "core/autograd.h"
 #include "cuda/check.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {

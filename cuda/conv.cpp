@@ -1,4 +1,4 @@
-// 2-D convolution on cuDNN (entry points in cuda/ops.h, cache controls in cuda/conv.h).
+// 2-D convolution on cuDNN (entry points in cuda/kernels.h, cache controls in cuda/conv.h).
 //
 // Layout: the problem runs in the layout of the activations (NHWC when x — dx for backward-data
 // — is channels-last, else NCHW); the filter descriptor uses the same format, and any operand
@@ -40,9 +40,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/switches.h"
 #include "cuda/conv_engine.h"
 #include "cuda/cudnn_util.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {
@@ -193,7 +194,7 @@ struct Choice {
 struct Key {
   int64_t device = 0, op = 0, dtype = 0, fmt = 0, deterministic = 0, accumulate = 0;
   int64_t backend = 0, align = 0;  // backend API allowed; byte alignment of the operands (<= 16)
-  int64_t stats = 0;  // forward with the statistics epilogue (g_stats_cache)
+  int64_t stats = 0;  // forward with the statistics epilogue (plan_cache().stats_plans)
   int64_t x[4] = {}, w[4] = {}, y[4] = {};
   int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
@@ -235,40 +236,43 @@ struct Plan {
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;  // currently set on d.conv
 };
 
-std::mutex g_mutex;
-std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> g_cache;
 // Forward convolutions with the statistics epilogue: the tuned plan, or null when no plan
 // describes the problem (remembered, so it is not searched again).
 struct StatsPlan {
   std::mutex m;  // serialises runs, as Plan::m does
   std::shared_ptr<ConvEngine> engine;
 };
-std::unordered_map<Key, std::shared_ptr<StatsPlan>, KeyHash> g_stats_cache;
-uint64_t g_hits = 0, g_misses = 0;
-std::atomic<bool> g_deterministic{false};
-std::atomic<int> g_backend{-1};  // a ConvBackend; -1: not yet read from KILN_CUDNN_BACKEND
+
+// The tuner's state, as PyTorch keeps its cuDNN BenchmarkCache: the plan chosen for each
+// problem, the counters, and the two settings that are part of every key. One per process
+// (keys hold the device), reached through plan_cache().
+class ConvPlanCache {
+ public:
+  std::mutex mutex;  // guards the maps and the counters
+  std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans;
+  std::unordered_map<Key, std::shared_ptr<StatsPlan>, KeyHash> stats_plans;
+  uint64_t hits = 0, misses = 0;
+  std::atomic<bool> deterministic{false};
+  std::atomic<int> backend{-1};  // a ConvBackend; -1: not yet read from the switches
+};
+
+ConvPlanCache& plan_cache() {
+  static ConvPlanCache cache;
+  return cache;
+}
 
 ConvBackend backend_mode() {
-  int v = g_backend.load();
+  int v = plan_cache().backend.load();
   if (v < 0) {
-    const char* e = std::getenv("KILN_CUDNN_BACKEND");
-    ConvBackend m = ConvBackend::Auto;
-    if (e && std::strcmp(e, "0") == 0) m = ConvBackend::Off;
-    if (e && std::strcmp(e, "force") == 0) m = ConvBackend::Force;
+    const ConvBackend m = ConvBackend(switches().cudnn_backend);
     int expected = -1;
-    g_backend.compare_exchange_strong(expected, int(m));
-    v = g_backend.load();
+    plan_cache().backend.compare_exchange_strong(expected, int(m));
+    v = plan_cache().backend.load();
   }
   return ConvBackend(v);
 }
 
-bool find_log_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_CUDNN_FIND_LOG");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
+bool find_log_enabled() { return switches().cudnn_find_log; }
 
 // Workspace from the caching allocator (null when bytes is 0). Freed on the current stream.
 std::unique_ptr<Storage> workspace(size_t bytes, int device) {
@@ -397,19 +401,19 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
   cudnnHandle_t h = ctx.cudnn;
   CUDNN_CHECK(cudnnSetStream(h, current_stream()));
   const Ptrs p{x.raw_data(), w.raw_data(), y.raw_data()};
-  const bool deterministic = g_deterministic.load();
+  const bool deterministic = plan_cache().deterministic.load();
   const Key key =
       make_key(Op::kOp, dtype, fmt, x, w, y, cp, ctx.device, deterministic, accumulate);
   const void* beta = accumulate ? scalar_one(dtype) : scalar_zero(dtype);
   std::shared_ptr<Plan> plan;
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_cache.find(key);
-    if (it != g_cache.end()) {
-      ++g_hits;
+    std::lock_guard<std::mutex> lock(plan_cache().mutex);
+    auto it = plan_cache().plans.find(key);
+    if (it != plan_cache().plans.end()) {
+      ++plan_cache().hits;
       plan = it->second;
     } else {
-      ++g_misses;
+      ++plan_cache().misses;
       const Problem pr = problem_of(key);
       Ptrs tp = p;  // the operands searched and tuned on
       Tensor scratch;
@@ -435,7 +439,7 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
                        fresh->engine ? ("backend API, " + conv_engine_name(*fresh->engine)).c_str()
                                      : "legacy API");
       }
-      plan = g_cache.emplace(key, std::move(fresh)).first->second;
+      plan = plan_cache().plans.emplace(key, std::move(fresh)).first->second;
     }
   }
   std::lock_guard<std::mutex> lock(plan->m);
@@ -520,13 +524,7 @@ void add_bias(const Tensor& y, const Tensor& bias, MemoryFormat fmt) {
 MemoryFormat layout_of(const Tensor& t) { return t.suggest_memory_format(); }
 
 // KILN_CONV_STATS=0 turns the statistics epilogue off (A/B measurements).
-bool stats_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_CONV_STATS");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
+bool stats_enabled() { return switches().conv_stats; }
 
 }  // namespace
 
@@ -550,7 +548,7 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
   Context& ctx = context();
   cudnnHandle_t h = ctx.cudnn;
   CUDNN_CHECK(cudnnSetStream(h, current_stream()));
-  const bool deterministic = g_deterministic.load();
+  const bool deterministic = plan_cache().deterministic.load();
   const Key plain = make_key(ConvOp::Forward, x.dtype(), fmt, xc, wc, y, p, ctx.device,
                              deterministic, false);
   Key key = plain;
@@ -559,16 +557,16 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
                         pointer_alignment(sqsum.raw_data())});
   bool seen = false;
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    seen = g_stats_cache.count(key) != 0;
+    std::lock_guard<std::mutex> lock(plan_cache().mutex);
+    seen = plan_cache().stats_plans.count(key) != 0;
   }
   // First sight: the plain convolution is tuned (and run) first; its time sets the bar.
   float bar = -1.0f;  // Force (tests): any plan that runs
   if (!seen && ConvBackend(key.backend) != ConvBackend::Force) {
     execute<Fwd>(x.dtype(), fmt, xc, wc, y, p, false);
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_cache.find(plain);
-    if (it != g_cache.end()) {
+    std::lock_guard<std::mutex> lock(plan_cache().mutex);
+    auto it = plan_cache().plans.find(plain);
+    if (it != plan_cache().plans.end()) {
       std::lock_guard<std::mutex> plan_lock(it->second->m);
       const Plan& pl = *it->second;
       const float plain_ms = pl.engine ? conv_engine_ms(*pl.engine)
@@ -579,13 +577,13 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
   }
   std::shared_ptr<StatsPlan> plan;
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_stats_cache.find(key);
-    if (it != g_stats_cache.end()) {
-      ++g_hits;
+    std::lock_guard<std::mutex> lock(plan_cache().mutex);
+    auto it = plan_cache().stats_plans.find(key);
+    if (it != plan_cache().stats_plans.end()) {
+      ++plan_cache().hits;
       plan = it->second;
     } else {
-      ++g_misses;
+      ++plan_cache().misses;
       const Problem pr = problem_of(key);
       ConvProblem cp{ConvOp::Forward, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, false};
       cp.stats = true;
@@ -598,7 +596,7 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
         std::fprintf(stderr, "[kiln conv] %s: %s\n", what.c_str(),
                      fresh->engine ? conv_engine_name(*fresh->engine).c_str()
                                    : "no plan; unfused");
-      plan = g_stats_cache.emplace(key, std::move(fresh)).first->second;
+      plan = plan_cache().stats_plans.emplace(key, std::move(fresh)).first->second;
     }
   }
   std::lock_guard<std::mutex> lock(plan->m);
@@ -681,26 +679,26 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
 }
 
 ConvCacheStats conv_algo_cache_stats() {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(plan_cache().mutex);
   size_t engines = 0;
-  for (const auto& [key, plan] : g_cache) {
+  for (const auto& [key, plan] : plan_cache().plans) {
     std::lock_guard<std::mutex> plan_lock(plan->m);  // execute() may drop a failing engine
     engines += plan->engine != nullptr;
   }
-  return {g_hits, g_misses, g_cache.size(), engines};
+  return {plan_cache().hits, plan_cache().misses, plan_cache().plans.size(), engines};
 }
 
 void clear_conv_algo_cache() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_cache.clear();
-  g_stats_cache.clear();
-  g_hits = g_misses = 0;
+  std::lock_guard<std::mutex> lock(plan_cache().mutex);
+  plan_cache().plans.clear();
+  plan_cache().stats_plans.clear();
+  plan_cache().hits = plan_cache().misses = 0;
 }
 
-void set_conv_backend(ConvBackend mode) { g_backend.store(int(mode)); }
+void set_conv_backend(ConvBackend mode) { plan_cache().backend.store(int(mode)); }
 ConvBackend conv_backend() { return backend_mode(); }
 
-void set_conv_deterministic(bool on) { g_deterministic.store(on); }
-bool conv_deterministic() { return g_deterministic.load(); }
+void set_conv_deterministic(bool on) { plan_cache().deterministic.store(on); }
+bool conv_deterministic() { return plan_cache().deterministic.load(); }
 
 }  // namespace kiln::cuda

@@ -1,6 +1,6 @@
 #pragma once
 // Controls and statistics of the cuDNN convolution wrapper (cuda/conv.cpp; the entry points are
-// declared in cuda/ops.h).
+// declared in cuda/kernels.h).
 //
 // Each distinct problem (device, op, dtype, layout, all sizes, padding, stride, dilation, groups,
 // determinism, backend mode, operand alignment) is timed once — cudnnFind*AlgorithmEx, and for

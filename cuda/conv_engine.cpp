@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/storage.h"
+#include "core/switches.h"
 #include "cuda/check.h"
 #include "cuda/cudnn_graph.h"
 #include "cuda/cudnn_util.h"
@@ -29,14 +30,7 @@ struct ConvEngine {
 namespace {
 
 // Plans timed per problem: 10, or KILN_CONV_CANDIDATES.
-size_t max_candidates() {
-  static const size_t n = [] {
-    const char* v = std::getenv("KILN_CONV_CANDIDATES");
-    const long x = v ? std::strtol(v, nullptr, 10) : 0;
-    return x > 0 ? size_t(x) : size_t(10);
-  }();
-  return n;
-}
+size_t max_candidates() { return switches().conv_candidates; }
 constexpr int kTimedRuns = 3;
 
 std::vector<int64_t> v64(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }

@@ -14,7 +14,7 @@
 
 #include "core/tensor.h"
 #include "cuda/cudnn_graph.h"
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::cuda {
 

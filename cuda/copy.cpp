@@ -9,9 +9,8 @@
 #include <cstring>
 
 #include "cuda/check.h"
-#include "cuda/graph.h"
 #include "cuda/kernels/copy.cuh"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {

@@ -16,7 +16,6 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-thread_local bool t_capturing = false;  // inside a GraphStep's capture on this thread
 
 std::mutex g_streams_mutex;
 std::array<std::vector<cudaStream_t>, kMaxDevices> g_idle_streams;  // guarded by the mutex
@@ -104,7 +103,7 @@ const Tensor& GraphStep::keep(const Tensor& t) {
 void GraphStep::run(const std::string& fingerprint) {
   KILN_CHECK(current_device() == device_, "GraphStep::run: bound to cuda:", device_,
              " but the current device is cuda:", current_device());
-  KILN_CHECK(!t_capturing, "GraphStep::run: called inside a step being captured");
+  KILN_CHECK(!graph_capture_active(), "GraphStep::run: called inside a step being captured");
   // Join the caller's stream in and, whatever happens, back out: the step acts as one op on it.
   const cudaStream_t caller = current_stream();
   CUDA_CHECK(cudaEventRecord(caller_done_, caller));
@@ -157,7 +156,7 @@ void GraphStep::capture_and_launch() {
   const cudaError_t begin = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
   if (begin != cudaSuccess) close_pool(device_, pool_);
   CUDA_CHECK(begin);
-  t_capturing = true;
+  set_graph_capture_active(true);
   std::string failure;
   ErrorKind kind = ErrorKind::Generic;
   try {
@@ -176,7 +175,7 @@ void GraphStep::capture_and_launch() {
   }
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
-  t_capturing = false;
+  set_graph_capture_active(false);
   close_pool(device_, pool_);
   if (failure.empty() && end != cudaSuccess) {
     failure = detail::str_cat("CUDA error ", cudaGetErrorName(end), ": ", cudaGetErrorString(end),
@@ -297,20 +296,6 @@ std::string shape_fingerprint(const std::vector<Tensor>& tensors) {
     if (t.dim() == 4 && t.suggest_memory_format() == MemoryFormat::ChannelsLast) out += "NHWC";
   }
   return out;
-}
-
-bool is_capturing() {
-  if (t_capturing) return true;
-  if (device_count() == 0) return false;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(current_stream(), &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
-void check_not_capturing(const char* op, const char* why) {
-  KILN_CHECK(!is_capturing(), op,
-             " cannot run while a CUDA graph is being captured (inside a GraphStep's step): ", why,
-             ". Do it outside the step (fill inputs before run(), read results after it)");
 }
 
 }  // namespace kiln::cuda

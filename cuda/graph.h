@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "cuda/runtime.h"
 
 namespace kiln::cuda {
 
@@ -140,12 +141,6 @@ class GraphStep {
 // "f32[8, 3, 32, 32]NHWC|i64[8]": dtype, shape and layout of each tensor, for run()'s fingerprint.
 std::string shape_fingerprint(const std::vector<Tensor>& tensors);
 
-// True while the calling thread captures a graph: inside a GraphStep's capture, or while its
-// current stream is being captured by anyone.
-bool is_capturing();
-// Throws kiln::Error naming `op` and saying `why` when is_capturing(): for operations that
-// synchronise the host with the device (they would invalidate the capture) or that a graph
-// cannot replay faithfully.
-void check_not_capturing(const char* op, const char* why);
+// is_capturing() and check_not_capturing() live in cuda/runtime.h.
 
 }  // namespace kiln::cuda

@@ -27,11 +27,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/kinds.h"
 #include "core/tensor.h"
 
 namespace kiln::cuda {
-
-enum class ReduceOp { Sum, Avg, Max, Min };
 
 class Communicator {
  public:

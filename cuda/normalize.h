@@ -16,7 +16,7 @@ void normalize_images(const Tensor& out, const Tensor& in, const float mean[3],
                       const float stddev[3]);
 
 // Every byte i of the contiguous u8 tensor `out` = data::synthetic_byte(seed, i)
-// (data/synthetic_hash.h), as the CPU generator writes it.
+// (core/hash.h), as the CPU generator writes it.
 void fill_synthetic_bytes(const Tensor& out, uint64_t seed);
 // labels i64 (N) contiguous: labels[i] = data::synthetic_label(seed, i, classes).
 void fill_synthetic_labels(const Tensor& labels, uint64_t seed, int64_t classes);

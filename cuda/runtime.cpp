@@ -6,7 +6,6 @@
 #include <mutex>
 
 #include "cuda/check.h"
-#include "cuda/graph.h"
 
 namespace kiln::cuda {
 namespace {
@@ -122,6 +121,27 @@ void* alloc_pinned(size_t bytes) {
 
 void free_pinned(void* p) {
   if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
+namespace {
+thread_local bool t_capturing = false;  // inside a GraphStep's capture on this thread
+}  // namespace
+
+bool graph_capture_active() { return t_capturing; }
+void set_graph_capture_active(bool on) { t_capturing = on; }
+
+bool is_capturing() {
+  if (t_capturing) return true;
+  if (device_count() == 0) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(current_stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void check_not_capturing(const char* op, const char* why) {
+  KILN_CHECK(!is_capturing(), op,
+             " cannot run while a CUDA graph is being captured (inside a GraphStep's step): ", why,
+             ". Do it outside the step (fill inputs before run(), read results after it)");
 }
 
 }  // namespace kiln::cuda

@@ -47,6 +47,17 @@ class StreamGuard {
 // Waits for all of the current device's work.
 void synchronize();
 
+// True while the calling thread captures a graph: inside a GraphStep's capture, or while its
+// current stream is being captured by anyone.
+bool is_capturing();
+// Throws kiln::Error naming `op` and saying `why` when is_capturing(): for operations that
+// synchronise the host with the device (they would invalidate the capture) or that a graph
+// cannot replay faithfully.
+void check_not_capturing(const char* op, const char* why);
+// The calling thread's GraphStep capture flag (set by cuda/graph.cpp around a capture).
+bool graph_capture_active();
+void set_graph_capture_active(bool on);
+
 // Pinned (page-locked) host memory for fast asynchronous copies.
 void* alloc_pinned(size_t bytes);
 void free_pinned(void* p);

@@ -3,7 +3,7 @@
 #include <exception>
 
 #include "core/error.h"
-#include "data/synthetic_hash.h"
+#include "core/hash.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
 #include "cuda/normalize.h"
@@ -175,7 +175,7 @@ SyntheticImages::SyntheticImages(int64_t batch_size, int64_t image_size, int64_t
 }
 
 uint64_t SyntheticImages::batch_seed(int64_t k) const {
-  return synthetic_hash(seed_ ^ synthetic_hash(uint64_t(k)));
+  return splitmix64(seed_ ^ splitmix64(uint64_t(k)));
 }
 
 Tensor SyntheticImages::pixels_cpu(int64_t k) const {

@@ -62,7 +62,7 @@ class DeviceFeeder {
 };
 
 // Random batches of a fixed shape generated on `device` (on the GPU by a kernel, so no host
-// work or copy is involved): u8 pixels from the counter hash of data/synthetic_hash.h
+// work or copy is involved): u8 pixels from the counter hash of core/hash.h
 // (identical bytes on CPU and GPU for a seed), normalised as DeviceFeeder does, and labels
 // uniform in [0, classes). Batch k uses seed mix(seed, k).
 class SyntheticImages {

@@ -1,12 +1,9 @@
 #include "data/loader.h"
 
 #include <algorithm>
-#include <condition_variable>
-#include <exception>
-#include <mutex>
-#include <thread>
 
 #include "core/generator.h"
+#include "data/prefetch.h"
 
 namespace kiln::data {
 namespace {
@@ -51,20 +48,9 @@ struct Epoch::State {
   std::vector<int64_t> order;
   int64_t num_batches = 0;
 
-  // Guarded by mu: a ring of `capacity` slots; batch k lives in slot k % capacity.
-  std::mutex mu;
-  std::condition_variable space_cv;  // workers wait for a free slot
-  std::condition_variable ready_cv;  // the consumer waits for its batch
-  int64_t capacity = 1;
-  std::vector<std::optional<Batch>> slots;
-  int64_t next_claim = 0;    // next batch a worker will take
-  int64_t next_consume = 0;  // next batch the consumer will return
-  bool stop = false;
-  std::exception_ptr error;
-  int64_t error_batch = INT64_MAX;  // lowest batch whose build threw
-  bool finished = false;            // consumer side: end reached or error delivered
-
-  std::vector<std::thread> threads;
+    // Batches built ahead by the workers and handed out in order (data/prefetch.h); created by
+  // DataLoader::epoch once the fields above are set, destroyed (workers joined) by shutdown().
+  std::unique_ptr<OrderedPrefetch<Batch>> prefetch;
 
   Batch build(int64_t k) const {
     const TensorDataset& ds = *data;
@@ -94,45 +80,7 @@ struct Epoch::State {
     return b;
   }
 
-  void worker() {
-    while (true) {
-      int64_t k;
-      {
-        std::unique_lock lk(mu);
-        space_cv.wait(lk, [&] {
-          return stop || error || next_claim >= num_batches || next_claim < next_consume + capacity;
-        });
-        if (stop || error || next_claim >= num_batches) return;
-        k = next_claim++;
-      }
-      try {
-        Batch b = build(k);
-        std::lock_guard lk(mu);
-        slots[size_t(k % capacity)] = std::move(b);
-      } catch (...) {
-        std::lock_guard lk(mu);
-        if (k < error_batch) {
-          error_batch = k;
-          error = std::current_exception();
-        }
-      }
-      // Wake everyone: the consumer may want this batch or this error, and after an error the
-      // other workers must stop claiming.
-      ready_cv.notify_all();
-      space_cv.notify_all();
-    }
-  }
-
-  void shutdown() {
-    {
-      std::lock_guard lk(mu);
-      stop = true;
-    }
-    space_cv.notify_all();
-    for (auto& t : threads)
-      if (t.joinable()) t.join();
-    threads.clear();
-  }
+  void shutdown() { prefetch.reset(); }
 };
 
 Epoch::Epoch(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -151,40 +99,8 @@ Epoch::~Epoch() {
 int64_t Epoch::size() const { return state_ ? state_->num_batches : 0; }
 
 std::optional<Batch> Epoch::next() {
-  KILN_CHECK(state_, "Epoch::next on a moved-from Epoch");
-  State& s = *state_;
-  if (s.finished || s.next_consume >= s.num_batches) {
-    s.finished = true;
-    return std::nullopt;
-  }
-  const int64_t k = s.next_consume;
-  if (s.threads.empty()) {
-    s.next_consume++;
-    try {
-      return s.build(k);
-    } catch (...) {
-      s.finished = true;
-      throw;
-    }
-  }
-  std::unique_lock lk(s.mu);
-  // Batches below error_batch were all claimed before the failure and will still arrive.
-  s.ready_cv.wait(
-      lk, [&] { return s.slots[size_t(k % s.capacity)].has_value() || s.error_batch <= k; });
-  auto& slot = s.slots[size_t(k % s.capacity)];
-  if (!slot) {
-    s.finished = true;
-    std::exception_ptr e = s.error;
-    lk.unlock();
-    s.shutdown();
-    std::rethrow_exception(e);
-  }
-  Batch b = std::move(*slot);
-  slot.reset();
-  s.next_consume++;
-  lk.unlock();
-  s.space_cv.notify_all();
-  return b;
+  KILN_CHECK(state_ && state_->prefetch, "Epoch::next on a moved-from Epoch");
+  return state_->prefetch->next();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -252,13 +168,12 @@ Epoch DataLoader::epoch(int64_t e) const {
   s->epoch = e;
   s->order = order(e);
   s->num_batches = num_batches();
-  s->capacity = std::max<int64_t>(1, opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers);
-  s->slots.resize(size_t(s->capacity));
-  Epoch ep(std::move(s));
-  Epoch::State& st = *ep.state_;
-  for (int i = 0; i < opts_.workers && i < st.num_batches; ++i)
-    st.threads.emplace_back([&st] { st.worker(); });
-  return ep;
+  const int64_t capacity =
+      std::max<int64_t>(1, opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers);
+  const Epoch::State* st = s.get();  // stable: the Epoch moves its unique_ptr, not the State
+  s->prefetch = std::make_unique<OrderedPrefetch<Batch>>(
+      s->num_batches, opts_.workers, capacity, [st](int64_t k) { return st->build(k); });
+  return Epoch(std::move(s));
 }
 
 }  // namespace kiln::data

@@ -171,40 +171,59 @@ Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
                             is_training(), momentum_, eps_);
 }
 
-Tensor BatchNorm2d::forward_from_stats(const Tensor& x, const F::ChannelStats& stats,
-                                       const Tensor& residual, bool relu) {
-  if (relu && !(is_training() && !sync_ && stats.defined())) return forward_relu(x, residual);
-  if (!relu && !(is_training() && !sync_ && stats.defined())) {
-    Tensor y = forward(x);
-    return residual.defined() ? F::add(y, residual) : y;
+F::BatchNormParams BatchNorm2d::params() const {
+  return F::BatchNormParams{weight_, bias_, running_mean_, running_var_, momentum_, eps_};
+}
+
+// ---------------- ConvBnRef, ConvBn ----------------
+namespace {
+
+// Whether the convolution should produce bn's statistics: only for a batch norm that uses its
+// own batch's statistics (training, not synchronised across processes).
+bool wants_stats(const BatchNorm2d& bn) { return bn.is_training() && !bn.sync_enabled(); }
+
+// act(bn(y) [+ residual]) with y's statistics `stats` when the convolution produced them.
+Tensor bn_tail(BatchNorm2d& bn, const Tensor& y, const F::ChannelStats& stats,
+               const Tensor& residual, bool relu) {
+  if (!(wants_stats(bn) && stats.defined())) {
+    if (relu) return bn.forward_relu(y, residual);
+    Tensor z = bn.forward(y);
+    return residual.defined() ? F::add(z, residual) : z;
   }
-  check_and_count(x);
-  return F::batch_norm_from_stats(x, stats, residual, relu, weight_, bias_, running_mean_,
-                                  running_var_, is_training(), momentum_, eps_);
+  bn.check_and_count(y);
+  const F::BatchNormParams p = bn.params();
+  return F::batch_norm_from_stats(y, stats, residual, relu, p.weight, p.bias, p.running_mean,
+                                  p.running_var, /*training=*/true, p.momentum, p.eps);
 }
 
-Tensor BatchNorm2d::forward_add_bn_relu(const Tensor& x, const F::ChannelStats& sx,
-                                        BatchNorm2d& shortcut_bn, const Tensor& r,
-                                        const F::ChannelStats& sr) {
-  BatchNorm2d& o = shortcut_bn;
-  if (!(is_training() && o.is_training() && !sync_ && !o.sync_ && sx.defined() && sr.defined()))
-    return forward_from_stats(x, sx, o.forward_from_stats(r, sr, Tensor(), false), true);
-  check_and_count(x);
-  o.check_and_count(r);
-  return F::batch_norm_add_batch_norm_relu(
-      x, sx, F::BatchNormParams{weight_, bias_, running_mean_, running_var_, momentum_, eps_}, r,
-      sr, F::BatchNormParams{o.weight_, o.bias_, o.running_mean_, o.running_var_, o.momentum_,
-                             o.eps_},
-      true);
-}
+}  // namespace
 
-Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu,
-               const Tensor& residual) {
+Tensor ConvBnRef::forward(const Tensor& x, bool relu, const Tensor& residual) const {
   F::ChannelStats stats;
-  const bool want = bn.is_training() && !bn.sync_enabled();
-  Tensor y = conv.forward(x, want ? &stats : nullptr);
-  return bn.forward_from_stats(y, stats, residual, relu);
+  Tensor y = conv.forward(x, wants_stats(bn) ? &stats : nullptr);
+  return bn_tail(bn, y, stats, residual, relu);
 }
+
+Tensor ConvBnRef::forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const {
+  const bool want = wants_stats(bn) && wants_stats(shortcut.bn);
+  F::ChannelStats sx, sr;
+  Tensor y = conv.forward(x, want ? &sx : nullptr);
+  Tensor yr = shortcut.conv.forward(r, want ? &sr : nullptr);
+  if (!(want && sx.defined() && sr.defined()))
+    return bn_tail(bn, y, sx, bn_tail(shortcut.bn, yr, sr, Tensor(), false), true);
+  bn.check_and_count(y);
+  shortcut.bn.check_and_count(yr);
+  return F::batch_norm_add_batch_norm_relu(y, sx, bn.params(), yr, sr, shortcut.bn.params(),
+                                           /*training=*/true);
+}
+
+ConvBn::ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn) {
+  KILN_CHECK(conv && bn, "ConvBn: conv and bn must be non-null");
+  conv_ = register_module("0", std::move(conv));
+  bn_ = register_module("1", std::move(bn));
+}
+
+Tensor ConvBn::forward(const Tensor& x) { return parts().forward(x, /*relu=*/false); }
 
 std::string BatchNorm2d::describe() const {
   std::ostringstream os;

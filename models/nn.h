@@ -70,19 +70,15 @@ class BatchNorm2d : public Module {
   explicit BatchNorm2d(int64_t channels, double eps = 1e-5, double momentum = 0.1);
   Tensor forward(const Tensor& x) override;
   // relu(bn(x) + residual), residual optional: F::batch_norm_relu with this module's state
-  // (fused on the GPU). Counts a batch like forward(). Synchronised: sync_batch_norm, then add
-  // and relu (not fused).
+  // (fused where the backend can). Counts a batch like forward(). Synchronised:
+  // sync_batch_norm, then add and relu (not fused).
   Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
-  // act(bn(x) [+ residual]), act = relu when `relu`, where `stats` are x's statistics from the
-  // convolution that produced it (F::batch_norm_from_stats with this module's state; undefined
-  // stats or synchronisation: forward / forward_relu's path). Counts a batch like forward().
-  Tensor forward_from_stats(const Tensor& x, const F::ChannelStats& stats,
-                            const Tensor& residual, bool relu);
-  // relu(bn(x) + shortcut_bn(r)), x's and r's statistics from their convolutions
-  // (F::batch_norm_add_batch_norm_relu; without statistics, training or with synchronisation:
-  // forward_from_stats of each). Counts a batch on both modules.
-  Tensor forward_add_bn_relu(const Tensor& x, const F::ChannelStats& sx, BatchNorm2d& shortcut_bn,
-                             const Tensor& r, const F::ChannelStats& sr);
+  // This module's parameters and running statistics as the F:: batch-norm ops take them.
+  F::BatchNormParams params() const;
+  // Validates x (N, C, H, W) and, in training, counts a batch (num_batches_tracked += 1): what
+  // every forward does first. For callers that run the batch norm through F:: themselves
+  // (ConvBnRef).
+  void check_and_count(const Tensor& x);
   // An empty `reduce` turns synchronisation off. The reducer's captures must outlive training.
   void set_sync(StatsAllReduce reduce) { sync_ = std::move(reduce); }
   bool sync_enabled() const { return static_cast<bool>(sync_); }
@@ -95,19 +91,44 @@ class BatchNorm2d : public Module {
   const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
-  void check_and_count(const Tensor& x);
-
   int64_t channels_;
   double eps_, momentum_;
   Tensor weight_, bias_, running_mean_, running_var_, num_batches_tracked_;
   StatsAllReduce sync_;
 };
 
-// act(bn(conv(x)) [+ residual]): the convolution also produces the batch norm's statistics
-// when bn is training and not synchronised (cuDNN's statistics epilogue on the GPU, saving the
-// batch norm's own pass over the activation).
-Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu,
-               const Tensor& residual = Tensor());
+// A convolution and the batch norm that follows it: the one place that decides how the two
+// run together. In training without synchronisation the convolution also produces the batch
+// norm's per-channel statistics (F::conv2d's `stats`, a backend fast path: cuDNN's statistics
+// epilogue on the GPU, saving the batch norm's own pass over the activation), and batch norm,
+// residual add and ReLU run as one fused op (F::batch_norm_from_stats,
+// F::batch_norm_add_batch_norm_relu). Otherwise each module runs on its own; the results are
+// the same up to rounding. The modules are registered elsewhere (a ResNet block's conv1/bn1,
+// or ConvBn below); this only refers to them.
+struct ConvBnRef {
+  Conv2d& conv;
+  BatchNorm2d& bn;
+  // act(bn(conv(x)) [+ residual]), act = ReLU when `relu`.
+  Tensor forward(const Tensor& x, bool relu, const Tensor& residual = Tensor()) const;
+  // relu(bn(conv(x)) + shortcut.bn(shortcut.conv(r))): a ResNet block's tail with a
+  // convolution shortcut, one fused pass when both convolutions produce their statistics.
+  Tensor forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const;
+};
+
+// torchvision's Sequential(Conv2d, BatchNorm2d) — a ResNet downsample — with its names ("0",
+// "1", so `downsample.0.weight` and `downsample.1.running_mean` load as they are), run through
+// ConvBnRef.
+class ConvBn : public Module {
+ public:
+  ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn);
+  Tensor forward(const Tensor& x) override;  // bn(conv(x))
+  ConvBnRef parts() const { return {*conv_, *bn_}; }
+  std::string type_name() const override { return "Sequential"; }
+
+ private:
+  std::shared_ptr<Conv2d> conv_;
+  std::shared_ptr<BatchNorm2d> bn_;
+};
 
 // Synchronised batch norm for data-parallel training: set_sync(reduce) on every BatchNorm2d in
 // `root`'s tree (root included). Returns how many modules it set. `reduce` must not be empty.

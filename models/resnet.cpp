@@ -17,37 +17,21 @@ std::shared_ptr<Conv2d> conv1x1(int64_t in, int64_t out, int64_t stride, Generat
   return std::make_shared<Conv2d>(in, out, 1, stride, 0, 1, 1, /*bias=*/false, gen);
 }
 
-// The usual downsample, Sequential(Conv2d, BatchNorm2d), as its two modules; nulls otherwise.
-std::pair<Conv2d*, BatchNorm2d*> conv_bn_pair(nn::Module* ds) {
-  if (auto* seq = dynamic_cast<nn::Sequential*>(ds); seq && seq->size() == 2) {
-    auto* conv = dynamic_cast<Conv2d*>((*seq)[0].get());
-    auto* bn = dynamic_cast<BatchNorm2d*>((*seq)[1].get());
-    if (conv && bn) return {conv, bn};
-  }
-  return {nullptr, nullptr};
-}
-
-// relu(bn(conv(out)) + downsample(x)) (or + x without a downsample). A Conv2d + BatchNorm2d
-// shortcut joins the block's last batch norm in one fused op when both convolutions produce
-// their statistics.
-Tensor block_tail(Conv2d& conv, BatchNorm2d& bn, const Tensor& out, nn::Module* downsample,
+// relu(bn(conv(out)) + downsample(x)) (or + x without a downsample): nn::ConvBnRef decides
+// what runs fused.
+Tensor block_tail(Conv2d& conv, BatchNorm2d& bn, const Tensor& out, nn::ConvBn* downsample,
                   const Tensor& x) {
-  if (!downsample) return nn::conv_bn(conv, bn, out, /*relu=*/true, x);
-  auto [ds_conv, ds_bn] = conv_bn_pair(downsample);
-  if (!ds_conv) return nn::conv_bn(conv, bn, out, /*relu=*/true, downsample->forward(x));
-  const bool want = bn.is_training() && !bn.sync_enabled() && ds_bn->is_training() &&
-                    !ds_bn->sync_enabled();
-  F::ChannelStats s_main, s_short;
-  Tensor y = conv.forward(out, want ? &s_main : nullptr);
-  Tensor r = ds_conv->forward(x, want ? &s_short : nullptr);
-  return bn.forward_add_bn_relu(y, s_main, *ds_bn, r, s_short);
+  const nn::ConvBnRef main{conv, bn};
+  if (!downsample) return main.forward(out, /*relu=*/true, x);
+  return main.forward_add(out, downsample->parts(), x);
 }
 
 }  // namespace
 
 // ---------------- blocks ----------------
 // Registration order fixes the parameter order; it follows torchvision's __init__.
-BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride,
+                       std::shared_ptr<nn::ConvBn> downsample,
                        Generator* gen) {
   conv1_ = register_module("conv1", conv3x3(in_planes, planes, stride, gen));
   bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
@@ -57,15 +41,16 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
   if (downsample) downsample_ = register_module("downsample", std::move(downsample));
 }
 
-// Each conv -> bn (-> add) -> relu goes through nn::conv_bn or block_tail: on the GPU the
-// convolution produces the batch norm's statistics and the rest is one fused pass each way (the
-// module `relu` stays registered for torchvision's names).
+// Each conv -> bn (-> add) -> relu goes through nn::ConvBnRef (block_tail for the last): on the
+// GPU the convolution produces the batch norm's statistics and the rest is one fused pass each
+// way (the module `relu` stays registered for torchvision's names).
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
+  Tensor out = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
   return block_tail(*conv2_, *bn2_, out, downsample_.get(), x);
 }
 
-Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride,
+                       std::shared_ptr<nn::ConvBn> downsample,
                        Generator* gen) {
   conv1_ = register_module("conv1", conv1x1(in_planes, planes, 1, gen));
   bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
@@ -78,8 +63,8 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::Mo
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
-  out = nn::conv_bn(*conv2_, *bn2_, out, /*relu=*/true);
+  Tensor out = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
+  out = nn::ConvBnRef{*conv2_, *bn2_}.forward(out, /*relu=*/true);
   return block_tail(*conv3_, *bn3_, out, downsample_.get(), x);
 }
 
@@ -131,15 +116,15 @@ std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t block
                                                    Generator* gen) {
   const int64_t expansion =
       block_ == BlockKind::Basic ? BasicBlock::kExpansion : Bottleneck::kExpansion;
-  auto make_block = [&](int64_t in, int64_t s, nn::ModulePtr ds) -> nn::ModulePtr {
+  auto make_block = [&](int64_t in, int64_t s,
+                        std::shared_ptr<nn::ConvBn> ds) -> nn::ModulePtr {
     if (block_ == BlockKind::Basic) return std::make_shared<BasicBlock>(in, planes, s, ds, gen);
     return std::make_shared<Bottleneck>(in, planes, s, ds, gen);
   };
-  nn::ModulePtr downsample;
+  std::shared_ptr<nn::ConvBn> downsample;
   if (stride != 1 || in_planes_ != planes * expansion) {
-    downsample = std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
-        conv1x1(in_planes_, planes * expansion, stride, gen),
-        std::make_shared<BatchNorm2d>(planes * expansion)});
+    downsample = std::make_shared<nn::ConvBn>(conv1x1(in_planes_, planes * expansion, stride, gen),
+                                              std::make_shared<BatchNorm2d>(planes * expansion));
   }
   auto layer = std::make_shared<nn::Sequential>();
   layer->push_back(make_block(in_planes_, stride, downsample));
@@ -151,7 +136,7 @@ std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t block
 Tensor ResNet::forward(const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.size(1) == opts_.in_channels, "ResNet: expected input (N, ",
              opts_.in_channels, ", H, W), got ", x.desc());
-  Tensor y = nn::conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
+  Tensor y = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
   if (maxpool_) y = maxpool_->forward(y);
   for (const auto& layer : layers_) y = layer->forward(y);
   y = flatten_->forward(avgpool_->forward(y));

@@ -23,7 +23,8 @@ class BasicBlock : public nn::Module {
  public:
   static constexpr int64_t kExpansion = 1;
   // downsample may be null.
-  BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+  BasicBlock(int64_t in_planes, int64_t planes, int64_t stride,
+             std::shared_ptr<nn::ConvBn> downsample,
              Generator* gen);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "BasicBlock"; }
@@ -33,14 +34,15 @@ class BasicBlock : public nn::Module {
   std::shared_ptr<nn::Conv2d> conv1_, conv2_;
   std::shared_ptr<nn::BatchNorm2d> bn1_, bn2_;
   std::shared_ptr<nn::ReLU> relu_;
-  nn::ModulePtr downsample_;
+  std::shared_ptr<nn::ConvBn> downsample_;
 };
 
 // conv1x1 -> bn -> relu -> conv3x3(stride) -> bn -> relu -> conv1x1(x4) -> bn, + identity, relu.
 class Bottleneck : public nn::Module {
  public:
   static constexpr int64_t kExpansion = 4;
-  Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, nn::ModulePtr downsample,
+  Bottleneck(int64_t in_planes, int64_t planes, int64_t stride,
+             std::shared_ptr<nn::ConvBn> downsample,
              Generator* gen);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Bottleneck"; }
@@ -50,7 +52,7 @@ class Bottleneck : public nn::Module {
   std::shared_ptr<nn::Conv2d> conv1_, conv2_, conv3_;
   std::shared_ptr<nn::BatchNorm2d> bn1_, bn2_, bn3_;
   std::shared_ptr<nn::ReLU> relu_;
-  nn::ModulePtr downsample_;
+  std::shared_ptr<nn::ConvBn> downsample_;
 };
 
 struct ResNetOptions {

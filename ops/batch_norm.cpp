@@ -1,8 +1,7 @@
 // Batch normalisation: validation, forward (training and eval), backward, device dispatch.
 #include <algorithm>
 
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -60,11 +59,6 @@ Tensor dense(const Tensor& t, MemoryFormat fmt) {
   return t.contiguous(fmt);
 }
 
-// The CUDA kernels take weight and bias as tensors; stand in for absent ones.
-[[maybe_unused]] Tensor or_constant(const Tensor& p, int64_t c, double v, const Tensor& x) {
-  return p.defined() ? p : full({c}, v, TensorOptions(DType::f32).with_device(x.device()));
-}
-
 // Dims of x other than the channel dim: the reduction of dweight and dbias.
 std::vector<int64_t> non_channel_dims(int64_t nd) {
   std::vector<int64_t> dims{0};
@@ -96,13 +90,7 @@ class BatchNormBackward final : public Node {
       dx = empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(fmt_));
     if (needs_input_grad(1)) dw = empty({c}, popts);
     if (needs_input_grad(2)) db = empty({c}, popts);
-    switch (x.device().type) {
-      case DeviceType::CPU: cpu::batch_norm_backward(dx, dw, db, dy, x, w, mean, invstd); break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::batch_norm_backward(dx, dw, db, dy, x, or_constant(w, c, 1.0, x),
-                                                 mean, invstd));
-        break;
-    }
+    backend(x).batch_norm_backward(dx, dw, db, dy, x, w, mean, invstd);
     return {dx, dw, db};
   }
 
@@ -165,16 +153,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
   const Tensor b = bias.defined() ? bias.detach() : Tensor();
 
   if (!training) {
-    switch (x.device().type) {
-      case DeviceType::CPU:
-        cpu::batch_norm_forward_eval(y, xc, w, b, running_mean, running_var, eps);
-        break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::batch_norm_forward_eval(y, xc, or_constant(w, c, 1.0, x),
-                                                     or_constant(b, c, 0.0, x), running_mean,
-                                                     running_var, eps));
-        break;
-    }
+    backend(x).batch_norm_forward_eval(y, xc, w, b, running_mean, running_var, eps);
     if (record) {
       auto node = std::make_shared<BatchNormEvalBackward>(xc, w, running_mean, running_var, eps);
       node->set_inputs({x, weight, bias});
@@ -190,17 +169,8 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
     running_mean.bump_version();
     running_var.bump_version();
   }
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::batch_norm_forward_training(y, save_mean, save_invstd, xc, w, b, running_mean,
-                                       running_var, momentum, eps);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::batch_norm_forward_training(
-          y, save_mean, save_invstd, xc, or_constant(w, c, 1.0, x), or_constant(b, c, 0.0, x),
-          running_mean, running_var, momentum, eps));
-      break;
-  }
+  backend(x).batch_norm_forward_training(y, save_mean, save_invstd, xc, w, b, running_mean,
+                                         running_var, momentum, eps);
   if (record) {
     auto node = std::make_shared<BatchNormBackward>(xc, w, save_mean, save_invstd, fmt);
     node->set_inputs({x, weight, bias});

@@ -1,29 +1,19 @@
-// relu(batch_norm(x) [+ residual]): the tail of every ResNet block. On CUDA, in training, with
-// f16 channels-last data and f32 parameters, it is one cuDNN fused kernel each way
-// (CUDNN_BATCHNORM_OPS_BN_ACTIVATION / _ADD_ACTIVATION), saving the separate add and ReLU
-// passes over the activation and their saved tensors. Elsewhere it is the composition of
-// F::batch_norm, F::add and F::relu, which defines the result.
-#include <cstdlib>
-#include <cstring>
+// relu(batch_norm(x) [+ residual]): the tail of every ResNet block. Where the backend has the
+// fused entries (core/backend.h: batch_norm_relu_*, bn_stats_*; on CUDA cuDNN's
+// BN_ACTIVATION / BN_ADD_ACTIVATION kernels and kiln's NHWC kernels), in training, with f16
+// channels-last data and f32 parameters, it is one fused pass each way, saving the separate
+// add and ReLU passes over the activation and their saved tensors. Elsewhere it is the
+// composition of F::batch_norm, F::add and F::relu, which defines the result.
 
-#include "ops/backend.h"
+#include "core/switches.h"
+#include "ops/check.h"
 #include "ops/ops.h"
-#ifdef KILN_WITH_CUDA
-#include "cuda/bn_nhwc.h"
-#endif
 
 namespace kiln::F {
 namespace {
 
-#ifdef KILN_WITH_CUDA
-// KILN_FUSED_BN=0 turns the fused path off (for A/B measurements and bisecting).
-bool fused_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_FUSED_BN");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
+// KILN_FUSED_BN=0 turns the fused paths off (for A/B measurements and bisecting).
+bool fused_enabled() { return switches().fused_bn; }
 
 bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
              const Tensor& running_mean, const Tensor& running_var, bool training) {
@@ -35,7 +25,8 @@ bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, cons
     return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
            p.size(0) == x.size(1) && p.is_contiguous();
   };
-  if (!training || !fused_enabled() || !nhwc_f16(x)) return false;
+  if (!training || !fused_enabled() || !nhwc_f16(x) || !backend(x).batch_norm_relu_forward)
+    return false;
   if (residual.defined() && !(nhwc_f16(residual) && residual.shape() == x.shape() &&
                               residual.device() == x.device()))
     return false;
@@ -65,12 +56,8 @@ class BatchNormActBackward final : public Node {
     Tensor dx = empty_like(x);
     Tensor dz = add_ ? empty_like(x) : Tensor();
     Tensor dw = empty_like(w), db = empty_like(b);  // cuDNN always computes both
-    if (add_)
-      cuda::batch_norm_add_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
-                                         save_invstd_.get(*this), reserve_.get(*this), eps_);
-    else
-      cuda::batch_norm_relu_backward(dx, dw, db, dy, x, y, w, b, save_mean_.get(*this),
-                                     save_invstd_.get(*this), reserve_.get(*this), eps_);
+    backend(x).batch_norm_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
+                                        save_invstd_.get(*this), reserve_.get(*this), eps_);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
             needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
   }
@@ -101,7 +88,7 @@ std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t
   return out;
 }
 
-// Backward of batch_norm_from_stats's fused path (cuda/bn_nhwc.h).
+// Backward of batch_norm_from_stats's fused path (Backend::bn_stats_*).
 class BatchNormStatsBackward final : public Node {
  public:
   BatchNormStatsBackward(const Tensor& x, const Tensor& mask, const Tensor& weight,
@@ -134,8 +121,9 @@ class BatchNormStatsBackward final : public Node {
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
     Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
-    cuda::bn_nhwc_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
-                           save_invstd_.get(*this), scale_shift_.get(*this), relu_, acc);
+    backend(x).bn_stats_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
+                                 save_invstd_.get(*this), scale_shift_.get(*this), relu_,
+                                 acc ? GradientMode::Accumulate : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), dz, dw, db};
   }
 
@@ -172,9 +160,11 @@ class DualBatchNormBackward final : public Node {
     const bool acc = !targets.empty();
     Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
     Tensor dwr = acc ? targets[2] : param_grad(4), dbr = acc ? targets[3] : param_grad(5);
-    cuda::bn_nhwc_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x,
-                                wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this), r,
-                                wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this), acc);
+    backend(x).bn_stats_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x,
+                                      wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this),
+                                      r, wr_.get(*this), mean_r_.get(*this),
+                                      invstd_r_.get(*this),
+                                      acc ? GradientMode::Accumulate : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }
@@ -186,8 +176,9 @@ class DualBatchNormBackward final : public Node {
 bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                    const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                    const Tensor& running_var, bool training) {
-  if (!training || !fused_enabled() || !stats.defined() || !cuda::bn_nhwc_supported(x) ||
-      stats.version != x.version())
+  const Backend& be = backend(x);
+  if (!training || !fused_enabled() || !stats.defined() || !be.bn_stats_supported ||
+      !be.bn_stats_supported(x) || stats.version != x.version())
     return false;
   auto per_channel = [&](const Tensor& p) {
     return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
@@ -201,7 +192,6 @@ bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& res
          per_channel(running_var) && per_channel(stats.sum) && per_channel(stats.sqsum) &&
          x.numel() / x.size(1) > 1;
 }
-#endif
 
 }  // namespace
 
@@ -210,7 +200,6 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
                              const Tensor& running_mean, const Tensor& running_var, bool training,
                              double momentum, double eps) {
   check_defined(x, "batch_norm_from_stats", "x");
-#ifdef KILN_WITH_CUDA
   if (stats_fusable(x, stats, residual, weight, bias, running_mean, running_var, training)) {
     KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", x);
     autograd::check_inplace(running_mean, "batch_norm_from_stats (running_mean update)");
@@ -223,16 +212,16 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
       NoGradGuard no_grad;  // running statistics change in place, outside the graph
       running_mean.bump_version();
       running_var.bump_version();
-      cuda::bn_nhwc_finalize(save_mean, save_invstd, scale_shift, stats.sum, stats.sqsum,
-                             weight.detach(), bias.detach(), running_mean, running_var,
-                             x.numel() / C, momentum, eps);
+      backend(x).bn_stats_finalize(save_mean, save_invstd, scale_shift, stats.sum, stats.sqsum,
+                                   weight.detach(), bias.detach(), running_mean, running_var,
+                                   x.numel() / C, momentum, eps);
     }
     Tensor y = empty_like(x);
     Tensor mask = relu && residual.defined()
                       ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
                       : Tensor();
-    cuda::bn_nhwc_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
-                        scale_shift, relu, mask);
+    backend(x).bn_stats_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
+                              scale_shift, relu, mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
           x.detach(), mask, weight.detach(), save_mean, save_invstd, scale_shift, relu,
@@ -242,7 +231,6 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
     }
     return y;
   }
-#endif
   if (relu) return batch_norm_relu(x, residual, weight, bias, running_mean, running_var, training,
                                    momentum, eps);
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
@@ -255,7 +243,6 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
                                       bool training) {
   check_defined(x, "batch_norm_add_batch_norm_relu", "x");
   check_defined(r, "batch_norm_add_batch_norm_relu", "r");
-#ifdef KILN_WITH_CUDA
   if (r.shape() == x.shape() &&
       stats_fusable(x, sx, Tensor(), px.weight, px.bias, px.running_mean, px.running_var,
                     training) &&
@@ -275,16 +262,16 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
       NoGradGuard no_grad;
       p.running_mean.bump_version();
       p.running_var.bump_version();
-      cuda::bn_nhwc_finalize(mean, invstd, ss, st.sum, st.sqsum, p.weight.detach(),
-                             p.bias.detach(), p.running_mean, p.running_var, t.numel() / C,
-                             p.momentum, p.eps);
+      backend(t).bn_stats_finalize(mean, invstd, ss, st.sum, st.sqsum, p.weight.detach(),
+                                   p.bias.detach(), p.running_mean, p.running_var, t.numel() / C,
+                                   p.momentum, p.eps);
     };
     Tensor mean_x, invstd_x, ss_x, mean_r, invstd_r, ss_r;
     finalize(x, sx, px, mean_x, invstd_x, ss_x);
     finalize(r, sr, pr, mean_r, invstd_r, ss_r);
     Tensor y = empty_like(x);
     Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()));
-    cuda::bn_nhwc_dual_apply(y, x.detach(), ss_x, r.detach(), ss_r, mask);
+    backend(x).bn_stats_dual_apply(y, x.detach(), ss_x, r.detach(), ss_r, mask);
     if (autograd::any_requires_grad({x, r, px.weight, px.bias, pr.weight, pr.bias})) {
       auto node = std::make_shared<DualBatchNormBackward>(
           x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), mean_x, invstd_x,
@@ -294,7 +281,6 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
     }
     return y;
   }
-#endif
   Tensor shortcut = batch_norm_from_stats(r, sr, Tensor(), false, pr.weight, pr.bias,
                                           pr.running_mean, pr.running_var, training, pr.momentum,
                                           pr.eps);
@@ -306,7 +292,6 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
                        const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
                        bool training, double momentum, double eps) {
   check_defined(x, "batch_norm_relu", "x");
-#ifdef KILN_WITH_CUDA
   if (fusable(x, residual, weight, bias, running_mean, running_var, training)) {
     KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : "batch_norm_relu", x);
     autograd::check_inplace(running_mean, "batch_norm_relu (running_mean update)");
@@ -319,13 +304,9 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
       NoGradGuard no_grad;  // running statistics change in place, outside the graph
       running_mean.bump_version();
       running_var.bump_version();
-      reserve = residual.defined()
-                    ? cuda::batch_norm_add_relu_forward_training(
-                          y, save_mean, save_invstd, x, residual, weight, bias, running_mean,
-                          running_var, momentum, eps)
-                    : cuda::batch_norm_relu_forward_training(y, save_mean, save_invstd, x, weight,
-                                                             bias, running_mean, running_var,
-                                                             momentum, eps);
+      reserve = backend(x).batch_norm_relu_forward(y, save_mean, save_invstd, x, residual, weight,
+                                                   bias, running_mean, running_var, momentum,
+                                                   eps);
     }
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormActBackward>(x, y, weight, bias, save_mean,
@@ -336,7 +317,6 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
     }
     return y;
   }
-#endif
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
   if (residual.defined()) y = add(y, residual);
   return relu(y);

@@ -1,18 +1,12 @@
 // conv2d: validation, forward, backward (data, weight, bias), device dispatch.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
-#ifdef KILN_WITH_CUDA
-#include "cuda/bn_nhwc.h"
-#include "cuda/conv.h"
-#include "cuda/sync_batch_norm.h"
-#endif
 
 namespace kiln::F {
 namespace {
 
 // Dense in its own layout, for the CUDA entry points (which take NCHW or NHWC tensors).
-[[maybe_unused]] Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
+Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
 
 // Output extent of a dilated window sliding over a padded input.
 int64_t conv_out_size(int64_t in, int64_t k, int64_t s, int64_t pad, int64_t d) {
@@ -65,51 +59,32 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
 }
 
 // dx = dgrad(dy, w), a fresh tensor in `fmt`; or, with `acc` defined, acc += dgrad(dy, w) and
-// acc is returned. The CUDA path fuses the `+=` into cuDNN (beta = 1); the CPU path adds a
-// fresh result, which is correct but saves nothing.
+// acc is returned (the backend fuses the `+=` where it can: cuDNN's beta = 1).
 Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
                          const ConvParams& p, const Tensor& acc) {
-  if (acc.defined() && dy.is_cuda()) {
-    KILN_CUDA_CALL(cuda::conv2d_backward_data(acc, dense(dy), dense(w), p, /*accumulate=*/true));
+  if (acc.defined()) {
+    backend(dy).conv2d_backward_data(acc, dense(dy), dense(w), p, GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }
   Tensor dx =
       empty(x_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
-  switch (dy.device().type) {
-    case DeviceType::CPU:
-      cpu::conv2d_backward_data(dx, dy, w, p);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::conv2d_backward_data(dx, dense(dy), dense(w), p));
-      break;
-  }
-  if (!acc.defined()) return dx;
-  acc.add_(dx);
-  return acc;
+  backend(dy).conv2d_backward_data(dx, dense(dy), dense(w), p, GradientMode::Set);
+  return dx;
 }
 
 // dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) as above.
 Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                            MemoryFormat fmt, const ConvParams& p, const Tensor& acc) {
-  if (acc.defined() && dy.is_cuda()) {
-    KILN_CUDA_CALL(cuda::conv2d_backward_weight(acc, dense(dy), dense(x), p, /*accumulate=*/true));
+  if (acc.defined()) {
+    backend(dy).conv2d_backward_weight(acc, dense(dy), dense(x), p, GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }
   Tensor dw =
       empty(w_shape, TensorOptions(dy.dtype()).with_device(dy.device()).with_memory_format(fmt));
-  switch (dy.device().type) {
-    case DeviceType::CPU:
-      cpu::conv2d_backward_weight(dw, dy, x, p);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::conv2d_backward_weight(dw, dense(dy), dense(x), p));
-      break;
-  }
-  if (!acc.defined()) return dw;
-  acc.add_(dw);
-  return acc;
+  backend(dy).conv2d_backward_weight(dw, dense(dy), dense(x), p, GradientMode::Set);
+  return dw;
 }
 
 class Conv2dBackward final : public Node {
@@ -176,38 +151,16 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Pair st
                    TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(fmt));
   const Tensor xd = x.detach(), wd = weight.detach();
   const Tensor bd = bias.defined() ? bias.detach() : Tensor();
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::conv2d_forward(y, xd, wd, bd, p);
-      break;
-    case DeviceType::CUDA:
-#ifdef KILN_WITH_CUDA
-      if (stats && !bd.defined()) {
-        const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-        if (cuda::conv_deterministic()) {
-          // cuDNN's statistics epilogue adds across thread blocks in no fixed order; kiln's own
-          // statistics pass is bit-reproducible.
-          if (cuda::bn_nhwc_supported(y)) {
-            cuda::conv2d_forward(y, dense(xd), dense(wd), Tensor(), p);
-            Tensor st = empty({2 * y.size(1) + 1}, f32);
-            cuda::sync_batch_norm_stats(st, y);
-            *stats = ChannelStats{st.narrow(0, 0, y.size(1)), st.narrow(0, y.size(1), y.size(1)),
-                                  y.version()};
-            break;
-          }
-        } else {
-          Tensor sum = empty({y.size(1)}, f32), sqsum = empty({y.size(1)}, f32);
-          if (cuda::conv2d_forward_stats(y, sum, sqsum, dense(xd), dense(wd), p)) {
-            *stats = ChannelStats{sum, sqsum, y.version()};
-            break;
-          }
-        }
-      }
-#endif
-      KILN_CUDA_CALL(
-          cuda::conv2d_forward(y, dense(xd), dense(wd), bd.defined() ? bd.contiguous() : bd, p));
-      break;
+  const Backend& be = backend(x);
+  bool have_stats = false;
+  if (stats && !bd.defined() && be.conv2d_forward_stats) {
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor sum = empty({y.size(1)}, f32), sqsum = empty({y.size(1)}, f32);
+    have_stats = be.conv2d_forward_stats(y, sum, sqsum, dense(xd), dense(wd), p);
+    if (have_stats) *stats = ChannelStats{sum, sqsum, y.version()};
   }
+  if (!have_stats)
+    be.conv2d_forward(y, dense(xd), dense(wd), bd.defined() ? bd.contiguous() : bd, p);
   if (autograd::any_requires_grad({x, weight, bias})) {
     auto node = std::make_shared<Conv2dBackward>(xd, wd, p);
     node->set_inputs({x, weight, bias});

@@ -1,8 +1,7 @@
 // Elementwise ops with broadcasting: validation, forward, backward, device dispatch.
 #include <cmath>
 
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln {
@@ -69,10 +68,7 @@ Tensor run_unary(UnaryOp op, const Tensor& a, double s) {
   KILN_OP_SCOPE(unary_name(op), a);
   check_defined(a, unary_name(op));
   Tensor out = elementwise_out(a.shape(), a, nullptr);
-  switch (a.device().type) {
-    case DeviceType::CPU: cpu::unary(op, out, a, s); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::unary(op, out, a, s)); break;
-  }
+  backend(a).unary(op, out, a, s);
   return out;
 }
 
@@ -84,10 +80,7 @@ Tensor run_binary(BinaryOp op, const Tensor& a, const Tensor& b, double alpha) {
   Tensor out = elementwise_out(shape, a, &b);
   Tensor ea = a.shape() == shape ? a.detach() : a.detach().expand(shape);
   Tensor eb = b.shape() == shape ? b.detach() : b.detach().expand(shape);
-  switch (a.device().type) {
-    case DeviceType::CPU: cpu::binary(op, out, ea, eb, alpha); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::binary(op, out, ea, eb, alpha)); break;
-  }
+  backend(a).binary(op, out, ea, eb, alpha);
   return out;
 }
 
@@ -238,20 +231,14 @@ void inplace_binary(BinaryOp op, const Tensor& self, const Tensor& other, double
   if (o.shares_storage(self) && (o.strides() != self.strides() || o.offset() != self.offset()))
     o = o.clone();
   self.bump_version();
-  switch (self.device().type) {
-    case DeviceType::CPU: cpu::binary(op, self, self, o, alpha); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::binary(op, self, self, o, alpha)); break;
-  }
+  backend(self).binary(op, self, self, o, alpha);
 }
 
 void inplace_unary(UnaryOp op, const Tensor& self, double s, const char* name) {
   check_defined(self, name);
   autograd::check_inplace(self, name);
   self.bump_version();
-  switch (self.device().type) {
-    case DeviceType::CPU: cpu::unary(op, self, self, s); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::unary(op, self, self, s)); break;
-  }
+  backend(self).unary(op, self, self, s);
 }
 
 }  // namespace

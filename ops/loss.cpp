@@ -1,8 +1,7 @@
 // cross_entropy: validation, fused forward (loss and logits gradient in one pass), backward,
 // device dispatch. The gradient d(loss)/d(logits) = (softmax - q)/N is computed with the loss
 // and saved; backward only scales it by the upstream gradient.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -57,31 +56,15 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
              "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
   const int64_t n = logits.size(0), c = logits.size(1);
   const Tensor lc = logits.detach().contiguous();
-  Tensor grad = empty({n, c}, TensorOptions(logits.dtype()).with_device(logits.device()));
-  Tensor loss;
-  switch (logits.device().type) {
-    case DeviceType::CPU: {
-      const Tensor tc = target.contiguous();
-      if (tc.dtype() == DType::i64)
-        check_targets<int64_t>(tc, c);
-      else
-        check_targets<int32_t>(tc, c);
-      loss = empty({}, TensorOptions(logits.dtype()));
-      cpu::cross_entropy_forward(loss, grad, lc, tc, label_smoothing);
-      break;
-    }
-    case DeviceType::CUDA: {
-      // The fused kernel takes i64 targets and gives an f32 loss; targets are not range-checked
-      // on the host (that would synchronise every step).
-      const auto opts = TensorOptions(DType::f32).with_device(logits.device());
-      loss = empty({}, opts);
-      Tensor correct = empty({}, opts.with_dtype(DType::i64));
-      KILN_CUDA_CALL(cuda::cross_entropy_fused(loss, grad, correct, lc,
-                                               target.to(DType::i64).contiguous(),
-                                               label_smoothing, 1.0));
-      break;
-    }
-  }
+  const Tensor tc = target.to(DType::i64).contiguous();
+  // Targets on the host are range-checked here; on a device that would synchronise every step.
+  if (tc.is_cpu()) check_targets<int64_t>(tc, c);
+  const auto opts = TensorOptions(logits.dtype()).with_device(logits.device());
+  Tensor grad = empty({n, c}, opts);
+  // The loss in f32 (f64 for f64 logits): 16-bit logits give an f32 loss.
+  Tensor loss = empty({}, opts.with_dtype(logits.dtype() == DType::f64 ? DType::f64 : DType::f32));
+  Tensor correct = empty({}, opts.with_dtype(DType::i64));
+  backend(logits).cross_entropy(loss, grad, correct, lc, tc, label_smoothing, 1.0);
   if (autograd::any_requires_grad({logits})) {
     auto node = std::make_shared<CrossEntropyBackward>(grad);
     node->set_inputs({logits});

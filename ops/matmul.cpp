@@ -1,9 +1,8 @@
 // matmul (2-D, batched with broadcast batch dims, 1-D operands as in PyTorch) and linear.
-// Both reduce to one GEMM entry point (cpu::matmul / cuda::matmul) that takes contiguous
-// operands plus a transpose flag, so a transposed view (w.t(), the operands of the backward
-// GEMMs) costs no copy.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+// matmul reduces to one GEMM entry point (Backend::matmul) that takes contiguous operands plus
+// a transpose flag, so a transposed view (the operands of the backward GEMMs) costs no copy;
+// linear to Backend::linear_forward/backward (the bias in cuBLASLt's epilogue on CUDA).
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -32,10 +31,7 @@ Operand as_operand(const Tensor& x) {
 // out (n, m) = a (n, k) · b (k, m), or all 3-D with one batch size. a, b detached.
 void gemm(const Tensor& out, const Tensor& a, const Tensor& b) {
   Operand oa = as_operand(a), ob = as_operand(b);
-  switch (out.device().type) {
-    case DeviceType::CPU: cpu::matmul(out, oa.t, oa.trans, ob.t, ob.trans); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::matmul(out, oa.t, oa.trans, ob.t, ob.trans)); break;
-  }
+  backend(out).matmul(out, oa.t, oa.trans, ob.t, ob.trans);
 }
 
 // Forward GEMM without autograd; a, b at least 2-D and already validated.
@@ -109,25 +105,14 @@ class LinearBackward final : public Node {
     const Tensor& dy = grads[0];  // (N, out)
     if (!dy.defined()) return {Tensor(), Tensor(), Tensor()};
     Tensor x = x_.get(*this), w = w_.get(*this);
-    Tensor dx, dw, db;
-    switch (dy.device().type) {
-      case DeviceType::CPU:
-        if (needs_input_grad(0)) dx = matmul(dy, w);      // (N, in)
-        if (needs_input_grad(1)) dw = matmul(dy.t(), x);  // (out, in)
-        if (needs_input_grad(2)) db = sum(dy, {0});       // (out)
-        break;
-      case DeviceType::CUDA: {
-        // linear_backward always writes dw; dx and db only when asked for.
-        TensorOptions opts = TensorOptions(dy.dtype()).with_device(dy.device());
-        if (needs_input_grad(0)) dx = empty(x.shape(), opts);
-        dw = empty(w.shape(), opts);
-        if (needs_input_grad(2)) db = empty({w.size(0)}, opts);
-        KILN_CUDA_CALL(cuda::linear_backward(dx, dw, db, dy.contiguous(), x.contiguous(),
-                                             w.contiguous()));
-        if (!needs_input_grad(1)) dw = Tensor();
-        break;
-      }
-    }
+    // The backend always writes dw; dx and db only when asked for.
+    const TensorOptions opts = TensorOptions(dy.dtype()).with_device(dy.device());
+    Tensor dx, db;
+    if (needs_input_grad(0)) dx = empty(x.shape(), opts);
+    Tensor dw = empty(w.shape(), opts);
+    if (needs_input_grad(2)) db = empty({w.size(0)}, opts);
+    backend(dy).linear_backward(dx, dw, db, dy.contiguous(), x.contiguous(), w.contiguous());
+    if (!needs_input_grad(1)) dw = Tensor();
     return {dx, dw, db};
   }
 
@@ -184,18 +169,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     KILN_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), "linear: bias ", bias.desc(),
                " must be [", weight.size(0), "] for weight ", weight.desc());
   }
-  Tensor y;
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      y = matmul_raw(x, weight.detach().t());  // (N, in)·(in, out): weight read transposed
-      if (bias.defined()) add_(y, bias.detach());
-      break;
-    case DeviceType::CUDA:
-      y = empty({x.size(0), weight.size(0)}, TensorOptions(x.dtype()).with_device(x.device()));
-      KILN_CUDA_CALL(cuda::linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(),
-                                          bias.defined() ? bias.detach().contiguous() : Tensor()));
-      break;
-  }
+  Tensor y = empty({x.size(0), weight.size(0)}, TensorOptions(x.dtype()).with_device(x.device()));
+  backend(x).linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(),
+                            bias.defined() ? bias.detach().contiguous() : Tensor());
   if (autograd::any_requires_grad({x, weight, bias})) {
     auto node = std::make_shared<LinearBackward>(x, weight);
     node->set_inputs({x, weight, bias});

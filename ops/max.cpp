@@ -1,8 +1,7 @@
 // max over all elements or one dim (values and the argmax), and argmax.
 // The reduced dim is permuted last and made contiguous (plan_reduction), so one row kernel serves
 // every case; backward scatters each row's gradient to its argmax and permutes back.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 #include "ops/reduce_util.h"
 
@@ -28,12 +27,7 @@ MaxResult max_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keepd
   TensorOptions opts = TensorOptions(x.dtype()).with_device(x.device());
   r.values = empty(p.out_shape, opts);
   r.indices = empty(p.out_shape, opts.with_dtype(DType::i64));
-  switch (x.device().type) {
-    case DeviceType::CPU: cpu::max_rows(r.values, r.indices, xp, p.rows, p.inner); break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::max_rows(r.values, r.indices, xp, p.rows, p.inner));
-      break;
-  }
+  backend(x).max_rows(r.values, r.indices, xp, p.rows, p.inner);
   return r;
 }
 
@@ -52,12 +46,7 @@ class MaxBackward final : public Node {
     Shape permuted(p.perm.size());
     for (size_t i = 0; i < p.perm.size(); ++i) permuted[i] = in_shape[size_t(p.perm[i])];
     Tensor dx = empty(permuted, TensorOptions(g.dtype()).with_device(g.device()));
-    switch (g.device().type) {
-      case DeviceType::CPU: cpu::scatter_rows(dx, g, indices, p.rows, p.inner); break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::scatter_rows(dx, g, indices, p.rows, p.inner));
-        break;
-    }
+    backend(g).scatter_rows(dx, g, indices, p.rows, p.inner);
     std::vector<int64_t> inv(p.perm.size());
     for (size_t i = 0; i < p.perm.size(); ++i) inv[size_t(p.perm[i])] = int64_t(i);
     return {dx.permute(inv).contiguous()};

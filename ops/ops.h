@@ -119,7 +119,7 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
 // arguments and semantics, where `stats` are x's statistics from the op that produced it
 // (F::conv2d's). On CUDA, training, f16 channels-last x (and residual) with channels a multiple
 // of 8, f32 parameters and running stats, and stats current (x unmodified since), the forward is
-// one elementwise pass (cuda/bn_nhwc.h) and the backward kiln's two-pass kernels; otherwise it
+// one elementwise pass (cuda/kernels.h) and the backward kiln's two-pass kernels; otherwise it
 // is batch_norm_relu, or batch_norm [+ add], which define the result.
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              bool relu, const Tensor& weight, const Tensor& bias,

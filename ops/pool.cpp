@@ -1,14 +1,13 @@
 // Pooling (max, average, adaptive average) and flatten: validation, forward, backward, dispatch.
 // Outputs and input gradients keep x's memory format, like conv2d's.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
 namespace {
 
 // Dense in its own layout, for the CUDA entry points (which take NCHW or NHWC tensors).
-[[maybe_unused]] Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
+Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
 
 Tensor empty_in_format(const Shape& shape, const Tensor& like, MemoryFormat fmt) {
   return empty(shape,
@@ -58,38 +57,26 @@ Shape pooled_shape(const Tensor& x, const PoolParams& p) {
   return {x.size(0), x.size(1), oh, ow};
 }
 
-// On CPU the backward re-finds each window's maximum in the saved x; on CUDA it reads the argmax
-// indices the forward saved (smaller than x and needing no recomputation).
+// The backward reads the window positions the forward saved (smaller than x and needing no
+// recomputation).
 class MaxPool2dBackward final : public Node {
  public:
-  // Saves x when indices is undefined (CPU), else only the indices.
   MaxPool2dBackward(const Tensor& x, const Tensor& indices, const PoolParams& p)
-      : x_(indices.defined() ? Tensor() : x),
-        indices_(indices),
+      : indices_(indices),
         shape_(x.shape()),
         format_(x.suggest_memory_format()),
         p_(p) {}
   std::string name() const override { return "MaxPool2dBackward"; }
-  void release_saved() override {
-    x_.release();
-    indices_.release();
-  }
+  void release_saved() override { indices_.release(); }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
     Tensor dx = empty_in_format(shape_, g, format_);
-    switch (g.device().type) {
-      case DeviceType::CPU:
-        cpu::max_pool2d_backward(dx, g, x_.get(*this), p_);
-        break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::max_pool2d_backward(dx, dense(g), indices_.get(*this), p_));
-        break;
-    }
+    backend(g).max_pool2d_backward(dx, dense(g), indices_.get(*this), p_);
     return {dx};
   }
 
  private:
-  SavedTensor x_, indices_;  // x on CPU, indices on CUDA; the other undefined
+  SavedTensor indices_;
   Shape shape_;
   MemoryFormat format_;
   PoolParams p_;
@@ -102,14 +89,7 @@ class AvgPool2dBackward final : public Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
     Tensor dx = empty_in_format(input_meta_[0].shape, g, format_);
-    switch (g.device().type) {
-      case DeviceType::CPU:
-        cpu::avg_pool2d_backward(dx, g, p_);
-        break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::avg_pool2d_backward(dx, dense(g), p_));
-        break;
-    }
+    backend(g).avg_pool2d_backward(dx, dense(g), p_);
     return {dx};
   }
 
@@ -125,14 +105,7 @@ class AdaptiveAvgPool2dBackward final : public Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
     Tensor dx = empty_in_format(input_meta_[0].shape, g, format_);
-    switch (g.device().type) {
-      case DeviceType::CPU:
-        cpu::adaptive_avg_pool2d_backward(dx, g);
-        break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::adaptive_avg_pool2d_backward(dx, dense(g)));
-        break;
-    }
+    backend(g).adaptive_avg_pool2d_backward(dx, dense(g));
     return {dx};
   }
 
@@ -149,18 +122,10 @@ Tensor max_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
   const MemoryFormat fmt = x.suggest_memory_format();
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
   const Tensor xd = dense(x.detach());
-  Tensor indices;
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::max_pool2d_forward(y, xd, p);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(indices = empty(y.shape(), TensorOptions(cuda::max_pool2d_indices_dtype(p))
-                                                    .with_device(x.device())
-                                                    .with_memory_format(fmt)));
-      KILN_CUDA_CALL(cuda::max_pool2d_forward(y, indices, xd, p));
-      break;
-  }
+  const Tensor indices = empty(y.shape(), TensorOptions(max_pool2d_indices_dtype(p))
+                                              .with_device(x.device())
+                                              .with_memory_format(fmt));
+  backend(x).max_pool2d_forward(y, indices, xd, p);
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<MaxPool2dBackward>(xd, indices, p);
     node->set_inputs({x});
@@ -177,14 +142,7 @@ Tensor avg_pool2d(const Tensor& x, Pair kernel, std::optional<Pair> stride, Pair
   const MemoryFormat fmt = x.suggest_memory_format();
   Tensor y = empty_in_format(pooled_shape(x, p), x, fmt);
   const Tensor xd = dense(x.detach());
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::avg_pool2d_forward(y, xd, p);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::avg_pool2d_forward(y, xd, p));
-      break;
-  }
+  backend(x).avg_pool2d_forward(y, xd, p);
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<AvgPool2dBackward>(fmt, p);
     node->set_inputs({x});
@@ -204,14 +162,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Pair output_size) {
   const MemoryFormat fmt = x.suggest_memory_format();
   Tensor y = empty_in_format({x.size(0), x.size(1), output_size.h, output_size.w}, x, fmt);
   const Tensor xd = dense(x.detach());
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::adaptive_avg_pool2d_forward(y, xd);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::adaptive_avg_pool2d_forward(y, xd));
-      break;
-  }
+  backend(x).adaptive_avg_pool2d_forward(y, xd);
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<AdaptiveAvgPool2dBackward>(fmt);
     node->set_inputs({x});

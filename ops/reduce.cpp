@@ -2,8 +2,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 #include "ops/reduce_util.h"
 
@@ -46,10 +45,8 @@ Tensor reduce_rows_raw(ReduceOp op, const Tensor& x, const ReducePlan& p) {
   // (kept dims..., reduced dims...) contiguous, viewed as (rows, inner).
   Tensor xp = x.detach().permute(p.perm).contiguous();
   Tensor out = empty(p.out_shape, TensorOptions(x.dtype()).with_device(x.device()));
-  switch (x.device().type) {
-    case DeviceType::CPU: cpu::reduce_rows(op, out, xp, p.rows, p.inner); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::reduce_rows(op, out, xp, p.rows, p.inner)); break;
-  }
+  KILN_CHECK(op == ReduceOp::Sum || op == ReduceOp::Max, "reduce: only Sum and Max reduce rows");
+  backend(x).reduce_rows(op, out, xp, p.rows, p.inner);
   return out;
 }
 

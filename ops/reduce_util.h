@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::F {
 

@@ -1,8 +1,7 @@
 // softmax and log_softmax over any dim: validation, forward, backward, device dispatch.
 // The kernels work on the last dim of contiguous (rows, cols); another dim is permuted last
 // and made contiguous first, and the result permuted back.
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -44,17 +43,7 @@ class SoftmaxBackward final : public Node {
     Tensor y = y_last_.get(*this);
     Tensor dy = layout_.to_last(grads[0]);
     Tensor dx = empty(y.shape(), TensorOptions(y.dtype()).with_device(y.device()));
-    switch (y.device().type) {
-      case DeviceType::CPU:
-        cpu::softmax_backward(dx, dy, y, layout_.rows, layout_.cols, log_);
-        break;
-      case DeviceType::CUDA: {
-        // cuda::softmax_* take 2-D (rows, cols) tensors.
-        const Shape rc{layout_.rows, layout_.cols};
-        KILN_CUDA_CALL(cuda::softmax_backward(dx.view(rc), dy.view(rc), y.view(rc), log_));
-        break;
-      }
-    }
+    backend(y).softmax_backward(dx, dy, y, layout_.rows, layout_.cols, log_);
     return {layout_.from_last(dx)};
   }
 
@@ -76,14 +65,7 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log) {
   DimLast layout(x, dim);
   Tensor xl = layout.to_last(x);
   Tensor yl = empty(xl.shape(), TensorOptions(x.dtype()).with_device(x.device()));
-  switch (x.device().type) {
-    case DeviceType::CPU: cpu::softmax_forward(yl, xl, layout.rows, layout.cols, log); break;
-    case DeviceType::CUDA: {
-      const Shape rc{layout.rows, layout.cols};
-      KILN_CUDA_CALL(cuda::softmax_forward(yl.view(rc), xl.view(rc), log));
-      break;
-    }
-  }
+  backend(x).softmax_forward(yl, xl, layout.rows, layout.cols, log);
   Tensor out = layout.from_last(yl);
   if (autograd::any_requires_grad({x})) {
     auto node = std::make_shared<SoftmaxBackward>(yl, layout, log);

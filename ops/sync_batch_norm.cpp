@@ -21,12 +21,8 @@
 // rank's dx is R times the big batch's). tests/test_sync_batch_norm.cpp checks both cases.
 #include <algorithm>
 
-#include "ops/backend.h"
-#include "ops/cpu/kernels.h"
+#include "ops/check.h"
 #include "ops/ops.h"
-#ifdef KILN_WITH_CUDA
-#include "cuda/sync_batch_norm.h"
-#endif
 
 namespace kiln::F {
 namespace {
@@ -100,12 +96,7 @@ class SyncBatchNormBackward final : public Node {
     Tensor dy = grads[0].defined() ? grads[0].to(x.dtype()).contiguous(fmt_) : zeros_like(x);
     const int64_t c = x.size(1);
     Tensor sums = empty({2 * c}, TensorOptions(mean.dtype()).with_device(x.device()));
-    switch (x.device().type) {
-      case DeviceType::CPU: cpu::sync_batch_norm_backward_sums(sums, dy, x, mean, invstd); break;
-      case DeviceType::CUDA:
-        KILN_CUDA_CALL(cuda::sync_batch_norm_backward_sums(sums, dy, x, mean, invstd));
-        break;
-    }
+    backend(x).sync_batch_norm_backward_sums(sums, dy, x, mean, invstd);
     // This rank's parts of dbias and dweight, taken before the reduction overwrites sums.
     Tensor db = needs_input_grad(2) ? sums.narrow(0, 0, c).clone() : Tensor();
     Tensor dw = needs_input_grad(1) ? sums.narrow(0, c, c).clone() : Tensor();
@@ -115,15 +106,7 @@ class SyncBatchNormBackward final : public Node {
       Tensor count = count_.get(*this);
       dx = empty(x.shape(),
                  TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(fmt_));
-      switch (x.device().type) {
-        case DeviceType::CPU:
-          cpu::sync_batch_norm_backward_dx(dx, dy, x, w, mean, invstd, sums, count);
-          break;
-        case DeviceType::CUDA:
-          KILN_CUDA_CALL(
-              cuda::sync_batch_norm_backward_dx(dx, dy, x, w, mean, invstd, sums, count));
-          break;
-      }
+      backend(x).sync_batch_norm_backward_dx(dx, dy, x, w, mean, invstd, sums, count);
     }
     return {dx, dw, db};
   }
@@ -148,10 +131,7 @@ Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias
   const auto sopts = TensorOptions(stat_dtype(x)).with_device(x.device());
 
   Tensor stats = empty({2 * c + 1}, sopts);  // [Σx (C), Σx² (C), count]
-  switch (x.device().type) {
-    case DeviceType::CPU: cpu::sync_batch_norm_stats(stats, xc); break;
-    case DeviceType::CUDA: KILN_CUDA_CALL(cuda::sync_batch_norm_stats(stats, xc)); break;
-  }
+  backend(x).sync_batch_norm_stats(stats, xc);
   all_reduce(stats);
 
   Tensor y = empty(x.shape(),
@@ -161,16 +141,8 @@ Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias
     running_mean.bump_version();
     running_var.bump_version();
   }
-  switch (x.device().type) {
-    case DeviceType::CPU:
-      cpu::sync_batch_norm_apply(y, save_mean, save_invstd, xc, w, b, running_mean, running_var,
-                                 stats, momentum, eps);
-      break;
-    case DeviceType::CUDA:
-      KILN_CUDA_CALL(cuda::sync_batch_norm_apply(y, save_mean, save_invstd, xc, w, b,
-                                                 running_mean, running_var, stats, momentum, eps));
-      break;
-  }
+  backend(x).sync_batch_norm_apply(y, save_mean, save_invstd, xc, w, b, running_mean,
+                                   running_var, stats, momentum, eps);
   if (autograd::any_requires_grad({x, weight, bias})) {
     auto node = std::make_shared<SyncBatchNormBackward>(
         xc, w, save_mean, save_invstd, stats.narrow(0, 2 * c, 1), all_reduce, fmt);

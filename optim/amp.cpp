@@ -6,7 +6,7 @@
 #include "core/autograd.h"
 #include "models/nn.h"
 #include "ops/ops.h"
-#include "optim/fused_dispatch.h"
+#include "core/backend.h"
 
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
@@ -195,7 +195,7 @@ void DynamicLossScaler::update() {
   KILN_CHECK(checked_, "DynamicLossScaler::update: no unscale_/step since the last update (the "
              "overflow check never ran)");
   const fused::ScalerArgs a = args();
-  KILN_FUSED_CALL(device_, fused::ref::update_scale, cuda::loss_scaler_update, a);
+  backend(device_).loss_scaler_update(a);
   checked_ = false;
 }
 

@@ -4,7 +4,7 @@
 
 #include "core/autograd.h"
 #include "optim/amp.h"
-#include "optim/fused_dispatch.h"
+#include "core/backend.h"
 
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
@@ -272,7 +272,7 @@ void FusedOptimizer::check_grads(const Tensor& found_inf) {
   a.grads = static_cast<const uint8_t*>(grads_.raw_data());
   a.found_inf = found_inf.data<float>();
   a.partial_sumsq = partials_.data<float>();
-  KILN_FUSED_CALL(device_, fused::ref::check_grads, cuda::fused_check_grads, a);
+  backend(device_).fused_check_grads(a);
   norm_ready_ = true;
 }
 
@@ -292,7 +292,7 @@ Tensor FusedOptimizer::clip_grad_norm(double max_norm) {
     check_grads(scratch);
   }
   float* n = norm_.data<float>();
-  KILN_FUSED_CALL(device_, fused::ref::clip_coef, cuda::fused_clip_coef, partials_.data<float>(),
+  backend(device_).fused_clip_coef(partials_.data<float>(),
                   num_chunks(), pending_.scale, float(max_norm), n, n + 1);
   pending_.clip_coef = n + 1;
   return norm_.select(0, 0).clone();
@@ -305,7 +305,7 @@ void FusedOptimizer::step(DynamicLossScaler* scaler) {
   upload_group_options();
   upload_lr();
   int32_t* step = step_count_.data<int32_t>();
-  KILN_FUSED_CALL(device_, fused::ref::step_begin, cuda::fused_step_begin, step,
+  backend(device_).fused_step_begin(step,
                   pending_.found_inf);
   fused::StepArgs a;
   a.table = table();
@@ -361,7 +361,7 @@ GroupOptions FusedSGD::group_options(const ParamGroup& g) const {
 void FusedSGD::launch(const fused::StepArgs& a) {
   KILN_CHECK(a.state0 || num_state_arenas() == 0, "FusedSGD: momentum was turned on after "
              "construction; the momentum arena exists only when a group starts with momentum");
-  KILN_FUSED_CALL(device(), fused::ref::sgd_step, cuda::fused_sgd_step, a);
+  backend(device()).fused_sgd_step(a);
 }
 
 // ---------------- FusedAdamW ----------------
@@ -397,7 +397,7 @@ GroupOptions FusedAdamW::group_options(const ParamGroup& g) const {
 }
 
 void FusedAdamW::launch(const fused::StepArgs& a) {
-  KILN_FUSED_CALL(device(), fused::ref::adamw_step, cuda::fused_adamw_step, a);
+  backend(device()).fused_adamw_step(a);
 }
 
 }  // namespace kiln::optim

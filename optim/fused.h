@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "optim/adamw.h"
-#include "optim/fused_kernels.h"
+#include "core/fused_optim.h"
 #include "optim/sgd.h"
 
 namespace kiln::optim {

@@ -37,7 +37,7 @@
 #include "tools/train/launcher.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/runtime.h"
 #endif
 
@@ -164,7 +164,7 @@ std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
     p.kernel_h = p.kernel_w = 3;
     p.stride_h = p.stride_w = 2;
     p.pad_h = p.pad_w = 1;
-    Tensor idx = empty(y.shape(), TensorOptions(cuda::max_pool2d_indices_dtype(p))
+    Tensor idx = empty(y.shape(), TensorOptions(max_pool2d_indices_dtype(p))
                                       .with_device(Device::cuda(0))
                                       .with_memory_format(MemoryFormat::ChannelsLast));
     const double n = double(x.numel() + y.numel()) * es;

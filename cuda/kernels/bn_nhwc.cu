@@ -1,4 +1,4 @@
-// Batch norm on f16 NHWC activations with known statistics (contract in cuda/bn_nhwc.h).
+// Batch norm on f16 NHWC activations with known statistics (contract in cuda/kernels.h).
 //
 // Every pass moves 16-byte vectors: 8 neighbouring channels of one (n, h, w) row. The backward
 // sums run in two kernels like cuda/kernels/sync_batch_norm.cu: blocks write partial sums over a
@@ -6,7 +6,7 @@
 // so a replayed CUDA graph matches eager execution.
 #include <algorithm>
 
-#include "cuda/bn_nhwc.h"
+#include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/reduce.cuh"
 

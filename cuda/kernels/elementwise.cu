@@ -3,7 +3,7 @@
 // (zero strides). No __restrict__: in-place ops pass out == a.
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/elementwise.cuh"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 
 namespace kiln::cuda {
 namespace {

@@ -1,10 +1,10 @@
 #pragma once
-// Device-side scalar formulas of the unary and binary families (ops/kinds.h), shared by the
+// Device-side scalar formulas of the unary and binary families (core/kinds.h), shared by the
 // elementwise kernels and any fused kernel that wants them. C is the compute type (float or
 // double); the `switch` makes the compiler flag a missing op.
 #include <cuda_runtime.h>
 
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::cuda {
 

@@ -1,7 +1,7 @@
 // Input-pipeline kernels: u8 NHWC -> normalised float NHWC, and the synthetic source.
 #include "cuda/kernels/common.cuh"
 #include "cuda/normalize.h"
-#include "data/synthetic_hash.h"
+#include "core/hash.h"
 
 namespace kiln::cuda {
 namespace {
@@ -27,14 +27,14 @@ __global__ void normalize_kernel(T* __restrict__ out, const uint8_t* __restrict_
 __global__ void synthetic_bytes_kernel(uint8_t* __restrict__ out, uint64_t seed, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = data::synthetic_byte(seed, i);
+    out[i] = synthetic_byte(seed, i);
 }
 
 __global__ void synthetic_labels_kernel(int64_t* __restrict__ out, uint64_t seed, int64_t classes,
                                         int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = data::synthetic_label(seed, i, classes);
+    out[i] = synthetic_label(seed, i, classes);
 }
 
 }  // namespace

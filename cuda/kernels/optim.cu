@@ -2,12 +2,12 @@
 // every thread of a block reads the same slot, group and scalars, so a sweep over all
 // parameters is one launch with no divergence between parameters of different dtypes.
 #include "cuda/kernels/common.cuh"
-#include "cuda/optim.h"
+#include "cuda/kernels.h"
 
 namespace kiln::cuda {
 namespace {
 
-using namespace optim::fused;
+using namespace fused;
 
 constexpr int kThreads = 256;
 

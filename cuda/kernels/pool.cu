@@ -11,7 +11,7 @@
 #include <limits>
 
 #include "cuda/kernels/common.cuh"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 
 namespace kiln::cuda {
 namespace {

@@ -5,7 +5,7 @@
 
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/reduce.cuh"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 
 namespace kiln::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// Sync batch norm's local passes (entry points in cuda/sync_batch_norm.h).
+// Sync batch norm's local passes (entry points in cuda/kernels.h).
 //
 // Per-channel sums run in two kernels: blocks write partial sums (2, parts, C) over a fixed split
 // of the rows, then one thread per output adds a channel's partials in order. The split depends
@@ -13,7 +13,7 @@
 
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/reduce.cuh"
-#include "cuda/sync_batch_norm.h"
+#include "cuda/kernels.h"
 
 namespace kiln::cuda {
 namespace {

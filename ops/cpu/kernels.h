@@ -3,7 +3,7 @@
 // writes every element of `out` (`=`), which the caller allocated with the right shape.
 // f32 and f64 compute; OpenMP splits large loops over the cores.
 #include "core/tensor.h"
-#include "ops/kinds.h"
+#include "core/kinds.h"
 
 namespace kiln::cpu {
 
@@ -94,11 +94,10 @@ void softmax_forward(const Tensor& y, const Tensor& x, int64_t rows, int64_t col
 // dx = y*(dy - Σ dy*y) (softmax) or dy - exp(y)*Σ dy (log_softmax; y = log-probabilities).
 void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, int64_t rows,
                       int64_t cols, bool log);
-// Fused softmax-cross-entropy. logits (N, C) contiguous, target (N) contiguous i64 or i32, all
-// targets in [0, C) (checked by the caller). loss (0-d, logits' dtype) = mean over rows of
-// Σ_c q_c·(-log p_c) with q = (1-ε)·onehot + ε/C; grad (N, C) = (p - q) / N.
-void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& logits,
-                           const Tensor& target, double label_smoothing);
+// Backend::cross_entropy; loss of logits' dtype; target i64 or i32.
+void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& correct,
+                           const Tensor& logits, const Tensor& target, double label_smoothing,
+                           double grad_scale);
 }  // namespace kiln::cpu
 
 // ---- conv2d (ops/cpu/conv2d.cpp) ----
@@ -116,10 +115,11 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
 // ---- pooling (ops/cpu/pool.cpp) ----
 // x/dx (N, C, H, W), y/dy (N, C, H', W'); any strides in, any dense layout out; all write `=`.
 namespace kiln::cpu {
-// Padding is -inf: a window with no valid element yields -inf and passes no gradient.
-void max_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
-// Routes each dy to the first maximal element of its window (recomputed from x).
-void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const PoolParams& p);
+// Backend::max_pool2d_forward/backward: saved window-local indices, as on CUDA.
+void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
+                        const PoolParams& p);
+void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indices,
+                         const PoolParams& p);
 void avg_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p);
 void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p);
 // Window of output i over an input of n: [floor(i*n/o), ceil((i+1)*n/o)).

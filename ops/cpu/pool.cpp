@@ -35,8 +35,8 @@ struct Planes {
   int64_t out_plane() const { return oh * ow; }
 };
 
-// Offset within the plane of the first maximal element of window (oy, ox), -1 when the window
-// holds no input element. NaN wins, as in PyTorch.
+// Window-local position i·kernel_w + j of the first maximal element of window (oy, ox), -1
+// when the window holds no input element. NaN wins, as in PyTorch.
 template <typename T>
 int64_t window_argmax(const T* plane, const Planes& g, const PoolParams& p, int64_t oy,
                       int64_t ox) {
@@ -51,7 +51,7 @@ int64_t window_argmax(const T* plane, const Planes& g, const PoolParams& p, int6
       const T v = plane[ih * g.w + iw];
       if (best_at < 0 || v > best || std::isnan(v)) {
         best = v;
-        best_at = ih * g.w + iw;
+        best_at = i * p.kernel_w + j;
         if (std::isnan(v)) return best_at;
       }
     }
@@ -83,45 +83,67 @@ inline int64_t adaptive_end(int64_t i, int64_t in, int64_t out) {
 
 }  // namespace
 
-void max_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p) {
+// The window-local position i·kernel_w + j of window (oy, ox)'s first maximal element as
+// stored in the indices tensor, and back to an offset in the plane.
+static int64_t local_to_plane(int64_t local, const Planes& g, const PoolParams& p, int64_t oy,
+                       int64_t ox) {
+  const int64_t i = local / p.kernel_w, j = local % p.kernel_w;
+  return (oy * p.stride_h - p.pad_h + i * p.dil_h) * g.w + (ox * p.stride_w - p.pad_w + j * p.dil_w);
+}
+
+void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
+                        const PoolParams& p) {
   const Tensor xc = x.contiguous();
   const Planes g(xc, y);
+  const bool u8 = indices.dtype() == DType::u8;
   dispatch_float(y.dtype(), "max_pool2d", [&]<typename T>() {
-    write_contiguous(y, [&](const Tensor& yc) {
-      const T* xp = xc.data<T>();
-      T* yp = yc.data<T>();
+    write_contiguous(indices, [&](const Tensor& ic) {
+      write_contiguous(y, [&](const Tensor& yc) {
+        const T* xp = xc.data<T>();
+        T* yp = yc.data<T>();
+        uint8_t* i8 = u8 ? ic.data<uint8_t>() : nullptr;
+        int32_t* i32 = u8 ? nullptr : ic.data<int32_t>();
 #pragma omp parallel for if (y.numel() * p.kernel_h * p.kernel_w > kParallelGrain)
-      for (int64_t pl = 0; pl < g.count; ++pl) {
-        const T* plane = xp + pl * g.in_plane();
-        T* out = yp + pl * g.out_plane();
-        for (int64_t oy = 0; oy < g.oh; ++oy)
-          for (int64_t ox = 0; ox < g.ow; ++ox) {
-            const int64_t at = window_argmax(plane, g, p, oy, ox);
-            out[oy * g.ow + ox] = at < 0 ? -std::numeric_limits<T>::infinity() : plane[at];
-          }
-      }
+        for (int64_t pl = 0; pl < g.count; ++pl) {
+          const T* plane = xp + pl * g.in_plane();
+          T* out = yp + pl * g.out_plane();
+          for (int64_t oy = 0; oy < g.oh; ++oy)
+            for (int64_t ox = 0; ox < g.ow; ++ox) {
+              const int64_t local = window_argmax(plane, g, p, oy, ox);
+              const int64_t o = pl * g.out_plane() + oy * g.ow + ox;
+              out[oy * g.ow + ox] = local < 0 ? -std::numeric_limits<T>::infinity()
+                                              : plane[local_to_plane(local, g, p, oy, ox)];
+              if (u8)
+                i8[o] = local < 0 ? uint8_t(255) : uint8_t(local);
+              else
+                i32[o] = int32_t(local);
+            }
+        }
+      });
     });
   });
 }
 
-void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const PoolParams& p) {
-  const Tensor xc = x.contiguous(), dyc = dy.contiguous();
-  const Planes g(xc, dyc);
+void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indices,
+                         const PoolParams& p) {
+  const Tensor dyc = dy.contiguous(), ic = indices.contiguous();
+  const Planes g(dx, dyc);
+  const bool u8 = ic.dtype() == DType::u8;
   dispatch_float(dx.dtype(), "max_pool2d_backward", [&]<typename T>() {
     write_contiguous(dx, [&](const Tensor& dxc) {
-      const T* xp = xc.data<T>();
       const T* dyp = dyc.data<T>();
       T* dxp = dxc.data<T>();
 #pragma omp parallel for if (dy.numel() * p.kernel_h * p.kernel_w > kParallelGrain)
       for (int64_t pl = 0; pl < g.count; ++pl) {
-        const T* plane = xp + pl * g.in_plane();
         const T* gout = dyp + pl * g.out_plane();
         T* gin = dxp + pl * g.in_plane();
         std::fill(gin, gin + g.in_plane(), T(0));
         for (int64_t oy = 0; oy < g.oh; ++oy)
           for (int64_t ox = 0; ox < g.ow; ++ox) {
-            const int64_t at = window_argmax(plane, g, p, oy, ox);
-            if (at >= 0) gin[at] += gout[oy * g.ow + ox];
+            const int64_t o = pl * g.out_plane() + oy * g.ow + ox;
+            const int64_t local = u8 ? (ic.data<uint8_t>()[o] == 255 ? -1 : ic.data<uint8_t>()[o])
+                                     : int64_t(ic.data<int32_t>()[o]);
+            if (local >= 0) gin[local_to_plane(local, g, p, oy, ox)] += gout[oy * g.ow + ox];
           }
       }
     });

@@ -61,8 +61,9 @@ void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, int64
   });
 }
 
-void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& logits,
-                           const Tensor& target, double label_smoothing) {
+void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor& correct,
+                           const Tensor& logits, const Tensor& target, double label_smoothing,
+                           double grad_scale) {
   const int64_t n = logits.size(0), c = logits.size(1);
   dispatch_float(logits.dtype(), "cross_entropy", [&]<typename T>() {
     const T* px = logits.data<T>();
@@ -71,21 +72,27 @@ void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor&
     const int64_t* t64 = i64 ? target.data<int64_t>() : nullptr;
     const int32_t* t32 = i64 ? nullptr : target.data<int32_t>();
     const double eps = label_smoothing, off = eps / double(c), inv_n = 1.0 / double(n);
+    const double g_mul = grad_scale * inv_n;
     double total = 0;
-#pragma omp parallel for if (n * c > kParallelGrain) schedule(static) reduction(+ : total)
+    int64_t hits = 0;
+#pragma omp parallel for if (n * c > kParallelGrain) schedule(static) reduction(+ : total, hits)
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = i64 ? t64[r] : int64_t(t32[r]);
       std::vector<double> lp(static_cast<size_t>(c));
       log_softmax_row(px + r * c, c, lp.data());
       double row = 0;  // Σ_c q_c·(-log p_c)
+      int64_t best = 0;
       for (int64_t j = 0; j < c; ++j) {
         const double q = off + (j == t ? 1.0 - eps : 0.0);
         row -= q * lp[size_t(j)];
-        pg[r * c + j] = T((std::exp(lp[size_t(j)]) - q) * inv_n);
+        pg[r * c + j] = T((std::exp(lp[size_t(j)]) - q) * g_mul);
+        if (px[r * c + j] > px[r * c + best]) best = j;
       }
       total += row;
+      hits += best == t;
     }
     loss.data<T>()[0] = T(total * inv_n);
+    if (correct.defined()) correct.data<int64_t>()[0] = hits;
   });
 }
 

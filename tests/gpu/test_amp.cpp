@@ -1,5 +1,5 @@
 // Mixed precision on the GPU: the CUDA fused optimizers and loss scaler against their CPU
-// reference (optim/fused_ref.cpp, run on the very same f16/f32 values), prepare_model, a small
+// reference (ops/cpu/fused_optim.cpp, run on the very same f16/f32 values), prepare_model, a small
 // CNN trained in mixed precision tracking its FP32 twin, and a whole training step captured in
 // a CUDA graph (proof that nothing on the step path synchronises the host).
 //

@@ -10,7 +10,7 @@
 #include "core/autograd.h"
 #include "core/generator.h"
 #include "cuda/conv.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/ref_check.h"
 

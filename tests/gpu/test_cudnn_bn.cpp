@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/generator.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/ref_check.h"
 

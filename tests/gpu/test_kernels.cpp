@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace kiln;
@@ -136,7 +136,7 @@ void check_pool(Pool kind, DType t, MemoryFormat fmt, Shape in, const PoolParams
   std::vector<double> xv = x.to_vector<double>(), dyv = dy.to_vector<double>(), wy, wdx, widx;
   switch (kind) {
     case Pool::Max: {
-      Tensor idx = empty({D.N, D.C, oh, ow}, gpu_opts(cuda::max_pool2d_indices_dtype(p), fmt));
+      Tensor idx = empty({D.N, D.C, oh, ow}, gpu_opts(max_pool2d_indices_dtype(p), fmt));
       idx.fill_(idx.dtype() == DType::u8 ? 254.0 : 1e6);  // a position no test window has
       cuda::max_pool2d_forward(y, idx, x, p);
       cuda::max_pool2d_backward(dx, dy, idx, p);
@@ -223,7 +223,7 @@ TEST_CASE("max_pool2d: i32 indices for windows over 255 positions, and empty win
       const std::string tag = std::string(dtype_name(t)) +
                               (f == MemoryFormat::ChannelsLast ? " nhwc" : " nchw");
       PoolParams big = pool(16, 4, 0);
-      REQUIRE(cuda::max_pool2d_indices_dtype(big) == DType::i32);
+      REQUIRE(max_pool2d_indices_dtype(big) == DType::i32);
       check_pool(Pool::Max, t, f, {1, 8, 20, 20}, big, 2, 2, "16x16 s4 " + tag);
       // kernel 2, dilation 5, padding 1 over 4x4: the window's two rows/cols are -1 and 4, both
       // outside, so y = -inf and no gradient flows.

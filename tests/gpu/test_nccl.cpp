@@ -59,8 +59,8 @@ void check_all_reduce(Worker& w, cuda::Communicator& comm) {
       // Logical values; the channels-last tensor holds them in NHWC order.
       Tensor t = from_vector(rank_values(n, r, 0), shape, w.opts(dt, f));
       Tensor a = from_vector(rank_values(n, r, 0), shape, w.opts(dt, f));
-      comm.all_reduce(t, cuda::ReduceOp::Sum);
-      comm.all_reduce(a, cuda::ReduceOp::Avg);
+      comm.all_reduce(t, ReduceOp::Sum);
+      comm.all_reduce(a, ReduceOp::Avg);
       std::vector<double> sum(static_cast<size_t>(n), 0.0);
       for (int q = 0; q < kWorld; ++q) {
         const auto v = rank_values(n, q, 0);
@@ -74,7 +74,7 @@ void check_all_reduce(Worker& w, cuda::Communicator& comm) {
   }
   // Max and broadcast.
   Tensor m = from_vector(std::vector<double>{double(r), double(-r), 3.0}, {3}, w.opts(DType::f32));
-  comm.all_reduce(m, cuda::ReduceOp::Max);
+  comm.all_reduce(m, ReduceOp::Max);
   CHECK(m.to_vector<double>() == std::vector<double>{1.0, 0.0, 3.0});
   Tensor b = full({7}, double(r + 3), w.opts(DType::f16));
   comm.broadcast(b, /*root=*/1);
@@ -82,7 +82,7 @@ void check_all_reduce(Worker& w, cuda::Communicator& comm) {
   // Errors: a tensor on the host, a non-dense view, Avg of integers.
   CHECK_THROWS_AS(comm.all_reduce(zeros({2})), Error);
   CHECK_THROWS_AS(comm.all_reduce(zeros({4, 4}, w.opts(DType::f32)).t()), Error);
-  CHECK_THROWS_AS(comm.all_reduce(zeros({4}, w.opts(DType::i32)), cuda::ReduceOp::Avg), Error);
+  CHECK_THROWS_AS(comm.all_reduce(zeros({4}, w.opts(DType::i32)), ReduceOp::Avg), Error);
 }
 
 void check_found_inf(Worker& w, cuda::Communicator& comm) {

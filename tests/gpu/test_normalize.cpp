@@ -6,7 +6,7 @@
 #include "cuda/normalize.h"
 #include "cuda/runtime.h"
 #include "data/device_batches.h"
-#include "data/synthetic_hash.h"
+#include "core/hash.h"
 #include "data/transforms.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/image_test_util.h"

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "cuda/check.h"
-#include "cuda/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/profiler.h"
 #include "cuda/runtime.h"
 #include "tests/gpu/gpu_test_util.h"

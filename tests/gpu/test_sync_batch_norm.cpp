@@ -1,5 +1,5 @@
 // F::sync_batch_norm on the GPU.
-//  * The four CUDA kernels (cuda/sync_batch_norm.h), NaN-prefilled outputs, against the CPU
+//  * The four CUDA kernels (cuda/kernels.h), NaN-prefilled outputs, against the CPU
 //    kernels in f64 on the same rounded inputs: f16/bf16/f32, NHWC, NCHW and (N, C), channel
 //    counts off the 32-wide tile, and sizes that split the rows over many partial blocks.
 //  * The op with an identity reducer (one rank), f16 NHWC with f32 parameters, against the CPU
@@ -12,7 +12,7 @@
 #include <cstdlib>
 
 #include "cuda/runtime.h"
-#include "cuda/sync_batch_norm.h"
+#include "cuda/kernels.h"
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/ref_check.h"
@@ -196,7 +196,7 @@ TEST_CASE("sync_batch_norm worker") {
   int calls = 0;
   const F::StatsAllReduce reduce = [&](const Tensor& t) {
     ++calls;
-    comm.all_reduce(t, cuda::ReduceOp::Sum);
+    comm.all_reduce(t, ReduceOp::Sum);
   };
   // The whole batch (same on every rank); rank r holds rows [r·n, r·n + n), NHWC f16.
   const Shape shape{8, 40, 6, 5};
@@ -229,8 +229,8 @@ TEST_CASE("sync_batch_norm worker") {
   KILN_CHECK_OK(compare_scaled(x.grad(), rx.grad().narrow(0, off, n), 1e-2));
   // This rank's dweight and dbias are its parts: summed over the ranks, the whole batch's.
   Tensor dw = w.grad().clone(), db = b.grad().clone();
-  comm.all_reduce(dw, cuda::ReduceOp::Sum);
-  comm.all_reduce(db, cuda::ReduceOp::Sum);
+  comm.all_reduce(dw, ReduceOp::Sum);
+  comm.all_reduce(db, ReduceOp::Sum);
   KILN_CHECK_OK(compare_scaled(dw, rw.grad(), 1e-3));
   KILN_CHECK_OK(compare_scaled(db, rb.grad(), 1e-3));
   cuda::synchronize();

@@ -101,7 +101,7 @@ int64_t DataParallel::enable_sync_batch_norm(nn::Module& model) {
   // backward SyncBN reduction waits for the bucket all-reduces issued before it.
   cuda::Communicator* comm = impl_->comm.get();
   return nn::enable_sync_batch_norm(
-      model, [comm](const Tensor& t) { comm->all_reduce(t, cuda::ReduceOp::Sum); });
+      model, [comm](const Tensor& t) { comm->all_reduce(t, ReduceOp::Sum); });
 }
 
 void DataParallel::sync_buffers(nn::Module& model) {
@@ -113,7 +113,7 @@ void DataParallel::sum_host(std::vector<double>& values) {
   Tensor host = empty({int64_t(values.size())}, DType::f64);
   for (size_t i = 0; i < values.size(); ++i) host.data<double>()[i] = values[i];
   Tensor dev = host.to(impl_->device);
-  impl_->comm->all_reduce(dev, cuda::ReduceOp::Sum);
+  impl_->comm->all_reduce(dev, ReduceOp::Sum);
   Tensor back = dev.to(Device::cpu());
   for (size_t i = 0; i < values.size(); ++i) values[i] = back.data<double>()[i];
 }

@@ -1,6 +1,6 @@
 // CPU reference of the fused optimizer kernels (and the CPU path of FusedSGD/FusedAdamW and the
 // loss scaler). Chunks are visited in order; within a chunk elements go in order, so results
-// are deterministic. The formulas live in optim/fused_kernels.h.
+// are deterministic. The formulas live in core/fused_optim.h.
 #if defined(__GNUC__) && !defined(__clang__)
 // a*b then +c must round twice where the header says mul_rn; explicit fmadd still fuses.
 #pragma GCC optimize("fp-contract=off")
@@ -10,9 +10,9 @@
 
 #include <cmath>
 
-#include "optim/fused_kernels.h"
+#include "core/fused_optim.h"
 
-namespace kiln::optim::fused::ref {
+namespace kiln::fused::ref {
 namespace {
 
 float load(const uint8_t* base, DType t, int64_t i) {
@@ -121,4 +121,4 @@ void adamw_step(const StepArgs& a) {
 
 void update_scale(const ScalerArgs& a) { scaler_update(a); }
 
-}  // namespace kiln::optim::fused::ref
+}  // namespace kiln::fused::ref

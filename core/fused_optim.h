@@ -1,6 +1,6 @@
 #pragma once
 // The contract of the fused optimizer's kernels, shared by the CPU reference
-// (optim/fused_ref.cpp, also the CPU path) and the CUDA kernels (cuda/kernels/optim.cu): plain
+// (ops/cpu/fused_optim.cpp, also the CPU path) and the CUDA kernels (cuda/kernels/optim.cu): plain
 // structs of pointers into the arenas and the per-element update formulas, written once here
 // so both backends do the same f32 arithmetic in the same order.
 //
@@ -19,14 +19,9 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "core/hostdevice.h"
 
-#if defined(__CUDACC__)
-#define KILN_HD __host__ __device__ __forceinline__
-#else
-#define KILN_HD inline
-#endif
-
-namespace kiln::optim::fused {
+namespace kiln::fused {
 
 inline constexpr int64_t kChunk = 2048;         // elements per work item (one CUDA block)
 inline constexpr int64_t kArenaAlignBytes = 64;  // slot offsets, in every arena
@@ -110,7 +105,7 @@ KILN_HD float mul_rn(float a, float b) {  // a·b rounded on its own (never cont
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
-  return a * b;  // optim/fused_ref.cpp is compiled with fp-contract off
+  return a * b;  // ops/cpu/fused_optim.cpp is compiled with fp-contract off
 #endif
 }
 KILN_HD float add_rn(float a, float b) {
@@ -224,7 +219,7 @@ KILN_HD float clip_coefficient(float norm, float max_norm) {
   return c < 1.0f ? c : 1.0f;
 }
 
-// ---- the CPU reference (optim/fused_ref.cpp); cuda/optim.h has the same five ----
+// ---- the CPU reference (ops/cpu/fused_optim.cpp); cuda/kernels.h has the same five ----
 namespace ref {
 void check_grads(const CheckArgs& a);
 // *norm = √(Σ partial) / scale (scale null: 1), *coef = clip_coefficient(*norm, max_norm).
@@ -237,4 +232,4 @@ void adamw_step(const StepArgs& a);
 void update_scale(const ScalerArgs& a);
 }  // namespace ref
 
-}  // namespace kiln::optim::fused
+}  // namespace kiln::fused

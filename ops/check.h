@@ -1,21 +1,16 @@
 #pragma once
-// Shared helpers of ops/*.cpp: input validation with messages that name the op, and the CUDA
-// dispatch macro. Included only by ops implementation files.
+// Shared helpers of ops/*.cpp: input validation with messages that name the op, and the
+// profiling scope. Included only by ops implementation files, which reach device code through
+// kiln::backend() (core/backend.h).
+#include "core/backend.h"
 #include "core/tensor.h"
-#include "cuda/profiler.h"
 
-#ifdef KILN_WITH_CUDA
-#include "cuda/ops.h"
-// Runs `expr` (a call into cuda/ops.h) on builds with CUDA.
-#define KILN_CUDA_CALL(expr) (expr)
-#else
-#define KILN_CUDA_CALL(expr) \
-  KILN_FAIL("this op was given a cuda tensor, but kiln was built without CUDA")
-#endif
-
-// Profiles the rest of the enclosing scope as op `name` (a string literal) when `t` is a cuda
-// tensor and the profiler is on: an NVTX range with the shape and CUDA-event timing.
-#define KILN_OP_SCOPE(name, t) KILN_PROFILE_OP((t).defined() && (t).is_cuda() ? (name) : nullptr, (t).desc())
+#define KILN_OPS_CAT2(a, b) a##b
+#define KILN_OPS_CAT(a, b) KILN_OPS_CAT2(a, b)
+// Profiles the rest of the enclosing scope as op `name` (a string literal) on t's device when
+// its backend profiles (Backend::profile_begin).
+#define KILN_OP_SCOPE(name, t) \
+  ::kiln::OpProfileScope KILN_OPS_CAT(kiln_op_scope_, __LINE__)((name), (t))
 
 namespace kiln {
 

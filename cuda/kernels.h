@@ -1,11 +1,13 @@
 #pragma once
-// The CUDA backend's entry points called by ops/*.cpp (the counterpart of ops/cpu/kernels.h).
-// Inputs are validated by the caller, outputs are allocated by the caller with the right
-// shape; each function writes every element of its outputs (`=`) unless it says `+=`, on the
-// current device's compute stream, without synchronising the host. f32 and f16 data are
-// supported (f16: f32 accumulation); batch-norm parameters and statistics are always f32.
+// The CUDA backend's kernels and library wrappers, as they fill the CUDA table
+// (cuda/backend.cpp). Internal to cuda/ and its tests: the layers above reach them through
+// kiln::backend() (core/backend.h), where each entry's contract is written. What follows adds
+// only what is particular to CUDA. f32 and f16 data (f32 accumulation); batch-norm parameters
+// and statistics f32; every function runs on kiln::cuda::current_stream() without
+// synchronising the host unless it says so.
+#include "core/fused_optim.h"
+#include "core/kinds.h"
 #include "core/tensor.h"
-#include "ops/kinds.h"
 
 namespace kiln::cuda {
 
@@ -64,9 +66,6 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
 // maximal element (NaN counts as maximal): `indices` (N, C, OH, OW), any layout, of dtype
 // max_pool2d_indices_dtype(p): u8 when the window has at most 255 positions, else i32. The
 // value 255 (u8) or -1 (i32) marks a window that holds no input element (its y is -inf).
-inline DType max_pool2d_indices_dtype(const PoolParams& p) {
-  return p.kernel_h * p.kernel_w <= 255 ? DType::u8 : DType::i32;
-}
 // y (N, C, OH, OW) = window maxima, indices as above (both `=`).
 void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
                         const PoolParams& p);
@@ -135,5 +134,82 @@ void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, bool 
 void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& correct,
                          const Tensor& logits, const Tensor& target, double label_smoothing,
                          double grad_scale);
+
+
+// ---- sync batch norm halves (cuda/kernels/sync_batch_norm.cu) ----
+// Backend::sync_batch_norm_*: x, y, dy, dx f32, f16 or bf16, all dense in ONE layout;
+// per-channel tensors contiguous f32; sums in f32, deterministic (fixed per-block partials).
+void sync_batch_norm_stats(const Tensor& stats, const Tensor& x);
+void sync_batch_norm_apply(const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd,
+                           const Tensor& x, const Tensor& weight, const Tensor& bias,
+                           const Tensor& running_mean, const Tensor& running_var,
+                           const Tensor& stats, double momentum, double eps);
+void sync_batch_norm_backward_sums(const Tensor& sums, const Tensor& dy, const Tensor& x,
+                                   const Tensor& mean, const Tensor& invstd);
+// count: a one-element f32 device tensor holding n, read on the device.
+void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                 const Tensor& weight, const Tensor& mean, const Tensor& invstd,
+                                 const Tensor& sums, const Tensor& count);
+
+
+// Whether the kernels take x: f16, 4-D, channels-last dense, C % 8 == 0, on a CUDA device.
+bool bn_nhwc_supported(const Tensor& x);
+
+// From sum and sqsum (C) of x over M values: save_mean (=), save_invstd (=) = 1/sqrt(var + eps)
+// with var = sqsum/M - mean² (biased, clamped at 0), scale_shift (2C) (=) = [weight·invstd,
+// bias - mean·weight·invstd], and the running stats (when defined) r = (1-momentum)·r +
+// momentum·stat (variance unbiased: M/(M-1)).
+void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
+                      const Tensor& scale_shift, const Tensor& sum, const Tensor& sqsum,
+                      const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                      const Tensor& running_var, int64_t count, double momentum, double eps);
+
+// y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity.
+// z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
+// mask, bit j of byte i set when y's element 8i + j is positive: the backward reads it instead
+// of y (1/16 of the bytes).
+void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
+                   bool relu, const Tensor& mask = Tensor());
+
+// Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the forward's `mask` when z
+// was given, else recomputed as x·scale + shift > 0. Writes dx (=), dz (=) = g when defined,
+// dweight (=) = Σ g·x̂ and dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd — or `+=`
+// with accumulate_params (autograd's accumulate-into: they are the parameters' .grad).
+void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
+                      const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
+                      const Tensor& scale_shift, bool relu, bool accumulate_params = false);
+
+// Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
+// a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
+// as in bn_nhwc_apply. One pass instead of two, and the shortcut's normalised tensor is never
+// written.
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_shift_x,
+                        const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask);
+
+// Its backward: g = dy masked by `mask`; dx (=) and dr (=) as bn_nhwc_backward's dx for each
+// side; dweight_x/dbias_x and dweight_r/dbias_r (=, or += with accumulate_params) when
+// defined (Σ g·x̂ and Σ g per side).
+void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                           const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
+                           const Tensor& dy, const Tensor& mask, const Tensor& x,
+                           const Tensor& weight_x, const Tensor& mean_x, const Tensor& invstd_x,
+                           const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
+                           const Tensor& invstd_r, bool accumulate_params = false);
+
+
+// One launch over all chunks: found_inf (|=) and partial_sumsq (=, one per chunk).
+void fused_check_grads(const fused::CheckArgs& a);
+// <<<1, 256>>>: total norm and clip coefficient from the partial sums (fixed summation order,
+// so replays are bit-identical).
+void fused_clip_coef(const float* partial, int64_t n, const float* scale, float max_norm,
+                     float* norm, float* coef);
+// <<<1, 1>>>: *step += 1 unless *found_inf (found_inf may be null).
+void fused_step_begin(int32_t* step, const float* found_inf);
+// One launch each over all chunks; nothing is written when *found_inf != 0.
+void fused_sgd_step(const fused::StepArgs& a);
+void fused_adamw_step(const fused::StepArgs& a);
+// <<<1, 1>>>: the scaler's update (scale, growth tracker, skipped count).
+void loss_scaler_update(const fused::ScalerArgs& a);
 
 }  // namespace kiln::cuda

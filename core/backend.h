@@ -1,0 +1,248 @@
+#pragma once
+// The backend interface: one table of entry points per device type, the only way the layers
+// above reach device code. ops/cpu/ fills the CPU table, cuda/ the CUDA table; both are
+// registered explicitly in one place (ops/backends.cpp, register_builtin_backends) the first
+// time a table is asked for — no static self-registration, which silently vanishes from static
+// libraries.
+//
+//   kiln::backend(x).unary(UnaryOp::Exp, out, x, 0.0);     // the table of x's device
+//
+// The contract of every entry is written here, once; the backends' own headers only add what
+// is particular to them (dtypes, layouts they take). Common to all entries:
+// - Inputs are validated by the caller (ops/*.cpp, kiln::F) and outputs allocated by it with
+//   the right shape and dtype. Unless an entry says otherwise, tensors may have any strides and
+//   every element of each output is written (`=`); an entry that adds says `+=`.
+// - A GPU backend runs everything on its current stream (cuda::current_stream()) without
+//   synchronising the host, unless an entry says it synchronises.
+// - Floating data is f32 or f64 on the CPU (f16/bf16 tensors are cast by the caller) and f32
+//   or f16 on CUDA (f32 accumulation); batch-norm parameters and statistics are f32 on CUDA.
+// - Entries marked "optional" may be null: a fast path the backend does not have. The caller
+//   then takes the unfused composition, which defines the result.
+#include <cstdint>
+#include <string>
+
+#include "core/fused_optim.h"
+#include "core/kinds.h"
+#include "core/storage.h"
+#include "core/tensor.h"
+
+namespace kiln {
+
+using TensorRef = const Tensor&;
+
+struct Backend {
+  const char* name = nullptr;  // "cpu", "cuda"
+
+  // ---- memory ----
+  // The allocator behind Storage for device `index` (a caching allocator on CUDA).
+  Allocator* (*allocator)(int index) = nullptr;
+  // dst = src converted to dst's dtype; same shape (the caller expands src); any strides. One
+  // of the two lives on this backend's device, the other may be on the CPU. A copy to the host
+  // synchronises before returning.
+  void (*copy)(TensorRef dst, TensorRef src) = nullptr;
+  // Every element of dst = value converted to dst's dtype.
+  void (*fill)(TensorRef dst, double value) = nullptr;
+
+  // ---- profiling hook (optional) ----
+  // profile_begin names the op now entering (a string literal) and, when the backend's
+  // profiler is on, starts timing it and returns a token for profile_end; else null. `t` is
+  // the op's main input (its shape is described only when profiling).
+  void* (*profile_begin)(const char* name, TensorRef t) = nullptr;
+  void (*profile_end)(void* token) = nullptr;
+
+  // ---- elementwise and reductions ----
+  // out = op(a, scalar); a has out's shape.
+  void (*unary)(UnaryOp op, TensorRef out, TensorRef a, double scalar) = nullptr;
+  // out = a (op) b, a and b already expanded to out's shape (zero strides where broadcast).
+  // out may be a itself (in-place ops).
+  void (*binary)(BinaryOp op, TensorRef out, TensorRef a, TensorRef b, double alpha) = nullptr;
+  // out (rows) = Sum or Max over the trailing `inner` elements of each row of contiguous x
+  // viewed (rows, inner); out contiguous.
+  void (*reduce_rows)(ReduceOp op, TensorRef out, TensorRef x, int64_t rows,
+                      int64_t inner) = nullptr;
+  // Over contiguous x (rows, inner), inner > 0: values (rows) = row maxima, indices (rows, i64)
+  // = position of the first maximal element (NaN counts as maximal). Both contiguous.
+  void (*max_rows)(TensorRef values, TensorRef indices, TensorRef x, int64_t rows,
+                   int64_t inner) = nullptr;
+  // dx contiguous (rows, inner) = 0 except dx[r, indices[r]] = g[r].
+  void (*scatter_rows)(TensorRef dx, TensorRef g, TensorRef indices, int64_t rows,
+                       int64_t inner) = nullptr;
+
+  // ---- matmul and linear ----
+  // out = op(a)·op(b), op = transpose when the flag is set (a then stores op(a) transposed);
+  // a, b, out contiguous, all 2-D or all 3-D with one batch size.
+  void (*matmul)(TensorRef out, TensorRef a, bool trans_a, TensorRef b, bool trans_b) = nullptr;
+  // y (N, out) = x (N, in)·w (out, in)ᵀ + bias (out) (bias may be undefined); all contiguous.
+  void (*linear_forward)(TensorRef y, TensorRef x, TensorRef w, TensorRef bias) = nullptr;
+  // dw = dyᵀ·x (always written); dx = dy·w and db = Σ_n dy when defined. All contiguous.
+  void (*linear_backward)(TensorRef dx, TensorRef dw, TensorRef db, TensorRef dy, TensorRef x,
+                          TensorRef w) = nullptr;
+
+  // ---- convolution ----
+  // x (N, C, H, W), w (O, C/groups, kH, kW), y/dy (N, O, H', W'), bias (O) or undefined; 4-D
+  // tensors dense in NCHW or NHWC (each may differ). The backward entries write `=`, or `+=`
+  // with GradientMode::Accumulate (dx/dw must then not share memory with the other operands).
+  void (*conv2d_forward)(TensorRef y, TensorRef x, TensorRef w, TensorRef bias,
+                         const ConvParams& p) = nullptr;
+  void (*conv2d_backward_data)(TensorRef dx, TensorRef dy, TensorRef w, const ConvParams& p,
+                               GradientMode mode) = nullptr;
+  void (*conv2d_backward_weight)(TensorRef dw, TensorRef dy, TensorRef x, const ConvParams& p,
+                                 GradientMode mode) = nullptr;
+  // Optional. The convolution (no bias) with the per-channel Σy and Σy² (sum, sqsum: f32 (O)
+  // contiguous, `=`) for the batch norm that follows. Returns false — y, sum and sqsum then hold
+  // nothing — when the backend has no such path for this problem; the backend alone decides
+  // (tuning, determinism, layouts).
+  bool (*conv2d_forward_stats)(TensorRef y, TensorRef sum, TensorRef sqsum, TensorRef x,
+                               TensorRef w, const ConvParams& p) = nullptr;
+
+  // ---- pooling ----
+  // x/dx (N, C, H, W), y/dy (N, C, H', W'); outputs any dense layout.
+  // Max pooling saves, per output, the window-local position i·kernel_w + j of the window's
+  // first maximal element (NaN counts as maximal) in `indices` (N, C, H', W') of dtype
+  // max_pool2d_indices_dtype(p) (core/kinds.h); a window without input elements has y = -inf
+  // and index 255 (u8) or -1 (i32). The backward routes dy to the saved positions, summing
+  // where windows overlap.
+  void (*max_pool2d_forward)(TensorRef y, TensorRef indices, TensorRef x,
+                             const PoolParams& p) = nullptr;
+  void (*max_pool2d_backward)(TensorRef dx, TensorRef dy, TensorRef indices,
+                              const PoolParams& p) = nullptr;
+  void (*avg_pool2d_forward)(TensorRef y, TensorRef x, const PoolParams& p) = nullptr;
+  void (*avg_pool2d_backward)(TensorRef dx, TensorRef dy, const PoolParams& p) = nullptr;
+  // PyTorch's window rule: output i over an input of n covers [floor(i·n/o), ceil((i+1)·n/o)).
+  void (*adaptive_avg_pool2d_forward)(TensorRef y, TensorRef x) = nullptr;
+  void (*adaptive_avg_pool2d_backward)(TensorRef dx, TensorRef dy) = nullptr;
+
+  // ---- batch norm ----
+  // x, y, dy, dx: (N, C, ...) dense; weight, bias, running stats (C); weight/bias undefined
+  // mean 1 and 0. Training: y, save_mean, save_invstd = 1/sqrt(var_biased + eps) (=), and
+  // running stats (when defined) r = (1 - momentum)·r + momentum·stat (unbiased variance).
+  void (*batch_norm_forward_training)(TensorRef y, TensorRef save_mean, TensorRef save_invstd,
+                                      TensorRef x, TensorRef weight, TensorRef bias,
+                                      TensorRef running_mean, TensorRef running_var,
+                                      double momentum, double eps) = nullptr;
+  // y = (x - running_mean)/sqrt(running_var + eps)·weight + bias.
+  void (*batch_norm_forward_eval)(TensorRef y, TensorRef x, TensorRef weight, TensorRef bias,
+                                  TensorRef running_mean, TensorRef running_var,
+                                  double eps) = nullptr;
+  // With the forward's batch statistics: dx, dweight = Σ dy·x̂, dbias = Σ dy, each when defined.
+  void (*batch_norm_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy,
+                              TensorRef x, TensorRef weight, TensorRef save_mean,
+                              TensorRef save_invstd) = nullptr;
+
+  // The local halves of a batch norm whose statistics are summed over several processes
+  // (F::sync_batch_norm all-reduces `stats` and `sums` between them; with one process the
+  // reduction is the identity). stats (2C+1) = [Σx, Σx², count]; apply: mean = Σx/n,
+  // var = Σx²/n - mean² (biased, clamped at 0), then as batch_norm_forward_training; sums (2C)
+  // = [Σdy, Σdy·x̂]; dx = weight·invstd·(dy - Σdy/n - x̂·Σdy·x̂/n) with n = count[0].
+  void (*sync_batch_norm_stats)(TensorRef stats, TensorRef x) = nullptr;
+  void (*sync_batch_norm_apply)(TensorRef y, TensorRef save_mean, TensorRef save_invstd,
+                                TensorRef x, TensorRef weight, TensorRef bias,
+                                TensorRef running_mean, TensorRef running_var, TensorRef stats,
+                                double momentum, double eps) = nullptr;
+  void (*sync_batch_norm_backward_sums)(TensorRef sums, TensorRef dy, TensorRef x,
+                                        TensorRef mean, TensorRef invstd) = nullptr;
+  void (*sync_batch_norm_backward_dx)(TensorRef dx, TensorRef dy, TensorRef x, TensorRef weight,
+                                      TensorRef mean, TensorRef invstd, TensorRef sums,
+                                      TensorRef count) = nullptr;
+
+  // ---- fused batch norm + ReLU (+ residual add), optional ----
+  // Library-fused training forward (cuDNN's BN_ACTIVATION / BN_ADD_ACTIVATION): x, z, y
+  // (N, C, H, W) f16 channels-last, parameters f32 contiguous. y = relu(bn(x) [+ z]), saved
+  // statistics and running stats as batch_norm_forward_training. Returns the reserve space the
+  // matching backward needs (keep it alive with y; may be empty). z may be undefined.
+  Tensor (*batch_norm_relu_forward)(TensorRef y, TensorRef save_mean, TensorRef save_invstd,
+                                    TensorRef x, TensorRef z, TensorRef weight, TensorRef bias,
+                                    TensorRef running_mean, TensorRef running_var,
+                                    double momentum, double eps) = nullptr;
+  // Its backward: dx, dz (when z was given), dweight, dbias (=).
+  void (*batch_norm_relu_backward)(TensorRef dx, TensorRef dz, TensorRef dweight,
+                                   TensorRef dbias, TensorRef dy, TensorRef x, TensorRef y,
+                                   TensorRef weight, TensorRef bias, TensorRef save_mean,
+                                   TensorRef save_invstd, TensorRef reserve,
+                                   double eps) = nullptr;
+
+  // Batch norm of an activation whose per-channel sums are known (conv2d_forward_stats), as
+  // one elementwise pass; optional, all six or none. x, z, y, dy, dx, dz, r: (N, C, H, W) of
+  // a layout and dtype bn_stats_supported accepts; per-channel tensors f32 contiguous; M = N·H·W.
+  bool (*bn_stats_supported)(TensorRef x) = nullptr;
+  // save_mean, save_invstd (=), scale_shift (2C) (=) = [weight·invstd, bias - mean·weight·
+  // invstd], running stats updated as above, from sum and sqsum over `count` = M values.
+  void (*bn_stats_finalize)(TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
+                            TensorRef sum, TensorRef sqsum, TensorRef weight, TensorRef bias,
+                            TensorRef running_mean, TensorRef running_var, int64_t count,
+                            double momentum, double eps) = nullptr;
+  // y = act(x·scale + shift [+ z]), act = ReLU when relu. With relu and z, `mask` (u8,
+  // numel/8) gets the ReLU's mask (bit j of byte i: element 8i + j of y is positive).
+  void (*bn_stats_apply)(TensorRef y, TensorRef x, TensorRef z, TensorRef scale_shift, bool relu,
+                         TensorRef mask) = nullptr;
+  // Its backward: g = dy masked by the ReLU (the forward's mask when z was given, else
+  // recomputed); dx (=), dz (=) = g when defined; dweight = Σ g·x̂, dbias = Σ g when defined,
+  // `=` or `+=` by `mode`.
+  void (*bn_stats_backward)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                            TensorRef dy, TensorRef x, TensorRef mask, TensorRef weight,
+                            TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
+                            bool relu, GradientMode mode) = nullptr;
+  // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above.
+  void (*bn_stats_dual_apply)(TensorRef y, TensorRef x, TensorRef ss_x, TensorRef r,
+                              TensorRef ss_r, TensorRef mask) = nullptr;
+  // Its backward: dx, dr (=); per side dweight, dbias when defined (`=` or `+=` by `mode`).
+  void (*bn_stats_dual_backward)(TensorRef dx, TensorRef dr, TensorRef dweight_x,
+                                 TensorRef dbias_x, TensorRef dweight_r, TensorRef dbias_r,
+                                 TensorRef dy, TensorRef mask, TensorRef x, TensorRef weight_x,
+                                 TensorRef mean_x, TensorRef invstd_x, TensorRef r,
+                                 TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
+                                 GradientMode mode) = nullptr;
+
+  // ---- softmax and cross-entropy ----
+  // Over the last dim of contiguous (rows, cols) tensors. y = softmax(x) or log_softmax(x).
+  void (*softmax_forward)(TensorRef y, TensorRef x, int64_t rows, int64_t cols,
+                          bool log) = nullptr;
+  // dx = y·(dy - Σ dy·y) (softmax) or dy - exp(y)·Σ dy (log_softmax, y = log-probabilities).
+  void (*softmax_backward)(TensorRef dx, TensorRef dy, TensorRef y, int64_t rows, int64_t cols,
+                           bool log) = nullptr;
+  // Fused softmax-cross-entropy over contiguous logits (N, C) and i64 targets (N) in [0, C):
+  // loss (0-d) = mean over rows of Σ_c q_c·(-log p_c), q = (1-ε)·onehot + ε/C; grad (N, C) =
+  // (p - q)·grad_scale/N, rounded once to grad's dtype; correct (0-d i64, when defined) =
+  // rows whose first argmax is the target.
+  void (*cross_entropy)(TensorRef loss, TensorRef grad, TensorRef correct, TensorRef logits,
+                        TensorRef target, double label_smoothing, double grad_scale) = nullptr;
+
+  // ---- fused optimizer and loss scaler (core/fused_optim.h holds their contracts) ----
+  void (*fused_check_grads)(const fused::CheckArgs& a) = nullptr;
+  void (*fused_clip_coef)(const float* partial, int64_t n, const float* scale, float max_norm,
+                          float* norm, float* coef) = nullptr;
+  void (*fused_step_begin)(int32_t* step, const float* found_inf) = nullptr;
+  void (*fused_sgd_step)(const fused::StepArgs& a) = nullptr;
+  void (*fused_adamw_step)(const fused::StepArgs& a) = nullptr;
+  void (*loss_scaler_update)(const fused::ScalerArgs& a) = nullptr;
+};
+
+// The table of a device type. A kiln::Error naming the device when kiln was built without it.
+const Backend& backend(DeviceType type);
+inline const Backend& backend(const Tensor& t) { return backend(t.device().type); }
+inline const Backend& backend(Device d) { return backend(d.type); }
+// Whether kiln was built with a backend for `type`.
+bool has_backend(DeviceType type);
+
+struct BackendRegistry {
+  const Backend* tables[2] = {nullptr, nullptr};  // indexed by DeviceType
+};
+// Fills `r` with every backend this build has. Defined in ops/backends.cpp — the one place that
+// knows the backends — and called once, by the first backend() call.
+void register_builtin_backends(BackendRegistry& r);
+
+// Marks one op for the profiling hook: the rest of the enclosing scope is timed on the device
+// of `t` when its backend profiles (see Backend::profile_begin).
+class OpProfileScope {
+ public:
+  OpProfileScope(const char* name, const Tensor& t);
+  ~OpProfileScope();
+  OpProfileScope(const OpProfileScope&) = delete;
+  OpProfileScope& operator=(const OpProfileScope&) = delete;
+
+ private:
+  const Backend* backend_ = nullptr;
+  void* token_ = nullptr;
+};
+
+}  // namespace kiln

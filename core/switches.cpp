@@ -1,0 +1,33 @@
+#include "core/switches.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace kiln {
+namespace {
+
+bool is(const char* v, const char* s) { return v && std::strcmp(v, s) == 0; }
+
+Switches read_switches() {
+  Switches s;
+  s.fused_bn = !is(std::getenv("KILN_FUSED_BN"), "0");
+  s.conv_stats = !is(std::getenv("KILN_CONV_STATS"), "0");
+  s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
+  const char* b = std::getenv("KILN_CUDNN_BACKEND");
+  s.cudnn_backend = is(b, "0") ? 0 : is(b, "force") ? 2 : 1;
+  const char* log = std::getenv("KILN_CUDNN_FIND_LOG");
+  s.cudnn_find_log = log && *log && !is(log, "0");
+  const char* c = std::getenv("KILN_CONV_CANDIDATES");
+  const long n = c ? std::strtol(c, nullptr, 10) : 0;
+  if (n > 0) s.conv_candidates = size_t(n);
+  return s;
+}
+
+}  // namespace
+
+const Switches& switches() {
+  static const Switches s = read_switches();
+  return s;
+}
+
+}  // namespace kiln

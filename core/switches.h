@@ -1,0 +1,33 @@
+#pragma once
+// kiln's environment switches, for measurements and bisecting: the one place that reads KILN_*
+// variables. They are read once, on first use, and never change afterwards (programs and tests
+// that flip a behaviour at run time use the setters beside it: cuda::set_conv_backend,
+// set_accumulate_into_enabled, ...).
+//
+// | variable                 | values              | effect                                          |
+// |--------------------------|---------------------|-------------------------------------------------|
+// | KILN_FUSED_BN            | 0                   | unfused batch norm, ReLU and add                |
+// | KILN_CONV_STATS          | 0                   | BN statistics from the BN kernels, not from the |
+// |                          |                     | convolution's epilogue                          |
+// | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
+// | KILN_CUDNN_BACKEND       | 0, force            | convolutions on cuDNN's legacy API only / on    |
+// |                          |                     | the backend API's plans whenever one runs       |
+// | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |
+// | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
+#include <cstddef>
+
+namespace kiln {
+
+struct Switches {
+  bool fused_bn = true;
+  bool conv_stats = true;
+  bool accumulate_grads = true;
+  int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
+  bool cudnn_find_log = false;
+  size_t conv_candidates = 10;
+};
+
+// The process's switches, read from the environment on the first call.
+const Switches& switches();
+
+}  // namespace kiln

@@ -1,0 +1,188 @@
+// The CUDA backend's table: the entry points of cuda/kernels.h, with small adapters where the
+// table's contract and a kernel's signature differ.
+#include "cuda/backend.h"
+
+#include "cuda/allocator.h"
+#include "cuda/conv.h"
+#include "cuda/kernels.h"
+#include "cuda/profiler.h"
+
+namespace kiln::cuda {
+namespace {
+
+void* profile_begin(const char* name, const Tensor& t) {
+  set_last_profiled_op(name);
+  if (!name || !profiler_enabled()) return nullptr;
+  return new ProfileOp(name, t.desc());
+}
+
+void profile_end(void* token) { delete static_cast<ProfileOp*>(token); }
+
+// cuDNN's batch norm takes weight and bias as tensors; stand in for absent ones.
+Tensor or_constant(const Tensor& p, const Tensor& x, double v) {
+  return p.defined() ? p : full({x.size(1)}, v, TensorOptions(DType::f32).with_device(x.device()));
+}
+
+void bn_forward_training(const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd,
+                         const Tensor& x, const Tensor& weight, const Tensor& bias,
+                         const Tensor& running_mean, const Tensor& running_var, double momentum,
+                         double eps) {
+  batch_norm_forward_training(y, save_mean, save_invstd, x, or_constant(weight, x, 1.0),
+                              or_constant(bias, x, 0.0), running_mean, running_var, momentum,
+                              eps);
+}
+
+void bn_forward_eval(const Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                     const Tensor& running_mean, const Tensor& running_var, double eps) {
+  batch_norm_forward_eval(y, x, or_constant(weight, x, 1.0), or_constant(bias, x, 0.0),
+                          running_mean, running_var, eps);
+}
+
+void bn_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                 const Tensor& x, const Tensor& weight, const Tensor& save_mean,
+                 const Tensor& save_invstd) {
+  batch_norm_backward(dx, dweight, dbias, dy, x, or_constant(weight, x, 1.0), save_mean,
+                      save_invstd);
+}
+
+void conv_dgrad(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
+                GradientMode mode) {
+  conv2d_backward_data(dx, dy, w, p, mode == GradientMode::Accumulate);
+}
+
+void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvParams& p,
+                GradientMode mode) {
+  conv2d_backward_weight(dw, dy, x, p, mode == GradientMode::Accumulate);
+}
+
+// The convolution's statistics for the batch norm that follows. cuDNN's GenStats epilogue adds
+// across thread blocks in no fixed order; in deterministic mode kiln's own fixed-order pass
+// computes them instead, so replays stay bit-identical and the same BN kernels run.
+bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
+                const Tensor& w, const ConvParams& p) {
+  if (!conv_deterministic()) return conv2d_forward_stats(y, sum, sqsum, x, w, p);
+  if (!bn_nhwc_supported(y)) return false;
+  conv2d_forward(y, x, w, Tensor(), p);
+  const int64_t c = y.size(1);
+  Tensor st = empty({2 * c + 1}, TensorOptions(DType::f32).with_device(y.device()));
+  sync_batch_norm_stats(st, y);
+  sum.copy_(st.narrow(0, 0, c));
+  sqsum.copy_(st.narrow(0, c, c));
+  return true;
+}
+
+void softmax_fwd(const Tensor& y, const Tensor& x, int64_t rows, int64_t cols, bool log) {
+  softmax_forward(y.view({rows, cols}), x.view({rows, cols}), log);
+}
+
+void softmax_bwd(const Tensor& dx, const Tensor& dy, const Tensor& y, int64_t rows, int64_t cols,
+                 bool log) {
+  softmax_backward(dx.view({rows, cols}), dy.view({rows, cols}), y.view({rows, cols}), log);
+}
+
+Tensor bn_relu_forward(const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd,
+                       const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& bias,
+                       const Tensor& running_mean, const Tensor& running_var, double momentum,
+                       double eps) {
+  if (z.defined())
+    return batch_norm_add_relu_forward_training(y, save_mean, save_invstd, x, z, weight, bias,
+                                                running_mean, running_var, momentum, eps);
+  return batch_norm_relu_forward_training(y, save_mean, save_invstd, x, weight, bias,
+                                          running_mean, running_var, momentum, eps);
+}
+
+void bn_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                      const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
+                      const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
+                      const Tensor& save_invstd, const Tensor& reserve, double eps) {
+  if (dz.defined())
+    return batch_norm_add_relu_backward(dx, dz, dweight, dbias, dy, x, y, weight, bias, save_mean,
+                                        save_invstd, reserve, eps);
+  batch_norm_relu_backward(dx, dweight, dbias, dy, x, y, weight, bias, save_mean, save_invstd,
+                           reserve, eps);
+}
+
+void bn_stats_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& ss, bool relu,
+                    const Tensor& mask) {
+  bn_nhwc_apply(y, x, z, ss, relu, mask);
+}
+
+void bn_stats_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
+                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
+                       const Tensor& scale_shift, bool relu, GradientMode mode) {
+  bn_nhwc_backward(dx, dz, dweight, dbias, dy, x, mask, weight, save_mean, save_invstd,
+                   scale_shift, relu, mode == GradientMode::Accumulate);
+}
+
+void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwx,
+                            const Tensor& dbx, const Tensor& dwr, const Tensor& dbr,
+                            const Tensor& dy, const Tensor& mask, const Tensor& x,
+                            const Tensor& wx, const Tensor& mx, const Tensor& ix, const Tensor& r,
+                            const Tensor& wr, const Tensor& mr, const Tensor& ir,
+                            GradientMode mode) {
+  bn_nhwc_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask, x, wx, mx, ix, r, wr, mr, ir,
+                        mode == GradientMode::Accumulate);
+}
+
+Backend make_table() {
+  Backend b;
+  b.name = "cuda";
+  b.allocator = caching_allocator;
+  b.copy = copy_tensor;
+  b.fill = fill_tensor;
+  b.profile_begin = profile_begin;
+  b.profile_end = profile_end;
+  b.unary = unary;
+  b.binary = binary;
+  b.reduce_rows = reduce_rows;
+  b.max_rows = max_rows;
+  b.scatter_rows = scatter_rows;
+  b.matmul = matmul;
+  b.linear_forward = linear_forward;
+  b.linear_backward = linear_backward;
+  b.conv2d_forward = conv2d_forward;
+  b.conv2d_backward_data = conv_dgrad;
+  b.conv2d_backward_weight = conv_wgrad;
+  b.conv2d_forward_stats = conv_stats;
+  b.max_pool2d_forward = max_pool2d_forward;
+  b.max_pool2d_backward = max_pool2d_backward;
+  b.avg_pool2d_forward = avg_pool2d_forward;
+  b.avg_pool2d_backward = avg_pool2d_backward;
+  b.adaptive_avg_pool2d_forward = adaptive_avg_pool2d_forward;
+  b.adaptive_avg_pool2d_backward = adaptive_avg_pool2d_backward;
+  b.batch_norm_forward_training = bn_forward_training;
+  b.batch_norm_forward_eval = bn_forward_eval;
+  b.batch_norm_backward = bn_backward;
+  b.sync_batch_norm_stats = sync_batch_norm_stats;
+  b.sync_batch_norm_apply = sync_batch_norm_apply;
+  b.sync_batch_norm_backward_sums = sync_batch_norm_backward_sums;
+  b.sync_batch_norm_backward_dx = sync_batch_norm_backward_dx;
+  b.batch_norm_relu_forward = bn_relu_forward;
+  b.batch_norm_relu_backward = bn_relu_backward;
+  b.bn_stats_supported = bn_nhwc_supported;
+  b.bn_stats_finalize = bn_nhwc_finalize;
+  b.bn_stats_apply = bn_stats_apply;
+  b.bn_stats_backward = bn_stats_backward;
+  b.bn_stats_dual_apply = bn_nhwc_dual_apply;
+  b.bn_stats_dual_backward = bn_stats_dual_backward;
+  b.softmax_forward = softmax_fwd;
+  b.softmax_backward = softmax_bwd;
+  b.cross_entropy = cross_entropy_fused;
+  b.fused_check_grads = fused_check_grads;
+  b.fused_clip_coef = fused_clip_coef;
+  b.fused_step_begin = fused_step_begin;
+  b.fused_sgd_step = fused_sgd_step;
+  b.fused_adamw_step = fused_adamw_step;
+  b.loss_scaler_update = loss_scaler_update;
+  return b;
+}
+
+}  // namespace
+
+const Backend& backend_table() {
+  static const Backend table = make_table();
+  return table;
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,15 @@
+#pragma once
+// The CUDA backend's face: its table of entry points (core/backend.h), filled by
+// cuda/backend.cpp from cuda/kernels.h. Registered by ops/backends.cpp. The other public CUDA
+// headers serve the layers above with what only a GPU has: devices and streams
+// (cuda/runtime.h), the caching allocator's statistics (cuda/allocator.h), whole-step graphs
+// (cuda/graph.h), collectives (cuda/nccl.h), the convolution tuner's controls (cuda/conv.h),
+// the op profiler's report (cuda/profiler.h) and the input pipeline's kernels
+// (cuda/normalize.h).
+#include "core/backend.h"
+
+namespace kiln::cuda {
+
+const Backend& backend_table();
+
+}  // namespace kiln::cuda
