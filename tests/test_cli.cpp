@@ -154,6 +154,21 @@ TEST_CASE("cli::Parser: --help lists every spelling and the defaults") {
   CHECK(h.find("-h, --help") != std::string::npos);
 }
 
+TEST_CASE("cli::Parser: --version and --help end the run with info()") {
+  Flags f;
+  cli::Parser p = make(f);
+  p.version("tool 1.2.3 (test build)");
+  CHECK_FALSE(p.parse({"--version", "in.png", "extra", "more"}));  // positionals not enforced
+  CHECK(p.info() == "tool 1.2.3 (test build)\n");
+  Flags g;
+  cli::Parser q = make(g);
+  q.version("tool 1.2.3");
+  CHECK_FALSE(q.parse({"-h"}));
+  CHECK(q.info() == q.help());
+  CHECK(q.help().find("--version") != std::string::npos);
+  CHECK_THROWS_AS(q.parse({"--version", "--count", "0"}), cli::UsageError);  // still checked
+}
+
 TEST_CASE("cli::without_location drops kiln::Error's suffix only") {
   CHECK(cli::without_location("bad file 'x' [core/serialization.cpp:12, check failed: ok]") ==
         "bad file 'x'");

@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
     p.value("--back-to-back", "N", &g_back_to_back, "calls per sample in the b2b column", 1);
     p.value("--json", "PATH", &json_path, "also write the rows as JSON");
     if (!p.parse(argc, argv)) {
-      std::fputs(p.help().c_str(), stdout);
+      std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     if (eager_only && graph_only)

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
     p.value("--eval-input", "X", &eval_in, "safetensors file with one input tensor (N, C, H, W)");
     p.value("--eval-output", "Y", &eval_out, "where the eval-mode logits go (tensor 'logits')");
     if (!p.parse(argc, argv)) {
-      std::fputs(p.help().c_str(), stdout);
+      std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     if (in.empty()) cli::usage_error("--in PATH is required (see kiln-convert --help)");

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     p.flag("--force", &opts.force, "write into a non-empty folder");
     p.value("--data", "DIR", &data_dir, "Fashion-MNIST IDX folder");
     if (!p.parse(argc, argv)) {
-      std::fputs(p.help().c_str(), stdout);
+      std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     if (out.empty()) cli::usage_error("--out DIR is required (see kiln-export-images --help)");

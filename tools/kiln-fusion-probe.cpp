@@ -30,7 +30,7 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   p.value("--batch", "N", &a.batch, "batch size of the probed problems", 1);
   p.value("--plans", "K", &a.plans, "engine plans built and timed per graph", 1);
   if (p.parse(argc, argv)) return true;
-  std::fputs(p.help().c_str(), stdout);
+  std::fputs(p.info().c_str(), stdout);
   return false;
 }
 

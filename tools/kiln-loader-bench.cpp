@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
     p.value("--generate", "N", &generate, "synthetic images to write when no --folder", 1);
     p.choice("--format", &format, {"jpg", "png"}, "synthetic image format");
     if (!p.parse(argc, argv)) {
-      std::fputs(p.help().c_str(), stdout);
+      std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     std::vector<int> workers(worker_list.begin(), worker_list.end());

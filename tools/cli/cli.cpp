@@ -187,6 +187,13 @@ void Parser::positional(const std::string& metavar, std::vector<std::string>* ou
   pos_max_ = max_count;
 }
 
+void Parser::version(std::string line) {
+  version_line_ = std::move(line);
+  flag("--version", &version_asked_, "the version and build, then exit");
+}
+
+std::string Parser::info() const { return version_asked_ ? version_line_ + "\n" : help(); }
+
 void Parser::section(const std::string& title) { layout_.push_back({-1, title}); }
 
 bool Parser::given(const std::string& name) const {
@@ -249,6 +256,7 @@ bool Parser::parse(const std::vector<std::string>& args) {
   if (pos_out_ == nullptr && !positionals.empty())
     usage_error("unexpected argument '", positionals[0], "' (", program_,
                 " takes only flags; see --help)");
+  help = help || version_asked_;
   if (pos_out_ != nullptr && !help) {
     if (positionals.size() > pos_max_)
       usage_error("unexpected argument '", positionals[pos_max_], "' (", program_, " takes ",

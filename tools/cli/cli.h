@@ -8,7 +8,7 @@
 //   p.value("--num-classes", "N", &classes, "classifier width", 1);   // integer >= 1
 //   p.choice("--split", &split, {"train", "test"}, "which split");
 //   p.flag("--force", &force, "overwrite");
-//   if (!p.parse(argc, argv)) { std::fputs(p.help().c_str(), stdout); return 0; }   // --help
+//   if (!p.parse(argc, argv)) { std::fputs(p.info().c_str(), stdout); return 0; }  // --help
 //
 // Syntax (argparse's): "--name value", "--name=value", "-x value", "-xVALUE" for one-letter
 // flags that take a value, "--" ends the flags; a flag given twice keeps its last value.
@@ -81,10 +81,15 @@ class Parser {
   // A heading in --help between groups of flags.
   void section(const std::string& title);
 
-  // Parses; false when -h/--help was among the arguments (the rest is still checked).
-  // Throws UsageError.
+  // Adds --version, which makes parse() return false with info() = `line`.
+  void version(std::string line);
+
+  // Parses; false when -h/--help or --version was among the arguments (the rest is still
+  // checked): the tool prints info() and exits 0. Throws UsageError.
   bool parse(const std::vector<std::string>& args);
   bool parse(int argc, char** argv);
+  // After parse() returned false: the help text, or the version line when --version was asked.
+  std::string info() const;
 
   // Whether any spelling of the flag (one name of it, e.g. "--lr") was on the command line.
   bool given(const std::string& name) const;
@@ -112,6 +117,8 @@ class Parser {
   std::string program_, synopsis_, description_;
   std::vector<Option> options_;
   std::vector<HelpLine> layout_;
+  std::string version_line_;
+  bool version_asked_ = false;
   std::string pos_metavar_, pos_help_;
   std::vector<std::string>* pos_out_ = nullptr;
   size_t pos_min_ = 0, pos_max_ = 0;

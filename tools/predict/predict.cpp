@@ -123,7 +123,7 @@ int main(const std::vector<std::string>& args) {
     p.value("--top", "K", &top, "classes per image", 1);
     p.value("--device", "DEV", &device, "auto (cuda if present, else cpu), cpu, cuda, cuda:N");
     if (!p.parse(args)) {
-      std::fputs(p.help().c_str(), stdout);
+      std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     if (weights.empty()) cli::usage_error("--weights PATH is required (see kiln-predict --help)");
