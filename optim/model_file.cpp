@@ -180,6 +180,12 @@ ModelInfo infer_model_info(const NamedTensors& weights, const std::string& sourc
 
 LoadedModel load_model_file(const std::string& path) {
   SafetensorsData file = load_safetensors(path);
+  if (file.metadata.count("kiln.format")) {  // a training checkpoint: its "model." tensors
+    NamedTensors model;
+    for (auto& [name, t] : file.tensors)
+      if (name.rfind("model.", 0) == 0) model.emplace_back(name.substr(6), t);
+    file.tensors = std::move(model);
+  }
   LoadedModel out;
   std::vector<std::string> absent;
   ModelInfo shape = infer_model_info(file.tensors, path);

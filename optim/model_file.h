@@ -54,8 +54,9 @@ std::shared_ptr<models::ResNet> build_model(const ModelInfo& info, uint64_t seed
 ModelInfo infer_model_info(const NamedTensors& weights, const std::string& source,
                            const ModelInfo& defaults = {});
 
-// A weights file turned back into a model (f32, CPU, eval mode): its metadata when it has
-// them, else infer_model_info; `notes` says what fell back to defaults (empty when nothing did).
+// A weights file (or a training checkpoint's model) turned back into a model (f32, CPU, eval
+// mode): its metadata when it has them, else infer_model_info; `notes` says what fell back to
+// defaults (empty when nothing did).
 struct LoadedModel {
   std::shared_ptr<models::ResNet> model;
   ModelInfo info;

@@ -433,6 +433,12 @@ TEST_CASE(
   CHECK(m.info.image_size == 16);
   CHECK(m.info.resize_size == 18);
 
+  // The run's checkpoint describes the same model.
+  LoadedModel ck = load_model_file((out / "checkpoint.safetensors").string());
+  CHECK(ck.notes.empty());
+  CHECK(ck.info.class_names == m.info.class_names);
+  CHECK(same_values(state_dict(*ck.model)[0].second, state_dict(*m.model)[0].second));
+
   const std::string val = image_folder() + "/val";
   const std::vector<std::string> images = predict::collect_images({val});
   REQUIRE(images.size() == 100);
