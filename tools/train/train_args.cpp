@@ -83,6 +83,9 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("--rank", "R", &c.rank, "main.py's: this process's rank (RANK) (default 0)", 0);
   p.value("--dist-url", "URL", &c.dist_url,
           "main.py's: tcp://HOST:PORT (MASTER_ADDR, MASTER_PORT) or env://");
+  p.choice("--dist-backend", &c.dist_backend, {"nccl"}, "main.py's; kiln always uses NCCL");
+  p.flag("--multiprocessing-distributed", &c.multiprocessing_distributed,
+         "main.py's: one process per GPU of this node (as --nproc <GPUs>)");
   p.section("Output:");
   p.value("-p, --print-freq", "N", &c.print_freq, "progress line every N steps", 1);
   p.flag("--profile", &c.profile, "per-op GPU time table after the first epoch (--graph off)");
@@ -127,6 +130,10 @@ Config parse_args(const std::vector<std::string>& args, bool* help) {
     cli::usage_error("--start-epoch ", c.start_epoch, ": must be below --epochs ", c.epochs);
   if (c.rank >= 0 && c.world_size < 0) cli::usage_error("--rank ", c.rank, " needs --world-size");
   if (p.given("--dist-url") && c.world_size < 0) cli::usage_error("--dist-url needs --world-size");
+  if (c.multiprocessing_distributed && p.given("--nproc"))
+    cli::usage_error(
+        "--multiprocessing-distributed and --nproc both set the process count; "
+        "give one");
   return c;
 }
 
@@ -135,6 +142,11 @@ std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {
   const int rank = c.rank < 0 ? 0 : c.rank;
   if (rank >= c.world_size)
     cli::usage_error("--rank ", rank, ": must be below --world-size ", c.world_size);
+  if (c.multiprocessing_distributed && c.world_size > 1)
+    cli::usage_error("--multiprocessing-distributed with --world-size ", c.world_size,
+                     ": kiln-train launches the processes of one node only; across nodes start "
+                     "it with torchrun, mpirun or srun (README)");
+  if (c.world_size == 1) return {};
   if (c.nproc > 1 && c.world_size > 1)
     cli::usage_error("--nproc ", c.nproc, " with --world-size ", c.world_size,
                      ": give one (--nproc launches a local job; --world-size describes one "

@@ -410,13 +410,22 @@ Summary run(const Config& c) {
 int main(const std::vector<std::string>& args) {
   return cli::run_tool("kiln-train", [&] {
     bool help = false;
-    const Config c = parse_args(args, &help);
+    const Config parsed = parse_args(args, &help);
     if (help) {
       std::fputs(usage().c_str(), stdout);
       return 0;
     }
+    Config c = parsed;
     for (const auto& [name, value] : launch_env(c))  // main.py's --world-size/--rank/--dist-url
       ::setenv(name.c_str(), value.c_str(), 1);
+    if (c.multiprocessing_distributed && !DistEnv::from_env().distributed()) {
+#ifdef KILN_WITH_CUDA
+      c.nproc = cuda::device_count();
+#endif
+      if (c.nproc < 1 || !data_parallel_available())
+        cli::usage_error("--multiprocessing-distributed: needs a kiln built with CUDA and NCCL, "
+                         "and a GPU");
+    }
     if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
       if (!data_parallel_available())
         cli::usage_error("--nproc ", c.nproc,

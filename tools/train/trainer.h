@@ -86,6 +86,8 @@ struct Config {
   // is rank `rank` of `world_size`, rendezvous at dist_url (tcp://HOST:PORT or env://).
   int world_size = -1, rank = -1;
   std::string dist_url = "env://";
+  std::string dist_backend = "nccl";
+  bool multiprocessing_distributed = false;  // main.py's: one process per local GPU (--nproc)
   bool quiet = false;  // no progress lines; the final result is still printed
 };
 
@@ -97,7 +99,9 @@ Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
 std::string usage();
 
 // The environment variables (name, value) that --world-size/--rank/--dist-url/--gpu stand for
-// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); empty when --world-size is not given.
+// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); empty when --world-size is not given
+// or is 1 (main.py's single-node spelling: the processes, if any, come from --nproc or
+// --multiprocessing-distributed).
 // Throws cli::UsageError for an inconsistent set (rank outside the world, a bad URL, --nproc).
 std::vector<std::pair<std::string, std::string>> launch_env(const Config& c);
 
