@@ -423,8 +423,9 @@ int main(const std::vector<std::string>& args) {
       c.nproc = cuda::device_count();
 #endif
       if (c.nproc < 1 || !data_parallel_available())
-        cli::usage_error("--multiprocessing-distributed: needs a kiln built with CUDA and NCCL, "
-                         "and a GPU");
+        cli::usage_error(
+            "--multiprocessing-distributed: needs a kiln built with CUDA and NCCL, "
+            "and a GPU");
     }
     if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
       if (!data_parallel_available())
