@@ -14,6 +14,10 @@
 // flags that take a value, "--" ends the flags; a flag given twice keeps its last value.
 // Positional arguments are collected where the tool declares them.
 //
+// Why our own and not CLI11 (Debian's libcli11-dev): the GPU machine has no CLI11 and installs
+// nothing, so it would have to travel in .deps; what kiln needs (typed values with ranges, one
+// message shape, argparse's spellings) is this file and its .cpp.
+//
 // Every mistake throws UsageError with one line that names the flag, the value and what is
 // allowed, and no source location ("--num-classes 'abc': expected an integer >= 1"); tools
 // print it as "<tool>: error: <message>" (run_tool). Internal failures stay kiln::Errors with
