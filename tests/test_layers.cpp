@@ -45,7 +45,7 @@ std::string violation(const std::string& file, const std::string& target) {
 
 std::vector<std::string> scan(const fs::path& root) {
   std::vector<std::string> problems;
-  const std::regex include_re(R"(^\s*#\s*include\s+"([^"]+)")");
+  const std::regex include_re(R"re(^\s*#\s*include\s+"([^"]+)")re");
   for (const Floor& f : kFloors) {
     const fs::path dir = root / f.prefix;
     if (!fs::exists(dir)) continue;

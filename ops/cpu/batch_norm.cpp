@@ -73,40 +73,20 @@ void batch_norm_forward_eval(const Tensor& y, const Tensor& x, const Tensor& wei
   });
 }
 
+// The same computation as sync_batch_norm's backward with the identity reduction: its two
+// halves (ops/cpu/sync_batch_norm.cpp) are the one core both ops share.
 void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd) {
-  dispatch_float(x.dtype(), "batch_norm_backward", [&]<typename T>() {
-    const NCS vx = ncs_of(x), vdy = ncs_of(dy);
-    const T* px = x.data<T>();
-    const T* pdy = dy.data<T>();
-    const ChannelVec<T> w(weight, 1.0), mean(save_mean, 0.0), invstd(save_invstd, 1.0);
-    const double m = double(vx.n * vx.s);
-#pragma omp parallel for if (x.numel() > kBnParallelGrain) schedule(static)
-    for (int64_t c = 0; c < vx.c; ++c) {
-      const double mu = mean[c], is = invstd[c];
-      double sum_dy = 0, sum_dy_xhat = 0;
-      for_channel2(vx, vdy, c, [&](int64_t ox, int64_t od) {
-        const double g = double(pdy[od]);
-        sum_dy += g;
-        sum_dy_xhat += g * (double(px[ox]) - mu) * is;
-      });
-      if (dweight.defined()) dweight.data<T>()[c * dweight.stride(0)] = T(sum_dy_xhat);
-      if (dbias.defined()) dbias.data<T>()[c * dbias.stride(0)] = T(sum_dy);
-      if (!dx.defined()) continue;
-      // dx = w·invstd/M · (M·dy − Σdy − x̂·Σ(dy·x̂)), the closed form of the batch-stat chain.
-      const NCS vdx = ncs_of(dx);
-      T* pdx = dx.data<T>();
-      const double k = w[c] * is / m;
-      for (int64_t n = 0; n < vx.n; ++n) {
-        for (int64_t s = 0; s < vx.s; ++s) {
-          const double xhat = (double(px[n * vx.sn + c * vx.sc + s * vx.ss]) - mu) * is;
-          const double g = double(pdy[n * vdy.sn + c * vdy.sc + s * vdy.ss]);
-          pdx[n * vdx.sn + c * vdx.sc + s * vdx.ss] = T(k * (m * g - sum_dy - xhat * sum_dy_xhat));
-        }
-      }
-    }
-  });
+  const int64_t c = x.size(1);
+  const TensorOptions opts(x.dtype());
+  Tensor sums = empty({2 * c}, opts);  // [Σdy, Σdy·x̂] per channel
+  sync_batch_norm_backward_sums(sums, dy, x, save_mean, save_invstd);
+  if (dbias.defined()) dbias.copy_(sums.narrow(0, 0, c));
+  if (dweight.defined()) dweight.copy_(sums.narrow(0, c, c));
+  if (!dx.defined()) return;
+  const Tensor count = full({1}, double(x.numel() / c), opts);
+  sync_batch_norm_backward_dx(dx, dy, x, weight, save_mean, save_invstd, sums, count);
 }
 
 }  // namespace kiln::cpu

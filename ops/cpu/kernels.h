@@ -1,7 +1,8 @@
 #pragma once
-// CPU kernels (the reference backend). Inputs are already validated by ops/*.cpp; each kernel
-// writes every element of `out` (`=`), which the caller allocated with the right shape.
-// f32 and f64 compute; OpenMP splits large loops over the cores.
+// CPU kernels (the reference backend), internal to ops/cpu/: ops/cpu/backend.cpp puts them in
+// the CPU table, whose entries' contracts core/backend.h states. The notes below add only what
+// is particular to the CPU: f32 and f64 compute (statistics accumulated in double), any input
+// strides, OpenMP over large loops.
 #include "core/tensor.h"
 #include "core/kinds.h"
 
