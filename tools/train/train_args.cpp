@@ -10,6 +10,9 @@ namespace kiln::train {
 
 namespace {
 
+constexpr const char* kDescription =
+    "Trains an image classifier; with no arguments, a small ResNet on Fashion-MNIST.";
+
 // Registers every flag of kiln-train on `p`, writing into `c`; positional DATA into `data`.
 void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.positional("DATA", &data,
@@ -97,19 +100,19 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
 std::string usage() {
   Config c;
   std::vector<std::string> data;
-  cli::Parser p("kiln-train", "[DATA] [flags]",
-                "Trains an image classifier; with no arguments, a small ResNet on Fashion-MNIST.");
+  cli::Parser p("kiln-train", "[DATA] [flags]", kDescription);
   add_flags(p, c, data);
   return p.help();
 }
 
-Config parse_args(const std::vector<std::string>& args, bool* help) {
+Config parse_args(const std::vector<std::string>& args, bool* help, std::string* info) {
   Config c;
   std::vector<std::string> data;
-  cli::Parser p("kiln-train", "[DATA] [flags]", "");
+  cli::Parser p("kiln-train", "[DATA] [flags]", kDescription);
   add_flags(p, c, data);
   const bool run = p.parse(args);
   if (help) *help = !run;
+  if (info && !run) *info = p.info();
   if (!data.empty()) {
     if (p.given("--data") && c.data != data[0])
       cli::usage_error("DATA '", data[0], "' and --data '", c.data, "' disagree; give one");

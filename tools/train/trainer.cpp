@@ -410,9 +410,10 @@ Summary run(const Config& c) {
 int main(const std::vector<std::string>& args) {
   return cli::run_tool("kiln-train", [&] {
     bool help = false;
-    const Config parsed = parse_args(args, &help);
+    std::string info;
+    const Config parsed = parse_args(args, &help, &info);
     if (help) {
-      std::fputs(usage().c_str(), stdout);
+      std::fputs(info.c_str(), stdout);
       return 0;
     }
     Config c = parsed;

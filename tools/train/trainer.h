@@ -94,8 +94,10 @@ struct Config {
 // Strict parsing (tools/cli/cli.h): unknown flags, missing or malformed values throw
 // cli::UsageError naming the flag, the value and what is allowed. Accepts PyTorch's ImageNet
 // example's spelling (positional DATA, -a, -j, --learning-rate, -e, --gpu, ...) besides kiln's.
-// "--help" sets help (the caller prints usage()).
-Config parse_args(const std::vector<std::string>& args, bool* help = nullptr);
+// "--help" (or "--version", when the parser has one) sets help; the caller prints *info
+// (usage() or the version line).
+Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
+                  std::string* info = nullptr);
 std::string usage();
 
 // The environment variables (name, value) that --world-size/--rank/--dist-url/--gpu stand for
