@@ -202,8 +202,8 @@ struct Backend {
                            bool log) = nullptr;
   // Fused softmax-cross-entropy over contiguous logits (N, C) and i64 targets (N) in [0, C):
   // loss (0-d) = mean over rows of Σ_c q_c·(-log p_c), q = (1-ε)·onehot + ε/C; grad (N, C) =
-  // (p - q)·grad_scale/N, rounded once to grad's dtype; correct (0-d i64, when defined) =
-  // rows whose first argmax is the target.
+  // (p - q)·grad_scale/N, rounded once to grad's dtype (the logits' dtype, or f32 for 16-bit
+  // logits); correct (0-d i64, when defined) = rows whose first argmax is the target.
   void (*cross_entropy)(TensorRef loss, TensorRef grad, TensorRef correct, TensorRef logits,
                         TensorRef target, double label_smoothing, double grad_scale) = nullptr;
 

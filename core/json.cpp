@@ -1,5 +1,6 @@
 #include "core/json.h"
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 
@@ -10,6 +11,11 @@ namespace kiln::json {
 double Value::number() const {
   KILN_CHECK(kind_ == Kind::Number, "json: expected a number");
   return num_;
+}
+uint64_t Value::unsigned_integer() const {
+  KILN_CHECK(kind_ == Kind::Number, "json: expected a number");
+  KILN_CHECK(int_kind_ == IntKind::Unsigned, "json: expected a non-negative integer, got ", num_);
+  return int_;
 }
 bool Value::boolean() const {
   KILN_CHECK(kind_ == Kind::Bool, "json: expected a boolean");
@@ -74,7 +80,10 @@ class Parser {
         KILN_CHECK(peek() == '"', "json: expected a key at byte ", i_);
         std::string k = parse_string();
         expect(':');
-        v.obj_[k] = parse_value(depth + 1);
+        const size_t key_at = i_;
+        Value item = parse_value(depth + 1);
+        KILN_CHECK(v.obj_.emplace(k, std::move(item)).second, "json: duplicate key '", k,
+                   "' at byte ", key_at);
         if (peek() == ',') { ++i_; continue; }
         expect('}');
         return v;
@@ -103,9 +112,21 @@ class Parser {
     char* end = nullptr;
     double d = std::strtod(start, &end);
     KILN_CHECK(end != start, "json: unexpected character '", c, "' at byte ", i_);
-    i_ += size_t(end - start);
     v.kind_ = Value::Kind::Number;
     v.num_ = d;
+    // A plain integer literal: optional '-', then digits only.
+    const std::string lit(start, size_t(end - start));
+    const bool neg = lit[0] == '-';
+    if (lit.size() > size_t(neg) && lit.find_first_not_of("0123456789", neg) == std::string::npos) {
+      errno = 0;
+      char* iend = nullptr;
+      const unsigned long long m = std::strtoull(lit.c_str() + neg, &iend, 10);
+      if (errno == 0 && *iend == '\0' && (!neg || m <= (1ull << 63))) {
+        v.int_ = m;
+        v.int_kind_ = neg && m != 0 ? Value::IntKind::Negative : Value::IntKind::Unsigned;
+      }
+    }
+    i_ += size_t(end - start);
     return v;
   }
   std::string parse_string() {

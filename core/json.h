@@ -1,6 +1,8 @@
 #pragma once
 // A small JSON reader and string quoting: enough for safetensors headers and kiln's logs.
-// Numbers are doubles (exact for integers below 2^53, which covers tensor offsets we accept).
+// Numbers are doubles; a number written as a plain integer literal (no '.', no exponent) that
+// fits in 64 bits is also kept exactly (Value::integer). Duplicate keys in an object are an error.
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +18,10 @@ class Value {
   bool is_object() const { return kind_ == Kind::Object; }
   // Accessors throw kiln::Error when the kind is different or a key is missing.
   double number() const;
+  // The exact value of a plain integer literal ("12", "-3"); throws for "1.5", "1e3", "1.0" and
+  // literals outside [-2^63, 2^64).
+  bool is_integer() const { return kind_ == Kind::Number && int_kind_ != IntKind::None; }
+  uint64_t unsigned_integer() const;  // throws for negative integers too
   bool boolean() const;
   const std::string& str() const;
   const std::vector<Value>& array() const;
@@ -27,13 +33,16 @@ class Value {
   friend class Parser;
   Kind kind_ = Kind::Null;
   double num_ = 0;
+  enum class IntKind { None, Unsigned, Negative };
+  IntKind int_kind_ = IntKind::None;
+  uint64_t int_ = 0;  // magnitude of the integer literal
   bool b_ = false;
   std::string s_;
   std::vector<Value> arr_;
   std::map<std::string, Value> obj_;
 };
 
-// Throws kiln::Error with the byte position on malformed input.
+// Throws kiln::Error with the byte position on malformed input and on duplicate keys.
 Value parse(const std::string& text);
 // "text" with JSON escapes.
 std::string quote(const std::string& s);

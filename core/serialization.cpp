@@ -1,13 +1,13 @@
 #include "core/serialization.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <algorithm>
 #include <sstream>
 
 #include "core/json.h"
@@ -125,52 +125,155 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   write_file_atomic(path, bytes);
 }
 
+namespace {
+
+// An open file descriptor, closed on scope exit.
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Reads exactly n bytes at `offset` into dst; errors name the file and what was being read.
+void read_exact(int fd, void* dst, size_t n, uint64_t offset, const std::string& path,
+                const std::string& what) {
+  char* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const size_t chunk = std::min<size_t>(n, size_t(1) << 30);
+    ssize_t got = ::pread(fd, p, chunk, off_t(offset));
+    if (got < 0 && errno == EINTR) continue;
+    KILN_CHECK(
+        got > 0, "'", path, "': reading ", what, " failed at byte ", offset, ": ",
+        got == 0 ? "unexpected end of file (truncated while reading?)" : std::strerror(errno));
+    p += got;
+    n -= size_t(got);
+    offset += uint64_t(got);
+  }
+}
+
+struct TensorEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+// One header entry, checked against the safetensors rules; errors name the file and the tensor.
+TensorEntry parse_entry(const std::string& path, const std::string& name, const json::Value& v,
+                        uint64_t data_size) {
+  auto where = [&] { return "'" + path + "': tensor '" + name + "'"; };
+  KILN_CHECK(v.is_object(), where(), ": header entry is not a JSON object");
+  for (const char* key : {"dtype", "shape", "data_offsets"})
+    KILN_CHECK(v.contains(key), where(), ": header entry has no '", key, "'");
+  TensorEntry t;
+  t.name = name;
+  const json::Value& dt = v.at("dtype");
+  KILN_CHECK(dt.kind() == json::Value::Kind::String, where(), ": dtype is not a string");
+  KILN_CHECK(parse_st_dtype(dt.str(), &t.dtype), where(), ": unsupported dtype '", dt.str(),
+             "' (kiln reads F32, F64, F16, BF16, I32, I64, U8, BOOL)");
+  const json::Value& shape = v.at("shape");
+  KILN_CHECK(shape.kind() == json::Value::Kind::Array, where(), ": shape is not an array");
+  int64_t numel = 1;
+  for (const json::Value& d : shape.array()) {
+    KILN_CHECK(d.is_integer() && d.number() >= 0 && d.unsigned_integer() <= uint64_t(INT64_MAX),
+               where(), ": shape entries must be non-negative integers below 2^63");
+    const int64_t n = int64_t(d.unsigned_integer());
+    t.shape.push_back(n);
+    KILN_CHECK(!__builtin_mul_overflow(numel, n, &numel), where(), ": shape ", shape_str(t.shape),
+               "... has more than 2^63 elements");
+  }
+  int64_t nbytes = 0;
+  KILN_CHECK(!__builtin_mul_overflow(numel, int64_t(dtype_size(t.dtype)), &nbytes), where(), ": ",
+             dtype_name(t.dtype), shape_str(t.shape), " needs more than 2^63 bytes");
+  const json::Value& offs = v.at("data_offsets");
+  KILN_CHECK(offs.kind() == json::Value::Kind::Array && offs.array().size() == 2, where(),
+             ": data_offsets must be an array [begin, end]");
+  for (const json::Value& o : offs.array())
+    KILN_CHECK(o.is_integer() && o.number() >= 0, where(),
+               ": data_offsets must be non-negative integers");
+  t.begin = offs.array()[0].unsigned_integer();
+  t.end = offs.array()[1].unsigned_integer();
+  KILN_CHECK(t.begin <= t.end && t.end <= data_size, where(), ": data [", t.begin, ", ", t.end,
+             ") lies outside the ", data_size, "-byte data section (truncated file?)");
+  KILN_CHECK(t.end - t.begin == uint64_t(nbytes), where(), " has ", t.end - t.begin, " bytes for ",
+             dtype_name(t.dtype), shape_str(t.shape), " (", nbytes, " needed)");
+  return t;
+}
+
+}  // namespace
+
 SafetensorsData load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KILN_CHECK(in.good(), "cannot open safetensors file '", path, "'");
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  KILN_CHECK(bytes.size() >= 8, "'", path, "' is not a safetensors file (", bytes.size(),
+  Fd f;
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  KILN_CHECK(f.fd >= 0, "cannot open safetensors file '", path, "': ", std::strerror(errno));
+  struct stat st;
+  KILN_CHECK(::fstat(f.fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+  KILN_CHECK(S_ISREG(st.st_mode), "'", path,
+             "' is not a regular file (a folder, FIFO or device); expected a safetensors file");
+  const uint64_t size = uint64_t(st.st_size);
+  KILN_CHECK(size >= 8, "'", path, "' is not a safetensors file (", size,
              " bytes, shorter than the 8-byte header length)");
+  unsigned char len[8];
+  read_exact(f.fd, len, 8, 0, path, "the header length");
   uint64_t hl = 0;
-  for (int i = 0; i < 8; ++i) hl |= uint64_t(uint8_t(bytes[size_t(i)])) << (8 * i);
-  KILN_CHECK(hl <= bytes.size() - 8, "'", path, "': header length ", hl, " exceeds the file size ",
-             bytes.size(), " (truncated or not a safetensors file)");
+  for (int i = 0; i < 8; ++i) hl |= uint64_t(len[i]) << (8 * i);
+  KILN_CHECK(hl <= size - 8, "'", path, "': header length ", hl, " exceeds the file size ", size,
+             " (truncated or not a safetensors file)");
+  KILN_CHECK(hl <= kMaxSafetensorsHeader, "'", path, "': header length ", hl,
+             " exceeds the limit of ", kMaxSafetensorsHeader, " bytes");
+  std::string text(size_t(hl), '\0');
+  read_exact(f.fd, text.data(), text.size(), 8, path, "the header");
+  KILN_CHECK(!text.empty() && text[0] == '{', "'", path,
+             "': malformed safetensors header: it must start with '{'");
   json::Value header;
   try {
-    header = json::parse(bytes.substr(8, hl));
+    header = json::parse(text);
   } catch (const Error& e) {
     KILN_FAIL("'", path, "': malformed safetensors header: ", e.what());
   }
   KILN_CHECK(header.is_object(), "'", path, "': safetensors header is not a JSON object");
-  const size_t data_start = 8 + hl, data_size = bytes.size() - data_start;
+  const uint64_t data_start = 8 + hl, data_size = size - data_start;
   SafetensorsData out;
   out.path = path;
+  std::vector<TensorEntry> entries;
   for (const auto& [name, v] : header.object()) {
     if (name == "__metadata__") {
-      for (const auto& [k, mv] : v.object()) out.metadata[k] = mv.str();
+      KILN_CHECK(v.is_object(), "'", path, "': __metadata__ is not a JSON object");
+      for (const auto& [k, mv] : v.object()) {
+        KILN_CHECK(mv.kind() == json::Value::Kind::String, "'", path, "': __metadata__ '", k,
+                   "' is not a string");
+        out.metadata[k] = mv.str();
+      }
       continue;
     }
-    DType dt;
-    KILN_CHECK(parse_st_dtype(v.at("dtype").str(), &dt), "'", path, "': tensor '", name,
-               "' has unsupported dtype ", v.at("dtype").str());
-    Shape shape;
-    for (const auto& d : v.at("shape").array()) shape.push_back(int64_t(d.number()));
-    const auto& offs = v.at("data_offsets").array();
-    KILN_CHECK(offs.size() == 2, "'", path, "': tensor '", name, "' needs two data_offsets");
-    uint64_t b = uint64_t(offs[0].number()), e = uint64_t(offs[1].number());
-    KILN_CHECK(b <= e && e <= data_size, "'", path, "': tensor '", name, "' data [", b, ", ", e,
-               ") lies outside the ", data_size, "-byte data section (truncated file?)");
-    KILN_CHECK(e - b == uint64_t(shape_numel(shape)) * dtype_size(dt), "'", path, "': tensor '",
-               name, "' has ", e - b, " bytes for ", dtype_name(dt), shape_str(shape));
-    Tensor t = empty(shape, dt);
-    std::memcpy(t.raw_data(), bytes.data() + data_start + b, e - b);
-    out.tensors.emplace_back(name, t);
+    entries.push_back(parse_entry(path, name, v, data_size));
   }
-  // File order = data offset order (JSON objects may be reordered by writers).
-  std::stable_sort(out.tensors.begin(), out.tensors.end(), [&](const auto& x, const auto& y) {
-    return header.object().at(x.first).at("data_offsets").array()[0].number() <
-           header.object().at(y.first).at("data_offsets").array()[0].number();
+  // File order = data offset order (JSON objects may be reordered by writers). The data section
+  // must be covered exactly: no holes, no overlaps, nothing after the last tensor.
+  std::stable_sort(entries.begin(), entries.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
+  uint64_t cursor = 0;
+  const TensorEntry* prev = nullptr;
+  for (const TensorEntry& e : entries) {
+    KILN_CHECK(e.begin >= cursor, "'", path, "': tensor '", e.name, "' data [", e.begin, ", ",
+               e.end, ") overlaps tensor '", prev ? prev->name : "", "' (ends at ", cursor, ")");
+    KILN_CHECK(e.begin == cursor, "'", path, "': bytes [", cursor, ", ", e.begin,
+               ") of the data section belong to no tensor (a hole before tensor '", e.name, "')");
+    cursor = e.end;
+    prev = &e;
+  }
+  KILN_CHECK(cursor == data_size, "'", path, "': bytes [", cursor, ", ", data_size,
+             ") at the end of the data section belong to no tensor");
+  // One copy: file bytes straight into each tensor's storage.
+  for (const TensorEntry& e : entries) {
+    Tensor t = empty(e.shape, e.dtype);
+    read_exact(f.fd, t.raw_data(), size_t(e.end - e.begin), data_start + e.begin, path,
+               "tensor '" + e.name + "'");
+    out.tensors.emplace_back(e.name, t);
+  }
   return out;
 }
 

@@ -5,6 +5,7 @@
 //
 // Writes are atomic: the bytes go to a temporary file in the same folder, which is fsynced and
 // renamed over the target, so a crash mid-save leaves any previous file intact.
+#include <cstdint>
 #include <map>
 #include <string>
 #include <utility>
@@ -29,7 +30,15 @@ struct SafetensorsData {
   std::string path;
 };
 
-// Reads and validates the whole file (header bounds, dtypes, offsets). Errors name the file.
+// The largest JSON header load_safetensors accepts (the reference implementation's limit).
+inline constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+// Reads and validates the whole file, with the safetensors rules: a regular file (a FIFO or
+// folder is refused without blocking), a header of at most kMaxSafetensorsHeader bytes starting
+// with '{', no duplicate keys, known dtypes, shapes and data_offsets of non-negative integer
+// literals, sizes computed without overflow, and a data section covered exactly by the tensors
+// (no holes, no overlaps, no trailing bytes). Every error names the file, and the tensor where
+// there is one. Tensor bytes are read straight into their storage (no whole-file buffer).
 SafetensorsData load_safetensors(const std::string& path);
 
 // Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the folder).

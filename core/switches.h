@@ -14,6 +14,9 @@
 // |                          |                     | the backend API's plans whenever one runs       |
 // | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |
 // | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
+//
+// Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
+// launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
 #include <cstddef>
 
 namespace kiln {

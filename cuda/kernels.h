@@ -130,7 +130,8 @@ void softmax_forward(const Tensor& y, const Tensor& x, bool log);
 void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, bool log);
 // Fused softmax-cross-entropy over logits (N, C) and i64 targets (N): loss (f32 scalar, mean over
 // N), grad (N, C) = (softmax - smoothed target) * grad_scale / N, and correct (i64 scalar) =
-// number of rows whose argmax equals the target.
+// number of rows whose argmax equals the target. grad has the logits' dtype or f32 (for 16-bit
+// logits: unrounded, so a later loss scale is applied before the one rounding to 16 bits).
 void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& correct,
                          const Tensor& logits, const Tensor& target, double label_smoothing,
                          double grad_scale);

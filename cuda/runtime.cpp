@@ -5,6 +5,8 @@
 #include <memory>
 #include <mutex>
 
+#include "core/device_query.h"
+#include "core/version.h"
 #include "cuda/check.h"
 
 namespace kiln::cuda {
@@ -43,6 +45,11 @@ Context* create_context(int device) {
   auto ctx = std::make_unique<Context>();
   ctx->device = device;
   CUDA_CHECK(cudaGetDeviceProperties(&ctx->props, device));
+  // A GPU this build has no code for would fail at the first kernel with "no kernel image";
+  // say instead what to rebuild with (KILN_CUDA_ARCHITECTURES: what CMake compiled for).
+  const std::string mismatch = cuda_arch_mismatch(KILN_CUDA_ARCHITECTURES, ctx->props.major,
+                                                  ctx->props.minor, ctx->props.name);
+  KILN_CHECK(mismatch.empty(), "CUDA device ", device, ": ", mismatch);
   // Non-blocking: kiln's streams never serialise against the legacy default stream.
   CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->compute, cudaStreamNonBlocking));
   CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->copy, cudaStreamNonBlocking));
@@ -56,18 +63,7 @@ Context* create_context(int device) {
 
 }  // namespace
 
-int device_count() {
-  // Cached: the answer cannot change within a process, and probing a missing driver is slow.
-  static const int count = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error so later calls start clean
-      return 0;
-    }
-    return n;
-  }();
-  return count;
-}
+int device_count() { return cuda_device_count(); }
 
 bool is_available() { return device_count() > 0; }
 

@@ -171,11 +171,41 @@ Tensor read_idx_images(const std::string& path) { return read_idx(path, kIdxMagi
 Tensor read_idx_labels(const std::string& path) { return read_idx(path, kIdxMagicU8Labels); }
 
 IdxPair read_idx_pair(const std::string& images_path, const std::string& labels_path) {
-  IdxPair p{read_idx_images(images_path), read_idx_labels(labels_path)};
+  IdxPair p{read_idx_images(images_path), read_idx_labels(labels_path), images_path, labels_path};
   KILN_CHECK(p.images.size(0) == p.labels.size(0), "IDX count mismatch: ", quoted(images_path),
              " holds ", p.images.size(0), " images but ", quoted(labels_path), " holds ",
              p.labels.size(0), " labels");
   return p;
+}
+
+void check_labels(const IdxPair& p, int64_t num_classes) {
+  const uint8_t* y = p.labels.data<uint8_t>();
+  for (int64_t i = 0; i < p.labels.numel(); ++i)
+    KILN_CHECK(int64_t(y[i]) < num_classes, quoted(p.labels_path), ": label ", int(y[i]),
+               " at index ", i, " is out of range for ", num_classes, " classes (0..",
+               num_classes - 1, ")");
+}
+
+int64_t infer_num_classes(const IdxPair& train, int64_t min_classes) {
+  const uint8_t* y = train.labels.data<uint8_t>();
+  int64_t count[256] = {};
+  int64_t top = -1, top_at = 0;
+  for (int64_t i = 0; i < train.labels.numel(); ++i) {
+    ++count[y[i]];
+    if (int64_t(y[i]) > top) top = y[i], top_at = i;
+  }
+  if (top < min_classes) return min_classes;
+  int64_t missing = 0, first_missing = -1;
+  for (int64_t c = 0; c < top; ++c)
+    if (count[c] == 0) missing += 1, first_missing = first_missing < 0 ? c : first_missing;
+  KILN_CHECK(missing == 0, quoted(train.labels_path), ": label ", top, " at index ", top_at,
+             " implies ", top + 1, " classes, but ", missing,
+             " of the labels below it never "
+             "occur (the first: ",
+             first_missing,
+             "); a stray label? Labels must be classes "
+             "0..K-1");
+  return top + 1;
 }
 
 }  // namespace kiln::data

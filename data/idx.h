@@ -38,8 +38,17 @@ Tensor read_idx_labels(const std::string& path);
 struct IdxPair {
   Tensor images;  // u8 (N, H, W)
   Tensor labels;  // u8 (N)
+  std::string images_path, labels_path;  // for messages
 };
 // Both files; their counts N must agree (the error names both files and both counts).
 IdxPair read_idx_pair(const std::string& images_path, const std::string& labels_path);
+
+// Every label < num_classes, else kiln::Error naming the labels file, the index and the value.
+void check_labels(const IdxPair& pair, int64_t num_classes);
+
+// The class count training labels imply: max label + 1, at least min_classes. Labels are
+// classes 0..K-1, so when the largest label is >= min_classes every label below it must occur;
+// otherwise (a stray 255 among 0..9) kiln::Error names the file, the index and the value.
+int64_t infer_num_classes(const IdxPair& train, int64_t min_classes = 10);
 
 }  // namespace kiln::data

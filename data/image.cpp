@@ -1,5 +1,11 @@
 #include "data/image.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 
@@ -62,11 +68,28 @@ void append_bytes(void* ctx, void* data, int size) {
 
 }  // namespace
 
-std::vector<uint8_t> read_file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  KILN_CHECK(f, "cannot open image file '", path, "'");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  KILN_CHECK(!f.bad(), "error reading image file '", path, "'");
+std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  KILN_CHECK(fd >= 0, "cannot open image file '", path, "': ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  KILN_CHECK(::fstat(fd, &st) == 0, "cannot stat image file '", path, "': ", std::strerror(errno));
+  KILN_CHECK(S_ISREG(st.st_mode), "image file '", path, "' is not a regular file");
+  KILN_CHECK(int64_t(st.st_size) <= max_bytes, "image file '", path, "' is ", int64_t(st.st_size),
+             " bytes, over the per-file limit of ", max_bytes, " bytes");
+  std::vector<uint8_t> bytes(size_t(st.st_size));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    KILN_CHECK(n >= 0, "error reading image file '", path, "': ", std::strerror(errno));
+    if (n == 0) break;  // shrank while reading: decode what is there
+    done += size_t(n);
+  }
+  bytes.resize(done);
   return bytes;
 }
 
@@ -101,8 +124,8 @@ Image decode_image(const uint8_t* data, size_t size, const std::string& name) {
   return im;
 }
 
-Image read_image(const std::string& path) {
-  const std::vector<uint8_t> bytes = read_file_bytes(path);
+Image read_image(const std::string& path, int64_t max_bytes) {
+  const std::vector<uint8_t> bytes = read_file_bytes(path, max_bytes);
   return decode_image(bytes.data(), bytes.size(), path);
 }
 

@@ -18,6 +18,10 @@ namespace kiln::data {
 // rejected instead of triggering a huge allocation.
 inline constexpr int64_t kMaxImageSide = 16384;
 inline constexpr int64_t kMaxImagePixels = 100'000'000;
+// Default cap on an image file's size, checked (fstat) before a byte is read: a 5 GiB file
+// named .jpg is refused with its name instead of exhausting memory. Real JPEG/PNG files under
+// the pixel limit above are far smaller.
+inline constexpr int64_t kMaxImageFileBytes = int64_t(256) << 20;
 
 struct Image {
   int64_t height = 0;
@@ -29,10 +33,12 @@ struct Image {
 // Decodes a JPEG or PNG held in memory to RGB (grayscale and alpha are converted; 16-bit PNG
 // is reduced to 8 bits). `name` is used in error messages.
 Image decode_image(const uint8_t* data, size_t size, const std::string& name);
-// Reads and decodes the file at `path`.
-Image read_image(const std::string& path);
-// The whole file as bytes; kiln::Error naming the path when it cannot be read.
-std::vector<uint8_t> read_file_bytes(const std::string& path);
+// Reads and decodes the file at `path` (at most max_bytes long).
+Image read_image(const std::string& path, int64_t max_bytes = kMaxImageFileBytes);
+// The whole file as bytes. kiln::Error naming the path when it cannot be read, is not a regular
+// file (a FIFO is refused without blocking) or is longer than max_bytes (checked before reading).
+std::vector<uint8_t> read_file_bytes(const std::string& path,
+                                     int64_t max_bytes = kMaxImageFileBytes);
 
 // Header-only probe: width/height/channels of a JPEG or PNG without decoding it.
 struct ImageInfo {

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <filesystem>
+#include <set>
 
 #include "core/error.h"
 
@@ -29,20 +31,54 @@ ImageFolder::ImageFolder(const std::string& root) : root_(root) {
              "' has no class folders (expected root/<class>/<image files>)");
   std::sort(classes_.begin(), classes_.end());
 
+  // Canonical class folders, to refuse links from one class into another.
+  std::vector<fs::path> class_roots;
+  for (const std::string& c : classes_) {
+    class_roots.push_back(fs::canonical(fs::path(root) / c, ec));
+    KILN_CHECK(!ec, "ImageFolder: cannot resolve '", (fs::path(root) / c).string(),
+               "': ", ec.message());
+  }
+  auto inside = [](const fs::path& p, const fs::path& dir) {
+    auto [d, q] = std::mismatch(dir.begin(), dir.end(), p.begin(), p.end());
+    return d == dir.end();
+  };
+  std::set<fs::path> visited;  // canonical folders already walked
   std::vector<std::string> empty_classes;
   for (size_t c = 0; c < classes_.size(); ++c) {
     const fs::path dir = fs::path(root) / classes_[c];
     std::vector<std::string> files;
-    // follow_directory_symlink as torchvision's os.walk(followlinks=True); errors inside a class
-    // folder (permissions) are reported rather than silently dropping its files.
-    fs::recursive_directory_iterator it(dir, fs::directory_options::follow_directory_symlink, ec);
-    KILN_CHECK(!ec, "ImageFolder: cannot list '", dir.string(), "': ", ec.message());
-    for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
-      KILN_CHECK(!ec, "ImageFolder: cannot list '", dir.string(), "': ", ec.message());
-      if (it->is_regular_file(ec) && has_image_extension(it->path().string()))
-        files.push_back(it->path().string());
+    // Depth-first with an explicit stack; errors (permissions) are reported rather than silently
+    // dropping a folder's files.
+    std::vector<fs::path> stack = {dir};
+    visited.insert(class_roots[c]);
+    while (!stack.empty()) {
+      const fs::path d = stack.back();
+      stack.pop_back();
+      fs::directory_iterator it(d, ec);
+      KILN_CHECK(!ec, "ImageFolder: cannot list '", d.string(), "': ", ec.message());
+      for (; it != fs::directory_iterator(); it.increment(ec)) {
+        KILN_CHECK(!ec, "ImageFolder: cannot list '", d.string(), "': ", ec.message());
+        const fs::path p = it->path();
+        if (it->is_directory(ec)) {
+          const fs::path real = fs::canonical(p, ec);
+          KILN_CHECK(!ec, "ImageFolder: cannot resolve '", p.string(), "': ", ec.message());
+          bool other_class = false;
+          for (size_t k = 0; k < class_roots.size(); ++k)
+            other_class |= k != c && inside(real, class_roots[k]);
+          if (other_class || !visited.insert(real).second) {
+            ++skipped_links_;
+            std::fprintf(stderr, "kiln: warning: ImageFolder: not following '%s' -> '%s' (%s)\n",
+                         p.c_str(), real.c_str(),
+                         other_class ? "inside another class folder" : "already visited: a loop?");
+            continue;
+          }
+          stack.push_back(p);
+        } else if (it->is_regular_file(ec) && has_image_extension(p.string())) {
+          files.push_back(p.string());
+        }
+      }
+      KILN_CHECK(!ec, "ImageFolder: cannot list '", d.string(), "': ", ec.message());
     }
-    KILN_CHECK(!ec, "ImageFolder: cannot list '", dir.string(), "': ", ec.message());
     if (files.empty()) empty_classes.push_back(dir.string());
     std::sort(files.begin(), files.end());
     for (auto& f : files) samples_.push_back({std::move(f), int64_t(c)});

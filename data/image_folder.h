@@ -7,6 +7,10 @@
 // Files are found recursively inside each class folder and kept when their extension is .jpg,
 // .jpeg or .png (any case); samples are sorted by path within a class, classes in class order.
 // The constructor only lists files: nothing is decoded, and nothing under root is ever written.
+// Symbolic links to folders are followed (as os.walk(followlinks=True)) unless the target was
+// already visited (a loop, or the same folder twice) or lies inside another class folder (its
+// images would get this class's label); such links are skipped, counted (skipped_links()) and
+// named in a warning on stderr.
 // Errors (kiln::Error, naming the path): root missing or not a folder, no class folders, a
 // class folder without any image file.
 #include <cstdint>
@@ -30,11 +34,13 @@ class ImageFolder {
   int64_t size() const { return int64_t(samples_.size()); }
   int64_t num_classes() const { return int64_t(classes_.size()); }
   const ImageSample& operator[](int64_t i) const { return samples_[size_t(i)]; }
+  int64_t skipped_links() const { return skipped_links_; }
 
  private:
   std::string root_;
   std::vector<std::string> classes_;
   std::vector<ImageSample> samples_;
+  int64_t skipped_links_ = 0;
 };
 
 // Whether `path` ends in .jpg, .jpeg or .png, case-insensitively.

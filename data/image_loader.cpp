@@ -130,7 +130,8 @@ struct ImageEpoch::State {
   void note_bad(int64_t idx) {
     std::lock_guard lk(mu);
     bad.insert(idx);
-    const double limit = opts.max_bad_fraction * double(samples);
+    const double limit =
+        std::max(opts.max_bad_fraction * double(samples), double(opts.min_bad_files));
     if (double(bad.size()) <= limit) return;
     std::string list;
     int shown = 0;
@@ -142,8 +143,8 @@ struct ImageEpoch::State {
       list += (list.empty() ? "'" : ", '") + shared->folder[i].path + "'";
     }
     KILN_FAIL("ImageLoader: ", bad.size(), " unreadable images in epoch ", epoch, " of '",
-              shared->folder.root(), "', more than max_bad_fraction = ", opts.max_bad_fraction,
-              " of its ", samples, " samples: ", list);
+              shared->folder.root(), "', more than max(max_bad_fraction = ", opts.max_bad_fraction,
+              " of its ", samples, " samples, min_bad_files = ", opts.min_bad_files, "): ", list);
   }
 
   // The image at padded position p, or the next one in the epoch's sequence that decodes.
@@ -153,7 +154,8 @@ struct ImageEpoch::State {
       const int64_t idx = global[size_t((p + a) % n)];
       if (!shared->known_bad(idx)) {
         try {
-          return {read_image(shared->folder[idx].path), shared->folder[idx].label};
+          return {read_image(shared->folder[idx].path, opts.max_file_bytes),
+                  shared->folder[idx].label};
         } catch (const Error& e) {
           shared->record_bad(idx, reason_of(e), opts.warn);
         }
@@ -208,6 +210,8 @@ ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(st
              o.rank, " outside [0, world_size = ", o.world_size, ")");
   KILN_CHECK(o.max_bad_fraction >= 0.0 && o.max_bad_fraction <= 1.0,
              "ImageLoader: max_bad_fraction must be in [0, 1], got ", o.max_bad_fraction);
+  KILN_CHECK(o.min_bad_files >= 0 && o.max_file_bytes >= 1, "ImageLoader: min_bad_files (",
+             o.min_bad_files, ") must be >= 0 and max_file_bytes (", o.max_file_bytes, ") >= 1");
   bool pinned = false;
 #ifdef KILN_WITH_CUDA
   pinned = o.pin_memory && cuda::is_available();
@@ -255,7 +259,9 @@ ImageEpoch ImageLoader::epoch(int64_t e) const {
   s->epoch = e;
   s->global = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
   s->samples = samples_per_epoch();
-  const int64_t capacity = opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers;
+  const int64_t capacity = opts_.prefetch > 0
+                               ? opts_.prefetch
+                               : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch);
   ImageEpoch::State* st = s.get();
   s->batches = std::make_unique<OrderedPrefetch<ImageBatch>>(
       num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->build(k); });

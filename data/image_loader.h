@@ -26,8 +26,10 @@
 // size guard) is replaced by the next file of the epoch's sequence that decodes (with that
 // file's label), so the replacement is deterministic too. Each bad file is named in a warning
 // on stderr once per loader, and counted per epoch; when an epoch has met more than
-// max_bad_fraction x (samples per epoch) bad files, the batch that finds the next one fails
-// with a kiln::Error listing them (which batch that is depends on worker timing).
+// max(max_bad_fraction x (samples per epoch), min_bad_files) bad files, the batch that finds the
+// next one fails with a kiln::Error listing them (which batch that is depends on worker timing).
+// min_bad_files keeps one bad file in a small folder (a 41-image validation set) from stopping
+// a run. Files over max_file_bytes are bad files too (refused before they are read).
 //
 // Memory: batch buffers come from a pool that recycles them when the last tensor viewing
 // them is dropped; when kiln is built with CUDA and a device is present (and pin_memory) they
@@ -39,6 +41,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "data/image.h"
 #include "data/image_folder.h"
 #include "data/prefetch.h"
 #include "data/transforms.h"
@@ -58,10 +61,12 @@ struct ImageLoaderOptions {
   bool drop_last = false;  // drop the last batch when smaller than batch_size
   uint64_t seed = 0;
   int workers = 0;   // 0: batches are built on the consumer's thread
-  int prefetch = 0;  // batches built ahead; 0: 2 * workers
+  int prefetch = 0;  // batches built ahead; 0: min(2 * workers, kMaxDefaultPrefetch)
   int64_t rank = 0;
   int64_t world_size = 1;
   double max_bad_fraction = 0.01;  // of the epoch's samples; see "Bad files"
+  int64_t min_bad_files = 5;       // tolerated in any epoch, whatever its size
+  int64_t max_file_bytes = kMaxImageFileBytes;  // larger files are bad files (data/image.h)
   bool pin_memory = true;          // only effective with CUDA and a device
   bool warn = true;                // print the bad-file warnings
 };
@@ -79,6 +84,7 @@ class ImageLoader {
  public:
   // Throws kiln::Error for batch_size/image_size/resize_size < 1, workers/prefetch < 0,
   // world_size < 1, rank outside [0, world_size), max_bad_fraction outside [0, 1],
+  // min_bad_files < 0, max_file_bytes < 1,
   // Eval with resize_size < image_size.
   ImageLoader(ImageFolder folder, ImageLoaderOptions opts);
   ~ImageLoader();

@@ -168,8 +168,9 @@ Epoch DataLoader::epoch(int64_t e) const {
   s->epoch = e;
   s->order = order(e);
   s->num_batches = num_batches();
-  const int64_t capacity =
-      std::max<int64_t>(1, opts_.prefetch > 0 ? opts_.prefetch : 2 * opts_.workers);
+  const int64_t capacity = std::max<int64_t>(
+      1, opts_.prefetch > 0 ? opts_.prefetch
+                            : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch));
   const Epoch::State* st = s.get();  // stable: the Epoch moves its unique_ptr, not the State
   s->prefetch = std::make_unique<OrderedPrefetch<Batch>>(
       s->num_batches, opts_.workers, capacity, [st](int64_t k) { return st->build(k); });

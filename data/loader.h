@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/prefetch.h"
 
 namespace kiln::data {
 
@@ -59,7 +60,7 @@ struct LoaderOptions {
   bool drop_last = false;  // drop the last batch when it is smaller than batch_size
   uint64_t seed = 0;       // drives shuffling and augmentation
   int workers = 0;         // 0: each batch is built on the consumer's thread inside next()
-  int prefetch = 0;        // batches built ahead of the consumer; 0: 2 * workers
+  int prefetch = 0;        // batches built ahead; 0: min(2 * workers, kMaxDefaultPrefetch)
   std::vector<float> mean = {0.0f};    // one value, or one per channel
   std::vector<float> stddev = {1.0f};  // one value, or one per channel; all > 0
   int64_t crop_padding = 0;            // random crop with this much zero padding (0: no crop)

@@ -19,6 +19,10 @@
 
 namespace kiln::data {
 
+// The default read-ahead of the loaders (DataLoader, ImageLoader) when prefetch is 0: 2 batches
+// per worker, at most this many (so --workers 1000 does not buffer 2000 batches).
+inline constexpr int64_t kMaxDefaultPrefetch = 64;
+
 template <typename T>
 class OrderedPrefetch {
  public:

@@ -169,6 +169,8 @@ Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
 // logits (N, C), target (N) of class indices (i64 or i32) in [0, C). Mean over the batch.
 // label_smoothing ε: the target distribution is (1-ε)·onehot + ε/C, as in PyTorch.
+// f16/bf16 logits give an f32 loss; their gradient is computed in f32 and rounded to 16 bits
+// once, after the upstream gradient (a loss scale) is multiplied in.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0);
 
 }  // namespace kiln::F

@@ -186,6 +186,8 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   // Validate everything that can fail before changing any live object.
   int64_t epoch = parse_int(int_meta(meta, "kiln.epoch", path), "kiln.epoch", path);
   int64_t step = parse_int(int_meta(meta, "kiln.step", path), "kiln.step", path);
+  KILN_CHECK(epoch >= 0 && step >= 0, "'", path, "': metadata 'kiln.epoch' = ", epoch,
+             ", 'kiln.step' = ", step, ": a checkpoint's epoch and step are never negative");
   std::vector<std::pair<Generator*, Generator>> rng;
   auto restore_rng = [&](const std::string& name, Generator* target) {
     Generator g;

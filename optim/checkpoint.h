@@ -93,7 +93,7 @@ void save_checkpoint(const std::string& path, const TrainingState& state);
 
 // Restores `state.model` (strict), `state.optimizer` (when set), kiln::default_generator() and
 // every generator in `state.generators` (each must be in the file), and sets scaler, epoch, step
-// and metadata from the file. Errors name the file and the key.
+// and metadata from the file. Errors name the file and the key (a negative epoch or step is one).
 void load_checkpoint(const std::string& path, TrainingState& state);
 
 }  // namespace kiln

@@ -1,8 +1,11 @@
 // conv2d: forward against a naive 7-loop reference, gradients (finite differences and f32 vs
 // f64), memory formats, error paths, and the speed of one training-sized layer (printed only).
 #include <doctest/doctest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <ctime>
 #include <string>
 
@@ -244,4 +247,30 @@ TEST_CASE("conv2d speed: 3x3 64->64 on (32, 64, 28, 28) f32, forward + backward"
           << ms << " ms wall (" << gflop / (ms / 1e3) << " GFLOP/s), " << cpu_ms
           << " ms CPU over all threads");
   CHECK(w.grad().defined());
+}
+
+TEST_CASE("conv2d (cpu): out of memory for the im2col scratch is a kiln::Error, not a crash") {
+  // x (2, 64, 256, 256) with a 7x7 kernel needs 64·49 x 256·256 f32 = 822 MB of scratch per
+  // thread; the address space is capped 400 MB above what the process uses now.
+  Tensor x = randn({2, 64, 256, 256});
+  Tensor w = randn({2, 64, 7, 7});
+  long pages = 0;
+  {
+    std::FILE* f = std::fopen("/proc/self/statm", "r");
+    REQUIRE(f != nullptr);
+    REQUIRE(std::fscanf(f, "%ld", &pages) == 1);
+    std::fclose(f);
+  }
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_AS, &old) == 0);
+  rlimit cap = old;
+  cap.rlim_cur = rlim_t(pages) * rlim_t(::sysconf(_SC_PAGESIZE)) + (rlim_t(400) << 20);
+  if (old.rlim_cur != RLIM_INFINITY && old.rlim_cur < cap.rlim_cur) cap.rlim_cur = old.rlim_cur;
+  REQUIRE(::setrlimit(RLIMIT_AS, &cap) == 0);
+  std::string m = error_of([&] { F::conv2d(x, w, Tensor(), 1, 3); });
+  ::setrlimit(RLIMIT_AS, &old);
+  INFO(m);
+  CHECK(m.find("conv2d") != std::string::npos);
+  CHECK(m.find("out of memory") != std::string::npos);
+  CHECK(m.find("bytes") != std::string::npos);
 }

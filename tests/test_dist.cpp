@@ -1,6 +1,14 @@
-// Data-parallel plumbing without GPUs: torchrun environment parsing, DistributedSampler (and its
-// DataLoader hook), the TCP rendezvous between forked local processes, and the launcher.
+// Data-parallel plumbing without GPUs: launcher environment parsing (torchrun, kiln --nproc,
+// mpirun, srun), DistributedSampler (and its DataLoader hook), the TCP rendezvous between forked
+// local processes under each launcher's variables, and the launcher.
 #include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -12,6 +20,7 @@
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
 #include "tools/train/rendezvous.h"
+#include "tools/train/trainer.h"
 #include "data/distributed_sampler.h"
 #include "ops/ops.h"
 
@@ -105,6 +114,121 @@ TEST_CASE("DistEnv: defaults, valid values and errors that name the variable") {
   CHECK(contains(without("MASTER_ADDR"), "MASTER_ADDR is not set"));
   CHECK(contains(without("MASTER_PORT"), "MASTER_PORT is not set"));
   CHECK(without("LOCAL_RANK").empty());
+}
+
+TEST_CASE("DistEnv: torchrun, kiln --nproc, Open MPI and Slurm variables") {
+  const Env master = {{"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"}};
+  auto with_master = [&](Env vars) {
+    vars.insert(master.begin(), master.end());
+    return vars;
+  };
+  // torchrun: its agent holds MASTER_PORT, so kiln's rendezvous takes the next port.
+  DistEnv t = parse(with_master({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                 {"TORCHELASTIC_RUN_ID", "none"},
+                                 {"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
+  CHECK(t.launcher == Launcher::Torchrun);
+  CHECK(t.rank == 3);
+  CHECK(t.world_size == 4);
+  CHECK(t.local_rank == 1);
+  CHECK(t.master_port == 29500);
+  CHECK(t.rdzv_port == 29501);
+  CHECK(contains(t.describe(), "rank 3 of 4 (local rank 1), launched by torchrun"));
+  CHECK(parse({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "65535"},
+               {"TORCHELASTIC_RUN_ID", "x"}})
+            .rdzv_port == 65534);
+  // kiln's own launcher, and the same variables set by hand: MASTER_PORT itself.
+  DistEnv k = parse(with_master({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"KILN_LAUNCHER", "kiln"}}));
+  CHECK(k.launcher == Launcher::Kiln);
+  CHECK(k.rdzv_port == 29500);
+  DistEnv h = parse(with_master({{"RANK", "1"}, {"WORLD_SIZE", "2"}}));
+  CHECK(h.launcher == Launcher::Env);
+  CHECK(h.rdzv_port == 29500);
+  // Open MPI's mpirun.
+  DistEnv m = parse(with_master({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                                 {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}}));
+  CHECK(m.launcher == Launcher::Mpi);
+  CHECK(m.rank == 5);
+  CHECK(m.world_size == 8);
+  CHECK(m.local_rank == 1);
+  CHECK(m.master_addr == "node0");
+  CHECK(m.rdzv_port == 29500);
+  // Slurm's srun.
+  DistEnv sl = parse(with_master(
+      {{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "2"}}));
+  CHECK(sl.launcher == Launcher::Slurm);
+  CHECK(sl.rank == 6);
+  CHECK(sl.world_size == 16);
+  CHECK(sl.local_rank == 2);
+  // One Slurm task, or MPI's single process: not distributed, no MASTER_* needed.
+  CHECK(!parse({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}).distributed());
+  CHECK(!parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}}).distributed());
+  // Precedence: torchrun (or kiln --nproc) inside an MPI or Slurm job sets RANK/WORLD_SIZE for its
+  // children, which describe the process better than the outer job's variables.
+  DistEnv inner = parse(with_master({{"RANK", "1"}, {"WORLD_SIZE", "2"},
+                                     {"TORCHELASTIC_RUN_ID", "r"}, {"SLURM_PROCID", "0"},
+                                     {"SLURM_NTASKS", "1"}, {"OMPI_COMM_WORLD_SIZE", "1"}}));
+  CHECK(inner.launcher == Launcher::Torchrun);
+  CHECK(inner.world_size == 2);
+  CHECK(parse(with_master({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                           {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}))
+            .launcher == Launcher::Mpi);
+  // KILN_RDZV_PORT wins over every rule.
+  CHECK(parse(with_master({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RUN_ID", "r"},
+                           {"KILN_RDZV_PORT", "40000"}}))
+            .rdzv_port == 40000);
+  CHECK(parse(with_master({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
+                           {"KILN_RDZV_PORT", "40001"}}))
+            .rdzv_port == 40001);
+
+  // Errors name the launcher's variable, and say how to pass MASTER_ADDR under it.
+  auto err = [&](const Env& vars) { return error_of([&] { parse(vars); }); };
+  CHECK(contains(err(with_master({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}})),
+                 "OMPI_COMM_WORLD_RANK='x'"));
+  CHECK(contains(err(with_master({{"OMPI_COMM_WORLD_SIZE", "2"}})),
+                 "OMPI_COMM_WORLD_RANK is not set"));
+  CHECK(contains(err({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
+                 "mpirun -x MASTER_ADDR"));
+  CHECK(contains(err(with_master({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
+                                  {"SLURM_LOCALID", "7"}})),
+                 "SLURM_LOCALID=7 is out of range"));
+  CHECK(contains(err(with_master({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "2"}})),
+                 "SLURM_PROCID=2 is out of range"));
+  CHECK(contains(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_PORT", "1"}}),
+                 "MASTER_ADDR is not set but SLURM_NTASKS=2"));
+  CHECK(contains(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_PORT", "1"}}),
+                 "scontrol show hostnames"));
+  CHECK(contains(err(with_master({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"KILN_RDZV_PORT", "0"}})),
+                 "KILN_RDZV_PORT=0 is out of range"));
+}
+
+TEST_CASE("plan_local_launch: --nproc is checked before anything is spawned") {
+  DistEnv single;
+  CHECK(!plan_local_launch(1, single, 0));
+  CHECK(plan_local_launch(2, single, 2));
+  CHECK(plan_local_launch(2, single, 8));
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  const std::string few = error_of([&] { plan_local_launch(3, single, 1); });
+  CHECK(contains(few, "--nproc 3 needs one GPU per process, but 1 CUDA device(s) are visible"));
+  CHECK(contains(few, "nothing was started"));
+  ::setenv("CUDA_VISIBLE_DEVICES", "1", 1);
+  CHECK(contains(error_of([&] { plan_local_launch(2, single, 1); }), "CUDA_VISIBLE_DEVICES=1"));
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  // A rank kiln started runs; a rank another launcher started must not launch again.
+  DistEnv child;
+  child.world_size = 2;
+  child.launcher = Launcher::Kiln;
+  CHECK(!plan_local_launch(2, child, 2));
+  DistEnv torch = child;
+  torch.launcher = Launcher::Torchrun;
+  CHECK(contains(error_of([&] { plan_local_launch(2, torch, 2); }),
+                 "already rank 0 of 2 (local rank 0), launched by torchrun"));
+  CHECK_THROWS_AS(plan_local_launch(0, single, 1), Error);
+  // The tools fail at once with --nproc beyond any machine's GPUs (without CUDA and NCCL they
+  // say so instead), and print their version.
+  const auto t0 = Clock::now();
+  CHECK(train::main({"--nproc", "1000", "--quiet"}) == 1);
+  CHECK(seconds_since(t0) < 10.0);
+  CHECK(train::main({"--version"}) == 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -266,6 +390,38 @@ TEST_CASE("Rendezvous: an unreachable rank 0 fails in time, naming the address")
   CHECK_THROWS_AS(Rendezvous("127.0.0.1", 0, 1, 2), Error);
 }
 
+TEST_CASE("Rendezvous: rank 0 listens on every interface unless MASTER_ADDR is the loopback") {
+  // Another rank may reach rank 0's host by a different address than the one MASTER_ADDR resolves
+  // to there (a host name /etc/hosts maps to 127.0.1.1 locally). Stand-in: rank 0 is given this
+  // host's non-loopback IPv4 address, rank 1 connects to 127.0.0.1.
+  std::string ip;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i && ip.empty(); i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK))
+        continue;
+      char buf[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+      ip = buf;
+    }
+    ::freeifaddrs(ifs);
+  }
+  if (ip.empty()) {
+    MESSAGE("SKIPPED: this host has no non-loopback IPv4 address");
+    return;
+  }
+  const int port = find_free_port();
+  LaunchResult r = launch_functions(
+      [&](const DistEnv& env) {
+        Rendezvous rv(env.rank == 0 ? ip : "127.0.0.1", port, env.rank, 2,
+                      {.timeout = milliseconds(3000)});
+        return expect(rv.all_gather({}).size() == 2, "all_gather");
+      },
+      {.nproc = 2});
+  INFO("rank 0 given " << ip << ": " << r.message);
+  CHECK(r.ok());
+}
+
 TEST_CASE("Rendezvous: ranks in different collectives are told so") {
   LaunchResult r = launch_functions(
       [](const DistEnv& env) {
@@ -283,6 +439,109 @@ TEST_CASE("Rendezvous: ranks in different collectives are told so") {
       {.nproc = 2});
   INFO(r.message);
   CHECK(r.ok());
+}
+
+namespace {
+
+// A listening TCP socket on 127.0.0.1:port (-1 when the port is taken): stands in for torchrun's
+// agent store, which holds MASTER_PORT for the whole job.
+int listen_on(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 4) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Replaces the torchrun-style variables launch_functions set in a child with one launcher's.
+void become(const std::string& launcher, const DistEnv& env) {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "KILN_LAUNCHER"}) ::unsetenv(v);
+  const std::string rank = std::to_string(env.rank), world = std::to_string(env.world_size);
+  if (launcher == "torchrun") {
+    ::setenv("RANK", rank.c_str(), 1);
+    ::setenv("LOCAL_RANK", rank.c_str(), 1);
+    ::setenv("WORLD_SIZE", world.c_str(), 1);
+    ::setenv("TORCHELASTIC_RUN_ID", "test", 1);
+    ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  } else if (launcher == "env") {
+    ::setenv("RANK", rank.c_str(), 1);
+    ::setenv("WORLD_SIZE", world.c_str(), 1);
+  } else if (launcher == "mpirun") {
+    ::setenv("OMPI_COMM_WORLD_RANK", rank.c_str(), 1);
+    ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", rank.c_str(), 1);
+    ::setenv("OMPI_COMM_WORLD_SIZE", world.c_str(), 1);
+  } else if (launcher == "srun") {
+    ::setenv("SLURM_PROCID", rank.c_str(), 1);
+    ::setenv("SLURM_LOCALID", rank.c_str(), 1);
+    ::setenv("SLURM_NTASKS", world.c_str(), 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Rendezvous of two processes under each launcher's variables") {
+  // MASTER_PORT is held by a listening socket, as torchrun's agent holds it; the next port is free.
+  int port = 0, store = -1;
+  for (int attempt = 0; attempt < 20 && store < 0; ++attempt) {
+    port = find_free_port();
+    if (port >= 65535) continue;
+    const int next = listen_on(port + 1);
+    if (next < 0) continue;
+    ::close(next);
+    store = listen_on(port);
+  }
+  REQUIRE(store >= 0);
+  for (const std::string launcher : {"torchrun", "mpirun", "srun", "kiln"}) {
+    INFO(launcher);
+    // Under Slurm, MPI and kiln nothing else holds MASTER_PORT: give them a free one.
+    const int master_port = launcher == "torchrun" ? port : find_free_port();
+    LaunchResult r = launch_functions(
+        [&](const DistEnv& given) {
+          if (launcher != "kiln") become(launcher, given);
+          const DistEnv env = DistEnv::from_env();
+          const Launcher want = launcher == "torchrun" ? Launcher::Torchrun
+                                : launcher == "mpirun" ? Launcher::Mpi
+                                : launcher == "srun"   ? Launcher::Slurm
+                                                       : Launcher::Kiln;
+          int bad = expect(env.launcher == want, "launcher of " + env.describe());
+          bad |= expect(env.rank == given.rank && env.local_rank == given.rank &&
+                            env.world_size == 2 && env.master_port == master_port,
+                        "place: " + env.describe());
+          Rendezvous rv(env, {.timeout = milliseconds(10000)});
+          auto all = rv.all_gather(Rendezvous::Blob(1, uint8_t(env.rank)));
+          bad |= expect(all.size() == 2 && all[0] == Rendezvous::Blob{0} &&
+                            all[1] == Rendezvous::Blob{1},
+                        "all_gather");
+          return bad;
+        },
+        {.nproc = 2, .master_port = master_port});
+    INFO(r.message);
+    CHECK(r.ok());
+  }
+
+  // Without torchrun's marker, rank 0 would bind MASTER_PORT itself: the collision the
+  // rendezvous port avoids, reported with what to do about it.
+  LaunchResult clash = launch_functions(
+      [&](const DistEnv& given) {
+        if (given.rank != 0) return 0;
+        become("env", given);
+        const std::string err =
+            error_of([] { Rendezvous rv(DistEnv::from_env(), {.timeout = milliseconds(500)}); });
+        return expect(contains(err, "cannot listen on 127.0.0.1:" + std::to_string(port)) &&
+                          contains(err, "KILN_RDZV_PORT"),
+                      "rank 0: '" + err + "'");
+      },
+      {.nproc = 2, .master_port = port});
+  INFO(clash.message);
+  CHECK(clash.ok());
+  ::close(store);
 }
 
 // ---------------------------------------------------------------------------------------------

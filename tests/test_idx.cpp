@@ -276,3 +276,39 @@ TEST_CASE("Fashion-MNIST from Debian's dataset-fashion-mnist, when installed") {
     CHECK(*std::max_element(px.begin(), px.end()) == 255);
   }
 }
+
+TEST_CASE("labels: checked against the class count, stray labels named with file and index") {
+  auto pair = [](std::vector<int> labels, const std::string& path) {
+    data::IdxPair p;
+    const int64_t n = int64_t(labels.size());
+    p.labels = from_vector<int>(labels, {n}, DType::u8);
+    p.images = zeros({n, 2, 2}, DType::u8);
+    p.labels_path = path;
+    return p;
+  };
+  // Every label below the largest occurs: that many classes (at least 10).
+  CHECK(data::infer_num_classes(pair({0, 1, 2, 1}, "a")) == 10);
+  std::vector<int> many;
+  for (int i = 0; i < 12; ++i) many.push_back(11 - i);
+  CHECK(data::infer_num_classes(pair(many, "b")) == 12);
+  // A stray 255 among 0..9 does not make a 256-class model.
+  std::vector<int> stray = {0, 1, 2, 3, 4, 255, 5, 6, 7, 8, 9};
+  try {
+    data::infer_num_classes(pair(stray, "/x/train-labels-idx1-ubyte"));
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    CHECK(m.find("/x/train-labels-idx1-ubyte") != std::string::npos);
+    CHECK(m.find("label 255 at index 5") != std::string::npos);
+  }
+  // Test labels outside the training classes.
+  data::check_labels(pair({0, 9, 3}, "t"), 10);
+  try {
+    data::check_labels(pair({0, 9, 10, 3}, "/x/t10k-labels-idx1-ubyte"), 10);
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    CHECK(m.find("/x/t10k-labels-idx1-ubyte") != std::string::npos);
+    CHECK(m.find("label 10 at index 2") != std::string::npos);
+  }
+}

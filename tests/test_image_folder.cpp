@@ -292,12 +292,13 @@ TEST_CASE("ImageLoader: bad files are skipped, counted, named, replaced determin
     CHECK(ep1.next().has_value());
     CHECK(ep1.bad_count() == 3);
   }
-  // Over the threshold: 3 bad > 0.1 * 13, and the default 1%.
+  // Over the threshold: 3 bad > 0.1 * 13, and the default 1%, with no minimum allowance.
   for (double frac : {0.1, 0.01}) {
     ImageLoaderOptions o;
     o.batch_size = 4;
     o.shuffle = false;
     o.max_bad_fraction = frac;
+    o.min_bad_files = 0;
     o.warn = false;
     const ImageLoader loader(folder, o);
     const std::string e = error_of([&] { run_epoch(loader, 0); });
@@ -305,6 +306,68 @@ TEST_CASE("ImageLoader: bad files are skipped, counted, named, replaced determin
     CHECK(e.find("max_bad_fraction") != std::string::npos);
     CHECK(e.find("_bad_") != std::string::npos);
   }
+}
+
+TEST_CASE("ImageFolder: looping and cross-class folder links are skipped and counted") {
+  TempDir dir, outside;
+  make_solid_folder(dir, 6, 2);  // class0: 3 files, class1: 3 files
+  testing::write_png_at(outside / "extra/img900.png", testing::solid_image(9, 9, 1, 2, 3));
+  fs::create_directory_symlink(dir.path() / "class0", dir.path() / "class0/loop");
+  fs::create_directories(dir.path() / "class1/sub");
+  fs::create_directory_symlink("..", dir.path() / "class1/sub/back");                 // loop via ..
+  fs::create_directory_symlink(dir.path() / "class1", dir.path() / "class0/other");   // cross
+  fs::create_directory_symlink(outside.path() / "extra", dir.path() / "class1/ext");  // followed
+  const ImageFolder f(dir.path().string());
+  CHECK(f.size() == 7);
+  CHECK(f.skipped_links() == 3);
+  int64_t in_class0 = 0;
+  for (const ImageSample& s : f.samples()) {
+    CAPTURE(s.path);
+    // class0's files have ids 100, 102, 104; nothing of class1 may be labelled 0.
+    const int64_t id = std::stoll(fs::path(s.path).stem().string().substr(3));
+    if (s.label == 0) {
+      ++in_class0;
+      CHECK(id % 2 == 0);
+    }
+  }
+  CHECK(in_class0 == 3);
+}
+
+TEST_CASE("ImageLoader: a small folder tolerates a few bad files; oversized files are bad files") {
+  TempDir dir;
+  make_solid_folder(dir, 10, 2);
+  testing::write_raw(dir / "class1/img151_bad_garbage.jpg", {'n', 'o', 'p', 'e', 0, 1, 2});
+  const ImageFolder folder(dir.path().string());
+  REQUIRE(folder.size() == 11);
+  ImageLoaderOptions o;
+  o.batch_size = 4;
+  o.image_size = 4;
+  o.shuffle = false;
+  o.augment = Augment::Eval;
+  o.resize_size = 4;
+  o.warn = false;
+  {
+    // Default limits: 1 bad file of 11 is over 1% but within min_bad_files; it is counted.
+    const ImageLoader loader(folder, o);
+    ImageEpoch ep = loader.epoch(0);
+    int64_t n = 0;
+    while (std::optional<ImageBatch> b = ep.next()) n += b->labels.numel();
+    CHECK(n == 11);
+    CHECK(ep.bad_count() == 1);
+  }
+  {
+    // Every file is over a 10-byte cap: each is named as oversized, then the epoch fails.
+    o.max_file_bytes = 10;
+    o.min_bad_files = 2;
+    const ImageLoader loader(folder, o);
+    const std::string e = error_of([&] { run_epoch(loader, 0); });
+    INFO(e);
+    CHECK(e.find("min_bad_files = 2") != std::string::npos);
+    const auto bad = loader.bad_files();
+    REQUIRE(!bad.empty());
+    CHECK(bad[0].find("over the per-file limit of 10 bytes") != std::string::npos);
+  }
+  CHECK_THROWS_AS(ImageLoader(folder, ImageLoaderOptions{.min_bad_files = -1}), Error);
 }
 
 TEST_CASE("DeviceFeeder on the CPU and the synthetic source") {

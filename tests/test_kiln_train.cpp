@@ -2,24 +2,30 @@
 // Fashion-MNIST PNGs trains end to end, writes its log, checkpoint and weights, resumes bit for
 // bit; bad flags fail. And the fused optimizers' checkpoint state (optim/fused.h).
 #include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
-#include "optim/checkpoint.h"
 #include "core/json.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
+#include "optim/checkpoint.h"
 #include "optim/fused.h"
-#include "tools/train/train_dist.h"
 #include "optim/train_step.h"
+#include "tools/train/output_dir.h"
+#include "tools/train/train_dist.h"
+#include "tools/train/train_parts.h"
 #include "tools/train/trainer.h"
 
 using namespace kiln;
@@ -168,8 +174,8 @@ TEST_CASE("kiln-train: 1 epoch + resume + 1 epoch equals 2 epochs bit for bit") 
       return with(job(out.string(), epochs),
                   {"--schedule", "constant", "--optimizer", optimizer, "--label-smoothing", "0.1"});
     };
-    train::run(train::parse_args(args(a, 2)));
-    train::run(train::parse_args(args(b, 1)));
+    train::run(train::parse_args(with(args(a, 2), {"--overwrite"})));
+    train::run(train::parse_args(with(args(b, 1), {"--overwrite"})));
     train::run(
         train::parse_args(with(args(b, 2), {"--resume", (b / "checkpoint.safetensors").string()})));
     check_same_bits(load_safetensors((a / "model.safetensors").string()),
@@ -323,4 +329,247 @@ TEST_CASE("FusedOptimizer::load_state_dict checks everything before changing any
   r.opt->load_state_dict(copy);
   CHECK(same_bits(r.opt->master_arena(), before));
   CHECK(r.opt->step_count().item() == 1);
+}
+
+// ---------------- hardening (issue 16) ----------------
+
+namespace {
+
+std::string run_error(const std::vector<std::string>& args) {
+  try {
+    train::run(train::parse_args(args));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// resnet_small of width 8 for 3-channel ImageFolder data, as job() trains it.
+std::shared_ptr<models::ResNet> job_model() {
+  models::ResNetOptions o;
+  o.num_classes = 10;
+  o.in_channels = 3;
+  o.width = 8;
+  o.imagenet_stem = false;
+  return std::make_shared<models::ResNet>(models::BlockKind::Basic, std::vector<int64_t>{1, 1, 1},
+                                          o);
+}
+
+// MNIST-style IDX files: n images of 28x28 (zeros) and the given labels.
+void write_idx_split(const fs::path& dir, const std::string& prefix,
+                     const std::vector<uint8_t>& labels) {
+  auto u32 = [](std::string& b, uint32_t v) {
+    for (int s = 24; s >= 0; s -= 8) b.push_back(char(v >> s));
+  };
+  std::string im, lb;
+  u32(im, 0x803);
+  u32(im, uint32_t(labels.size()));
+  u32(im, 28);
+  u32(im, 28);
+  im.append(labels.size() * 28 * 28, '\0');
+  u32(lb, 0x801);
+  u32(lb, uint32_t(labels.size()));
+  for (uint8_t l : labels) lb.push_back(char(l));
+  fs::create_directories(dir);
+  std::ofstream(dir / (prefix + "-images-idx3-ubyte"), std::ios::binary) << im;
+  std::ofstream(dir / (prefix + "-labels-idx1-ubyte"), std::ios::binary) << lb;
+}
+
+}  // namespace
+
+TEST_CASE("kiln-train: --output is claimed before training: reuse, --overwrite, lock, probe") {
+  const fs::path out = tmp().dir / "claim";
+  fs::remove_all(out);
+  train::run(train::parse_args(job(out.string(), 1)));
+  const std::string log_before = file_bytes(out / "log.jsonl");
+  // A second run into the same folder is refused, naming the way out; nothing is touched.
+  std::string m = run_error(job(out.string(), 1));
+  CHECK(m.find("already holds a run") != std::string::npos);
+  CHECK(m.find("--overwrite") != std::string::npos);
+  CHECK(file_bytes(out / "log.jsonl") == log_before);
+  // --overwrite replaces the run (one log line, not two).
+  train::run(train::parse_args(with(job(out.string(), 1), {"--overwrite"})));
+  CHECK(read_log(out / "log.jsonl").size() == 1);
+  // A folder in use by a running kiln-train (its lock held) is refused even with --overwrite.
+  {
+    train::OutputDir running(out.string(), train::OutputReuse::Overwrite);
+    m = run_error(with(job(out.string(), 1), {"--overwrite"}));
+    CHECK(m.find("in use by a running kiln-train") != std::string::npos);
+  }
+  // An unwritable folder (root may write anywhere else) fails before training starts.
+  m = run_error(job("/proc/self", 1));
+  CHECK(m.find("not writable") != std::string::npos);
+  const fs::path file = tmp().dir / "a-file";
+  std::ofstream(file) << "x";
+  m = run_error(job((file / "sub").string(), 1));
+  CHECK(m.find("--output") != std::string::npos);
+}
+
+TEST_CASE("kiln-train: temporary files of killed saves are removed at start") {
+  const fs::path out = tmp().dir / "stale";
+  fs::remove_all(out);
+  fs::create_directories(out);
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  REQUIRE(child > 0);
+  int status = 0;
+  ::waitpid(child, &status, 0);  // a pid whose process is gone
+  const fs::path stale = out / ("checkpoint.safetensors.tmp." + std::to_string(child));
+  const fs::path live = out / ("checkpoint.safetensors.tmp." + std::to_string(::getppid()));
+  std::ofstream(stale) << "partial";
+  std::ofstream(live) << "someone else's";
+  train::run(train::parse_args(job(out.string(), 1)));
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(live));  // its writer is alive
+}
+
+TEST_CASE("kiln-train: the epoch's checkpoint is saved before the evaluation") {
+  // val/ holds only unreadable files: the evaluation fails after the training epoch.
+  const fs::path root = tmp().dir / "badval";
+  fs::remove_all(root);
+  fs::create_directories(root / "val");
+  fs::create_directory_symlink(fs::path(image_folder()) / "train", root / "train");
+  for (const auto& e : fs::directory_iterator(fs::path(image_folder()) / "train")) {
+    fs::create_directories(root / "val" / e.path().filename());
+    std::ofstream(root / "val" / e.path().filename() / "bad.png") << "not a png";
+  }
+  const fs::path out = tmp().dir / "badval-out";
+  fs::remove_all(out);
+  const std::string m = run_error(with(job(out.string(), 1), {"--data", root.string()}));
+  CHECK(m.find("bad.png") != std::string::npos);
+  auto model_ptr = job_model();
+  models::ResNet& model = *model_ptr;
+  TrainingState st;
+  st.model = &model;
+  optim::ParamGroup proto;
+  proto.momentum = 0.9;
+  optim::FusedSGD opt(optim::split_weight_decay(model, proto));
+  st.optimizer = &opt;
+  load_checkpoint((out / "checkpoint.safetensors").string(), st);
+  CHECK(st.epoch == 1);
+}
+
+TEST_CASE("kiln-train: a diverged run stops and never overwrites a finite checkpoint") {
+  const fs::path out = tmp().dir / "diverge";
+  fs::remove_all(out);
+  std::string m = run_error(with(job(out.string(), 1), {"--lr", "1e6"}));
+  CHECK(m.find("diverged") != std::string::npos);
+  CHECK_FALSE(fs::exists(out / "checkpoint.safetensors"));
+  // Resuming a good checkpoint at that lr keeps the good checkpoint byte for byte.
+  fs::remove_all(out);
+  train::run(train::parse_args(job(out.string(), 1)));
+  const std::string good = file_bytes(out / "checkpoint.safetensors");
+  m = run_error(with(job(out.string(), 2),
+                     {"--lr", "1e6", "--resume", (out / "checkpoint.safetensors").string()}));
+  CHECK(m.find("diverged") != std::string::npos);
+  CHECK(file_bytes(out / "checkpoint.safetensors") == good);
+  CHECK(read_log(out / "log.jsonl").size() == 1);
+}
+
+TEST_CASE("kiln-train: non-finite metrics are reported as such, logged as null") {
+  auto model = job_model();
+  {
+    NoGradGuard ng;
+    for (auto& [name, t] : model->named_parameters())
+      if (name == "fc.bias") t.fill_(std::nan(""));
+  }
+  const fs::path w = tmp().dir / "nan.safetensors";
+  save_weights(w.string(), *model);
+  const train::Summary s = train::run(train::parse_args(
+      with(job((tmp().dir / "nan-eval").string(), 1), {"--evaluate", "--weights", w.string()})));
+  CHECK(std::isnan(s.test_loss));
+  CHECK(std::isnan(s.test_top1));  // not 100%: NaN > target is false for every logit
+  CHECK(std::isnan(s.test_top5));
+  CHECK(train::json_number(std::nan("")) == "null");
+  CHECK(train::json_number(INFINITY) == "null");
+  CHECK(json::parse("{\"a\": " + train::json_number(std::nan("")) + "}").at("a").kind() ==
+        json::Value::Kind::Null);
+  CHECK(train::fmt_metric(std::nan(""), 100, 2) == "nan");
+  CHECK(train::fmt_metric(0.5, 100, 2) == "50.00");
+  CHECK(train::fmt_time(-2) == "?");
+  CHECK(train::first_non_finite(*model) == "fc.bias");
+  CHECK(train::first_non_finite(*job_model()).empty());
+}
+
+TEST_CASE("kiln-train: flag ranges and contradictions fail early") {
+  auto err = [](std::vector<std::string> args) {
+    try {
+      train::parse_args(args);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(err({"--workers", "10000"}).find("--workers") != std::string::npos);
+  CHECK(err({"--workers", "2147483648"}).find("--workers") != std::string::npos);
+  CHECK(err({"--nproc", "4294967297"}).find("--nproc") != std::string::npos);
+  CHECK(err({"--evaluate"}).find("--weights or --resume") != std::string::npos);
+  CHECK(err({"--resume", "x", "--overwrite"}).find("contradict") != std::string::npos);
+  CHECK(err({"--workers", "1024", "--nproc", "1024"}).empty());
+  train::Config c;
+  c.workers = -1;  // a Config built in code is validated by run() too
+  CHECK_THROWS_WITH_AS(train::run(c), doctest::Contains("--workers"), Error);
+}
+
+TEST_CASE("kiln-train: resume with another batch size keeps the schedule; bad checkpoints fail") {
+  const fs::path out = tmp().dir / "rebatch";
+  fs::remove_all(out);
+  train::run(train::parse_args(job(out.string(), 1)));  // batch 32: 9 steps
+  // Batch 64 (4 steps per epoch), 3 epochs: epoch 2 ends at step 8 of 12, lr well above 0.
+  auto args = job(out.string(), 3);
+  *std::find(args.begin(), args.end(), "32") = "64";
+  args.push_back("--resume");
+  args.push_back((out / "checkpoint.safetensors").string());
+  train::run(train::parse_args(args));
+  const auto log = read_log(out / "log.jsonl");
+  REQUIRE(log.size() == 3);
+  CHECK(log[1].at("lr").number() > 0.01);
+
+  // A checkpoint with a negative epoch.
+  auto model = job_model();
+  TrainingState st;
+  st.model = model.get();
+  st.epoch = -5;
+  const fs::path neg = tmp().dir / "negative.safetensors";
+  save_checkpoint(neg.string(), st);
+  TrainingState back;
+  back.model = model.get();
+  CHECK_THROWS_WITH_AS(load_checkpoint(neg.string(), back), doctest::Contains("negative"), Error);
+
+  // A FIFO as --weights is refused at once (it used to block forever).
+  const fs::path fifo = tmp().dir / "weights.fifo";
+  fs::remove(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string m = run_error(
+      with(job((tmp().dir / "fifo-out").string(), 1), {"--evaluate", "--weights", fifo.string()}));
+  CHECK(m.find("not a regular file") != std::string::npos);
+}
+
+TEST_CASE("kiln-train: IDX labels are validated when the data is opened") {
+  const fs::path dir = tmp().dir / "idx-stray";
+  std::vector<uint8_t> train(40);
+  for (size_t i = 0; i < train.size(); ++i) train[i] = uint8_t(i % 10);
+  train[17] = 255;
+  write_idx_split(dir, "train", train);
+  write_idx_split(dir, "t10k", {0, 1, 2});
+  std::string m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
+  CHECK(m.find("train-labels-idx1-ubyte") != std::string::npos);
+  CHECK(m.find("label 255 at index 17") != std::string::npos);
+  train[17] = 7;
+  write_idx_split(dir, "train", train);
+  write_idx_split(dir, "t10k", {0, 1, 12});
+  m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
+  CHECK(m.find("t10k-labels-idx1-ubyte") != std::string::npos);
+  CHECK(m.find("label 12 at index 2") != std::string::npos);
+  write_idx_split(dir, "t10k", {});
+  m = run_error(
+      with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
+  CHECK(m.find("holds no images") != std::string::npos);
 }

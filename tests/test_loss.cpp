@@ -130,3 +130,40 @@ TEST_CASE("cross_entropy errors") {
   CHECK_THROWS_AS(F::cross_entropy(logits, zeros({3}, DType::i64), -0.1), Error);
   CHECK_THROWS_AS(F::cross_entropy(zeros({0, 4}, DType::f64), zeros({0}, DType::i64)), Error);
 }
+
+TEST_CASE("cross_entropy f16 logits: loss scale applied before the one rounding (256 x 1000)") {
+  // At batch 256 x 1000 classes most unscaled gradient entries (~4e-6) are f16 subnormals;
+  // rounded before the 2^16 loss scale they would be off by up to ~1.5%. Each entry of the
+  // scaled f16 gradient must be the FP64 value correctly rounded (within half an f16 ulp; the
+  // f32 intermediate adds ~2^-24 relative, hence the 1.001).
+  const int64_t n = 256, c = 1000;
+  const double scale = 65536.0;
+  Generator g(3);
+  Tensor logits = F::mul(randn({n, c}, DType::f32, &g), 2.0).to(DType::f16);
+  logits.set_requires_grad(true);
+  std::vector<int64_t> tv(static_cast<size_t>(n));
+  for (auto& t : tv) t = int64_t(g.below(uint64_t(c)));
+  Tensor target = from_vector<int64_t>(tv, {n}, DType::i64);
+  Tensor loss = F::cross_entropy(logits, target);
+  CHECK(loss.dtype() == DType::f32);
+  F::mul(loss, scale).backward();
+  REQUIRE(logits.grad().dtype() == DType::f16);
+  const std::vector<double> x = logits.detach().to(DType::f64).to_vector<double>();
+  const std::vector<double> got = logits.grad().to(DType::f64).to_vector<double>();
+  double worst = 0, ref_loss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double m = -INFINITY, z = 0;
+    for (int64_t j = 0; j < c; ++j) m = std::max(m, x[size_t(i * c + j)]);
+    for (int64_t j = 0; j < c; ++j) z += std::exp(x[size_t(i * c + j)] - m);
+    ref_loss += (std::log(z) + m - x[size_t(i * c + tv[size_t(i)])]) / double(n);
+    for (int64_t j = 0; j < c; ++j) {
+      const double p = std::exp(x[size_t(i * c + j)] - m) / z;
+      const double ref = (p - (j == tv[size_t(i)] ? 1.0 : 0.0)) / double(n) * scale;
+      // Half an f16 ulp: 2^-11 relative for normals, 2^-25 absolute among subnormals.
+      const double tol = std::max(std::fabs(ref) / 2048, std::ldexp(1.0, -25));
+      worst = std::max(worst, std::fabs(got[size_t(i * c + j)] - ref) / tol);
+    }
+  }
+  CHECK(loss.item() == doctest::Approx(ref_loss).epsilon(1e-5));
+  CHECK(worst <= 1.001);
+}

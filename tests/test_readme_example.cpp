@@ -1,10 +1,9 @@
-// The README's C++ example, verbatim in its training logic: it must build, run and learn.
+// The README's C++ example, verbatim in its training logic: it must build, run and learn. It
+// includes the umbrella header as the README does, so <kiln/kiln.h> works in the build tree too
+// (tests/consumer/ builds the same example against an installed kiln).
 #include <doctest/doctest.h>
 
-#include "core/generator.h"
-#include "models/nn.h"
-#include "ops/ops.h"
-#include "optim/sgd.h"
+#include <kiln/kiln.h>
 
 using namespace kiln;
 

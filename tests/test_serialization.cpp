@@ -1,5 +1,6 @@
 // safetensors round trips, atomic writes, and errors on damaged files.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -110,4 +111,108 @@ TEST_CASE("json parser") {
   CHECK_THROWS_AS(json::parse("[1, 2"), Error);
   CHECK_THROWS_AS(v.at("zz"), Error);
   CHECK(json::quote("a\"b") == "\"a\\\"b\"");
+}
+
+// A crafted file: 8-byte length, `header` as given, then `data_bytes` zero bytes.
+static void write_crafted(const std::string& path, const std::string& header, size_t data_bytes) {
+  std::string b;
+  const uint64_t hl = header.size();
+  for (int i = 0; i < 8; ++i) b.push_back(char((hl >> (8 * i)) & 0xff));
+  b += header;
+  b.append(data_bytes, '\0');
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << b;
+}
+
+// The message of load_safetensors' error (FAIL when it loads).
+static std::string load_error(const std::string& path) {
+  try {
+    load_safetensors(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL("no error");
+  return "";
+}
+
+TEST_CASE("crafted safetensors headers: the spec's rules, messages name file and tensor") {
+  const std::string path = temp_path("crafted.safetensors");
+  auto expect = [&](const std::string& header, size_t data, const std::string& needle,
+                    const std::string& tensor) {
+    CAPTURE(header);
+    write_crafted(path, header, data);
+    const std::string msg = load_error(path);
+    CAPTURE(msg);
+    CHECK(msg.find(path) != std::string::npos);
+    CHECK(msg.find(needle) != std::string::npos);
+    if (!tensor.empty()) CHECK(msg.find("'" + tensor + "'") != std::string::npos);
+  };
+  const std::string ok_x = R"("x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  write_crafted(path, "{" + ok_x + "}", 8);
+  CHECK(load_safetensors(path).at("x").numel() == 2);
+
+  // 2^62 * 4 elements overflow int64 (the old check wrapped to a small byte count).
+  expect(R"({"big":{"dtype":"F32","shape":[4611686018427387904,1,2,2],"data_offsets":[0,16]}})", 16,
+         "2^63", "big");
+  expect(
+      R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+      8, "duplicate key 'x'", "");
+  expect(
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+      12, "overlaps", "b");
+  expect(
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+      12, "belong to no tensor", "b");
+  expect("{" + ok_x + "}", 12, "at the end of the data section", "");
+  expect(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}})", 8, "integers", "x");
+  expect(R"({"x":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8, "integers", "x");
+  expect(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8, "integers", "x");
+  expect(R"({"x":{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}})", 8, "integers", "x");
+  expect(R"({"x":{"shape":[2],"data_offsets":[0,8]}})", 8, "no 'dtype'", "x");
+  expect(R"({"x":{"dtype":"F32","data_offsets":[0,8]}})", 8, "no 'shape'", "x");
+  expect(R"({"x":{"dtype":"F32","shape":[2]}})", 8, "no 'data_offsets'", "x");
+  expect(R"({"x":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8, "unsupported dtype", "x");
+  expect(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8, "12 needed", "x");
+  expect(R"({"x":[1,2]})", 8, "not a JSON object", "x");
+  expect(R"({"__metadata__":{"a":1},)" + ok_x + "}", 8, "__metadata__ 'a'", "");
+  expect(R"(  {)" + ok_x + "}", 8, "must start with '{'", "");
+  // Header length above the cap (the file is not that big: the size check would also catch a
+  // lie, so make the file long enough to pass it... a sparse file keeps this cheap).
+  {
+    const uint64_t hl = kMaxSafetensorsHeader + 8;
+    std::string b;
+    for (int i = 0; i < 8; ++i) b.push_back(char((hl >> (8 * i)) & 0xff));
+    b += "{}";
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out << b;
+    }
+    fs::resize_file(path, 8 + hl + 16);
+    const std::string msg = load_error(path);
+    CHECK(msg.find("exceeds the limit") != std::string::npos);
+  }
+}
+
+TEST_CASE("load_safetensors refuses a FIFO and a folder without blocking") {
+  const std::string fifo = temp_path("fifo.safetensors");
+  fs::remove(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::string msg = load_error(fifo);
+  CHECK(msg.find("not a regular file") != std::string::npos);
+  fs::remove(fifo);
+  msg = load_error(fs::path(fifo).parent_path().string());
+  CHECK(msg.find("not a regular file") != std::string::npos);
+}
+
+TEST_CASE("json: duplicate keys rejected, integer literals exact") {
+  CHECK_THROWS_AS(json::parse(R"({"a": 1, "a": 2})"), Error);
+  json::Value v = json::parse(R"([18446744073709551615, 9007199254740993, 1.0, -4, 1e3, 3])");
+  const auto& a = v.array();
+  CHECK(a[0].unsigned_integer() == 18446744073709551615ull);
+  CHECK(a[1].unsigned_integer() == 9007199254740993ull);  // not representable as a double
+  CHECK_FALSE(a[2].is_integer());
+  CHECK(a[3].is_integer());
+  CHECK_THROWS_AS(a[3].unsigned_integer(), Error);
+  CHECK_FALSE(a[4].is_integer());
+  CHECK(a[5].unsigned_integer() == 3);
 }

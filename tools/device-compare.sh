@@ -17,7 +17,8 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 configure() {  # dir build_dir
   cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_DEPS_DIR="$deps" > "$OUT/configure-$(basename "$1").log" 2>&1
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" \
+    > "$OUT/configure-$(basename "$1").log" 2>&1
 }
 configure . build-gpu || { tail -30 "$OUT"/configure-*.log; exit 1; }
 configure "$before" "$before/build-gpu" || { echo "before: configure failed"; exit 1; }
@@ -45,10 +46,10 @@ bench() {  # name binary
   "$2" --model resnet50 --batches "$batches" > "$OUT/bench-$1.log" 2>&1
   echo "== $1"; grep -E "img/s" "$OUT/bench-$1.log" | head -12
 }
-bench before "$before/build-gpu/kiln-bench"
-bench after ./build-gpu/kiln-bench
-bench before2 "$before/build-gpu/kiln-bench"
-bench after2 ./build-gpu/kiln-bench
+for r in $(seq "${BENCH_REPS:-1}"); do
+  bench "before$r" "$before/build-gpu/kiln-bench"
+  bench "after$r" ./build-gpu/kiln-bench
+done
 # Checkpoints written by the older tree load in this one: train 1 epoch there on a tiny IDX
 # folder (CKPT_DATA), resume for a 2nd epoch here, then evaluate its model.safetensors here.
 if [ -n "${CKPT_DATA:-}" ]; then

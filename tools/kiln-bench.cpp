@@ -27,9 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "core/device_query.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "core/tensor.h"
+#include "core/version.h"
 #include "ops/ops.h"
 #include "tools/bench/model_bench.h"
 #include "tools/cli/cli.h"
@@ -225,6 +227,7 @@ int main(int argc, char** argv) {
         "       kiln-bench --model NAME --verify-graph [--batches B1,...] [--verify-steps K]\n"
         "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]",
         "Speed of kiln on the GPU, as a table and JSON.");
+    p.version(kiln::version_line("kiln-bench"));
     p.value("--model", "NAME", &model,
             "per-step training throughput of a model (resnet18 ... resnet152)\n"
             "on synthetic data, mixed precision, eager and whole-step CUDA graph");
@@ -232,7 +235,9 @@ int main(int argc, char** argv) {
     p.flag("--eager-only", &eager_only, "with --model: eager rows only");
     p.flag("--graph-only", &graph_only, "with --model: CUDA-graph rows only");
     p.flag("--profile", &mo.profile, "with --model: per-op GPU time table of a few eager steps");
-    p.value("--nproc", "N", &nproc, "with --model: data-parallel over N local GPUs (batch per GPU)",
+    p.value("--nproc", "N", &nproc,
+            "with --model: data-parallel over N local GPUs (batch per GPU);\n"
+            "under torchrun, mpirun or srun leave it out (README: launching)",
             1);
     p.flag("--verify-graph", &mo.verify_graph,
            "with --model: K eager steps against K whole-step CUDA graph\n"
@@ -261,8 +266,8 @@ int main(int argc, char** argv) {
     if (graph_only) mo.eager = false;
     if (any_conv) mo.verify_deterministic = false;
     if (ops && !model.empty()) kiln::cli::usage_error("--ops and --model exclude each other");
-    if (nproc > 1) {
-      if (model.empty()) kiln::cli::usage_error("--nproc needs --model");
+    if (nproc > 1 && model.empty()) kiln::cli::usage_error("--nproc needs --model");
+    if (kiln::plan_local_launch(nproc, kiln::DistEnv::from_env(), kiln::cuda_device_count())) {
       // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
       std::vector<std::string> args{"/proc/self/exe"};
       for (int i = 1; i < argc; ++i) {

@@ -14,6 +14,7 @@
 
 #include "core/autograd.h"
 #include "core/error.h"
+#include "core/version.h"
 #include "optim/checkpoint.h"
 #include "optim/model_file.h"
 #include "tools/cli/cli.h"
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
     int64_t num_classes = 1000, in_channels = 3, width = 0;
     cli::Parser p("kiln-convert", "--in A.safetensors [--out B.safetensors] [flags]",
                   "Loads weights into kiln's ResNet strictly and writes them back out.");
+    p.version(version_line("kiln-convert"));
     p.value("--in", "PATH", &in, "weights to load (strict), e.g. a torchvision state_dict");
     p.value("--out", "PATH", &out, "write the loaded weights back (f32, torchvision keys)");
     p.value("--arch", "NAME", &arch,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/version.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
 #include "tools/cli/cli.h"
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
     data::ExportOptions opts;
     cli::Parser p("kiln-export-images", "--out DIR [flags]",
                   "Writes Fashion-MNIST as an ImageFolder of PNG files.");
+    p.version(version_line("kiln-export-images"));
     p.value("--out", "DIR", &out, "output folder (created; must be empty unless --force)");
     p.choice("--split", &split, {"train", "test"}, "which split");
     p.value("--limit", "N", &opts.limit, "export the first N images only (default: all)", 0);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/version.h"
 #include "tools/cli/cli.h"
 
 namespace {
@@ -27,6 +28,7 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
+  p.version(kiln::version_line("kiln-fusion-probe"));
   p.value("--batch", "N", &a.batch, "batch size of the probed problems", 1);
   p.value("--plans", "K", &a.plans, "engine plans built and timed per graph", 1);
   if (p.parse(argc, argv)) return true;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/version.h"
 #include "core/generator.h"
 #include "data/image.h"
 #include "data/image_loader.h"
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
     bool eval = false;
     cli::Parser p("kiln-loader-bench", "[--folder DIR] [--workers LIST] [-b BATCH] [flags]",
                   "Decoded + augmented images per second of the ImageNet-style input pipeline.");
+    p.version(kiln::version_line("kiln-loader-bench"));
     p.value("--folder", "DIR", &folder,
             "an ImageFolder (default: generate synthetic images in a temp folder)");
     p.list("--workers", "LIST", &worker_list,

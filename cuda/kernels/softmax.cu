@@ -66,9 +66,10 @@ __global__ void softmax_bwd(T* dx, const T* dy, const T* y, int64_t rows, int64_
 }
 
 // Per row: loss_r = -(1-ε)·logp[t] - (ε/C)·Σ_j logp[j]; hit_r = (first argmax == t);
-// grad = (softmax - (1-ε)·onehot(t) - ε/C) · scale, with scale = grad_scale / N.
-template <typename T, typename I>
-__global__ void cross_entropy_rows(float* row_loss, int* row_hit, T* grad, const T* logits,
+// grad = (softmax - (1-ε)·onehot(t) - ε/C) · scale, with scale = grad_scale / N, written as G
+// (T, or float for 16-bit logits so the loss scale can be applied before the one rounding).
+template <typename T, typename G, typename I>
+__global__ void cross_entropy_rows(float* row_loss, int* row_hit, G* grad, const T* logits,
                                    const I* target, int64_t rows, int64_t cols, double eps,
                                    double scale) {
   using C = acc_t<T>;
@@ -76,7 +77,7 @@ __global__ void cross_entropy_rows(float* row_loss, int* row_hit, T* grad, const
   int64_t step;
   for (int64_t r = warp_row(step); r < rows; r += step) {
     const T* xr = logits + r * cols;
-    T* gr = grad + r * cols;
+    G* gr = grad + r * cols;
     const int64_t t = int64_t(target[r]);
     const bool valid = t >= 0 && t < cols;
     C m = -std::numeric_limits<C>::infinity();
@@ -101,7 +102,7 @@ __global__ void cross_entropy_rows(float* row_loss, int* row_hit, T* grad, const
     const C on = C(1) - C(eps), off = C(eps) / C(cols);
     for (int64_t i = lane; i < cols; i += 32) {
       const C p = exp(cvt<C>(xr[i]) - lse);
-      gr[i] = cvt<T>((p - off - (i == t ? on : C(0))) * C(scale));
+      gr[i] = cvt<G>((p - off - (i == t ? on : C(0))) * C(scale));
     }
     if (lane == 0) {
       // An out-of-range target gives NaN rather than a read out of bounds.
@@ -198,18 +199,30 @@ void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& c
   Tensor row_loss = empty({rows}, TensorOptions(DType::f32).with_device(logits.device()));
   Tensor row_hit = empty({rows}, TensorOptions(DType::i32).with_device(logits.device()));
   const double scale = grad_scale / double(rows);  // rounded to the data's accumulation type
+  const bool f32_grad = grad.dtype() == DType::f32;
+  const bool half_logits = logits.dtype() == DType::f16 || logits.dtype() == DType::bf16;
+  KILN_CHECK(
+      grad.dtype() == logits.dtype() || (f32_grad && half_logits),
+      "cross_entropy (cuda): grad must have the logits' dtype (or f32 for 16-bit logits), got ",
+      grad.desc(), " for logits ", logits.desc());
   dispatch_device_float(logits.dtype(), "cross_entropy", [&]<typename T>() {
-    auto launch = [&]<typename I>() {
-      cross_entropy_rows<T, I><<<warp_rows_grid(rows), kBlock, 0, stream>>>(
+    auto launch = [&]<typename G, typename I>() {
+      cross_entropy_rows<T, G, I><<<warp_rows_grid(rows), kBlock, 0, stream>>>(
           static_cast<float*>(row_loss.raw_data()), static_cast<int*>(row_hit.raw_data()),
-          static_cast<T*>(grad.raw_data()), static_cast<const T*>(logits.raw_data()),
+          static_cast<G*>(grad.raw_data()), static_cast<const T*>(logits.raw_data()),
           static_cast<const I*>(target.raw_data()), rows, cols, label_smoothing, scale);
       KILN_CUDA_CHECK_LAUNCH();
     };
-    if (target.dtype() == DType::i64)
-      launch.template operator()<int64_t>();
+    auto with_grad = [&]<typename G>() {
+      if (target.dtype() == DType::i64)
+        launch.template operator()<G, int64_t>();
+      else
+        launch.template operator()<G, int32_t>();
+    };
+    if (f32_grad)
+      with_grad.template operator()<float>();
     else
-      launch.template operator()<int32_t>();
+      with_grad.template operator()<T>();
   });
   cross_entropy_total<<<1, kBlock, 0, stream>>>(
       static_cast<float*>(loss.raw_data()), static_cast<int64_t*>(correct.raw_data()),

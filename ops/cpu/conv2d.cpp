@@ -16,7 +16,11 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <new>
 #include <vector>
 
 #include "ops/cpu/kernels.h"
@@ -141,6 +145,55 @@ void write_contiguous(const Tensor& out, F&& f) {
 
 int64_t col_scratch(const Geometry& g) { return g.direct ? 0 : g.col_rows() * g.out_plane(); }
 
+// Per-thread scratch (`per_thread` elements for each of `threads`), allocated before the OpenMP
+// region: an exception must not leave a parallel region (std::terminate), so running out of
+// memory here is a kiln::Error naming the op and the size.
+template <typename T>
+std::vector<T> thread_scratch(const char* op, int64_t per_thread, int threads, const Geometry& g) {
+  int64_t n = 0;
+  KILN_CHECK(!__builtin_mul_overflow(per_thread, int64_t(threads), &n), op,
+             " (cpu): scratch size overflows");
+  try {
+    return std::vector<T>(size_t(n));
+  } catch (const std::bad_alloc&) {
+    KILN_FAIL(op, " (cpu): out of memory allocating ", n * int64_t(sizeof(T)),
+              " bytes of im2col scratch (", threads, " threads x ", per_thread, " elements; batch ",
+              g.n, ", ", g.c, " -> ", g.o, " channels)");
+  }
+}
+
+// Catches what the body of an OpenMP loop throws (Eigen may allocate), skips the remaining
+// iterations, and rethrows the first exception after the region, with the op's name.
+class ParallelErrors {
+ public:
+  template <typename F>
+  void run(F&& f) {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard lk(mu_);
+      if (!error_) error_ = std::current_exception();
+      failed_ = true;
+    }
+  }
+  void rethrow(const char* op) const {
+    if (!error_) return;
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::bad_alloc&) {
+      KILN_FAIL(op, " (cpu): out of memory inside the parallel loop");
+    }
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;
+  std::exception_ptr error_;
+};
+
+int thread_count(const Geometry& g) { return g.n > 1 ? omp_get_max_threads() : 1; }
+
 }  // namespace
 
 void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
@@ -154,30 +207,36 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
       const T* wp = wc.data<T>();
       const T* bp = bc.defined() ? bc.data<T>() : nullptr;
       T* yp = yc.data<T>();
-#pragma omp parallel if (g.n > 1)
+      const int threads = thread_count(g);
+      const int64_t per = col_scratch(g);
+      std::vector<T> scratch = thread_scratch<T>("conv2d", per, threads, g);
+      ParallelErrors errors;
+#pragma omp parallel num_threads(threads)
       {
-        std::vector<T> col(size_t(col_scratch(g)));
+        T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) {
-          const T* img = xp + n * g.c * g.in_plane();
-          const T* cols = img;
-          if (!g.direct) {
-            im2col(g, img, col.data());
-            cols = col.data();
-          }
-          T* out = yp + n * g.o * g.out_plane();
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
-            MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            MapM<T> ym(out + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            ym.noalias() = wm * cm;
-          }
-          if (bp) {
-            MapM<T> ym(out, g.o, g.out_plane());
-            ym.colwise() += Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(bp, g.o);
-          }
-        }
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* img = xp + n * g.c * g.in_plane();
+            const T* cols = img;
+            if (!g.direct) {
+              im2col(g, img, col);
+              cols = col;
+            }
+            T* out = yp + n * g.o * g.out_plane();
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
+              MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              MapM<T> ym(out + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              ym.noalias() = wm * cm;
+            }
+            if (bp) {
+              MapM<T> ym(out, g.o, g.out_plane());
+              ym.colwise() += Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(bp, g.o);
+            }
+          });
       }
+      errors.rethrow("conv2d");
     });
   });
 }
@@ -191,27 +250,33 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w,
       const T* dyp = dyc.data<T>();
       const T* wp = wc.data<T>();
       T* dxp = dxc.data<T>();
-#pragma omp parallel if (g.n > 1)
+      const int threads = thread_count(g);
+      const int64_t per = col_scratch(g);
+      std::vector<T> scratch = thread_scratch<T>("conv2d_backward_data", per, threads, g);
+      ParallelErrors errors;
+#pragma omp parallel num_threads(threads)
       {
-        std::vector<T> col(size_t(col_scratch(g)));
+        T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) {
-          const T* gout = dyp + n * g.o * g.out_plane();
-          T* img = dxp + n * g.c * g.in_plane();
-          // Direct: the column gradient is the image gradient.
-          T* cols = g.direct ? img : col.data();
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
-            MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            MapM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            cm.noalias() = wm.transpose() * dym;
-          }
-          if (!g.direct) {
-            std::fill(img, img + g.c * g.in_plane(), T(0));
-            col2im(g, cols, img);
-          }
-        }
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* gout = dyp + n * g.o * g.out_plane();
+            T* img = dxp + n * g.c * g.in_plane();
+            // Direct: the column gradient is the image gradient.
+            T* cols = g.direct ? img : col;
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
+              MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              MapM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              cm.noalias() = wm.transpose() * dym;
+            }
+            if (!g.direct) {
+              std::fill(img, img + g.c * g.in_plane(), T(0));
+              col2im(g, cols, img);
+            }
+          });
       }
+      errors.rethrow("conv2d_backward_data");
     });
   });
 }
@@ -227,34 +292,39 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
       const int64_t wsize = g.o * g.k;
       // One accumulator per thread, summed in thread order afterwards: deterministic for a
       // given thread count.
-      const int nthreads = g.n > 1 ? omp_get_max_threads() : 1;
-      std::vector<std::vector<T>> partial(static_cast<size_t>(nthreads));
+      const int nthreads = thread_count(g);
+      const int64_t per = col_scratch(g);
+      std::vector<T> scratch = thread_scratch<T>("conv2d_backward_weight", per, nthreads, g);
+      // Zero-filled accumulators; a thread the runtime did not start leaves its own at zero.
+      std::vector<T> partial = thread_scratch<T>("conv2d_backward_weight", wsize, nthreads, g);
+      ParallelErrors errors;
 #pragma omp parallel num_threads(nthreads)
       {
-        std::vector<T>& acc = partial[size_t(omp_get_thread_num())];
-        acc.assign(size_t(wsize), T(0));
-        std::vector<T> col(size_t(col_scratch(g)));
+        T* acc = partial.data() + wsize * omp_get_thread_num();
+        T* col = scratch.data() + per * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n) {
-          const T* img = xp + n * g.c * g.in_plane();
-          const T* cols = img;
-          if (!g.direct) {
-            im2col(g, img, col.data());
-            cols = col.data();
-          }
-          const T* gout = dyp + n * g.o * g.out_plane();
-          for (int64_t gr = 0; gr < g.groups; ++gr) {
-            MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
-            MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-            MapM<T> am(acc.data() + gr * g.og * g.k, g.og, g.k);
-            am.noalias() += dym * cm.transpose();
-          }
-        }
+        for (int64_t n = 0; n < g.n; ++n)
+          errors.run([&] {
+            const T* img = xp + n * g.c * g.in_plane();
+            const T* cols = img;
+            if (!g.direct) {
+              im2col(g, img, col);
+              cols = col;
+            }
+            const T* gout = dyp + n * g.o * g.out_plane();
+            for (int64_t gr = 0; gr < g.groups; ++gr) {
+              MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
+              MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+              MapM<T> am(acc + gr * g.og * g.k, g.og, g.k);
+              am.noalias() += dym * cm.transpose();
+            }
+          });
       }
+      errors.rethrow("conv2d_backward_weight");
       T* out = dwc.data<T>();
       std::fill(out, out + wsize, T(0));
-      for (const std::vector<T>& part : partial)  // empty when the runtime gave fewer threads
-        for (size_t i = 0; i < part.size(); ++i) out[i] += part[i];
+      for (int t = 0; t < nthreads; ++t)  // in thread order: deterministic
+        for (int64_t i = 0; i < wsize; ++i) out[i] += partial[size_t(t * wsize + i)];
     });
   });
 }

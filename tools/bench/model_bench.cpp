@@ -104,10 +104,13 @@ Timing time_steps(Fn&& step, int warmup, int windows, int per_window) {
 
 std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
   std::vector<ModelRow> rows;
-  // Under a launcher (kiln-bench --nproc N, torchrun) every rank runs the same rows data-parallel
-  // (train::DataParallel: bucketed FP16 gradient all-reduce overlapping backward, agreed
-  // found-inf) with `batch` images per GPU; rank 0 reports.
+  // Under a launcher (kiln-bench --nproc N, torchrun, mpirun, srun) every rank runs the same
+  // rows data-parallel (train::DataParallel: bucketed FP16 gradient all-reduce overlapping
+  // backward, agreed found-inf) with `batch` images per GPU; rank 0 reports.
   const DistEnv env = DistEnv::from_env();
+  KILN_CHECK(!env.distributed() || env.local_rank < cuda::device_count(),
+             "kiln-bench: this process is ", env.describe(), ", so it uses GPU ", env.local_rank,
+             ", but only ", cuda::device_count(), " CUDA device(s) are visible to it");
   if (env.distributed()) cuda::set_device(env.local_rank);
   const Device dev = Device::cuda(env.distributed() ? env.local_rank : 0);
   const bool report = env.rank == 0;

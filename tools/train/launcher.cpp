@@ -30,7 +30,8 @@ std::vector<std::string> child_environment(const DistEnv& env) {
       {"LOCAL_RANK", std::to_string(env.local_rank)},
       {"WORLD_SIZE", std::to_string(env.world_size)},
       {"MASTER_ADDR", env.master_addr},
-      {"MASTER_PORT", std::to_string(env.master_port)}};
+      {"MASTER_PORT", std::to_string(env.master_port)},
+      {"KILN_LAUNCHER", "kiln"}};
   if (!std::getenv("NCCL_NVLS_ENABLE")) set.emplace_back("NCCL_NVLS_ENABLE", "0");
   std::vector<std::string> out;
   for (char** e = environ; e && *e; ++e) {
@@ -63,6 +64,8 @@ std::vector<DistEnv> rank_envs(const LaunchOptions& opts) {
   base.world_size = opts.nproc;
   base.master_addr = opts.master_addr;
   base.master_port = opts.master_port > 0 ? opts.master_port : find_free_port(opts.master_addr);
+  base.rdzv_port = base.master_port;
+  base.launcher = Launcher::Kiln;
   std::vector<DistEnv> envs(size_t(opts.nproc), base);
   for (int r = 0; r < opts.nproc; ++r) envs[size_t(r)].rank = envs[size_t(r)].local_rank = r;
   return envs;
@@ -182,6 +185,19 @@ LaunchResult launch_functions(const std::function<int(const DistEnv&)>& fn,
     std::cout.flush();
     ::_exit(code);
   });
+}
+
+bool plan_local_launch(int nproc, const DistEnv& env, int visible_gpus) {
+  KILN_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  if (nproc == 1 || env.launcher == Launcher::Kiln) return false;
+  KILN_CHECK(!env.distributed(), "--nproc ", nproc, ": this process is already ", env.describe(),
+             "; that launcher starts the processes, so leave out --nproc");
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  KILN_CHECK(nproc <= visible_gpus, "--nproc ", nproc, " needs one GPU per process, but ",
+             visible_gpus, " CUDA device(s) are visible",
+             visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string(),
+             "; nothing was started");
+  return true;
 }
 
 int find_free_port(const std::string& addr) {

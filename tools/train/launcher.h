@@ -1,8 +1,9 @@
 #pragma once
 // Local multi-process launch for data-parallel jobs (what `kiln-train --nproc N` and torchrun's
 // --nproc_per_node do): N children of one program, each told its place through torchrun's
-// environment variables, RANK = LOCAL_RANK = i, WORLD_SIZE = N, MASTER_ADDR, MASTER_PORT, with
-// NCCL_NVLS_ENABLE=0 unless the caller's environment sets it (NVLink multicast stays off).
+// environment variables, RANK = LOCAL_RANK = i, WORLD_SIZE = N, MASTER_ADDR, MASTER_PORT, and
+// KILN_LAUNCHER=kiln (so a child knows kiln started it), with NCCL_NVLS_ENABLE=0 unless the
+// caller's environment sets it (NVLink multicast stays off).
 //
 //   LaunchResult r = launch_processes({"/proc/self/exe", "--epochs", "3"}, {.nproc = 2});
 //   if (!r.ok()) { std::cerr << r.message << "\n"; return r.exit_code; }
@@ -42,6 +43,14 @@ LaunchResult launch_processes(const std::vector<std::string>& argv, const Launch
 // value (an exception is printed to stderr and becomes exit code 1). For tests.
 LaunchResult launch_functions(const std::function<int(const DistEnv&)>& fn,
                               const LaunchOptions& opts);
+
+// What a tool given --nproc N does, decided before anything is spawned: true when it should start
+// N local ranks (launch_processes), false when it should run as it is (N == 1, or it is one of
+// the ranks kiln started: env.launcher == Launcher::Kiln). Throws kiln::Error when another
+// launcher already placed this process in a job of several (torchrun, mpirun and srun start the
+// processes themselves), or when fewer than N CUDA devices are visible (`visible_gpus`, e.g.
+// kiln::cuda_device_count(); one rank per GPU), naming both numbers and CUDA_VISIBLE_DEVICES.
+bool plan_local_launch(int nproc, const DistEnv& env, int visible_gpus);
 
 // A TCP port on `addr` that is free now (bind to port 0, read it back, close).
 int find_free_port(const std::string& addr = "127.0.0.1");

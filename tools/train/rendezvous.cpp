@@ -119,13 +119,15 @@ bool recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
 
 std::string rank_name(int r) { return "rank " + std::to_string(r); }
 
+// addr "" with passive: the wildcard address (every interface).
 addrinfo* resolve(const std::string& addr, int port, bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   if (passive) hints.ai_flags = AI_PASSIVE;
   addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res);
+  const int rc = ::getaddrinfo(addr.empty() ? nullptr : addr.c_str(),
+                               std::to_string(port).c_str(), &hints, &res);
   KILN_CHECK(rc == 0 && res, "rendezvous: cannot resolve MASTER_ADDR '", addr,
              "': ", ::gai_strerror(rc));
   return res;
@@ -166,9 +168,22 @@ void Rendezvous::close_all() {
 
 Clock::time_point Rendezvous::deadline() const { return Clock::now() + opts_.timeout; }
 
+namespace {
+
+// "localhost", "::1", "127.x.y.z": the job stays on this host.
+bool names_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
 void Rendezvous::join_as_root() {
-  addrinfo* res = resolve(addr_, port_, true);
+  // Rank 0 listens on every interface unless MASTER_ADDR names the loopback: the others reach it
+  // by MASTER_ADDR as they resolve it, which can differ from what this host resolves (a host
+  // name that /etc/hosts maps to 127.0.1.1 here and DNS to the real address elsewhere).
+  addrinfo* res = resolve(names_loopback(addr_) ? addr_ : "", port_, true);
   std::string last_error = "no address";
+  int last_error_code = 0;
   for (addrinfo* a = res; a && listen_fd_ < 0; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
@@ -177,12 +192,20 @@ void Rendezvous::join_as_root() {
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, world_size_) == 0) {
       listen_fd_ = fd;
     } else {
+      last_error_code = errno;
       last_error = std::strerror(errno);
       ::close(fd);
     }
   }
   ::freeaddrinfo(res);
-  KILN_CHECK(listen_fd_ >= 0, "rendezvous: rank 0 cannot listen on ", where_, ": ", last_error);
+  const char* hint = last_error_code == EADDRINUSE
+                         ? " (the port is taken: another job, or a launcher's own store; set "
+                           "KILN_RDZV_PORT to a free port for every rank)"
+                     : last_error_code == EADDRNOTAVAIL
+                         ? " (MASTER_ADDR is not an address of this host: rank 0 must run there)"
+                         : "";
+  KILN_CHECK(listen_fd_ >= 0, "rendezvous: rank 0 cannot listen on ", where_, ": ", last_error,
+             hint);
   set_nonblocking(listen_fd_);
 
   const Clock::time_point until = deadline();
@@ -269,7 +292,7 @@ void Rendezvous::join_as_peer() {
     if (fd >= 0) break;
     KILN_CHECK(Clock::now() < until, "rendezvous: rank ", rank_, " could not reach rank 0 at ",
                where_, " within ", seconds(opts_.timeout), " s (last error: ", last_error,
-               "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?");
+               "); is rank 0 running, and are MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) right?");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   set_nodelay(fd);

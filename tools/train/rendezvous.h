@@ -1,6 +1,8 @@
 #pragma once
 // A small TCP rendezvous among the processes of a data-parallel job (no NCCL needed): rank 0
-// listens on MASTER_ADDR:MASTER_PORT, every other rank connects to it, and all later exchanges
+// listens on a port (DistEnv::rdzv_port: MASTER_PORT, or the next port under torchrun, whose
+// agent holds MASTER_PORT; see tools/train/dist_env.h) of every interface — only the loopback
+// when MASTER_ADDR is localhost or 127.x.y.z — and every other rank connects to MASTER_ADDR:port, and all later exchanges
 // run over those connections (a star through rank 0). It carries what must be agreed before
 // NCCL exists — the ncclUniqueId bytes (broadcast) — and small host-side agreements
 // (all_gather, barrier). It is not a data path: blobs are meant to be small (<= 64 MiB each).
@@ -39,7 +41,7 @@ class Rendezvous {
   Rendezvous(const std::string& master_addr, int master_port, int rank, int world_size,
              RendezvousOptions opts = {});
   explicit Rendezvous(const DistEnv& env, RendezvousOptions opts = {})
-      : Rendezvous(env.master_addr, env.master_port, env.rank, env.world_size, opts) {}
+      : Rendezvous(env.master_addr, env.rdzv_port, env.rank, env.world_size, opts) {}
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;

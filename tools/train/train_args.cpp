@@ -2,6 +2,7 @@
 // ImageNet example's spelling (examples/imagenet/main.py) plus kiln's own flags.
 #include <cstdlib>
 
+#include "core/version.h"
 #include "data/fashion_mnist.h"
 #include "tools/cli/cli.h"
 #include "tools/train/trainer.h"
@@ -33,7 +34,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "ImageFolder crop size (evaluation resizes to N*256/224)", 8);
   p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1);
   p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
-  p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0);
+  p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
   p.section("Optimisation:");
   p.value("--epochs", "N", &c.epochs, "total number of epochs", 1);
   p.value("--start-epoch", "N", &c.start_epoch,
@@ -62,6 +63,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "checkpoint.safetensors (each epoch), model.safetensors,\n"
           "log.jsonl (per epoch) and steps.jsonl (per step) go here");
   p.value("--resume", "PATH", &c.resume, "continue from a checkpoint written by --output");
+  p.flag("--overwrite", &c.overwrite, "replace a previous run in --output (default: refuse)");
   p.value("--pretrained", "PATH", &c.pretrained,
           "start from these weights (torchvision names); a classifier\n"
           "with another class count is re-initialised (fine-tuning)");
@@ -76,7 +78,10 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
            "FP16 storage with FP32 master weights and loss scaling\n(auto: on for cuda)");
   p.choice("--graph", &c.graph, {"auto", "on", "off"},
            "whole training step as one CUDA graph (auto: on for cuda)");
-  p.value("--nproc", "N", &c.nproc, "data-parallel over N local GPUs (CUDA + NCCL builds)", 1);
+  p.value("--nproc", "N", &c.nproc,
+          "data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
+          "torchrun, mpirun or srun leave it out (README: launching)",
+          1, kMaxProcesses);
   p.flag("--sync-bn", &c.sync_bn,
          "data-parallel: BatchNorm statistics over all processes' batches");
   p.value("--world-size", "N", &c.world_size,
@@ -93,6 +98,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("-p, --print-freq", "N", &c.print_freq, "progress line every N steps", 1);
   p.flag("--profile", &c.profile, "per-op GPU time table after the first epoch (--graph off)");
   p.flag("--quiet", &c.quiet, "no progress lines; the final result is still printed");
+  p.version(version_line("kiln-train"));
 }
 
 }  // namespace
@@ -137,7 +143,27 @@ Config parse_args(const std::vector<std::string>& args, bool* help, std::string*
     cli::usage_error(
         "--multiprocessing-distributed and --nproc both set the process count; "
         "give one");
+  if (run) validate(c);
   return c;
+}
+
+void validate(const Config& a) {
+  if (a.output.empty()) cli::usage_error("--output: empty path");
+  if (a.workers < 0 || a.workers > kMaxWorkers)
+    cli::usage_error("--workers ", a.workers, ": expected an integer between 0 and ", kMaxWorkers);
+  if (a.nproc < 1 || a.nproc > kMaxProcesses)
+    cli::usage_error("--nproc ", a.nproc, ": expected an integer between 1 and ", kMaxProcesses);
+  if (a.epochs < 1) cli::usage_error("--epochs ", a.epochs, ": expected an integer >= 1");
+  if (a.batch_size < 1)
+    cli::usage_error("--batch-size ", a.batch_size, ": expected an integer >= 1");
+  if (a.print_freq < 1)
+    cli::usage_error("--print-freq ", a.print_freq, ": expected an integer >= 1");
+  if (a.evaluate && a.weights.empty() && a.pretrained.empty() && a.resume.empty())
+    cli::usage_error("--evaluate needs --pretrained, --weights or --resume (otherwise a randomly "
+                     "initialised model would be evaluated)");
+  if (!a.resume.empty() && a.overwrite)
+    cli::usage_error("--resume and --overwrite contradict each other: --resume continues the run "
+                     "in --output, --overwrite replaces it");
 }
 
 std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {

@@ -180,7 +180,11 @@ TrainData::TrainData(const DataOptions& o)
     return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
   };
   data::IdxPair train = load(data::Split::Train), test = load(data::Split::Test);
-  num_classes_ = std::max(int64_t(F::max(train.labels.to(DType::f64)).item()), int64_t(9)) + 1;
+  // Fashion-MNIST has 10 classes; other IDX data as many as its training labels imply. Test
+  // labels outside them would be read past the logits: refused here, when the data is opened.
+  num_classes_ = fmnist ? 10 : data::infer_num_classes(train);
+  data::check_labels(train, num_classes_);
+  data::check_labels(test, num_classes_);
   channels_ = 1;
   height_ = train.images.size(1);
   width_ = train.images.size(2);
@@ -229,6 +233,8 @@ TrainData::TrainData(const DataOptions& o)
   idx_train_ =
       std::make_unique<data::DataLoader>(data::TensorDataset(train.images, train.labels), lo);
   idx_test_ = std::make_unique<data::DataLoader>(data::TensorDataset(test.images, test.labels), eo);
+  if (test_size_ == 0)
+    cli::usage_error("--data '", o.data, "': the test set ", test.images_path, " holds no images");
   if (idx_train_->num_batches() == 0)
     cli::usage_error("--data '", o.data,
                      "': fewer training images per "

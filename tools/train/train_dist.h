@@ -36,7 +36,7 @@ class StepRunner {
 
 class DataParallel {
  public:
-  // Rendezvous with the other ranks (MASTER_ADDR:MASTER_PORT), an NCCL communicator on GPU
+  // Rendezvous with the other ranks (MASTER_ADDR:env.rdzv_port), an NCCL communicator on GPU
   // env.local_rank (the current device), then every rank's `model` (already prepared on that
   // GPU) gets rank 0's parameters and buffers.
   DataParallel(const DistEnv& env, nn::Module& model);

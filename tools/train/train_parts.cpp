@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <map>
 
 #include "core/json.h"
@@ -36,8 +37,9 @@ Device pick_device(const std::string& s, const DistEnv& env) {
                "--device ", s,
                ": data-parallel ranks use GPU "
                "LOCAL_RANK; leave --device at auto");
-    KILN_CHECK(env.local_rank < cuda::device_count(), "LOCAL_RANK ", env.local_rank, " but only ",
-               cuda::device_count(), " CUDA device(s) present");
+    KILN_CHECK(env.local_rank < cuda::device_count(), "this process is ", env.describe(),
+               ", so it uses GPU ", env.local_rank, ", but only ", cuda::device_count(),
+               " CUDA device(s) are visible to it");
     cuda::set_device(env.local_rank);
     return Device::cuda(env.local_rank);
   }
@@ -138,8 +140,9 @@ std::vector<Tensor> freeze_backbone(models::ResNet& model) {
 }
 
 std::string fmt_time(double s) {
+  if (!std::isfinite(s) || s < 0 || s > 1e9) return "?";
   char buf[40];
-  const long t = long(std::max(s, 0.0));
+  const long t = long(s);
   if (t >= 3600)
     std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
   else
@@ -152,6 +155,7 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
   NoGradGuard ng;
   model.eval();
   double loss = 0, top1 = 0, top5 = 0, seen = 0;
+  bool diverged = false;
   auto stream = data.test_epoch();
   while (std::optional<data::DeviceBatch> b = stream->next()) {
     Tensor logits = model(b->x).to(DType::f32).to(Device::cpu()).contiguous();
@@ -161,12 +165,20 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
     const int64_t* t = y.data<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const float* row = l + i * k;
+      KILN_CHECK(t[i] >= 0 && t[i] < k, "evaluate: label ", t[i], " of test sample ",
+                 int64_t(seen) + i, " is outside the model's ", k, " classes");
       const float target = row[t[i]];
       float mx = row[0];
       int64_t above = 0;
+      bool finite = true;
       for (int64_t j = 0; j < k; ++j) {
+        finite &= std::isfinite(row[j]);
         mx = std::max(mx, row[j]);
         above += row[j] > target;
+      }
+      if (!finite) {  // NaN compares false: `above` would call this sample a hit
+        diverged = true;
+        continue;
       }
       double sum = 0;
       for (int64_t j = 0; j < k; ++j) sum += std::exp(double(row[j]) - mx);
@@ -178,13 +190,35 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
     if (progress) progress(b->index + 1);
   }
   model.train();
+  if (diverged) loss = top1 = top5 = std::numeric_limits<double>::quiet_NaN();
   return {loss, top1, top5, seen};
 }
 
 std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
   char buf[40];
-  std::snprintf(buf, sizeof buf, "%.6g", std::isfinite(v) ? v : 0.0);
+  std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
+}
+
+std::string fmt_metric(double v, double factor, int decimals) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v * factor);
+  return buf;
+}
+
+std::string first_non_finite(const nn::Module& model) {
+  NoGradGuard ng;
+  for (const auto& [name, t] : state_dict(model)) {
+    if (!is_floating(t.dtype())) continue;
+    const Tensor h = t.detach().to(Device::cpu()).to(DType::f64).contiguous();
+    const double* p = h.data<double>();
+    for (int64_t i = 0; i < h.numel(); ++i)
+      if (!std::isfinite(p[i])) return name;
+  }
+  return "";
 }
 
 void trim_jsonl(const std::string& path, const std::string& key, double max) {

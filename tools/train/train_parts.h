@@ -38,13 +38,20 @@ std::vector<Tensor> freeze_backbone(models::ResNet& model);
 
 // {Σ loss, top-1 hits, top-5 hits, samples} over this rank's share of the test set, the model
 // in eval mode (train mode again on return). A sample is a top-k hit when fewer than k logits
-// exceed its label's (ties count as hits). `progress`, when set, is called after each batch
-// with the batches done so far.
+// exceed its label's (ties count as hits). When any logit is non-finite (a diverged model) the
+// loss and both hit counts are NaN: no accuracy is claimed. A label outside the logits throws.
+// `progress`, when set, is called after each batch with the batches done so far.
 std::vector<double> evaluate(nn::Module& model, const TrainData& data,
                              const std::function<void(int64_t batches_done)>& progress = {});
 
-std::string fmt_time(double seconds);  // "m:ss", or "h:mm:ss" from one hour on
-std::string json_number(double v);     // %.6g; non-finite values as 0
+// "m:ss", or "h:mm:ss" from one hour on; "?" for negative or non-finite values.
+std::string fmt_time(double seconds);
+std::string json_number(double v);  // %.6g; non-finite values as null
+std::string fmt_metric(double v, double factor, int decimals);  // v·factor, or "nan"/"inf"
+
+// The name of the first parameter or buffer of `model` holding a NaN or inf, or "" when all
+// values are finite (one device-to-host copy per floating tensor).
+std::string first_non_finite(const nn::Module& model);
 
 // Keeps the lines of a JSON-lines log whose number `key` is <= max, and drops unreadable ones (a
 // line torn by a crash); rewritten atomically, and only when something goes. No file: nothing.

@@ -5,12 +5,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 
+#include "core/device_query.h"
+#include "core/version.h"
 #include "cuda/profiler.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
@@ -20,6 +21,7 @@
 #include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
+#include "tools/train/output_dir.h"
 #include "tools/train/train_data.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
@@ -41,6 +43,7 @@ double seconds_since(Clock::time_point t) {
 }  // namespace
 
 Summary run(const Config& c) {
+  validate(c);
   const DistEnv env = DistEnv::from_env();
   const Device dev = pick_device(c.device, env);
   const bool lead = env.rank == 0;
@@ -60,6 +63,21 @@ Summary run(const Config& c) {
     cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
   const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
 
+  // Claim --output before anything expensive: a locked, unwritable or already used folder fails
+  // now, not after an epoch of training.
+  if (!c.dummy) detect_data(c.data);  // a wrong --data fails first, before a folder is created
+  std::unique_ptr<OutputDir> out_dir;
+  if (lead && !c.evaluate) {
+    // --start-epoch restarts a run in its folder, as --resume does.
+    const OutputReuse reuse = !c.resume.empty() || c.start_epoch >= 0 ? OutputReuse::Resume
+                              : c.overwrite                          ? OutputReuse::Overwrite
+                                                                     : OutputReuse::Refuse;
+    out_dir = std::make_unique<OutputDir>(c.output, reuse);
+    if (talk && out_dir->stale_temp_files_removed() > 0)
+      std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
+                  long(out_dir->stale_temp_files_removed()), c.output.c_str());
+  }
+
   DataOptions dopt;
   dopt.data = c.data;
   dopt.dummy = c.dummy;
@@ -68,7 +86,7 @@ Summary run(const Config& c) {
   dopt.image_size = c.image_size;
   dopt.augment = c.augment;
   dopt.seed = c.seed;
-  dopt.workers = c.workers;
+  dopt.workers = int(c.workers);
   dopt.rank = env.rank;
   dopt.world_size = env.world_size;
   dopt.device = dev;
@@ -117,6 +135,8 @@ Summary run(const Config& c) {
 
   std::map<std::string, std::string> meta = model_metadata(info);
   meta["data"] = c.dummy ? "dummy" : c.data;
+  meta["batch_size"] = std::to_string(c.batch_size * env.world_size);
+  const int64_t steps_per_epoch = data.steps_per_epoch();
   int64_t start_epoch = 0, step = 0;
   if (!c.resume.empty()) {
     TrainingState st;
@@ -129,9 +149,19 @@ Summary run(const Config& c) {
                        c.arch);
     scaler.load_state_dict(st.scaler);
     start_epoch = st.epoch;
-    step = st.step;
+    // Checkpoints are written at epoch ends, so the schedule continues at the epoch's first step
+    // for this run's batch size (another batch size saved another step count).
+    step = start_epoch * steps_per_epoch;
+    if (talk && st.step != step) {
+      auto bs = st.metadata.find("batch_size");
+      std::printf(
+          "kiln-train: '%s' was saved after %ld steps%s; at %ld steps per epoch the "
+          "schedule continues at step %ld\n",
+          c.resume.c_str(), long(st.step),
+          bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(), long(steps_per_epoch),
+          long(step));
+    }
   }
-  const int64_t steps_per_epoch = data.steps_per_epoch();
   if (c.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
     start_epoch = c.start_epoch;
     step = start_epoch * steps_per_epoch;
@@ -199,34 +229,33 @@ Summary run(const Config& c) {
       }
     });
     if (dp) dp->sum_host(ev);
+    KILN_CHECK(ev[3] > 0, "--data '", c.data, "': the evaluation saw no test images");
     sum.test_loss = ev[0] / ev[3];
     sum.test_top1 = ev[1] / ev[3];
     sum.test_top5 = ev[2] / ev[3];
   };
   if (c.evaluate) {
     run_eval();
-    if (lead)
-      std::printf("evaluation: test loss %.4f top-1 %.2f%% top-5 %.2f%%\n", sum.test_loss,
-                  100.0 * sum.test_top1, 100.0 * sum.test_top5);
+    if (lead)  // with --quiet too
+      std::printf("evaluation: test loss %s top-1 %s%% top-5 %s%%\n",
+                  fmt_metric(sum.test_loss, 1, 4).c_str(),
+                  fmt_metric(sum.test_top1, 100, 2).c_str(),
+                  fmt_metric(sum.test_top5, 100, 2).c_str());
     return sum;
   }
 
-  namespace fs = std::filesystem;
-  const fs::path out(c.output);
-  if (lead) {
-    fs::create_directories(out);
-    if (c.resume.empty() && c.start_epoch < 0) {
-      fs::remove(out / "log.jsonl");
-      fs::remove(out / "steps.jsonl");
-    } else {  // lines past the checkpoint (a run stopped mid-epoch) would be duplicated
-      trim_jsonl((out / "log.jsonl").string(), "epoch", double(start_epoch));
-      trim_jsonl((out / "steps.jsonl").string(), "step", double(step));
-    }
-  }
+  // steps.jsonl: a resumed (or --start-epoch) run first drops the lines past its starting point
+  // (a run stopped mid-epoch wrote them), a new run starts the file afresh.
   std::FILE* steps_log = nullptr;
   if (lead) {
-    steps_log = std::fopen((out / "steps.jsonl").c_str(), "a");
-    KILN_CHECK(steps_log != nullptr, "cannot append to '", (out / "steps.jsonl").string(), "'");
+    const std::string path = out_dir->file("steps.jsonl");
+    const bool continues = !c.resume.empty() || c.start_epoch >= 0;
+    if (continues) {
+      trim_jsonl(out_dir->file("log.jsonl"), "epoch", double(start_epoch));
+      trim_jsonl(path, "step", double(step));
+    }
+    steps_log = std::fopen(path.c_str(), continues ? "a" : "w");
+    KILN_CHECK(steps_log != nullptr, "cannot write '", path, "'");
   }
   struct CloseFile {
     std::FILE*& f;
@@ -265,8 +294,27 @@ Summary run(const Config& c) {
     int64_t step, index, batch, seen;
     double lr, data_s, period_s;
   };
+  // What a diverged run leaves behind, for its error message.
+  auto kept = [&](int64_t epoch) {
+    return (c.resume.empty() && epoch == 0 ? std::string("no checkpoint was written")
+                                           : "the last checkpoint in '" + c.output + "' is kept") +
+           "; try a lower --lr or a longer --warmup-epochs";
+  };
+  // A non-finite training loss: FP32 weights are already poisoned, so stop; with mixed precision
+  // the scaler skips such steps, so stop only when it skipped every step (skipped_in_window).
+  auto check_loss = [&](double loss, int64_t epoch, int64_t steps_in_window,
+                        int64_t skipped_in_window) {
+    if (std::isfinite(loss) || (mixed && skipped_in_window < steps_in_window)) return;
+    KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
+              epoch + 1, mixed ? " and the loss scaler skipped every step" : "", " (lr ",
+              opt->param_groups[0].lr, "); stopping: ", kept(epoch));
+  };
+  auto skipped_steps = [&]() -> int64_t {
+    return mixed ? int64_t(scaler.skipped_steps().to(DType::f64).item()) : 0;
+  };
   for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
     model->train();
+    const int64_t skipped_at_start = skipped_steps(), step_at_start = step;
     const auto epoch_start = Clock::now();
     if (dp_step)
       dp_step->reset_metrics();
@@ -295,14 +343,16 @@ Summary run(const Config& c) {
       window_images += p.batch;
       window_s += p.period_s;
       window_data_s += p.data_s;
+      if (!mixed && !dp) check_loss(m[0], epoch, 1, 0);  // ranks stop together at epoch ends
       if (talk && (p.index % c.print_freq == 0 || p.index == steps_per_epoch)) {
         const double eta =
             seconds_since(start) / double(p.step - first_step) * double(total - p.step);
         std::printf(
-            "epoch %ld/%ld step %4ld/%ld  loss %.4f  acc %.2f%%  lr %.4f%s  %.0f img/s  "
+            "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
             "data wait %.0f%%  ETA %s\n",
             long(epoch + 1), long(c.epochs), long(p.index), long(steps_per_epoch),
-            m[0] / double(p.seen), 100.0 * m[1] / double(p.seen), p.lr,
+            fmt_metric(m[0] / double(p.seen), 1, 4).c_str(),
+            fmt_metric(std::isfinite(m[0]) ? m[1] / double(p.seen) : NAN, 100, 2).c_str(), p.lr,
             mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
             double(window_images * world) / window_s, 100.0 * window_data_s / window_s,
             fmt_time(eta).c_str());
@@ -357,18 +407,17 @@ Summary run(const Config& c) {
       if (talk) std::printf("%s", cuda::profiler_report().c_str());
       cuda::enable_profiler(false);
     }
-    run_eval();
-    sum.epochs_done = epoch + 1;
-    const double train_loss = m[0] / m[2], train_top1 = m[1] / m[2], ips = m[2] / epoch_s;
+    const double train_loss = m[0] / m[2], ips = m[2] / epoch_s;
+    check_loss(train_loss, epoch, step - step_at_start, skipped_steps() - skipped_at_start);
+    // Argmax hits of non-finite logits mean nothing.
+    const double train_top1 = std::isfinite(train_loss) ? m[1] / m[2] : NAN;
+    // Every rank holds the same weights; all check, so all stop together.
+    const std::string bad = first_non_finite(*model);
+    KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
+               "non-finite values (the first in '", bad,
+               "'); stopping without saving them: ", kept(epoch));
+    // The checkpoint before the evaluation: a failing evaluation loses no training.
     if (steps_log) std::fflush(steps_log);
-    if (talk) {
-      std::printf(
-          "epoch %ld/%ld done in %s (%.0f img/s): train loss %.4f acc %.2f%% | test loss "
-          "%.4f top-1 %.2f%% top-5 %.2f%%\n",
-          long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips, train_loss,
-          100.0 * train_top1, sum.test_loss, 100.0 * sum.test_top1, 100.0 * sum.test_top5);
-      std::fflush(stdout);
-    }
     if (lead) {
       TrainingState st;
       st.model = model.get();
@@ -377,20 +426,28 @@ Summary run(const Config& c) {
       st.epoch = epoch + 1;
       st.step = step;
       st.metadata = meta;
-      save_checkpoint((out / "checkpoint.safetensors").string(), st);
-      std::FILE* f = std::fopen((out / "log.jsonl").c_str(), "a");
-      KILN_CHECK(f != nullptr, "cannot append to '", (out / "log.jsonl").string(), "'");
-      std::fprintf(f,
-                   "{\"epoch\": %ld, \"train_loss\": %s, \"train_top1\": %s, \"test_loss\": %s, "
-                   "\"test_top1\": %s, \"test_top5\": %s, \"images_per_s\": %s, \"seconds\": %s, "
-                   "\"lr\": %s}\n",
-                   long(epoch + 1), json_number(train_loss).c_str(),
-                   json_number(train_top1).c_str(), json_number(sum.test_loss).c_str(),
-                   json_number(sum.test_top1).c_str(), json_number(sum.test_top5).c_str(),
-                   json_number(ips).c_str(), json_number(epoch_s).c_str(),
-                   json_number(opt->param_groups[0].lr).c_str());
-      std::fclose(f);
+      save_checkpoint(out_dir->file("checkpoint.safetensors"), st);
     }
+    run_eval();
+    sum.epochs_done = epoch + 1;
+    if (talk) {
+      std::printf(
+          "epoch %ld/%ld done in %s (%.0f img/s): train loss %s acc %s%% | test loss "
+          "%s top-1 %s%% top-5 %s%%\n",
+          long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips,
+          fmt_metric(train_loss, 1, 4).c_str(), fmt_metric(train_top1, 100, 2).c_str(),
+          fmt_metric(sum.test_loss, 1, 4).c_str(), fmt_metric(sum.test_top1, 100, 2).c_str(),
+          fmt_metric(sum.test_top5, 100, 2).c_str());
+      std::fflush(stdout);
+    }
+    if (lead)
+      out_dir->append_log("{\"epoch\": " + std::to_string(epoch + 1) + ", \"train_loss\": " +
+                          json_number(train_loss) + ", \"train_top1\": " + json_number(train_top1) +
+                          ", \"test_loss\": " + json_number(sum.test_loss) +
+                          ", \"test_top1\": " + json_number(sum.test_top1) + ", \"test_top5\": " +
+                          json_number(sum.test_top5) + ", \"images_per_s\": " + json_number(ips) +
+                          ", \"seconds\": " + json_number(epoch_s) +
+                          ", \"lr\": " + json_number(opt->param_groups[0].lr) + "}");
   }
 
   if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained
@@ -398,10 +455,11 @@ Summary run(const Config& c) {
     std::map<std::string, std::string> wmeta = meta;
     wmeta["epochs"] = std::to_string(sum.epochs_done);
     wmeta["test_top1"] = json_number(sum.test_top1);
-    const std::string path = (out / "model.safetensors").string();
+    const std::string path = out_dir->file("model.safetensors");
     save_weights(path, *model, WeightsDType::Float32, wmeta);
-    std::printf("final test top-1 %.2f%% top-5 %.2f%% after %ld epoch(s), %s; model saved to %s\n",
-                100.0 * sum.test_top1, 100.0 * sum.test_top5, long(sum.epochs_done),
+    std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
+                fmt_metric(sum.test_top1, 100, 2).c_str(),
+                fmt_metric(sum.test_top5, 100, 2).c_str(), long(sum.epochs_done),
                 fmt_time(seconds_since(start)).c_str(), path.c_str());
   }
   return sum;
@@ -420,22 +478,20 @@ int main(const std::vector<std::string>& args) {
     for (const auto& [name, value] : launch_env(c))  // main.py's --world-size/--rank/--dist-url
       ::setenv(name.c_str(), value.c_str(), 1);
     if (c.multiprocessing_distributed && !DistEnv::from_env().distributed()) {
-#ifdef KILN_WITH_CUDA
-      c.nproc = cuda::device_count();
-#endif
+      c.nproc = cuda_device_count();  // main.py's: one process per GPU of this node
       if (c.nproc < 1 || !data_parallel_available())
         cli::usage_error(
             "--multiprocessing-distributed: needs a kiln built with CUDA and NCCL, "
             "and a GPU");
     }
-    if (c.nproc > 1 && !DistEnv::from_env().distributed()) {
-      if (!data_parallel_available())
-        cli::usage_error("--nproc ", c.nproc,
-                         ": data-parallel training needs a kiln built with CUDA and NCCL");
+    if (c.nproc > 1 && !data_parallel_available())
+      cli::usage_error("--nproc ", c.nproc,
+                       ": data-parallel training needs a kiln built with CUDA and NCCL");
+    if (plan_local_launch(int(c.nproc), DistEnv::from_env(), cuda_device_count())) {
       std::vector<std::string> argv = {"/proc/self/exe"};
       argv.insert(argv.end(), args.begin(), args.end());
       LaunchOptions lo;
-      lo.nproc = c.nproc;
+      lo.nproc = int(c.nproc);
       LaunchResult r = launch_processes(argv, lo);
       if (!r.ok()) std::fprintf(stderr, "kiln-train: %s\n", r.message.c_str());
       return r.exit_code;

@@ -20,22 +20,33 @@
 // DIR/model.safetensors at the end (torchvision names, f32, with optim/model_file.h's metadata:
 // arch, width, channels, image size, normalisation, class names), DIR/log.jsonl with one JSON
 // object per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
-// seconds, lr (top-1/top-5 as fractions), and DIR/steps.jsonl with one per training step:
+// seconds, lr (top-1/top-5 as fractions; a non-finite value is null), and DIR/steps.jsonl with
+// one per training step:
 //   step (global, from 1), epoch (from 1), epoch_frac (epochs done, fractional), loss, top1
 //   (this step's batch on rank 0), lr, loss_scale (1 without --amp), images_per_s (all ranks),
 //   ms_compute, ms_data: the host's view of the step: the time it waited for the batch, and the
 //   rest of the step's period (on the GPU the host runs one step ahead and waits for the step
 //   before, so ms_compute is the GPU's pace). A resumed run first drops the lines of both logs
-//   past the checkpoint.
+//   past the checkpoint. The folder is claimed
+// before training (tools/train/output_dir.h): locked, probed for write access, and refused when
+// it holds a previous run unless --resume or --overwrite is given. Each epoch's checkpoint is
+// saved before the evaluation, so a failing evaluation loses no training.
+//
+// Divergence: evaluation metrics of non-finite logits are NaN (printed "nan", logged null),
+// never a count. A checkpoint is never written from non-finite weights: the run stops with an
+// error and the previous checkpoint stays. A run whose training loss is non-finite for a whole
+// epoch (FP32: at all; mixed precision: every step skipped by the loss scaler) stops too.
 //
 // --resume DIR/checkpoint.safetensors continues at the saved epoch with bit-identical state: an
 // uninterrupted run and a run stopped and resumed at an epoch boundary give the same weights
 // (CPU; on the GPU up to the nondeterminism of the kernels), as long as the schedule's length
-// (--epochs) is the same or the schedule does not depend on it (constant).
+// (--epochs) is the same or the schedule does not depend on it (constant). A different batch size
+// is allowed: the schedule continues at the saved epoch's first step of the new batch size.
 //
-// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes (tools/train/launcher.h);
-// each one trains on GPU LOCAL_RANK with a DistributedSampler shard of the data, gradients
-// averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed across ranks.
+// --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
+// (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
+// the data, gradients averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed
+// across ranks.
 // --sync-bn makes every BatchNorm2d normalise with the statistics of the global batch
 // (F::sync_batch_norm, an NCCL all-reduce per BN layer in forward and backward).
 #include <cstdint>
@@ -63,7 +74,7 @@ struct Config {
   int64_t image_size = 224;  // ImageFolder data
   int64_t width = 0;         // resnet_small's width (0: 32)
   uint64_t seed = 0;
-  int workers = 2;
+  int64_t workers = 2;  // 0..kMaxWorkers
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
@@ -80,7 +91,8 @@ struct Config {
   int64_t start_epoch = -1;    // main.py's --start-epoch: first epoch to run (-1: 0 or resume's)
   bool dummy = false;          // synthetic data (train_data.h)
   int64_t dummy_images = 1281167;
-  int nproc = 1;
+  int64_t nproc = 1;           // 1..kMaxProcesses
+  bool overwrite = false;      // --overwrite: replace a previous run in --output
   bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
   // main.py's process-group flags, mapped onto torchrun's variables by launch_env: this process
   // is rank `rank` of `world_size`, rendezvous at dist_url (tcp://HOST:PORT or env://).
@@ -91,13 +103,20 @@ struct Config {
   bool quiet = false;  // no progress lines; the final result is still printed
 };
 
+inline constexpr int64_t kMaxWorkers = 1024;
+inline constexpr int64_t kMaxProcesses = 1024;
+
 // Strict parsing (tools/cli/cli.h): unknown flags, missing or malformed values throw
 // cli::UsageError naming the flag, the value and what is allowed. Accepts PyTorch's ImageNet
 // example's spelling (positional DATA, -a, -j, --learning-rate, -e, --gpu, ...) besides kiln's.
-// "--help" (or "--version", when the parser has one) sets help; the caller prints *info
-// (usage() or the version line).
+// "--help" or "--version" sets help; the caller prints *info (the help text or the version
+// line). The result has passed validate().
 Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
                   std::string* info = nullptr);
+// Range and consistency checks of a Config (also run by run()): kiln::Error naming the flag and
+// the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs and
+// --batch-size >= 1, --evaluate needs --weights or --resume, --resume with --overwrite, ...).
+void validate(const Config& config);
 std::string usage();
 
 // The environment variables (name, value) that --world-size/--rank/--dist-url/--gpu stand for
