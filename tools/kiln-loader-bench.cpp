@@ -22,25 +22,12 @@
 #include "core/generator.h"
 #include "data/image.h"
 #include "data/image_loader.h"
+#include "tools/cli/cli.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using namespace kiln;
-
-void usage() {
-  std::printf(
-      "usage: kiln-loader-bench [--folder DIR] [--workers LIST] [-b BATCH] [--batches N]\n"
-      "                         [--eval] [--generate N] [--format jpg|png]\n"
-      "  --folder DIR   an ImageFolder (default: generate synthetic images in a temp folder)\n"
-      "  --workers L    comma-separated worker counts (default 1,2,4,...,hardware threads)\n"
-      "  -b BATCH       batch size (default 64)\n"
-      "  --batches N    timed batches per row (default 20)\n"
-      "  --eval         Resize(256)+CenterCrop(224) instead of RandomResizedCrop+flip\n"
-      "  --generate N   synthetic images to write when no --folder (default 512)\n"
-      "  --format F     synthetic image format, jpg (default) or png\n"
-      "  --version      kiln's version and build\n");
-}
 
 std::string generate_folder(int64_t n, const std::string& format) {
   std::string tmpl = (fs::temp_directory_path() / "kiln-loader-bench-XXXXXX").string();
@@ -69,64 +56,32 @@ std::string generate_folder(int64_t n, const std::string& format) {
   return tmpl;
 }
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    const size_t comma = s.find(',', pos);
-    const std::string item =
-        s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    const int v = std::stoi(item);
-    KILN_CHECK(v >= 0, "kiln-loader-bench: worker counts must be >= 0, got ", v);
-    out.push_back(v);
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string temp_dir;
-  try {
+  const int rc = cli::run_tool("kiln-loader-bench", [&] {
     std::string folder, format = "jpg";
-    std::vector<int> workers;
+    std::vector<int64_t> worker_list;
     int64_t batch = 64, batches = 20, generate = 512;
     bool eval = false;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        KILN_CHECK(i + 1 < argc, "kiln-loader-bench: flag ", a, " needs a value");
-        return argv[++i];
-      };
-      if (a == "-h" || a == "--help") {
-        usage();
-        return 0;
-      } else if (a == "--version") {
-        std::printf("%s\n", kiln::version_line("kiln-loader-bench").c_str());
-        return 0;
-      } else if (a == "--folder") {
-        folder = value();
-      } else if (a == "--workers") {
-        workers = parse_list(value());
-      } else if (a == "-b" || a == "--batch-size") {
-        batch = std::stoll(value());
-      } else if (a == "--batches") {
-        batches = std::stoll(value());
-      } else if (a == "--eval") {
-        eval = true;
-      } else if (a == "--generate") {
-        generate = std::stoll(value());
-      } else if (a == "--format") {
-        format = value();
-        KILN_CHECK(format == "jpg" || format == "png", "kiln-loader-bench: --format jpg|png");
-      } else {
-        KILN_FAIL("kiln-loader-bench: unknown flag ", a, " (see --help)");
-      }
+    cli::Parser p("kiln-loader-bench", "[--folder DIR] [--workers LIST] [-b BATCH] [flags]",
+                  "Decoded + augmented images per second of the ImageNet-style input pipeline.");
+    p.version(kiln::version_line("kiln-loader-bench"));
+    p.value("--folder", "DIR", &folder,
+            "an ImageFolder (default: generate synthetic images in a temp folder)");
+    p.list("--workers", "LIST", &worker_list,
+           "comma-separated worker counts (default 1,2,4,...,hardware threads)", 0);
+    p.value("-b, --batch-size", "BATCH", &batch, "batch size", 1);
+    p.value("--batches", "N", &batches, "timed batches per row", 1);
+    p.flag("--eval", &eval, "Resize(256)+CenterCrop(224) instead of RandomResizedCrop+flip");
+    p.value("--generate", "N", &generate, "synthetic images to write when no --folder", 1);
+    p.choice("--format", &format, {"jpg", "png"}, "synthetic image format");
+    if (!p.parse(argc, argv)) {
+      std::fputs(p.info().c_str(), stdout);
+      return 0;
     }
-    KILN_CHECK(batch > 0 && batches > 0 && generate > 0,
-               "kiln-loader-bench: -b, --batches and --generate must be positive");
+    std::vector<int> workers(worker_list.begin(), worker_list.end());
     if (workers.empty()) {
       const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
       for (int w = 1; w < hw; w *= 2) workers.push_back(w);
@@ -177,14 +132,11 @@ int main(int argc, char** argv) {
       std::printf("%8d %10lld %12.1f %16.1f %10.2f\n", w, static_cast<long long>(done), ips,
                   ips / double(std::max(w, 1)), 1e3 * seconds / double(n_batches));
     }
-    if (!temp_dir.empty()) fs::remove_all(temp_dir);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-loader-bench: error: %s\n", e.what());
-    if (!temp_dir.empty()) {
-      std::error_code ec;
-      fs::remove_all(temp_dir, ec);
-    }
-    return 1;
+  });
+  if (!temp_dir.empty()) {
+    std::error_code ec;
+    fs::remove_all(temp_dir, ec);
   }
+  return rc;
 }

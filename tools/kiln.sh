@@ -16,8 +16,10 @@ build_dir=${KILN_BUILD_DIR:-build}
 jobs=${KILN_JOBS:-$(nproc)}
 
 # Debian packages kiln needs: compiler and build tools, header-only libraries, zlib for gzipped
-# IDX files, and the Fashion-MNIST data set for the default training job.
-packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist)
+# IDX files, the Fashion-MNIST data set for the default training job, and matplotlib for
+# tools/kiln-plot's training curves.
+packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist
+          python3-matplotlib)
 
 install_missing() {
   local missing=()
