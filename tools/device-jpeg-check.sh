@@ -72,7 +72,7 @@ end_to_end() {
     echo "== kiln-train --decoder $dec --host-decode-fraction $frac" | tee -a "$OUT/train.log"
     timeout "${TRAIN_TIMEOUT:-600}" "$B/kiln-train" --arch resnet50 --data "$data" -b 256 \
       --workers 16 --epochs "$EPOCHS" --decoder "$dec" --host-decode-fraction "$frac" \
-      --print-freq 20 --output /tmp/kiln-jpeg-out 2>&1 | tee -a "$OUT/train.log"
+      --print-freq 20 --output /tmp/kiln-jpeg-out --overwrite 2>&1 | tee -a "$OUT/train.log"
   done
   grep -E "images/s|img/s" "$OUT/synth.log" | tail -3
   grep -E "^==|ImageFolder|done in" "$OUT/train.log"

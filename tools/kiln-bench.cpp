@@ -19,8 +19,8 @@
 //           GPU, so this is (close to) the GPU time alone.
 // Rates and % peak use the b2b time. tools/bench_torch_ops.py prints the same columns.
 #include <algorithm>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -33,9 +33,10 @@
 #include "core/tensor.h"
 #include "core/version.h"
 #include "ops/ops.h"
+#include "tools/bench/model_bench.h"
+#include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
-#include "tools/bench/model_bench.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/check.h"
 #include "cuda/kernels.h"
@@ -58,35 +59,6 @@ struct Row {
   double flops = 0;  // 0 for memory-bound rows
   double bytes = 0;
 };
-
-void usage() {
-  std::printf(
-      "usage: kiln-bench --model NAME [--batches B1,B2,...] [--eager-only|--graph-only] [--json PATH]\n"
-      "       kiln-bench --model NAME --verify-graph [--batches B1,B2,...] [--verify-steps K]\n"
-      "                  [--verify-any-conv]\n"
-      "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]\n"
-      "                  [--json PATH]\n"
-      "  --model NAME per-step training throughput of a model (resnet18 ... resnet152) on\n"
-      "               synthetic data, mixed precision, eager and whole-step CUDA graph\n"
-      "  --batches L  comma-separated batch sizes for --model (default 32,64,128,256)\n"
-      "  --profile    with --model: per-op GPU time table of a few eager steps\n"
-      "  --nproc N    with --model: data-parallel over N local GPUs (batch per GPU); under\n"
-      "               torchrun, mpirun or srun leave it out (README: launching)\n"
-      "  --verify-graph  with --model: K eager steps against K whole-step CUDA graph steps (3\n"
-      "               warm-up, capture, replays) per batch, deterministic convolutions; compares\n"
-      "               loss, loss scale, skips, parameters, buffers, gradients and optimizer state\n"
-      "               bitwise after every step; exit status 0 only when all are equal\n"
-      "  --verify-steps K  steps per side for --verify-graph (default 12, at least 5)\n"
-      "  --verify-any-conv  --verify-graph with bench's (fastest, not necessarily deterministic)\n"
-      "               convolution algorithms: compare loss scale and skips, not bits\n"
-      "  --ops        per-op benchmark of ResNet-50's layers (default)\n"
-      "  -b BATCH     batch size (default 256)\n"
-      "  --dtype T    f16 (default) or f32\n"
-      "  --repeat N   timed repetitions per op, median reported (default 20)\n"
-      "  --back-to-back N  calls per sample in the b2b column (default 10)\n"
-      "  --json PATH  also write the rows as JSON\n"
-      "  --version    kiln's version and build (CUDA architectures)\n");
-}
 
 #ifdef KILN_WITH_CUDA
 using namespace kiln;
@@ -241,90 +213,78 @@ std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return kiln::cli::run_tool("kiln-bench", [&]() -> int {
     int64_t batch = 256;
     std::string dtype = "f16", json_path;
     int repeat = 20;
     std::string model;
     int nproc = 1;
+    bool ops = false, eager_only = false, graph_only = false, any_conv = false;
     kiln::bench::ModelBenchOptions mo;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        KILN_CHECK(i + 1 < argc, "kiln-bench: flag ", a, " needs a value");
-        return argv[++i];
-      };
-      if (a == "-h" || a == "--help") {
-        usage();
-        return 0;
-      } else if (a == "--version") {
-        std::printf("%s\n", kiln::version_line("kiln-bench").c_str());
-        return 0;
-      } else if (a == "--model") {
-        model = value();
-      } else if (a == "--batches") {
-        mo.batches.clear();
-        std::string list = value();
-        size_t pos = 0;
-        while (pos <= list.size()) {
-          size_t comma = list.find(',', pos);
-          std::string item = list.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-          char* end = nullptr;
-          long long b = std::strtoll(item.c_str(), &end, 10);
-          KILN_CHECK(!item.empty() && *end == '\0' && b > 0, "kiln-bench: --batches: bad size '", item, "'");
-          mo.batches.push_back(b);
-          if (comma == std::string::npos) break;
-          pos = comma + 1;
-        }
-      } else if (a == "--nproc") {
-        nproc = std::stoi(value());
-        KILN_CHECK(nproc >= 1, "kiln-bench: --nproc must be >= 1");
-      } else if (a == "--verify-graph") {
-        mo.verify_graph = true;
-      } else if (a == "--verify-steps") {
-        mo.verify_steps = std::stoi(value());
-        KILN_CHECK(mo.verify_steps >= 5, "kiln-bench: --verify-steps must be at least 5 (3 warm-up "
-                   "steps, a capture, a replay)");
-      } else if (a == "--verify-any-conv") {
-        mo.verify_deterministic = false;
-      } else if (a == "--profile") {
-        mo.profile = true;
-      } else if (a == "--eager-only") {
-        mo.graph = false;
-      } else if (a == "--graph-only") {
-        mo.eager = false;
-      } else if (a == "--ops") {
-      } else if (a == "-b" || a == "--batch-size") {
-        batch = std::stoll(value());
-        KILN_CHECK(batch > 0, "kiln-bench: -b must be positive");
-      } else if (a == "--dtype") {
-        dtype = value();
-        KILN_CHECK(dtype == "f16" || dtype == "f32", "kiln-bench: --dtype must be f16 or f32");
-      } else if (a == "--repeat") {
-        repeat = std::stoi(value());
-        KILN_CHECK(repeat > 0, "kiln-bench: --repeat must be positive");
-      } else if (a == "--back-to-back") {
-        g_back_to_back = std::stoi(value());
-        KILN_CHECK(g_back_to_back > 0, "kiln-bench: --back-to-back must be positive");
-      } else if (a == "--json") {
-        json_path = value();
-      } else {
-        KILN_FAIL("kiln-bench: unknown flag '", a, "' (see --help)");
-      }
+    kiln::cli::Parser p(
+        "kiln-bench",
+        "--model NAME [--batches B1,B2,...] [--eager-only|--graph-only] [--json PATH]\n"
+        "       kiln-bench --model NAME --verify-graph [--batches B1,...] [--verify-steps K]\n"
+        "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]",
+        "Speed of kiln on the GPU, as a table and JSON.");
+    p.version(kiln::version_line("kiln-bench"));
+    p.value("--model", "NAME", &model,
+            "per-step training throughput of a model (resnet18 ... resnet152)\n"
+            "on synthetic data, mixed precision, eager and whole-step CUDA graph");
+    p.list("--batches", "B1,B2,...", &mo.batches, "batch sizes for --model", 1);
+    p.flag("--eager-only", &eager_only, "with --model: eager rows only");
+    p.flag("--graph-only", &graph_only, "with --model: CUDA-graph rows only");
+    p.flag("--profile", &mo.profile, "with --model: per-op GPU time table of a few eager steps");
+    p.value("--nproc", "N", &nproc,
+            "with --model: data-parallel over N local GPUs (batch per GPU);\n"
+            "under torchrun, mpirun or srun leave it out (README: launching)",
+            1);
+    p.flag("--verify-graph", &mo.verify_graph,
+           "with --model: K eager steps against K whole-step CUDA graph\n"
+           "steps (3 warm-up, capture, replays) per batch, deterministic\n"
+           "convolutions; compares loss, loss scale, skips, parameters,\n"
+           "buffers, gradients and optimizer state bitwise after every step;\n"
+           "exit status 0 only when all are equal");
+    p.value("--verify-steps", "K", &mo.verify_steps,
+            "steps per side for --verify-graph (3 warm-up steps, a capture, a replay)", 5);
+    p.flag("--verify-any-conv", &any_conv,
+           "--verify-graph with bench's (fastest, not necessarily\n"
+           "deterministic) convolutions: compare loss scale and skips, not bits");
+    p.flag("--ops", &ops, "per-op benchmark of ResNet-50's layers (the default without --model)");
+    p.value("-b, --batch-size", "BATCH", &batch, "batch size for --ops", 1);
+    p.choice("--dtype", &dtype, {"f16", "f32"}, "data type for --ops");
+    p.value("--repeat", "N", &repeat, "timed repetitions per op, median reported", 1);
+    p.value("--back-to-back", "N", &g_back_to_back, "calls per sample in the b2b column", 1);
+    p.value("--json", "PATH", &json_path, "also write the rows as JSON");
+    if (!p.parse(argc, argv)) {
+      std::fputs(p.info().c_str(), stdout);
+      return 0;
     }
-    if (nproc > 1) KILN_CHECK(!model.empty(), "kiln-bench: --nproc needs --model");
+    if (eager_only && graph_only)
+      kiln::cli::usage_error("--eager-only and --graph-only exclude each other");
+    if (eager_only) mo.graph = false;
+    if (graph_only) mo.eager = false;
+    if (any_conv) mo.verify_deterministic = false;
+    if (ops && !model.empty()) kiln::cli::usage_error("--ops and --model exclude each other");
+    if (nproc > 1 && model.empty()) kiln::cli::usage_error("--nproc needs --model");
     if (kiln::plan_local_launch(nproc, kiln::DistEnv::from_env(), kiln::cuda_device_count())) {
       // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
       std::vector<std::string> args{"/proc/self/exe"};
       for (int i = 1; i < argc; ++i) {
-        if (std::string(argv[i]) == "--nproc") { ++i; continue; }
-        args.push_back(argv[i]);
+        const std::string a = argv[i];
+        if (a == "--nproc") {
+          ++i;
+          continue;
+        }
+        if (a.rfind("--nproc=", 0) == 0) continue;
+        args.push_back(a);
       }
       kiln::LaunchResult r = kiln::launch_processes(args, {.nproc = nproc});
       if (!r.ok()) std::fprintf(stderr, "kiln-bench: %s\n", r.message.c_str());
       return r.exit_code;
     }
-    KILN_CHECK(!mo.verify_graph || !model.empty(), "kiln-bench: --verify-graph needs --model NAME");
+    if (mo.verify_graph && model.empty())
+      kiln::cli::usage_error("--verify-graph needs --model NAME");
     if (!model.empty()) {
       mo.model = model;
       if (mo.verify_graph) return kiln::bench::verify_graph(mo) ? 0 : 1;
@@ -336,7 +296,7 @@ int main(int argc, char** argv) {
       return 0;
     }
 #ifdef KILN_WITH_CUDA
-    KILN_CHECK(kiln::cuda::device_count() > 0, "kiln-bench: no CUDA device found");
+    KILN_CHECK(kiln::cuda::device_count() > 0, "no CUDA device found");
     auto rows = bench_ops(batch, dtype == "f16" ? kiln::DType::f16 : kiln::DType::f32, repeat);
     std::printf("%-20s %-28s %10s %10s %10s %8s\n", "op", "shape", "single ms", "b2b ms",
                 "TFLOP/s", "% peak");
@@ -368,10 +328,7 @@ int main(int argc, char** argv) {
     }
     return 0;
 #else
-    KILN_FAIL("kiln-bench measures the GPU backend, and this kiln was built without CUDA");
+    kiln::cli::usage_error("kiln-bench measures the GPU backend, and this kiln was built without CUDA");
 #endif
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-bench: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -1,100 +1,118 @@
 // kiln-convert: moves weights through kiln's model, for interop checks against PyTorch.
 //
-//   kiln-convert --arch resnet50 --in A.safetensors --out B.safetensors
-//                [--num-classes 1000] [--eval-input x.safetensors --eval-output y.safetensors]
+//   kiln-convert --in A.safetensors [--out B.safetensors] [--arch NAME] [--num-classes N]
+//                [--in-channels C] [--width W] [--eval-input X --eval-output Y]
 //
-// Builds the named model, loads A with load_weights (strict: every key and shape must match),
-// and writes B with save_weights (f32, torchvision's state_dict keys). With --eval-input, runs
-// the loaded model in eval mode on the CPU on the file's one tensor (N, C, H, W) and writes the
-// logits as the tensor "logits". Errors print one line and exit 1.
+// The model is described by A's metadata when it has kiln's (optim/model_file.h; flags given
+// must then agree with it), else by the flags (--arch required), else read off A's weights.
+// A loads strictly (every key and shape must match); B is written with save_weights (f32,
+// torchvision's state_dict keys) and the model's metadata. With --eval-input, runs the loaded
+// model in eval mode on the CPU on the file's one tensor (N, C, H, W) and writes the logits as
+// the tensor "logits". Errors print one line and exit 1.
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "core/autograd.h"
-#include "optim/checkpoint.h"
 #include "core/error.h"
 #include "core/version.h"
-#include "models/resnet.h"
-
-namespace {
-
-void usage() {
-  std::printf(
-      "usage: kiln-convert --arch NAME --in A.safetensors [--out B.safetensors]\n"
-      "                    [--num-classes N] [--eval-input X --eval-output Y]\n"
-      "  --arch NAME        resnet18|resnet34|resnet50|resnet101|resnet152|resnet_small\n"
-      "  --in PATH          weights to load (strict), e.g. a torchvision state_dict\n"
-      "  --out PATH         write the loaded weights back (f32, torchvision keys)\n"
-      "  --num-classes N    classifier width (default 1000)\n"
-      "  --version          kiln's version and build\n"
-      "  --eval-input X     safetensors file with one input tensor (N, C, H, W)\n"
-      "  --eval-output Y    where the eval-mode logits go (tensor 'logits')\n");
-}
-
-struct Args {
-  std::string arch, in, out, eval_in, eval_out;
-  int64_t num_classes = 1000;
-};
-
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") {
-      usage();
-      std::exit(0);
-    }
-    if (flag == "--version") {
-      std::printf("%s\n", kiln::version_line("kiln-convert").c_str());
-      std::exit(0);
-    }
-    KILN_CHECK(i + 1 < argc, "kiln-convert: ", flag, " needs a value");
-    std::string v = argv[++i];
-    if (flag == "--arch") a.arch = v;
-    else if (flag == "--in") a.in = v;
-    else if (flag == "--out") a.out = v;
-    else if (flag == "--eval-input") a.eval_in = v;
-    else if (flag == "--eval-output") a.eval_out = v;
-    else if (flag == "--num-classes") a.num_classes = std::stoll(v);
-    else KILN_FAIL("kiln-convert: unknown flag ", flag, " (try --help)");
-  }
-  KILN_CHECK(!a.arch.empty() && !a.in.empty(), "kiln-convert: --arch and --in are required");
-  KILN_CHECK(a.eval_in.empty() == a.eval_out.empty(),
-             "kiln-convert: --eval-input and --eval-output go together");
-  KILN_CHECK(!a.out.empty() || !a.eval_in.empty(),
-             "kiln-convert: nothing to do (give --out and/or --eval-input)");
-  return a;
-}
-
-}  // namespace
+#include "optim/checkpoint.h"
+#include "optim/model_file.h"
+#include "tools/cli/cli.h"
 
 int main(int argc, char** argv) {
   using namespace kiln;
-  try {
-    Args a = parse(argc, argv);
-    auto model = models::make_model(a.arch, a.num_classes);
-    load_weights(a.in, *model);
-    std::printf("loaded %s into %s (%zu tensors)\n", a.in.c_str(), a.arch.c_str(),
-                state_dict(*model).size());
-    if (!a.out.empty()) {
-      save_weights(a.out, *model);
-      std::printf("wrote %s\n", a.out.c_str());
+  return cli::run_tool("kiln-convert", [&] {
+    std::string arch, in, out, eval_in, eval_out;
+    int64_t num_classes = 1000, in_channels = 3, width = 0;
+    cli::Parser p("kiln-convert", "--in A.safetensors [--out B.safetensors] [flags]",
+                  "Loads weights into kiln's ResNet strictly and writes them back out.");
+    p.version(version_line("kiln-convert"));
+    p.value("--in", "PATH", &in, "weights to load (strict), e.g. a torchvision state_dict");
+    p.value("--out", "PATH", &out, "write the loaded weights back (f32, torchvision keys)");
+    p.value("--arch", "NAME", &arch,
+            "resnet18|resnet34|resnet50|resnet101|resnet152|resnet_small\n"
+            "(default: from the file's metadata, else from its weights)");
+    p.value("--num-classes", "N", &num_classes, "classifier width, with --arch", 1);
+    p.value("--in-channels", "C", &in_channels, "input channels, with --arch (1 for IDX data)", 1);
+    p.value("--width", "W", &width, "stem width, with --arch (default 64; resnet_small 32)", 1);
+    p.value("--eval-input", "X", &eval_in, "safetensors file with one input tensor (N, C, H, W)");
+    p.value("--eval-output", "Y", &eval_out, "where the eval-mode logits go (tensor 'logits')");
+    if (!p.parse(argc, argv)) {
+      std::fputs(p.info().c_str(), stdout);
+      return 0;
     }
-    if (!a.eval_in.empty()) {
-      SafetensorsData x = load_safetensors(a.eval_in);
-      KILN_CHECK(x.tensors.size() == 1, "kiln-convert: '", a.eval_in, "' must hold one tensor, has ",
-                 x.tensors.size());
+    if (in.empty()) cli::usage_error("--in PATH is required (see kiln-convert --help)");
+    if (eval_in.empty() != eval_out.empty())
+      cli::usage_error("--eval-input and --eval-output go together");
+    if (out.empty() && eval_in.empty())
+      cli::usage_error("nothing to do (give --out and/or --eval-input)");
+
+    SafetensorsData file;
+    ModelInfo info;
+    std::string how;
+    try {
+      file = load_safetensors(in);
+      if (file.metadata.count("format") && file.metadata.at("format") == "kiln-model-1") {
+        info = read_model_metadata(file.metadata, in);
+        how = "its metadata";
+      } else if (!arch.empty()) {
+        info.arch = arch;
+        info.num_classes = num_classes;
+        info.in_channels = in_channels;
+        info.imagenet_stem = arch != "resnet_small";
+        info.width = width > 0 ? width : (arch == "resnet_small" ? 32 : 64);
+        if (in_channels != 3) {
+          info.mean.assign(size_t(in_channels), 0.5f);
+          info.std.assign(size_t(in_channels), 0.5f);
+        }
+        how = "the flags";
+      } else {
+        info = infer_model_info(file.tensors, in);
+        how = "its weights";
+      }
+    } catch (const Error& e) {
+      cli::usage_error(cli::without_location(e.what()));
+    }
+    // Flags given next to a self-describing file must agree with it.
+    auto agree = [&](const char* flag, const std::string& given, const std::string& file_value) {
+      if (p.given(flag) && given != file_value)
+        cli::usage_error(flag, " ", given, " but '", in, "' holds ", file_value, " (", how, ")");
+    };
+    agree("--arch", arch, info.arch);
+    agree("--num-classes", std::to_string(num_classes), std::to_string(info.num_classes));
+    agree("--in-channels", std::to_string(in_channels), std::to_string(info.in_channels));
+    agree("--width", std::to_string(width), std::to_string(info.width));
+
+    auto model = build_model(info);
+    try {
+      load_state(file.tensors, *model, KeyMatch::Strict, in);
+    } catch (const Error& e) {
+      cli::usage_error(cli::without_location(e.what()));
+    }
+    std::printf("loaded %s into %s (%zu tensors; %ld classes, %ld input channel(s), from %s)\n",
+                in.c_str(), info.arch.c_str(), state_dict(*model).size(), long(info.num_classes),
+                long(info.in_channels), how.c_str());
+    if (!out.empty()) {
+      std::map<std::string, std::string> meta = file.metadata;
+      for (const auto& [k, v] : model_metadata(info)) meta[k] = v;
+      save_weights(out, *model, WeightsDType::Float32, meta);
+      std::printf("wrote %s\n", out.c_str());
+    }
+    if (!eval_in.empty()) {
+      SafetensorsData x = load_safetensors(eval_in);
+      if (x.tensors.size() != 1)
+        cli::usage_error("--eval-input '", eval_in, "' must hold one tensor, has ",
+                         x.tensors.size());
+      const Tensor& t = x.tensors[0].second;
+      if (t.dim() != 4 || t.size(1) != info.in_channels)
+        cli::usage_error("--eval-input '", eval_in, "': expected (N, ", info.in_channels,
+                         ", H, W), got ", t.shape_str());
       NoGradGuard no_grad;
       model->eval();
-      Tensor logits = (*model)(x.tensors[0].second.to(DType::f32));
-      save_safetensors(a.eval_out, {{"logits", logits}});
-      std::printf("wrote %s: logits %s\n", a.eval_out.c_str(), logits.shape_str().c_str());
+      Tensor logits = (*model)(t.to(DType::f32));
+      save_safetensors(eval_out, {{"logits", logits}});
+      std::printf("wrote %s: logits %s\n", eval_out.c_str(), logits.shape_str().c_str());
     }
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-convert: %s\n", e.what());
-    return 1;
-  }
+  });
 }

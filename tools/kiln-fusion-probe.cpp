@@ -14,15 +14,37 @@
 #include <string>
 
 #include "core/version.h"
+#include "tools/cli/cli.h"
+
+namespace {
+
+struct ProbeArgs {
+  int64_t batch = 256;
+  int plans = 4;
+};
+
+// False for --help (printed). Throws cli::UsageError.
+bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
+  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K]",
+                      "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
+                      "how fast.");
+  p.version(kiln::version_line("kiln-fusion-probe"));
+  p.value("--batch", "N", &a.batch, "batch size of the probed problems", 1);
+  p.value("--plans", "K", &a.plans, "engine plans built and timed per graph", 1);
+  if (p.parse(argc, argv)) return true;
+  std::fputs(p.info().c_str(), stdout);
+  return false;
+}
+
+}  // namespace
 
 #ifndef KILN_WITH_CUDA
 int main(int argc, char** argv) {
-  if (argc == 2 && !std::strcmp(argv[1], "--version")) {
-    std::printf("%s\n", kiln::version_line("kiln-fusion-probe").c_str());
-    return 0;
-  }
-  std::fprintf(stderr, "kiln-fusion-probe: this build has no CUDA backend\n");
-  return 2;
+  return kiln::cli::run_tool("kiln-fusion-probe", [&] {
+    ProbeArgs a;
+    if (!parse_probe_args(argc, argv, a)) return 0;
+    kiln::cli::usage_error("this build has no CUDA backend");
+  });
 }
 #else
 #include <cuda_fp16.h>
@@ -514,19 +536,12 @@ void probe_dgrad(cudnnHandle_t h, int64_t N, const Problem& p, int reductions, i
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t N = 256;
-  int plans = 4;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--version")) {
-      std::printf("%s\n", kiln::version_line("kiln-fusion-probe").c_str());
-      return 0;
-    } else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) N = std::atol(argv[++i]);
-    else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) plans = std::atoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: kiln-fusion-probe [--batch N] [--plans K] [--version]\n");
-      return 2;
-    }
-  }
+  ProbeArgs args;
+  const int rc = kiln::cli::run_tool("kiln-fusion-probe",
+                                     [&] { return parse_probe_args(argc, argv, args) ? -1 : 0; });
+  if (rc >= 0) return rc;  // --help, or a usage error
+  const int64_t N = args.batch;
+  const int plans = args.plans;
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
     std::fprintf(stderr, "kiln-fusion-probe: no CUDA device\n");

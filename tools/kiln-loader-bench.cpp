@@ -37,6 +37,7 @@
 #include "data/image.h"
 #include "data/image_loader.h"
 #include "data/jpeg_turbo.h"
+#include "tools/cli/cli.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
@@ -45,27 +46,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace kiln;
-
-void usage() {
-  std::printf(
-      "usage: kiln-loader-bench [--folder DIR] [--decoder LIST] [--workers LIST] [-b BATCH]\n"
-      "                         [--batches N] [--eval] [--json PATH] [--generate N] [--val M]\n"
-      "                         [--classes C] [--output-dir DIR] [--format jpg|png]\n"
-      "  --folder DIR      an ImageFolder (default: generate images, see --generate)\n"
-      "  --decoder L       comma-separated: stb, turbo, nvjpeg (default: stb,turbo and nvjpeg when\n"
-      "                    built with it and a GPU is present)\n"
-      "  --workers L       comma-separated worker counts (default 1,2,4,...,hardware threads)\n"
-      "  -b BATCH          batch size (default 64)\n"
-      "  --batches N       timed batches per row (default 20; 0: only generate)\n"
-      "  --eval            Resize(256)+CenterCrop(224) instead of RandomResizedCrop+flip\n"
-      "  --json PATH       also write the rows as a JSON list of objects\n"
-      "  --generate N      ImageNet-like images to write when no --folder (default 512)\n"
-      "  --val M           also write M validation images (DIR/train and DIR/val)\n"
-      "  --classes C       class folders of the generated corpus (default 4)\n"
-      "  --output-dir DIR  write the generated corpus here and keep it (default: a temp folder)\n"
-      "  --format F        generated image format, jpg (default) or png\n"
-      "  --version         kiln's version and build\n");
-}
 
 // One ImageNet-like picture: a smooth colour field (bilinear over a coarse random grid), a few
 // flat-coloured shapes with hard edges, oriented stripes, and per-pixel noise. The noise and
@@ -187,16 +167,6 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  for (const std::string& item : split(s)) {
-    const int v = std::stoi(item);
-    KILN_CHECK(v >= 0, "kiln-loader-bench: worker counts must be >= 0, got ", v);
-    out.push_back(v);
-  }
-  return out;
-}
-
 double cpu_seconds() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -251,64 +221,47 @@ Row time_loader(Loader& loader, int64_t batches, Count count, Sync sync) {
 
 int main(int argc, char** argv) {
   std::string temp_dir;
-  try {
-    std::string folder, format = "jpg", json_path, out_dir;
-    std::vector<std::string> decoders;
-    std::vector<int> workers;
+  const int rc = cli::run_tool("kiln-loader-bench", [&] {
+    std::string folder, format = "jpg", json_path, out_dir, decoder_list;
+    std::vector<int64_t> worker_list;
     int64_t batch = 64, batches = 20, generate = 512, val = 0, classes = 4;
     bool eval = false;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        KILN_CHECK(i + 1 < argc, "kiln-loader-bench: flag ", a, " needs a value");
-        return argv[++i];
-      };
-      if (a == "-h" || a == "--help") {
-        usage();
-        return 0;
-      } else if (a == "--version") {
-        std::printf("%s\n", kiln::version_line("kiln-loader-bench").c_str());
-        return 0;
-      } else if (a == "--folder") {
-        folder = value();
-      } else if (a == "--decoder") {
-        decoders = split(value());
-      } else if (a == "--workers") {
-        workers = parse_list(value());
-      } else if (a == "-b" || a == "--batch-size") {
-        batch = std::stoll(value());
-      } else if (a == "--batches") {
-        batches = std::stoll(value());
-      } else if (a == "--eval") {
-        eval = true;
-      } else if (a == "--json") {
-        json_path = value();
-      } else if (a == "--generate") {
-        generate = std::stoll(value());
-      } else if (a == "--val") {
-        val = std::stoll(value());
-      } else if (a == "--classes") {
-        classes = std::stoll(value());
-      } else if (a == "--output-dir") {
-        out_dir = value();
-      } else if (a == "--format") {
-        format = value();
-        KILN_CHECK(format == "jpg" || format == "png", "kiln-loader-bench: --format jpg|png");
-      } else {
-        KILN_FAIL("kiln-loader-bench: unknown flag ", a, " (see --help)");
-      }
+    cli::Parser p("kiln-loader-bench", "[--folder DIR] [--decoder LIST] [--workers LIST] [flags]",
+                  "Decoded + augmented images per second of the ImageNet-style input pipeline, "
+                  "per decoder and worker count.");
+    p.version(kiln::version_line("kiln-loader-bench"));
+    p.value("--folder", "DIR", &folder,
+            "an ImageFolder (default: generate ImageNet-like JPEGs, see --generate)");
+    p.value("--decoder", "LIST", &decoder_list,
+            "comma-separated: stb, turbo, nvjpeg (default: stb, turbo when built with "
+            "libjpeg-turbo, nvjpeg when built with nvJPEG and a GPU is present)");
+    p.list("--workers", "LIST", &worker_list,
+           "comma-separated worker counts (default 1,2,4,...,hardware threads)", 0);
+    p.value("-b, --batch-size", "BATCH", &batch, "batch size", 1);
+    p.value("--batches", "N", &batches, "timed batches per row (0: only generate)", 0);
+    p.flag("--eval", &eval, "Resize(256)+CenterCrop(224) instead of RandomResizedCrop+flip");
+    p.value("--json", "PATH", &json_path, "also write the rows as a JSON list of objects");
+    p.value("--generate", "N", &generate, "ImageNet-like images to write when no --folder", 1);
+    p.value("--val", "M", &val, "also write M validation images (DIR/train and DIR/val)", 0);
+    p.value("--classes", "C", &classes, "class folders of the generated corpus", 1);
+    p.value("--output-dir", "DIR", &out_dir,
+            "write the generated corpus here and keep it (default: a temp folder, deleted)");
+    p.choice("--format", &format, {"jpg", "png"}, "generated image format");
+    if (!p.parse(argc, argv)) {
+      std::fputs(p.info().c_str(), stdout);
+      return 0;
     }
-    KILN_CHECK(batch > 0 && batches >= 0 && generate > 0 && val >= 0 && classes > 0,
-               "kiln-loader-bench: -b, --generate and --classes must be positive, --batches and "
-               "--val not negative");
+    std::vector<std::string> decoders = decoder_list.empty() ? std::vector<std::string>{}
+                                                             : split(decoder_list);
     if (decoders.empty()) {
       decoders = {"stb"};
       if (data::jpeg_turbo_available()) decoders.push_back("turbo");
       if (data::gpu_jpeg_available()) decoders.push_back("nvjpeg");
     }
     for (const std::string& d : decoders)
-      KILN_CHECK(d == "stb" || d == "turbo" || d == "nvjpeg", "kiln-loader-bench: unknown decoder '",
-                 d, "' (expected stb, turbo or nvjpeg)");
+      if (d != "stb" && d != "turbo" && d != "nvjpeg")
+        cli::usage_error("--decoder '", d, "': expected stb, turbo or nvjpeg");
+    std::vector<int> workers(worker_list.begin(), worker_list.end());
     if (workers.empty()) {
       const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
       for (int w = 1; w < hw; w *= 2) workers.push_back(w);
@@ -407,14 +360,11 @@ int main(int argc, char** argv) {
       f << "]\n";
       KILN_CHECK(f, "kiln-loader-bench: error writing '", json_path, "'");
     }
-    if (!temp_dir.empty()) fs::remove_all(temp_dir);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-loader-bench: error: %s\n", e.what());
-    if (!temp_dir.empty()) {
-      std::error_code ec;
-      fs::remove_all(temp_dir, ec);
-    }
-    return 1;
+  });
+  if (!temp_dir.empty()) {
+    std::error_code ec;
+    fs::remove_all(temp_dir, ec);
   }
+  return rc;
 }

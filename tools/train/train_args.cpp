@@ -1,209 +1,214 @@
-// kiln-train's flags (tools/train/trainer.h): PyTorch ImageNet example names where they exist.
-#include <cerrno>
-#include <cmath>
+// kiln-train's flags (tools/train/trainer.h) on the shared parser (tools/cli/cli.h): PyTorch's
+// ImageNet example's spelling (examples/imagenet/main.py) plus kiln's own flags.
 #include <cstdlib>
 
-#include "core/error.h"
+#include "core/version.h"
 #include "data/fashion_mnist.h"
+#include "tools/cli/cli.h"
 #include "tools/train/trainer.h"
 
 namespace kiln::train {
 
-std::string usage() {
-  return std::string(
-             "usage: kiln-train [flags]\n"
-             "Trains an image classifier; with no flags, a small ResNet on Fashion-MNIST.\n\n"
-             "  --arch NAME          resnet_small (default), resnet18, resnet34, resnet50, "
-             "resnet101,\n"
-             "                       resnet152 (28x28 IDX inputs use a 3x3 stem, no max pool)\n"
-             "  --data PATH          'fashion-mnist' (default: ") +
-         data::kFashionMnistDir +
-         "),\n"
-         "                       a folder of MNIST-style IDX files (train-images-idx3-ubyte[.gz], "
-         "...),\n"
-         "                       or an ImageFolder root holding train/ and val/ class folders\n"
-         "  --image-size N       ImageFolder crop size (default 224; eval resizes to N*256/224)\n"
-         "  --width N            resnet_small's base width (default 32)\n"
-         "  --epochs N           total number of epochs (default 1)\n"
-         "  -b, --batch-size N   batch size per process (default 32)\n"
-         "  --lr LR              peak learning rate (default 0.05)\n"
-         "  --momentum M         SGD momentum (default 0.9)\n"
-         "  --wd WD              weight decay, not applied to BN parameters and biases (default "
-         "5e-4)\n"
-         "  --warmup-epochs E    linear warmup length in epochs, may be fractional (default 0.05)\n"
-         "  --optimizer NAME     sgd (default) or adamw\n"
-         "  --schedule NAME      cosine (default), step (x0.1 at 50%, 75%), or constant\n"
-         "  --label-smoothing E  cross-entropy label smoothing (default 0)\n"
-         "  --augment            IDX data: random crop (padding 4) and horizontal flip\n"
-         "  --seed N             seed for initial weights, shuffling and augmentation (default 0)\n"
-         "  --workers N          data-loading threads (default 2)\n"
-         "  --decoder NAME       ImageFolder JPEGs: auto (default: nvjpeg on a GPU when built\n"
-         "                       with nvJPEG, else cpu), cpu, nvjpeg, stb or turbo\n"
-         "  --host-decode-fraction F  with nvjpeg: that share of the JPEGs is decoded by the\n"
-         "                       CPU workers instead (default 0)\n"
-         "  --device DEV         auto (default: cuda if present, else cpu), cpu, cuda, cuda:N\n"
-         "  --print-freq N       progress line every N steps (default 50)\n"
-         "  --output DIR         checkpoint.safetensors (each epoch), model.safetensors and\n"
-         "                       log.jsonl go here (default kiln-output)\n"
-         "  --resume PATH        continue from a checkpoint written by --output\n"
-         "  --overwrite          replace a previous run in --output (default: refuse)\n"
-         "  --weights PATH       start from weights (safetensors, torchvision names, strict)\n"
-         "  --evaluate           evaluate only (with --weights or --resume)\n"
-         "  --nproc N            data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
-         "                       torchrun, mpirun or srun leave it out (README: launching)\n"
-         "  --sync-bn            data-parallel: BatchNorm statistics over the global batch of\n"
-         "                       all processes (SyncBN); does nothing with one process\n"
-         "  --profile            per-op GPU time table after the first epoch (cuda, --graph off)\n"
-         "  --amp on|off         FP16 storage with FP32 master weights and loss scaling\n"
-         "                       (default: on for cuda, off for cpu)\n"
-         "  --graph on|off       capture the whole training step as a CUDA graph and replay it\n"
-         "                       (default: on for cuda; off for cpu)\n"
-         "  --quiet              no progress lines\n"
-         "  --version            kiln's version and build (CUDA architectures)\n"
-         "  -h, --help           this text\n";
-}
-
 namespace {
 
-int64_t to_int(const std::string& flag, const std::string& v, int64_t lo) {
-  char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  KILN_CHECK(!v.empty() && *end == '\0' && errno == 0 && x >= lo, "flag ", flag,
-             ": expected an integer >= ", lo, ", got '", v, "'");
-  return int64_t(x);
-}
+constexpr const char* kDescription =
+    "Trains an image classifier; with no arguments, a small ResNet on Fashion-MNIST.";
 
-double to_double(const std::string& flag, const std::string& v, double lo) {
-  char* end = nullptr;
-  double x = std::strtod(v.c_str(), &end);
-  KILN_CHECK(!v.empty() && *end == '\0' && std::isfinite(x) && x >= lo, "flag ", flag,
-             ": expected a number >= ", lo, ", got '", v, "'");
-  return x;
-}
-
-std::string one_of(const std::string& flag, const std::string& v,
-                   std::initializer_list<const char*> choices) {
-  std::string list;
-  for (const char* c : choices) {
-    if (v == c) return v;
-    list += list.empty() ? c : std::string(", ") + c;
-  }
-  KILN_FAIL("flag ", flag, ": expected one of ", list, "; got '", v, "'");
+// Registers every flag of kiln-train on `p`, writing into `c`; positional DATA into `data`.
+void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
+  p.positional("DATA", &data,
+               std::string("'fashion-mnist' (") + data::kFashionMnistDir +
+                   "),\n"
+                   "a folder of MNIST-style IDX files (train-images-idx3-ubyte[.gz], ...;\n"
+                   "a classes.txt beside them names the classes), or an ImageFolder\n"
+                   "root holding train/ and val/ class folders; same as --data",
+               0, 1);
+  p.section("Model and data:");
+  p.value("-a, --arch", "NAME", &c.arch,
+          "resnet_small, resnet18, resnet34, resnet50, resnet101, resnet152\n"
+          "(28x28 IDX inputs use a 3x3 stem, no max pool)");
+  p.value("--data", "PATH", &c.data, "the data set, as DATA");
+  p.flag("--dummy", &c.dummy, "synthetic data: random 3 x image-size² images, 1000 classes");
+  p.value("--dummy-images", "N", &c.dummy_images, "synthetic training images per epoch", 1);
+  p.value("--image-size", "N", &c.image_size,
+          "ImageFolder crop size (evaluation resizes to N*256/224)", 8);
+  p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1);
+  p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
+  p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
+  p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
+           "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
+           "auto: nvjpeg on a CUDA device when kiln has nvJPEG, else cpu");
+  p.value("--host-decode-fraction", "F", &c.host_decode_fraction,
+          "with nvjpeg: that share of the JPEGs is decoded by the CPU workers instead", 0.0, 1.0);
+  p.section("Optimisation:");
+  p.value("--epochs", "N", &c.epochs, "total number of epochs", 1);
+  p.value("--start-epoch", "N", &c.start_epoch,
+          "first epoch to run, counting from 0 (the schedule starts there;\n"
+          "with --resume it replaces the checkpoint's epoch) (default 0)",
+          0);
+  p.value("-b, --batch-size", "N", &c.batch_size,
+          "batch size PER PROCESS (main.py's -b is per node: with --nproc N\n"
+          "the global batch is N times this)",
+          1);
+  p.value("--lr, --learning-rate", "LR", &c.lr, "peak learning rate", 0.0);
+  p.value("--momentum", "M", &c.momentum, "SGD momentum", 0.0);
+  p.flag("--nesterov", &c.nesterov, "SGD with Nesterov momentum");
+  p.value("--wd, --weight-decay", "WD", &c.wd,
+          "weight decay, not applied to BN parameters and biases", 0.0);
+  p.value("--warmup-epochs", "E", &c.warmup_epochs, "linear warmup in epochs, may be fractional",
+          0.0);
+  p.choice("--optimizer", &c.optimizer, {"sgd", "adamw"}, "optimizer");
+  p.choice("--schedule", &c.schedule, {"cosine", "step", "constant"},
+           "learning-rate schedule (step: x0.1 at 50% and 75%)");
+  p.value("--label-smoothing", "E", &c.label_smoothing, "cross-entropy label smoothing", 0.0, 1.0,
+          cli::Upper::Open);
+  p.value("--seed", "N", &c.seed, "seed for initial weights, shuffling and augmentation");
+  p.section("Weights and checkpoints:");
+  p.value("--output", "DIR", &c.output,
+          "checkpoint.safetensors (each epoch), model.safetensors,\n"
+          "log.jsonl (per epoch) and steps.jsonl (per step) go here");
+  p.value("--resume", "PATH", &c.resume, "continue from a checkpoint written by --output");
+  p.flag("--overwrite", &c.overwrite, "replace a previous run in --output (default: refuse)");
+  p.value("--pretrained", "PATH", &c.pretrained,
+          "start from these weights (torchvision names); a classifier\n"
+          "with another class count is re-initialised (fine-tuning)");
+  p.flag("--freeze-backbone", &c.freeze_backbone,
+         "train the classifier (fc) only; the rest keeps its weights");
+  p.value("--weights", "PATH", &c.weights, "start from weights that must match exactly");
+  p.flag("-e, --evaluate", &c.evaluate, "evaluate only (with --weights, --pretrained or --resume)");
+  p.section("Devices and processes:");
+  p.value("--device", "DEV", &c.device, "auto (cuda if present, else cpu), cpu, cuda, cuda:N");
+  p.value("--gpu", "N", &c.gpu, "GPU to use, as --device cuda:N (default auto)", 0);
+  p.choice("--amp", &c.amp, {"auto", "on", "off"},
+           "FP16 storage with FP32 master weights and loss scaling\n(auto: on for cuda)");
+  p.choice("--graph", &c.graph, {"auto", "on", "off"},
+           "whole training step as one CUDA graph (auto: on for cuda)");
+  p.value("--nproc", "N", &c.nproc,
+          "data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
+          "torchrun, mpirun or srun leave it out (README: launching)",
+          1, kMaxProcesses);
+  p.flag("--sync-bn", &c.sync_bn,
+         "data-parallel: BatchNorm statistics over all processes' batches");
+  p.value("--world-size", "N", &c.world_size,
+          "main.py's: this job's number of processes (WORLD_SIZE; start\n"
+          "each with its --rank) (default: from the environment)",
+          1);
+  p.value("--rank", "R", &c.rank, "main.py's: this process's rank (RANK) (default 0)", 0);
+  p.value("--dist-url", "URL", &c.dist_url,
+          "main.py's: tcp://HOST:PORT (MASTER_ADDR, MASTER_PORT) or env://");
+  p.choice("--dist-backend", &c.dist_backend, {"nccl"}, "main.py's; kiln always uses NCCL");
+  p.flag("--multiprocessing-distributed", &c.multiprocessing_distributed,
+         "main.py's: one process per GPU of this node (as --nproc <GPUs>)");
+  p.section("Output:");
+  p.value("-p, --print-freq", "N", &c.print_freq, "progress line every N steps", 1);
+  p.flag("--profile", &c.profile, "per-op GPU time table after the first epoch (--graph off)");
+  p.flag("--quiet", &c.quiet, "no progress lines; the final result is still printed");
+  p.version(version_line("kiln-train"));
 }
 
 }  // namespace
 
-Config parse_args(const std::vector<std::string>& argv, bool* help, bool* version) {
-  Config a;
-  if (help) *help = false;
-  if (version) *version = false;
-  std::vector<std::string> args;  // "--flag=value" split into two words
-  for (const std::string& w : argv) {
-    size_t eq = w.find('=');
-    if (w.rfind("--", 0) == 0 && eq != std::string::npos) {
-      args.push_back(w.substr(0, eq));
-      args.push_back(w.substr(eq + 1));
-    } else {
-      args.push_back(w);
-    }
+std::string usage() {
+  Config c;
+  std::vector<std::string> data;
+  cli::Parser p("kiln-train", "[DATA] [flags]", kDescription);
+  add_flags(p, c, data);
+  return p.help();
+}
+
+Config parse_args(const std::vector<std::string>& args, bool* help, std::string* info) {
+  Config c;
+  std::vector<std::string> data;
+  cli::Parser p("kiln-train", "[DATA] [flags]", kDescription);
+  add_flags(p, c, data);
+  const bool run = p.parse(args);
+  if (help) *help = !run;
+  if (info && !run) *info = p.info();
+  if (!data.empty()) {
+    if (p.given("--data") && c.data != data[0])
+      cli::usage_error("DATA '", data[0], "' and --data '", c.data, "' disagree; give one");
+    c.data = data[0];
   }
-  const size_t n = args.size();
-  for (size_t i = 0; i < n; ++i) {
-    const std::string& f = args[i];
-    auto need = [&]() -> std::string {
-      KILN_CHECK(i + 1 < n, "flag ", f, " needs a value (see --help)");
-      return args[++i];
-    };
-    if (f == "-h" || f == "--help") {
-      if (help) *help = true;
-    } else if (f == "--version") {
-      if (version) *version = true;
-    } else if (f == "--arch")
-      a.arch = need();
-    else if (f == "--data")
-      a.data = need();
-    else if (f == "--image-size")
-      a.image_size = to_int(f, need(), 8);
-    else if (f == "--width")
-      a.width = to_int(f, need(), 1);
-    else if (f == "--epochs")
-      a.epochs = to_int(f, need(), 1);
-    else if (f == "-b" || f == "--batch-size")
-      a.batch_size = to_int(f, need(), 1);
-    else if (f == "--lr")
-      a.lr = to_double(f, need(), 0.0);
-    else if (f == "--momentum")
-      a.momentum = to_double(f, need(), 0.0);
-    else if (f == "--wd" || f == "--weight-decay")
-      a.wd = to_double(f, need(), 0.0);
-    else if (f == "--warmup-epochs")
-      a.warmup_epochs = to_double(f, need(), 0.0);
-    else if (f == "--optimizer")
-      a.optimizer = one_of(f, need(), {"sgd", "adamw"});
-    else if (f == "--schedule")
-      a.schedule = one_of(f, need(), {"cosine", "step", "constant"});
-    else if (f == "--label-smoothing") {
-      a.label_smoothing = to_double(f, need(), 0.0);
-      KILN_CHECK(a.label_smoothing < 1.0, "flag --label-smoothing: must be < 1");
-    } else if (f == "--amp")
-      a.amp = one_of(f, need(), {"on", "off", "auto"});
-    else if (f == "--graph")
-      a.graph = one_of(f, need(), {"on", "off", "auto"});
-    else if (f == "--profile")
-      a.profile = true;
-    else if (f == "--augment")
-      a.augment = true;
-    else if (f == "--evaluate" || f == "-e")
-      a.evaluate = true;
-    else if (f == "--quiet")
-      a.quiet = true;
-    else if (f == "--sync-bn")
-      a.sync_bn = true;
-    else if (f == "--seed")
-      a.seed = uint64_t(to_int(f, need(), 0));
-    else if (f == "--workers" || f == "-j")
-      a.workers = to_int(f, need(), 0);
-    else if (f == "--decoder")
-      a.decoder = one_of(f, need(), {"auto", "cpu", "nvjpeg", "stb", "turbo"});
-    else if (f == "--host-decode-fraction")
-      a.host_decode_fraction = to_double(f, need(), 0.0);
-    else if (f == "--device")
-      a.device = need();
-    else if (f == "--print-freq" || f == "-p")
-      a.print_freq = to_int(f, need(), 1);
-    else if (f == "--output")
-      a.output = need();
-    else if (f == "--resume")
-      a.resume = need();
-    else if (f == "--weights")
-      a.weights = need();
-    else if (f == "--nproc")
-      a.nproc = to_int(f, need(), 1);
-    else if (f == "--overwrite")
-      a.overwrite = true;
-    else
-      KILN_FAIL("unknown flag '", f, "' (see --help)");
+  if (c.gpu >= 0) {
+    if (p.given("--device") && c.device != "cuda:" + std::to_string(c.gpu))
+      cli::usage_error("--gpu ", c.gpu, " and --device ", c.device, " disagree; give one");
+    c.device = "cuda:" + std::to_string(c.gpu);
   }
-  validate(a);
-  return a;
+  if (c.dummy && p.given("--data")) cli::usage_error("--dummy replaces --data; give one");
+  if (c.dummy && !data.empty()) cli::usage_error("--dummy replaces DATA '", data[0], "'; give one");
+  if (c.freeze_backbone && c.pretrained.empty() && c.weights.empty() && c.resume.empty())
+    cli::usage_error("--freeze-backbone keeps the backbone's weights: give --pretrained PATH");
+  if (!c.pretrained.empty() && !c.weights.empty())
+    cli::usage_error("--pretrained and --weights both name starting weights; give one");
+  if (c.start_epoch >= c.epochs)
+    cli::usage_error("--start-epoch ", c.start_epoch, ": must be below --epochs ", c.epochs);
+  if (c.rank >= 0 && c.world_size < 0) cli::usage_error("--rank ", c.rank, " needs --world-size");
+  if (p.given("--dist-url") && c.world_size < 0) cli::usage_error("--dist-url needs --world-size");
+  if (c.multiprocessing_distributed && p.given("--nproc"))
+    cli::usage_error(
+        "--multiprocessing-distributed and --nproc both set the process count; "
+        "give one");
+  if (run) validate(c);
+  return c;
 }
 
 void validate(const Config& a) {
-  KILN_CHECK(!a.output.empty(), "flag --output: empty path");
-  KILN_CHECK(a.workers >= 0 && a.workers <= kMaxWorkers, "flag --workers: expected 0..",
-             kMaxWorkers, " data-loading threads, got ", a.workers);
-  KILN_CHECK(a.nproc >= 1 && a.nproc <= kMaxProcesses, "flag --nproc: expected 1..", kMaxProcesses,
-             " processes, got ", a.nproc);
-  KILN_CHECK(a.epochs >= 1, "flag --epochs: expected an integer >= 1, got ", a.epochs);
-  KILN_CHECK(a.batch_size >= 1, "flag --batch-size: expected an integer >= 1, got ", a.batch_size);
-  KILN_CHECK(a.print_freq >= 1, "flag --print-freq: expected an integer >= 1, got ", a.print_freq);
-  KILN_CHECK(!a.evaluate || !a.weights.empty() || !a.resume.empty(),
-             "flag --evaluate: needs --weights or --resume (otherwise a randomly initialised "
-             "model would be evaluated)");
-  KILN_CHECK(a.resume.empty() || !a.overwrite,
-             "flags --resume and --overwrite contradict each other: --resume continues the run "
-             "in --output, --overwrite replaces it");
+  if (a.output.empty()) cli::usage_error("--output: empty path");
+  if (a.workers < 0 || a.workers > kMaxWorkers)
+    cli::usage_error("--workers ", a.workers, ": expected an integer between 0 and ", kMaxWorkers);
+  if (a.nproc < 1 || a.nproc > kMaxProcesses)
+    cli::usage_error("--nproc ", a.nproc, ": expected an integer between 1 and ", kMaxProcesses);
+  if (a.epochs < 1) cli::usage_error("--epochs ", a.epochs, ": expected an integer >= 1");
+  if (a.batch_size < 1)
+    cli::usage_error("--batch-size ", a.batch_size, ": expected an integer >= 1");
+  if (a.print_freq < 1)
+    cli::usage_error("--print-freq ", a.print_freq, ": expected an integer >= 1");
+  if (a.evaluate && a.weights.empty() && a.pretrained.empty() && a.resume.empty())
+    cli::usage_error("--evaluate needs --pretrained, --weights or --resume (otherwise a randomly "
+                     "initialised model would be evaluated)");
+  if (!a.resume.empty() && a.overwrite)
+    cli::usage_error("--resume and --overwrite contradict each other: --resume continues the run "
+                     "in --output, --overwrite replaces it");
+}
+
+std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {
+  if (c.world_size < 0) return {};
+  const int rank = c.rank < 0 ? 0 : c.rank;
+  if (rank >= c.world_size)
+    cli::usage_error("--rank ", rank, ": must be below --world-size ", c.world_size);
+  if (c.multiprocessing_distributed && c.world_size > 1)
+    cli::usage_error("--multiprocessing-distributed with --world-size ", c.world_size,
+                     ": kiln-train launches the processes of one node only; across nodes start "
+                     "it with torchrun, mpirun or srun (README)");
+  if (c.world_size == 1) return {};
+  if (c.nproc > 1 && c.world_size > 1)
+    cli::usage_error("--nproc ", c.nproc, " with --world-size ", c.world_size,
+                     ": give one (--nproc launches a local job; --world-size describes one "
+                     "process of a job started elsewhere)");
+  std::vector<std::pair<std::string, std::string>> env = {
+      {"WORLD_SIZE", std::to_string(c.world_size)},
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(c.gpu >= 0 ? c.gpu : rank)}};
+  if (c.dist_url != "env://") {
+    const std::string prefix = "tcp://";
+    const size_t colon = c.dist_url.rfind(':');
+    const std::string host =
+        colon > prefix.size() ? c.dist_url.substr(prefix.size(), colon - prefix.size()) : "";
+    const std::string port = colon != std::string::npos ? c.dist_url.substr(colon + 1) : "";
+    char* end = nullptr;
+    const long p = port.empty() ? 0 : std::strtol(port.c_str(), &end, 10);
+    if (c.dist_url.rfind(prefix, 0) != 0 || host.empty() || port.empty() || *end != '\0' || p < 1 ||
+        p > 65535)
+      cli::usage_error("--dist-url '", c.dist_url,
+                       "': expected tcp://HOST:PORT (port 1..65535) or env://");
+    env.emplace_back("MASTER_ADDR", host);
+    env.emplace_back("MASTER_PORT", port);
+  } else if (c.world_size > 1 && (!std::getenv("MASTER_ADDR") || !std::getenv("MASTER_PORT"))) {
+    cli::usage_error("--dist-url env:// with --world-size ", c.world_size,
+                     ": MASTER_ADDR and MASTER_PORT must be set (or give --dist-url "
+                     "tcp://HOST:PORT)");
+  }
+  return env;
 }
 
 }  // namespace kiln::train

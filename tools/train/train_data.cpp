@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "data/distributed_sampler.h"
 #include "data/fashion_mnist.h"
@@ -10,29 +11,53 @@
 #include "data/image_folder.h"
 #include "data/image_loader.h"
 #include "data/loader.h"
+#include "data/transforms.h"
 #include "ops/ops.h"
+#include "tools/cli/cli.h"
 
 namespace kiln::train {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// classes.txt beside IDX files: one class name per line (blank lines end the list).
+std::vector<std::string> read_class_file(const fs::path& path, int64_t num_classes) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return names;
+  std::ifstream f(path);
+  if (!f.good()) cli::usage_error("cannot read '", path.string(), "'");
+  for (std::string line; std::getline(f, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) break;
+    names.push_back(line);
+  }
+  if (int64_t(names.size()) != num_classes)
+    cli::usage_error("'", path.string(), "' names ", names.size(), " classes, but the labels have ",
+                     num_classes, " (one name per line)");
+  return names;
+}
+
+}  // namespace
+
 DataKind detect_data(const std::string& data) {
   if (data == "fashion-mnist") return DataKind::FashionMnist;
   std::error_code ec;
-  KILN_CHECK(fs::is_directory(data, ec), "--data '", data,
-             "': no such folder (expected "
-             "'fashion-mnist', a folder of MNIST-style IDX files, or an ImageFolder root "
-             "holding train/ and val/)");
+  if (!fs::is_directory(data, ec))
+    cli::usage_error("--data '", data,
+                     "': no such folder (expected 'fashion-mnist', a folder of MNIST-style IDX "
+                     "files, or an ImageFolder root holding train/ and val/)");
   if (fs::is_directory(fs::path(data) / "train", ec) &&
       fs::is_directory(fs::path(data) / "val", ec))
     return DataKind::ImageFolder;
   for (const char* n : {"train-images-idx3-ubyte", "train-images-idx3-ubyte.gz",
                         "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"})
     if (fs::is_regular_file(fs::path(data) / n, ec)) return DataKind::Idx;
-  KILN_FAIL("--data '", data,
-            "': not a dataset folder: expected MNIST-style IDX files "
-            "(train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-...) or an "
-            "ImageFolder root with train/ and val/ sub-folders of class folders");
+  cli::usage_error("--data '", data,
+                   "': not a dataset folder: expected MNIST-style IDX files "
+                   "(train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-...) or an "
+                   "ImageFolder root with train/ and val/ sub-folders of class folders");
 }
 
 namespace {
@@ -76,6 +101,24 @@ class GpuImageStream final : public BatchStream {
   data::GpuJpegEpoch ep_;
 };
 
+// Synthetic batches: the same device images each step, labels from (seed, epoch, step).
+class SyntheticStream final : public BatchStream {
+ public:
+  SyntheticStream(Tensor x, int64_t batches, uint64_t seed, Device dev)
+      : x_(std::move(x)), batches_(batches), gen_(seed), dev_(dev) {}
+  std::optional<data::DeviceBatch> next() override {
+    if (i_ == batches_) return std::nullopt;
+    Tensor y = randint(0, 1000, {x_.size(0)}, DType::i64, &gen_).to(dev_);
+    return data::DeviceBatch{x_, y, i_++};
+  }
+
+ private:
+  Tensor x_;
+  int64_t batches_, i_ = 0;
+  Generator gen_;
+  Device dev_;
+};
+
 // Per-channel statistics of u8 images (N, H, W), as fractions of 255.
 std::pair<float, float> pixel_stats(const Tensor& images) {
   Tensor x = images.to(DType::f64);
@@ -86,13 +129,36 @@ std::pair<float, float> pixel_stats(const Tensor& images) {
 
 }  // namespace
 
-TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)) {
+TrainData::TrainData(const DataOptions& o)
+    : opts_(o), kind_(o.dummy ? DataKind::Synthetic : detect_data(o.data)) {
+  if (kind_ == DataKind::Synthetic) {
+    if (o.dummy_images < o.batch_size * o.world_size)
+      cli::usage_error("--dummy-images ", o.dummy_images, ": fewer than one batch of ",
+                       o.batch_size, " per process");
+    num_classes_ = 1000;
+    channels_ = 3;
+    height_ = width_ = resize_size_ = o.image_size;
+    train_size_ = o.dummy_images;
+    test_size_ =
+        std::max(o.batch_size * o.world_size, int64_t(std::llround(double(o.dummy_images) / 25.6)));
+    mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
+    stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
+    description_ = "synthetic data (--dummy)";
+    Generator g(o.seed);
+    dummy_x_ = amp::prepare_input(randn({o.batch_size, 3, o.image_size, o.image_size}, {}, &g),
+                                  o.device, o.precision);
+    return;
+  }
   if (kind_ == DataKind::ImageFolder) {
     data::ImageFolder train(o.data + "/train"), val(o.data + "/val");
-    KILN_CHECK(train.classes() == val.classes(), "--data '", o.data, "': train/ has ",
-               train.num_classes(), " class folders and val/ ", val.num_classes(),
-               "; both must hold the same class folders");
+    if (train.classes() != val.classes())
+      cli::usage_error("--data '", o.data, "': train/ has ", train.num_classes(),
+                       " class folders and val/ ", val.num_classes(),
+                       "; both must hold the same class folders");
     num_classes_ = train.num_classes();
+    class_names_ = train.classes();
+    mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
+    stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
     channels_ = 3;
     height_ = width_ = o.image_size;
     train_size_ = train.size();
@@ -101,20 +167,20 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     data::ImageLoaderOptions lo;
     lo.batch_size = o.batch_size;
     lo.image_size = o.image_size;
-    lo.resize_size = int64_t(std::llround(double(o.image_size) * 256.0 / 224.0));
+    lo.resize_size = resize_size_ = int64_t(std::llround(double(o.image_size) * 256.0 / 224.0));
     lo.drop_last = true;
     lo.seed = o.seed;
     lo.workers = o.workers;
     lo.rank = o.rank;
     lo.world_size = o.world_size;
     // --decoder (issue 15): the GPU path when asked, or by default on a CUDA device with nvJPEG.
-    KILN_CHECK(o.decoder == "auto" || o.decoder == "cpu" || o.decoder == "nvjpeg" ||
-                   o.decoder == "stb" || o.decoder == "turbo",
-               "--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
+    if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
+        o.decoder != "turbo")
+      cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
     const bool gpu = o.decoder == "nvjpeg" ||
                      (o.decoder == "auto" && o.device.is_cuda() && data::gpu_jpeg_available());
-    KILN_CHECK(!gpu || o.device.is_cuda(), "--decoder nvjpeg needs a CUDA device; the device is ",
-               o.device);
+    if (gpu && !o.device.is_cuda())
+      cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
     if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
     const DType dt = o.device.is_cuda() && o.precision == amp::Precision::Mixed16 ? DType::f16
                                                                                 : DType::f32;
@@ -128,18 +194,18 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
                                                          o.host_decode_fraction);
       gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt);
       description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
-      KILN_CHECK(gpu_train_->num_batches() > 0, "--data '", o.data, "': ",
-                 gpu_train_->host().samples_per_epoch(),
-                 " training images per process, fewer than one batch of ", o.batch_size);
+      if (gpu_train_->num_batches() == 0)
+        cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),
+                         " training images per process, fewer than one batch of ", o.batch_size);
       return;
     }
     img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
     img_test_ = std::make_unique<data::ImageLoader>(std::move(val), eo);
-    KILN_CHECK(img_train_->num_batches() > 0, "--data '", o.data,
-               "': ", img_train_->samples_per_epoch(),
-               " training images per process, fewer than one "
-               "batch of ",
-               o.batch_size);
+    if (img_train_->num_batches() == 0)
+      cli::usage_error("--data '", o.data, "': ", img_train_->samples_per_epoch(),
+                       " training images per process, fewer than one "
+                       "batch of ",
+                       o.batch_size);
     return;
   }
   const bool fmnist = kind_ == DataKind::FashionMnist;
@@ -156,6 +222,11 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
   channels_ = 1;
   height_ = train.images.size(1);
   width_ = train.images.size(2);
+  resize_size_ = std::min(height_, width_);
+  if (fmnist)
+    class_names_.assign(data::kFashionMnistClasses.begin(), data::kFashionMnistClasses.end());
+  else
+    class_names_ = read_class_file(fs::path(dir) / "classes.txt", num_classes_);
   train_size_ = train.images.size(0);
   test_size_ = test.images.size(0);
   description_ = (fmnist ? "Fashion-MNIST " : "IDX ") + dir;
@@ -178,6 +249,8 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
     lo.crop_padding = 4;
     lo.horizontal_flip = true;
   }
+  mean_ = lo.mean;
+  stddev_ = lo.stddev;
   data::LoaderOptions eo = lo;
   eo.shuffle = false;
   eo.drop_last = false;
@@ -194,22 +267,34 @@ TrainData::TrainData(const DataOptions& o) : opts_(o), kind_(detect_data(o.data)
   idx_train_ =
       std::make_unique<data::DataLoader>(data::TensorDataset(train.images, train.labels), lo);
   idx_test_ = std::make_unique<data::DataLoader>(data::TensorDataset(test.images, test.labels), eo);
-  KILN_CHECK(test_size_ > 0, "--data '", o.data, "': the test set ", test.images_path,
-             " holds no images");
-  KILN_CHECK(idx_train_->num_batches() > 0, "--data '", o.data,
-             "': fewer training images per "
-             "process than one batch of ",
-             o.batch_size);
+  if (test_size_ == 0)
+    cli::usage_error("--data '", o.data, "': the test set ", test.images_path, " holds no images");
+  if (idx_train_->num_batches() == 0)
+    cli::usage_error("--data '", o.data,
+                     "': fewer training images per "
+                     "process than one batch of ",
+                     o.batch_size);
 }
 
 TrainData::~TrainData() = default;
 
 int64_t TrainData::steps_per_epoch() const {
+  if (kind_ == DataKind::Synthetic) return train_size_ / (opts_.batch_size * opts_.world_size);
   if (gpu_train_) return gpu_train_->num_batches();
   return idx_train_ ? idx_train_->num_batches() : img_train_->num_batches();
 }
 
+int64_t TrainData::test_steps() const {
+  if (kind_ == DataKind::Synthetic) return test_size_ / (opts_.batch_size * opts_.world_size);
+  if (gpu_test_) return gpu_test_->num_batches();
+  return idx_test_ ? idx_test_->num_batches() : img_test_->num_batches();
+}
+
 std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
+  if (kind_ == DataKind::Synthetic)
+    return std::make_unique<SyntheticStream>(
+        dummy_x_, steps_per_epoch(),
+        opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
   if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
@@ -220,6 +305,9 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
 }
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {
+  if (kind_ == DataKind::Synthetic)
+    return std::make_unique<SyntheticStream>(dummy_x_, test_steps(),
+                                             ~opts_.seed - uint64_t(opts_.rank), opts_.device);
   if (gpu_test_) return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);

@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "data/device_batches.h"
 #include "optim/amp.h"
@@ -17,7 +18,7 @@ class GpuJpegLoader;
 
 namespace kiln::train {
 
-enum class DataKind { FashionMnist, Idx, ImageFolder };
+enum class DataKind { FashionMnist, Idx, ImageFolder, Synthetic };
 
 // "fashion-mnist", a folder with train-images-idx3-ubyte[.gz] (IDX), or a folder with train/
 // and val/ sub-folders (ImageFolder). Anything else throws kiln::Error saying what was expected.
@@ -33,6 +34,11 @@ class BatchStream {
 
 struct DataOptions {
   std::string data = "fashion-mnist";
+  // Synthetic data (kiln-train --dummy, main.py's FakeData): random 3 x image_size² images and
+  // labels of 1000 classes, made on the device; `dummy_images` per epoch, 1/25.6 of that (at
+  // least one batch) for evaluation. `data` is ignored.
+  bool dummy = false;
+  int64_t dummy_images = 1281167;
   int64_t batch_size = 128;
   int64_t eval_batch_size = 1000;  // IDX; ImageFolder evaluates with batch_size
   int64_t image_size = 224;        // ImageFolder
@@ -63,6 +69,14 @@ class TrainData {
   int64_t train_size() const { return train_size_; }  // whole dataset (all ranks)
   int64_t test_size() const { return test_size_; }
   int64_t steps_per_epoch() const;  // this rank's (the last partial batch is dropped)
+  int64_t test_steps() const;       // this rank's evaluation batches
+  // What a prediction needs to treat an image as the model was trained: class names (ImageFolder
+  // folder names, Fashion-MNIST's, or classes.txt beside IDX files, one per line; else empty),
+  // per-channel mean/std of the normalisation (0..1 scale) and the evaluation resize.
+  const std::vector<std::string>& class_names() const { return class_names_; }
+  const std::vector<float>& mean() const { return mean_; }
+  const std::vector<float>& stddev() const { return stddev_; }
+  int64_t resize_size() const { return resize_size_; }
 
   std::unique_ptr<BatchStream> train_epoch(int64_t epoch) const;
   std::unique_ptr<BatchStream> test_epoch() const;  // this rank's shard, in order
@@ -72,7 +86,10 @@ class TrainData {
   DataKind kind_;
   std::string description_;
   int64_t num_classes_ = 0, channels_ = 0, height_ = 0, width_ = 0;
-  int64_t train_size_ = 0, test_size_ = 0;
+  int64_t train_size_ = 0, test_size_ = 0, resize_size_ = 0;
+  std::vector<std::string> class_names_;
+  std::vector<float> mean_, stddev_;
+  Tensor dummy_x_;  // Synthetic: one device batch reused by every step
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
   std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg

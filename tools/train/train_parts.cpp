@@ -3,21 +3,38 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <limits>
 #include <map>
 
+#include "core/json.h"
+#include "core/serialization.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
+#include "tools/cli/cli.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
 
 namespace kiln::train {
 
+namespace {
+
+Device parse_device(const std::string& s) {
+  try {
+    return Device::parse(s);
+  } catch (const Error&) {
+    cli::usage_error("--device '", s, "': expected auto, cpu, cuda or cuda:N");
+  }
+}
+
+}  // namespace
+
 Device pick_device(const std::string& s, const DistEnv& env) {
 #ifdef KILN_WITH_CUDA
   if (env.distributed()) {
-    KILN_CHECK(s == "auto" || s == "cuda", "--device ", s,
+    KILN_CHECK(s == "auto" || s == "cuda" || s == "cuda:" + std::to_string(env.local_rank),
+               "--device ", s,
                ": data-parallel ranks use GPU "
                "LOCAL_RANK; leave --device at auto");
     KILN_CHECK(env.local_rank < cuda::device_count(), "this process is ", env.describe(),
@@ -27,52 +44,114 @@ Device pick_device(const std::string& s, const DistEnv& env) {
     return Device::cuda(env.local_rank);
   }
   if (s == "auto") return cuda::device_count() > 0 ? Device::cuda(0) : Device::cpu();
-  Device d = Device::parse(s);
-  if (d.is_cuda())
-    KILN_CHECK(d.index < cuda::device_count(), "--device ", s, ": only ", cuda::device_count(),
-               " CUDA device(s) present");
+  Device d = parse_device(s);
+  if (d.is_cuda() && d.index >= cuda::device_count())
+    cli::usage_error("--device ", s, ": only ", cuda::device_count(), " CUDA device(s) present");
   return d;
 #else
   if (s == "auto") return Device::cpu();
-  Device d = Device::parse(s);
-  KILN_CHECK(d.is_cpu(), "--device ", s, ": this kiln was built without CUDA");
+  Device d = parse_device(s);
+  if (!d.is_cpu()) cli::usage_error("--device ", s, ": this kiln was built without CUDA");
   return d;
 #endif
 }
 
+ModelInfo model_info(const Config& c, const TrainData& d) {
+  const std::vector<std::string> archs = models::model_names();
+  if (std::find(archs.begin(), archs.end(), c.arch) == archs.end()) {
+    std::string list;
+    for (const std::string& a : archs) list += (list.empty() ? "" : ", ") + a;
+    cli::usage_error("--arch '", c.arch, "': expected one of ", list);
+  }
+  if (c.width != 0 && c.arch != "resnet_small")
+    cli::usage_error("--width applies to resnet_small only (--arch is ", c.arch, ")");
+  ModelInfo m;
+  m.arch = c.arch;
+  m.num_classes = d.num_classes();
+  m.in_channels = d.channels();
+  m.imagenet_stem =
+      d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist && c.arch != "resnet_small";
+  m.width = c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
+  m.image_size = d.height();
+  m.resize_size = d.resize_size();
+  m.mean = d.mean();
+  m.std = d.stddev();
+  if (m.mean.size() == 1 && m.in_channels > 1) {
+    m.mean.assign(size_t(m.in_channels), m.mean[0]);
+    m.std.assign(size_t(m.in_channels), m.std[0]);
+  }
+  m.class_names = d.class_names();
+  return m;
+}
+
 std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d) {
-  struct Spec {
-    models::BlockKind kind;
-    std::vector<int64_t> layers;
-  };
-  static const std::map<std::string, Spec> specs = {
-      {"resnet_small", {models::BlockKind::Basic, {1, 1, 1}}},
-      {"resnet18", {models::BlockKind::Basic, {2, 2, 2, 2}}},
-      {"resnet34", {models::BlockKind::Basic, {3, 4, 6, 3}}},
-      {"resnet50", {models::BlockKind::Bottleneck, {3, 4, 6, 3}}},
-      {"resnet101", {models::BlockKind::Bottleneck, {3, 4, 23, 3}}},
-      {"resnet152", {models::BlockKind::Bottleneck, {3, 8, 36, 3}}}};
-  auto it = specs.find(c.arch);
-  if (it == specs.end()) models::make_model(c.arch, 10);  // throws, listing valid names
-  KILN_CHECK(c.width == 0 || c.arch == "resnet_small", "--width applies to resnet_small only");
-  models::ResNetOptions o;
-  o.num_classes = d.num_classes();
-  o.in_channels = d.channels();
-  o.imagenet_stem = d.kind() == DataKind::ImageFolder && c.arch != "resnet_small";
-  o.seed = c.seed;
-  if (c.arch == "resnet_small") o.width = c.width > 0 ? c.width : 32;
-  return std::make_shared<models::ResNet>(it->second.kind, it->second.layers, o);
+  return kiln::build_model(model_info(c, d), c.seed);
+}
+
+std::string load_pretrained(const std::string& path, models::ResNet& model) {
+  SafetensorsData file;
+  try {
+    file = load_safetensors(path);
+  } catch (const Error& e) {
+    cli::usage_error("--pretrained: ", cli::without_location(e.what()));
+  }
+  auto arch = file.metadata.find("arch");
+  const Tensor* fc = file.contains("fc.weight") ? &file.at("fc.weight") : nullptr;
+  const int64_t classes = model.options().num_classes;
+  if (fc == nullptr || fc->dim() != 2 || fc->size(0) == classes) {
+    try {
+      load_state(file.tensors, model, KeyMatch::Strict, path);
+    } catch (const Error& e) {
+      cli::usage_error("--pretrained: ", cli::without_location(e.what()));
+    }
+    return "--pretrained " + path + ": loaded all " + std::to_string(file.tensors.size()) +
+           " tensors";
+  }
+  NamedTensors body;
+  for (auto& [name, t] : file.tensors)
+    if (name != "fc.weight" && name != "fc.bias") body.emplace_back(name, t);
+  try {
+    LoadReport r = load_state(body, model, KeyMatch::Lenient, path);
+    const std::vector<std::string> classifier = {"fc.weight", "fc.bias"};
+    if (r.missing_keys != classifier || !r.unexpected_keys.empty()) {
+      std::string keys;
+      for (const auto& k : r.missing_keys) keys += (keys.empty() ? "" : ", ") + k;
+      for (const auto& k : r.unexpected_keys) keys += (keys.empty() ? "" : ", ") + k;
+      KILN_FAIL("keys that do not match the model: ", keys.substr(0, 300));
+    }
+  } catch (const Error& e) {
+    cli::usage_error(
+        "--pretrained '", path, "'", arch != file.metadata.end() ? " (a " + arch->second + ")" : "",
+        " does not fit the model beyond its classifier: ", cli::without_location(e.what()));
+  }
+  return "--pretrained " + path + ": loaded all but the classifier (" +
+         std::to_string(fc->size(0)) + " classes in the file, " + std::to_string(classes) +
+         " here); fc re-initialised for fine-tuning";
+}
+
+std::vector<Tensor> freeze_backbone(models::ResNet& model) {
+  std::vector<Tensor> trained;
+  for (auto& [name, p] : model.named_parameters()) {
+    const bool classifier = name.rfind("fc.", 0) == 0;
+    p.set_requires_grad(classifier);
+    if (classifier) trained.push_back(p);
+  }
+  return trained;
 }
 
 std::string fmt_time(double s) {
   if (!std::isfinite(s) || s < 0 || s > 1e9) return "?";
-  char buf[32];
-  const int m = int(s) / 60;
-  std::snprintf(buf, sizeof buf, "%d:%02d", m, int(s) - 60 * m);
+  char buf[40];
+  const long t = long(s);
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
   return buf;
 }
 
-std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
+std::vector<double> evaluate(nn::Module& model, const TrainData& data,
+                             const std::function<void(int64_t)>& progress) {
   NoGradGuard ng;
   model.eval();
   double loss = 0, top1 = 0, top5 = 0, seen = 0;
@@ -108,6 +187,7 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data) {
       top5 += above < 5;
     }
     seen += double(n);
+    if (progress) progress(b->index + 1);
   }
   model.train();
   if (diverged) loss = top1 = top5 = std::numeric_limits<double>::quiet_NaN();
@@ -139,6 +219,26 @@ std::string first_non_finite(const nn::Module& model) {
       if (!std::isfinite(p[i])) return name;
   }
   return "";
+}
+
+void trim_jsonl(const std::string& path, const std::string& key, double max) {
+  std::ifstream f(path);
+  if (!f) return;
+  std::string kept;
+  bool dropped = false;
+  for (std::string line; std::getline(f, line);) {
+    bool keep = false;
+    try {
+      const json::Value v = json::parse(line);
+      keep = v.is_object() && v.contains(key) && v.at(key).number() <= max;
+    } catch (const Error&) {
+    }
+    if (keep)
+      kept += line + "\n";
+    else
+      dropped = true;
+  }
+  if (dropped) write_file_atomic(path, kept);
 }
 
 }  // namespace kiln::train

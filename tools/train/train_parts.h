@@ -1,12 +1,14 @@
 #pragma once
 // Pieces of kiln-train's job (tools/train/trainer.h): device choice, model construction, evaluation
 // and log formatting.
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "tools/train/dist_env.h"
 #include "models/resnet.h"
+#include "optim/model_file.h"
+#include "tools/train/dist_env.h"
 #include "tools/train/train_data.h"
 #include "tools/train/trainer.h"
 
@@ -16,22 +18,42 @@ namespace kiln::train {
 // always gets GPU env.local_rank, made the current device.
 Device pick_device(const std::string& device, const DistEnv& env);
 
-// --arch for the data: IDX data (28x28, 1 channel) gets the small 3x3 stem without max pool;
-// ImageFolder data 3 channels and torchvision's stem (resnet_small keeps its small stem).
-// Initial weights from c.seed. Unknown names throw, listing the valid ones.
+// What the trained model is and expects (optim/model_file.h), from --arch and the data: IDX
+// data (28x28, 1 channel) gets the small 3x3 stem without max pool; ImageFolder and synthetic
+// data 3 channels and torchvision's stem (resnet_small keeps its small stem). Unknown archs throw,
+// listing the valid ones.
+ModelInfo model_info(const Config& c, const TrainData& data);
+
+// The network of model_info(c, data), initial weights from c.seed.
 std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& data);
+
+// --pretrained PATH: loads every tensor strictly, except that a classifier (fc.weight, fc.bias)
+// of a different class count is left at its fresh initialisation. Returns the one line that
+// says which happened; any other mismatch throws kiln::Error naming the file and the key.
+std::string load_pretrained(const std::string& path, models::ResNet& model);
+
+// --freeze-backbone: every parameter but the classifier's stops requiring grad. Returns the
+// parameters still trained (fc.weight, fc.bias).
+std::vector<Tensor> freeze_backbone(models::ResNet& model);
 
 // {Σ loss, top-1 hits, top-5 hits, samples} over this rank's share of the test set, the model
 // in eval mode (train mode again on return). A sample is a top-k hit when fewer than k logits
 // exceed its label's (ties count as hits). When any logit is non-finite (a diverged model) the
 // loss and both hit counts are NaN: no accuracy is claimed. A label outside the logits throws.
-std::vector<double> evaluate(nn::Module& model, const TrainData& data);
+// `progress`, when set, is called after each batch with the batches done so far.
+std::vector<double> evaluate(nn::Module& model, const TrainData& data,
+                             const std::function<void(int64_t batches_done)>& progress = {});
 
-std::string fmt_time(double seconds);  // "m:ss"; "?" for negative or non-finite values
-std::string json_number(double v);     // %.6g; non-finite values as null
+// "m:ss", or "h:mm:ss" from one hour on; "?" for negative or non-finite values.
+std::string fmt_time(double seconds);
+std::string json_number(double v);  // %.6g; non-finite values as null
 std::string fmt_metric(double v, double factor, int decimals);  // v·factor, or "nan"/"inf"
 
 // The name of the first parameter or buffer of `model` holding a NaN or inf, or "" when all
 // values are finite (one device-to-host copy per floating tensor).
 std::string first_non_finite(const nn::Module& model);
+
+// Keeps the lines of a JSON-lines log whose number `key` is <= max, and drops unreadable ones (a
+// line torn by a crash); rewritten atomically, and only when something goes. No file: nothing.
+void trim_jsonl(const std::string& path, const std::string& key, double max);
 }  // namespace kiln::train

@@ -1,25 +1,30 @@
 #include "tools/train/trainer.h"
 
+#include <stdlib.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "core/device_query.h"
 #include "core/version.h"
+#include "cuda/profiler.h"
+#include "ops/ops.h"
 #include "optim/checkpoint.h"
+#include "optim/model_file.h"
+#include "optim/schedule.h"
+#include "optim/train_step.h"
+#include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
 #include "tools/train/output_dir.h"
-#include "cuda/profiler.h"
-#include "ops/ops.h"
-#include "optim/schedule.h"
 #include "tools/train/train_data.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
-#include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/graph.h"
 #include "cuda/runtime.h"
@@ -47,20 +52,26 @@ Summary run(const Config& c) {
 
   const bool mixed = c.amp == "on" || (c.amp == "auto" && dev.is_cuda());
   const bool use_graph = c.graph == "on" || (c.graph == "auto" && dev.is_cuda());
-  KILN_CHECK(!mixed || dev.is_cuda(), "--amp on needs a CUDA device; the device is ", dev);
-  KILN_CHECK(!use_graph || dev.is_cuda(), "--graph on needs a CUDA device; the device is ", dev);
-  KILN_CHECK(!c.profile || dev.is_cuda(), "--profile times GPU ops; the device is ", dev);
-  KILN_CHECK(!(use_graph && c.profile), "--profile times ops one by one; use it with --graph off");
+  if (mixed && !dev.is_cuda())
+    cli::usage_error("--amp on needs a CUDA device; the device is ", dev);
+  if (use_graph && !dev.is_cuda())
+    cli::usage_error("--graph on needs a CUDA device; the device is ", dev);
+  if (c.profile && !dev.is_cuda()) cli::usage_error("--profile times GPU ops; the device is ", dev);
+  if (use_graph && c.profile)
+    cli::usage_error("--profile times ops one by one; use it with --graph off");
+  if (c.nesterov && (c.optimizer != "sgd" || c.momentum <= 0.0))
+    cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
   const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
 
   // Claim --output before anything expensive: a locked, unwritable or already used folder fails
   // now, not after an epoch of training.
-  detect_data(c.data);  // a wrong --data fails first, before a folder is created
+  if (!c.dummy) detect_data(c.data);  // a wrong --data fails first, before a folder is created
   std::unique_ptr<OutputDir> out_dir;
   if (lead && !c.evaluate) {
-    const OutputReuse reuse = !c.resume.empty() ? OutputReuse::Resume
-                              : c.overwrite     ? OutputReuse::Overwrite
-                                                : OutputReuse::Refuse;
+    // --start-epoch restarts a run in its folder, as --resume does.
+    const OutputReuse reuse = !c.resume.empty() || c.start_epoch >= 0 ? OutputReuse::Resume
+                              : c.overwrite                          ? OutputReuse::Overwrite
+                                                                     : OutputReuse::Refuse;
     out_dir = std::make_unique<OutputDir>(c.output, reuse);
     if (talk && out_dir->stale_temp_files_removed() > 0)
       std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
@@ -69,6 +80,8 @@ Summary run(const Config& c) {
 
   DataOptions dopt;
   dopt.data = c.data;
+  dopt.dummy = c.dummy;
+  dopt.dummy_images = c.dummy_images;
   dopt.batch_size = c.batch_size;
   dopt.image_size = c.image_size;
   dopt.augment = c.augment;
@@ -82,9 +95,22 @@ Summary run(const Config& c) {
   dopt.precision = precision;
   TrainData data(dopt);
 
+  const ModelInfo info = model_info(c, data);
   auto model = build_model(c, data);
-  if (!c.weights.empty()) load_weights(c.weights, *model, KeyMatch::Strict);
+  if (!c.weights.empty()) {
+    const SafetensorsData w = load_safetensors(c.weights);
+    if (w.contains("fc.weight") && w.at("fc.weight").dim() == 2 &&
+        w.at("fc.weight").size(0) != info.num_classes)
+      cli::usage_error("--weights '", c.weights, "' has ", w.at("fc.weight").size(0),
+                       " classes, the data ", info.num_classes,
+                       " (--pretrained loads all but the classifier, for fine-tuning)");
+    load_state(w.tensors, *model, KeyMatch::Strict, c.weights);
+  }
+  const std::string pretrained_note =
+      c.pretrained.empty() ? "" : load_pretrained(c.pretrained, *model);
   amp::prepare_model(*model, dev, precision);
+  std::vector<Tensor> trained;  // --freeze-backbone: the classifier's parameters only
+  if (c.freeze_backbone) trained = freeze_backbone(*model);
   std::unique_ptr<DataParallel> dp;
   if (env.distributed()) dp = std::make_unique<DataParallel>(env, *model);  // broadcasts rank 0's
   const int64_t sync_bn_layers = c.sync_bn && dp ? dp->enable_sync_batch_norm(*model) : 0;
@@ -93,7 +119,13 @@ Summary run(const Config& c) {
   proto.lr = c.lr;
   proto.momentum = c.momentum;
   proto.weight_decay = c.wd;
+  proto.nesterov = c.nesterov;
   auto groups = optim::split_weight_decay(*model, proto);
+  if (c.freeze_backbone) {
+    groups = {proto, proto};
+    groups[1].weight_decay = 0.0;
+    for (const Tensor& p : trained) groups[p.dim() <= 1 ? 1 : 0].params.push_back(p);
+  }
   std::unique_ptr<optim::FusedOptimizer> opt;
   if (c.optimizer == "sgd")
     opt = std::make_unique<optim::FusedSGD>(groups);
@@ -103,11 +135,9 @@ Summary run(const Config& c) {
   so.enabled = mixed;
   optim::DynamicLossScaler scaler(dev, so);
 
-  const std::map<std::string, std::string> meta = {
-      {"arch", c.arch},
-      {"data", c.data},
-      {"num_classes", std::to_string(data.num_classes())},
-      {"batch_size", std::to_string(c.batch_size * env.world_size)}};
+  std::map<std::string, std::string> meta = model_metadata(info);
+  meta["data"] = c.dummy ? "dummy" : c.data;
+  meta["batch_size"] = std::to_string(c.batch_size * env.world_size);
   const int64_t steps_per_epoch = data.steps_per_epoch();
   int64_t start_epoch = 0, step = 0;
   if (!c.resume.empty()) {
@@ -116,8 +146,9 @@ Summary run(const Config& c) {
     st.optimizer = opt.get();
     load_checkpoint(c.resume, st);
     auto arch = st.metadata.find("arch");
-    KILN_CHECK(arch == st.metadata.end() || arch->second == c.arch, "--resume '", c.resume,
-               "' holds a ", arch->second, ", but --arch is ", c.arch);
+    if (arch != st.metadata.end() && arch->second != c.arch)
+      cli::usage_error("--resume '", c.resume, "' holds a ", arch->second, ", but --arch is ",
+                       c.arch);
     scaler.load_state_dict(st.scaler);
     start_epoch = st.epoch;
     // Checkpoints are written at epoch ends, so the schedule continues at the epoch's first step
@@ -132,6 +163,10 @@ Summary run(const Config& c) {
           bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(), long(steps_per_epoch),
           long(step));
     }
+  }
+  if (c.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
+    start_epoch = c.start_epoch;
+    step = start_epoch * steps_per_epoch;
   }
 
   const int64_t total = steps_per_epoch * c.epochs;
@@ -161,7 +196,12 @@ Summary run(const Config& c) {
         long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "", c.optimizer.c_str(),
         c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
         c.augment ? ", crop+flip augmentation" : "",
-        start_epoch > 0 ? (", resuming after epoch " + std::to_string(start_epoch)).c_str() : "");
+        start_epoch > 0 ? (", starting after epoch " + std::to_string(start_epoch)).c_str() : "");
+    if (!pretrained_note.empty()) std::printf("  %s\n", pretrained_note.c_str());
+    if (c.freeze_backbone)
+      std::printf("  --freeze-backbone: training fc only (%ld of %ld parameters)\n",
+                  long(trained[0].numel() + (trained.size() > 1 ? trained[1].numel() : 0)),
+                  long(model->num_parameters()));
     if (c.sync_bn && dp)
       std::printf("  sync BN: %ld BatchNorm2d layers normalise with the statistics of all %ld "
                   "processes' batches\n",
@@ -171,12 +211,25 @@ Summary run(const Config& c) {
                   "synchronise\n");
     std::fflush(stdout);
   }
+  if (lead && !talk && !pretrained_note.empty()) {  // fine-tuning is said even with --quiet
+    std::printf("%s\n", pretrained_note.c_str());
+    std::fflush(stdout);
+  }
 
   Summary sum;
   sum.epochs_done = start_epoch;
+  const int64_t test_steps = data.test_steps();
   auto run_eval = [&] {
     if (dp) dp->sync_buffers(*model);
-    std::vector<double> ev = evaluate(*model, data);
+    const auto eval_start = Clock::now();
+    std::vector<double> ev = evaluate(*model, data, [&](int64_t i) {
+      if (talk && (i % c.print_freq == 0 || i == test_steps)) {
+        const double eta = seconds_since(eval_start) / double(i) * double(test_steps - i);
+        std::printf("  evaluating: step %4ld/%ld  ETA %s\n", long(i), long(test_steps),
+                    fmt_time(eta).c_str());
+        std::fflush(stdout);
+      }
+    });
     if (dp) dp->sum_host(ev);
     KILN_CHECK(ev[3] > 0, "--data '", c.data, "': the evaluation saw no test images");
     sum.test_loss = ev[0] / ev[3];
@@ -185,13 +238,33 @@ Summary run(const Config& c) {
   };
   if (c.evaluate) {
     run_eval();
-    if (talk)
+    if (lead)  // with --quiet too
       std::printf("evaluation: test loss %s top-1 %s%% top-5 %s%%\n",
                   fmt_metric(sum.test_loss, 1, 4).c_str(),
                   fmt_metric(sum.test_top1, 100, 2).c_str(),
                   fmt_metric(sum.test_top5, 100, 2).c_str());
     return sum;
   }
+
+  // steps.jsonl: a resumed (or --start-epoch) run first drops the lines past its starting point
+  // (a run stopped mid-epoch wrote them), a new run starts the file afresh.
+  std::FILE* steps_log = nullptr;
+  if (lead) {
+    const std::string path = out_dir->file("steps.jsonl");
+    const bool continues = !c.resume.empty() || c.start_epoch >= 0;
+    if (continues) {
+      trim_jsonl(out_dir->file("log.jsonl"), "epoch", double(start_epoch));
+      trim_jsonl(path, "step", double(step));
+    }
+    steps_log = std::fopen(path.c_str(), continues ? "a" : "w");
+    KILN_CHECK(steps_log != nullptr, "cannot write '", path, "'");
+  }
+  struct CloseFile {
+    std::FILE*& f;
+    ~CloseFile() {
+      if (f) std::fclose(f);
+    }
+  } close_steps_log{steps_log};
 
   // Static inputs: every step copies its batch into them (the graph reads these addresses).
   Tensor x_static = amp::prepare_input(
@@ -217,6 +290,12 @@ Summary run(const Config& c) {
   amp::AsyncScalars metrics;
   const auto start = Clock::now();
   const int64_t first_step = step;
+  // Rank 0 reads each step's device accumulators after launching the next step, so the host
+  // stays one step ahead; `pending` is the step whose values are in flight.
+  struct Pending {
+    int64_t step, index, batch, seen;
+    double lr, data_s, period_s;
+  };
   // What a diverged run leaves behind, for its error message.
   auto kept = [&](int64_t epoch) {
     return (c.resume.empty() && epoch == 0 ? std::string("no checkpoint was written")
@@ -244,9 +323,54 @@ Summary run(const Config& c) {
     else
       plain_step.reset_metrics();
     int64_t seen = 0, window_images = 0;
-    auto window_start = Clock::now();
+    double window_s = 0, window_data_s = 0, prev_loss = 0, prev_correct = 0;
+    std::optional<Pending> pending;
+    auto emit = [&](const Pending& p) {
+      const std::vector<double> m = metrics.values();  // cumulative over the epoch
+      const double loss = (m[0] - prev_loss) / double(p.batch);
+      const double top1 = (m[1] - prev_correct) / double(p.batch);
+      prev_loss = m[0];
+      prev_correct = m[1];
+      std::fprintf(steps_log,
+                   "{\"step\": %ld, \"epoch\": %ld, \"epoch_frac\": %s, \"loss\": %s, "
+                   "\"top1\": %s, \"lr\": %s, \"loss_scale\": %s, \"images_per_s\": %s, "
+                   "\"ms_compute\": %s, \"ms_data\": %s}\n",
+                   long(p.step), long(epoch + 1),
+                   json_number(double(epoch) + double(p.index) / double(steps_per_epoch)).c_str(),
+                   json_number(loss).c_str(), json_number(top1).c_str(), json_number(p.lr).c_str(),
+                   json_number(mixed ? m[2] : 1.0).c_str(),
+                   json_number(double(p.batch * world) / p.period_s).c_str(),
+                   json_number(1e3 * (p.period_s - p.data_s)).c_str(),
+                   json_number(1e3 * p.data_s).c_str());
+      window_images += p.batch;
+      window_s += p.period_s;
+      window_data_s += p.data_s;
+      if (!mixed && !dp) check_loss(m[0], epoch, 1, 0);  // ranks stop together at epoch ends
+      if (talk && (p.index % c.print_freq == 0 || p.index == steps_per_epoch)) {
+        const double eta =
+            seconds_since(start) / double(p.step - first_step) * double(total - p.step);
+        std::printf(
+            "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
+            "data wait %.0f%%  ETA %s\n",
+            long(epoch + 1), long(c.epochs), long(p.index), long(steps_per_epoch),
+            fmt_metric(m[0] / double(p.seen), 1, 4).c_str(),
+            fmt_metric(std::isfinite(m[0]) ? m[1] / double(p.seen) : NAN, 100, 2).c_str(), p.lr,
+            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+            double(window_images * world) / window_s, 100.0 * window_data_s / window_s,
+            fmt_time(eta).c_str());
+        std::fflush(stdout);
+        std::fflush(steps_log);
+        window_images = 0;
+        window_s = window_data_s = 0;
+      }
+    };
+    auto tick = Clock::now();  // end of the previous step's iteration
     auto stream = data.train_epoch(epoch);
-    while (std::optional<data::DeviceBatch> b = stream->next()) {
+    while (true) {
+      const auto fetch = Clock::now();
+      std::optional<data::DeviceBatch> b = stream->next();
+      const double data_s = seconds_since(fetch);
+      if (!b) break;
       sched->apply(*opt, step);
       x_static.copy_(b->x);
       y_static.copy_(b->y);
@@ -262,28 +386,20 @@ Summary run(const Config& c) {
 #endif
       ++step;
       seen += b->y.size(0);
-      window_images += b->y.size(0);
-      const int64_t i = b->index + 1;
-      if (talk && (i % c.print_freq == 0 || i == steps_per_epoch)) {
-        // One read of the device accumulators per progress line.
-        metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
-        std::vector<double> m = metrics.values();
-        if (!mixed && !dp) check_loss(m[0], epoch, 1, 0);  // ranks stop together at epoch ends
-        const double eta = seconds_since(start) / double(step - first_step) * double(total - step);
-        std::printf(
-            "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
-            "ETA %s\n",
-            long(epoch + 1), long(c.epochs), long(i), long(steps_per_epoch),
-            fmt_metric(m[0] / double(seen), 1, 4).c_str(),
-            fmt_metric(std::isfinite(m[0]) ? m[1] / double(seen) : NAN, 100, 2).c_str(),
-            opt->param_groups[0].lr,
-            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
-            double(window_images * world) / seconds_since(window_start), fmt_time(eta).c_str());
-        std::fflush(stdout);
-        window_images = 0;
-        window_start = Clock::now();
-      }
+      if (!lead) continue;
+      if (pending) emit(*pending);  // waits for the previous step, not this one
+      const auto now = Clock::now();
+      pending = Pending{step,
+                        b->index + 1,
+                        b->y.size(0),
+                        seen,
+                        opt->param_groups[0].lr,
+                        data_s,
+                        std::chrono::duration<double>(now - tick).count()};
+      tick = now;
+      metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
     }
+    if (pending) emit(*pending);
     metrics.record({loss_sum, correct_sum});
     std::vector<double> m = metrics.values();
     m.push_back(double(seen));
@@ -303,6 +419,7 @@ Summary run(const Config& c) {
                "non-finite values (the first in '", bad,
                "'); stopping without saving them: ", kept(epoch));
     // The checkpoint before the evaluation: a failing evaluation loses no training.
+    if (steps_log) std::fflush(steps_log);
     if (lead) {
       TrainingState st;
       st.model = model.get();
@@ -342,33 +459,37 @@ Summary run(const Config& c) {
     wmeta["test_top1"] = json_number(sum.test_top1);
     const std::string path = out_dir->file("model.safetensors");
     save_weights(path, *model, WeightsDType::Float32, wmeta);
-    if (talk)
-      std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
-                  fmt_metric(sum.test_top1, 100, 2).c_str(),
-                  fmt_metric(sum.test_top5, 100, 2).c_str(), long(sum.epochs_done),
-                  fmt_time(seconds_since(start)).c_str(), path.c_str());
+    std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
+                fmt_metric(sum.test_top1, 100, 2).c_str(),
+                fmt_metric(sum.test_top5, 100, 2).c_str(), long(sum.epochs_done),
+                fmt_time(seconds_since(start)).c_str(), path.c_str());
   }
   return sum;
 }
 
 int main(const std::vector<std::string>& args) {
-  try {
-    bool help = false, version = false;
-    const Config c = parse_args(args, &help, &version);
+  return cli::run_tool("kiln-train", [&] {
+    bool help = false;
+    std::string info;
+    const Config parsed = parse_args(args, &help, &info);
     if (help) {
-      std::fputs(usage().c_str(), stdout);
+      std::fputs(info.c_str(), stdout);
       return 0;
     }
-    if (version) {
-      std::printf("%s\n", version_line("kiln-train").c_str());
-      return 0;
+    Config c = parsed;
+    for (const auto& [name, value] : launch_env(c))  // main.py's --world-size/--rank/--dist-url
+      ::setenv(name.c_str(), value.c_str(), 1);
+    if (c.multiprocessing_distributed && !DistEnv::from_env().distributed()) {
+      c.nproc = cuda_device_count();  // main.py's: one process per GPU of this node
+      if (c.nproc < 1 || !data_parallel_available())
+        cli::usage_error(
+            "--multiprocessing-distributed: needs a kiln built with CUDA and NCCL, "
+            "and a GPU");
     }
-    if (c.nproc > 1) {
-      KILN_CHECK(data_parallel_available(), "--nproc ", c.nproc,
-                 ": data-parallel training "
-                 "needs a kiln built with CUDA and NCCL");
-    }
-    if (plan_local_launch(c.nproc, DistEnv::from_env(), cuda_device_count())) {
+    if (c.nproc > 1 && !data_parallel_available())
+      cli::usage_error("--nproc ", c.nproc,
+                       ": data-parallel training needs a kiln built with CUDA and NCCL");
+    if (plan_local_launch(int(c.nproc), DistEnv::from_env(), cuda_device_count())) {
       std::vector<std::string> argv = {"/proc/self/exe"};
       argv.insert(argv.end(), args.begin(), args.end());
       LaunchOptions lo;
@@ -379,10 +500,7 @@ int main(const std::vector<std::string>& args) {
     }
     run(c);
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln-train: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace kiln::train

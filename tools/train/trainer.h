@@ -17,9 +17,17 @@
 //
 // Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
 // (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
-// DIR/model.safetensors at the end (torchvision names, f32), DIR/log.jsonl with one JSON object
-// per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
-// seconds, lr (top-1/top-5 as fractions; a non-finite value is null). The folder is claimed
+// DIR/model.safetensors at the end (torchvision names, f32, with optim/model_file.h's metadata:
+// arch, width, channels, image size, normalisation, class names), DIR/log.jsonl with one JSON
+// object per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
+// seconds, lr (top-1/top-5 as fractions; a non-finite value is null), and DIR/steps.jsonl with
+// one per training step:
+//   step (global, from 1), epoch (from 1), epoch_frac (epochs done, fractional), loss, top1
+//   (this step's batch on rank 0), lr, loss_scale (1 without --amp), images_per_s (all ranks),
+//   ms_compute, ms_data: the host's view of the step: the time it waited for the batch, and the
+//   rest of the step's period (on the GPU the host runs one step ahead and waits for the step
+//   before, so ms_compute is the GPU's pace). A resumed run first drops the lines of both logs
+//   past the checkpoint. The folder is claimed
 // before training (tools/train/output_dir.h): locked, probed for write access, and refused when
 // it holds a previous run unless --resume or --overwrite is given. Each epoch's checkpoint is
 // saved before the evaluation, so a failing evaluation loses no training.
@@ -43,6 +51,7 @@
 // (F::sync_batch_norm, an NCCL all-reduce per BN layer in forward and backward).
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln::train {
@@ -76,26 +85,48 @@ struct Config {
   std::string graph = "auto";  // auto | on | off
   std::string resume;          // checkpoint path
   std::string weights;         // safetensors weights (torchvision names), strict
+  std::string pretrained;      // weights to fine-tune from: a classifier of another size is reset
+  bool freeze_backbone = false;  // train the classifier only
   bool evaluate = false;       // evaluate only
+  bool nesterov = false;       // SGD with Nesterov momentum
+  int gpu = -1;                // --gpu N: device cuda:N
+  int64_t start_epoch = -1;    // main.py's --start-epoch: first epoch to run (-1: 0 or resume's)
+  bool dummy = false;          // synthetic data (train_data.h)
+  int64_t dummy_images = 1281167;
   int64_t nproc = 1;           // 1..kMaxProcesses
   bool overwrite = false;      // --overwrite: replace a previous run in --output
   bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
-  bool quiet = false;  // no progress lines (tests)
+  // main.py's process-group flags, mapped onto torchrun's variables by launch_env: this process
+  // is rank `rank` of `world_size`, rendezvous at dist_url (tcp://HOST:PORT or env://).
+  int world_size = -1, rank = -1;
+  std::string dist_url = "env://";
+  std::string dist_backend = "nccl";
+  bool multiprocessing_distributed = false;  // main.py's: one process per local GPU (--nproc)
+  bool quiet = false;  // no progress lines; the final result is still printed
 };
 
 inline constexpr int64_t kMaxWorkers = 1024;
 inline constexpr int64_t kMaxProcesses = 1024;
 
-// Strict parsing: unknown flags, missing or malformed values throw kiln::Error naming the flag.
-// "--help" sets help (the caller prints usage()), "--version" sets version. The result has
-// passed validate().
+// Strict parsing (tools/cli/cli.h): unknown flags, missing or malformed values throw
+// cli::UsageError naming the flag, the value and what is allowed. Accepts PyTorch's ImageNet
+// example's spelling (positional DATA, -a, -j, --learning-rate, -e, --gpu, ...) besides kiln's.
+// "--help" or "--version" sets help; the caller prints *info (the help text or the version
+// line). The result has passed validate().
 Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
-                  bool* version = nullptr);
+                  std::string* info = nullptr);
 // Range and consistency checks of a Config (also run by run()): kiln::Error naming the flag and
 // the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs and
 // --batch-size >= 1, --evaluate needs --weights or --resume, --resume with --overwrite, ...).
 void validate(const Config& config);
 std::string usage();
+
+// The environment variables (name, value) that --world-size/--rank/--dist-url/--gpu stand for
+// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); empty when --world-size is not given
+// or is 1 (main.py's single-node spelling: the processes, if any, come from --nproc or
+// --multiprocessing-distributed).
+// Throws cli::UsageError for an inconsistent set (rank outside the world, a bad URL, --nproc).
+std::vector<std::pair<std::string, std::string>> launch_env(const Config& c);
 
 struct Summary {
   int64_t epochs_done = 0;  // epoch counter at the end (resumed epochs included)

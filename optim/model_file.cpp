@@ -1,0 +1,221 @@
+#include "optim/model_file.h"
+
+#include <charconv>
+#include <cmath>
+
+#include "core/json.h"
+#include "optim/checkpoint.h"
+
+namespace kiln {
+
+namespace {
+
+constexpr const char* kModelFormat = "kiln-model-1";
+
+struct Spec {
+  models::BlockKind kind;
+  std::vector<int64_t> layers;
+};
+
+const std::map<std::string, Spec>& specs() {
+  static const std::map<std::string, Spec> s = {
+      {"resnet_small", {models::BlockKind::Basic, {1, 1, 1}}},
+      {"resnet18", {models::BlockKind::Basic, {2, 2, 2, 2}}},
+      {"resnet34", {models::BlockKind::Basic, {3, 4, 6, 3}}},
+      {"resnet50", {models::BlockKind::Bottleneck, {3, 4, 6, 3}}},
+      {"resnet101", {models::BlockKind::Bottleneck, {3, 4, 23, 3}}},
+      {"resnet152", {models::BlockKind::Bottleneck, {3, 8, 36, 3}}}};
+  return s;
+}
+
+std::string float_list(const std::vector<float>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.6g", double(v[i]));
+    s += (i ? ", " : "") + std::string(buf);
+  }
+  return s + "]";
+}
+
+int64_t meta_int(const std::string& text, const std::string& key, const std::string& source,
+                 int64_t lo) {
+  int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  KILN_CHECK(r.ec == std::errc() && r.ptr == text.data() + text.size() && v >= lo, "'", source,
+             "': metadata '", key, "' = '", text, "' is not an integer >= ", lo);
+  return v;
+}
+
+json::Value meta_array(const std::string& text, const std::string& key, const std::string& source) {
+  json::Value v;
+  try {
+    v = json::parse(text);
+  } catch (const Error&) {
+    KILN_FAIL("'", source, "': metadata '", key, "' is not a JSON array: ", text.substr(0, 80));
+  }
+  KILN_CHECK(v.kind() == json::Value::Kind::Array, "'", source, "': metadata '", key,
+             "' is not a JSON array: ", text.substr(0, 80));
+  return v;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> model_metadata(const ModelInfo& m) {
+  std::string names = "[";
+  for (size_t i = 0; i < m.class_names.size(); ++i)
+    names += (i ? ", " : "") + json::quote(m.class_names[i]);
+  names += "]";
+  std::map<std::string, std::string> meta = {{"format", kModelFormat},
+                                             {"arch", m.arch},
+                                             {"num_classes", std::to_string(m.num_classes)},
+                                             {"in_channels", std::to_string(m.in_channels)},
+                                             {"width", std::to_string(m.width)},
+                                             {"stem", m.imagenet_stem ? "imagenet" : "small"},
+                                             {"image_size", std::to_string(m.image_size)},
+                                             {"resize_size", std::to_string(m.resize_size)},
+                                             {"mean", float_list(m.mean)},
+                                             {"std", float_list(m.std)}};
+  if (!m.class_names.empty()) meta["class_names"] = names;
+  return meta;
+}
+
+ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
+                              const std::string& source, const ModelInfo& defaults,
+                              std::vector<std::string>* absent) {
+  ModelInfo m = defaults;
+  auto get = [&](const char* key) -> const std::string* {
+    auto it = meta.find(key);
+    if (it != meta.end()) return &it->second;
+    if (absent) absent->push_back(key);
+    return nullptr;
+  };
+  if (const std::string* v = get("arch")) m.arch = *v;
+  if (const std::string* v = get("num_classes"))
+    m.num_classes = meta_int(*v, "num_classes", source, 1);
+  if (const std::string* v = get("in_channels"))
+    m.in_channels = meta_int(*v, "in_channels", source, 1);
+  if (const std::string* v = get("width")) m.width = meta_int(*v, "width", source, 1);
+  if (const std::string* v = get("stem")) {
+    KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '", *v,
+               "', expected imagenet or small");
+    m.imagenet_stem = *v == "imagenet";
+  }
+  if (const std::string* v = get("image_size"))
+    m.image_size = meta_int(*v, "image_size", source, 1);
+  if (const std::string* v = get("resize_size"))
+    m.resize_size = meta_int(*v, "resize_size", source, m.image_size);
+  for (const char* key : {"mean", "std"}) {
+    const std::string* v = get(key);
+    if (!v) continue;
+    std::vector<float> out;
+    const json::Value list = meta_array(*v, key, source);
+    for (const json::Value& x : list.array()) {
+      KILN_CHECK(x.kind() == json::Value::Kind::Number && std::isfinite(x.number()), "'", source,
+                 "': metadata '", key, "' holds a non-number");
+      out.push_back(float(x.number()));
+    }
+    KILN_CHECK(out.size() == size_t(m.in_channels), "'", source, "': metadata '", key, "' has ",
+               out.size(), " values for ", m.in_channels, " input channel(s)");
+    (std::string(key) == "mean" ? m.mean : m.std) = out;
+  }
+  for (float s : m.std) KILN_CHECK(s > 0.0f, "'", source, "': metadata 'std' holds a value <= 0");
+  if (const std::string* v = get("class_names")) {
+    m.class_names.clear();
+    const json::Value list = meta_array(*v, "class_names", source);
+    for (const json::Value& x : list.array()) {
+      KILN_CHECK(x.kind() == json::Value::Kind::String, "'", source,
+                 "': metadata 'class_names' holds a non-string");
+      m.class_names.push_back(x.str());
+    }
+    KILN_CHECK(m.class_names.size() == size_t(m.num_classes), "'", source, "': metadata has ",
+               m.class_names.size(), " class names for ", m.num_classes, " classes");
+  }
+  return m;
+}
+
+std::shared_ptr<models::ResNet> build_model(const ModelInfo& info, uint64_t seed) {
+  auto it = specs().find(info.arch);
+  if (it == specs().end()) models::make_model(info.arch, 1);  // throws, listing valid names
+  models::ResNetOptions o;
+  o.num_classes = info.num_classes;
+  o.in_channels = info.in_channels;
+  o.width = info.width;
+  o.imagenet_stem = info.imagenet_stem;
+  o.seed = seed;
+  return std::make_shared<models::ResNet>(it->second.kind, it->second.layers, o);
+}
+
+ModelInfo infer_model_info(const NamedTensors& weights, const std::string& source,
+                           const ModelInfo& defaults) {
+  auto find = [&](const std::string& name) -> const Tensor* {
+    for (const auto& [n, t] : weights)
+      if (n == name) return &t;
+    return nullptr;
+  };
+  const Tensor* conv1 = find("conv1.weight");
+  const Tensor* fc = find("fc.weight");
+  KILN_CHECK(conv1 && fc && conv1->dim() == 4 && fc->dim() == 2, "'", source,
+             "' does not hold a ResNet with torchvision's names (conv1.weight, fc.weight)");
+  ModelInfo m = defaults;
+  m.num_classes = fc->size(0);
+  m.width = conv1->size(0);
+  m.in_channels = conv1->size(1);
+  m.imagenet_stem = conv1->size(2) == 7;
+  const bool bottleneck = find("layer1.0.conv3.weight") != nullptr;
+  std::vector<int64_t> layers;
+  for (int stage = 1; find("layer" + std::to_string(stage) + ".0.conv1.weight"); ++stage) {
+    int64_t blocks = 0;
+    while (find("layer" + std::to_string(stage) + "." + std::to_string(blocks) + ".conv1.weight"))
+      ++blocks;
+    layers.push_back(blocks);
+  }
+  m.arch.clear();
+  for (const auto& [name, spec] : specs())
+    if (spec.layers == layers && (spec.kind == models::BlockKind::Bottleneck) == bottleneck)
+      m.arch = name;
+  KILN_CHECK(!m.arch.empty(), "'", source, "': its blocks per stage match none of kiln's ResNets");
+  return m;
+}
+
+LoadedModel load_model_file(const std::string& path) {
+  SafetensorsData file = load_safetensors(path);
+  if (file.metadata.count("kiln.format")) {  // a training checkpoint: its "model." tensors
+    NamedTensors model;
+    for (auto& [name, t] : file.tensors)
+      if (name.rfind("model.", 0) == 0) model.emplace_back(name.substr(6), t);
+    file.tensors = std::move(model);
+  }
+  LoadedModel out;
+  std::vector<std::string> absent;
+  ModelInfo shape = infer_model_info(file.tensors, path);
+  // Preprocessing defaults for a file without metadata: ImageNet's for 3-channel models,
+  // Fashion-MNIST's (kiln-train's default job) for 1-channel ones.
+  if (shape.in_channels == 1) {
+    shape.image_size = shape.resize_size = 28;
+    shape.mean = {0.2860f};
+    shape.std = {0.3530f};
+  } else if (shape.in_channels != 3) {
+    shape.mean.assign(size_t(shape.in_channels), 0.5f);
+    shape.std.assign(size_t(shape.in_channels), 0.5f);
+  }
+  const bool described =
+      file.metadata.count("format") && file.metadata.at("format") == kModelFormat;
+  out.info = described ? read_model_metadata(file.metadata, path, shape, &absent) : shape;
+  if (!described) {
+    out.notes = "'" + path + "' has no kiln model metadata: " + out.info.arch +
+                " read off its weights; using image size " + std::to_string(out.info.image_size) +
+                ", " + (out.info.in_channels == 1 ? "Fashion-MNIST's" : "ImageNet's") +
+                " normalisation, numbered classes";
+  } else if (!absent.empty() && !(absent.size() == 1 && absent[0] == "class_names")) {
+    std::string keys;
+    for (const std::string& k : absent) keys += (keys.empty() ? "" : ", ") + k;
+    out.notes = "'" + path + "': metadata lacks " + keys + "; defaults used";
+  }
+  out.model = build_model(out.info);
+  load_state(file.tensors, *out.model, KeyMatch::Strict, path);
+  out.model->eval();
+  return out;
+}
+
+}  // namespace kiln

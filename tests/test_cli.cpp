@@ -1,0 +1,343 @@
+// The shared command-line parser (tools/cli/cli.h), kiln-train's main.py spelling and launch
+// mapping (tools/train/trainer.h), and every tool binary's message for a bad value: one line,
+// "<tool>: error: <flag> '<value>': expected ...", no source location, exit code 1.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tools/cli/cli.h"
+#include "tools/train/train_dist.h"
+#include "tools/train/trainer.h"
+
+using namespace kiln;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Flags {
+  bool quiet = false;
+  std::string name = "x";
+  int64_t n = 3;
+  int small = 2;
+  uint64_t seed = 0;
+  double lr = 0.5, frac = 0.0;
+  std::string mode = "a";
+  std::vector<int64_t> list = {1, 2};
+  std::vector<std::string> pos;
+};
+
+// A parser over `f` with one flag of each kind.
+cli::Parser make(Flags& f, size_t max_pos = 2) {
+  cli::Parser p("tool", "[flags] [FILE...]", "A test tool.");
+  p.positional("FILE", &f.pos, "inputs", 0, max_pos);
+  p.flag("-q, --quiet", &f.quiet, "quiet");
+  p.value("--name", "S", &f.name, "a name");
+  p.value("-n, --count", "N", &f.n, "a count", 1);
+  p.value("-j, --workers", "N", &f.small, "workers", 0, 16);
+  p.value("--seed", "N", &f.seed, "seed");
+  p.value("--lr, --learning-rate", "LR", &f.lr, "rate", 0.0);
+  p.value("--frac", "F", &f.frac, "fraction", 0.0, 1.0, cli::Upper::Open);
+  p.choice("--mode", &f.mode, {"a", "b"}, "mode");
+  p.list("--sizes", "L", &f.list, "sizes", 1);
+  return p;
+}
+
+// The UsageError message of parsing `args`, or "" when it parses.
+std::string error_of(const std::vector<std::string>& args) {
+  Flags f;
+  cli::Parser p = make(f);
+  try {
+    p.parse(args);
+  } catch (const cli::UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+struct Run {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs a tool built beside this test binary, e.g. tool("kiln-convert", "--num-classes abc").
+Run tool(const std::string& name, const std::string& args) {
+  const fs::path dir = fs::read_symlink("/proc/self/exe").parent_path();
+  const fs::path exe = dir / name;
+  REQUIRE_MESSAGE(fs::exists(exe), exe.string(), " is missing: build the tools first");
+  Run r;
+  std::FILE* p = ::popen((exe.string() + " " + args + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("cli::Parser: spellings, values, positionals") {
+  Flags f;
+  cli::Parser p = make(f);
+  CHECK(p.parse({"in.png", "-q", "--name=abc", "-n", "7", "-j4", "--seed", "18446744073709551615",
+                 "--learning-rate", "0.25", "--frac=0.5", "--mode", "b", "--sizes", "3,4,5", "--",
+                 "-odd-name"}));
+  CHECK(f.quiet);
+  CHECK(f.name == "abc");
+  CHECK(f.n == 7);
+  CHECK(f.small == 4);
+  CHECK(f.seed == 18446744073709551615ull);
+  CHECK(f.lr == 0.25);
+  CHECK(f.frac == 0.5);
+  CHECK(f.mode == "b");
+  CHECK(f.list == std::vector<int64_t>{3, 4, 5});
+  CHECK(f.pos == std::vector<std::string>{"in.png", "-odd-name"});
+  CHECK(p.given("--lr"));
+  CHECK(p.given("-n"));
+  CHECK(p.given("--frac"));
+
+  Flags g;
+  cli::Parser q = make(g);
+  CHECK(q.parse({"-n", "2", "--count", "5"}));  // the last one wins
+  CHECK(g.n == 5);
+  CHECK_FALSE(q.given("--name"));
+  CHECK(q.parse({"--lr", "1e-3"}));  // a value may look like anything
+  CHECK(g.lr == 0.001);
+
+  Flags h;
+  cli::Parser r = make(h);
+  CHECK_FALSE(r.parse({"--name", "z", "--help"}));  // help: false, the rest still parsed
+  CHECK(h.name == "z");
+}
+
+TEST_CASE("cli::Parser: every mistake names the flag, the value and what is allowed") {
+  CHECK(error_of({"--bogus"}) == "unknown flag '--bogus' (see tool --help)");
+  CHECK(error_of({"-x"}) == "unknown flag '-x' (see tool --help)");
+  CHECK(error_of({"--count"}) == "flag --count needs a value (N)");
+  CHECK(error_of({"-n", "abc"}) == "-n 'abc': expected an integer >= 1");
+  CHECK(error_of({"--count", "0"}) == "--count '0': expected an integer >= 1");
+  CHECK(error_of({"--count", "3.5"}) == "--count '3.5': expected an integer >= 1");
+  CHECK(error_of({"--count", "99999999999999999999"}) ==
+        "--count '99999999999999999999': expected an integer >= 1");
+  CHECK(error_of({"-j", "17"}) == "-j '17': expected an integer between 0 and 16");
+  CHECK(error_of({"--seed", "-1"}) == "--seed '-1': expected an integer >= 0");
+  CHECK(error_of({"--lr", "fast"}) == "--lr 'fast': expected a number >= 0");
+  CHECK(error_of({"--learning-rate", "-1"}) == "--learning-rate '-1': expected a number >= 0");
+  CHECK(error_of({"--lr", "nan"}) == "--lr 'nan': expected a number >= 0");
+  CHECK(error_of({"--frac", "1"}) == "--frac '1': expected a number >= 0 and < 1");
+  CHECK(error_of({"--mode", "c"}) == "--mode 'c': expected one of a, b");
+  CHECK(error_of({"--sizes", "3,,4"}) ==
+        "--sizes '3,,4': expected comma-separated integers >= 1 (bad item '')");
+  CHECK(error_of({"--name="}) == "--name '': expected a non-empty value");
+  CHECK(error_of({"--quiet=yes"}) == "flag --quiet takes no value, got 'yes'");
+  CHECK(error_of({"a", "b", "c"}) == "unexpected argument 'c' (tool takes at most 2 FILE)");
+  // Messages carry no source location.
+  CHECK(error_of({"--count", "0"}).find(".cpp") == std::string::npos);
+}
+
+TEST_CASE("cli::Parser: --help lists every spelling and the defaults") {
+  Flags f;
+  cli::Parser p = make(f);
+  const std::string h = p.help();
+  CHECK(h.find("usage: tool [flags] [FILE...]") == 0);
+  CHECK(h.find("-n, --count N") != std::string::npos);
+  CHECK(h.find("--lr, --learning-rate LR") != std::string::npos);
+  CHECK(h.find("a count (default 3)") != std::string::npos);
+  CHECK(h.find("--mode a|b") != std::string::npos);
+  CHECK(h.find("(default 1,2)") != std::string::npos);
+  CHECK(h.find("-h, --help") != std::string::npos);
+}
+
+TEST_CASE("cli::Parser: --version and --help end the run with info()") {
+  Flags f;
+  cli::Parser p = make(f);
+  p.version("tool 1.2.3 (test build)");
+  CHECK_FALSE(p.parse({"--version", "in.png", "extra", "more"}));  // positionals not enforced
+  CHECK(p.info() == "tool 1.2.3 (test build)\n");
+  Flags g;
+  cli::Parser q = make(g);
+  q.version("tool 1.2.3");
+  CHECK_FALSE(q.parse({"-h"}));
+  CHECK(q.info() == q.help());
+  CHECK(q.help().find("--version") != std::string::npos);
+  CHECK_THROWS_AS(q.parse({"--version", "--count", "0"}), cli::UsageError);  // still checked
+}
+
+TEST_CASE("cli::without_location drops kiln::Error's suffix only") {
+  CHECK(cli::without_location("bad file 'x' [core/serialization.cpp:12, check failed: ok]") ==
+        "bad file 'x'");
+  CHECK(cli::without_location("bad [tools/a.cpp:7]") == "bad");
+  CHECK(cli::without_location("list [1, 2]") == "list [1, 2]");
+  CHECK(cli::without_location("plain") == "plain");
+}
+
+TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
+  bool help = true;
+  train::Config c = train::parse_args({"/data/imagenet",
+                                       "-a",
+                                       "resnet50",
+                                       "-j",
+                                       "8",
+                                       "--epochs",
+                                       "90",
+                                       "--start-epoch",
+                                       "3",
+                                       "-b",
+                                       "256",
+                                       "--learning-rate",
+                                       "0.1",
+                                       "--momentum",
+                                       "0.8",
+                                       "--weight-decay",
+                                       "1e-4",
+                                       "-p",
+                                       "10",
+                                       "--resume",
+                                       "ck.safetensors",
+                                       "-e",
+                                       "--pretrained",
+                                       "w.safetensors",
+                                       "--seed",
+                                       "7",
+                                       "--gpu",
+                                       "1",
+                                       "--nesterov",
+                                       "--freeze-backbone"},
+                                      &help);
+  CHECK_FALSE(help);
+  CHECK(c.data == "/data/imagenet");
+  CHECK(c.arch == "resnet50");
+  CHECK(c.workers == 8);
+  CHECK(c.epochs == 90);
+  CHECK(c.start_epoch == 3);
+  CHECK(c.batch_size == 256);
+  CHECK(c.lr == 0.1);
+  CHECK(c.momentum == 0.8);
+  CHECK(c.wd == 1e-4);
+  CHECK(c.print_freq == 10);
+  CHECK(c.resume == "ck.safetensors");
+  CHECK(c.evaluate);
+  CHECK(c.pretrained == "w.safetensors");
+  CHECK(c.seed == 7);
+  CHECK(c.device == "cuda:1");
+  CHECK(c.nesterov);
+  CHECK(c.freeze_backbone);
+
+  train::Config d = train::parse_args({"--dummy", "--dummy-images", "640"});
+  CHECK(d.dummy);
+  CHECK(d.dummy_images == 640);
+
+  // Contradictions are refused with a reason.
+  auto msg = [](const std::vector<std::string>& a) {
+    try {
+      train::parse_args(a);
+    } catch (const cli::UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(msg({"a", "--data", "b"}) == "DATA 'a' and --data 'b' disagree; give one");
+  CHECK(msg({"--gpu", "1", "--device", "cpu"}) == "--gpu 1 and --device cpu disagree; give one");
+  CHECK(msg({"--dummy", "dir"}) == "--dummy replaces DATA 'dir'; give one");
+  CHECK(msg({"--freeze-backbone"}).find("give --pretrained PATH") != std::string::npos);
+  CHECK(msg({"--pretrained", "a", "--weights", "b"}).find("give one") != std::string::npos);
+  CHECK(msg({"--epochs", "2", "--start-epoch", "2"}) ==
+        "--start-epoch 2: must be below --epochs 2");
+  CHECK(msg({"--rank", "1"}) == "--rank 1 needs --world-size");
+  CHECK(msg({"-b", "0"}) == "-b '0': expected an integer >= 1");
+  CHECK(msg({"--gpu", "-1"}) == "--gpu '-1': expected an integer >= 0");
+  // The multi-GPU command of main.py's README.
+  train::Config m = train::parse_args({"-a", "resnet50", "--dist-url", "tcp://127.0.0.1:29501",
+                                       "--dist-backend", "nccl", "--multiprocessing-distributed",
+                                       "--world-size", "1", "--rank", "0", "/data/imagenet"});
+  CHECK(m.multiprocessing_distributed);
+  CHECK(m.data == "/data/imagenet");
+  CHECK(train::launch_env(m).empty());  // one node: the launcher sets each child's variables
+  CHECK(msg({"--dist-backend", "gloo"}) == "--dist-backend 'gloo': expected one of nccl");
+  CHECK(msg({"--multiprocessing-distributed", "--nproc", "2"}).find("give one") !=
+        std::string::npos);
+  if (!train::data_parallel_available()) CHECK(train::main({"--multiprocessing-distributed"}) == 1);
+  const std::string u = train::usage();
+  CHECK(u.find("PER PROCESS") != std::string::npos);
+  CHECK(u.find("--lr, --learning-rate LR") != std::string::npos);
+  CHECK(u.find("-e, --evaluate") != std::string::npos);
+}
+
+TEST_CASE("kiln-train: --world-size/--rank/--dist-url/--gpu map onto torchrun's variables") {
+  using Env = std::vector<std::pair<std::string, std::string>>;
+  CHECK(train::launch_env(train::parse_args({})).empty());
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "4", "--rank", "2", "--dist-url", "tcp://10.0.0.1:23456"})) ==
+        Env{{"WORLD_SIZE", "4"},
+            {"RANK", "2"},
+            {"LOCAL_RANK", "2"},
+            {"MASTER_ADDR", "10.0.0.1"},
+            {"MASTER_PORT", "23456"}});
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "2", "--rank", "1", "--gpu", "0", "--dist-url", "tcp://h:1"}))[2] ==
+        std::pair<std::string, std::string>{"LOCAL_RANK", "0"});
+  CHECK(train::launch_env(train::parse_args({"--world-size", "1"})).empty());  // one process
+  auto msg = [](const std::vector<std::string>& a) {
+    try {
+      train::launch_env(train::parse_args(a));
+    } catch (const cli::UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(msg({"--world-size", "2", "--rank", "2", "--dist-url", "tcp://h:1"}) ==
+        "--rank 2: must be below --world-size 2");
+  CHECK(msg({"--world-size", "2", "--dist-url", "udp://h:1"}) ==
+        "--dist-url 'udp://h:1': expected tcp://HOST:PORT (port 1..65535) or env://");
+  CHECK(msg({"--world-size", "2", "--dist-url", "tcp://h:99999"}) ==
+        "--dist-url 'tcp://h:99999': expected tcp://HOST:PORT (port 1..65535) or env://");
+  CHECK(msg({"--world-size", "2", "--multiprocessing-distributed", "--dist-url", "tcp://h:1"})
+            .find("launches the processes of one node only") != std::string::npos);
+  CHECK(msg({"--world-size", "2", "--nproc", "2", "--dist-url", "tcp://h:1"}).find("give one") !=
+        std::string::npos);
+}
+
+TEST_CASE("every tool: a bad value is one line naming flag, value and what is allowed; exit 1") {
+  struct Case {
+    const char* tool;
+    const char* args;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"kiln-train", "--epochs 0", "kiln-train: error: --epochs '0': expected an integer >= 1"},
+      {"kiln-train", "--lr abc", "kiln-train: error: --lr 'abc': expected a number >= 0"},
+      {"kiln-bench", "--repeat x", "kiln-bench: error: --repeat 'x': expected an integer >= 1"},
+      {"kiln-bench", "--batches 8,0",
+       "kiln-bench: error: --batches '8,0': expected comma-separated integers >= 1 (bad item '0')"},
+      {"kiln-convert", "--num-classes abc",
+       "kiln-convert: error: --num-classes 'abc': expected an integer >= 1"},
+      {"kiln-export-images", "--split val",
+       "kiln-export-images: error: --split 'val': expected one of train, test"},
+      {"kiln-loader-bench", "--workers 1,x",
+       "kiln-loader-bench: error: --workers '1,x': expected comma-separated integers >= 0 (bad "
+       "item 'x')"},
+      {"kiln-fusion-probe", "--batch 0",
+       "kiln-fusion-probe: error: --batch '0': expected an integer >= 1"},
+      {"kiln-predict", "--top 0 x.png", "kiln-predict: error: --top '0': expected an integer >= 1"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.tool, " ", c.args);
+    const Run r = tool(c.tool, c.args);
+    CHECK(r.code == 1);
+    CHECK(r.output == std::string(c.message) + "\n");
+    const Run u = tool(c.tool, "--no-such-flag");
+    CHECK(u.code == 1);
+    CHECK(u.output == std::string(c.tool) + ": error: unknown flag '--no-such-flag' (see " +
+                          c.tool + " --help)\n");
+    const Run h = tool(c.tool, "--help");
+    CHECK(h.code == 0);
+    CHECK(h.output.rfind(std::string("usage: ") + c.tool, 0) == 0);
+  }
+}
