@@ -2,11 +2,12 @@
 // - the f16 logits gradient of the fused softmax-cross-entropy with the device-resident loss
 //   scale (2^16) at batch 256 x 1000 classes equals the FP64 value correctly rounded to f16
 //   (the scale is applied in f32 before the one rounding, as PyTorch's autocast does);
-// - a full ResNet-50 forward and backward at a small batch in FP32 gives the same logits, loss
-//   and parameter gradients on the GPU as kiln's CPU backend (cuDNN and cuBLASLt run f32
-//   without TF32, so only summation order differs). The measured errors are printed.
+// - a full ResNet-50 forward and backward at a small batch in FP32 is as accurate on the GPU as
+//   on kiln's CPU backend, both measured against an FP64 CPU run (cuDNN and cuBLASLt run f32
+//   without TF32, so only summation order and algorithms differ). The errors are printed.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -75,15 +76,23 @@ double rel_l2(const Tensor& got, const Tensor& want) {
 
 }  // namespace
 
-TEST_CASE("ResNet-50 forward + backward, FP32: CUDA matches kiln's CPU backend") {
+// Summation order differs between the backends, and the backward of a ResNet at a small
+// batch amplifies rounding differences (batch norm over few values per channel subtracts
+// nearly equal terms), so the two FP32 results are compared with an FP64 run on the CPU: the
+// CUDA gradients must be about as close to it as the CPU's own FP32 gradients are.
+TEST_CASE("ResNet-50 forward + backward, FP32: CUDA as accurate as the CPU against FP64") {
   const int64_t n = 4, size = 64;
+  auto ref_model = models::resnet50(1000);  // same seed: same initial weights in all three
   auto cpu_model = models::resnet50(1000);
-  auto gpu_model = models::resnet50(1000);  // same seed: same initial weights
+  auto gpu_model = models::resnet50(1000);
+  ref_model->to(DType::f64);
   amp::prepare_model(*gpu_model, kGpu, amp::Precision::FP32);
   Generator g(11);
   const Tensor x = randn({n, 3, size, size}, DType::f32, &g);
   const Tensor y = from_vector<int64_t>({1, 500, 999, 7}, {n}, DType::i64);
 
+  Tensor ref_logits = (*ref_model)(x.to(DType::f64));
+  F::cross_entropy(ref_logits, y).backward();
   Tensor cpu_logits = (*cpu_model)(x);
   Tensor cpu_loss = F::cross_entropy(cpu_logits, y);
   cpu_loss.backward();
@@ -91,28 +100,37 @@ TEST_CASE("ResNet-50 forward + backward, FP32: CUDA matches kiln's CPU backend")
   Tensor gpu_loss = F::cross_entropy(gpu_logits, y.to(kGpu));
   gpu_loss.backward();
 
-  const double logits_err = rel_l2(gpu_logits.detach(), cpu_logits.detach());
-  MESSAGE("logits relative L2 error ", logits_err, "; loss cpu ", cpu_loss.item(), " gpu ",
-          gpu_loss.to(Device::cpu()).item());
-  CHECK(logits_err <= 1e-4);
+  const double cpu_logits_err = rel_l2(cpu_logits.detach(), ref_logits.detach());
+  const double gpu_logits_err = rel_l2(gpu_logits.detach(), ref_logits.detach());
+  MESSAGE("logits relative L2 error vs FP64: cpu ", cpu_logits_err, ", gpu ", gpu_logits_err);
+  CHECK(gpu_logits_err <= std::max(10 * cpu_logits_err, 1e-6));
   CHECK(gpu_loss.to(Device::cpu()).item() == doctest::Approx(cpu_loss.item()).epsilon(1e-4));
 
-  std::map<std::string, Tensor> gpu_params;
+  std::map<std::string, Tensor> ref_params, gpu_params;
+  for (const auto& [name, t] : ref_model->named_parameters()) ref_params[name] = t;
   for (const auto& [name, t] : gpu_model->named_parameters()) gpu_params[name] = t;
-  double worst = 0;
+  double worst_cpu = 0, worst_gpu = 0, worst_ratio = 0;
   std::string worst_name;
   int64_t compared = 0;
   for (const auto& [name, t] : cpu_model->named_parameters()) {
     CAPTURE(name);
     REQUIRE(gpu_params.count(name) == 1);
-    const Tensor& gt = gpu_params[name];
+    REQUIRE(ref_params.count(name) == 1);
+    const Tensor& want = ref_params[name].grad();
+    REQUIRE(want.defined());
     REQUIRE(t.grad().defined());
-    REQUIRE(gt.grad().defined());
-    const double e = rel_l2(gt.grad().contiguous(), t.grad());
-    if (e > worst) worst = e, worst_name = name;
-    CHECK(e <= 1e-3);
+    REQUIRE(gpu_params[name].grad().defined());
+    const double ec = rel_l2(t.grad(), want);
+    const double eg = rel_l2(gpu_params[name].grad().contiguous(), want);
+    worst_cpu = std::max(worst_cpu, ec);
+    worst_gpu = std::max(worst_gpu, eg);
+    const double ratio = eg / std::max(ec, 1e-7);
+    if (ratio > worst_ratio) worst_ratio = ratio, worst_name = name;
+    // Tensor by tensor: CUDA within 10x of the CPU's distance from FP64 (floor 1e-5).
+    CHECK(eg <= std::max(10 * ec, 1e-5));
     ++compared;
   }
-  MESSAGE(compared, " parameter gradients; worst relative L2 error ", worst, " (", worst_name, ")");
+  MESSAGE(compared, " parameter gradients vs FP64: worst relative L2 error cpu ", worst_cpu,
+          ", gpu ", worst_gpu, "; worst gpu/cpu ratio ", worst_ratio, " (", worst_name, ")");
   CHECK(compared == 161);
 }
