@@ -94,11 +94,24 @@ struct ScalerArgs {
 };
 
 // ---- per-element arithmetic (identical on both backends) ----
-KILN_HD float fmadd(float a, float b, float c) {  // a·b + c, one rounding
+#if !defined(__CUDA_ARCH__)
+// a·b rounded to f32 on its own: a volatile store stops the compiler from contracting it.
+inline float mul_rn_host(float a, float b) {
+  const volatile float p = a * b;
+  return p;
+}
+#endif
+// The reference optimizers' `a + alpha·b` is one rounding where the compiler contracts it: nvcc
+// always does on the device, GCC on the host only when the target has FMA instructions
+// (__FMA__: -march=native on a current CPU, KILN_NATIVE=ON). Without them it is two roundings,
+// and so is fmadd on the host, so the fused CPU path stays bitwise equal to the reference.
+KILN_HD float fmadd(float a, float b, float c) {  // a·b + c as the reference rounds it
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
-#else
+#elif defined(__FMA__)
   return std::fma(a, b, c);
+#else
+  return mul_rn_host(a, b) + c;
 #endif
 }
 KILN_HD float mul_rn(float a, float b) {  // a·b rounded on its own (never contracted)
@@ -174,7 +187,12 @@ KILN_HD AdamWScalars adamw_scalars(const GroupOptions& g, double lr, int32_t ste
   const double bc1 = 1.0 - pow(g.beta1, t);
   const double bc2_sqrt = sqrt(1.0 - pow(g.beta2, t));
   AdamWScalars s;
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
   s.decay = float(fma(-lr, g.weight_decay, 1.0));  // GCC contracts optim/adamw.cpp's 1 - lr·wd
+#else
+  const volatile double lr_wd = lr * g.weight_decay;  // rounded on its own, as adamw.cpp does
+  s.decay = float(1.0 - lr_wd);
+#endif
   s.beta1 = float(g.beta1);
   s.one_minus_beta1 = float(1.0 - g.beta1);
   s.beta2 = float(g.beta2);

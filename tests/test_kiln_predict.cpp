@@ -400,6 +400,9 @@ TEST_CASE("kiln-train: --pretrained fine-tunes a model of another class count; s
   CHECK_THROWS_WITH_AS(
       train::run(train::parse_args(job(tmp().dir / "bad", 1, {"--pretrained", "/no/such/file"}))),
       doctest::Contains("--pretrained: "), cli::UsageError);
+  CHECK_THROWS_WITH_AS(
+      train::run(train::parse_args(job(tmp().dir / "bad", 1, {"--weights", "/no/such/file"}))),
+      doctest::Contains("--weights: "), cli::UsageError);
 }
 
 TEST_CASE("kiln-train: --nesterov changes the update; --dummy trains on synthetic data") {

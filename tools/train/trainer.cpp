@@ -98,13 +98,22 @@ Summary run(const Config& c) {
   const ModelInfo info = model_info(c, data);
   auto model = build_model(c, data);
   if (!c.weights.empty()) {
-    const SafetensorsData w = load_safetensors(c.weights);
+    SafetensorsData w;
+    try {
+      w = load_safetensors(c.weights);
+    } catch (const Error& e) {
+      cli::usage_error("--weights: ", cli::without_location(e.what()));
+    }
     if (w.contains("fc.weight") && w.at("fc.weight").dim() == 2 &&
         w.at("fc.weight").size(0) != info.num_classes)
       cli::usage_error("--weights '", c.weights, "' has ", w.at("fc.weight").size(0),
                        " classes, the data ", info.num_classes,
                        " (--pretrained loads all but the classifier, for fine-tuning)");
-    load_state(w.tensors, *model, KeyMatch::Strict, c.weights);
+    try {
+      load_state(w.tensors, *model, KeyMatch::Strict, c.weights);
+    } catch (const Error& e) {
+      cli::usage_error("--weights: ", cli::without_location(e.what()));
+    }
   }
   const std::string pretrained_note =
       c.pretrained.empty() ? "" : load_pretrained(c.pretrained, *model);
