@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 
 #include "core/error.h"
 
@@ -68,7 +67,7 @@ void append_bytes(void* ctx, void* data, int size) {
 
 }  // namespace
 
-std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes) {
+void read_file_into(const std::string& path, std::vector<uint8_t>& out, int64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   KILN_CHECK(fd >= 0, "cannot open image file '", path, "': ", std::strerror(errno));
   struct Closer {
@@ -80,16 +79,21 @@ std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes)
   KILN_CHECK(S_ISREG(st.st_mode), "image file '", path, "' is not a regular file");
   KILN_CHECK(int64_t(st.st_size) <= max_bytes, "image file '", path, "' is ", int64_t(st.st_size),
              " bytes, over the per-file limit of ", max_bytes, " bytes");
-  std::vector<uint8_t> bytes(size_t(st.st_size));
+  out.resize(size_t(st.st_size));
   size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+  while (done < out.size()) {
+    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
     if (n < 0 && errno == EINTR) continue;
     KILN_CHECK(n >= 0, "error reading image file '", path, "': ", std::strerror(errno));
     if (n == 0) break;  // shrank while reading: decode what is there
     done += size_t(n);
   }
-  bytes.resize(done);
+  out.resize(done);
+}
+
+std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes) {
+  std::vector<uint8_t> bytes;
+  read_file_into(path, bytes, max_bytes);
   return bytes;
 }
 

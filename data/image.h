@@ -39,6 +39,10 @@ Image read_image(const std::string& path, int64_t max_bytes = kMaxImageFileBytes
 // file (a FIFO is refused without blocking) or is longer than max_bytes (checked before reading).
 std::vector<uint8_t> read_file_bytes(const std::string& path,
                                      int64_t max_bytes = kMaxImageFileBytes);
+// The same into `out` (resized to the file's size; its capacity is reused, so a loader worker
+// reading one file after another allocates only when a file is larger than any before).
+void read_file_into(const std::string& path, std::vector<uint8_t>& out,
+                    int64_t max_bytes = kMaxImageFileBytes);
 
 // Header-only probe: width/height/channels of a JPEG or PNG without decoding it.
 struct ImageInfo {

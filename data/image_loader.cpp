@@ -7,12 +7,17 @@
 
 #include "core/error.h"
 #include "core/generator.h"
+#include "data/jpeg_turbo.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/runtime.h"
 #endif
 
 namespace kiln::data {
 namespace {
+
+// Samples per work item: small enough that 16 workers share a batch of 64, large enough that
+// claiming a part costs nothing next to decoding it.
+constexpr int64_t kSamplesPerPart = 4;
 
 uint64_t shuffle_seed(uint64_t seed, int64_t e) { return derive_seed(seed, uint64_t(e), 0); }
 uint64_t sample_seed(uint64_t seed, int64_t e, int64_t p) {
@@ -125,7 +130,8 @@ struct ImageEpoch::State {
   int64_t samples = 0;          // this rank's
   std::mutex mu;
   std::set<int64_t> bad;                                 // distinct bad files met in this epoch
-  std::unique_ptr<OrderedPrefetch<ImageBatch>> batches;  // last: its threads stop first
+  JpegDecoder decoder = JpegDecoder::Stb;                // resolved: Stb or Turbo
+  std::unique_ptr<PartedPrefetch<ImageBatch>> batches;  // last: its threads stop first
 
   void note_bad(int64_t idx) {
     std::lock_guard lk(mu);
@@ -147,15 +153,78 @@ struct ImageEpoch::State {
               " of its ", samples, " samples, min_bad_files = ", opts.min_bad_files, "): ", list);
   }
 
-  // The image at padded position p, or the next one in the epoch's sequence that decodes.
-  std::pair<Image, int64_t> load(int64_t p) {
+  // Decodes dataset item idx and writes its transformed pixels (S, S, 3) to dst, with a
+  // Generator seeded by `seed`; kiln::Error naming the file when it cannot be read or decoded.
+  // `enc`: where a deferred sample goes (null: never defer). Returns whether it was deferred.
+  bool transform_one(int64_t idx, uint64_t seed, uint8_t* dst, EncodedSample* enc) const {
+    thread_local std::vector<uint8_t> bytes;  // per worker, reused: no allocation per file
+    const std::string& path = shared->folder[idx].path;
+    read_file_into(path, bytes, opts.max_file_bytes);
+    Generator gen(seed);
+    const int64_t S = opts.image_size;
+    const bool train = opts.augment == Augment::Train;
+    if (enc && looks_like_jpeg(bytes.data(), bytes.size())) {
+      JpegInfo info;
+      if (jpeg_turbo_available()) {
+        info = read_jpeg_info(bytes.data(), bytes.size(), path);
+      } else {
+        const ImageInfo pi = probe_image(bytes.data(), bytes.size(), path);
+        info.height = pi.height;
+        info.width = pi.width;
+        info.components = int(pi.channels);
+      }
+      if (opts.defer_jpeg(bytes.data(), bytes.size(), info)) {
+        enc->info = info;
+        enc->limit = CropBox{0, 0, info.height, info.width};
+        if (train) {
+          const CropBox b = random_resized_crop_box(info.height, info.width, gen, opts.crop);
+          enc->flip = opts.horizontal_flip && gen.uniform() < 0.5;
+          enc->box = BoxF{double(b.top), double(b.left), double(b.height), double(b.width)};
+          enc->limit = b;
+        } else {
+          enc->box = center_crop_source_box(info.height, info.width, opts.resize_size, S);
+          enc->flip = false;
+        }
+        enc->index = idx;
+        enc->bytes.assign(bytes.begin(), bytes.end());
+        return true;
+      }
+    }
+    if (decoder == JpegDecoder::Turbo && looks_like_jpeg(bytes.data(), bytes.size())) {
+      // The box comes from the header alone, drawn exactly as the Stb path draws it.
+      const JpegInfo info = read_jpeg_info(bytes.data(), bytes.size(), path);
+      const CropBox whole{0, 0, info.height, info.width};
+      if (train) {
+        const CropBox b = random_resized_crop_box(info.height, info.width, gen, opts.crop);
+        const bool mirror = opts.horizontal_flip && gen.uniform() < 0.5;
+        const BoxF bf{double(b.top), double(b.left), double(b.height), double(b.width)};
+        decode_jpeg_resampled(bytes.data(), bytes.size(), path, bf, b, S, S, mirror, dst);
+      } else {
+        const BoxF bf = center_crop_source_box(info.height, info.width, opts.resize_size, S);
+        decode_jpeg_resampled(bytes.data(), bytes.size(), path, bf, whole, S, S, false, dst);
+      }
+      return false;
+    }
+    const Image im = decode_image(bytes.data(), bytes.size(), path);
+    if (train)
+      random_resized_crop_flip(im.pixels.data(), im.height, im.width, 3, S, gen,
+                               opts.horizontal_flip, dst, opts.crop);
+    else
+      resize_center_crop(im.pixels.data(), im.height, im.width, 3, opts.resize_size, S, dst);
+    return false;
+  }
+
+  // The sample at padded position p into dst, or the next one of the epoch's sequence that
+  // decodes; returns its label. A deferred sample lands in *enc (with its position) instead.
+  int64_t load(int64_t p, uint8_t* dst, EncodedSample* enc) {
     const auto n = int64_t(global.size());
+    const uint64_t seed = sample_seed(opts.seed, epoch, p);
     for (int64_t a = 0; a < n; ++a) {
       const int64_t idx = global[size_t((p + a) % n)];
       if (!shared->known_bad(idx)) {
         try {
-          return {read_image(shared->folder[idx].path, opts.max_file_bytes),
-                  shared->folder[idx].label};
+          if (transform_one(idx, seed, dst, enc)) enc->position = p;
+          return shared->folder[idx].label;
         } catch (const Error& e) {
           shared->record_bad(idx, reason_of(e), opts.warn);
         }
@@ -165,9 +234,14 @@ struct ImageEpoch::State {
     KILN_FAIL("ImageLoader: no image under '", shared->folder.root(), "' could be decoded");
   }
 
-  ImageBatch build(int64_t k) {
-    const int64_t bs = opts.batch_size, S = opts.image_size;
-    const int64_t b_count = std::min(bs, samples - k * bs);
+  int64_t batch_count(int64_t k) const {
+    return std::min(opts.batch_size, samples - k * opts.batch_size);
+  }
+  int64_t parts(int64_t k) const { return (batch_count(k) + kSamplesPerPart - 1) / kSamplesPerPart; }
+
+  // An empty batch k: tensors over one pooled buffer (pixels, then labels 64-byte aligned).
+  ImageBatch make(int64_t k) {
+    const int64_t S = opts.image_size, b_count = batch_count(k);
     const size_t img_bytes = size_t(b_count * S * S * 3);
     const size_t label_off = (img_bytes + 63) / 64 * 64;
     auto storage = shared->buffers->storage(label_off + size_t(b_count) * sizeof(int64_t));
@@ -178,23 +252,38 @@ struct ImageEpoch::State {
                            DType::u8);
     b.labels =
         make_tensor(storage, int64_t(label_off / sizeof(int64_t)), {b_count}, {1}, DType::i64);
-    uint8_t* px = b.images.data<uint8_t>();
-    int64_t* y = b.labels.data<int64_t>();
-    for (int64_t i = 0; i < b_count; ++i) {
-      const int64_t p = (k * bs + i) * opts.world_size + opts.rank;
-      Generator gen(sample_seed(opts.seed, epoch, p));
-      auto [im, label] = load(p);
-      uint8_t* dst = px + i * S * S * 3;
-      if (opts.augment == Augment::Train)
-        random_resized_crop_flip(im.pixels.data(), im.height, im.width, 3, S, gen,
-                                 opts.horizontal_flip, dst, opts.crop);
-      else
-        resize_center_crop(im.pixels.data(), im.height, im.width, 3, opts.resize_size, S, dst);
-      y[i] = label;
-    }
+    if (opts.defer_jpeg) b.encoded = std::make_shared<std::vector<EncodedSample>>(size_t(b_count));
     return b;
   }
+
+  // Samples [part * kSamplesPerPart, ...) of batch k.
+  void fill(ImageBatch& b, int64_t k, int64_t part) {
+    const int64_t S = opts.image_size, bs = opts.batch_size;
+    uint8_t* px = b.images.data<uint8_t>();
+    int64_t* y = b.labels.data<int64_t>();
+    const int64_t i1 = std::min(batch_count(k), (part + 1) * kSamplesPerPart);
+    for (int64_t i = part * kSamplesPerPart; i < i1; ++i) {
+      const int64_t p = (k * bs + i) * opts.world_size + opts.rank;
+      y[i] = load(p, px + i * S * S * 3, b.encoded ? &(*b.encoded)[size_t(i)] : nullptr);
+    }
+  }
 };
+
+JpegDecoder parse_jpeg_decoder(const std::string& name) {
+  if (name == "auto") return JpegDecoder::Auto;
+  if (name == "stb") return JpegDecoder::Stb;
+  if (name == "turbo") return JpegDecoder::Turbo;
+  KILN_FAIL("unknown JPEG decoder '", name, "' (expected auto, stb or turbo)");
+}
+
+const char* jpeg_decoder_name(JpegDecoder d) {
+  switch (d) {
+    case JpegDecoder::Auto: return "auto";
+    case JpegDecoder::Stb: return "stb";
+    case JpegDecoder::Turbo: return "turbo";
+  }
+  return "?";
+}
 
 ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(std::move(opts)) {
   const auto& o = opts_;
@@ -208,6 +297,8 @@ ImageLoader::ImageLoader(ImageFolder folder, ImageLoaderOptions opts) : opts_(st
              ") and prefetch (", o.prefetch, ") must be >= 0");
   KILN_CHECK(o.world_size >= 1 && o.rank >= 0 && o.rank < o.world_size, "ImageLoader: rank ",
              o.rank, " outside [0, world_size = ", o.world_size, ")");
+  KILN_CHECK(o.decoder != JpegDecoder::Turbo || jpeg_turbo_available(),
+             "ImageLoader: decoder 'turbo' requested, but kiln was built without libjpeg-turbo");
   KILN_CHECK(o.max_bad_fraction >= 0.0 && o.max_bad_fraction <= 1.0,
              "ImageLoader: max_bad_fraction must be in [0, 1], got ", o.max_bad_fraction);
   KILN_CHECK(o.min_bad_files >= 0 && o.max_file_bytes >= 1, "ImageLoader: min_bad_files (",
@@ -259,12 +350,16 @@ ImageEpoch ImageLoader::epoch(int64_t e) const {
   s->epoch = e;
   s->global = permutation(shared_->folder.size(), opts_.shuffle, opts_.seed, e);
   s->samples = samples_per_epoch();
-  const int64_t capacity = opts_.prefetch > 0
-                               ? opts_.prefetch
-                               : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch);
+  s->decoder = opts_.decoder == JpegDecoder::Auto
+                   ? (jpeg_turbo_available() ? JpegDecoder::Turbo : JpegDecoder::Stb)
+                   : opts_.decoder;
+  // Workers share each batch (PartedPrefetch), so a few batches ahead keep them all busy.
+  const int64_t capacity = opts_.prefetch > 0 ? opts_.prefetch : 4;
   ImageEpoch::State* st = s.get();
-  s->batches = std::make_unique<OrderedPrefetch<ImageBatch>>(
-      num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->build(k); });
+  s->batches = std::make_unique<PartedPrefetch<ImageBatch>>(
+      num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->parts(k); },
+      [st](int64_t k) { return st->make(k); },
+      [st](ImageBatch& b, int64_t k, int64_t part) { st->fill(b, k, part); });
   return ImageEpoch(std::move(s));
 }
 
@@ -282,6 +377,14 @@ std::optional<ImageBatch> ImageEpoch::next() {
   KILN_CHECK(state_, "ImageEpoch::next on a moved-from epoch");
   return state_->batches->next();
 }
+int64_t ImageEpoch::redo(const EncodedSample& s, const std::string& reason, uint8_t* dst) {
+  KILN_CHECK(state_, "ImageEpoch::redo on a moved-from epoch");
+  State& st = *state_;
+  st.shared->record_bad(s.index, reason, st.opts.warn);
+  st.note_bad(s.index);
+  return st.load(s.position, dst, nullptr);
+}
+
 int64_t ImageEpoch::size() const { return state_ ? state_->batches->size() : 0; }
 int64_t ImageEpoch::bad_count() const {
   if (!state_) return 0;

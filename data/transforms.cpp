@@ -55,7 +55,13 @@ AxisPlan plan_axis(int64_t out, double origin, double scale, int64_t lo, int64_t
   return p;
 }
 
-uint8_t to_u8(float v) { return uint8_t(std::clamp(std::nearbyint(v), 0.0f, 255.0f)); }
+// Clamp, then round to nearest (ties to even); written without branches (maxss/minss, an
+// inlined round), as it runs once per output value.
+inline uint8_t to_u8(float v) {
+  v = v > 0.0f ? v : 0.0f;
+  v = v < 255.0f ? v : 255.0f;
+  return uint8_t(int(std::nearbyint(v)));
+}
 
 // Horizontal pass over the needed source rows into floats, then the vertical pass.
 void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPlan& ry,
@@ -66,7 +72,59 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
     row1 = std::max(row1, ry.start[size_t(i)] + ry.count[size_t(i)]);
   }
   const int64_t C = channels;
-  std::vector<float> tmp(size_t((row1 - row0) * out_w * C));
+  // Per-thread scratch: loader workers resample thousands of images; no allocation per image.
+  thread_local std::vector<float> tmp, acc;
+  if (out_h < row1 - row0) {
+    // Shrinking vertically: the vertical pass first (contiguous, vectorised) over only the
+    // columns the horizontal taps reach, so the scalar horizontal pass runs on out_h rows
+    // instead of row1 - row0. The sums are the same up to float rounding order.
+    int64_t col0 = INT64_MAX, col1 = 0;
+    for (int64_t j = 0; j < out_w; ++j) {
+      col0 = std::min(col0, rx.start[size_t(j)]);
+      col1 = std::max(col1, rx.start[size_t(j)] + rx.count[size_t(j)]);
+    }
+    const int64_t cw = (col1 - col0) * C;
+    tmp.resize(size_t(out_h * cw));
+    for (int64_t i = 0; i < out_h; ++i) {
+      float* trow = tmp.data() + i * cw;
+      std::fill(trow, trow + cw, 0.0f);
+      const float* w = ry.w.data() + i * ry.max_taps;
+      for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
+        const float wt = w[t];
+        const uint8_t* srow = src + (ry.start[size_t(i)] + t) * width * C + col0 * C;
+        for (int64_t k = 0; k < cw; ++k) trow[k] += wt * float(srow[k]);
+      }
+    }
+    for (int64_t i = 0; i < out_h; ++i) {
+      const float* trow = tmp.data() + i * cw;
+      uint8_t* drow = dst + i * out_w * C;
+      for (int64_t j = 0; j < out_w; ++j) {
+        const int64_t pj = flip ? out_w - 1 - j : j;
+        const float* w = rx.w.data() + pj * rx.max_taps;
+        const float* s = trow + (rx.start[size_t(pj)] - col0) * C;
+        const int64_t taps = rx.count[size_t(pj)];
+        if (C == 3) {
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+          for (int64_t t = 0; t < taps; ++t) {
+            a0 += w[t] * s[t * 3];
+            a1 += w[t] * s[t * 3 + 1];
+            a2 += w[t] * s[t * 3 + 2];
+          }
+          drow[j * 3] = to_u8(a0);
+          drow[j * 3 + 1] = to_u8(a1);
+          drow[j * 3 + 2] = to_u8(a2);
+          continue;
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          float a = 0.0f;
+          for (int64_t t = 0; t < taps; ++t) a += w[t] * s[t * C + c];
+          drow[j * C + c] = to_u8(a);
+        }
+      }
+    }
+    return;
+  }
+  tmp.resize(size_t((row1 - row0) * out_w * C));
   for (int64_t r = row0; r < row1; ++r) {
     const uint8_t* srow = src + r * width * C;
     float* trow = tmp.data() + (r - row0) * out_w * C;
@@ -95,7 +153,7 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
     }
   }
   // Vertical pass row by row, taps outer so the inner loop runs over contiguous floats.
-  std::vector<float> acc(size_t(out_w * C));
+  acc.resize(size_t(out_w * C));
   for (int64_t i = 0; i < out_h; ++i) {
     const float* w = ry.w.data() + i * ry.max_taps;
     const float* t0 = tmp.data() + (ry.start[size_t(i)] - row0) * out_w * C;
@@ -144,18 +202,33 @@ CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
   return {(height - h) / 2, (width - w) / 2, h, w};
 }
 
+void resample_box(const uint8_t* src, int64_t height, int64_t width, int64_t channels, BoxF b,
+                  CropBox lim, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
+  KILN_CHECK(lim.height > 0 && lim.width > 0 && lim.top >= 0 && lim.left >= 0 &&
+                 lim.top + lim.height <= height && lim.left + lim.width <= width,
+             "resample_box: limit (top ", lim.top, ", left ", lim.left, ", ", lim.height, "x",
+             lim.width, ") outside the ", height, "x", width, " image");
+  KILN_CHECK(b.height > 0 && b.width > 0 && b.top < double(lim.top + lim.height) &&
+                 b.top + b.height > double(lim.top) && b.left < double(lim.left + lim.width) &&
+                 b.left + b.width > double(lim.left),
+             "resample_box: box (top ", b.top, ", left ", b.left, ", ", b.height, "x", b.width,
+             ") does not overlap its limit");
+  KILN_CHECK(out_h > 0 && out_w > 0, "resample_box: bad output size ", out_h, "x", out_w);
+  const AxisPlan ry =
+      plan_axis(out_h, b.top, b.height / double(out_h), lim.top, lim.top + lim.height);
+  const AxisPlan rx =
+      plan_axis(out_w, b.left, b.width / double(out_w), lim.left, lim.left + lim.width);
+  resample(src, width, channels, ry, rx, dst, out_h, out_w, flip);
+}
+
 void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels, CropBox b,
                   uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
   KILN_CHECK(b.height > 0 && b.width > 0 && b.top >= 0 && b.left >= 0 &&
                  b.top + b.height <= height && b.left + b.width <= width,
              "resized_crop: box (top ", b.top, ", left ", b.left, ", ", b.height, "x", b.width,
              ") outside the ", height, "x", width, " image");
-  KILN_CHECK(out_h > 0 && out_w > 0, "resized_crop: bad output size ", out_h, "x", out_w);
-  const AxisPlan ry =
-      plan_axis(out_h, double(b.top), double(b.height) / double(out_h), b.top, b.top + b.height);
-  const AxisPlan rx =
-      plan_axis(out_w, double(b.left), double(b.width) / double(out_w), b.left, b.left + b.width);
-  resample(src, width, channels, ry, rx, dst, out_h, out_w, flip);
+  const BoxF f{double(b.top), double(b.left), double(b.height), double(b.width)};
+  resample_box(src, height, width, channels, f, b, dst, out_h, out_w, flip);
 }
 
 Size2 resize_shorter_side(int64_t height, int64_t width, int64_t size) {
@@ -165,8 +238,7 @@ Size2 resize_shorter_side(int64_t height, int64_t width, int64_t size) {
   return {size, int64_t(double(size) * double(width) / double(height))};
 }
 
-void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
-                        int64_t resize, int64_t crop, uint8_t* dst) {
+BoxF center_crop_source_box(int64_t height, int64_t width, int64_t resize, int64_t crop) {
   KILN_CHECK(crop > 0 && crop <= resize, "resize_center_crop: crop ", crop,
              " must be in 1..resize (", resize, ")");
   const Size2 r = resize_shorter_side(height, width, resize);
@@ -174,9 +246,14 @@ void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64
   const double top = std::nearbyint(double(r.height - crop) / 2.0);
   const double left = std::nearbyint(double(r.width - crop) / 2.0);
   const double sy = double(height) / double(r.height), sx = double(width) / double(r.width);
-  const AxisPlan ry = plan_axis(crop, top * sy, sy, 0, height);
-  const AxisPlan rx = plan_axis(crop, left * sx, sx, 0, width);
-  resample(src, width, channels, ry, rx, dst, crop, crop, false);
+  return {top * sy, left * sx, double(crop) * sy, double(crop) * sx};
+}
+
+void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
+                        int64_t resize, int64_t crop, uint8_t* dst) {
+  const BoxF box = center_crop_source_box(height, width, resize, crop);
+  resample_box(src, height, width, channels, box, CropBox{0, 0, height, width}, dst, crop, crop,
+               false);
 }
 
 void random_resized_crop_flip(const uint8_t* src, int64_t height, int64_t width, int64_t channels,

@@ -42,6 +42,20 @@ CropBox random_resized_crop_box(int64_t height, int64_t width, Generator& gen,
 void resized_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels, CropBox box,
                   uint8_t* dst, int64_t out_h, int64_t out_w, bool flip = false);
 
+// A rectangle in fractional source coordinates (a crop box after DCT-domain scaling, or the
+// source area an evaluation centre crop covers).
+struct BoxF {
+  double top = 0, left = 0, height = 0, width = 0;
+};
+
+// The general resampler the two functions above and below use: dst (out_h, out_w, C) = `box` of
+// src (height, width, C) resampled (filter as described at the top), mirrored left-right when
+// `flip`, with the filter's taps limited to the rows and columns of `limit` (which must lie
+// inside the image and overlap the box). resized_crop(b) is resample_box(b, limit = b).
+// Thread-safe; reuses per-thread scratch buffers, so it allocates nothing in steady state.
+void resample_box(const uint8_t* src, int64_t height, int64_t width, int64_t channels, BoxF box,
+                  CropBox limit, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip);
+
 // The size torchvision's Resize(size) gives: the shorter side becomes `size`, the longer one
 // int(size * long / short). Returns {height, width}.
 struct Size2 {
@@ -54,6 +68,9 @@ Size2 resize_shorter_side(int64_t height, int64_t width, int64_t size);
 // dst (crop, crop, C).
 void resize_center_crop(const uint8_t* src, int64_t height, int64_t width, int64_t channels,
                         int64_t resize, int64_t crop, uint8_t* dst);
+// The source area (fractional source pixels) that resize_center_crop maps onto its output; its
+// taps are limited to the whole image.
+BoxF center_crop_source_box(int64_t height, int64_t width, int64_t resize, int64_t crop);
 
 // Training transform: RandomResizedCrop(out) then a horizontal flip with p = 0.5 (when `flip`).
 // Draws the box first, then the flip. dst (out, out, C).

@@ -16,10 +16,11 @@ build_dir=${KILN_BUILD_DIR:-build}
 jobs=${KILN_JOBS:-$(nproc)}
 
 # Debian packages kiln needs: compiler and build tools, header-only libraries, zlib for gzipped
-# IDX files, the Fashion-MNIST data set for the default training job, and matplotlib for
-# tools/kiln-plot's training curves.
+# IDX files, the Fashion-MNIST data set for the default training job, matplotlib for
+# tools/kiln-plot's training curves, and libjpeg-turbo for the CPU JPEG path (optional at
+# configure time).
 packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist
-          python3-matplotlib)
+          python3-matplotlib libjpeg62-turbo-dev)
 
 install_missing() {
   local missing=()

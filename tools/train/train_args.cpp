@@ -35,6 +35,11 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1);
   p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
+  p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
+           "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
+           "auto: nvjpeg on a CUDA device when kiln has nvJPEG, else cpu");
+  p.value("--host-decode-fraction", "F", &c.host_decode_fraction,
+          "with nvjpeg: that share of the JPEGs is decoded by the CPU workers instead", 0.0, 1.0);
   p.section("Optimisation:");
   p.value("--epochs", "N", &c.epochs, "total number of epochs", 1);
   p.value("--start-epoch", "N", &c.start_epoch,

@@ -7,6 +7,7 @@
 
 #include "data/distributed_sampler.h"
 #include "data/fashion_mnist.h"
+#include "data/gpu_jpeg.h"
 #include "data/image_folder.h"
 #include "data/image_loader.h"
 #include "data/loader.h"
@@ -90,6 +91,16 @@ class ImageStream final : public BatchStream {
   data::DeviceFeeder feed_;
 };
 
+// Batches decoded and transformed on the GPU (nvJPEG + the fused crop kernel).
+class GpuImageStream final : public BatchStream {
+ public:
+  explicit GpuImageStream(data::GpuJpegEpoch ep) : ep_(std::move(ep)) {}
+  std::optional<data::DeviceBatch> next() override { return ep_.next(); }
+
+ private:
+  data::GpuJpegEpoch ep_;
+};
+
 // Synthetic batches: the same device images each step, labels from (seed, epoch, step).
 class SyntheticStream final : public BatchStream {
  public:
@@ -162,11 +173,34 @@ TrainData::TrainData(const DataOptions& o)
     lo.workers = o.workers;
     lo.rank = o.rank;
     lo.world_size = o.world_size;
+    // --decoder (issue 15): the GPU path when asked, or by default on a CUDA device with nvJPEG.
+    if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
+        o.decoder != "turbo")
+      cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
+    const bool gpu = o.decoder == "nvjpeg" ||
+                     (o.decoder == "auto" && o.device.is_cuda() && data::gpu_jpeg_available());
+    if (gpu && !o.device.is_cuda())
+      cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
+    if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
+    const DType dt = o.device.is_cuda() && o.precision == amp::Precision::Mixed16 ? DType::f16
+                                                                                : DType::f32;
+    data::ImageLoaderOptions eo = lo;
+    eo.augment = data::Augment::Eval;
+    eo.shuffle = false;
+    eo.drop_last = false;
+    if (gpu) {
+      gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt,
+                                                         data::NormalizeStats{},
+                                                         o.host_decode_fraction);
+      gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt);
+      description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
+      if (gpu_train_->num_batches() == 0)
+        cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),
+                         " training images per process, fewer than one batch of ", o.batch_size);
+      return;
+    }
     img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
-    lo.augment = data::Augment::Eval;
-    lo.shuffle = false;
-    lo.drop_last = false;
-    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), lo);
+    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), eo);
     if (img_train_->num_batches() == 0)
       cli::usage_error("--data '", o.data, "': ", img_train_->samples_per_epoch(),
                        " training images per process, fewer than one "
@@ -246,11 +280,13 @@ TrainData::~TrainData() = default;
 
 int64_t TrainData::steps_per_epoch() const {
   if (kind_ == DataKind::Synthetic) return train_size_ / (opts_.batch_size * opts_.world_size);
+  if (gpu_train_) return gpu_train_->num_batches();
   return idx_train_ ? idx_train_->num_batches() : img_train_->num_batches();
 }
 
 int64_t TrainData::test_steps() const {
   if (kind_ == DataKind::Synthetic) return test_size_ / (opts_.batch_size * opts_.world_size);
+  if (gpu_test_) return gpu_test_->num_batches();
   return idx_test_ ? idx_test_->num_batches() : img_test_->num_batches();
 }
 
@@ -259,6 +295,7 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
     return std::make_unique<SyntheticStream>(
         dummy_x_, steps_per_epoch(),
         opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
+  if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
@@ -271,6 +308,7 @@ std::unique_ptr<BatchStream> TrainData::test_epoch() const {
   if (kind_ == DataKind::Synthetic)
     return std::make_unique<SyntheticStream>(dummy_x_, test_steps(),
                                              ~opts_.seed - uint64_t(opts_.rank), opts_.device);
+  if (gpu_test_) return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16

@@ -13,6 +13,7 @@
 namespace kiln::data {
 class DataLoader;
 class ImageLoader;
+class GpuJpegLoader;
 }  // namespace kiln::data
 
 namespace kiln::train {
@@ -44,6 +45,11 @@ struct DataOptions {
   bool augment = false;            // IDX: crop (padding 4) + flip; ImageFolder always augments
   uint64_t seed = 0;
   int workers = 2;
+  // ImageFolder decoding (issue 15): auto (nvjpeg on a CUDA device when kiln has nvJPEG, else
+  // cpu), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error when it
+  // cannot run), stb or turbo (CPU, forced).
+  std::string decoder = "auto";
+  double host_decode_fraction = 0.0;  // nvjpeg: share of JPEGs decoded on the CPU instead
   int64_t rank = 0, world_size = 1;  // shards (DistributedSampler's scheme) when world_size > 1
   Device device;
   amp::Precision precision = amp::Precision::FP32;
@@ -86,6 +92,7 @@ class TrainData {
   Tensor dummy_x_;  // Synthetic: one device batch reused by every step
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
+  std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg
 };
 
 }  // namespace kiln::train

@@ -87,6 +87,8 @@ Summary run(const Config& c) {
   dopt.augment = c.augment;
   dopt.seed = c.seed;
   dopt.workers = int(c.workers);
+  dopt.decoder = c.decoder;
+  dopt.host_decode_fraction = c.host_decode_fraction;
   dopt.rank = env.rank;
   dopt.world_size = env.world_size;
   dopt.device = dev;

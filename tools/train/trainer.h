@@ -75,6 +75,8 @@ struct Config {
   int64_t width = 0;         // resnet_small's width (0: 32)
   uint64_t seed = 0;
   int64_t workers = 2;  // 0..kMaxWorkers
+  std::string decoder = "auto";  // ImageFolder: auto | cpu | nvjpeg | stb | turbo (issue 15)
+  double host_decode_fraction = 0.0;  // --decoder nvjpeg: JPEGs decoded on the CPU instead
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";

@@ -1,0 +1,99 @@
+#pragma once
+// The GPU input path: an ImageFolder's JPEGs decoded by nvJPEG on the device and turned into the
+// model's input by one fused kernel, ahead of the training step.
+//
+//   GpuJpegLoader loader(ImageFolder(root + "/train"), opts);          // ImageLoaderOptions
+//   GpuJpegEpoch ep = loader.epoch(e);
+//   while (std::optional<DeviceBatch> b = ep.next()) step(b->x, b->y);  // x f16 NHWC on the GPU
+//
+// Per batch: the ImageLoader's workers (data/image_loader.h; same order, sharding, seeds and
+// bad-file rules) read each file, parse its header and draw its crop box and flip on the host,
+// exactly as the CPU path does; a JPEG that nvJPEG takes (below) is kept encoded, anything else
+// (PNG, progressive JPEGs on the hardware decoder, CMYK, ...) is decoded and resampled on the
+// worker by the CPU path. A decode thread then runs nvjpegDecodeBatched for the encoded samples
+// (full-size RGB, interleaved) into a device buffer on the loader's decode stream, uploads the
+// host-decoded samples and the per-sample crop jobs, and records an event; next() makes the
+// current stream wait for that event and runs cuda::crop_resize_normalize (cuda/crop_resize.h)
+// into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
+// batch k; the host never waits for the device except for buffers two batches old. The decode
+// stream has the device's highest priority. Bitstreams stay in pageable host memory (nvJPEG
+// copies them); reading them into pinned buffers is not done.
+//
+// Backend: nvJPEG's hardware decoder where the GPU has one (A100, H100/H200: baseline JPEGs;
+// each file is checked with nvjpegDecodeBatchedSupported on the worker), else its default
+// (hybrid) backend, whose Huffman decoding runs on the decode thread. Measured on the H200
+// (tests/gpu/test_gpu_jpeg.cpp): the hardware decoder takes baseline RGB and grayscale JPEGs
+// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. If a batched decode fails, that
+// batch's encoded samples are decoded on the host instead, and a file that fails there too is
+// replaced as the CPU path replaces bad files (ImageEpoch::redo). Not caught: corrupt scan data
+// behind a valid header, which the H200's hardware decoder decodes to garbage without an error
+// (the CPU path rejects such files).
+//
+// Output: x (B, 3, S, S) channels-last, f16 (or f32), normalised with `stats`; y i64 (B); both
+// fresh tensors on the loader's device, written on the current stream. One epoch at a time per
+// loader (they share the decode buffers); use it from one thread, on the loader's device.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "data/device_batches.h"
+#include "data/image_loader.h"
+
+namespace kiln::data {
+
+// Built with nvJPEG and a CUDA device present.
+bool gpu_jpeg_available();
+
+class GpuJpegEpoch;
+
+class GpuJpegLoader {
+ public:
+  // opts as for ImageLoader (its defer_jpeg is set here); batches land on `device` (which must
+  // be the current device when epochs are consumed); dtype f16 or f32. Throws kiln::Error when
+  // nvJPEG is not built in or the device is missing, and for ImageLoader's bad options.
+  // host_fraction in [0, 1]: that fraction of the JPEGs nvJPEG would take is decoded by the
+  // CPU path on the workers instead (chosen per file by a hash of its bytes, so batches stay the
+  // same for any worker count), to share the decoding between GPU and CPU when the GPU decoder
+  // cannot keep up with the step alone.
+  GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
+                DType dtype = DType::f16, NormalizeStats stats = {}, double host_fraction = 0.0);
+  ~GpuJpegLoader();
+
+  const ImageLoader& host() const { return *host_; }
+  int64_t num_batches() const { return host_->num_batches(); }
+  // "hardware" or "default": the nvJPEG backend in use.
+  const char* backend() const;
+  GpuJpegEpoch epoch(int64_t e) const;
+  // Whether this JPEG file would be decoded by nvJPEG (false: on the host). For reports/tests.
+  bool decodes_on_gpu(const std::string& path) const;
+
+  struct Impl;  // nvJPEG handle and state, decode stream, device buffers (data/gpu_jpeg.cpp)
+
+ private:
+  std::unique_ptr<ImageLoader> host_;
+  std::shared_ptr<Impl> impl_;
+};
+
+class GpuJpegEpoch {
+ public:
+  GpuJpegEpoch(GpuJpegEpoch&&) noexcept;
+  GpuJpegEpoch& operator=(GpuJpegEpoch&&) noexcept;
+  ~GpuJpegEpoch();
+  // The next batch in index order, std::nullopt after the last; rethrows workers' and the
+  // decode thread's errors.
+  std::optional<DeviceBatch> next();
+  int64_t size() const;
+  int64_t bad_count() const;
+  int64_t gpu_decoded() const;  // samples decoded by nvJPEG so far in this epoch
+  int64_t host_decoded() const;  // samples decoded on the host (not nvJPEG's, or a failed batch)
+
+  struct State;
+
+ private:
+  friend class GpuJpegLoader;
+  explicit GpuJpegEpoch(std::unique_ptr<State> s);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kiln::data

@@ -1,0 +1,252 @@
+// The GPU input path (data/gpu_jpeg.h) against the CPU path on the same folder: same labels and
+// order, pixels within a measured tolerance (nvJPEG vs libjpeg-turbo decoding, the CPU path's DCT
+// scaling and u8 rounding), identical batches for 1 and 4 workers, files nvJPEG does not take
+// (PNG, progressive, CMYK, grayscale) and bad files (skipped and counted, never a crash).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "cuda/runtime.h"
+#include "data/gpu_jpeg.h"
+#include "data/image_loader.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/image_test_util.h"
+#include "tests/jpeg_test_util.h"
+
+using namespace kiln;
+using namespace kiln::data;
+using kiln::testing::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Mean |a - b| of two normalised batches, in 0..255 pixel levels (stddev ~0.225).
+constexpr double kMeanLevels = 3.0;
+
+Image photo(int64_t h, int64_t w, uint64_t seed) {
+  Generator g(seed);
+  Image im;
+  im.height = h;
+  im.width = w;
+  im.pixels.resize(size_t(h * w * 3));
+  for (int64_t y = 0; y < h; ++y)
+    for (int64_t x = 0; x < w; ++x)
+      for (int c = 0; c < 3; ++c) {
+        double v = 128 + 100 * std::sin(0.04 * double(x) * (c + 1) + 0.025 * double(y));
+        if ((x / 41 + y / 29) % 3 == 0) v = 255 - v;
+        v += double(g.below(12)) - 6;
+        im.pixels[size_t((y * w + x) * 3 + c)] = uint8_t(std::clamp(v, 0.0, 255.0));
+      }
+  return im;
+}
+
+void put(const TempDir& dir, const std::string& rel, const std::vector<uint8_t>& bytes) {
+  testing::write_raw(dir / rel, bytes);
+}
+
+std::vector<double> values(const Tensor& t) {
+  Tensor h = t.to(Device::cpu()).to(DType::f64).contiguous();
+  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
+}
+
+}  // namespace
+
+TEST_CASE("GPU JPEG path: same samples as the CPU path, pixels within tolerance; bad files") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  Generator g(3);
+  for (int i = 0; i < 40; ++i) {
+    const Image im = photo(200 + int64_t(g.below(200)), 200 + int64_t(g.below(200)), uint64_t(i));
+    const std::string rel = "c" + std::to_string(i % 3) + "/" + std::to_string(i);
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 3)));
+    if (i == 5) {
+      write_png(dir / (rel + ".png"), im);
+#ifdef KILN_WITH_LIBJPEG
+    } else if (i == 6) {
+      Image gray;
+      gray.height = im.height;
+      gray.width = im.width;
+      gray.channels = 1;
+      for (int64_t p = 0; p < im.height * im.width; ++p)
+        gray.pixels.push_back(im.pixels[size_t(p * 3)]);
+      put(dir, rel + ".jpg", testing::libjpeg_encode(gray, 90, false));  // one component
+    } else if (i == 7) {
+      put(dir, rel + ".jpg", testing::libjpeg_encode(im, 90, true));  // progressive
+    } else if (i == 8) {
+      put(dir, rel + ".jpg", testing::libjpeg_encode(im, 90, false, true));  // CMYK
+#endif
+    } else {
+      write_jpeg(dir / (rel + ".jpg"), im, 90);
+    }
+  }
+  const std::vector<uint8_t> good = read_file_bytes(dir / "c0/0.jpg");
+  put(dir, "c1/bad_zero.jpg", {});
+  put(dir, "c2/bad_trunc.jpg", std::vector<uint8_t>(good.begin(), good.begin() + 300));
+  put(dir, "c0/bad_text.jpg", {'h', 'e', 'l', 'l', 'o'});
+  const ImageFolder folder(dir.path().string());
+  for (Augment aug : {Augment::Train, Augment::Eval}) {
+    ImageLoaderOptions o;
+    o.batch_size = 8;
+    o.image_size = 64;
+    o.resize_size = 73;
+    o.augment = aug;
+    o.seed = 4;
+    o.max_bad_fraction = 0.2;
+    o.warn = false;
+    o.drop_last = true;
+    std::vector<std::vector<double>> ref_x;
+    std::vector<std::vector<int64_t>> ref_y;
+    int64_t gpu_samples = 0, host_samples = 0;
+    for (int w : {1, 4}) {
+      o.workers = w;
+      GpuJpegLoader loader(folder, o, gputest::kGpu, DType::f32);
+      if (w == 1) {
+        const std::string backend = loader.backend();
+        MESSAGE("nvJPEG backend: ", backend);
+        // Which files nvJPEG takes (the host decodes the rest): found, not assumed.
+        for (const char* f : {"c0/0.jpg", "c2/5.png", "c0/6.jpg", "c1/7.jpg", "c2/8.jpg"})
+          if (fs::exists(dir / f))
+            MESSAGE(std::string(f), " decoded on the GPU: ", loader.decodes_on_gpu(dir / f));
+        CHECK(loader.decodes_on_gpu(dir / "c0/0.jpg"));   // baseline 4:2:0 RGB
+        CHECK_FALSE(loader.decodes_on_gpu(dir / "c2/5.png"));
+#ifdef KILN_WITH_LIBJPEG
+        CHECK_FALSE(loader.decodes_on_gpu(dir / "c2/8.jpg"));  // CMYK
+        if (backend == "hardware") CHECK_FALSE(loader.decodes_on_gpu(dir / "c1/7.jpg"));
+#endif
+      }
+      GpuJpegEpoch ep = loader.epoch(2);
+      int64_t k = 0;
+      while (std::optional<DeviceBatch> b = ep.next()) {
+        std::vector<double> x = values(b->x);
+        Tensor yh = b->y.to(Device::cpu());
+        std::vector<int64_t> y(yh.data<int64_t>(), yh.data<int64_t>() + yh.numel());
+        if (w == 1) {
+          ref_x.push_back(x);
+          ref_y.push_back(y);
+        } else {
+          REQUIRE(size_t(k) < ref_x.size());
+          CHECK(x == ref_x[size_t(k)]);  // bit-identical for any worker count
+          CHECK(y == ref_y[size_t(k)]);
+        }
+        ++k;
+      }
+      CHECK(k == loader.num_batches());
+      CHECK(ep.bad_count() == 3);
+      gpu_samples = ep.gpu_decoded();
+      host_samples = ep.host_decoded();
+    }
+    MESSAGE("samples decoded by nvJPEG: ", gpu_samples, ", on the host: ", host_samples);
+    CHECK(gpu_samples > 20);
+    CHECK(host_samples >= 1);  // at least the PNG
+    // The CPU path on the same folder and seeds: same labels, close pixels.
+    o.workers = 2;
+    ImageLoader cpu(folder, o);
+    ImageEpoch ep = cpu.epoch(2);
+    DeviceFeeder feed(ep, Device::cpu());
+    double sum = 0, worst = 0;
+    int64_t n = 0, k = 0;
+    while (std::optional<DeviceBatch> b = feed.next()) {
+      const std::vector<double> x = values(b->x);
+      const Tensor& yc = b->y;
+      REQUIRE(size_t(k) < ref_x.size());
+      CHECK(std::vector<int64_t>(yc.data<int64_t>(), yc.data<int64_t>() + yc.numel()) ==
+            ref_y[size_t(k)]);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const double d = std::abs(x[i] - ref_x[size_t(k)][i]) * 0.225 * 255.0;
+        sum += d;
+        worst = std::max(worst, d);
+        ++n;
+      }
+      ++k;
+    }
+    MESSAGE(std::string(aug == Augment::Train ? "train" : "eval"), ": GPU vs CPU path, mean ", sum / double(n),
+            " levels, max ", worst);
+    CHECK(sum / double(n) < kMeanLevels);
+  }
+}
+
+TEST_CASE("GPU JPEG path: a valid header over corrupt scan data never crashes") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  for (int i = 0; i < 15; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(120 + 7 * i, 160, uint64_t(i)), 90);
+  }
+  std::vector<uint8_t> bad = read_file_bytes(dir / "c0/10.jpg");
+  for (size_t i = bad.size() / 3; i + 2 < bad.size(); ++i) bad[i] = uint8_t(i * 13 + 1);
+  put(dir, "c1/99_corrupt.jpg", bad);
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 16;
+  o.image_size = 32;
+  o.workers = 2;
+  o.shuffle = false;
+  o.max_bad_fraction = 0.5;
+  o.warn = false;
+  GpuJpegLoader loader(folder, o, gputest::kGpu);
+  GpuJpegEpoch ep = loader.epoch(0);
+  std::optional<DeviceBatch> b = ep.next();
+  REQUIRE(b);
+  CHECK(b->x.size(0) == 16);
+  CHECK_FALSE(ep.next().has_value());
+  const std::vector<double> x = values(b->x);
+  CHECK(std::all_of(x.begin(), x.end(), [](double v) { return std::isfinite(v); }));
+  // nvJPEG may decode the corrupt scan (garbage pixels, no error: what the H200's hardware
+  // decoder did in device call 2) or fail the batch, whose samples then go to the host, where
+  // libjpeg rejects the file and it is replaced.
+  MESSAGE("corrupt scan: bad files counted ", ep.bad_count(), ", host-decoded samples ",
+          ep.host_decoded());
+  CHECK(ep.bad_count() <= 1);
+}
+
+TEST_CASE("GPU JPEG path: host_fraction sends a fixed share of the files to the CPU path") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  for (int i = 0; i < 32; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(100 + 3 * i, 130, uint64_t(i)), 90);
+  }
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 8;
+  o.image_size = 32;
+  o.seed = 2;
+  o.warn = false;
+  for (double frac : {0.0, 0.5, 1.0}) {
+    std::vector<std::vector<double>> ref;
+    for (int w : {1, 3}) {
+      o.workers = w;
+      GpuJpegLoader loader(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, frac);
+      GpuJpegEpoch ep = loader.epoch(0);
+      size_t k = 0;
+      while (std::optional<DeviceBatch> b = ep.next()) {
+        if (w == 1)
+          ref.push_back(values(b->x));
+        else
+          CHECK(values(b->x) == ref[k]);  // the same files go to the host for any worker count
+        ++k;
+      }
+      CHECK(ep.gpu_decoded() + ep.host_decoded() == 32);
+      if (frac == 0.0) CHECK(ep.host_decoded() == 0);
+      if (frac == 1.0) CHECK(ep.gpu_decoded() == 0);
+      if (frac == 0.5) {
+        CHECK(ep.host_decoded() > 4);
+        CHECK(ep.gpu_decoded() > 4);
+      }
+    }
+  }
+  CHECK_THROWS_AS(GpuJpegLoader(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, 1.5),
+                  Error);
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 15 on the GPU machine: builds kiln with CUDA (+ nvJPEG, libjpeg-turbo), runs the decoder
+# suites, then kiln-loader-bench (stb, turbo, nvjpeg at 1/8/16 workers) on a generated
+# ImageNet-like corpus and, in `train` mode, kiln-train on JPEGs against kiln-bench synthetic in
+# the same call. Logs under $OUT (at most 8 files come back: build.log, tests.log, bench.log,
+# bench.json, train.log, synth.log).
+#
+#   bash tools/device-jpeg-check.sh check            # build, tests, loader bench (~5 min)
+#   bash tools/device-jpeg-check.sh train            # build, tests, end to end: kiln-bench
+#                                                    #   synthetic, then kiln-train on 20,000
+#                                                    #   train / 2,000 val JPEGs, 3 epochs,
+#                                                    #   b256, 16 workers (~6 min)
+#   bash tools/device-jpeg-check.sh all              # train, then check's loader bench
+# Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
+# TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
+# DECODER[:HOST_FRACTION]: default "nvjpeg"; e.g. "nvjpeg nvjpeg:0.3 cpu"), TRAIN_TIMEOUT (600 s),
+# SKIP_TESTS=1.
+# Run from the repository root (or a copy of it); header-only dependencies come from
+# .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
+set -uo pipefail
+mode=${1:-check}
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+deps="$PWD/.deps/include"
+[ -d "$deps" ] || deps="$PWD/../.deps/include"
+N=${N:-6000}
+WORKERS=${WORKERS:-1,8,16}
+BATCHES=${BATCHES:-8}
+TRAIN_N=${TRAIN_N:-20000}
+VAL_N=${VAL_N:-2000}
+EPOCHS=${EPOCHS:-3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+t0=$(date +%s)
+targets="kiln-loader-bench gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder"
+[ "$mode" != check ] && targets="$targets kiln-train kiln-bench"
+{ cmake -S . -B build-jpeg -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" &&
+  ninja -C build-jpeg -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
+  { grep -E "error|FAILED|Error" -A5 "$OUT/build.log" | head -60; exit 1; }
+grep "kiln:" "$OUT/build.log"
+echo "build: $(( $(date +%s) - t0 )) s"
+B=build-jpeg
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  for t in gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder; do
+    echo "== $t" >> "$OUT/tests.log"
+    timeout 300 "$B/$t" >> "$OUT/tests.log" 2>&1
+    echo "$t: rc $?"
+  done
+  grep -E "MESSAGE|ERROR|test cases|Status" "$OUT/tests.log" | head -60
+fi
+loader_bench() {
+  corpus=/tmp/kiln-jpeg-corpus
+  rm -rf "$corpus"
+  timeout 200 "$B/kiln-loader-bench" --generate "$N" --classes 100 --output-dir "$corpus" \
+    --batches 0 2>&1 | tee -a "$OUT/bench.log"
+  timeout 300 "$B/kiln-loader-bench" --folder "$corpus" --decoder stb,turbo,nvjpeg \
+    --workers "$WORKERS" -b 256 --batches "$BATCHES" --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
+  timeout 120 "$B/kiln-loader-bench" --folder "$corpus" --decoder turbo,nvjpeg --workers 16 \
+    -b 256 --batches "$BATCHES" --eval 2>&1 | tee -a "$OUT/bench.log"
+}
+end_to_end() {
+  data=/tmp/kiln-jpeg-train
+  rm -rf "$data"
+  timeout 300 "$B/kiln-loader-bench" --generate "$TRAIN_N" --val "$VAL_N" --classes 100 \
+    --output-dir "$data" --batches 0 2>&1 | tee -a "$OUT/train.log"
+  # Same call: the synthetic figure, then kiln-train on the JPEG folder.
+  timeout 240 "$B/kiln-bench" --model resnet50 --batches 256 --graph-only 2>&1 | tee "$OUT/synth.log"
+  for spec in ${DECODERS:-nvjpeg}; do  # DECODER or DECODER:HOST_FRACTION
+    dec=${spec%%:*}
+    frac=0
+    [[ $spec == *:* ]] && frac=${spec#*:}
+    echo "== kiln-train --decoder $dec --host-decode-fraction $frac" | tee -a "$OUT/train.log"
+    timeout "${TRAIN_TIMEOUT:-600}" "$B/kiln-train" --arch resnet50 --data "$data" -b 256 \
+      --workers 16 --epochs "$EPOCHS" --decoder "$dec" --host-decode-fraction "$frac" \
+      --print-freq 20 --output /tmp/kiln-jpeg-out --overwrite 2>&1 | tee -a "$OUT/train.log"
+  done
+  grep -E "images/s|img/s" "$OUT/synth.log" | tail -3
+  grep -E "^==|ImageFolder|done in" "$OUT/train.log"
+}
+case "$mode" in
+  check) loader_bench ;;
+  train) end_to_end ;;
+  all) end_to_end; loader_bench ;;
+esac
+echo "total: $(( $(date +%s) - t0 )) s"
