@@ -65,6 +65,10 @@ end_to_end() {
     --output-dir "$data" --batches 0 2>&1 | tee -a "$OUT/train.log"
   # Same call: the synthetic figure, then kiln-train on the JPEG folder.
   timeout 240 "$B/kiln-bench" --model resnet50 --batches 256 --graph-only 2>&1 | tee "$OUT/synth.log"
+  # The trainer's own ceiling: kiln-train on synthetic input (--dummy), same epochs and batch.
+  echo "== kiln-train --dummy" | tee -a "$OUT/train.log"
+  timeout 200 "$B/kiln-train" --arch resnet50 --dummy --dummy-images "$TRAIN_N" -b 256 \
+    --epochs "$EPOCHS" --print-freq 20 --output /tmp/kiln-dummy-out --overwrite 2>&1 | tee -a "$OUT/train.log"
   for spec in ${DECODERS:-nvjpeg}; do  # DECODER or DECODER:HOST_FRACTION
     dec=${spec%%:*}
     frac=0
