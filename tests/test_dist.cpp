@@ -18,6 +18,7 @@
 
 #include "core/autograd.h"
 #include "tools/train/dist_env.h"
+#include "tools/cli/cli.h"
 #include "tools/train/launcher.h"
 #include "tools/train/rendezvous.h"
 #include "tools/train/trainer.h"
@@ -210,6 +211,8 @@ TEST_CASE("plan_local_launch: --nproc is checked before anything is spawned") {
   const std::string few = error_of([&] { plan_local_launch(3, single, 1); });
   CHECK(contains(few, "--nproc 3 needs one GPU per process, but 1 CUDA device(s) are visible"));
   CHECK(contains(few, "nothing was started"));
+  CHECK_FALSE(contains(few, "launcher.cpp"));  // the user's request: no source location
+  CHECK_THROWS_AS(plan_local_launch(3, single, 1), cli::UsageError);
   ::setenv("CUDA_VISIBLE_DEVICES", "1", 1);
   CHECK(contains(error_of([&] { plan_local_launch(2, single, 1); }), "CUDA_VISIBLE_DEVICES=1"));
   ::unsetenv("CUDA_VISIBLE_DEVICES");

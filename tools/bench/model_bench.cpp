@@ -8,6 +8,8 @@
 // idle device: "issue"), and peak allocated / reserved device memory.
 #include "tools/bench/model_bench.h"
 
+#include "tools/cli/cli.h"
+
 #include <time.h>
 
 #include <algorithm>
@@ -108,9 +110,9 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
   // rows data-parallel (train::DataParallel: bucketed FP16 gradient all-reduce overlapping
   // backward, agreed found-inf) with `batch` images per GPU; rank 0 reports.
   const DistEnv env = DistEnv::from_env();
-  KILN_CHECK(!env.distributed() || env.local_rank < cuda::device_count(),
-             "kiln-bench: this process is ", env.describe(), ", so it uses GPU ", env.local_rank,
-             ", but only ", cuda::device_count(), " CUDA device(s) are visible to it");
+  if (env.distributed() && env.local_rank >= cuda::device_count())
+    cli::usage_error("this process is ", env.describe(), ", so it uses GPU ", env.local_rank,
+                     ", but only ", cuda::device_count(), " CUDA device(s) are visible to it");
   if (env.distributed()) cuda::set_device(env.local_rank);
   const Device dev = Device::cuda(env.distributed() ? env.local_rank : 0);
   const bool report = env.rank == 0;

@@ -1,5 +1,7 @@
 #include "tools/train/launcher.h"
 
+#include "tools/cli/cli.h"
+
 #include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -188,15 +190,18 @@ LaunchResult launch_functions(const std::function<int(const DistEnv&)>& fn,
 }
 
 bool plan_local_launch(int nproc, const DistEnv& env, int visible_gpus) {
-  KILN_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  // The user's own request against this machine: one line, no source location.
+  if (nproc < 1) cli::usage_error("--nproc must be >= 1, got ", nproc);
   if (nproc == 1 || env.launcher == Launcher::Kiln) return false;
-  KILN_CHECK(!env.distributed(), "--nproc ", nproc, ": this process is already ", env.describe(),
-             "; that launcher starts the processes, so leave out --nproc");
+  if (env.distributed())
+    cli::usage_error("--nproc ", nproc, ": this process is already ", env.describe(),
+                     "; that launcher starts the processes, so leave out --nproc");
   const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  KILN_CHECK(nproc <= visible_gpus, "--nproc ", nproc, " needs one GPU per process, but ",
-             visible_gpus, " CUDA device(s) are visible",
-             visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string(),
-             "; nothing was started");
+  if (nproc > visible_gpus)
+    cli::usage_error("--nproc ", nproc, " needs one GPU per process, but ", visible_gpus,
+                     " CUDA device(s) are visible",
+                     visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string(),
+                     "; nothing was started");
   return true;
 }
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -296,11 +297,17 @@ Summary run(const Config& c) {
 #endif
   if (c.profile) cuda::enable_profiler(true);
 
-  amp::AsyncScalars metrics;
+  amp::AsyncScalars metrics;  // the epoch's totals
+  // Rank 0 reads each step's device accumulators kMetricLag steps late, each in-flight step
+  // through its own AsyncScalars, so the host can run that many steps ahead of the device (one
+  // step ahead is not enough when a step is shorter than the host's work for it: small batches).
+  constexpr size_t kMetricLag = 4;
+  std::vector<std::unique_ptr<amp::AsyncScalars>> step_metrics;
+  for (size_t i = 0; i < kMetricLag; ++i)
+    step_metrics.push_back(std::make_unique<amp::AsyncScalars>());
   const auto start = Clock::now();
   const int64_t first_step = step;
-  // Rank 0 reads each step's device accumulators after launching the next step, so the host
-  // stays one step ahead; `pending` is the step whose values are in flight.
+  // `pending`: the steps whose values are in flight, oldest first.
   struct Pending {
     int64_t step, index, batch, seen;
     double lr, data_s, period_s;
@@ -333,9 +340,9 @@ Summary run(const Config& c) {
       plain_step.reset_metrics();
     int64_t seen = 0, window_images = 0;
     double window_s = 0, window_data_s = 0, prev_loss = 0, prev_correct = 0;
-    std::optional<Pending> pending;
-    auto emit = [&](const Pending& p) {
-      const std::vector<double> m = metrics.values();  // cumulative over the epoch
+    std::deque<std::pair<Pending, amp::AsyncScalars*>> pending;
+    auto emit = [&](const Pending& p, amp::AsyncScalars& source) {
+      const std::vector<double> m = source.values();  // cumulative over the epoch
       const double loss = (m[0] - prev_loss) / double(p.batch);
       const double top1 = (m[1] - prev_correct) / double(p.batch);
       prev_loss = m[0];
@@ -396,19 +403,21 @@ Summary run(const Config& c) {
       ++step;
       seen += b->y.size(0);
       if (!lead) continue;
-      if (pending) emit(*pending);  // waits for the previous step, not this one
+      if (pending.size() == kMetricLag) {  // waits for a step kMetricLag back, not this one
+        emit(pending.front().first, *pending.front().second);
+        pending.pop_front();
+      }
       const auto now = Clock::now();
-      pending = Pending{step,
-                        b->index + 1,
-                        b->y.size(0),
-                        seen,
-                        opt->param_groups[0].lr,
-                        data_s,
-                        std::chrono::duration<double>(now - tick).count()};
+      amp::AsyncScalars* slot = step_metrics[size_t(step) % kMetricLag].get();  // just freed
+      pending.emplace_back(Pending{step, b->index + 1, b->y.size(0), seen,
+                                   opt->param_groups[0].lr, data_s,
+                                   std::chrono::duration<double>(now - tick).count()},
+                           slot);
       tick = now;
-      metrics.record({loss_sum, correct_sum, scaler.scale_tensor()});
+      slot->record({loss_sum, correct_sum, scaler.scale_tensor()});
     }
-    if (pending) emit(*pending);
+    for (; !pending.empty(); pending.pop_front())
+      emit(pending.front().first, *pending.front().second);
     metrics.record({loss_sum, correct_sum});
     std::vector<double> m = metrics.values();
     m.push_back(double(seen));
