@@ -454,6 +454,23 @@ TEST_CASE("kiln-train: the epoch's checkpoint is saved before the evaluation") {
   CHECK(st.epoch == 1);
 }
 
+TEST_CASE("kiln-train: unreadable files are skipped and counted per epoch, train and test") {
+  const fs::path root = tmp().dir / "onebad";
+  fs::remove_all(root);
+  fs::copy(image_folder(), root, fs::copy_options::recursive);
+  const fs::path first_class = fs::directory_iterator(root / "train")->path();
+  std::ofstream(first_class / "zz-bad.png") << "not a png";
+  std::ofstream(root / "val" / first_class.filename() / "zz-bad.png");  // zero bytes
+  const fs::path out = tmp().dir / "onebad-out";
+  fs::remove_all(out);
+  const train::Summary s =
+      train::run(train::parse_args(with(job(out.string(), 1), {"--data", root.string()})));
+  CHECK(s.test_bad_files == 1);
+  const std::string log = file_bytes(out / "log.jsonl");
+  CHECK(log.find("\"bad_files\": 1") != std::string::npos);
+  CHECK(log.find("\"test_bad_files\": 1") != std::string::npos);
+}
+
 TEST_CASE("kiln-train: a diverged run stops and never overwrites a finite checkpoint") {
   const fs::path out = tmp().dir / "diverge";
   fs::remove_all(out);

@@ -85,6 +85,7 @@ class ImageStream final : public BatchStream {
   ImageStream(data::ImageEpoch ep, Device dev, DType dtype)
       : ep_(std::move(ep)), feed_(ep_, dev, dtype) {}
   std::optional<data::DeviceBatch> next() override { return feed_.next(); }
+  int64_t bad_files() const override { return ep_.bad_count(); }
 
  private:
   data::ImageEpoch ep_;
@@ -96,6 +97,7 @@ class GpuImageStream final : public BatchStream {
  public:
   explicit GpuImageStream(data::GpuJpegEpoch ep) : ep_(std::move(ep)) {}
   std::optional<data::DeviceBatch> next() override { return ep_.next(); }
+  int64_t bad_files() const override { return ep_.bad_count(); }
 
  private:
   data::GpuJpegEpoch ep_;

@@ -30,6 +30,9 @@ class BatchStream {
  public:
   virtual ~BatchStream() = default;
   virtual std::optional<data::DeviceBatch> next() = 0;
+  // Distinct unreadable files skipped (and replaced) so far in this epoch; each is named in a
+  // warning on stderr when first met. Always 0 for IDX and synthetic data.
+  virtual int64_t bad_files() const { return 0; }
 };
 
 struct DataOptions {

@@ -191,7 +191,7 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
   }
   model.train();
   if (diverged) loss = top1 = top5 = std::numeric_limits<double>::quiet_NaN();
-  return {loss, top1, top5, seen};
+  return {loss, top1, top5, seen, double(stream->bad_files())};
 }
 
 std::string json_number(double v) {

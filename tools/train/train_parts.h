@@ -36,7 +36,8 @@ std::string load_pretrained(const std::string& path, models::ResNet& model);
 // parameters still trained (fc.weight, fc.bias).
 std::vector<Tensor> freeze_backbone(models::ResNet& model);
 
-// {Σ loss, top-1 hits, top-5 hits, samples} over this rank's share of the test set, the model
+// {Σ loss, top-1 hits, top-5 hits, samples, unreadable files skipped} over this rank's share of
+// the test set, the model
 // in eval mode (train mode again on return). A sample is a top-k hit when fewer than k logits
 // exceed its label's (ties count as hits). When any logit is non-finite (a diverged model) the
 // loss and both hit counts are NaN: no accuracy is claimed. A label outside the logits throws.

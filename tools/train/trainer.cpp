@@ -245,6 +245,7 @@ Summary run(const Config& c) {
     sum.test_loss = ev[0] / ev[3];
     sum.test_top1 = ev[1] / ev[3];
     sum.test_top5 = ev[2] / ev[3];
+    sum.test_bad_files = int64_t(ev[4]);
   };
   if (c.evaluate) {
     run_eval();
@@ -421,6 +422,7 @@ Summary run(const Config& c) {
     metrics.record({loss_sum, correct_sum});
     std::vector<double> m = metrics.values();
     m.push_back(double(seen));
+    m.push_back(double(stream->bad_files()));  // m[3]
     if (dp) dp->sum_host(m);
     const double epoch_s = seconds_since(epoch_start);
     if (c.profile && epoch == start_epoch) {
@@ -458,6 +460,11 @@ Summary run(const Config& c) {
           fmt_metric(train_loss, 1, 4).c_str(), fmt_metric(train_top1, 100, 2).c_str(),
           fmt_metric(sum.test_loss, 1, 4).c_str(), fmt_metric(sum.test_top1, 100, 2).c_str(),
           fmt_metric(sum.test_top5, 100, 2).c_str());
+      // The epoch's unreadable files, each named in a warning when first met.
+      if (m[3] > 0 || sum.test_bad_files > 0)
+        std::printf("epoch %ld/%ld: skipped %ld unreadable training file(s) and %ld test file(s), "
+                    "each replaced by the next readable one (named in the warnings above)\n",
+                    long(epoch + 1), long(c.epochs), long(m[3]), long(sum.test_bad_files));
       std::fflush(stdout);
     }
     if (lead)
@@ -467,7 +474,9 @@ Summary run(const Config& c) {
                           ", \"test_top1\": " + json_number(sum.test_top1) + ", \"test_top5\": " +
                           json_number(sum.test_top5) + ", \"images_per_s\": " + json_number(ips) +
                           ", \"seconds\": " + json_number(epoch_s) +
-                          ", \"lr\": " + json_number(opt->param_groups[0].lr) + "}");
+                          ", \"lr\": " + json_number(opt->param_groups[0].lr) +
+                          ", \"bad_files\": " + std::to_string(int64_t(m[3])) +
+                          ", \"test_bad_files\": " + std::to_string(sum.test_bad_files) + "}");
   }
 
   if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained

@@ -131,6 +131,7 @@ std::vector<std::pair<std::string, std::string>> launch_env(const Config& c);
 struct Summary {
   int64_t epochs_done = 0;  // epoch counter at the end (resumed epochs included)
   double test_loss = 0, test_top1 = 0, test_top5 = 0;  // last evaluation
+  int64_t test_bad_files = 0;  // unreadable test files the last evaluation skipped
 };
 
 // Runs the job in this process (one rank when WORLD_SIZE is set). Throws kiln::Error.
