@@ -27,43 +27,15 @@
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
 #include "tools/train/trainer.h"
+#include "tests/train_test_util.h"
 
 using namespace kiln;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path dir = fs::temp_directory_path() / ("kiln_test_train_" + std::to_string(::getpid()));
-  TempDir() { fs::create_directories(dir); }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-};
-
-TempDir& tmp() {
-  static TempDir t;
-  return t;
-}
-
-// root/train: the first 300 Fashion-MNIST training images; root/val: the first 100 test images.
-const std::string& image_folder() {
-  static const std::string root = [] {
-    const fs::path r = tmp().dir / "fmnist";
-    std::vector<std::string> names(data::kFashionMnistClasses.begin(),
-                                   data::kFashionMnistClasses.end());
-    data::ExportOptions o;
-    o.limit = 300;
-    auto train = data::load_fashion_mnist(data::Split::Train);
-    data::export_image_folder(train.images, train.labels, names, (r / "train").string(), o);
-    o.limit = 100;
-    auto test = data::load_fashion_mnist(data::Split::Test);
-    data::export_image_folder(test.images, test.labels, names, (r / "val").string(), o);
-    return r.string();
-  }();
-  return root;
-}
+using testutil::image_folder;
+using testutil::tmp;
 
 // A fast job: resnet_small of width 8 on 16x16 crops, batch 32 (9 steps per epoch).
 std::vector<std::string> job(const std::string& out, int64_t epochs) {
