@@ -425,15 +425,7 @@ const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware"
 bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
   const std::vector<uint8_t> bytes = read_file_bytes(path);
   if (!looks_like_jpeg(bytes.data(), bytes.size())) return false;
-  JpegInfo info;
-  if (jpeg_turbo_available()) {
-    info = read_jpeg_info(bytes.data(), bytes.size(), path);
-  } else {
-    const ImageInfo pi = probe_image(bytes.data(), bytes.size(), path);
-    info.height = pi.height;
-    info.width = pi.width;
-    info.components = int(pi.channels);
-  }
+  const JpegInfo info = read_jpeg_info(bytes.data(), bytes.size(), path);
   return impl_->takes(bytes.data(), bytes.size(), info);
 }
 

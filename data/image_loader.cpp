@@ -164,15 +164,7 @@ struct ImageEpoch::State {
     const int64_t S = opts.image_size;
     const bool train = opts.augment == Augment::Train;
     if (enc && looks_like_jpeg(bytes.data(), bytes.size())) {
-      JpegInfo info;
-      if (jpeg_turbo_available()) {
-        info = read_jpeg_info(bytes.data(), bytes.size(), path);
-      } else {
-        const ImageInfo pi = probe_image(bytes.data(), bytes.size(), path);
-        info.height = pi.height;
-        info.width = pi.width;
-        info.components = int(pi.channels);
-      }
+      const JpegInfo info = read_jpeg_info(bytes.data(), bytes.size(), path);
       if (opts.defer_jpeg(bytes.data(), bytes.size(), info)) {
         enc->info = info;
         enc->limit = CropBox{0, 0, info.height, info.width};

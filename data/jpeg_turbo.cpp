@@ -257,8 +257,14 @@ void decode_jpeg_resampled(const uint8_t* data, size_t size, const std::string& 
 
 bool jpeg_turbo_available() { return false; }
 
-JpegInfo read_jpeg_info(const uint8_t*, size_t, const std::string& name) {
-  KILN_FAIL("image '", name, "': kiln was built without libjpeg-turbo");
+// stb's header probe: size and components (progressive and CMYK are not told apart).
+JpegInfo read_jpeg_info(const uint8_t* data, size_t size, const std::string& name) {
+  const ImageInfo pi = probe_image(data, size, name);
+  JpegInfo info;
+  info.height = pi.height;
+  info.width = pi.width;
+  info.components = int(pi.channels);
+  return info;
 }
 Image decode_jpeg(const uint8_t*, size_t, const std::string& name, int) {
   KILN_FAIL("image '", name, "': kiln was built without libjpeg-turbo");

@@ -37,7 +37,7 @@ struct JpegInfo {
   bool progressive = false;  // SOF2
   bool cmyk = false;         // 4 components (CMYK or YCCK)
 };
-// Header only; checks the size guards.
+// Header only; checks the size guards. Without libjpeg, stb's probe: size and components only.
 JpegInfo read_jpeg_info(const uint8_t* data, size_t size, const std::string& name);
 
 // The whole image, RGB (height, width, 3), at full size (scale_denom 1) or reduced by the DCT

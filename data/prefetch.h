@@ -23,109 +23,6 @@ namespace kiln::data {
 // per worker, at most this many (so --workers 1000 does not buffer 2000 batches).
 inline constexpr int64_t kMaxDefaultPrefetch = 64;
 
-template <typename T>
-class OrderedPrefetch {
- public:
-  OrderedPrefetch(int64_t n, int workers, int64_t capacity, std::function<T(int64_t)> build)
-      : n_(n), capacity_(std::max<int64_t>(1, capacity)), build_(std::move(build)) {
-    slots_.resize(size_t(capacity_));
-    for (int i = 0; i < workers && i < n_; ++i) threads_.emplace_back([this] { work(); });
-  }
-  ~OrderedPrefetch() { stop(); }
-  OrderedPrefetch(const OrderedPrefetch&) = delete;
-  OrderedPrefetch& operator=(const OrderedPrefetch&) = delete;
-
-  int64_t size() const { return n_; }
-
-  std::optional<T> next() {
-    if (finished_ || next_consume_ >= n_) {
-      finished_ = true;
-      return std::nullopt;
-    }
-    const int64_t k = next_consume_;
-    if (threads_.empty()) {
-      ++next_consume_;
-      try {
-        return build_(k);
-      } catch (...) {
-        finished_ = true;
-        throw;
-      }
-    }
-    std::unique_lock lk(mu_);
-    auto& slot = slots_[size_t(k % capacity_)];
-    // Items below error_item_ were all claimed before the failure and will still arrive.
-    ready_cv_.wait(lk, [&] { return slot.has_value() || error_item_ <= k; });
-    if (!slot) {
-      finished_ = true;
-      std::exception_ptr e = error_;
-      lk.unlock();
-      stop();
-      std::rethrow_exception(e);
-    }
-    T item = std::move(*slot);
-    slot.reset();
-    ++next_consume_;
-    lk.unlock();
-    space_cv_.notify_all();
-    return item;
-  }
-
- private:
-  void work() {
-    while (true) {
-      int64_t k;
-      {
-        std::unique_lock lk(mu_);
-        space_cv_.wait(lk, [&] {
-          return stop_ || error_ || next_claim_ >= n_ || next_claim_ < next_consume_ + capacity_;
-        });
-        if (stop_ || error_ || next_claim_ >= n_) return;
-        k = next_claim_++;
-      }
-      try {
-        T item = build_(k);
-        std::lock_guard lk(mu_);
-        slots_[size_t(k % capacity_)] = std::move(item);
-      } catch (...) {
-        std::lock_guard lk(mu_);
-        if (k < error_item_) {
-          error_item_ = k;
-          error_ = std::current_exception();
-        }
-      }
-      ready_cv_.notify_all();
-      space_cv_.notify_all();
-    }
-  }
-
-  void stop() {
-    {
-      std::lock_guard lk(mu_);
-      stop_ = true;
-    }
-    space_cv_.notify_all();
-    for (auto& t : threads_)
-      if (t.joinable()) t.join();
-    threads_.clear();
-  }
-
-  const int64_t n_;
-  const int64_t capacity_;
-  std::function<T(int64_t)> build_;
-  std::mutex mu_;
-  std::condition_variable space_cv_, ready_cv_;
-  std::vector<std::optional<T>> slots_;  // item k in slot k % capacity_
-  int64_t next_claim_ = 0;               // guarded by mu_
-  int64_t next_consume_ = 0;             // written by the consumer under mu_ (threaded mode)
-  bool stop_ = false;
-  std::exception_ptr error_;
-  int64_t error_item_ = INT64_MAX;
-  bool finished_ = false;  // consumer-only
-  std::vector<std::thread> threads_;
-};
-
-
 // PartedPrefetch<T>: like OrderedPrefetch, but each item is built in `parts` pieces that
 // different workers fill in parallel, so one item's latency is (its work) / workers rather than
 // its whole work on one thread, and every worker stays busy up to the end of the sequence.
@@ -276,6 +173,29 @@ class PartedPrefetch {
   int64_t error_item_ = INT64_MAX;
   bool finished_ = false;  // consumer-only
   std::vector<std::thread> threads_;
+};
+
+// OrderedPrefetch<T>: PartedPrefetch with one part per item, built whole by the worker that
+// claims it (outside the queue's lock).
+template <typename T>
+class OrderedPrefetch {
+ public:
+  OrderedPrefetch(int64_t n, int workers, int64_t capacity, std::function<T(int64_t)> build)
+      : q_(
+            n, workers, capacity, [](int64_t) { return int64_t(1); },
+            [](int64_t) { return std::optional<T>(); },
+            [b = std::move(build)](std::optional<T>& item, int64_t k, int64_t) { item = b(k); }) {}
+
+  int64_t size() const { return q_.size(); }
+
+  std::optional<T> next() {
+    std::optional<std::optional<T>> item = q_.next();
+    if (!item) return std::nullopt;
+    return std::move(*item);
+  }
+
+ private:
+  PartedPrefetch<std::optional<T>> q_;
 };
 
 }  // namespace kiln::data
