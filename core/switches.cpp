@@ -20,6 +20,8 @@ Switches read_switches() {
   const char* c = std::getenv("KILN_CONV_CANDIDATES");
   const long n = c ? std::strtol(c, nullptr, 10) : 0;
   if (n > 0) s.conv_candidates = size_t(n);
+  const char* jt = std::getenv("KILN_JPEG_TRACE");
+  s.jpeg_trace = jt && *jt && !is(jt, "0");
   return s;
 }
 

@@ -14,6 +14,8 @@
 // |                          |                     | the backend API's plans whenever one runs       |
 // | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |
 // | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
+// | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
+// |                          |                     | time went (data/gpu_jpeg.cpp)                   |
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
@@ -28,6 +30,7 @@ struct Switches {
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;
+  bool jpeg_trace = false;
 };
 
 // The process's switches, read from the environment on the first call.

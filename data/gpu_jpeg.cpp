@@ -5,11 +5,13 @@
 #ifdef KILN_WITH_NVJPEG
 #include <nvjpeg.h>
 
+#include <chrono>
 #include <cstdio>
 #include <future>
 #include <mutex>
 #include <vector>
 
+#include "core/switches.h"
 #include "cuda/check.h"
 #include "cuda/crop_resize.h"
 #include "cuda/runtime.h"
@@ -63,6 +65,23 @@ struct DeviceBuffer {
   }
 };
 
+// Where a GPU JPEG epoch's time goes (KILN_JPEG_TRACE=1 prints it when the epoch ends): host
+// seconds per stage on the decode thread and in next(), and the decode stream's span per batch.
+struct Trace {
+  int64_t batches = 0, gpu_spans = 0;
+  double host_next = 0;   // decode thread: waiting for the workers' batch
+  double slot_wait = 0;   // decode thread: the slot's previous uploads and reader
+  double decode_call = 0; // decode thread: nvjpegDecodeBatched (+ Initialize) on the host
+  double enqueue = 0;     // decode thread: jobs, host-decoded samples, uploads queued
+  double next_wait = 0;   // consumer: next() blocked on the decode thread
+  double between = 0;     // consumer: from one next() return to the next next() call
+  double gpu_span = 0;    // decode stream: submit start to `ready`, device time
+};
+using TraceClock = std::chrono::steady_clock;
+double since(TraceClock::time_point t) {
+  return std::chrono::duration<double>(TraceClock::now() - t).count();
+}
+
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -97,10 +116,13 @@ struct GpuJpegLoader::Impl {
     ImageBatch host;                 // kept until its uploads are complete
     cudaEvent_t ready = nullptr;     // decode stream: decode + uploads done
     cudaEvent_t consumed = nullptr;  // current stream: the fused kernel has read this slot
+    cudaEvent_t started = nullptr;   // decode stream, KILN_JPEG_TRACE only: submit began
     bool used = false;               // `ready` has been recorded at least once
     int64_t count = 0, gpu = 0, cpu = 0;
   };
   Slot slots[2];
+  const bool trace = switches().jpeg_trace;
+  Trace times;  // written by the decode thread (one at a time) and next(); read when done
 
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
     // The hardware decoder when the GPU has one, else the default backend.
@@ -116,9 +138,11 @@ struct GpuJpegLoader::Impl {
     int least = 0, greatest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     CUDA_CHECK(cudaStreamCreateWithPriority(&decode, cudaStreamNonBlocking, greatest));
+    const unsigned timing = trace ? cudaEventDefault : cudaEventDisableTiming;
     for (Slot& sl : slots) {
-      CUDA_CHECK(cudaEventCreateWithFlags(&sl.ready, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&sl.ready, timing));
       CUDA_CHECK(cudaEventCreateWithFlags(&sl.consumed, cudaEventDisableTiming));
+      if (trace) CUDA_CHECK(cudaEventCreate(&sl.started));
     }
   }
   ~Impl() {
@@ -126,6 +150,7 @@ struct GpuJpegLoader::Impl {
     for (Slot& sl : slots) {
       if (sl.consumed) cudaEventSynchronize(sl.consumed);
       if (sl.ready) cudaEventDestroy(sl.ready);
+      if (sl.started) cudaEventDestroy(sl.started);
       if (sl.consumed) cudaEventDestroy(sl.consumed);
       if (sl.jobs_host) {
         try {
@@ -167,9 +192,20 @@ struct GpuJpegLoader::Impl {
     CUDA_CHECK(cudaSetDevice(device));
     // The slot's previous batch: its uploads (from pinned host memory) and the kernel that
     // read its device buffers must be complete before they are reused.
+    auto t = TraceClock::now();
     if (sl.used) {
       CUDA_CHECK(cudaEventSynchronize(sl.ready));
       CUDA_CHECK(cudaEventSynchronize(sl.consumed));
+      if (trace) {
+        float ms = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, sl.started, sl.ready));
+        times.gpu_span += 1e-3 * ms;
+        ++times.gpu_spans;
+      }
+    }
+    if (trace) {
+      times.slot_wait += since(t);
+      CUDA_CHECK(cudaEventRecord(sl.started, decode));
     }
     sl.host = ImageBatch{};
     const int64_t B = b.images.size(0), img = S * S * 3;
@@ -212,6 +248,7 @@ struct GpuJpegLoader::Impl {
         off += align_up(size_t(e.info.height * e.info.width * 3));
       }
       const int n = int(gpu_idx.size());
+      const auto call = TraceClock::now();
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
       if (initialized_for != n) {
         st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
@@ -220,6 +257,7 @@ struct GpuJpegLoader::Impl {
       if (st == NVJPEG_STATUS_SUCCESS)
         st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
+      if (trace) times.decode_call += since(call);
       if (!gpu_ok && !warned_batch_failure) {
         warned_batch_failure = true;
         std::fprintf(stderr,
@@ -264,6 +302,7 @@ struct GpuJpegLoader::Impl {
       }
     }
     // Host-decoded samples: identity jobs over their uploaded (S, S, 3) pixels.
+    const auto enq = TraceClock::now();
     int64_t n_host = 0;
     for (int64_t i = 0; i < B; ++i) {
       if (!on_host[size_t(i)]) continue;
@@ -288,6 +327,10 @@ struct GpuJpegLoader::Impl {
     CUDA_CHECK(cudaMemcpyAsync(sl.labels.ptr, b.labels.data<int64_t>(), size_t(B) * sizeof(int64_t),
                                cudaMemcpyHostToDevice, decode));
     CUDA_CHECK(cudaEventRecord(sl.ready, decode));
+    if (trace) {
+      times.enqueue += since(enq);
+      ++times.batches;
+    }
     sl.used = true;
     sl.count = B;
     sl.gpu = B - n_host;
@@ -322,6 +365,7 @@ struct GpuJpegEpoch::State {
   bool pending[2] = {false, false};
   std::future<bool> submitted[2];  // true: the slot holds a batch
   int64_t gpu = 0, cpu = 0;
+  TraceClock::time_point returned{};  // when next() last returned a batch (trace)
 
   State(std::shared_ptr<GpuJpegLoader::Impl> i, ImageEpoch h) : impl(std::move(i)), host(std::move(h)) {}
   ~State() {
@@ -332,12 +376,32 @@ struct GpuJpegEpoch::State {
         } catch (...) {
         }
       }
+    if (impl->trace) report();
+  }
+
+  // KILN_JPEG_TRACE: the epoch's mean milliseconds per batch, by stage; then the counters reset.
+  void report() {
+    Trace& t = impl->times;
+    if (t.batches == 0) return;
+    const double n = double(t.batches), ms = 1e3;
+    std::fprintf(stderr,
+                 "kiln: jpeg trace: %ld batches, ms per batch: decode thread [workers' batch %.2f, "
+                 "slot wait %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
+                 "consumer between next() calls %.2f | decode stream span %.2f (%ld spans) | "
+                 "%ld nvJPEG + %ld host samples\n",
+                 long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n,
+                 ms * t.decode_call / n, ms * t.enqueue / n, ms * t.next_wait / n,
+                 ms * t.between / std::max(1.0, n - 1), ms * t.gpu_span / double(std::max<int64_t>(1, t.gpu_spans)),
+                 long(t.gpu_spans), long(gpu), long(cpu));
+    t = Trace{};
   }
 
   // Fetches the next host batch and submits it into slot s, on a decode thread.
   void schedule(int s) {
     submitted[s] = std::async(std::launch::async, [this, s] {
+      const auto t = TraceClock::now();
       std::optional<ImageBatch> b = host.next();
+      if (impl->trace) impl->times.host_next += since(t);
       if (!b) return false;
       impl->submit(impl->slots[s], std::move(*b), host);
       return true;
@@ -352,7 +416,11 @@ struct GpuJpegEpoch::State {
       schedule(0);
     }
     if (!submitted[cur].valid()) return std::nullopt;
+    const auto t = TraceClock::now();
+    if (impl->trace && returned != TraceClock::time_point{})
+      impl->times.between += std::chrono::duration<double>(t - returned).count();
     const bool has = submitted[cur].get();  // rethrows the decode thread's error
+    if (impl->trace) impl->times.next_wait += since(t);
     if (!has) return std::nullopt;
     // Batch k + 1 starts reading, decoding and uploading while k is consumed.
     schedule(cur ^ 1);
@@ -374,6 +442,7 @@ struct GpuJpegEpoch::State {
     gpu += sl.gpu;
     cpu += sl.cpu;
     cur ^= 1;
+    if (impl->trace) returned = TraceClock::now();
     return out;
   }
 };

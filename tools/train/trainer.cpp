@@ -440,6 +440,7 @@ Summary run(const Config& c) {
                "'); stopping without saving them: ", kept(epoch));
     // The checkpoint before the evaluation: a failing evaluation loses no training.
     if (steps_log) std::fflush(steps_log);
+    const auto save_start = Clock::now();
     if (lead) {
       TrainingState st;
       st.model = model.get();
@@ -450,7 +451,10 @@ Summary run(const Config& c) {
       st.metadata = meta;
       save_checkpoint(out_dir->file("checkpoint.safetensors"), st);
     }
+    const double save_s = seconds_since(save_start);
+    const auto eval_start = Clock::now();
     run_eval();
+    const double eval_s = seconds_since(eval_start);
     sum.epochs_done = epoch + 1;
     if (talk) {
       std::printf(
@@ -474,6 +478,8 @@ Summary run(const Config& c) {
                           ", \"test_top1\": " + json_number(sum.test_top1) + ", \"test_top5\": " +
                           json_number(sum.test_top5) + ", \"images_per_s\": " + json_number(ips) +
                           ", \"seconds\": " + json_number(epoch_s) +
+                          ", \"checkpoint_seconds\": " + json_number(save_s) +
+                          ", \"eval_seconds\": " + json_number(eval_s) +
                           ", \"lr\": " + json_number(opt->param_groups[0].lr) +
                           ", \"bad_files\": " + std::to_string(int64_t(m[3])) +
                           ", \"test_bad_files\": " + std::to_string(sum.test_bad_files) + "}");
