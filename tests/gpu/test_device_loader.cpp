@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -124,7 +125,7 @@ TEST_CASE("DeviceLoader batches equal the DataLoader's, batch by batch") {
             CHECK_MESSAGE(same_bits(gx, w.x.to_vector<float>()), "f32 x differs from the CPU's");
           else  // one rounding of the CPU's f32 value
             check_close(g.x.to(Device::cpu()).to(DType::f64), w.x.to(DType::f64),
-                        {0.0, 1.0 / 2048.0}, "f16 x");
+                        {std::ldexp(1.0, -25), std::ldexp(1.0, -11)}, "f16 x");
           if (amp_form) {
             const Tensor p = amp::prepare_input(w.x, kGpu, precision);
             CHECK(g.x.strides() == p.strides());
