@@ -13,6 +13,26 @@ uint64_t batch_seed(uint64_t seed, int64_t epoch, int64_t k) {
   return derive_seed(seed, uint64_t(epoch), uint64_t(k) + 1);
 }
 
+// The one place a batch's samples and augmentation are drawn (see the header's determinism
+// note): generator draws go sample by sample, crop before flip.
+void plan_batch(const LoaderOptions& opts, int64_t epoch, int64_t k,
+                const std::vector<int64_t>& order, BatchPlan& plan) {
+  const int64_t begin = k * opts.batch_size;
+  const int64_t end = std::min<int64_t>(begin + opts.batch_size, int64_t(order.size()));
+  const int64_t pad = opts.crop_padding;
+  plan.indices.assign(order.begin() + begin, order.begin() + end);
+  plan.transforms.assign(size_t(end - begin), SampleTransform{pad, pad, false});
+  if (pad == 0 && !opts.horizontal_flip) return;
+  Generator gen(batch_seed(opts.seed, epoch, k));
+  for (SampleTransform& t : plan.transforms) {
+    if (pad > 0) {
+      t.top = int64_t(gen.below(uint64_t(2 * pad + 1)));
+      t.left = int64_t(gen.below(uint64_t(2 * pad + 1)));
+    }
+    if (opts.horizontal_flip) t.flip = gen.uniform() < 0.5;
+  }
+}
+
 }  // namespace
 
 void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
@@ -54,26 +74,20 @@ struct Epoch::State {
 
   Batch build(int64_t k) const {
     const TensorDataset& ds = *data;
-    const int64_t begin = k * opts.batch_size;
-    const int64_t end = std::min<int64_t>(begin + opts.batch_size, int64_t(order.size()));
-    const int64_t b_count = end - begin;
-    const int64_t C = ds.channels(), H = ds.height(), W = ds.width(), pad = opts.crop_padding;
+    BatchPlan plan;
+    plan_batch(opts, epoch, k, order, plan);
+    const auto b_count = int64_t(plan.indices.size());
+    const int64_t C = ds.channels(), H = ds.height(), W = ds.width();
     Batch b;
     b.index = k;
     b.x = empty({b_count, C, H, W}, DType::f32);
     b.y = empty({b_count}, DType::i64);
     float* x = b.x.data<float>();
     int64_t* y = b.y.data<int64_t>();
-    Generator gen(batch_seed(opts.seed, epoch, k));
     for (int64_t i = 0; i < b_count; ++i) {
-      const int64_t idx = order[size_t(begin + i)];
-      SampleTransform t{pad, pad, false};
-      if (pad > 0) {
-        t.top = int64_t(gen.below(uint64_t(2 * pad + 1)));
-        t.left = int64_t(gen.below(uint64_t(2 * pad + 1)));
-      }
-      if (opts.horizontal_flip) t.flip = gen.uniform() < 0.5;
-      crop_flip_normalize(ds.image(idx), C, H, W, pad, t, lut->data(), x + i * C * H * W);
+      const int64_t idx = plan.indices[size_t(i)];
+      crop_flip_normalize(ds.image(idx), C, H, W, opts.crop_padding, plan.transforms[size_t(i)],
+                          lut->data(), x + i * C * H * W);
       y[i] = ds.label(idx);
     }
     if (opts.on_batch) opts.on_batch(b);
@@ -158,6 +172,17 @@ std::vector<int64_t> DataLoader::order(int64_t epoch) const {
     for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen.below(i)]);
   }
   return order;
+}
+
+void DataLoader::batch_plan(int64_t epoch, int64_t k, const std::vector<int64_t>& order,
+                            BatchPlan& plan) const {
+  const int64_t n = num_batches();
+  KILN_CHECK(k >= 0 && k < n, "DataLoader::batch_plan: batch ", k, " of an epoch of ", n,
+             " batches");
+  const int64_t want = opts_.sampler ? opts_.sampler->size() : dataset_->size();
+  KILN_CHECK(int64_t(order.size()) == want, "DataLoader::batch_plan: the order holds ",
+             order.size(), " indices, the epoch ", want, " (pass order(epoch))");
+  plan_batch(opts_, epoch, k, order, plan);
 }
 
 Epoch DataLoader::epoch(int64_t e) const {

@@ -83,6 +83,14 @@ struct SampleTransform {
 void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
                          int64_t crop_padding, SampleTransform t, const float* lut, float* dst);
 
+// What batch k of an epoch is made of: the dataset index of each sample, in batch order, and
+// its augmentation. The CPU batches and DeviceLoader (data/device_loader.h) both build from it,
+// so the two paths draw identical batches.
+struct BatchPlan {
+  std::vector<int64_t> indices;
+  std::vector<SampleTransform> transforms;  // one per index
+};
+
 class Epoch;
 
 class DataLoader {
@@ -100,6 +108,12 @@ class DataLoader {
   std::vector<int64_t> order(int64_t epoch) const;
   // Starts epoch e (workers begin building at once).
   Epoch epoch(int64_t e) const;
+  // Fills `plan` (its vectors are reused, so a caller can keep one across batches) with batch
+  // k of epoch e; `order` is order(e). Throws kiln::Error for k outside [0, num_batches()).
+  void batch_plan(int64_t epoch, int64_t k, const std::vector<int64_t>& order,
+                  BatchPlan& plan) const;
+  // The normalisation table: lut()[c * 256 + v] = (v / 255 - mean[c]) / stddev[c], C x 256.
+  const std::vector<float>& lut() const { return *lut_; }
 
  private:
   friend class Epoch;

@@ -7,6 +7,9 @@
 #include <map>
 #include <set>
 
+#include "core/device_query.h"
+#include "data/device_loader.h"
+#include "data/distributed_sampler.h"
 #include "data/loader.h"
 
 using namespace kiln;
@@ -263,6 +266,93 @@ TEST_CASE("loader augmentation: every sample is one valid crop/flip, and all of 
   CHECK(seen.size() == 18);         // all 3 x 3 offsets x 2 flips
   CHECK(flips > total * 35 / 100);  // p = 0.5 over 256 draws: bounds ~4.8 sigma out
   CHECK(flips < total * 65 / 100);
+}
+
+TEST_CASE("batch_plan names each batch's samples and augmentation (what DeviceLoader draws)") {
+  const int64_t n = 29, c = 3, h = 4, w = 5, pad = 2;
+  const TensorDataset ds = make_dataset(n, c, h, w);
+  for (bool sharded : {false, true}) {
+    CAPTURE(sharded);
+    LoaderOptions o;
+    o.batch_size = 8;  // the last batch is partial
+    o.crop_padding = pad;
+    o.horizontal_flip = true;
+    o.seed = 11;
+    o.workers = 2;
+    if (sharded)
+      o.sampler = std::make_shared<DistributedSampler>(n, 2, 1, DistributedSamplerOptions{true, 3});
+    else
+      o.shuffle = true;
+    const DataLoader loader(ds, o);
+    BatchPlan plan;  // reused across batches, as DeviceLoader does
+    int flips = 0, total = 0;
+    std::set<std::pair<int64_t, int64_t>> offsets;
+    for (int64_t e = 0; e < 2; ++e) {
+      const std::vector<int64_t> order = loader.order(e);
+      std::vector<int64_t> visited;
+      for (Batch& b : loader.epoch(e)) {
+        loader.batch_plan(e, b.index, order, plan);
+        const std::vector<int64_t> y = b.y.to_vector<int64_t>();
+        REQUIRE(plan.indices.size() == y.size());
+        REQUIRE(plan.transforms.size() == y.size());
+        CHECK(plan.indices == y);  // make_dataset's label i is sample i
+        const std::vector<float> x = b.x.to_vector<float>();
+        std::vector<float> mine(size_t(c * h * w));
+        for (size_t j = 0; j < y.size(); ++j) {
+          const SampleTransform t = plan.transforms[j];
+          REQUIRE(t.top >= 0);
+          REQUIRE(t.top <= 2 * pad);
+          REQUIRE(t.left >= 0);
+          REQUIRE(t.left <= 2 * pad);
+          // Independent reference: the explicitly padded image, cropped and mirrored.
+          const uint8_t* src = ds.image(plan.indices[j]);
+          const std::vector<uint8_t> ref = reference_aug(std::vector<uint8_t>(src, src + c * h * w),
+                                                         c, h, w, pad, t.top, t.left, t.flip);
+          for (size_t p = 0; p < ref.size(); ++p)
+            REQUIRE(std::lround(x[j * ref.size() + p] * 255.0f) == ref[p]);
+          // And bit for bit what the loader's own kernel makes of the plan with its lut().
+          crop_flip_normalize(src, c, h, w, pad, t, loader.lut().data(), mine.data());
+          CHECK(std::memcmp(mine.data(), x.data() + j * mine.size(), mine.size() * 4) == 0);
+          flips += t.flip;
+          offsets.insert({t.top, t.left});
+          ++total;
+        }
+        visited.insert(visited.end(), plan.indices.begin(), plan.indices.end());
+      }
+      CHECK(visited == order);
+    }
+    CHECK(offsets.size() > 5);  // offsets are drawn, not fixed (25 possible, ~30-58 draws)
+    CHECK(flips > 0);
+    CHECK(flips < total);
+    CHECK_THROWS_AS(loader.batch_plan(0, loader.num_batches(), loader.order(0), plan), Error);
+    CHECK_THROWS_AS(loader.batch_plan(0, -1, loader.order(0), plan), Error);
+    CHECK_THROWS_AS(loader.batch_plan(0, 0, std::vector<int64_t>{0, 1}, plan), Error);
+  }
+}
+
+TEST_CASE("DeviceLoader needs a CUDA device (and a CUDA build)") {
+  const DataLoader loader(make_dataset(8), LoaderOptions{});
+  try {
+    DeviceLoader d(loader, Device::cpu());
+    FAIL("DeviceLoader accepted the CPU");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("needs a CUDA device, got cpu") != std::string::npos);
+  }
+  if (cuda_device_count() == 0) {  // CPU-only builds, or no GPU here: a clear refusal
+    try {
+      DeviceLoader d(loader, Device::cuda(0), DType::f16);
+      FAIL("DeviceLoader accepted cuda:0 without a CUDA device");
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      CHECK(m.find("DeviceLoader: cuda:0 requested") != std::string::npos);
+      CHECK(m.find(built_with_cuda() ? "CUDA device(s) are visible" : "built without CUDA") !=
+            std::string::npos);
+    }
+  }
+  LoaderOptions hooked;
+  hooked.on_batch = [](Batch&) {};
+  CHECK_THROWS_AS(DeviceLoader(DataLoader(make_dataset(8), hooked), Device::cuda(0)), Error);
+  CHECK_THROWS_AS(DeviceLoader(loader, Device::cuda(0), DType::f64), Error);
 }
 
 TEST_CASE("early exit and consumer exceptions do not hang") {

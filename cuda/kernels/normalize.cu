@@ -1,4 +1,5 @@
-// Input-pipeline kernels: u8 NHWC -> normalised float NHWC, and the synthetic source.
+// Input-pipeline kernels: u8 NHWC -> normalised float NHWC, the gather + crop + flip + normalise
+// of a device-resident dataset, and the synthetic source.
 #include "cuda/kernels/common.cuh"
 #include "cuda/normalize.h"
 #include "core/hash.h"
@@ -22,6 +23,41 @@ __global__ void normalize_kernel(T* __restrict__ out, const uint8_t* __restrict_
     const float v = (float(in[i]) / 255.0f - a.mean[c]) / a.stddev[c];
     out[i] = cvt<T>(v);
   }
+}
+
+// One thread per output element, in x's memory order. The arithmetic mirrors
+// data::crop_flip_normalize: output (h, w) reads source (h + top - pad, w' + left - pad) with
+// w' = W - 1 - w when flipped; outside the image it reads pixel 0.
+template <typename T, bool kChannelsLast>
+__global__ void gather_crop_flip_normalize_kernel(T* __restrict__ x, int64_t* __restrict__ y,
+                                                  const uint8_t* __restrict__ images,
+                                                  const int64_t* __restrict__ labels,
+                                                  const GatherJob* __restrict__ jobs,
+                                                  const float* __restrict__ lut, int64_t B,
+                                                  int64_t C, int64_t H, int64_t W, int64_t pad) {
+  const int64_t n = B * C * H * W;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < n; i += step) {
+    int64_t b, c, h, w, r = i;
+    if constexpr (kChannelsLast) {
+      c = r % C, r /= C;
+      w = r % W, r /= W;
+      h = r % H, b = r / H;
+    } else {
+      w = r % W, r /= W;
+      h = r % H, r /= H;
+      c = r % C, b = r / C;
+    }
+    const GatherJob j = jobs[b];
+    const int64_t sh = h + j.top - pad;
+    const int64_t sw = (j.flip ? W - 1 - w : w) + j.left - pad;
+    const bool inside = sh >= 0 && sh < H && sw >= 0 && sw < W;
+    const uint8_t p = inside ? images[((int64_t(j.index) * C + c) * H + sh) * W + sw] : 0;
+    x[i] = cvt<T>(lut[c * 256 + p]);
+  }
+  if (y)
+    for (int64_t i = first; i < B; i += step) y[i] = labels[jobs[i].index];
 }
 
 __global__ void synthetic_bytes_kernel(uint8_t* __restrict__ out, uint64_t seed, int64_t n) {
@@ -70,6 +106,65 @@ void normalize_images(const Tensor& out, const Tensor& in, const float mean[3],
   else
     normalize_kernel<__half>
         <<<grid_for(n), kBlock, 0, stream>>>(static_cast<__half*>(out.raw_data()), src, a, n);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void gather_crop_flip_normalize(const Tensor& x, const Tensor& y, const Tensor& images,
+                                const Tensor& labels, const Tensor& jobs, int64_t pad,
+                                const Tensor& lut) {
+  const char* op = "gather_crop_flip_normalize";
+  KILN_CHECK(x.defined() && images.defined() && labels.defined() && jobs.defined() && lut.defined(),
+             op, ": undefined tensor");
+  KILN_CHECK(images.dtype() == DType::u8 && images.dim() == 4 && images.is_contiguous() &&
+                 images.device().is_cuda(),
+             op, ": images must be u8 (N, C, H, W) contiguous on a CUDA device, got ",
+             images.desc());
+  const int64_t N = images.size(0), C = images.size(1), H = images.size(2), W = images.size(3);
+  KILN_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::f16, op, ": x must be f32 or f16, got ",
+             x.desc());
+  const bool channels_last =
+      x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(MemoryFormat::ChannelsLast);
+  KILN_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == H && x.size(3) == W &&
+                 (channels_last || x.is_contiguous()),
+             op, ": x must be (B, ", C, ", ", H, ", ", W,
+             ") contiguous or channels-last to match images ", images.desc(), ", got ", x.desc());
+  const int64_t B = x.size(0);
+  KILN_CHECK(jobs.dtype() == DType::i32 && jobs.dim() == 2 && jobs.size(0) == B &&
+                 jobs.size(1) == 4 && jobs.is_contiguous(),
+             op, ": jobs must be i32 (", B, ", 4) contiguous for x ", x.desc(), ", got ",
+             jobs.desc());
+  KILN_CHECK(labels.dtype() == DType::i64 && labels.dim() == 1 && labels.size(0) == N &&
+                 labels.is_contiguous(),
+             op, ": labels must be i64 (", N, ") contiguous for images ", images.desc(), ", got ",
+             labels.desc());
+  KILN_CHECK(!y.defined() ||
+                 (y.dtype() == DType::i64 && y.dim() == 1 && y.size(0) == B && y.is_contiguous()),
+             op, ": y must be i64 (", B, ") contiguous for x ", x.desc(), ", got ", y.desc());
+  KILN_CHECK(
+      lut.dtype() == DType::f32 && lut.dim() == 1 && lut.size(0) == C * 256 && lut.is_contiguous(),
+      op, ": lut must be f32 (", C * 256, ") contiguous (C x 256 for images ", images.desc(),
+      "), got ", lut.desc());
+  KILN_CHECK(pad >= 0, op, ": pad must be >= 0, got ", pad);
+  for (const Tensor* t : {&x, &y, &labels, &jobs, &lut})
+    KILN_CHECK(!t->defined() || t->device() == images.device(), op,
+               ": all tensors must be on images' device ", images.device().str(), ", got ",
+               t->desc());
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  auto launch = [&]<typename T, bool kChannelsLast>() {
+    gather_crop_flip_normalize_kernel<T, kChannelsLast>
+        <<<grid_for(n), kBlock, 0, current_stream()>>>(
+            static_cast<T*>(x.raw_data()),
+            y.defined() ? static_cast<int64_t*>(y.raw_data()) : nullptr,
+            static_cast<const uint8_t*>(images.raw_data()),
+            static_cast<const int64_t*>(labels.raw_data()),
+            static_cast<const GatherJob*>(jobs.raw_data()),
+            static_cast<const float*>(lut.raw_data()), B, C, H, W, pad);
+  };
+  if (x.dtype() == DType::f32)
+    channels_last ? launch.operator()<float, true>() : launch.operator()<float, false>();
+  else
+    channels_last ? launch.operator()<__half, true>() : launch.operator()<__half, false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 

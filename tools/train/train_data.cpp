@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "data/device_loader.h"
 #include "data/distributed_sampler.h"
 #include "data/fashion_mnist.h"
 #include "data/gpu_jpeg.h"
@@ -77,6 +78,16 @@ class IdxStream final : public BatchStream {
   data::Epoch ep_;
   Device dev_;
   amp::Precision precision_;
+};
+
+// IDX batches made on the GPU from the device-resident dataset (same plan as IdxStream's).
+class DeviceIdxStream final : public BatchStream {
+ public:
+  explicit DeviceIdxStream(data::DeviceEpoch ep) : ep_(std::move(ep)) {}
+  std::optional<data::DeviceBatch> next() override { return ep_.next(); }
+
+ private:
+  data::DeviceEpoch ep_;
 };
 
 // Decoded u8 batches, uploaded and normalised by a DeviceFeeder (which points at ep_).
@@ -276,6 +287,15 @@ TrainData::TrainData(const DataOptions& o)
                      "': fewer training images per "
                      "process than one batch of ",
                      o.batch_size);
+  if (o.device.is_cuda()) {
+    // The whole dataset lives on the GPU and batches are made there (issue 19): in the form
+    // amp::prepare_input gives a CPU batch, f16 channels-last or f32 contiguous.
+    const bool half = o.precision == amp::Precision::Mixed16;
+    const DType dt = half ? DType::f16 : DType::f32;
+    const MemoryFormat fmt = half ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+    dev_train_ = std::make_unique<data::DeviceLoader>(*idx_train_, o.device, dt, fmt);
+    dev_test_ = std::make_unique<data::DeviceLoader>(*idx_test_, o.device, dt, fmt);
+  }
 }
 
 TrainData::~TrainData() = default;
@@ -298,6 +318,7 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
         dummy_x_, steps_per_epoch(),
         opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
   if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
+  if (dev_train_) return std::make_unique<DeviceIdxStream>(dev_train_->epoch(e));
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
@@ -311,6 +332,7 @@ std::unique_ptr<BatchStream> TrainData::test_epoch() const {
     return std::make_unique<SyntheticStream>(dummy_x_, test_steps(),
                                              ~opts_.seed - uint64_t(opts_.rank), opts_.device);
   if (gpu_test_) return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
+  if (dev_test_) return std::make_unique<DeviceIdxStream>(dev_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
   const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16

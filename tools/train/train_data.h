@@ -12,6 +12,7 @@
 
 namespace kiln::data {
 class DataLoader;
+class DeviceLoader;
 class ImageLoader;
 class GpuJpegLoader;
 }  // namespace kiln::data
@@ -94,6 +95,7 @@ class TrainData {
   std::vector<float> mean_, stddev_;
   Tensor dummy_x_;  // Synthetic: one device batch reused by every step
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
+  std::unique_ptr<data::DeviceLoader> dev_train_, dev_test_;  // IDX on a CUDA device
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
   std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg
 };
