@@ -84,8 +84,8 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
   }
 }
 
-void save_safetensors(const std::string& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+std::string safetensors_bytes(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   std::ostringstream header;
   header << "{";
   bool first = true;
@@ -122,7 +122,12 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   for (int i = 0; i < 8; ++i) bytes.push_back(char((hl >> (8 * i)) & 0xff));
   bytes += hs;
   for (const Tensor& h : hosts) bytes.append(static_cast<const char*>(h.raw_data()), h.nbytes());
-  write_file_atomic(path, bytes);
+  return bytes;
+}
+
+void save_safetensors(const std::string& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  write_file_atomic(path, safetensors_bytes(path, tensors, metadata));
 }
 
 namespace {

@@ -20,6 +20,10 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 // Tensors may live on any device and have any strides; they are written contiguous, in order.
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+// The bytes save_safetensors writes (device tensors are copied to the host now), for a caller
+// that writes them later or elsewhere (a background checkpoint writer). `path` names errors.
+std::string safetensors_bytes(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsData {
   NamedTensors tensors;  // CPU tensors in file order

@@ -144,6 +144,10 @@ LoadReport load_weights(const std::string& path, nn::Module& module, KeyMatch ma
 }
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
+  write_file_atomic(path, checkpoint_bytes(path, state));
+}
+
+std::string checkpoint_bytes(const std::string& path, const TrainingState& state) {
   KILN_CHECK(state.model != nullptr, "save_checkpoint '", path, "': TrainingState.model is null");
   std::map<std::string, std::string> meta;
   for (const auto& [k, v] : state.metadata) {
@@ -170,7 +174,7 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
     for (const auto& [key, t] : state.optimizer->state_dict())
       tensors.emplace_back(kOptimPrefix + key, t);
   for (const auto& [key, t] : state.scaler) tensors.emplace_back(kScalerPrefix + key, t);
-  save_safetensors(path, tensors, meta);
+  return safetensors_bytes(path, tensors, meta);
 }
 
 void load_checkpoint(const std::string& path, TrainingState& state) {

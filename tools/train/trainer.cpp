@@ -7,11 +7,13 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
 
 #include "core/device_query.h"
+#include "core/serialization.h"
 #include "core/version.h"
 #include "cuda/profiler.h"
 #include "ops/ops.h"
@@ -40,6 +42,39 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
+
+// Epoch checkpoints are written on a background thread: the state becomes host bytes at the
+// epoch's end (the caller's thread, so they are the epoch's weights), and the temporary file's
+// write, fsync and rename (write_file_atomic) run while evaluation and the next epoch do. One
+// write at a time: the next write and finish() wait for the previous one and rethrow its error.
+// A crash mid-write leaves the previous checkpoint whole, as a synchronous save would.
+class BackgroundWriter {
+ public:
+  BackgroundWriter() = default;
+  BackgroundWriter(const BackgroundWriter&) = delete;
+  BackgroundWriter& operator=(const BackgroundWriter&) = delete;
+  ~BackgroundWriter() {  // unwinding from another error: let the write complete, keep that error
+    if (pending_.valid()) {
+      try {
+        pending_.get();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "kiln-train: %s\n", e.what());
+      }
+    }
+  }
+  void write(std::string path, std::string bytes) {
+    finish();
+    pending_ = std::async(std::launch::async, [p = std::move(path), b = std::move(bytes)] {
+      write_file_atomic(p, b);
+    });
+  }
+  void finish() {
+    if (pending_.valid()) pending_.get();
+  }
+
+ private:
+  std::future<void> pending_;
+};
 
 }  // namespace
 
@@ -298,6 +333,7 @@ Summary run(const Config& c) {
 #endif
   if (c.profile) cuda::enable_profiler(true);
 
+  BackgroundWriter checkpoints;
   amp::AsyncScalars metrics;  // the epoch's totals
   // Rank 0 reads each step's device accumulators kMetricLag steps late, each in-flight step
   // through its own AsyncScalars, so the host can run that many steps ahead of the device (one
@@ -449,7 +485,8 @@ Summary run(const Config& c) {
       st.epoch = epoch + 1;
       st.step = step;
       st.metadata = meta;
-      save_checkpoint(out_dir->file("checkpoint.safetensors"), st);
+      const std::string path = out_dir->file("checkpoint.safetensors");
+      checkpoints.write(path, checkpoint_bytes(path, st));
     }
     const double save_s = seconds_since(save_start);
     const auto eval_start = Clock::now();
@@ -486,6 +523,7 @@ Summary run(const Config& c) {
   }
 
   if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained
+  checkpoints.finish();
   if (lead) {
     std::map<std::string, std::string> wmeta = meta;
     wmeta["epochs"] = std::to_string(sum.epochs_done);
