@@ -5,6 +5,8 @@
 #ifdef KILN_WITH_NVJPEG
 #include <nvjpeg.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <future>
@@ -119,9 +121,14 @@ struct GpuJpegLoader::Impl {
     cudaEvent_t started = nullptr;   // decode stream, KILN_JPEG_TRACE only: submit began
     bool used = false;               // `ready` has been recorded at least once
     int64_t count = 0, gpu = 0, cpu = 0;
+    double workers_s = 0, decode_s = 0;  // decode thread: waiting for the workers, nvJPEG's call
   };
   Slot slots[2];
   const bool trace = switches().jpeg_trace;
+  // The share of JPEGs the workers decode instead of nvJPEG (GpuJpegLoader's host_fraction);
+  // read by the workers, steered by next() when `adaptive`.
+  std::atomic<double> host_share{0.0};
+  bool adaptive = false;
   Trace times;  // written by the decode thread (one at a time) and next(); read when done
 
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
@@ -208,6 +215,7 @@ struct GpuJpegLoader::Impl {
       CUDA_CHECK(cudaEventRecord(sl.started, decode));
     }
     sl.host = ImageBatch{};
+    sl.decode_s = 0;
     const int64_t B = b.images.size(0), img = S * S * 3;
     std::vector<EncodedSample>& enc = *b.encoded;
     std::vector<int64_t> gpu_idx;
@@ -257,7 +265,8 @@ struct GpuJpegLoader::Impl {
       if (st == NVJPEG_STATUS_SUCCESS)
         st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
-      if (trace) times.decode_call += since(call);
+      sl.decode_s = since(call);
+      if (trace) times.decode_call += sl.decode_s;
       if (!gpu_ok && !warned_batch_failure) {
         warned_batch_failure = true;
         std::fprintf(stderr,
@@ -388,12 +397,25 @@ struct GpuJpegEpoch::State {
                  "kiln: jpeg trace: %ld batches, ms per batch: decode thread [workers' batch %.2f, "
                  "slot wait %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
                  "consumer between next() calls %.2f | decode stream span %.2f (%ld spans) | "
-                 "%ld nvJPEG + %ld host samples\n",
+                 "%ld nvJPEG + %ld host samples, host share %.2f\n",
                  long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n,
                  ms * t.decode_call / n, ms * t.enqueue / n, ms * t.next_wait / n,
                  ms * t.between / std::max(1.0, n - 1), ms * t.gpu_span / double(std::max<int64_t>(1, t.gpu_spans)),
-                 long(t.gpu_spans), long(gpu), long(cpu));
+                 long(t.gpu_spans), long(gpu), long(cpu), impl->host_share.load());
     t = Trace{};
+  }
+
+  // next() waits longer than this for the decode thread: the input path is behind.
+  static constexpr double kBlockedS = 0.5e-3;
+
+  // The adaptive share (GpuJpegLoader::kAdaptiveHostShare): toward the side that made next()
+  // wait for batch `sl`.
+  void steer(const GpuJpegLoader::Impl::Slot& sl) {
+    const double now = impl->host_share.load(std::memory_order_relaxed);
+    const double step = sl.decode_s > sl.workers_s ? GpuJpegLoader::kShareStep
+                                                   : -GpuJpegLoader::kShareStep;
+    impl->host_share.store(std::clamp(now + step, 0.0, GpuJpegLoader::kMaxAdaptiveShare),
+                           std::memory_order_relaxed);
   }
 
   // Fetches the next host batch and submits it into slot s, on a decode thread.
@@ -401,8 +423,10 @@ struct GpuJpegEpoch::State {
     submitted[s] = std::async(std::launch::async, [this, s] {
       const auto t = TraceClock::now();
       std::optional<ImageBatch> b = host.next();
-      if (impl->trace) impl->times.host_next += since(t);
+      const double waited = since(t);
+      if (impl->trace) impl->times.host_next += waited;
       if (!b) return false;
+      impl->slots[s].workers_s = waited;
       impl->submit(impl->slots[s], std::move(*b), host);
       return true;
     });
@@ -420,8 +444,10 @@ struct GpuJpegEpoch::State {
     if (impl->trace && returned != TraceClock::time_point{})
       impl->times.between += std::chrono::duration<double>(t - returned).count();
     const bool has = submitted[cur].get();  // rethrows the decode thread's error
-    if (impl->trace) impl->times.next_wait += since(t);
+    const double blocked = since(t);
+    if (impl->trace) impl->times.next_wait += blocked;
     if (!has) return std::nullopt;
+    if (impl->adaptive && blocked > kBlockedS) steer(impl->slots[cur]);
     // Batch k + 1 starts reading, decoding and uploading while k is consumed.
     schedule(cur ^ 1);
     GpuJpegLoader::Impl::Slot& sl = impl->slots[cur];
@@ -460,8 +486,9 @@ double file_fraction(const uint8_t* data, size_t size) {
 
 GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device device,
                              DType dtype, NormalizeStats stats, double host_fraction) {
-  KILN_CHECK(host_fraction >= 0.0 && host_fraction <= 1.0,
-             "GpuJpegLoader: host_fraction must be in [0, 1], got ", host_fraction);
+  KILN_CHECK((host_fraction >= 0.0 && host_fraction <= 1.0) || host_fraction == kAdaptiveHostShare,
+             "GpuJpegLoader: host_fraction must be in [0, 1] or kAdaptiveHostShare, got ",
+             host_fraction);
   KILN_CHECK(device.is_cuda() && device.index >= 0 && device.index < cuda::device_count(),
              "GpuJpegLoader: ", device.str(), " is not a present CUDA device");
   KILN_CHECK(dtype == DType::f16 || dtype == DType::f32,
@@ -479,8 +506,11 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
   }
   cuda::set_device(prev);
   Impl* impl = impl_.get();
-  opts.defer_jpeg = [impl, host_fraction](const uint8_t* d, size_t n, const JpegInfo& info) {
-    if (host_fraction > 0.0 && file_fraction(d, n) < host_fraction) return false;
+  impl->adaptive = host_fraction == kAdaptiveHostShare;
+  impl->host_share = impl->adaptive ? 0.0 : host_fraction;
+  opts.defer_jpeg = [impl](const uint8_t* d, size_t n, const JpegInfo& info) {
+    const double share = impl->host_share.load(std::memory_order_relaxed);
+    if (share > 0.0 && file_fraction(d, n) < share) return false;
     return impl->takes(d, n, info);
   };
   host_ = std::make_unique<ImageLoader>(std::move(folder), std::move(opts));
@@ -490,6 +520,7 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
 GpuJpegLoader::~GpuJpegLoader() = default;
 
 const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware" : "default"; }
+double GpuJpegLoader::host_share() const { return impl_->host_share.load(); }
 
 bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
   const std::vector<uint8_t> bytes = read_file_bytes(path);
@@ -517,6 +548,7 @@ int64_t GpuJpegEpoch::size() const { return state_ ? state_->host.size() : 0; }
 int64_t GpuJpegEpoch::bad_count() const { return state_ ? state_->host.bad_count() : 0; }
 int64_t GpuJpegEpoch::gpu_decoded() const { return state_ ? state_->gpu : 0; }
 int64_t GpuJpegEpoch::host_decoded() const { return state_ ? state_->cpu : 0; }
+double GpuJpegEpoch::host_share() const { return state_ ? state_->impl->host_share.load() : 0.0; }
 
 #else  // built without nvJPEG
 
@@ -531,6 +563,7 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, Nor
 }
 GpuJpegLoader::~GpuJpegLoader() = default;
 const char* GpuJpegLoader::backend() const { return "none"; }
+double GpuJpegLoader::host_share() const { return 0.0; }
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t) const { KILN_FAIL("GpuJpegLoader: built without nvJPEG"); }
 bool GpuJpegLoader::decodes_on_gpu(const std::string&) const { return false; }
 GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
@@ -542,6 +575,7 @@ int64_t GpuJpegEpoch::size() const { return 0; }
 int64_t GpuJpegEpoch::bad_count() const { return 0; }
 int64_t GpuJpegEpoch::gpu_decoded() const { return 0; }
 int64_t GpuJpegEpoch::host_decoded() const { return 0; }
+double GpuJpegEpoch::host_share() const { return 0.0; }
 
 #endif
 

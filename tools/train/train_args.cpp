@@ -38,8 +38,10 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
            "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
            "auto: nvjpeg on a CUDA device when kiln has nvJPEG, else cpu");
-  p.value("--host-decode-fraction", "F", &c.host_decode_fraction,
-          "with nvjpeg: that share of the JPEGs is decoded by the CPU workers instead", 0.0, 1.0);
+  p.value("--host-decode-fraction", "F|auto", &c.host_decode_share,
+          "with nvjpeg: that share (0..1) of the JPEGs is decoded by the CPU workers\n"
+          "instead; auto steers it so that neither side keeps the step waiting\n"
+          "(fastest; which decoder meets a file then depends on timing) (default auto)");
   p.section("Optimisation:");
   p.value("--epochs", "N", &c.epochs, "total number of epochs", 1);
   p.value("--start-epoch", "N", &c.start_epoch,
@@ -124,6 +126,16 @@ Config parse_args(const std::vector<std::string>& args, bool* help, std::string*
   const bool run = p.parse(args);
   if (help) *help = !run;
   if (info && !run) *info = p.info();
+  if (c.host_decode_share == "auto") {
+    c.host_decode_fraction = -1.0;
+  } else {
+    char* end = nullptr;
+    const double f = std::strtod(c.host_decode_share.c_str(), &end);
+    if (c.host_decode_share.empty() || *end != '\0' || !(f >= 0.0 && f <= 1.0))
+      cli::usage_error("--host-decode-fraction '", c.host_decode_share,
+                       "': expected auto or a number between 0 and 1");
+    c.host_decode_fraction = f;
+  }
   if (!data.empty()) {
     if (p.given("--data") && c.data != data[0])
       cli::usage_error("DATA '", data[0], "' and --data '", c.data, "' disagree; give one");

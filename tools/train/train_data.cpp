@@ -109,6 +109,10 @@ class GpuImageStream final : public BatchStream {
   explicit GpuImageStream(data::GpuJpegEpoch ep) : ep_(std::move(ep)) {}
   std::optional<data::DeviceBatch> next() override { return ep_.next(); }
   int64_t bad_files() const override { return ep_.bad_count(); }
+  double host_decode_share() const override {
+    const double n = double(ep_.gpu_decoded() + ep_.host_decoded());
+    return n > 0 ? double(ep_.host_decoded()) / n : 0.0;
+  }
 
  private:
   data::GpuJpegEpoch ep_;
@@ -205,7 +209,9 @@ TrainData::TrainData(const DataOptions& o)
       gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt,
                                                          data::NormalizeStats{},
                                                          o.host_decode_fraction);
-      gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt);
+      gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt,
+                                                        data::NormalizeStats{},
+                                                        o.host_decode_fraction);
       description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
       if (gpu_train_->num_batches() == 0)
         cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),

@@ -2,6 +2,7 @@
 // kiln-train's data sources (tools/train/trainer.h): which kind --data names, and each epoch's
 // batches already on the training device in the model's input form (amp::prepare_input's).
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +35,9 @@ class BatchStream {
   // Distinct unreadable files skipped (and replaced) so far in this epoch; each is named in a
   // warning on stderr when first met. Always 0 for IDX and synthetic data.
   virtual int64_t bad_files() const { return 0; }
+  // The GPU JPEG path: the share of this epoch's samples decoded on the CPU so far (the rest by
+  // nvJPEG). NaN for other sources.
+  virtual double host_decode_share() const { return std::numeric_limits<double>::quiet_NaN(); }
 };
 
 struct DataOptions {
@@ -53,7 +57,9 @@ struct DataOptions {
   // cpu), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error when it
   // cannot run), stb or turbo (CPU, forced).
   std::string decoder = "auto";
-  double host_decode_fraction = 0.0;  // nvjpeg: share of JPEGs decoded on the CPU instead
+  // nvjpeg: share of JPEGs decoded on the CPU instead; -1 (GpuJpegLoader::kAdaptiveHostShare):
+  // steered while training
+  double host_decode_fraction = -1.0;
   int64_t rank = 0, world_size = 1;  // shards (DistributedSampler's scheme) when world_size > 1
   Device device;
   amp::Precision precision = amp::Precision::FP32;

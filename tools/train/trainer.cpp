@@ -459,6 +459,7 @@ Summary run(const Config& c) {
     std::vector<double> m = metrics.values();
     m.push_back(double(seen));
     m.push_back(double(stream->bad_files()));  // m[3]
+    const double host_share = stream->host_decode_share();  // this rank's
     if (dp) dp->sum_host(m);
     const double epoch_s = seconds_since(epoch_start);
     if (c.profile && epoch == start_epoch) {
@@ -501,6 +502,10 @@ Summary run(const Config& c) {
           fmt_metric(train_loss, 1, 4).c_str(), fmt_metric(train_top1, 100, 2).c_str(),
           fmt_metric(sum.test_loss, 1, 4).c_str(), fmt_metric(sum.test_top1, 100, 2).c_str(),
           fmt_metric(sum.test_top5, 100, 2).c_str());
+      if (std::isfinite(host_share))
+        std::printf("epoch %ld/%ld: the CPU workers decoded %.0f%% of the training JPEGs, nvJPEG "
+                    "the rest\n",
+                    long(epoch + 1), long(c.epochs), 100.0 * host_share);
       // The epoch's unreadable files, each named in a warning when first met.
       if (m[3] > 0 || sum.test_bad_files > 0)
         std::printf("epoch %ld/%ld: skipped %ld unreadable training file(s) and %ld test file(s), "
@@ -519,6 +524,9 @@ Summary run(const Config& c) {
                           ", \"eval_seconds\": " + json_number(eval_s) +
                           ", \"lr\": " + json_number(opt->param_groups[0].lr) +
                           ", \"bad_files\": " + std::to_string(int64_t(m[3])) +
+                          (std::isfinite(host_share)
+                               ? ", \"host_decode_share\": " + json_number(host_share)
+                               : std::string()) +
                           ", \"test_bad_files\": " + std::to_string(sum.test_bad_files) + "}");
   }
 

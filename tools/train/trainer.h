@@ -76,7 +76,10 @@ struct Config {
   uint64_t seed = 0;
   int64_t workers = 2;  // 0..kMaxWorkers
   std::string decoder = "auto";  // ImageFolder: auto | cpu | nvjpeg | stb | turbo (issue 15)
-  double host_decode_fraction = 0.0;  // --decoder nvjpeg: JPEGs decoded on the CPU instead
+  // --decoder nvjpeg: the share of JPEGs decoded on the CPU instead; -1: adaptive (auto, the
+  // default; data::GpuJpegLoader::kAdaptiveHostShare). Parsed from host_decode_share.
+  double host_decode_fraction = -1.0;
+  std::string host_decode_share = "auto";
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
