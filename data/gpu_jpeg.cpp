@@ -10,7 +10,9 @@
 #include <chrono>
 #include <cstdio>
 #include <future>
+#include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "core/switches.h"
@@ -84,6 +86,73 @@ double since(TraceClock::time_point t) {
   return std::chrono::duration<double>(TraceClock::now() - t).count();
 }
 
+// nvJPEG's own allocations (its device buffers and pinned staging), cached and kept for the
+// process's life: cudaFree and cudaFreeHost synchronise the whole device, so an nvJPEG call that
+// frees or replaces a buffer waits for the training step running beside it on another stream.
+// Blocks are reused for requests up to twice smaller than the block. The allocator interface is
+// plain function pointers, hence one cache per kind for the process (device blocks per device).
+class BlockCache {
+ public:
+  explicit BlockCache(bool pinned) : pinned_(pinned) {}
+  int allocate(void** p, size_t n) {
+    int device = 0;
+    if (!pinned_ && cudaGetDevice(&device) != cudaSuccess) return 1;
+    {
+      std::lock_guard lk(mu_);
+      auto& free = free_[device];
+      auto it = free.lower_bound(n);
+      if (it != free.end() && it->first <= std::max<size_t>(2 * n, 4096)) {
+        *p = it->second;
+        free.erase(it);
+        return 0;
+      }
+    }
+    const cudaError_t e = pinned_ ? cudaHostAlloc(p, std::max<size_t>(n, 1), cudaHostAllocDefault)
+                                  : cudaMalloc(p, std::max<size_t>(n, 1));
+    if (e != cudaSuccess) return int(e);
+    std::lock_guard lk(mu_);
+    blocks_[*p] = {device, n};
+    return 0;
+  }
+  int release(void* p) {
+    if (!p) return 0;
+    std::lock_guard lk(mu_);
+    auto it = blocks_.find(p);
+    if (it == blocks_.end()) return 1;
+    free_[it->second.first].emplace(it->second.second, p);
+    return 0;
+  }
+
+ private:
+  const bool pinned_;
+  std::mutex mu_;
+  std::map<int, std::multimap<size_t, void*>> free_;           // device -> size -> block
+  std::unordered_map<void*, std::pair<int, size_t>> blocks_;  // every block: device, size
+};
+BlockCache& device_blocks() {
+  static BlockCache* c = new BlockCache(false);  // never destroyed: nvJPEG may free at exit
+  return *c;
+}
+BlockCache& pinned_blocks() {
+  static BlockCache* c = new BlockCache(true);
+  return *c;
+}
+int cached_device_malloc(void** p, size_t n) { return device_blocks().allocate(p, n); }
+int cached_device_free(void* p) { return device_blocks().release(p); }
+int cached_pinned_malloc(void** p, size_t n, unsigned int) { return pinned_blocks().allocate(p, n); }
+int cached_pinned_free(void* p) { return pinned_blocks().release(p); }
+
+// An nvJPEG handle on the caching allocators: the hardware backend when the GPU has one (sets
+// *hardware), else the default one.
+nvjpegHandle_t create_handle(bool* hardware) {
+  nvjpegDevAllocator_t dev{&cached_device_malloc, &cached_device_free};
+  nvjpegPinnedAllocator_t pinned{&cached_pinned_malloc, &cached_pinned_free};
+  nvjpegHandle_t h = nullptr;
+  *hardware = nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, &dev, &pinned, 0, &h) == NVJPEG_STATUS_SUCCESS;
+  if (!*hardware) KILN_NVJPEG_CHECK(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, 0, &h));
+  return h;
+}
+
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -104,8 +173,11 @@ struct GpuJpegLoader::Impl {
   cudaStream_t decode = nullptr;
   const ImageFolder* folder = nullptr;  // the host loader's (names in errors)
 
-  std::mutex streams_mu;  // parsed-stream objects for the workers' support checks
-  std::vector<nvjpegJpegStream_t> streams;
+  // The workers' support checks use a handle of their own, one check at a time: the decode
+  // thread's handle is never used by two threads at once.
+  std::mutex check_mu;
+  nvjpegHandle_t check_handle = nullptr;
+  nvjpegJpegStream_t check_stream = nullptr;
 
   // One of two alternating batches in flight.
   struct Slot {
@@ -133,10 +205,11 @@ struct GpuJpegLoader::Impl {
 
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
     // The hardware decoder when the GPU has one, else the default backend.
-    nvjpegStatus_t s = nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &handle);
-    hardware = s == NVJPEG_STATUS_SUCCESS;
-    if (!hardware) KILN_NVJPEG_CHECK(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &handle));
+    handle = create_handle(&hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStateCreate(handle, &state));
+    bool check_hardware = false;
+    check_handle = create_handle(&check_hardware);
+    KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(check_handle, &check_stream));
     // The decode stream gets the device's highest priority: nvJPEG's kernels (and our uploads)
     // are small next to a training step's and must not queue behind its blocks, or decoding
     // batch k + 1 stretches past step k (device call 2: 6,400 images/s end to end with a
@@ -166,7 +239,8 @@ struct GpuJpegLoader::Impl {
         }
       }
     }
-    for (nvjpegJpegStream_t js : streams) nvjpegJpegStreamDestroy(js);
+    if (check_stream) nvjpegJpegStreamDestroy(check_stream);
+    if (check_handle) nvjpegDestroy(check_handle);
     if (state) nvjpegJpegStateDestroy(state);
     if (handle) nvjpegDestroy(handle);
     if (decode) cudaStreamDestroy(decode);
@@ -176,21 +250,13 @@ struct GpuJpegLoader::Impl {
   bool takes(const uint8_t* data, size_t size, const JpegInfo& info) {
     if (info.components != 1 && info.components != 3) return false;  // CMYK/YCCK: host
     if (!hardware) return true;
-    nvjpegJpegStream_t js = nullptr;
-    {
-      std::lock_guard lk(streams_mu);
-      if (!streams.empty()) {
-        js = streams.back();
-        streams.pop_back();
-      }
-    }
-    if (!js && nvjpegJpegStreamCreate(handle, &js) != NVJPEG_STATUS_SUCCESS) return false;
     int unsupported = 1;  // nvJPEG reports 0 for "supported"
-    if (nvjpegJpegStreamParseHeader(handle, data, size, js) == NVJPEG_STATUS_SUCCESS &&
-        nvjpegDecodeBatchedSupported(handle, js, &unsupported) != NVJPEG_STATUS_SUCCESS)
+    std::lock_guard lk(check_mu);
+    if (nvjpegJpegStreamParseHeader(check_handle, data, size, check_stream) ==
+            NVJPEG_STATUS_SUCCESS &&
+        nvjpegDecodeBatchedSupported(check_handle, check_stream, &unsupported) !=
+            NVJPEG_STATUS_SUCCESS)
       unsupported = 1;
-    std::lock_guard lk(streams_mu);
-    streams.push_back(js);
     return unsupported == 0;
   }
 
