@@ -33,7 +33,7 @@ OpProfileScope::OpProfileScope(const char* name, const Tensor& t) {
 }
 
 OpProfileScope::~OpProfileScope() {
-  if (token_) backend_->profile_end(token_);
+  if (backend_) backend_->profile_end(token_);
 }
 
 }  // namespace kiln

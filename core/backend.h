@@ -46,7 +46,9 @@ struct Backend {
   // ---- profiling hook (optional) ----
   // profile_begin names the op now entering (a string literal) and, when the backend's
   // profiler is on, starts timing it and returns a token for profile_end; else null. `t` is
-  // the op's main input (its shape is described only when profiling).
+  // the op's main input (its shape is described only when profiling). profile_end is called
+  // once for every profile_begin, with its token (null too), when the op leaves: the backend
+  // keeps a per-thread stack of the ops running, so errors (out of memory) can name them.
   void* (*profile_begin)(const char* name, TensorRef t) = nullptr;
   void (*profile_end)(void* token) = nullptr;
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/profiler.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {
@@ -252,6 +253,7 @@ class DeviceAllocator final : public Allocator {
                           " bytes allocated and ", stats_.reserved_bytes,
                           " bytes reserved; the device has ", free_b, " of ", total_b,
                           " bytes free",
+                          current_op() ? std::string(", in op ") + current_op() : std::string(),
                           capturing ? " (during CUDA graph capture, when the cache cannot be "
                                       "released: give the warm-up room, or free memory first)"
                                     : ""));

@@ -12,11 +12,15 @@ namespace {
 
 void* profile_begin(const char* name, const Tensor& t) {
   set_last_profiled_op(name);
+  push_current_op(name);
   if (!name || !profiler_enabled()) return nullptr;
   return new ProfileOp(name, t.desc());
 }
 
-void profile_end(void* token) { delete static_cast<ProfileOp*>(token); }
+void profile_end(void* token) {
+  delete static_cast<ProfileOp*>(token);
+  pop_current_op();
+}
 
 // cuDNN's batch norm takes weight and bias as tensors; stand in for absent ones.
 Tensor or_constant(const Tensor& p, const Tensor& x, double v) {

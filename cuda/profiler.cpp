@@ -70,6 +70,23 @@ NvtxRange::~NvtxRange() { nvtxRangePop(); }
 const char* last_profiled_op() { return t_last_op; }
 void set_last_profiled_op(const char* name) { t_last_op = name; }
 
+namespace {
+constexpr int kMaxOpDepth = 32;  // deeper nesting is counted but not named
+thread_local const char* t_ops[kMaxOpDepth];
+thread_local int t_op_depth = 0;
+}  // namespace
+
+void push_current_op(const char* name) {
+  if (t_op_depth < kMaxOpDepth) t_ops[t_op_depth] = name;
+  ++t_op_depth;
+}
+void pop_current_op() {
+  if (t_op_depth > 0) --t_op_depth;
+}
+const char* current_op() {
+  return t_op_depth > 0 ? t_ops[std::min(t_op_depth, kMaxOpDepth) - 1] : nullptr;
+}
+
 void enable_profiler(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
 bool profiler_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 

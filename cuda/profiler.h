@@ -54,6 +54,12 @@ class ProfileOp {
 // the graph executor names it when a capture fails. Set whether or not the profiler is enabled.
 const char* last_profiled_op();
 void set_last_profiled_op(const char* name);
+// The ops running on this thread now (an op calls ops), pushed and popped by the backend's
+// profile_begin / profile_end; current_op() is the innermost one, or null outside any op. The
+// caching allocator names it when the device runs out of memory.
+void push_current_op(const char* name);
+void pop_current_op();
+const char* current_op();
 
 #define KILN_PROFILE_CAT2(a, b) a##b
 #define KILN_PROFILE_CAT(a, b) KILN_PROFILE_CAT2(a, b)

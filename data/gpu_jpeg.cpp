@@ -325,6 +325,8 @@ struct GpuJpegLoader::Impl {
       const auto call = TraceClock::now();
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
       if (initialized_for != n) {
+        // The state's buffers are set up anew: no queued work may still use them.
+        CUDA_CHECK(cudaStreamSynchronize(decode));
         st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
         initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
       }

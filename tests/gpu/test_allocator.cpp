@@ -6,7 +6,9 @@
 
 #include "cuda/allocator.h"
 #include "cuda/check.h"
+#include "cuda/profiler.h"
 #include "cuda/runtime.h"
+#include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace kiln;
@@ -127,6 +129,31 @@ TEST_CASE("out of memory: OutOfMemoryError names the request and the allocator's
   CHECK(t.to_vector<double>()[15] == 2.0);
   a->deallocate(keep, 1 << 20);
   CHECK_THROWS_AS(empty({int64_t(1) << 48}, gpu_opts(DType::f32)), OutOfMemoryError);
+}
+
+TEST_CASE("out of memory inside an op names the op; outside any op it names none") {
+  // (2^20, 1) x (1, 2^20) f32: a 4 TiB product, refused when matmul allocates its output.
+  Tensor a = full({int64_t(1) << 20, 1}, 1.0, gpu_opts(DType::f32));
+  Tensor b = full({1, int64_t(1) << 20}, 1.0, gpu_opts(DType::f32));
+  std::string msg;
+  try {
+    F::matmul(a, b);
+    FAIL("a 4 TiB matmul did not throw");
+  } catch (const OutOfMemoryError& e) {
+    msg = e.what();
+  }
+  MESSAGE(msg);
+  CHECK(msg.find("in op matmul") != std::string::npos);
+  CHECK(cuda::current_op() == nullptr);  // the op's scope was left while unwinding
+  try {
+    empty({int64_t(1) << 48}, gpu_opts(DType::f32));
+    FAIL("a 1 PiB tensor did not throw");
+  } catch (const OutOfMemoryError& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("in op") == std::string::npos);
+  // Still usable afterwards.
+  CHECK(F::matmul(a.narrow(0, 0, 4).contiguous(), b.narrow(1, 0, 4).contiguous()).to_vector<double>()[15] == 1.0);
 }
 
 TEST_CASE("foreign pointers are refused") {
