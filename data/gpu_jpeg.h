@@ -71,7 +71,7 @@ class GpuJpegLoader {
   // (epochs continue where the last one ended), within [0, kMaxAdaptiveShare].
   static constexpr double kAdaptiveHostShare = -1.0;
   static constexpr double kShareStep = 0.01;
-  static constexpr double kMaxAdaptiveShare = 0.9;
+  static constexpr double kMaxAdaptiveShare = 1.0;
   // The share of JPEGs the workers decode now (fixed or adaptive).
   double host_share() const;
   ~GpuJpegLoader();
