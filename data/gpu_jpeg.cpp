@@ -210,11 +210,10 @@ struct GpuJpegLoader::Impl {
     bool check_hardware = false;
     check_handle = create_handle(&check_hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(check_handle, &check_stream));
-    // The decode stream gets the device's highest priority: nvJPEG's kernels (and our uploads)
-    // are small next to a training step's and must not queue behind its blocks, or decoding
-    // batch k + 1 stretches past step k (device call 2: 6,400 images/s end to end with a
-    // default-priority stream against 8,635 synthetic; the effect of the priority is not yet
-    // measured).
+    // The decode stream gets the device's highest priority, so nvJPEG's kernels do not queue
+    // behind a whole step's. It is not enough: under a running step the hardware decoder's
+    // batched call still waits for SM slots many times per batch and takes about a step
+    // (NOTES.md, session 5), which is why the CPU workers take a share (host_share).
     int least = 0, greatest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     CUDA_CHECK(cudaStreamCreateWithPriority(&decode, cudaStreamNonBlocking, greatest));

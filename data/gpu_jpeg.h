@@ -17,7 +17,10 @@
 // into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
 // batch k; the host never waits for the device except for buffers two batches old. The decode
 // stream has the device's highest priority. Bitstreams stay in pageable host memory (nvJPEG
-// copies them); reading them into pinned buffers is not done.
+// copies them); reading them into pinned buffers is not done. Under a running step nvJPEG's
+// batched call takes about a step whatever it decodes, so a share of the JPEGs is decoded by the
+// workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where
+// each epoch's time went.
 //
 // Backend: nvJPEG's hardware decoder where the GPU has one (A100, H100/H200: baseline JPEGs;
 // each file is checked with nvjpegDecodeBatchedSupported on the worker), else its default
