@@ -10,12 +10,18 @@ namespace kiln::data {
 namespace {
 
 // The taps of one axis: output i reads source indices start[i] .. start[i] + count[i] - 1
-// with weights w[i * max_taps + t], which sum to 1.
+// with weights w[i * max_taps + t], which sum to 1; the weights past count[i] are 0. When
+// `fixed`, start[i] + taps stays inside [lo, hi) for every i, where taps is the largest count
+// (a window that would reach past hi is moved left, its weights behind leading zeros), so a pass
+// may read `taps` taps of every output in one unrolled loop: the extra zero weights add exact
+// zeros, so the sums are bit for bit those of the exact windows.
 struct AxisPlan {
   std::vector<int64_t> start;
   std::vector<int64_t> count;
   std::vector<float> w;
-  int64_t max_taps = 0;
+  int64_t max_taps = 0;  // the weights' stride
+  int64_t taps = 0;      // the largest count
+  bool fixed = true;
 };
 
 // Output pixel i covers source coordinates origin + [i, i + 1) * scale; taps are restricted to
@@ -50,17 +56,78 @@ AxisPlan plan_axis(int64_t out, double origin, double scale, int64_t lo, int64_t
     }
     p.start[size_t(i)] = s;
     p.count[size_t(i)] = n;
+    p.taps = std::max(p.taps, n);
     for (int64_t t = 0; t < n; ++t) p.w[size_t(i * p.max_taps + t)] = float(tmp[size_t(t)] / total);
+  }
+  // Windows that would end past hi move left (within lo), their weights behind zeros.
+  for (int64_t i = 0; i < out; ++i) {
+    int64_t& s = p.start[size_t(i)];
+    const int64_t shift = std::clamp<int64_t>(s + p.taps - hi, 0, s - lo);
+    if (shift > 0) {
+      float* w = p.w.data() + i * p.max_taps;
+      std::copy_backward(w, w + p.count[size_t(i)], w + p.count[size_t(i)] + shift);
+      std::fill(w, w + shift, 0.0f);
+      s -= shift;
+      p.count[size_t(i)] += shift;
+    }
+    if (s + p.taps > hi) p.fixed = false;  // a limit narrower than the window
   }
   return p;
 }
 
-// Clamp, then round to nearest (ties to even); written without branches (maxss/minss, an
-// inlined round), as it runs once per output value.
+// Clamp, then round to nearest (ties to even); written without branches, as it runs once per
+// output value. Adding and subtracting 1.5 * 2^23 rounds a float in [0, 2^22) to an integer in
+// the current (default: to nearest even) mode, as std::nearbyint does, without the libm call
+// that builds without SSE4.1 make of nearbyint.
 inline uint8_t to_u8(float v) {
   v = v > 0.0f ? v : 0.0f;
   v = v < 255.0f ? v : 255.0f;
-  return uint8_t(int(std::nearbyint(v)));
+  constexpr float kRound = 0x1.8p23f;  // without -ffast-math the compiler keeps both steps
+  return uint8_t(int((v + kRound) - kRound));
+}
+
+// One output pixel's RGB sums over its taps: T of them, unrolled, when the plan is fixed (T > 0),
+// else its own count.
+template <int T, typename S>
+inline void rgb_taps(const float* w, const S* s, int64_t count, float& a0, float& a1, float& a2) {
+  const int64_t n = T > 0 ? T : count;
+  for (int64_t t = 0; t < n; ++t) {
+    a0 += w[t] * float(s[t * 3]);
+    a1 += w[t] * float(s[t * 3 + 1]);
+    a2 += w[t] * float(s[t * 3 + 2]);
+  }
+}
+
+// The horizontal pass of one RGB row: out(j, c) = sum over taps of row[(start - first) * 3 + c],
+// where `row` holds source columns from `first` on; emit(j, a0, a1, a2) stores output j.
+template <int T, typename S, typename Emit>
+void rgb_row(const S* row, int64_t first, const AxisPlan& rx, int64_t out_w, bool flip,
+             Emit&& emit) {
+  for (int64_t j = 0; j < out_w; ++j) {
+    const int64_t pj = flip ? out_w - 1 - j : j;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+    rgb_taps<T>(rx.w.data() + pj * rx.max_taps, row + (rx.start[size_t(pj)] - first) * 3,
+                rx.count[size_t(pj)], a0, a1, a2);
+    emit(j, a0, a1, a2);
+  }
+}
+
+// rgb_row with the tap loop unrolled for the usual window sizes.
+template <typename S, typename Emit>
+void rgb_row_dispatch(const S* row, int64_t first, const AxisPlan& rx, int64_t out_w, bool flip,
+                      Emit&& emit) {
+  switch (rx.fixed ? rx.taps : 0) {
+    case 2: return rgb_row<2>(row, first, rx, out_w, flip, emit);
+    case 3: return rgb_row<3>(row, first, rx, out_w, flip, emit);
+    case 4: return rgb_row<4>(row, first, rx, out_w, flip, emit);
+    case 5: return rgb_row<5>(row, first, rx, out_w, flip, emit);
+    case 6: return rgb_row<6>(row, first, rx, out_w, flip, emit);
+    case 7: return rgb_row<7>(row, first, rx, out_w, flip, emit);
+    case 8: return rgb_row<8>(row, first, rx, out_w, flip, emit);
+    case 9: return rgb_row<9>(row, first, rx, out_w, flip, emit);
+    case 10: return rgb_row<10>(row, first, rx, out_w, flip, emit);
+    default: return rgb_row<0>(row, first, rx, out_w, flip, emit);
+  }
 }
 
 // Horizontal pass over the needed source rows into floats, then the vertical pass.
@@ -81,7 +148,7 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
     int64_t col0 = INT64_MAX, col1 = 0;
     for (int64_t j = 0; j < out_w; ++j) {
       col0 = std::min(col0, rx.start[size_t(j)]);
-      col1 = std::max(col1, rx.start[size_t(j)] + rx.count[size_t(j)]);
+      col1 = std::max(col1, rx.start[size_t(j)] + (rx.fixed ? rx.taps : rx.count[size_t(j)]));
     }
     const int64_t cw = (col1 - col0) * C;
     tmp.resize(size_t(out_h * cw));
@@ -98,23 +165,19 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
     for (int64_t i = 0; i < out_h; ++i) {
       const float* trow = tmp.data() + i * cw;
       uint8_t* drow = dst + i * out_w * C;
+      if (C == 3) {
+        rgb_row_dispatch(trow, col0, rx, out_w, flip, [drow](int64_t j, float a0, float a1, float a2) {
+          drow[j * 3] = to_u8(a0);
+          drow[j * 3 + 1] = to_u8(a1);
+          drow[j * 3 + 2] = to_u8(a2);
+        });
+        continue;
+      }
       for (int64_t j = 0; j < out_w; ++j) {
         const int64_t pj = flip ? out_w - 1 - j : j;
         const float* w = rx.w.data() + pj * rx.max_taps;
         const float* s = trow + (rx.start[size_t(pj)] - col0) * C;
         const int64_t taps = rx.count[size_t(pj)];
-        if (C == 3) {
-          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
-          for (int64_t t = 0; t < taps; ++t) {
-            a0 += w[t] * s[t * 3];
-            a1 += w[t] * s[t * 3 + 1];
-            a2 += w[t] * s[t * 3 + 2];
-          }
-          drow[j * 3] = to_u8(a0);
-          drow[j * 3 + 1] = to_u8(a1);
-          drow[j * 3 + 2] = to_u8(a2);
-          continue;
-        }
         for (int64_t c = 0; c < C; ++c) {
           float a = 0.0f;
           for (int64_t t = 0; t < taps; ++t) a += w[t] * s[t * C + c];
@@ -128,23 +191,19 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
   for (int64_t r = row0; r < row1; ++r) {
     const uint8_t* srow = src + r * width * C;
     float* trow = tmp.data() + (r - row0) * out_w * C;
+    if (C == 3) {  // RGB: the three channels share each tap's weight
+      rgb_row_dispatch(srow, 0, rx, out_w, flip, [trow](int64_t j, float a0, float a1, float a2) {
+        trow[j * 3] = a0;
+        trow[j * 3 + 1] = a1;
+        trow[j * 3 + 2] = a2;
+      });
+      continue;
+    }
     for (int64_t j = 0; j < out_w; ++j) {
       const int64_t pj = flip ? out_w - 1 - j : j;
       const float* w = rx.w.data() + pj * rx.max_taps;
       const uint8_t* s = srow + rx.start[size_t(pj)] * C;
       const int64_t taps = rx.count[size_t(pj)];
-      if (C == 3) {  // RGB: the three channels share each tap's weight
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
-        for (int64_t t = 0; t < taps; ++t) {
-          a0 += w[t] * float(s[t * 3]);
-          a1 += w[t] * float(s[t * 3 + 1]);
-          a2 += w[t] * float(s[t * 3 + 2]);
-        }
-        trow[j * 3] = a0;
-        trow[j * 3 + 1] = a1;
-        trow[j * 3 + 2] = a2;
-        continue;
-      }
       for (int64_t c = 0; c < C; ++c) {
         float acc = 0.0f;
         for (int64_t t = 0; t < taps; ++t) acc += w[t] * float(s[t * C + c]);

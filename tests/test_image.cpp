@@ -216,6 +216,37 @@ TEST_CASE("resized_crop: identity, flip, constant and hand-computed gradients") 
   CHECK_THROWS_AS(resized_crop(g8.data(), 1, 8, 1, {0, 6, 1, 4}, mid.data(), 1, 4), Error);
 }
 
+TEST_CASE("resample_box: RGB (unrolled fixed windows) equals each channel resampled alone") {
+  // The RGB passes read every output's widest window (zero weights past its own taps, windows
+  // near the limit's end moved left); the one-channel passes read each window's own taps. The
+  // sums must agree bit for bit: random boxes, limits (narrow ones too), sizes and flips.
+  Generator gen(21);
+  auto below = [&](int64_t n) { return int64_t(gen.below(uint64_t(n))); };
+  for (int it = 0; it < 300; ++it) {
+    const int64_t h = 1 + below(120), w = 1 + below(120);
+    const Image im = random_image(h, w, 3, uint64_t(it));
+    const int64_t lt = below(h), ll = below(w);
+    const CropBox lim{lt, ll, 1 + below(h - lt), 1 + below(w - ll)};
+    const double bh = std::max(0.5, double(lim.height) * gen.uniform());
+    const double bw = std::max(0.5, double(lim.width) * gen.uniform());
+    const BoxF box{double(lt) + (double(lim.height) - bh) * gen.uniform(),
+                   double(ll) + (double(lim.width) - bw) * gen.uniform(), bh, bw};
+    const int64_t oh = 1 + below(100), ow = 1 + below(100);
+    const bool flip = gen.uniform() < 0.5;
+    std::vector<uint8_t> rgb(size_t(oh * ow * 3)), plane(size_t(h * w)), one(size_t(oh * ow));
+    resample_box(im.pixels.data(), h, w, 3, box, lim, rgb.data(), oh, ow, flip);
+    for (int64_t c = 0; c < 3; ++c) {
+      for (int64_t k = 0; k < h * w; ++k) plane[size_t(k)] = im.pixels[size_t(k * 3 + c)];
+      resample_box(plane.data(), h, w, 1, box, lim, one.data(), oh, ow, flip);
+      int64_t differ = 0;
+      for (int64_t k = 0; k < oh * ow; ++k) differ += rgb[size_t(k * 3 + c)] != one[size_t(k)];
+      INFO("case ", it, ": ", h, "x", w, " limit ", lim.top, ",", lim.left, " ", lim.height, "x",
+           lim.width, " -> ", oh, "x", ow, " channel ", c);
+      CHECK(differ == 0);
+    }
+  }
+}
+
 TEST_CASE("Resize(shorter side) + CenterCrop") {
   CHECK(resize_shorter_side(375, 500, 256).height == 256);
   CHECK(resize_shorter_side(375, 500, 256).width == 341);
