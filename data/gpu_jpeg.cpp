@@ -87,10 +87,13 @@ double since(TraceClock::time_point t) {
 }
 
 // nvJPEG's own allocations (its device buffers and pinned staging), cached and kept for the
-// process's life: cudaFree and cudaFreeHost synchronise the whole device, so an nvJPEG call that
-// frees or replaces a buffer waits for the training step running beside it on another stream.
-// Blocks are reused for requests up to twice smaller than the block. The allocator interface is
-// plain function pointers, hence one cache per kind for the process (device blocks per device).
+// process's life, so that no nvJPEG call frees memory while a step runs: cudaFree and
+// cudaFreeHost synchronise the whole device. (Measured end to end, this did not shorten the
+// batched call under a running step, NOTES.md session 5; the wait is elsewhere.) Blocks are
+// reused for requests up to twice smaller than the block; a larger request adds a block, so the
+// cache holds about nvJPEG's largest working set plus the smaller blocks met on the way. The
+// allocator interface is plain function pointers, hence one cache per kind for the process
+// (device blocks per device).
 class BlockCache {
  public:
   explicit BlockCache(bool pinned) : pinned_(pinned) {}

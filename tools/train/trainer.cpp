@@ -489,7 +489,7 @@ Summary run(const Config& c) {
       const std::string path = out_dir->file("checkpoint.safetensors");
       checkpoints.write(path, checkpoint_bytes(path, st));
     }
-    const double save_s = seconds_since(save_start);
+    const double save_s = seconds_since(save_start);  // the training thread's share of the save
     const auto eval_start = Clock::now();
     run_eval();
     const double eval_s = seconds_since(eval_start);
