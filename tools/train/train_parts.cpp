@@ -43,10 +43,13 @@ Device pick_device(const std::string& s, const DistEnv& env) {
     cuda::set_device(env.local_rank);
     return Device::cuda(env.local_rank);
   }
-  if (s == "auto") return cuda::device_count() > 0 ? Device::cuda(0) : Device::cpu();
-  Device d = parse_device(s);
+  Device d = s == "auto" ? (cuda::device_count() > 0 ? Device::cuda(0) : Device::cpu())
+                         : parse_device(s);
   if (d.is_cuda() && d.index >= cuda::device_count())
     cli::usage_error("--device ", s, ": only ", cuda::device_count(), " CUDA device(s) present");
+  // The chosen GPU becomes the current one: the loaders that make batches on the device
+  // (DeviceLoader, GpuJpegLoader) and the graph executor work on the current device.
+  if (d.is_cuda()) cuda::set_device(d.index);
   return d;
 #else
   if (s == "auto") return Device::cpu();
