@@ -1,11 +1,12 @@
 #include "data/gpu_jpeg.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 #ifdef KILN_WITH_NVJPEG
 #include <nvjpeg.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +23,13 @@
 #endif
 
 namespace kiln::data {
+
+double GpuJpegLoader::steer_share(double share, double blocked_s, double workers_s,
+                                  double decode_s) {
+  if (blocked_s <= kBlockedS) return share;  // the input path kept up: leave it
+  const double step = decode_s > workers_s ? kShareStep : -kShareStep;
+  return std::clamp(share + step, 0.0, kMaxAdaptiveShare);
+}
 
 #ifdef KILN_WITH_NVJPEG
 
@@ -475,19 +483,6 @@ struct GpuJpegEpoch::State {
     t = Trace{};
   }
 
-  // next() waits longer than this for the decode thread: the input path is behind.
-  static constexpr double kBlockedS = 0.5e-3;
-
-  // The adaptive share (GpuJpegLoader::kAdaptiveHostShare): toward the side that made next()
-  // wait for batch `sl`.
-  void steer(const GpuJpegLoader::Impl::Slot& sl) {
-    const double now = impl->host_share.load(std::memory_order_relaxed);
-    const double step = sl.decode_s > sl.workers_s ? GpuJpegLoader::kShareStep
-                                                   : -GpuJpegLoader::kShareStep;
-    impl->host_share.store(std::clamp(now + step, 0.0, GpuJpegLoader::kMaxAdaptiveShare),
-                           std::memory_order_relaxed);
-  }
-
   // Fetches the next host batch and submits it into slot s, on a decode thread.
   void schedule(int s) {
     submitted[s] = std::async(std::launch::async, [this, s] {
@@ -517,7 +512,13 @@ struct GpuJpegEpoch::State {
     const double blocked = since(t);
     if (impl->trace) impl->times.next_wait += blocked;
     if (!has) return std::nullopt;
-    if (impl->adaptive && blocked > kBlockedS) steer(impl->slots[cur]);
+    if (impl->adaptive) {
+      const GpuJpegLoader::Impl::Slot& done = impl->slots[cur];
+      impl->host_share.store(
+          GpuJpegLoader::steer_share(impl->host_share.load(std::memory_order_relaxed), blocked,
+                                     done.workers_s, done.decode_s),
+          std::memory_order_relaxed);
+    }
     // Batch k + 1 starts reading, decoding and uploading while k is consumed.
     schedule(cur ^ 1);
     GpuJpegLoader::Impl::Slot& sl = impl->slots[cur];

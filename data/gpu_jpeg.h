@@ -75,6 +75,11 @@ class GpuJpegLoader {
   static constexpr double kAdaptiveHostShare = -1.0;
   static constexpr double kShareStep = 0.01;
   static constexpr double kMaxAdaptiveShare = 1.0;
+  static constexpr double kBlockedS = 0.5e-3;  // next() waited longer: the input path is behind
+  // One step of the adaptive share after a batch: next() was blocked `blocked_s` waiting for it;
+  // its decode thread waited `workers_s` for the workers' batch and `decode_s` in nvJPEG's call.
+  // Pure, so it is tested without a GPU (tests/test_image_folder.cpp).
+  static double steer_share(double share, double blocked_s, double workers_s, double decode_s);
   // The share of JPEGs the workers decode now (fixed or adaptive).
   double host_share() const;
   ~GpuJpegLoader();
