@@ -11,9 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <future>
-#include <map>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "core/switches.h"
@@ -94,73 +92,14 @@ double since(TraceClock::time_point t) {
   return std::chrono::duration<double>(TraceClock::now() - t).count();
 }
 
-// nvJPEG's own allocations (its device buffers and pinned staging), cached and kept for the
-// process's life, so that no nvJPEG call frees memory while a step runs: cudaFree and
-// cudaFreeHost synchronise the whole device. (Measured end to end, this did not shorten the
-// batched call under a running step, NOTES.md session 5; the wait is elsewhere.) Blocks are
-// reused for requests up to twice smaller than the block; a larger request adds a block, so the
-// cache holds about nvJPEG's largest working set plus the smaller blocks met on the way. The
-// allocator interface is plain function pointers, hence one cache per kind for the process
-// (device blocks per device).
-class BlockCache {
- public:
-  explicit BlockCache(bool pinned) : pinned_(pinned) {}
-  int allocate(void** p, size_t n) {
-    int device = 0;
-    if (!pinned_ && cudaGetDevice(&device) != cudaSuccess) return 1;
-    {
-      std::lock_guard lk(mu_);
-      auto& free = free_[device];
-      auto it = free.lower_bound(n);
-      if (it != free.end() && it->first <= std::max<size_t>(2 * n, 4096)) {
-        *p = it->second;
-        free.erase(it);
-        return 0;
-      }
-    }
-    const cudaError_t e = pinned_ ? cudaHostAlloc(p, std::max<size_t>(n, 1), cudaHostAllocDefault)
-                                  : cudaMalloc(p, std::max<size_t>(n, 1));
-    if (e != cudaSuccess) return int(e);
-    std::lock_guard lk(mu_);
-    blocks_[*p] = {device, n};
-    return 0;
-  }
-  int release(void* p) {
-    if (!p) return 0;
-    std::lock_guard lk(mu_);
-    auto it = blocks_.find(p);
-    if (it == blocks_.end()) return 1;
-    free_[it->second.first].emplace(it->second.second, p);
-    return 0;
-  }
-
- private:
-  const bool pinned_;
-  std::mutex mu_;
-  std::map<int, std::multimap<size_t, void*>> free_;           // device -> size -> block
-  std::unordered_map<void*, std::pair<int, size_t>> blocks_;  // every block: device, size
-};
-BlockCache& device_blocks() {
-  static BlockCache* c = new BlockCache(false);  // never destroyed: nvJPEG may free at exit
-  return *c;
-}
-BlockCache& pinned_blocks() {
-  static BlockCache* c = new BlockCache(true);
-  return *c;
-}
-int cached_device_malloc(void** p, size_t n) { return device_blocks().allocate(p, n); }
-int cached_device_free(void* p) { return device_blocks().release(p); }
-int cached_pinned_malloc(void** p, size_t n, unsigned int) { return pinned_blocks().allocate(p, n); }
-int cached_pinned_free(void* p) { return pinned_blocks().release(p); }
-
-// An nvJPEG handle on the caching allocators: the hardware backend when the GPU has one (sets
-// *hardware), else the default one.
+// An nvJPEG handle: the hardware backend when the GPU has one (sets *hardware), else the default
+// one. (Caching allocators for nvJPEG's buffers were tried and changed nothing under a running
+// step, NOTES.md session 5, so nvJPEG allocates with cudaMalloc as by default.)
 nvjpegHandle_t create_handle(bool* hardware) {
-  nvjpegDevAllocator_t dev{&cached_device_malloc, &cached_device_free};
-  nvjpegPinnedAllocator_t pinned{&cached_pinned_malloc, &cached_pinned_free};
   nvjpegHandle_t h = nullptr;
-  *hardware = nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, &dev, &pinned, 0, &h) == NVJPEG_STATUS_SUCCESS;
-  if (!*hardware) KILN_NVJPEG_CHECK(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, 0, &h));
+  *hardware =
+      nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h) == NVJPEG_STATUS_SUCCESS;
+  if (!*hardware) KILN_NVJPEG_CHECK(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &h));
   return h;
 }
 

@@ -13,7 +13,7 @@
 #   bash tools/device-jpeg-check.sh all              # train, then check's loader bench
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
 # TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
-# DECODER[:HOST_FRACTION]: default "nvjpeg"; e.g. "nvjpeg nvjpeg:0.3 cpu"), TRAIN_TIMEOUT (600 s),
+# DECODER[:HOST_FRACTION]: default "nvjpeg" (share auto); e.g. "nvjpeg nvjpeg:0 nvjpeg:0.5 cpu"), TRAIN_TIMEOUT (600 s),
 # SKIP_TESTS=1.
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
@@ -71,7 +71,7 @@ end_to_end() {
     --epochs "$EPOCHS" --print-freq 20 --output /tmp/kiln-dummy-out --overwrite 2>&1 | tee -a "$OUT/train.log"
   for spec in ${DECODERS:-nvjpeg}; do  # DECODER or DECODER:HOST_FRACTION
     dec=${spec%%:*}
-    frac=0
+    frac=auto  # kiln-train's default
     [[ $spec == *:* ]] && frac=${spec#*:}
     echo "== kiln-train --decoder $dec --host-decode-fraction $frac" | tee -a "$OUT/train.log"
     timeout "${TRAIN_TIMEOUT:-600}" "$B/kiln-train" --arch resnet50 --data "$data" -b 256 \
