@@ -22,10 +22,11 @@
 
 namespace kiln::data {
 
-double GpuJpegLoader::steer_share(double share, double blocked_s, double workers_s,
-                                  double decode_s) {
+double GpuJpegLoader::steer_share(double share, double blocked_s, double workers_s) {
   if (blocked_s <= kBlockedS) return share;  // the input path kept up: leave it
-  const double step = decode_s > workers_s ? kShareStep : -kShareStep;
+  // The workers had the batch ready: the CPU has room, so it takes more. They did not: it has
+  // too much, so nvJPEG takes more.
+  const double step = workers_s <= kWorkersBehindS ? kShareStep : -kShareStep;
   return std::clamp(share + step, 0.0, kMaxAdaptiveShare);
 }
 
@@ -153,6 +154,15 @@ struct GpuJpegLoader::Impl {
   bool adaptive = false;
   Trace times;  // written by the decode thread (one at a time) and next(); read when done
 
+  // What the decode thread is doing, for the stall report in next(): a static string and when
+  // it began (steady-clock nanoseconds).
+  std::atomic<const char*> stage{"idle"};
+  std::atomic<int64_t> stage_since{0};
+  void enter(const char* what) {
+    stage_since.store(TraceClock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    stage.store(what, std::memory_order_relaxed);
+  }
+
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
     // The hardware decoder when the GPU has one, else the default backend.
     handle = create_handle(&hardware);
@@ -216,7 +226,9 @@ struct GpuJpegLoader::Impl {
     // read its device buffers must be complete before they are reused.
     auto t = TraceClock::now();
     if (sl.used) {
+      enter("cudaEventSynchronize on the slot's previous uploads");
       CUDA_CHECK(cudaEventSynchronize(sl.ready));
+      enter("cudaEventSynchronize on the step's read of the slot's previous batch");
       CUDA_CHECK(cudaEventSynchronize(sl.consumed));
       if (trace) {
         float ms = 0;
@@ -275,10 +287,13 @@ struct GpuJpegLoader::Impl {
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
       if (initialized_for != n) {
         // The state's buffers are set up anew: no queued work may still use them.
+        enter("cudaStreamSynchronize before nvjpegDecodeBatchedInitialize");
         CUDA_CHECK(cudaStreamSynchronize(decode));
+        enter("nvjpegDecodeBatchedInitialize");
         st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
         initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
       }
+      enter("nvjpegDecodeBatched");
       if (st == NVJPEG_STATUS_SUCCESS)
         st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
@@ -293,7 +308,9 @@ struct GpuJpegLoader::Impl {
       }
       if (!gpu_ok) {
         initialized_for = -1;  // reset the state before the next batch
+        enter("cudaStreamSynchronize after a failed batched decode");
         CUDA_CHECK(cudaStreamSynchronize(decode));
+        enter("decoding a failed batch on the host");
       }
       off = 0;
       for (size_t j = 0; j < gpu_idx.size(); ++j) {
@@ -328,6 +345,7 @@ struct GpuJpegLoader::Impl {
       }
     }
     // Host-decoded samples: identity jobs over their uploaded (S, S, 3) pixels.
+    enter("queueing the uploads");
     const auto enq = TraceClock::now();
     int64_t n_host = 0;
     for (int64_t i = 0; i < B; ++i) {
@@ -362,6 +380,7 @@ struct GpuJpegLoader::Impl {
     sl.gpu = B - n_host;
     sl.cpu = n_host;
     sl.host = std::move(b);  // pinned pixels and labels stay alive until the copies ran
+    enter("idle");
   }
 
   // The CPU path's pixels for an encoded sample: same box, limit and flip.
@@ -391,6 +410,7 @@ struct GpuJpegEpoch::State {
   bool pending[2] = {false, false};
   std::future<bool> submitted[2];  // true: the slot holds a batch
   int64_t gpu = 0, cpu = 0;
+  std::atomic<int64_t> fetched{0};  // batches the decode thread took from the workers
   TraceClock::time_point returned{};  // when next() last returned a batch (trace)
 
   State(std::shared_ptr<GpuJpegLoader::Impl> i, ImageEpoch h) : impl(std::move(i)), host(std::move(h)) {}
@@ -422,11 +442,32 @@ struct GpuJpegEpoch::State {
     t = Trace{};
   }
 
+  // Waits for the decode thread's batch. Every kStallReportS it is late, says on stderr where the
+  // decode thread is (a hang then names the call it hangs in; session 5 saw three it could not
+  // place).
+  static constexpr int kStallReportS = 60;
+  void await(std::future<bool>& f) {
+    int waited_s = 0;
+    while (f.wait_for(std::chrono::seconds(kStallReportS)) != std::future_status::ready) {
+      waited_s += kStallReportS;
+      const double in_stage =
+          1e-9 * double(TraceClock::now().time_since_epoch().count() -
+                        impl->stage_since.load(std::memory_order_relaxed));
+      std::fprintf(stderr,
+                   "kiln: GPU JPEG loader: the next batch is %d s late; its decode thread has been "
+                   "in \"%s\" for %.0f s (%ld of the epoch's %ld batches came from the workers)\n",
+                   waited_s, impl->stage.load(std::memory_order_relaxed), in_stage,
+                   long(fetched.load()), long(host.size()));
+    }
+  }
+
   // Fetches the next host batch and submits it into slot s, on a decode thread.
   void schedule(int s) {
     submitted[s] = std::async(std::launch::async, [this, s] {
       const auto t = TraceClock::now();
+      impl->enter("waiting for the workers' batch");
       std::optional<ImageBatch> b = host.next();
+      if (b) ++fetched;
       const double waited = since(t);
       if (impl->trace) impl->times.host_next += waited;
       if (!b) return false;
@@ -447,6 +488,7 @@ struct GpuJpegEpoch::State {
     const auto t = TraceClock::now();
     if (impl->trace && returned != TraceClock::time_point{})
       impl->times.between += std::chrono::duration<double>(t - returned).count();
+    await(submitted[cur]);
     const bool has = submitted[cur].get();  // rethrows the decode thread's error
     const double blocked = since(t);
     if (impl->trace) impl->times.next_wait += blocked;
@@ -455,7 +497,7 @@ struct GpuJpegEpoch::State {
       const GpuJpegLoader::Impl::Slot& done = impl->slots[cur];
       impl->host_share.store(
           GpuJpegLoader::steer_share(impl->host_share.load(std::memory_order_relaxed), blocked,
-                                     done.workers_s, done.decode_s),
+                                     done.workers_s),
           std::memory_order_relaxed);
     }
     // Batch k + 1 starts reading, decoding and uploading while k is consumed.

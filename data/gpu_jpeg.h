@@ -65,21 +65,27 @@ class GpuJpegLoader {
                 DType dtype = DType::f16, NormalizeStats stats = {}, double host_fraction = 0.0);
 
   // The adaptive share. Why it exists: the hardware decoder alone outruns a ResNet-50 step on an
-  // idle GPU, but under a running step each image's decode waits for SM time behind the step's
-  // blocks (measured on the H200: 0.24 ms per image under training against 0.05 ms alone), so
-  // nvJPEG alone feeds ~6,300 images/s where the step takes 8,600. After each batch, when next()
-  // had to wait for the decode thread, the share moves by kShareStep toward the side that made
-  // it wait: up when nvJPEG's call took longer than waiting for the workers' batch, down
-  // otherwise; when next() did not wait it stays. It starts at 0 and lives as long as the loader
-  // (epochs continue where the last one ended), within [0, kMaxAdaptiveShare].
+  // idle GPU, but under a running step nvJPEG's batched call takes about 22 ms plus 0.1 ms per
+  // image (measured on the H200, NOTES.md session 5), where the step takes 30: nvJPEG alone
+  // feeds ~6,100 images/s, and the 16 CPU workers alone ~7,000. Together they keep up when each
+  // gets the share it finishes within a step, and the decode thread's cycle (wait for the
+  // workers' batch, then nvJPEG's call) is shortest at the share where the workers just keep up:
+  // more on the CPU makes the decode thread wait for them, more on nvJPEG lengthens its call.
+  // So after each batch that made next() wait (kBlockedS), the share moves by kShareStep: up when
+  // the workers had that batch ready (waited at most kWorkersBehindS), down when they did not;
+  // when next() did not wait it stays. It starts at 0 and lives as long as the loader (epochs
+  // continue where the last one ended), within [0, kMaxAdaptiveShare]. (Session 5's rule, up
+  // while nvJPEG's call took longer than the workers' wait, settled where the CPU was already
+  // behind: 89-90% of synthetic.)
   static constexpr double kAdaptiveHostShare = -1.0;
   static constexpr double kShareStep = 0.01;
   static constexpr double kMaxAdaptiveShare = 1.0;
   static constexpr double kBlockedS = 0.5e-3;  // next() waited longer: the input path is behind
+  static constexpr double kWorkersBehindS = 1e-3;  // the decode thread waited longer: CPU behind
   // One step of the adaptive share after a batch: next() was blocked `blocked_s` waiting for it;
-  // its decode thread waited `workers_s` for the workers' batch and `decode_s` in nvJPEG's call.
-  // Pure, so it is tested without a GPU (tests/test_image_folder.cpp).
-  static double steer_share(double share, double blocked_s, double workers_s, double decode_s);
+  // its decode thread waited `workers_s` for the workers' batch. Pure, so it is tested without a
+  // GPU (tests/test_image_folder.cpp).
+  static double steer_share(double share, double blocked_s, double workers_s);
   // The share of JPEGs the workers decode now (fixed or adaptive).
   double host_share() const;
   ~GpuJpegLoader();
