@@ -22,6 +22,7 @@ Switches read_switches() {
   if (n > 0) s.conv_candidates = size_t(n);
   const char* jt = std::getenv("KILN_JPEG_TRACE");
   s.jpeg_trace = jt && *jt && !is(jt, "0");
+  if (const char* at = std::getenv("KILN_ALLOC_TRACE")) s.alloc_trace = at;
   return s;
 }
 

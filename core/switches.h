@@ -16,10 +16,12 @@
 // | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
 // | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
 // |                          |                     | time went (data/gpu_jpeg.cpp)                   |
+// | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
 #include <cstddef>
+#include <string>
 
 namespace kiln {
 
@@ -31,6 +33,7 @@ struct Switches {
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;
   bool jpeg_trace = false;
+  std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
 };
 
 // The process's switches, read from the environment on the first call.

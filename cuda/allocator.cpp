@@ -17,15 +17,22 @@
 // capture join the pool whatever their origin, because the graph may read them. Pool blocks
 // freed later go back to the pool, not to the general cache. cudaMalloc runs in relaxed capture
 // mode: it is not stream work, and a thread-local capture would otherwise refuse it.
+//
+// KILN_ALLOC_TRACE=PATH (core/switches.h) logs every event, one per line, for replaying the
+// policy offline (tools/alloc_replay.py): `a PTR BYTES STREAM` allocate (STREAM: 0, 1, ... in
+// order of first use), `f PTR` free, `o POOL STREAM` / `c POOL` / `r POOL` a private pool
+// opened / closed / released, `e` empty_cache, `m BYTES` a cudaMalloc.
 #include "cuda/allocator.h"
 
 #include <array>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "core/switches.h"
 #include "cuda/check.h"
 #include "cuda/profiler.h"
 #include "cuda/runtime.h"
@@ -80,6 +87,12 @@ class DeviceAllocator final : public Allocator {
     if (nbytes == 0) return nullptr;
     const size_t size = round_size(nbytes);
     cudaStream_t stream = stream_for_device();
+    void* p = allocate_locked(size, nbytes, stream);
+    if (trace_) std::fprintf(trace_, "a %p %zu %d\n", p, nbytes, stream_id(stream));
+    return p;
+  }
+
+  void* allocate_locked(size_t size, size_t nbytes, cudaStream_t stream) {
     const uint64_t pool_id = open_pool_of(stream);
     Block b;
     if (pool_id != 0) {
@@ -90,12 +103,40 @@ class DeviceAllocator final : public Allocator {
       return hand_out(b);
     }
     if (take_best_fit(free_, stream, size, &b)) return hand_out(b);
+    if (take_from_other_stream(stream, size, &b)) return hand_out(b);
     return hand_out(new_block(size, nbytes, stream, false));
+  }
+
+  // Before growing: a fitting block cached by another stream (eager work on the compute stream,
+  // then a GraphStep's warm-up on its own stream, say) is reused once the device is
+  // synchronised, which orders every use of it before this stream's work. Not while this thread
+  // captures (a sync would end the capture); a device that cannot be synchronised now (another
+  // thread's global capture) means a new block instead.
+  bool take_from_other_stream(cudaStream_t stream, size_t size, Block* out) {
+    if (is_capturing()) return false;
+    FreeList::iterator best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      const size_t have = it->first.second;
+      if (it->second.stream == stream || have < size || have > 2 * size) continue;
+      if (best == free_.end() || have < best->first.second) best = it;
+    }
+    if (best == free_.end()) return false;
+    DeviceScope scope(device_);
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    *out = best->second;
+    out->stream = stream;
+    free_.erase(best);
+    ++stats_.cross_stream_reuses;
+    return true;
   }
 
   void deallocate(void* ptr, size_t) override {
     if (!ptr) return;
     std::lock_guard<std::mutex> lock(mutex_);
+    if (trace_) std::fprintf(trace_, "f %p\n", ptr);
     auto it = live_.find(ptr);
     KILN_CHECK(it != live_.end(), "cuda allocator (cuda:", device_, "): freeing ", ptr,
                ", which it did not allocate");
@@ -132,6 +173,7 @@ class DeviceAllocator final : public Allocator {
   void empty_cache() {
     check_not_capturing("cuda::empty_cache()", "it synchronises the device");
     std::lock_guard<std::mutex> lock(mutex_);
+    if (trace_) std::fprintf(trace_, "e\n");
     release_cached();
   }
 
@@ -150,15 +192,18 @@ class DeviceAllocator final : public Allocator {
     KILN_CHECK(open_pool_of(stream) == 0, "cuda allocator (cuda:", device_,
                "): a private pool is already open on stream ", static_cast<void*>(stream));
     open_.emplace_back(stream, id);
+    if (trace_) std::fprintf(trace_, "o %llu %d\n", (unsigned long long)id, stream_id(stream));
   }
 
   void close_pool(uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (trace_) std::fprintf(trace_, "c %llu\n", (unsigned long long)id);
     std::erase_if(open_, [id](const auto& e) { return e.second == id; });
   }
 
   void release_pool(uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (trace_) std::fprintf(trace_, "r %llu\n", (unsigned long long)id);
     std::erase_if(open_, [id](const auto& e) { return e.second == id; });
     auto it = pools_.find(id);
     if (it == pools_.end() || it->second.released) return;
@@ -186,6 +231,7 @@ class DeviceAllocator final : public Allocator {
 
   Block new_block(size_t size, size_t requested, cudaStream_t stream, bool capturing) {
     void* p = cuda_malloc_or_retry(size, requested, capturing);
+    if (trace_) std::fprintf(trace_, "m %zu\n", size);
     stats_.reserved_bytes += size;
     ++stats_.num_cuda_mallocs;
     return Block{p, size, stream, 0};
@@ -286,7 +332,24 @@ class DeviceAllocator final : public Allocator {
     bool switched_ = false;
   };
 
+  int stream_id(cudaStream_t s) {
+    for (size_t i = 0; i < trace_streams_.size(); ++i)
+      if (trace_streams_[i] == s) return int(i);
+    trace_streams_.push_back(s);
+    return int(trace_streams_.size() - 1);
+  }
+  static std::FILE* open_trace(int device) {
+    const std::string& path = switches().alloc_trace;
+    if (path.empty()) return nullptr;
+    const std::string name = device == 0 ? path : path + "." + std::to_string(device);
+    std::FILE* f = std::fopen(name.c_str(), "w");
+    KILN_CHECK(f, "KILN_ALLOC_TRACE: cannot open '", name, "' for writing");
+    return f;  // never closed: exit() flushes it
+  }
+
   const int device_;
+  std::FILE* trace_ = open_trace(device_);
+  std::vector<cudaStream_t> trace_streams_;
   std::mutex mutex_;
   FreeList free_;  // the general cache
   std::unordered_map<void*, Block> live_;

@@ -11,6 +11,10 @@
 // anyone else while the pool lives, so a graph's replays find its memory untouched. Releasing
 // the pool returns its cached blocks to the general cache of their stream; its blocks still in
 // use join the general cache when freed.
+//
+// Before it grows, the allocator takes over a fitting block cached by another stream, after
+// synchronising the device (never during a capture): so eager work on one stream and a graph's
+// warm-up on another share their memory instead of each holding its own.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -27,6 +31,7 @@ struct AllocatorStats {
   uint64_t num_cuda_mallocs = 0;
   uint64_t num_allocs = 0;      // allocate() calls
   size_t graph_pool_bytes = 0;  // part of reserved_bytes held by private pools (live + cached)
+  uint64_t cross_stream_reuses = 0;  // cached blocks of one stream taken over by another
 };
 
 Allocator* caching_allocator(int device);
