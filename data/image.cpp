@@ -145,14 +145,18 @@ std::vector<uint8_t> encode_png(const Image& im) {
 
 void write_png(const std::string& path, const Image& im) { write_bytes(path, encode_png(im)); }
 
-void write_jpeg(const std::string& path, const Image& im, int quality) {
-  check_writable(im, "write_jpeg");
-  KILN_CHECK(quality >= 1 && quality <= 100, "write_jpeg: quality must be 1..100, got ", quality);
+std::vector<uint8_t> encode_jpeg(const Image& im, int quality) {
+  check_writable(im, "encode_jpeg");
+  KILN_CHECK(quality >= 1 && quality <= 100, "encode_jpeg: quality must be 1..100, got ", quality);
   std::vector<uint8_t> out;
   KILN_CHECK(stbi_write_jpg_to_func(append_bytes, &out, int(im.width), int(im.height),
                                     int(im.channels), im.pixels.data(), quality),
-             "write_jpeg: stb_image_write failed for '", path, "'");
-  write_bytes(path, out);
+             "encode_jpeg: stb_image_write failed for a ", im.width, "x", im.height, " image");
+  return out;
+}
+
+void write_jpeg(const std::string& path, const Image& im, int quality) {
+  write_bytes(path, encode_jpeg(im, quality));
 }
 
 }  // namespace kiln::data

@@ -54,5 +54,6 @@ ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name)
 void write_png(const std::string& path, const Image& im);
 void write_jpeg(const std::string& path, const Image& im, int quality = 90);
 std::vector<uint8_t> encode_png(const Image& im);
+std::vector<uint8_t> encode_jpeg(const Image& im, int quality = 90);  // baseline (stb_image_write)
 
 }  // namespace kiln::data

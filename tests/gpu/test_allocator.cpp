@@ -2,6 +2,7 @@
 // empty_cache, thread safety.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <thread>
 
 #include "cuda/allocator.h"
@@ -84,25 +85,39 @@ TEST_CASE("a small request does not take a much larger cached block") {
   a->deallocate(small, size_t(2) << 20);
 }
 
-TEST_CASE("stream order: a block freed on one stream is not handed to another") {
+TEST_CASE("stream order: a block freed on one stream reaches another only after a device sync") {
   Allocator* a = cuda::caching_allocator(0);
-  const size_t bytes = size_t(4) << 20;
-  void* p = a->allocate(bytes);  // on the compute stream
-  a->deallocate(p, bytes);
+  const size_t bytes = size_t(18) << 20;  // a size no other case here caches
   cudaStream_t other = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
   {
     cuda::StreamGuard g(other);
-    void* q = a->allocate(bytes);
-    CHECK(q != p);
-    a->deallocate(q, bytes);
-    void* r = a->allocate(bytes);  // same stream as q: reused
-    CHECK(r == q);
+    void* r = a->allocate(bytes);  // other's own block, cached on other
     a->deallocate(r, bytes);
+    void* q = a->allocate(bytes);  // same stream: reused without a sync
+    CHECK(q == r);
+    a->deallocate(q, bytes);
   }
-  void* s = a->allocate(bytes);  // back on the compute stream: p again
-  CHECK(s == p);
-  a->deallocate(s, bytes);
+  // The compute stream is held up by a host function; a block freed there while that work is
+  // pending reaches `other` only once the device is synchronised (the stream has finished).
+  void* p = a->allocate(bytes);
+  cudaStream_t compute = cuda::current_stream();
+  CUDA_CHECK(cudaLaunchHostFunc(
+      compute, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
+      nullptr));
+  a->deallocate(p, bytes);
+  const uint64_t before = cuda::allocator_stats(0).cross_stream_reuses;
+  {
+    cuda::StreamGuard g(other);
+    void* s2 = a->allocate(bytes);  // other's own cached block first
+    void* s3 = a->allocate(bytes);  // then p's, taken over from the compute stream
+    CHECK(s2 != p);
+    CHECK(s3 == p);
+    CHECK(cudaStreamQuery(compute) == cudaSuccess);  // the sleeping host function has run
+    CHECK(cuda::allocator_stats(0).cross_stream_reuses == before + 1);
+    a->deallocate(s2, bytes);
+    a->deallocate(s3, bytes);
+  }
   cuda::synchronize();
   CUDA_CHECK(cudaStreamDestroy(other));
 }
