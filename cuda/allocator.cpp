@@ -1,22 +1,33 @@
-// The caching device allocator. Sizes are rounded (512 B below 1 MiB, 2 MiB granularity
-// above) so that a training step's repeated requests land on the same buckets; blocks are never
-// split, and a cached block is reused only when it is at most twice the rounded request, so a
-// small request cannot pin a huge block.
+// The caching device allocator. Device memory is obtained in segments (cudaMalloc) and handed
+// out as blocks carved from them: a request is rounded up to 512 B and served by the smallest
+// cached block that fits, which is split when the rest is worth keeping (512 B in small
+// segments, 1 MiB in large ones); a freed block merges with free neighbours of its segment that
+// have the same stream and pool. Requests up to 1 MiB come from 2 MiB segments, larger ones from
+// segments of their own size rounded to 2 MiB (at least 20 MiB below 10 MiB), so small blocks
+// never pin a large segment.
 //
 // Stream order: a block belongs to the stream current at its allocation. Freeing it returns it
-// to that stream's free list, and only later allocations on the same stream reuse it, which is
+// to that stream's free set, and only later allocations on the same stream reuse it, which is
 // safe without a sync because the stream runs its work in order. Cross-stream use: a block
 // used on another stream than its own must be freed only after that stream's work is ordered
 // before the owning stream (cudaEventRecord on the user stream + cudaStreamWaitEvent on the
 // owner), or after a synchronisation; otherwise a later allocation may overwrite it early.
 //
+// Before it grows (outside a capture) the allocator synchronises the device once, then takes a
+// fitting block cached by another stream, or else returns every wholly free segment to the
+// driver when together they are at least the new segment's size. Measured on ResNet-50 b256's
+// trace (tools/alloc_replay.py, NOTES.md session 6): whole blocks without splitting reserved
+// 13.3 GiB for 10.65 GiB of peak requests, splitting 12.3, splitting with this release 11.2.
+// Growing happens in the first steps only, so the syncs cost warm-up time, not step time.
+//
 // Private pools: a captured graph replays fixed addresses, so every block it touched must stay
 // out of other hands while the graph lives. During a capture on stream S (pool open on S):
-// allocations on S come from the pool's free list, then from S's general free list (its pending
-// work is ordered before the graph on S), then from cudaMalloc; S's blocks freed during the
+// allocations on S come from the pool's free set, then from S's general free set (its pending
+// work is ordered before the graph on S), then from a new segment; S's blocks freed during the
 // capture join the pool whatever their origin, because the graph may read them. Pool blocks
-// freed later go back to the pool, not to the general cache. cudaMalloc runs in relaxed capture
-// mode: it is not stream work, and a thread-local capture would otherwise refuse it.
+// freed later go back to the pool, not to the general cache. The rest of a split pool block is
+// not read by the graph and goes to the general cache. cudaMalloc runs in relaxed capture mode:
+// it is not stream work, and a thread-local capture would otherwise refuse it.
 //
 // KILN_ALLOC_TRACE=PATH (core/switches.h) logs every event, one per line, for replaying the
 // policy offline (tools/alloc_replay.py): `a PTR BYTES STREAM` allocate (STREAM: 0, 1, ... in
@@ -24,10 +35,12 @@
 // opened / closed / released, `e` empty_cache, `m BYTES` a cudaMalloc.
 #include "cuda/allocator.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
-#include <map>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -41,40 +54,61 @@ namespace kiln::cuda {
 namespace {
 
 constexpr size_t kSmallLimit = size_t(1) << 20;  // requests up to 1 MiB are "small"
-constexpr size_t kSmallRound = 512;
+constexpr size_t kRound = 512;
+constexpr size_t kSmallSegment = size_t(2) << 20;
 constexpr size_t kLargeRound = size_t(2) << 20;
+constexpr size_t kMidLimit = size_t(10) << 20;    // large requests below this share segments
+constexpr size_t kMidSegment = size_t(20) << 20;  // of this size
+constexpr size_t kMinLargeRest = size_t(1) << 20;  // a large block's rest below this stays attached
 constexpr int kMaxDevices = 64;
 
-size_t round_size(size_t n) {
-  if (n <= kSmallLimit) return (n + kSmallRound - 1) / kSmallRound * kSmallRound;
-  return (n + kLargeRound - 1) / kLargeRound * kLargeRound;
+size_t round_size(size_t n) { return (n + kRound - 1) / kRound * kRound; }
+
+size_t segment_size(size_t size) {
+  if (size <= kSmallLimit) return kSmallSegment;
+  const size_t s = (size + kLargeRound - 1) / kLargeRound * kLargeRound;
+  return size < kMidLimit ? std::max(s, kMidSegment) : s;
 }
 
+// A piece of a segment. Blocks of one segment form a list in address order (prev/next).
 struct Block {
-  void* ptr = nullptr;
+  char* ptr = nullptr;
   size_t size = 0;
   cudaStream_t stream = nullptr;
   uint64_t pool = 0;  // 0: the general cache
+  bool small = false;  // from a small segment
+  bool free = false;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  bool whole_segment() const { return !prev && !next; }
 };
 
-// Free lists ordered by (stream, size): lower_bound gives the best fit on one stream.
-using FreeKey = std::pair<uintptr_t, size_t>;
-using FreeList = std::multimap<FreeKey, Block>;
+// Free blocks ordered by (stream, small, size, address): lower_bound gives the best fit.
+struct FreeOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    return std::tuple(uintptr_t(a->stream), a->small, a->size, uintptr_t(a->ptr)) <
+           std::tuple(uintptr_t(b->stream), b->small, b->size, uintptr_t(b->ptr));
+  }
+};
+using FreeSet = std::set<Block*, FreeOrder>;
 
 struct Pool {
-  FreeList free;
+  FreeSet free;
   size_t bytes = 0;       // blocks belonging to the pool, live or cached
   bool released = false;  // the graph is gone; live blocks leave the pool when freed
 };
 
-// Removes and returns the best fit for `size` on `stream` (at most 2x), if any.
-bool take_best_fit(FreeList& list, cudaStream_t stream, size_t size, Block* out) {
-  auto it = list.lower_bound({uintptr_t(stream), size});
-  if (it == list.end() || it->first.first != uintptr_t(stream) || it->first.second > 2 * size)
-    return false;
-  *out = it->second;
-  list.erase(it);
-  return true;
+// Removes and returns the smallest block in `set` on `stream` that holds `size`, if any.
+Block* take_best_fit(FreeSet& set, cudaStream_t stream, size_t size) {
+  Block key;
+  key.stream = stream;
+  key.small = size <= kSmallLimit;
+  key.size = size;
+  auto it = set.lower_bound(&key);
+  if (it == set.end() || (*it)->stream != stream || (*it)->small != key.small) return nullptr;
+  Block* b = *it;
+  set.erase(it);
+  return b;
 }
 
 class DeviceAllocator final : public Allocator {
@@ -87,50 +121,14 @@ class DeviceAllocator final : public Allocator {
     if (nbytes == 0) return nullptr;
     const size_t size = round_size(nbytes);
     cudaStream_t stream = stream_for_device();
-    void* p = allocate_locked(size, nbytes, stream);
-    if (trace_) std::fprintf(trace_, "a %p %zu %d\n", p, nbytes, stream_id(stream));
-    return p;
-  }
-
-  void* allocate_locked(size_t size, size_t nbytes, cudaStream_t stream) {
-    const uint64_t pool_id = open_pool_of(stream);
-    Block b;
-    if (pool_id != 0) {
-      Pool& pool = pools_.at(pool_id);
-      if (take_best_fit(pool.free, stream, size, &b)) return hand_out(b);
-      if (!take_best_fit(free_, stream, size, &b)) b = new_block(size, nbytes, stream, true);
-      join_pool(b, pool_id);
-      return hand_out(b);
-    }
-    if (take_best_fit(free_, stream, size, &b)) return hand_out(b);
-    if (take_from_other_stream(stream, size, &b)) return hand_out(b);
-    return hand_out(new_block(size, nbytes, stream, false));
-  }
-
-  // Before growing: a fitting block cached by another stream (eager work on the compute stream,
-  // then a GraphStep's warm-up on its own stream, say) is reused once the device is
-  // synchronised, which orders every use of it before this stream's work. Not while this thread
-  // captures (a sync would end the capture); a device that cannot be synchronised now (another
-  // thread's global capture) means a new block instead.
-  bool take_from_other_stream(cudaStream_t stream, size_t size, Block* out) {
-    if (is_capturing()) return false;
-    FreeList::iterator best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      const size_t have = it->first.second;
-      if (it->second.stream == stream || have < size || have > 2 * size) continue;
-      if (best == free_.end() || have < best->first.second) best = it;
-    }
-    if (best == free_.end()) return false;
-    DeviceScope scope(device_);
-    if (cudaDeviceSynchronize() != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    *out = best->second;
-    out->stream = stream;
-    free_.erase(best);
-    ++stats_.cross_stream_reuses;
-    return true;
+    Block* b = find_block(size, nbytes, stream);
+    b = split(b, size);
+    b->free = false;
+    live_.emplace(b->ptr, b);
+    stats_.allocated_bytes += b->size;
+    stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+    if (trace_) std::fprintf(trace_, "a %p %zu %d\n", static_cast<void*>(b->ptr), nbytes, stream_id(stream));
+    return b->ptr;
   }
 
   void deallocate(void* ptr, size_t) override {
@@ -140,24 +138,16 @@ class DeviceAllocator final : public Allocator {
     auto it = live_.find(ptr);
     KILN_CHECK(it != live_.end(), "cuda allocator (cuda:", device_, "): freeing ", ptr,
                ", which it did not allocate");
-    Block b = it->second;
+    Block* b = it->second;
     live_.erase(it);
-    stats_.allocated_bytes -= b.size;
-    const FreeKey key{uintptr_t(b.stream), b.size};
-    if (b.pool != 0) {
-      Pool& pool = pools_.at(b.pool);
-      if (!pool.released) {
-        pool.free.emplace(key, b);
-        return;
-      }
-      leave_pool(b);
+    stats_.allocated_bytes -= b->size;
+    if (b->pool != 0 && pools_.at(b->pool).released) leave_pool(b);
+    if (b->pool == 0) {
+      if (const uint64_t id = open_pool_of(b->stream); id != 0)
+        join_pool(b, id);  // freed during a capture on its stream: the graph may read it
     }
-    if (const uint64_t id = open_pool_of(b.stream); id != 0) {
-      join_pool(b, id);  // freed during a capture on its stream: the graph may read it
-      pools_.at(id).free.emplace(key, b);
-      return;
-    }
-    free_.emplace(key, b);
+    b->free = true;
+    cache(merge(b));
   }
 
   AllocatorStats stats() {
@@ -168,13 +158,14 @@ class DeviceAllocator final : public Allocator {
   void reset_peak() {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.peak_allocated_bytes = stats_.allocated_bytes;
+    stats_.peak_reserved_bytes = stats_.reserved_bytes;
   }
 
   void empty_cache() {
     check_not_capturing("cuda::empty_cache()", "it synchronises the device");
     std::lock_guard<std::mutex> lock(mutex_);
     if (trace_) std::fprintf(trace_, "e\n");
-    release_cached();
+    release_free_segments(0);
   }
 
   uint64_t create_pool() {
@@ -207,50 +198,168 @@ class DeviceAllocator final : public Allocator {
     std::erase_if(open_, [id](const auto& e) { return e.second == id; });
     auto it = pools_.find(id);
     if (it == pools_.end() || it->second.released) return;
-    if (it->second.bytes == 0) {
-      pools_.erase(it);
-      return;
-    }
     it->second.released = true;
-    FreeList cached = std::move(it->second.free);
+    FreeSet cached = std::move(it->second.free);
     it->second.free.clear();
-    for (auto& [key, b] : cached) {
-      leave_pool(b);  // erases the pool with its last block: `it` is dead from here
-      free_.emplace(key, b);
+    for (Block* b : cached) {
+      leave_pool(b);  // may erase the pool with its last block: `it` is dead from here
+      cache(merge(b));
     }
+    if (auto p = pools_.find(id); p != pools_.end() && p->second.bytes == 0) pools_.erase(p);
   }
 
  private:
-  void* hand_out(const Block& b) {
-    live_.emplace(b.ptr, b);
-    stats_.allocated_bytes += b.size;
-    if (stats_.allocated_bytes > stats_.peak_allocated_bytes)
-      stats_.peak_allocated_bytes = stats_.allocated_bytes;
-    return b.ptr;
+  // The block to serve `size` bytes on `stream`, unsplit; out of every free set.
+  Block* find_block(size_t size, size_t requested, cudaStream_t stream) {
+    if (const uint64_t id = open_pool_of(stream); id != 0) {
+      Pool& pool = pools_.at(id);
+      if (Block* b = take_best_fit(pool.free, stream, size)) return b;
+      Block* b = take_best_fit(free_, stream, size);
+      if (!b) b = new_segment(size, requested, stream, true);
+      join_pool(b, id);
+      return b;
+    }
+    if (Block* b = take_best_fit(free_, stream, size)) return b;
+    if (!is_capturing() && synchronize_for_growth()) {
+      if (Block* b = take_from_other_stream(stream, size)) return b;
+      release_free_segments(segment_size(size));
+    }
+    return new_segment(size, requested, stream, false);
   }
 
-  Block new_block(size_t size, size_t requested, cudaStream_t stream, bool capturing) {
-    void* p = cuda_malloc_or_retry(size, requested, capturing);
-    if (trace_) std::fprintf(trace_, "m %zu\n", size);
-    stats_.reserved_bytes += size;
+  // Growing outside a capture: one device sync, after which every cached block is idle. False
+  // when the device cannot be synchronised now (another thread's global capture).
+  bool synchronize_for_growth() {
+    DeviceScope scope(device_);
+    if (cudaDeviceSynchronize() == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
+  }
+
+  // A fitting general block cached by another stream (after synchronize_for_growth).
+  Block* take_from_other_stream(cudaStream_t stream, size_t size) {
+    Block* best = nullptr;
+    const bool small = size <= kSmallLimit;
+    for (Block* b : free_)
+      if (b->stream != stream && b->small == small && b->size >= size &&
+          (!best || b->size < best->size))
+        best = b;
+    if (!best) return nullptr;
+    free_.erase(best);
+    best->stream = stream;
+    ++stats_.cross_stream_reuses;
+    return best;
+  }
+
+  // Returns the general cache's wholly free segments to the driver, when together they hold at
+  // least `at_least` bytes (0: always). The device must be idle or synchronised.
+  void release_free_segments(size_t at_least) {
+    size_t total = 0;
+    std::vector<Block*> whole;
+    for (Block* b : free_)
+      if (b->whole_segment() && !b->small) {
+        whole.push_back(b);
+        total += b->size;
+      }
+    if (at_least > 0 && total < at_least) return;
+    if (at_least == 0) {
+      for (Block* b : free_)
+        if (b->whole_segment() && b->small) whole.push_back(b);
+      DeviceScope scope(device_);
+      CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    DeviceScope scope(device_);
+    for (Block* b : whole) {
+      free_.erase(b);
+      CUDA_CHECK(cudaFree(b->ptr));
+      stats_.reserved_bytes -= b->size;
+      ++stats_.num_segment_frees;
+      delete b;
+    }
+  }
+
+  Block* new_segment(size_t size, size_t requested, cudaStream_t stream, bool capturing) {
+    const size_t seg = segment_size(size);
+    void* p = cuda_malloc_or_retry(seg, requested, capturing);
+    if (trace_) std::fprintf(trace_, "m %zu\n", seg);
+    stats_.reserved_bytes += seg;
+    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
     ++stats_.num_cuda_mallocs;
-    return Block{p, size, stream, 0};
+    Block* b = new Block;
+    b->ptr = static_cast<char*>(p);
+    b->size = seg;
+    b->stream = stream;
+    b->small = size <= kSmallLimit;
+    return b;
   }
 
-  void join_pool(Block& b, uint64_t id) {
-    b.pool = id;
-    pools_.at(id).bytes += b.size;
-    stats_.graph_pool_bytes += b.size;
+  // Cuts `b` to `size` when the rest is worth keeping; the rest is cached in the general cache
+  // (a pool's graph never reads it).
+  Block* split(Block* b, size_t size) {
+    const size_t rest = b->size - size;
+    if (rest < (b->small ? kRound : kMinLargeRest)) return b;
+    Block* r = new Block;
+    r->ptr = b->ptr + size;
+    r->size = rest;
+    r->stream = b->stream;
+    r->small = b->small;
+    r->free = true;
+    r->prev = b;
+    r->next = b->next;
+    if (b->next) b->next->prev = r;
+    b->next = r;
+    b->size = size;
+    if (b->pool != 0) {
+      pools_.at(b->pool).bytes -= rest;
+      stats_.graph_pool_bytes -= rest;
+    }
+    cache(merge(r));
+    return b;
   }
 
-  // The block leaves its (released) pool for the general cache; the pool is forgotten once
-  // it holds nothing.
-  void leave_pool(Block& b) {
-    auto it = pools_.find(b.pool);
-    it->second.bytes -= b.size;
-    stats_.graph_pool_bytes -= b.size;
-    if (it->second.released && it->second.bytes == 0) pools_.erase(it);
-    b.pool = 0;
+  static bool mergeable(const Block* a, const Block* b) {
+    return b && b->free && b->stream == a->stream && b->pool == a->pool;
+  }
+
+  // Joins free block `b` with its free neighbours of the same stream and pool (they leave their
+  // free sets); returns the joined block, in no free set.
+  Block* merge(Block* b) {
+    if (Block* n = b->next; mergeable(b, n)) {
+      uncache(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (n->next) n->next->prev = b;
+      delete n;
+    }
+    if (Block* p = b->prev; mergeable(b, p)) {
+      uncache(p);
+      p->size += b->size;
+      p->next = b->next;
+      if (b->next) b->next->prev = p;
+      delete b;
+      b = p;
+    }
+    return b;
+  }
+
+  FreeSet& free_set_of(const Block* b) { return b->pool != 0 ? pools_.at(b->pool).free : free_; }
+  void cache(Block* b) { free_set_of(b).insert(b); }
+  void uncache(Block* b) { free_set_of(b).erase(b); }
+
+  void join_pool(Block* b, uint64_t id) {
+    b->pool = id;
+    pools_.at(id).bytes += b->size;
+    stats_.graph_pool_bytes += b->size;
+  }
+
+  // The block leaves its (released) pool for the general cache; the pool is forgotten once it
+  // holds nothing.
+  void leave_pool(Block* b) {
+    auto it = pools_.find(b->pool);
+    it->second.bytes -= b->size;
+    stats_.graph_pool_bytes -= b->size;
+    if (it->second.released && it->second.bytes == 0 && it->second.free.empty()) pools_.erase(it);
+    b->pool = 0;
   }
 
   uint64_t open_pool_of(cudaStream_t stream) const {
@@ -264,19 +373,6 @@ class DeviceAllocator final : public Allocator {
     return current_device() == device_ ? current_stream() : context(device_).compute;
   }
 
-  // Frees every block of the general cache. Cached blocks may still be read by queued work on
-  // their stream, so the device is synchronised first.
-  void release_cached() {
-    if (free_.empty()) return;
-    DeviceScope scope(device_);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    for (auto& [key, b] : free_) {
-      CUDA_CHECK(cudaFree(b.ptr));
-      stats_.reserved_bytes -= b.size;
-    }
-    free_.clear();
-  }
-
   // During a capture the cache cannot be released (that synchronises the device and would
   // invalidate the capture), so running out of memory then is reported at once.
   void* cuda_malloc_or_retry(size_t size, size_t requested, bool capturing) {
@@ -285,7 +381,7 @@ class DeviceAllocator final : public Allocator {
     cudaError_t e = relaxed_malloc(&p, size);
     if (e == cudaErrorMemoryAllocation && !capturing && !is_capturing()) {
       cudaGetLastError();  // clear it; the retry decides
-      release_cached();
+      release_free_segments(0);
       e = relaxed_malloc(&p, size);
     }
     if (e == cudaErrorMemoryAllocation) {
@@ -351,8 +447,8 @@ class DeviceAllocator final : public Allocator {
   std::FILE* trace_ = open_trace(device_);
   std::vector<cudaStream_t> trace_streams_;
   std::mutex mutex_;
-  FreeList free_;  // the general cache
-  std::unordered_map<void*, Block> live_;
+  FreeSet free_;  // the general cache
+  std::unordered_map<void*, Block*> live_;
   std::unordered_map<uint64_t, Pool> pools_;
   std::vector<std::pair<cudaStream_t, uint64_t>> open_;  // (stream, pool) being captured
   uint64_t next_pool_ = 1;

@@ -170,6 +170,7 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.mfu = r.images_per_s / env.world_size * o.gflop_per_image * 1e9 / (o.peak_tflops * 1e12);
       r.peak_allocated_gib = double(st.peak_allocated_bytes) / double(1ull << 30);
       r.reserved_gib = double(st.reserved_bytes) / double(1ull << 30);
+      r.peak_reserved_gib = double(st.peak_reserved_bytes) / double(1ull << 30);
       // A step the loss scaler skipped still runs forward and backward, so its time looks
       // normal: report the skips, and flag a row where most steps were skipped (the run is then
       // not training and its figure is not a valid measurement).
@@ -182,9 +183,9 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);
       std::printf("%-10s batch %4ld %-5s  %8.2f ms/step  %8.0f img/s  MFU %5.1f%%  host %6.2f ms/step"
                   " (issue %5.2f)"
-                  "  peak %6.2f GiB  reserved %6.2f GiB  scale %g  skipped %ld/%ld%s\n",
+                  "  peak %6.2f GiB  reserved %6.2f GiB (peak %.2f)  scale %g  skipped %ld/%ld%s\n",
                   r.model.c_str(), long(batch), r.mode.c_str(), r.step_ms, r.images_per_s,
-                  100 * r.mfu, r.host_ms, r.launch_ms, r.peak_allocated_gib, r.reserved_gib, r.final_scale,
+                  100 * r.mfu, r.host_ms, r.launch_ms, r.peak_allocated_gib, r.reserved_gib, r.peak_reserved_gib, r.final_scale,
                   long(r.skipped_steps), long(r.total_steps),
                   2 * r.skipped_steps > r.total_steps ? "  INVALID: most steps skipped" : "");
       std::fflush(stdout);
@@ -207,11 +208,11 @@ std::string rows_json(const std::vector<ModelRow>& rows) {
                   "%s{\"model\":%s,\"batch\":%ld,\"mode\":\"%s\",\"step_ms\":%.4f,"
                   "\"images_per_s\":%.1f,\"mfu\":%.4f,\"host_ms_per_step\":%.4f,"
                   "\"host_issue_ms\":%.4f,"
-                  "\"peak_allocated_gib\":%.3f,\"reserved_gib\":%.3f,\"skipped_steps\":%ld,"
+                  "\"peak_allocated_gib\":%.3f,\"reserved_gib\":%.3f,\"peak_reserved_gib\":%.3f,\"skipped_steps\":%ld,"
                   "\"gpus\":%d}",
                   i ? "," : "", json::quote(r.model).c_str(), long(r.batch), r.mode.c_str(),
                   r.step_ms, r.images_per_s, r.mfu, r.host_ms, r.launch_ms, r.peak_allocated_gib,
-                  r.reserved_gib, long(r.skipped_steps), r.gpus);
+                  r.reserved_gib, r.peak_reserved_gib, long(r.skipped_steps), r.gpus);
     out += buf;
   }
   return out + "]\n";

@@ -33,6 +33,7 @@ struct ModelRow {
   double step_ms = 0, images_per_s = 0, mfu = 0, host_ms = 0;
   double launch_ms = 0;  // host CPU time to issue one step onto an idle device
   double peak_allocated_gib = 0, reserved_gib = 0, final_scale = 0;
+  double peak_reserved_gib = 0;  // since the row began (PyTorch's max_memory_reserved)
   int64_t skipped_steps = 0, total_steps = 0;  // loss-scaler skips over the row's steps
   int gpus = 1;  // data-parallel ranks; batch is per GPU, images_per_s over all of them
 };
