@@ -122,8 +122,8 @@ class DeviceAllocator final : public Allocator {
     const size_t size = round_size(nbytes);
     cudaStream_t stream = stream_for_device();
     Block* b = find_block(size, nbytes, stream);
+    b->free = false;  // before split: the rest must not merge straight back into it
     b = split(b, size);
-    b->free = false;
     live_.emplace(b->ptr, b);
     stats_.allocated_bytes += b->size;
     stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
@@ -199,7 +199,8 @@ class DeviceAllocator final : public Allocator {
     auto it = pools_.find(id);
     if (it == pools_.end() || it->second.released) return;
     it->second.released = true;
-    FreeSet cached = std::move(it->second.free);
+    // A copy: merging changes the blocks' sizes, the set's order.
+    const std::vector<Block*> cached(it->second.free.begin(), it->second.free.end());
     it->second.free.clear();
     for (Block* b : cached) {
       leave_pool(b);  // may erase the pool with its last block: `it` is dead from here
