@@ -38,6 +38,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <tuple>
@@ -222,8 +224,9 @@ class DeviceAllocator final : public Allocator {
     }
     if (Block* b = take_best_fit(free_, stream, size)) return b;
     if (!is_capturing() && synchronize_for_growth()) {
-      if (Block* b = take_from_other_stream(stream, size)) return b;
-      release_free_segments(segment_size(size));
+      if (!bisect("nocross"))
+        if (Block* b = take_from_other_stream(stream, size)) return b;
+      if (!bisect("nogc")) release_free_segments(segment_size(size));
     }
     return new_segment(size, requested, stream, false);
   }
@@ -298,7 +301,7 @@ class DeviceAllocator final : public Allocator {
   // (a pool's graph never reads it).
   Block* split(Block* b, size_t size) {
     const size_t rest = b->size - size;
-    if (rest < (b->small ? kRound : kMinLargeRest)) return b;
+    if (rest < (b->small ? kRound : kMinLargeRest) || bisect("nosplit")) return b;
     Block* r = new Block;
     r->ptr = b->ptr + size;
     r->size = rest;
@@ -316,6 +319,11 @@ class DeviceAllocator final : public Allocator {
     }
     cache(merge(r));
     return b;
+  }
+
+  static bool bisect(const char* what) {
+    static const char* v = std::getenv("KILN_ALLOC_BISECT");
+    return v && std::strstr(v, what);
   }
 
   static bool mergeable(const Block* a, const Block* b) {
