@@ -25,9 +25,11 @@
 // allocations on S come from the pool's free set, then from S's general free set (its pending
 // work is ordered before the graph on S), then from a new segment; S's blocks freed during the
 // capture join the pool whatever their origin, because the graph may read them. Pool blocks
-// freed later go back to the pool, not to the general cache. The rest of a split pool block is
-// not read by the graph and goes to the general cache. cudaMalloc runs in relaxed capture mode:
-// it is not stream work, and a thread-local capture would otherwise refuse it.
+// freed later go back to the pool, not to the general cache. The rest of a split pool block
+// stays in the pool: an earlier block of the capture may have covered that memory, and the graph
+// replays its work there (handing such a rest to another stream broke replay's bit-identity in
+// tests/gpu/test_graph.cpp). cudaMalloc runs in relaxed capture mode: it is not stream work, and
+// a thread-local capture would otherwise refuse it.
 //
 // KILN_ALLOC_TRACE=PATH (core/switches.h) logs every event, one per line, for replaying the
 // policy offline (tools/alloc_replay.py): `a PTR BYTES STREAM` allocate (STREAM: 0, 1, ... in
@@ -38,8 +40,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <set>
 #include <tuple>
@@ -224,9 +224,8 @@ class DeviceAllocator final : public Allocator {
     }
     if (Block* b = take_best_fit(free_, stream, size)) return b;
     if (!is_capturing() && synchronize_for_growth()) {
-      if (!bisect("nocross"))
-        if (Block* b = take_from_other_stream(stream, size)) return b;
-      if (!bisect("nogc")) release_free_segments(segment_size(size));
+      if (Block* b = take_from_other_stream(stream, size)) return b;
+      release_free_segments(segment_size(size));
     }
     return new_segment(size, requested, stream, false);
   }
@@ -297,11 +296,11 @@ class DeviceAllocator final : public Allocator {
     return b;
   }
 
-  // Cuts `b` to `size` when the rest is worth keeping; the rest is cached in the general cache
-  // (a pool's graph never reads it).
+  // Cuts `b` to `size` when the rest is worth keeping; the rest is cached beside it, in the same
+  // pool (see the top of the file) or the general cache.
   Block* split(Block* b, size_t size) {
     const size_t rest = b->size - size;
-    if (rest < (b->small ? kRound : kMinLargeRest) || bisect("nosplit")) return b;
+    if (rest < (b->small ? kRound : kMinLargeRest)) return b;
     Block* r = new Block;
     r->ptr = b->ptr + size;
     r->size = rest;
@@ -312,18 +311,10 @@ class DeviceAllocator final : public Allocator {
     r->next = b->next;
     if (b->next) b->next->prev = r;
     b->next = r;
+    r->pool = b->pool;
     b->size = size;
-    if (b->pool != 0) {
-      pools_.at(b->pool).bytes -= rest;
-      stats_.graph_pool_bytes -= rest;
-    }
     cache(merge(r));
     return b;
-  }
-
-  static bool bisect(const char* what) {
-    static const char* v = std::getenv("KILN_ALLOC_BISECT");
-    return v && std::strstr(v, what);
   }
 
   static bool mergeable(const Block* a, const Block* b) {

@@ -85,16 +85,18 @@ TEST_CASE("a cached block is split for a smaller request and merged again when b
   cuda::empty_cache(0);               // no other case's cached blocks can serve what follows
   void* big = a->allocate(96 * MiB);
   a->deallocate(big, 96 * MiB);
-  const uint64_t mallocs = cuda::allocator_stats(0).num_cuda_mallocs;
+  uint64_t mallocs = cuda::allocator_stats(0).num_cuda_mallocs;
   void* head = a->allocate(30 * MiB);  // carved from the front of big's segment
   void* rest = a->allocate(66 * MiB);  // the rest of it
   CHECK(head == big);
   CHECK(rest == static_cast<char*>(big) + 30 * MiB);
+  CHECK(cuda::allocator_stats(0).num_cuda_mallocs == mallocs);
   void* tiny = a->allocate(1000);  // small requests never come from large segments
   CHECK((tiny < big || tiny >= static_cast<char*>(big) + 96 * MiB));
   a->deallocate(tiny, 1000);
   a->deallocate(head, 30 * MiB);
   a->deallocate(rest, 66 * MiB);
+  mallocs = cuda::allocator_stats(0).num_cuda_mallocs;
   void* again = a->allocate(96 * MiB);  // the two pieces merged back into one block
   CHECK(again == big);
   CHECK(cuda::allocator_stats(0).num_cuda_mallocs == mallocs);
