@@ -23,7 +23,6 @@ Switches read_switches() {
   const char* jt = std::getenv("KILN_JPEG_TRACE");
   s.jpeg_trace = jt && *jt && !is(jt, "0");
   if (const char* at = std::getenv("KILN_ALLOC_TRACE")) s.alloc_trace = at;
-  s.nvjpeg_exact = is(std::getenv("KILN_NVJPEG_EXACT"), "1");
   return s;
 }
 

@@ -17,8 +17,6 @@
 // | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
 // |                          |                     | time went (data/gpu_jpeg.cpp)                   |
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
-// | KILN_NVJPEG_EXACT        | 1                   | one nvJPEG state re-initialised for every batch |
-// |                          |                     | size (session 5's way; data/gpu_jpeg.cpp)       |
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
@@ -35,7 +33,6 @@ struct Switches {
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;
   bool jpeg_trace = false;
-  bool nvjpeg_exact = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
 };
 

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstdio>
 #include <future>
-#include <map>
 #include <mutex>
 #include <vector>
 
@@ -118,18 +117,7 @@ struct GpuJpegLoader::Impl {
   NormalizeStats stats;
   int64_t S = 224;
   nvjpegHandle_t handle = nullptr;
-  // nvJPEG's batched decode needs a state initialised for the exact number of images. Session
-  // 5 re-initialised one state whenever that number changed (nearly every batch once the CPU
-  // takes a share), and nvjpegDecodeBatched then hung now and then, never to return (NOTES.md,
-  // sessions 5 and 6). So each state is initialised once, for a multiple of kBucket images, and
-  // a batch is padded up to its bucket with a tiny JPEG decoded into a scratch area.
-  // KILN_NVJPEG_EXACT=1 restores the old way (one state, re-initialised), for bisecting.
-  static constexpr int kBucket = 32;
-  static constexpr int kPadSide = 16;
-  std::map<int, nvjpegJpegState_t> states;  // bucket size -> initialised state
-  std::vector<uint8_t> pad_jpeg;             // empty: the hardware decoder refused it (exact)
-  const bool exact = switches().nvjpeg_exact;
-  nvjpegJpegState_t state = nullptr;  // exact mode's one state
+  nvjpegJpegState_t state = nullptr;
   bool hardware = false;
   int initialized_for = -1;  // the batch size nvjpegDecodeBatchedInitialize last saw
   bool warned_batch_failure = false;
@@ -182,14 +170,6 @@ struct GpuJpegLoader::Impl {
     bool check_hardware = false;
     check_handle = create_handle(&check_hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(check_handle, &check_stream));
-    if (!exact) {
-      Image pad;
-      pad.height = pad.width = kPadSide;
-      pad.pixels.assign(size_t(kPadSide * kPadSide * 3), 128);
-      pad_jpeg = encode_jpeg(pad, 75);
-      if (!takes(pad_jpeg.data(), pad_jpeg.size(), JpegInfo{kPadSide, kPadSide, 3}))
-        pad_jpeg.clear();
-    }
     // The decode stream gets the device's highest priority, so nvJPEG's kernels do not queue
     // behind a whole step's. It is not enough: under a running step the hardware decoder's
     // batched call still waits for SM slots many times per batch and takes about a step
@@ -221,7 +201,6 @@ struct GpuJpegLoader::Impl {
     if (check_stream) nvjpegJpegStreamDestroy(check_stream);
     if (check_handle) nvjpegDestroy(check_handle);
     if (state) nvjpegJpegStateDestroy(state);
-    for (auto& [n, st] : states) nvjpegJpegStateDestroy(st);
     if (handle) nvjpegDestroy(handle);
     if (decode) cudaStreamDestroy(decode);
   }
@@ -273,8 +252,7 @@ struct GpuJpegLoader::Impl {
         gpu_idx.push_back(i);
         total += align_up(size_t(enc[size_t(i)].info.height * enc[size_t(i)].info.width * 3));
       }
-    const size_t pad_bytes = align_up(size_t(kPadSide * kPadSide * 3));
-    sl.decoded.ensure(total + size_t(kBucket) * pad_bytes);
+    sl.decoded.ensure(std::max<size_t>(total, 1));
     sl.staging.ensure(size_t(B * img));
     sl.jobs.ensure(size_t(B) * sizeof(cuda::CropResizeJob));
     sl.labels.ensure(size_t(B) * sizeof(int64_t));
@@ -307,32 +285,7 @@ struct GpuJpegLoader::Impl {
       const int n = int(gpu_idx.size());
       const auto call = TraceClock::now();
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
-      nvjpegJpegState_t use = state;
-      if (!exact && !pad_jpeg.empty()) {
-        const int padded = (n + kBucket - 1) / kBucket * kBucket;
-        for (int j = n; j < padded; ++j) {  // the scratch area after the real images
-          data.push_back(pad_jpeg.data());
-          lengths.push_back(pad_jpeg.size());
-          nvjpegImage_t d{};
-          d.channel[0] = decoded + total + size_t(j - n) * pad_bytes;
-          d.pitch[0] = size_t(kPadSide * 3);
-          dest.push_back(d);
-        }
-        auto it = states.find(padded);
-        if (it == states.end()) {
-          enter("nvjpegDecodeBatchedInitialize");
-          nvjpegJpegState_t fresh = nullptr;
-          st = nvjpegJpegStateCreate(handle, &fresh);
-          if (st == NVJPEG_STATUS_SUCCESS) {
-            st = nvjpegDecodeBatchedInitialize(handle, fresh, padded, 1, NVJPEG_OUTPUT_RGBI);
-            if (st == NVJPEG_STATUS_SUCCESS)
-              it = states.emplace(padded, fresh).first;
-            else
-              nvjpegJpegStateDestroy(fresh);
-          }
-        }
-        use = it == states.end() ? nullptr : it->second;
-      } else if (initialized_for != n) {
+      if (initialized_for != n) {
         // The state's buffers are set up anew: no queued work may still use them.
         enter("cudaStreamSynchronize before nvjpegDecodeBatchedInitialize");
         CUDA_CHECK(cudaStreamSynchronize(decode));
@@ -342,7 +295,7 @@ struct GpuJpegLoader::Impl {
       }
       enter("nvjpegDecodeBatched");
       if (st == NVJPEG_STATUS_SUCCESS)
-        st = nvjpegDecodeBatched(handle, use, data.data(), lengths.data(), dest.data(), decode);
+        st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
       sl.decode_s = since(call);
       if (trace) times.decode_call += sl.decode_s;
@@ -354,13 +307,9 @@ struct GpuJpegLoader::Impl {
                      nvjpeg_status_name(st));
       }
       if (!gpu_ok) {
+        initialized_for = -1;  // reset the state before the next batch
         enter("cudaStreamSynchronize after a failed batched decode");
         CUDA_CHECK(cudaStreamSynchronize(decode));
-        initialized_for = -1;  // set the state up anew before the next batch
-        if (auto it = states.find(int(dest.size())); it != states.end() && it->second == use) {
-          nvjpegJpegStateDestroy(it->second);
-          states.erase(it);
-        }
         enter("decoding a failed batch on the host");
       }
       off = 0;

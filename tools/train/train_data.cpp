@@ -190,12 +190,13 @@ TrainData::TrainData(const DataOptions& o)
     lo.workers = o.workers;
     lo.rank = o.rank;
     lo.world_size = o.world_size;
-    // --decoder (issue 15): the GPU path when asked, or by default on a CUDA device with nvJPEG.
+    // --decoder (issue 15): the GPU path only when asked. auto means the CPU path: nvJPEG's
+    // batched decode hangs now and then under a running step (NOTES.md, sessions 5 and 6: 5 of
+    // 16 trainings that called nvJPEG), and a default must not hang.
     if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
         o.decoder != "turbo")
       cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
-    const bool gpu = o.decoder == "nvjpeg" ||
-                     (o.decoder == "auto" && o.device.is_cuda() && data::gpu_jpeg_available());
+    const bool gpu = o.decoder == "nvjpeg";
     if (gpu && !o.device.is_cuda())
       cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
     if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
