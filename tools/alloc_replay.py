@@ -6,10 +6,14 @@ the device memory each would reserve: the measurement behind the allocator's pol
     python3 tools/alloc_replay.py /tmp/a.txt[.gz]
 
 Policies: "whole" (kiln before session 6: size buckets, a cached block reused whole when it is at
-most twice the request) and "split" (blocks carved from cudaMalloc'd segments and split, best
-fit, free neighbours merged; session 6). Both keep kiln's stream and private-pool rules: a block
-is reused on its own stream only; during a capture on a stream its allocations come from the
-pool, then from the stream's general cache, and blocks it frees join the pool.
+most twice the request), "split" (blocks carved from cudaMalloc'd segments and split, best fit,
+free neighbours merged) and "split+release" (split, and before growing outside a capture, the
+stream's wholly free segments are returned when they add up to the new segment: what
+cuda/allocator.cpp does since session 6, less its cross-stream take-over). All keep kiln's
+stream and private-pool rules: a block is reused on its own stream only; during a capture on a
+stream its allocations come from the pool, then from the stream's general cache, and blocks it
+frees join the pool. (Here a split pool block's rest goes to the general cache; the allocator
+keeps it in the pool.)
 """
 import bisect
 import gzip
@@ -124,6 +128,7 @@ class Split:
                 if size < self.mid_limit:
                     seg_size = max(seg_size, self.mid_seg)
             self.reserved += seg_size
+            self.last_segment = seg_size
             self.peak = max(self.peak, self.reserved)
             seg = self.nseg
             self.nseg += 1
@@ -193,6 +198,38 @@ class Split:
                     b[5] = 0
 
 
+class SplitRelease(Split):
+    """Split, plus: before growing outside a capture, wholly free general segments of the stream
+    are returned when together they hold at least the request."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.segs = {}  # segment -> size
+
+    def alloc(self, n, stream, pool):
+        size = self.round(n)
+        found = (self.take((stream, pool), size) if pool else None) or self.take((stream, 0), size)
+        if found is None and not pool:
+            whole = []
+            for seg, seg_size in self.segs.items():
+                k = self.by_pos.get((seg, 0))
+                b = self.blocks.get(k)
+                if b and b[3] and b[2] == seg_size and b[5] == 0 and b[4] == stream:
+                    whole.append((seg, k, seg_size))
+            if sum(w[2] for w in whole) >= size:
+                for seg, k, seg_size in whole:
+                    self.rm_free(k)
+                    del self.by_pos[(seg, 0)]
+                    del self.blocks[k]
+                    del self.segs[seg]
+                    self.reserved -= seg_size
+        before = self.nseg
+        bid = super().alloc(n, stream, pool)
+        if self.nseg != before:
+            self.segs[self.nseg - 1] = self.last_segment
+        return bid
+
+
 def replay(path, policy):
     op = gzip.open if path.endswith(".gz") else open
     live = {}  # ptr -> (block, stream)
@@ -225,6 +262,8 @@ def main():
             for min_rest in (MiB, 2 * MiB, 8 * MiB):
                 s = replay(path, Split(mid_seg=mid_seg, min_rest=min_rest))
                 print("  split, min remainder %4.0f MiB  reserved %.2f GiB" % (min_rest / MiB, s.reserved / GiB))
+        r = replay(path, SplitRelease())
+        print("  split+release                 reserved %.2f GiB (peak %.2f)" % (r.reserved / GiB, r.peak / GiB))
 
 
 if __name__ == "__main__":
