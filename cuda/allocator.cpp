@@ -167,6 +167,7 @@ class DeviceAllocator final : public Allocator {
     check_not_capturing("cuda::empty_cache()", "it synchronises the device");
     std::lock_guard<std::mutex> lock(mutex_);
     if (trace_) std::fprintf(trace_, "e\n");
+    synchronize_device();
     release_free_segments(0);
   }
 
@@ -254,23 +255,18 @@ class DeviceAllocator final : public Allocator {
     return best;
   }
 
-  // Returns the general cache's wholly free segments to the driver, when together they hold at
-  // least `at_least` bytes (0: always). The device must be idle or synchronised.
+  // Returns the general cache's wholly free segments to the driver: all of them when
+  // `at_least` is 0, else the large ones when together they hold at least `at_least` bytes.
+  // Cached blocks may still be read by queued work, so the caller has synchronised the device.
   void release_free_segments(size_t at_least) {
     size_t total = 0;
     std::vector<Block*> whole;
     for (Block* b : free_)
-      if (b->whole_segment() && !b->small) {
+      if (b->whole_segment() && (at_least == 0 || !b->small)) {
         whole.push_back(b);
         total += b->size;
       }
-    if (at_least > 0 && total < at_least) return;
-    if (at_least == 0) {
-      for (Block* b : free_)
-        if (b->whole_segment() && b->small) whole.push_back(b);
-      DeviceScope scope(device_);
-      CUDA_CHECK(cudaDeviceSynchronize());
-    }
+    if (total < at_least) return;
     DeviceScope scope(device_);
     for (Block* b : whole) {
       free_.erase(b);
@@ -279,6 +275,12 @@ class DeviceAllocator final : public Allocator {
       ++stats_.num_segment_frees;
       delete b;
     }
+  }
+
+  // For empty_cache and the out-of-memory retry (never during a capture).
+  void synchronize_device() {
+    DeviceScope scope(device_);
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   Block* new_segment(size_t size, size_t requested, cudaStream_t stream, bool capturing) {
@@ -381,6 +383,7 @@ class DeviceAllocator final : public Allocator {
     cudaError_t e = relaxed_malloc(&p, size);
     if (e == cudaErrorMemoryAllocation && !capturing && !is_capturing()) {
       cudaGetLastError();  // clear it; the retry decides
+      synchronize_device();
       release_free_segments(0);
       e = relaxed_malloc(&p, size);
     }

@@ -141,9 +141,8 @@ class Split:
         limit = 512 if size <= SMALL else self.min_rest
         if rest >= limit:
             b[2] = size
-            r = self.new_block(b[0], b[1] + size, rest, stream, b[5] if pool == 0 else 0, True)
-            # the remainder stays where the block came from: the general cache unless pool's own
-            self.blocks[r][5] = 0 if pool == 0 else self.blocks[r][5]
+            # the rest goes to the general cache (see the docstring)
+            r = self.new_block(b[0], b[1] + size, rest, stream, 0, True)
             self.add_free(r)
         b[3] = False
         return bid
