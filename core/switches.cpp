@@ -23,6 +23,9 @@ Switches read_switches() {
   const char* jt = std::getenv("KILN_JPEG_TRACE");
   s.jpeg_trace = jt && *jt && !is(jt, "0");
   if (const char* at = std::getenv("KILN_ALLOC_TRACE")) s.alloc_trace = at;
+  const char* st = std::getenv("KILN_JPEG_STALL_S");
+  const double stall = st ? std::strtod(st, nullptr) : 0.0;
+  if (stall > 0) s.jpeg_stall_s = stall;
   return s;
 }
 

@@ -17,6 +17,8 @@
 // | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
 // |                          |                     | time went (data/gpu_jpeg.cpp)                   |
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
+// | KILN_JPEG_STALL_S        | seconds > 0         | the GPU JPEG path's stall timeout (default 120; |
+// |                          |                     | GpuJpegLoader::set_stall_timeout)               |
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
@@ -34,6 +36,7 @@ struct Switches {
   size_t conv_candidates = 10;
   bool jpeg_trace = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
+  double jpeg_stall_s = 0;  // 0: GpuJpegLoader's default
 };
 
 // The process's switches, read from the environment on the first call.

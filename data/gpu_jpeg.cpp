@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <future>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/switches.h"
@@ -82,6 +83,7 @@ struct Trace {
   int64_t batches = 0, gpu_spans = 0;
   double host_next = 0;   // decode thread: waiting for the workers' batch
   double slot_wait = 0;   // decode thread: the slot's previous uploads and reader
+  double checks = 0;      // decode thread: nvjpegDecodeBatchedSupported per deferred sample
   double decode_call = 0; // decode thread: nvjpegDecodeBatched (+ Initialize) on the host
   double enqueue = 0;     // decode thread: jobs, host-decoded samples, uploads queued
   double next_wait = 0;   // consumer: next() blocked on the decode thread
@@ -111,6 +113,12 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 bool gpu_jpeg_available() { return cuda::is_available(); }
 
+static std::atomic<bool>& gpu_jpeg_wedged_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+bool gpu_jpeg_wedged() { return gpu_jpeg_wedged_flag().load(); }
+
 struct GpuJpegLoader::Impl {
   int device = 0;
   DType dtype = DType::f16;
@@ -124,11 +132,24 @@ struct GpuJpegLoader::Impl {
   cudaStream_t decode = nullptr;
   const ImageFolder* folder = nullptr;  // the host loader's (names in errors)
 
-  // The workers' support checks use a handle of their own, one check at a time: the decode
-  // thread's handle is never used by two threads at once.
-  std::mutex check_mu;
-  nvjpegHandle_t check_handle = nullptr;
-  nvjpegJpegStream_t check_stream = nullptr;
+  // Every nvJPEG call goes through `handle` under nv_mu, so no two threads are ever inside
+  // nvJPEG at once: the decode thread, and decodes_on_gpu. (Until session 7 the workers asked
+  // nvjpegDecodeBatchedSupported, on a second hardware handle, while the decode thread decoded;
+  // trainings hung inside nvjpegDecodeBatched in 5 of 16 runs, NOTES.md.) The workers decide
+  // from the header alone (takes_header); the decode thread asks nvJPEG before each batch.
+  std::mutex nv_mu;
+  nvjpegJpegStream_t parse_stream = nullptr;
+
+  // The stall guard (GpuJpegLoader::set_stall_timeout): a decode thread inside a device call for
+  // longer than this has hung; next() then gives up on the loader ("wedged").
+  double stall_timeout_s =
+      switches().jpeg_stall_s > 0 ? switches().jpeg_stall_s : GpuJpegLoader::kStallTimeoutS;
+  std::atomic<bool> wedged{false};
+  // Tests: the decode thread's test_stall_batch-th call (from 0) sleeps test_stall_s in the
+  // nvjpegDecodeBatched stage first, as a hang would hold it there.
+  int64_t test_stall_batch = -1;
+  double test_stall_s = 0;
+  int64_t decode_calls = 0;
 
   // One of two alternating batches in flight.
   struct Slot {
@@ -156,20 +177,26 @@ struct GpuJpegLoader::Impl {
 
   // What the decode thread is doing, for the stall report in next(): a static string and when
   // it began (steady-clock nanoseconds).
+  // `on_device`: a CUDA or nvJPEG call, which the stall guard may declare hung (waiting for the
+  // workers or decoding on the host may legitimately take long).
   std::atomic<const char*> stage{"idle"};
   std::atomic<int64_t> stage_since{0};
-  void enter(const char* what) {
+  std::atomic<bool> stage_on_device{false};
+  void enter(const char* what, bool on_device = true) {
     stage_since.store(TraceClock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    stage_on_device.store(on_device, std::memory_order_relaxed);
     stage.store(what, std::memory_order_relaxed);
+  }
+  double in_stage_s() const {
+    return 1e-9 * double(TraceClock::now().time_since_epoch().count() -
+                         stage_since.load(std::memory_order_relaxed));
   }
 
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
     // The hardware decoder when the GPU has one, else the default backend.
     handle = create_handle(&hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStateCreate(handle, &state));
-    bool check_hardware = false;
-    check_handle = create_handle(&check_hardware);
-    KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(check_handle, &check_stream));
+    KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(handle, &parse_stream));
     // The decode stream gets the device's highest priority, so nvJPEG's kernels do not queue
     // behind a whole step's. It is not enough: under a running step the hardware decoder's
     // batched call still waits for SM slots many times per batch and takes about a step
@@ -198,23 +225,24 @@ struct GpuJpegLoader::Impl {
         }
       }
     }
-    if (check_stream) nvjpegJpegStreamDestroy(check_stream);
-    if (check_handle) nvjpegDestroy(check_handle);
+    if (parse_stream) nvjpegJpegStreamDestroy(parse_stream);
     if (state) nvjpegJpegStateDestroy(state);
     if (handle) nvjpegDestroy(handle);
     if (decode) cudaStreamDestroy(decode);
   }
 
-  // Whether nvJPEG takes this file (worker threads).
-  bool takes(const uint8_t* data, size_t size, const JpegInfo& info) {
+  // Whether a JPEG may go to nvJPEG, from its header alone (worker threads; no nvJPEG call):
+  // gray or 3-component, and not progressive on the hardware decoder, which refuses those.
+  bool takes_header(const JpegInfo& info) const {
     if (info.components != 1 && info.components != 3) return false;  // CMYK/YCCK: host
+    return !(hardware && info.progressive);
+  }
+  // Whether nvJPEG's batched decode takes this file (nv_mu held).
+  bool supported(const uint8_t* data, size_t size) {
     if (!hardware) return true;
     int unsupported = 1;  // nvJPEG reports 0 for "supported"
-    std::lock_guard lk(check_mu);
-    if (nvjpegJpegStreamParseHeader(check_handle, data, size, check_stream) ==
-            NVJPEG_STATUS_SUCCESS &&
-        nvjpegDecodeBatchedSupported(check_handle, check_stream, &unsupported) !=
-            NVJPEG_STATUS_SUCCESS)
+    if (nvjpegJpegStreamParseHeader(handle, data, size, parse_stream) != NVJPEG_STATUS_SUCCESS ||
+        nvjpegDecodeBatchedSupported(handle, parse_stream, &unsupported) != NVJPEG_STATUS_SUCCESS)
       unsupported = 1;
     return unsupported == 0;
   }
@@ -245,13 +273,29 @@ struct GpuJpegLoader::Impl {
     sl.decode_s = 0;
     const int64_t B = b.images.size(0), img = S * S * 3;
     std::vector<EncodedSample>& enc = *b.encoded;
+    uint8_t* host_px = b.images.data<uint8_t>();
+    // The deferred samples nvJPEG takes go to it; one it refuses is decoded here, on the host.
+    std::lock_guard nv(nv_mu);
+    enter("nvJPEG support checks", false);
+    const auto checks = TraceClock::now();
     std::vector<int64_t> gpu_idx;
     size_t total = 0;
-    for (int64_t i = 0; i < B; ++i)
-      if (!enc[size_t(i)].bytes.empty()) {
+    for (int64_t i = 0; i < B; ++i) {
+      const EncodedSample& e = enc[size_t(i)];
+      if (e.bytes.empty()) continue;
+      if (supported(e.bytes.data(), e.bytes.size())) {
         gpu_idx.push_back(i);
-        total += align_up(size_t(enc[size_t(i)].info.height * enc[size_t(i)].info.width * 3));
+        total += align_up(size_t(e.info.height * e.info.width * 3));
+        continue;
       }
+      enter("decoding a JPEG nvJPEG refuses on the host", false);
+      try {
+        decode_on_host(e, host_px + i * img);
+      } catch (const Error& err) {
+        b.labels.data<int64_t>()[i] = ep.redo(e, reason_of(err), host_px + i * img);
+      }
+    }
+    if (trace) times.checks += since(checks);
     sl.decoded.ensure(std::max<size_t>(total, 1));
     sl.staging.ensure(size_t(B * img));
     sl.jobs.ensure(size_t(B) * sizeof(cuda::CropResizeJob));
@@ -262,7 +306,6 @@ struct GpuJpegLoader::Impl {
           cuda::alloc_pinned(size_t(B) * sizeof(cuda::CropResizeJob)));
       sl.jobs_cap = B;
     }
-    uint8_t* host_px = b.images.data<uint8_t>();
     auto* staging = static_cast<uint8_t*>(sl.staging.ptr);
     auto* decoded = static_cast<uint8_t*>(sl.decoded.ptr);
     std::vector<bool> on_host(size_t(B), true);
@@ -294,6 +337,8 @@ struct GpuJpegLoader::Impl {
         initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
       }
       enter("nvjpegDecodeBatched");
+      if (decode_calls++ == test_stall_batch)
+        std::this_thread::sleep_for(std::chrono::duration<double>(test_stall_s));
       if (st == NVJPEG_STATUS_SUCCESS)
         st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
@@ -310,7 +355,7 @@ struct GpuJpegLoader::Impl {
         initialized_for = -1;  // reset the state before the next batch
         enter("cudaStreamSynchronize after a failed batched decode");
         CUDA_CHECK(cudaStreamSynchronize(decode));
-        enter("decoding a failed batch on the host");
+        enter("decoding a failed batch on the host", false);
       }
       off = 0;
       for (size_t j = 0; j < gpu_idx.size(); ++j) {
@@ -380,7 +425,7 @@ struct GpuJpegLoader::Impl {
     sl.gpu = B - n_host;
     sl.cpu = n_host;
     sl.host = std::move(b);  // pinned pixels and labels stay alive until the copies ran
-    enter("idle");
+    enter("idle", false);
   }
 
   // The CPU path's pixels for an encoded sample: same box, limit and flip.
@@ -408,12 +453,16 @@ struct GpuJpegEpoch::State {
   int cur = 0;
   bool primed = false;
   bool pending[2] = {false, false};
-  std::future<bool> submitted[2];  // true: the slot holds a batch
+  // From the decode threads (detached: a future of std::async would block in its destructor
+  // on a decode thread that never returns); true: the slot holds a batch.
+  std::future<bool> submitted[2];
   int64_t gpu = 0, cpu = 0;
   std::atomic<int64_t> fetched{0};  // batches the decode thread took from the workers
   TraceClock::time_point returned{};  // when next() last returned a batch (trace)
 
   State(std::shared_ptr<GpuJpegLoader::Impl> i, ImageEpoch h) : impl(std::move(i)), host(std::move(h)) {}
+  // A decode thread uses this State until it has set its promise, so the State waits for it;
+  // after a wedge it is never destroyed (GpuJpegEpoch's destructor leaks it).
   ~State() {
     for (auto& f : submitted)
       if (f.valid()) {
@@ -432,10 +481,10 @@ struct GpuJpegEpoch::State {
     const double n = double(t.batches), ms = 1e3;
     std::fprintf(stderr,
                  "kiln: jpeg trace: %ld batches, ms per batch: decode thread [workers' batch %.2f, "
-                 "slot wait %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
+                 "slot wait %.2f, support checks %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
                  "consumer between next() calls %.2f | decode stream span %.2f (%ld spans) | "
                  "%ld nvJPEG + %ld host samples, host share %.2f\n",
-                 long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n,
+                 long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n, ms * t.checks / n,
                  ms * t.decode_call / n, ms * t.enqueue / n, ms * t.next_wait / n,
                  ms * t.between / std::max(1.0, n - 1), ms * t.gpu_span / double(std::max<int64_t>(1, t.gpu_spans)),
                  long(t.gpu_spans), long(gpu), long(cpu), impl->host_share.load());
@@ -443,38 +492,58 @@ struct GpuJpegEpoch::State {
   }
 
   // Waits for the decode thread's batch. Every kStallReportS it is late, says on stderr where the
-  // decode thread is (a hang then names the call it hangs in; session 5 saw three it could not
-  // place).
-  static constexpr int kStallReportS = 60;
+  // decode thread is (a hang then names the call it hangs in). When the decode thread has been
+  // inside one device call for the loader's stall timeout, the loader is wedged: throws.
+  static constexpr double kStallReportS = 60;
   void await(std::future<bool>& f) {
-    int waited_s = 0;
-    while (f.wait_for(std::chrono::seconds(kStallReportS)) != std::future_status::ready) {
-      waited_s += kStallReportS;
-      const double in_stage =
-          1e-9 * double(TraceClock::now().time_since_epoch().count() -
-                        impl->stage_since.load(std::memory_order_relaxed));
-      std::fprintf(stderr,
-                   "kiln: GPU JPEG loader: the next batch is %d s late; its decode thread has been "
-                   "in \"%s\" for %.0f s (%ld of the epoch's %ld batches came from the workers)\n",
-                   waited_s, impl->stage.load(std::memory_order_relaxed), in_stage,
-                   long(fetched.load()), long(host.size()));
+    const auto t0 = TraceClock::now();
+    double next_report = kStallReportS;
+    while (f.wait_for(std::chrono::milliseconds(250)) != std::future_status::ready) {
+      const double late = since(t0), in_stage = impl->in_stage_s();
+      const char* stage = impl->stage.load(std::memory_order_relaxed);
+      if (impl->stage_on_device.load(std::memory_order_relaxed) &&
+          in_stage >= impl->stall_timeout_s) {
+        impl->wedged = true;
+        gpu_jpeg_wedged_flag().store(true);
+        KILN_FAIL("GPU JPEG loader: its decode thread has been in \"", stage, "\" for ",
+                  int64_t(in_stage), " s (stall timeout ", impl->stall_timeout_s,
+                  " s), so it has hung and the loader cannot go on (",
+                  fetched.load(), " of the epoch's ", host.size(),
+                  " batches came from the workers). Decode on the CPU instead: kiln-train "
+                  "--decoder cpu (--resume PATH continues from the last checkpoint)");
+      }
+      if (late >= next_report) {
+        next_report += kStallReportS;
+        std::fprintf(stderr,
+                     "kiln: GPU JPEG loader: the next batch is %.0f s late; its decode thread has "
+                     "been in \"%s\" for %.0f s (%ld of the epoch's %ld batches came from the "
+                     "workers)\n",
+                     late, stage, in_stage, long(fetched.load()), long(host.size()));
+      }
     }
   }
 
-  // Fetches the next host batch and submits it into slot s, on a decode thread.
+  // Fetches the next host batch and submits it into slot s, on a decode thread of its own.
   void schedule(int s) {
-    submitted[s] = std::async(std::launch::async, [this, s] {
-      const auto t = TraceClock::now();
-      impl->enter("waiting for the workers' batch");
-      std::optional<ImageBatch> b = host.next();
-      if (b) ++fetched;
-      const double waited = since(t);
-      if (impl->trace) impl->times.host_next += waited;
-      if (!b) return false;
-      impl->slots[s].workers_s = waited;
-      impl->submit(impl->slots[s], std::move(*b), host);
-      return true;
-    });
+    auto done = std::make_shared<std::promise<bool>>();
+    submitted[s] = done->get_future();
+    std::thread([this, s, done] {
+      try {
+        const auto t = TraceClock::now();
+        impl->enter("waiting for the workers' batch", false);
+        std::optional<ImageBatch> b = host.next();
+        if (b) ++fetched;
+        const double waited = since(t);
+        if (impl->trace) impl->times.host_next += waited;
+        if (b) {
+          impl->slots[s].workers_s = waited;
+          impl->submit(impl->slots[s], std::move(*b), host);
+        }
+        done->set_value(b.has_value());  // the last use of this State
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    }).detach();
   }
 
   std::optional<DeviceBatch> next() {
@@ -563,13 +632,31 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
   opts.defer_jpeg = [impl](const uint8_t* d, size_t n, const JpegInfo& info) {
     const double share = impl->host_share.load(std::memory_order_relaxed);
     if (share > 0.0 && file_fraction(d, n) < share) return false;
-    return impl->takes(d, n, info);
+    return impl->takes_header(info);
   };
   host_ = std::make_unique<ImageLoader>(std::move(folder), std::move(opts));
   impl_->folder = &host_->folder();
 }
 
-GpuJpegLoader::~GpuJpegLoader() = default;
+// After a wedge a decode thread is stuck inside nvJPEG with pointers into the loader's state
+// (the host loader's folder and epoch, the Impl's buffers); if it ever returns it must find them
+// alive, so the loader and its epoch are leaked instead of destroyed.
+GpuJpegLoader::~GpuJpegLoader() {
+  if (impl_ && impl_->wedged) {
+    (void)host_.release();
+    new std::shared_ptr<Impl>(std::move(impl_));
+  }
+}
+
+void GpuJpegLoader::set_stall_timeout(double seconds) {
+  KILN_CHECK(seconds > 0, "GpuJpegLoader::set_stall_timeout: seconds must be > 0, got ", seconds);
+  impl_->stall_timeout_s = seconds;
+}
+void GpuJpegLoader::set_test_stall(int64_t call, double seconds) {
+  impl_->test_stall_batch = call;
+  impl_->test_stall_s = seconds;
+}
+bool GpuJpegLoader::wedged() const { return impl_->wedged; }
 
 const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware" : "default"; }
 double GpuJpegLoader::host_share() const { return impl_->host_share.load(); }
@@ -578,7 +665,9 @@ bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
   const std::vector<uint8_t> bytes = read_file_bytes(path);
   if (!looks_like_jpeg(bytes.data(), bytes.size())) return false;
   const JpegInfo info = read_jpeg_info(bytes.data(), bytes.size(), path);
-  return impl_->takes(bytes.data(), bytes.size(), info);
+  KILN_CHECK(!impl_->wedged, "GpuJpegLoader::decodes_on_gpu: the loader is wedged");
+  std::lock_guard nv(impl_->nv_mu);
+  return impl_->takes_header(info) && impl_->supported(bytes.data(), bytes.size());
 }
 
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
@@ -590,10 +679,14 @@ GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
 GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
 GpuJpegEpoch::GpuJpegEpoch(GpuJpegEpoch&&) noexcept = default;
 GpuJpegEpoch& GpuJpegEpoch::operator=(GpuJpegEpoch&&) noexcept = default;
-GpuJpegEpoch::~GpuJpegEpoch() = default;
+GpuJpegEpoch::~GpuJpegEpoch() {
+  if (state_ && state_->impl->wedged) (void)state_.release();  // see ~GpuJpegLoader
+}
 
 std::optional<DeviceBatch> GpuJpegEpoch::next() {
   KILN_CHECK(state_, "GpuJpegEpoch::next on a moved-from epoch");
+  KILN_CHECK(!state_->impl->wedged, "GpuJpegEpoch::next: the loader is wedged (an earlier next() "
+             "said why)");
   return state_->next();
 }
 int64_t GpuJpegEpoch::size() const { return state_ ? state_->host.size() : 0; }
@@ -605,6 +698,7 @@ double GpuJpegEpoch::host_share() const { return state_ ? state_->impl->host_sha
 #else  // built without nvJPEG
 
 bool gpu_jpeg_available() { return false; }
+bool gpu_jpeg_wedged() { return false; }
 
 struct GpuJpegLoader::Impl {};
 struct GpuJpegEpoch::State {};
@@ -614,6 +708,9 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, Nor
   KILN_FAIL("GpuJpegLoader: kiln was built without nvJPEG (CUDA builds find it in the toolkit)");
 }
 GpuJpegLoader::~GpuJpegLoader() = default;
+void GpuJpegLoader::set_stall_timeout(double) {}
+void GpuJpegLoader::set_test_stall(int64_t, double) {}
+bool GpuJpegLoader::wedged() const { return false; }
 const char* GpuJpegLoader::backend() const { return "none"; }
 double GpuJpegLoader::host_share() const { return 0.0; }
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t) const { KILN_FAIL("GpuJpegLoader: built without nvJPEG"); }

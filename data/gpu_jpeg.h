@@ -22,11 +22,14 @@
 // workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where
 // each epoch's time went.
 //
-// Backend: nvJPEG's hardware decoder where the GPU has one (A100, H100/H200: baseline JPEGs;
-// each file is checked with nvjpegDecodeBatchedSupported on the worker), else its default
+// Backend: nvJPEG's hardware decoder where the GPU has one (A100, H100/H200: baseline JPEGs),
+// else its default
 // (hybrid) backend, whose Huffman decoding runs on the decode thread. Measured on the H200
 // (tests/gpu/test_gpu_jpeg.cpp): the hardware decoder takes baseline RGB and grayscale JPEGs
-// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. If a batched decode fails, that
+// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. The workers defer by the header
+// alone (no progressive on the hardware decoder, 1 or 3 components); the decode thread asks
+// nvjpegDecodeBatchedSupported for each deferred file and decodes a refused one on the host.
+// Only the decode thread calls nvJPEG while an epoch runs. If a batched decode fails, that
 // batch's encoded samples are decoded on the host instead, and a file that fails there too is
 // replaced as the CPU path replaces bad files (ImageEpoch::redo). Not caught: corrupt scan data
 // behind a valid header, which the H200's hardware decoder decodes to garbage without an error
@@ -47,6 +50,10 @@ namespace kiln::data {
 
 // Built with nvJPEG and a CUDA device present.
 bool gpu_jpeg_available();
+// Whether a GpuJpegLoader of this process has wedged (GpuJpegLoader::set_stall_timeout): a
+// thread is then stuck inside nvJPEG, and a program should leave with std::_Exit rather than
+// run exit's teardown of the CUDA context under it.
+bool gpu_jpeg_wedged();
 
 class GpuJpegEpoch;
 
@@ -89,6 +96,19 @@ class GpuJpegLoader {
   // The share of JPEGs the workers decode now (fixed or adaptive).
   double host_share() const;
   ~GpuJpegLoader();
+
+  // The stall guard. nvJPEG's batched decode on the H200's hardware decoder has hung (never
+  // returned) in some trainings (NOTES.md, sessions 5-6). When a decode thread has been inside
+  // one device call (nvJPEG, or a CUDA synchronisation) for `seconds`, next() throws kiln::Error
+  // saying so and the loader is wedged: every later next() throws, and the loader and its epoch
+  // are leaked rather than destroyed, since the stuck thread still points into them. Waiting for
+  // the workers never counts. A stall report goes to stderr every 60 s before that.
+  static constexpr double kStallTimeoutS = 120;
+  void set_stall_timeout(double seconds);
+  bool wedged() const;
+  // Tests of the guard: the decode thread's call-th nvJPEG batch (from 0) first sleeps `seconds`
+  // inside the nvjpegDecodeBatched stage.
+  void set_test_stall(int64_t call, double seconds);
 
   const ImageLoader& host() const { return *host_; }
   int64_t num_batches() const { return host_->num_batches(); }

@@ -12,11 +12,12 @@
 
 namespace kiln::testing {
 
-// `im` (RGB, or grayscale with channels == 1) as a JPEG: baseline or progressive; or, with cmyk, a 4-component Adobe CMYK file
+// `im` (RGB, or grayscale with channels == 1) as a JPEG: baseline or progressive (arithmetic:
+// arithmetic-coded instead of Huffman); or, with cmyk, a 4-component Adobe CMYK file
 // whose stored (inverted) values are c = r, m = g, y = b, k = 230, so that a decoder applying
 // R = C * K / 255 gives r * 230 / 255.
 inline std::vector<uint8_t> libjpeg_encode(const data::Image& im, int quality, bool progressive,
-                                           bool cmyk = false) {
+                                           bool cmyk = false, bool arithmetic = false) {
   const int64_t h = im.height, w = im.width;
   std::vector<uint8_t> px;
   if (cmyk) {
@@ -41,6 +42,7 @@ inline std::vector<uint8_t> libjpeg_encode(const data::Image& im, int quality, b
   jpeg_set_defaults(&c);
   jpeg_set_quality(&c, quality, TRUE);
   if (progressive) jpeg_simple_progression(&c);
+  if (arithmetic) c.arith_code = TRUE;
   jpeg_start_compress(&c, TRUE);
   const int ch = c.input_components;
   const uint8_t* base = cmyk ? px.data() : im.pixels.data();

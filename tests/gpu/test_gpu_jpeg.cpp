@@ -4,8 +4,11 @@
 // (PNG, progressive, CMYK, grayscale) and bad files (skipped and counted, never a crash).
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <memory>
+#include <thread>
 
 #include "cuda/runtime.h"
 #include "data/gpu_jpeg.h"
@@ -78,6 +81,10 @@ TEST_CASE("GPU JPEG path: same samples as the CPU path, pixels within tolerance;
       put(dir, rel + ".jpg", testing::libjpeg_encode(im, 90, true));  // progressive
     } else if (i == 8) {
       put(dir, rel + ".jpg", testing::libjpeg_encode(im, 90, false, true));  // CMYK
+    } else if (i == 9) {
+      // Arithmetic-coded: passes the workers' header rule; nvJPEG's support check on the decode
+      // thread decides (a refused file is decoded there, on the host).
+      put(dir, rel + ".jpg", testing::libjpeg_encode(im, 90, false, false, true));
 #endif
     } else {
       write_jpeg(dir / (rel + ".jpg"), im, 90);
@@ -108,7 +115,8 @@ TEST_CASE("GPU JPEG path: same samples as the CPU path, pixels within tolerance;
         const std::string backend = loader.backend();
         MESSAGE("nvJPEG backend: ", backend);
         // Which files nvJPEG takes (the host decodes the rest): found, not assumed.
-        for (const char* f : {"c0/0.jpg", "c2/5.png", "c0/6.jpg", "c1/7.jpg", "c2/8.jpg"})
+        for (const char* f :
+             {"c0/0.jpg", "c2/5.png", "c0/6.jpg", "c1/7.jpg", "c2/8.jpg", "c0/9.jpg"})
           if (fs::exists(dir / f))
             MESSAGE(std::string(f), " decoded on the GPU: ", loader.decodes_on_gpu(dir / f));
         CHECK(loader.decodes_on_gpu(dir / "c0/0.jpg"));   // baseline 4:2:0 RGB
@@ -249,4 +257,55 @@ TEST_CASE("GPU JPEG path: host_fraction sends a fixed share of the files to the 
   }
   CHECK_THROWS_AS(GpuJpegLoader(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, 1.5),
                   Error);
+}
+
+// Last in this file: it wedges a loader, which sets the process-wide gpu_jpeg_wedged().
+TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader with a clear error") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  for (int i = 0; i < 24; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(90 + 2 * i, 120, uint64_t(i)), 90);
+  }
+  ImageLoaderOptions o;
+  o.batch_size = 8;
+  o.image_size = 32;
+  o.workers = 2;
+  o.warn = false;
+  auto loader = std::make_unique<GpuJpegLoader>(ImageFolder(dir.path().string()), o,
+                                                gputest::kGpu, DType::f32);
+  // The second batch's nvJPEG call "hangs" for 4 s; the guard gives up after 1 s.
+  loader->set_stall_timeout(1.0);
+  loader->set_test_stall(1, 4.0);
+  CHECK_THROWS_AS(loader->set_stall_timeout(0.0), Error);
+  auto ep = std::make_unique<GpuJpegEpoch>(loader->epoch(0));
+  REQUIRE(ep->next().has_value());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    ep->next();
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(took >= 1.0);
+  CHECK(took < 3.5);  // gave up before the "hung" call returned
+  CHECK(what.find("nvjpegDecodeBatched") != std::string::npos);
+  CHECK(what.find("--decoder cpu") != std::string::npos);
+  CHECK(loader->wedged());
+  CHECK(gpu_jpeg_wedged());
+  CHECK_THROWS_AS(ep->next(), Error);
+  CHECK_THROWS_AS(loader->decodes_on_gpu((dir.path() / "c0/10.jpg").string()), Error);
+  // Destroying them neither blocks on the stuck thread nor frees what it still uses: when the
+  // call "returns" it finishes its batch on leaked, live state.
+  const auto t1 = std::chrono::steady_clock::now();
+  ep.reset();
+  loader.reset();
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 1.0);
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  CHECK_NOTHROW(cuda::synchronize());
 }
