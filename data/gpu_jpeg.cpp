@@ -113,12 +113,6 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 bool gpu_jpeg_available() { return cuda::is_available(); }
 
-static std::atomic<bool>& gpu_jpeg_wedged_flag() {
-  static std::atomic<bool> flag{false};
-  return flag;
-}
-bool gpu_jpeg_wedged() { return gpu_jpeg_wedged_flag().load(); }
-
 struct GpuJpegLoader::Impl {
   int device = 0;
   DType dtype = DType::f16;
@@ -145,6 +139,7 @@ struct GpuJpegLoader::Impl {
   double stall_timeout_s =
       switches().jpeg_stall_s > 0 ? switches().jpeg_stall_s : GpuJpegLoader::kStallTimeoutS;
   std::atomic<bool> wedged{false};
+  GpuJpegLoader::StallHandler on_stall;
   // Tests: the decode thread's test_stall_batch-th call (from 0) sleeps test_stall_s in the
   // nvjpegDecodeBatched stage first, as a hang would hold it there.
   int64_t test_stall_batch = -1;
@@ -197,13 +192,12 @@ struct GpuJpegLoader::Impl {
     handle = create_handle(&hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStateCreate(handle, &state));
     KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(handle, &parse_stream));
-    // The decode stream gets the device's highest priority, so nvJPEG's kernels do not queue
-    // behind a whole step's. It is not enough: under a running step the hardware decoder's
-    // batched call still waits for SM slots many times per batch and takes about a step
-    // (NOTES.md, session 5), which is why the CPU workers take a share (host_share).
-    int least = 0, greatest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&decode, cudaStreamNonBlocking, greatest));
+    // The decode stream has the default priority. Sessions 4-6 gave it the device's highest,
+    // so that nvJPEG's kernels would not queue behind a step's; it did not make the decode
+    // faster (under a running step the hardware decoder's batched call waits for SM slots many
+    // times per batch and takes about a step, NOTES.md session 5, which is why the CPU workers
+    // take a share), and the trainings that hung inside nvjpegDecodeBatched all ran with it.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&decode, cudaStreamNonBlocking));
     const unsigned timing = trace ? cudaEventDefault : cudaEventDisableTiming;
     for (Slot& sl : slots) {
       CUDA_CHECK(cudaEventCreateWithFlags(&sl.ready, timing));
@@ -504,13 +498,15 @@ struct GpuJpegEpoch::State {
       if (impl->stage_on_device.load(std::memory_order_relaxed) &&
           in_stage >= impl->stall_timeout_s) {
         impl->wedged = true;
-        gpu_jpeg_wedged_flag().store(true);
-        KILN_FAIL("GPU JPEG loader: its decode thread has been in \"", stage, "\" for ",
-                  int64_t(in_stage), " s (stall timeout ", impl->stall_timeout_s,
-                  " s), so it has hung and the loader cannot go on (",
-                  fetched.load(), " of the epoch's ", host.size(),
-                  " batches came from the workers). Decode on the CPU instead: kiln-train "
-                  "--decoder cpu (--resume PATH continues from the last checkpoint)");
+        const std::string msg = detail::str_cat(
+            "GPU JPEG loader: its decode thread has been in \"", stage, "\" for ",
+            int64_t(in_stage), " s (stall timeout ", impl->stall_timeout_s,
+            " s), so it has hung and the loader cannot go on (", fetched.load(),
+            " of the epoch's ", host.size(),
+            " batches came from the workers). Decode on the CPU instead: kiln-train "
+            "--decoder cpu (--resume PATH continues from the last checkpoint)");
+        if (impl->on_stall) impl->on_stall(msg);
+        KILN_FAIL(msg);
       }
       if (late >= next_report) {
         next_report += kStallReportS;
@@ -657,6 +653,7 @@ void GpuJpegLoader::set_test_stall(int64_t call, double seconds) {
   impl_->test_stall_s = seconds;
 }
 bool GpuJpegLoader::wedged() const { return impl_->wedged; }
+void GpuJpegLoader::set_stall_handler(StallHandler h) { impl_->on_stall = std::move(h); }
 
 const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware" : "default"; }
 double GpuJpegLoader::host_share() const { return impl_->host_share.load(); }
@@ -698,7 +695,6 @@ double GpuJpegEpoch::host_share() const { return state_ ? state_->impl->host_sha
 #else  // built without nvJPEG
 
 bool gpu_jpeg_available() { return false; }
-bool gpu_jpeg_wedged() { return false; }
 
 struct GpuJpegLoader::Impl {};
 struct GpuJpegEpoch::State {};
@@ -711,6 +707,7 @@ GpuJpegLoader::~GpuJpegLoader() = default;
 void GpuJpegLoader::set_stall_timeout(double) {}
 void GpuJpegLoader::set_test_stall(int64_t, double) {}
 bool GpuJpegLoader::wedged() const { return false; }
+void GpuJpegLoader::set_stall_handler(StallHandler) {}
 const char* GpuJpegLoader::backend() const { return "none"; }
 double GpuJpegLoader::host_share() const { return 0.0; }
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t) const { KILN_FAIL("GpuJpegLoader: built without nvJPEG"); }

@@ -16,7 +16,7 @@
 // current stream wait for that event and runs cuda::crop_resize_normalize (cuda/crop_resize.h)
 // into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
 // batch k; the host never waits for the device except for buffers two batches old. The decode
-// stream has the device's highest priority. Bitstreams stay in pageable host memory (nvJPEG
+// stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
 // copies them); reading them into pinned buffers is not done. Under a running step nvJPEG's
 // batched call takes about a step whatever it decodes, so a share of the JPEGs is decoded by the
 // workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where
@@ -39,6 +39,7 @@
 // fresh tensors on the loader's device, written on the current stream. One epoch at a time per
 // loader (they share the decode buffers); use it from one thread, on the loader's device.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,10 +51,6 @@ namespace kiln::data {
 
 // Built with nvJPEG and a CUDA device present.
 bool gpu_jpeg_available();
-// Whether a GpuJpegLoader of this process has wedged (GpuJpegLoader::set_stall_timeout): a
-// thread is then stuck inside nvJPEG, and a program should leave with std::_Exit rather than
-// run exit's teardown of the CUDA context under it.
-bool gpu_jpeg_wedged();
 
 class GpuJpegEpoch;
 
@@ -106,6 +103,12 @@ class GpuJpegLoader {
   static constexpr double kStallTimeoutS = 120;
   void set_stall_timeout(double seconds);
   bool wedged() const;
+  // Called with the message on the consuming thread when the guard fires, before next() throws
+  // it. A stuck decode can leave the device's queues stuck too, and then unwinding (which frees
+  // pinned and device memory, and so synchronises) blocks; a program can print and leave from
+  // here (kiln-train: std::_Exit).
+  using StallHandler = std::function<void(const std::string& message)>;
+  void set_stall_handler(StallHandler handler);
   // Tests of the guard: the decode thread's call-th nvJPEG batch (from 0) first sleeps `seconds`
   // inside the nvjpegDecodeBatched stage.
   void set_test_stall(int64_t call, double seconds);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -213,6 +215,16 @@ TrainData::TrainData(const DataOptions& o)
       gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt,
                                                         data::NormalizeStats{},
                                                         o.host_decode_fraction);
+      // A hung nvJPEG call can leave the device's queues stuck, and unwinding would then block
+      // on them: say why and leave at once (the last epoch's checkpoint is already on disk).
+      const auto on_stall = [](const std::string& message) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "kiln-train: error: %s\n", message.c_str());
+        std::fflush(nullptr);
+        std::_Exit(kStallExitCode);
+      };
+      gpu_train_->set_stall_handler(on_stall);
+      gpu_test_->set_stall_handler(on_stall);
       description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
       if (gpu_train_->num_batches() == 0)
         cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),

@@ -65,6 +65,10 @@ struct DataOptions {
   amp::Precision precision = amp::Precision::FP32;
 };
 
+// kiln-train's exit status when --decoder nvjpeg's stall guard fires (GpuJpegLoader's
+// set_stall_timeout): EX_TEMPFAIL, since rerunning (with --decoder cpu, --resume) works.
+constexpr int kStallExitCode = 75;
+
 class TrainData {
  public:
   explicit TrainData(const DataOptions& opts);
