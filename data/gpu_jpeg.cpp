@@ -83,7 +83,6 @@ struct Trace {
   int64_t batches = 0, gpu_spans = 0;
   double host_next = 0;   // decode thread: waiting for the workers' batch
   double slot_wait = 0;   // decode thread: the slot's previous uploads and reader
-  double checks = 0;      // decode thread: nvjpegDecodeBatchedSupported per deferred sample
   double decode_call = 0; // decode thread: nvjpegDecodeBatched (+ Initialize) on the host
   double enqueue = 0;     // decode thread: jobs, host-decoded samples, uploads queued
   double next_wait = 0;   // consumer: next() blocked on the decode thread
@@ -126,11 +125,12 @@ struct GpuJpegLoader::Impl {
   cudaStream_t decode = nullptr;
   const ImageFolder* folder = nullptr;  // the host loader's (names in errors)
 
-  // Every nvJPEG call goes through `handle` under nv_mu, so no two threads are ever inside
-  // nvJPEG at once: the decode thread, and decodes_on_gpu. (Until session 7 the workers asked
-  // nvjpegDecodeBatchedSupported, on a second hardware handle, while the decode thread decoded;
-  // trainings hung inside nvjpegDecodeBatched in 5 of 16 runs, NOTES.md.) The workers decide
-  // from the header alone (takes_header); the decode thread asks nvJPEG before each batch.
+  // While an epoch runs, only the decode thread calls nvJPEG, and only to decode: the workers
+  // decide from the header alone (takes_header). nv_mu keeps decodes_on_gpu's support check
+  // off the handle while the decode thread uses it. (Until session 7 the workers asked
+  // nvjpegDecodeBatchedSupported, on a second hardware handle, while the decode thread decoded,
+  // and trainings hung in 5 of 16 runs; asking it on the decode thread before each batch, with
+  // the decode handle, hung 6 trainings of 6: NOTES.md.)
   std::mutex nv_mu;
   nvjpegJpegStream_t parse_stream = nullptr;
 
@@ -225,13 +225,16 @@ struct GpuJpegLoader::Impl {
     if (decode) cudaStreamDestroy(decode);
   }
 
-  // Whether a JPEG may go to nvJPEG, from its header alone (worker threads; no nvJPEG call):
-  // gray or 3-component, and not progressive on the hardware decoder, which refuses those.
+  // Whether a JPEG goes to nvJPEG, from its header alone (worker threads; no nvJPEG call):
+  // 8-bit Huffman-coded gray or 3-component, and not progressive on the hardware decoder,
+  // which refuses those (gpu_test_gpu_jpeg checks the rule against nvjpegDecodeBatchedSupported).
+  // A file it passes that nvJPEG still fails sends its batch to the host (submit).
   bool takes_header(const JpegInfo& info) const {
     if (info.components != 1 && info.components != 3) return false;  // CMYK/YCCK: host
+    if (info.arithmetic || info.precision != 8) return false;
     return !(hardware && info.progressive);
   }
-  // Whether nvJPEG's batched decode takes this file (nv_mu held).
+  // Whether nvJPEG's batched decode takes this file, by asking it (nv_mu held).
   bool supported(const uint8_t* data, size_t size) {
     if (!hardware) return true;
     int unsupported = 1;  // nvJPEG reports 0 for "supported"
@@ -268,28 +271,14 @@ struct GpuJpegLoader::Impl {
     const int64_t B = b.images.size(0), img = S * S * 3;
     std::vector<EncodedSample>& enc = *b.encoded;
     uint8_t* host_px = b.images.data<uint8_t>();
-    // The deferred samples nvJPEG takes go to it; one it refuses is decoded here, on the host.
-    std::lock_guard nv(nv_mu);
-    enter("nvJPEG support checks", false);
-    const auto checks = TraceClock::now();
     std::vector<int64_t> gpu_idx;
     size_t total = 0;
-    for (int64_t i = 0; i < B; ++i) {
-      const EncodedSample& e = enc[size_t(i)];
-      if (e.bytes.empty()) continue;
-      if (supported(e.bytes.data(), e.bytes.size())) {
+    for (int64_t i = 0; i < B; ++i)
+      if (!enc[size_t(i)].bytes.empty()) {
         gpu_idx.push_back(i);
-        total += align_up(size_t(e.info.height * e.info.width * 3));
-        continue;
+        total += align_up(size_t(enc[size_t(i)].info.height * enc[size_t(i)].info.width * 3));
       }
-      enter("decoding a JPEG nvJPEG refuses on the host", false);
-      try {
-        decode_on_host(e, host_px + i * img);
-      } catch (const Error& err) {
-        b.labels.data<int64_t>()[i] = ep.redo(e, reason_of(err), host_px + i * img);
-      }
-    }
-    if (trace) times.checks += since(checks);
+    std::lock_guard nv(nv_mu);
     sl.decoded.ensure(std::max<size_t>(total, 1));
     sl.staging.ensure(size_t(B * img));
     sl.jobs.ensure(size_t(B) * sizeof(cuda::CropResizeJob));
@@ -475,10 +464,10 @@ struct GpuJpegEpoch::State {
     const double n = double(t.batches), ms = 1e3;
     std::fprintf(stderr,
                  "kiln: jpeg trace: %ld batches, ms per batch: decode thread [workers' batch %.2f, "
-                 "slot wait %.2f, support checks %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
+                 "slot wait %.2f, nvjpegDecodeBatched %.2f, enqueue %.2f] | next() blocked %.2f, "
                  "consumer between next() calls %.2f | decode stream span %.2f (%ld spans) | "
                  "%ld nvJPEG + %ld host samples, host share %.2f\n",
-                 long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n, ms * t.checks / n,
+                 long(t.batches), ms * t.host_next / n, ms * t.slot_wait / n,
                  ms * t.decode_call / n, ms * t.enqueue / n, ms * t.next_wait / n,
                  ms * t.between / std::max(1.0, n - 1), ms * t.gpu_span / double(std::max<int64_t>(1, t.gpu_spans)),
                  long(t.gpu_spans), long(gpu), long(cpu), impl->host_share.load());

@@ -26,10 +26,9 @@
 // else its default
 // (hybrid) backend, whose Huffman decoding runs on the decode thread. Measured on the H200
 // (tests/gpu/test_gpu_jpeg.cpp): the hardware decoder takes baseline RGB and grayscale JPEGs
-// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. The workers defer by the header
-// alone (no progressive on the hardware decoder, 1 or 3 components); the decode thread asks
-// nvjpegDecodeBatchedSupported for each deferred file and decodes a refused one on the host.
-// Only the decode thread calls nvJPEG while an epoch runs. If a batched decode fails, that
+// and refuses progressive ones; CMYK/YCCK never go to nvJPEG. The workers decide by the header
+// alone (8-bit Huffman-coded, 1 or 3 components, not progressive on the hardware decoder): only
+// the decode thread calls nvJPEG while an epoch runs. If a batched decode fails, that
 // batch's encoded samples are decoded on the host instead, and a file that fails there too is
 // replaced as the CPU path replaces bad files (ImageEpoch::redo). Not caught: corrupt scan data
 // behind a valid header, which the H200's hardware decoder decodes to garbage without an error
@@ -118,7 +117,8 @@ class GpuJpegLoader {
   // "hardware" or "default": the nvJPEG backend in use.
   const char* backend() const;
   GpuJpegEpoch epoch(int64_t e) const;
-  // Whether this JPEG file would be decoded by nvJPEG (false: on the host). For reports/tests.
+  // Whether this JPEG file would be decoded by nvJPEG (false: on the host): the workers' header
+  // rule, and nvjpegDecodeBatchedSupported asked. For reports and tests; not while an epoch runs.
   bool decodes_on_gpu(const std::string& path) const;
 
   struct Impl;  // nvJPEG handle and state, decode stream, device buffers (data/gpu_jpeg.cpp)

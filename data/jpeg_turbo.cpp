@@ -130,6 +130,8 @@ bool decode_session(const uint8_t* data, size_t size, Session& s, std::vector<ui
   s.info.width = cinfo.image_width;
   s.info.components = cinfo.num_components;
   s.info.progressive = cinfo.progressive_mode;
+  s.info.arithmetic = cinfo.arith_code;
+  s.info.precision = cinfo.data_precision;
   s.info.cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
   const bool known = cinfo.jpeg_color_space == JCS_GRAYSCALE ||
                      cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB ||

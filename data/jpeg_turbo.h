@@ -36,6 +36,8 @@ struct JpegInfo {
   int components = 0;        // 1 (gray), 3 (YCbCr/RGB) or 4 (CMYK/YCCK)
   bool progressive = false;  // SOF2
   bool cmyk = false;         // 4 components (CMYK or YCCK)
+  bool arithmetic = false;   // arithmetic-coded (SOF9-SOF11) instead of Huffman
+  int precision = 8;         // bits per sample (12 in some extended files)
 };
 // Header only; checks the size guards. Without libjpeg, stb's probe: size and components only.
 JpegInfo read_jpeg_info(const uint8_t* data, size_t size, const std::string& name);
