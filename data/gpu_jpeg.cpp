@@ -126,11 +126,8 @@ struct GpuJpegLoader::Impl {
   const ImageFolder* folder = nullptr;  // the host loader's (names in errors)
 
   // While an epoch runs, only the decode thread calls nvJPEG, and only to decode: the workers
-  // decide from the header alone (takes_header). nv_mu keeps decodes_on_gpu's support check
-  // off the handle while the decode thread uses it. (Until session 7 the workers asked
-  // nvjpegDecodeBatchedSupported, on a second hardware handle, while the decode thread decoded,
-  // and trainings hung in 5 of 16 runs; asking it on the decode thread before each batch, with
-  // the decode handle, hung 6 trainings of 6: NOTES.md.)
+  // decide from the header alone (takes_header), so one handle serves. nv_mu keeps
+  // decodes_on_gpu's support check off the handle while the decode thread uses it.
   std::mutex nv_mu;
   nvjpegJpegStream_t parse_stream = nullptr;
 
@@ -311,11 +308,13 @@ struct GpuJpegLoader::Impl {
       const int n = int(gpu_idx.size());
       const auto call = TraceClock::now();
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
-      // The previous batch's work on the decode stream (nvJPEG's own, which outlives its call,
-      // and the uploads) is complete before nvJPEG is called again, or its state re-initialised.
-      // Without this the decode stream stopped draining, mid-epoch, in 7 of 8 trainings of 9
-      // epochs (session 7, NOTES.md): the hardware decoder does not order its work against the
-      // caller's stream.
+      // The previous batch's work on the decode stream (what nvJPEG left queued when its call
+      // returned, then the uploads) is complete before nvJPEG is called again. Without this
+      // the decode stream stopped draining mid-epoch, under a running step, in 7 of 8 nine-epoch
+      // trainings; with it in none of 4 (session 7, NOTES.md). Why is not known; a guess:
+      // nvJPEG's hardware path has been reported (torchcodec PR 1634) not to order its writes
+      // against the caller's stream, so a call that starts while the last one's work is still
+      // queued may disturb it.
       enter("cudaStreamSynchronize before nvjpegDecodeBatched");
       CUDA_CHECK(cudaStreamSynchronize(decode));
       if (initialized_for != n) {

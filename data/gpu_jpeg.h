@@ -15,8 +15,9 @@
 // host-decoded samples and the per-sample crop jobs, and records an event; next() makes the
 // current stream wait for that event and runs cuda::crop_resize_normalize (cuda/crop_resize.h)
 // into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
-// batch k; the host never waits for the device except for buffers two batches old. The decode
-// stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
+// batch k; the decode thread waits for the device only for buffers two batches old and, before
+// each nvJPEG call, for the previous batch's decode-stream work (without that wait the decode
+// stream hung, NOTES.md session 7). The decode stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
 // copies them); reading them into pinned buffers is not done. Under a running step nvJPEG's
 // batched call takes about a step whatever it decodes, so a share of the JPEGs is decoded by the
 // workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where

@@ -53,9 +53,9 @@ struct DataOptions {
   bool augment = false;            // IDX: crop (padding 4) + flip; ImageFolder always augments
   uint64_t seed = 0;
   int workers = 2;
-  // ImageFolder decoding (issue 15): auto (nvjpeg on a CUDA device when kiln has nvJPEG, else
-  // cpu), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error when it
-  // cannot run), stb or turbo (CPU, forced).
+  // ImageFolder decoding (issue 15): auto (= cpu), cpu (libjpeg-turbo, or stb without it),
+  // nvjpeg (data/gpu_jpeg.h; kiln::Error when it cannot run; its stall guard exits with
+  // kStallExitCode), stb or turbo (CPU, forced).
   std::string decoder = "auto";
   // nvjpeg: share of JPEGs decoded on the CPU instead; -1 (GpuJpegLoader::kAdaptiveHostShare):
   // steered while training
