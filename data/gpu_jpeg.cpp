@@ -667,7 +667,13 @@ GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
 
 GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
 GpuJpegEpoch::GpuJpegEpoch(GpuJpegEpoch&&) noexcept = default;
-GpuJpegEpoch& GpuJpegEpoch::operator=(GpuJpegEpoch&&) noexcept = default;
+GpuJpegEpoch& GpuJpegEpoch::operator=(GpuJpegEpoch&& other) noexcept {
+  if (this != &other) {
+    if (state_ && state_->impl->wedged) (void)state_.release();  // see ~GpuJpegLoader
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
 GpuJpegEpoch::~GpuJpegEpoch() {
   if (state_ && state_->impl->wedged) (void)state_.release();  // see ~GpuJpegLoader
 }
