@@ -438,7 +438,6 @@ struct GpuJpegEpoch::State {
   ImageEpoch host;
   int cur = 0;
   bool primed = false;
-  bool pending[2] = {false, false};
   // From the decode threads (detached: a future of std::async would block in its destructor
   // on a decode thread that never returns); true: the slot holds a batch.
   std::future<bool> submitted[2];

@@ -48,6 +48,16 @@ void put(const TempDir& dir, const std::string& rel, const std::vector<uint8_t>&
   testing::write_raw(dir / rel, bytes);
 }
 
+// n baseline JPEGs (quality 90) alternating between classes c0 and c1, named 10.jpg, 11.jpg,
+// ...; image i is photo(h0 + dh * i, w, i).
+void two_classes(const TempDir& dir, int n, int64_t h0, int64_t dh, int64_t w) {
+  for (int i = 0; i < n; ++i) {
+    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
+    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
+               photo(h0 + dh * i, w, uint64_t(i)), 90);
+  }
+}
+
 std::vector<double> values(const Tensor& t) {
   Tensor h = t.to(Device::cpu()).to(DType::f64).contiguous();
   return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
@@ -183,11 +193,7 @@ TEST_CASE("GPU JPEG path: a valid header over corrupt scan data never crashes") 
     return;
   }
   TempDir dir;
-  for (int i = 0; i < 15; ++i) {
-    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
-    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
-               photo(120 + 7 * i, 160, uint64_t(i)), 90);
-  }
+  two_classes(dir, 15, 120, 7, 160);
   std::vector<uint8_t> bad = read_file_bytes(dir / "c0/10.jpg");
   for (size_t i = bad.size() / 3; i + 2 < bad.size(); ++i) bad[i] = uint8_t(i * 13 + 1);
   put(dir, "c1/99_corrupt.jpg", bad);
@@ -221,11 +227,7 @@ TEST_CASE("GPU JPEG path: host_fraction sends a fixed share of the files to the 
     return;
   }
   TempDir dir;
-  for (int i = 0; i < 32; ++i) {
-    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
-    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
-               photo(100 + 3 * i, 130, uint64_t(i)), 90);
-  }
+  two_classes(dir, 32, 100, 3, 130);
   const ImageFolder folder(dir.path().string());
   ImageLoaderOptions o;
   o.batch_size = 8;
@@ -266,11 +268,7 @@ TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader wit
     return;
   }
   TempDir dir;
-  for (int i = 0; i < 24; ++i) {
-    fs::create_directories(dir.path() / ("c" + std::to_string(i % 2)));
-    write_jpeg(dir / ("c" + std::to_string(i % 2) + "/" + std::to_string(10 + i) + ".jpg"),
-               photo(90 + 2 * i, 120, uint64_t(i)), 90);
-  }
+  two_classes(dir, 24, 90, 2, 120);
   ImageLoaderOptions o;
   o.batch_size = 8;
   o.image_size = 32;
