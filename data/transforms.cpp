@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -75,62 +76,92 @@ AxisPlan plan_axis(int64_t out, double origin, double scale, int64_t lo, int64_t
   return p;
 }
 
-// Clamp, then round to nearest (ties to even); written without branches, as it runs once per
-// output value. Adding and subtracting 1.5 * 2^23 rounds a float in [0, 2^22) to an integer in
-// the current (default: to nearest even) mode, as std::nearbyint does, without the libm call
-// that builds without SSE4.1 make of nearbyint.
+// Round to nearest (ties to even), then clamp to 0..255. Adding and subtracting 1.5 * 2^23
+// rounds a float in (-2^22, 2^22) to an integer in the current (default: to nearest even) mode,
+// as std::nearbyint does, without the libm call that builds without SSE4.1 make of nearbyint;
+// every value this file rounds is a weighted mean of bytes (non-negative weights that sum to
+// 1), well inside that range. The clamp is on the integer: with -ftrapping-math (GCC's default)
+// a float compare may not be made branch-free, and the loops over a row would not vectorise.
 inline uint8_t to_u8(float v) {
-  v = v > 0.0f ? v : 0.0f;
-  v = v < 255.0f ? v : 255.0f;
   constexpr float kRound = 0x1.8p23f;  // without -ffast-math the compiler keeps both steps
-  return uint8_t(int((v + kRound) - kRound));
+  const int i = int((v + kRound) - kRound);
+  return uint8_t(i < 0 ? 0 : i > 255 ? 255 : i);
 }
 
-// One output pixel's RGB sums over its taps: T of them, unrolled, when the plan is fixed (T > 0),
-// else its own count.
-template <int T, typename S>
-inline void rgb_taps(const float* w, const S* s, int64_t count, float& a0, float& a1, float& a2) {
-  const int64_t n = T > 0 ? T : count;
-  for (int64_t t = 0; t < n; ++t) {
-    a0 += w[t] * float(s[t * 3]);
-    a1 += w[t] * float(s[t * 3 + 1]);
-    a2 += w[t] * float(s[t * 3 + 2]);
-  }
+// One RGB pixel as a 4-lane float vector (R, G, B and a lane that belongs to the next pixel):
+// GCC and Clang lower it to SSE on any x86-64 and to NEON on ARM, with no intrinsics.
+using F4 = float __attribute__((vector_size(16)));
+
+inline F4 load4(const float* p) {
+  F4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-// The horizontal pass of one RGB row: out(j, c) = sum over taps of row[(start - first) * 3 + c],
-// where `row` holds source columns from `first` on; emit(j, a0, a1, a2) stores output j.
-template <int T, typename S, typename Emit>
-void rgb_row(const S* row, int64_t first, const AxisPlan& rx, int64_t out_w, bool flip,
-             Emit&& emit) {
+inline void store4(float* p, F4 v) { std::memcpy(p, &v, sizeof v); }
+
+// The horizontal pass of one RGB row of floats: out[j * 3 + c] = sum over output j's taps t of
+// w[t] * row[(start - first + t) * 3 + c], where `row` holds source columns from `first` on. A
+// pixel's three channels are one vector, so a tap is one load, one multiply and one add; each
+// lane adds its taps in order, exactly as a loop over one channel does, so the sums are bit for
+// bit those of a scalar pass. Reads one float past the last column the taps reach and writes one
+// float past out[out_w * 3 - 1] (the next pixel's store overwrites it). T > 0: every output has
+// T taps (a fixed plan), unrolled; T == 0: each output its own count.
+template <int T>
+void rgb_row(const float* row, int64_t first, const AxisPlan& rx, int64_t out_w, bool flip,
+             float* out) {
   for (int64_t j = 0; j < out_w; ++j) {
     const int64_t pj = flip ? out_w - 1 - j : j;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
-    rgb_taps<T>(rx.w.data() + pj * rx.max_taps, row + (rx.start[size_t(pj)] - first) * 3,
-                rx.count[size_t(pj)], a0, a1, a2);
-    emit(j, a0, a1, a2);
+    const float* w = rx.w.data() + pj * rx.max_taps;
+    const float* s = row + (rx.start[size_t(pj)] - first) * 3;
+    const int64_t n = T > 0 ? T : rx.count[size_t(pj)];
+    F4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t t = 0; t < n; ++t) a += w[t] * load4(s + t * 3);
+    store4(out + j * 3, a);
   }
 }
 
 // rgb_row with the tap loop unrolled for the usual window sizes.
-template <typename S, typename Emit>
-void rgb_row_dispatch(const S* row, int64_t first, const AxisPlan& rx, int64_t out_w, bool flip,
-                      Emit&& emit) {
+void rgb_row_dispatch(const float* row, int64_t first, const AxisPlan& rx, int64_t out_w,
+                      bool flip, float* out) {
   switch (rx.fixed ? rx.taps : 0) {
-    case 2: return rgb_row<2>(row, first, rx, out_w, flip, emit);
-    case 3: return rgb_row<3>(row, first, rx, out_w, flip, emit);
-    case 4: return rgb_row<4>(row, first, rx, out_w, flip, emit);
-    case 5: return rgb_row<5>(row, first, rx, out_w, flip, emit);
-    case 6: return rgb_row<6>(row, first, rx, out_w, flip, emit);
-    case 7: return rgb_row<7>(row, first, rx, out_w, flip, emit);
-    case 8: return rgb_row<8>(row, first, rx, out_w, flip, emit);
-    case 9: return rgb_row<9>(row, first, rx, out_w, flip, emit);
-    case 10: return rgb_row<10>(row, first, rx, out_w, flip, emit);
-    default: return rgb_row<0>(row, first, rx, out_w, flip, emit);
+    case 2: return rgb_row<2>(row, first, rx, out_w, flip, out);
+    case 3: return rgb_row<3>(row, first, rx, out_w, flip, out);
+    case 4: return rgb_row<4>(row, first, rx, out_w, flip, out);
+    case 5: return rgb_row<5>(row, first, rx, out_w, flip, out);
+    case 6: return rgb_row<6>(row, first, rx, out_w, flip, out);
+    case 7: return rgb_row<7>(row, first, rx, out_w, flip, out);
+    case 8: return rgb_row<8>(row, first, rx, out_w, flip, out);
+    case 9: return rgb_row<9>(row, first, rx, out_w, flip, out);
+    case 10: return rgb_row<10>(row, first, rx, out_w, flip, out);
+    default: return rgb_row<0>(row, first, rx, out_w, flip, out);
   }
 }
 
-// Horizontal pass over the needed source rows into floats, then the vertical pass.
+// The horizontal pass of one row of floats with C channels (source columns from `first` on):
+// RGB as above, other channel counts one channel at a time, each output its own taps.
+void horizontal_row(const float* row, int64_t first, int64_t C, const AxisPlan& rx,
+                    int64_t out_w, bool flip, float* out) {
+  if (C == 3) return rgb_row_dispatch(row, first, rx, out_w, flip, out);
+  for (int64_t j = 0; j < out_w; ++j) {
+    const int64_t pj = flip ? out_w - 1 - j : j;
+    const float* w = rx.w.data() + pj * rx.max_taps;
+    const float* s = row + (rx.start[size_t(pj)] - first) * C;
+    const int64_t taps = rx.count[size_t(pj)];
+    for (int64_t c = 0; c < C; ++c) {
+      float a = 0.0f;
+      for (int64_t t = 0; t < taps; ++t) a += w[t] * s[t * C + c];
+      out[j * C + c] = a;
+    }
+  }
+}
+
+// The two separable passes. The order follows the shape: when shrinking vertically (fewer
+// output rows than source rows the taps reach) the vertical pass runs first, one output row at a
+// time over only the columns the horizontal taps reach, so the horizontal pass runs on out_h rows;
+// otherwise each needed source row gets its horizontal pass first. Both passes work on floats
+// (u8 -> float is exact), and each output sums its taps in plan order, whatever the channel
+// count, so an RGB image and each of its channels alone give the same bytes.
 void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPlan& ry,
               const AxisPlan& rx, uint8_t* dst, int64_t out_h, int64_t out_w, bool flip) {
   int64_t row0 = INT64_MAX, row1 = 0;
@@ -138,92 +169,61 @@ void resample(const uint8_t* src, int64_t width, int64_t channels, const AxisPla
     row0 = std::min(row0, ry.start[size_t(i)]);
     row1 = std::max(row1, ry.start[size_t(i)] + ry.count[size_t(i)]);
   }
-  const int64_t C = channels;
+  int64_t col0 = INT64_MAX, col1 = 0;
+  for (int64_t j = 0; j < out_w; ++j) {
+    col0 = std::min(col0, rx.start[size_t(j)]);
+    col1 = std::max(col1, rx.start[size_t(j)] + (rx.fixed ? rx.taps : rx.count[size_t(j)]));
+  }
+  const int64_t C = channels, cw = (col1 - col0) * C, ow = out_w * C;
   // Per-thread scratch: loader workers resample thousands of images; no allocation per image.
-  thread_local std::vector<float> tmp, acc;
+  // Each buffer has one float of slack for rgb_row's fourth lane.
+  thread_local std::vector<float> tmp, line, acc;
   if (out_h < row1 - row0) {
-    // Shrinking vertically: the vertical pass first (contiguous, vectorised) over only the
-    // columns the horizontal taps reach, so the scalar horizontal pass runs on out_h rows
-    // instead of row1 - row0. The sums are the same up to float rounding order.
-    int64_t col0 = INT64_MAX, col1 = 0;
-    for (int64_t j = 0; j < out_w; ++j) {
-      col0 = std::min(col0, rx.start[size_t(j)]);
-      col1 = std::max(col1, rx.start[size_t(j)] + (rx.fixed ? rx.taps : rx.count[size_t(j)]));
-    }
-    const int64_t cw = (col1 - col0) * C;
-    tmp.resize(size_t(out_h * cw));
+    // Raw pointers, not vector<>::operator[]: a byte store may alias a vector's own members,
+    // which would keep the compiler from vectorising the loops.
+    line.resize(size_t(cw + 1));
+    tmp.resize(size_t(ow + 1));
+    float* const ln = line.data();
+    const float* const hz = tmp.data();
+    ln[cw] = 0.0f;
     for (int64_t i = 0; i < out_h; ++i) {
-      float* trow = tmp.data() + i * cw;
-      std::fill(trow, trow + cw, 0.0f);
+      std::fill(ln, ln + cw, 0.0f);
       const float* w = ry.w.data() + i * ry.max_taps;
       for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
         const float wt = w[t];
         const uint8_t* srow = src + (ry.start[size_t(i)] + t) * width * C + col0 * C;
-        for (int64_t k = 0; k < cw; ++k) trow[k] += wt * float(srow[k]);
+        for (int64_t k = 0; k < cw; ++k) ln[k] += wt * float(srow[k]);
       }
-    }
-    for (int64_t i = 0; i < out_h; ++i) {
-      const float* trow = tmp.data() + i * cw;
-      uint8_t* drow = dst + i * out_w * C;
-      if (C == 3) {
-        rgb_row_dispatch(trow, col0, rx, out_w, flip, [drow](int64_t j, float a0, float a1, float a2) {
-          drow[j * 3] = to_u8(a0);
-          drow[j * 3 + 1] = to_u8(a1);
-          drow[j * 3 + 2] = to_u8(a2);
-        });
-        continue;
-      }
-      for (int64_t j = 0; j < out_w; ++j) {
-        const int64_t pj = flip ? out_w - 1 - j : j;
-        const float* w = rx.w.data() + pj * rx.max_taps;
-        const float* s = trow + (rx.start[size_t(pj)] - col0) * C;
-        const int64_t taps = rx.count[size_t(pj)];
-        for (int64_t c = 0; c < C; ++c) {
-          float a = 0.0f;
-          for (int64_t t = 0; t < taps; ++t) a += w[t] * s[t * C + c];
-          drow[j * C + c] = to_u8(a);
-        }
-      }
+      horizontal_row(ln, col0, C, rx, out_w, flip, tmp.data());
+      uint8_t* drow = dst + i * ow;
+      for (int64_t k = 0; k < ow; ++k) drow[k] = to_u8(hz[k]);
     }
     return;
   }
-  tmp.resize(size_t((row1 - row0) * out_w * C));
+  line.resize(size_t(cw + 1));
+  tmp.resize(size_t((row1 - row0) * ow + 1));
+  acc.resize(size_t(ow));
+  float* const ln = line.data();
+  float* const hz = tmp.data();
+  float* const ac = acc.data();
+  ln[cw] = 0.0f;
   for (int64_t r = row0; r < row1; ++r) {
-    const uint8_t* srow = src + r * width * C;
-    float* trow = tmp.data() + (r - row0) * out_w * C;
-    if (C == 3) {  // RGB: the three channels share each tap's weight
-      rgb_row_dispatch(srow, 0, rx, out_w, flip, [trow](int64_t j, float a0, float a1, float a2) {
-        trow[j * 3] = a0;
-        trow[j * 3 + 1] = a1;
-        trow[j * 3 + 2] = a2;
-      });
-      continue;
-    }
-    for (int64_t j = 0; j < out_w; ++j) {
-      const int64_t pj = flip ? out_w - 1 - j : j;
-      const float* w = rx.w.data() + pj * rx.max_taps;
-      const uint8_t* s = srow + rx.start[size_t(pj)] * C;
-      const int64_t taps = rx.count[size_t(pj)];
-      for (int64_t c = 0; c < C; ++c) {
-        float acc = 0.0f;
-        for (int64_t t = 0; t < taps; ++t) acc += w[t] * float(s[t * C + c]);
-        trow[j * C + c] = acc;
-      }
-    }
+    const uint8_t* srow = src + r * width * C + col0 * C;
+    for (int64_t k = 0; k < cw; ++k) ln[k] = float(srow[k]);
+    horizontal_row(ln, col0, C, rx, out_w, flip, hz + (r - row0) * ow);
   }
   // Vertical pass row by row, taps outer so the inner loop runs over contiguous floats.
-  acc.resize(size_t(out_w * C));
   for (int64_t i = 0; i < out_h; ++i) {
     const float* w = ry.w.data() + i * ry.max_taps;
-    const float* t0 = tmp.data() + (ry.start[size_t(i)] - row0) * out_w * C;
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    const float* t0 = hz + (ry.start[size_t(i)] - row0) * ow;
+    std::fill(ac, ac + ow, 0.0f);
     for (int64_t t = 0; t < ry.count[size_t(i)]; ++t) {
       const float wt = w[t];
-      const float* row = t0 + t * out_w * C;
-      for (int64_t k = 0; k < out_w * C; ++k) acc[size_t(k)] += wt * row[k];
+      const float* row = t0 + t * ow;
+      for (int64_t k = 0; k < ow; ++k) ac[k] += wt * row[k];
     }
-    uint8_t* drow = dst + i * out_w * C;
-    for (int64_t k = 0; k < out_w * C; ++k) drow[k] = to_u8(acc[size_t(k)]);
+    uint8_t* drow = dst + i * ow;
+    for (int64_t k = 0; k < ow; ++k) drow[k] = to_u8(ac[k]);
   }
 }
 
