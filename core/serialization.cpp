@@ -84,8 +84,8 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
   }
 }
 
-std::string safetensors_bytes(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+SafetensorsHost safetensors_host(const std::string& path, const NamedTensors& tensors,
+                                 const std::map<std::string, std::string>& metadata) {
   std::ostringstream header;
   header << "{";
   bool first = true;
@@ -98,12 +98,14 @@ std::string safetensors_bytes(const std::string& path, const NamedTensors& tenso
     header << "}";
     first = false;
   }
-  std::vector<Tensor> hosts;
+  SafetensorsHost out;
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {
     KILN_CHECK(t.defined(), "save_safetensors '", path, "': tensor '", name, "' is undefined");
     KILN_CHECK(name != "__metadata__", "save_safetensors: reserved tensor name __metadata__");
-    Tensor h = t.detach().to(Device::cpu()).contiguous();
+    // A copy of its own in either case: to(cpu) of a CPU tensor would be the tensor itself.
+    Tensor h = t.is_cpu() ? t.detach().clone(MemoryFormat::Contiguous)
+                          : t.detach().to(Device::cpu()).contiguous();
     size_t n = h.nbytes();
     if (!first) header << ",";
     first = false;
@@ -111,18 +113,31 @@ std::string safetensors_bytes(const std::string& path, const NamedTensors& tenso
     for (int64_t i = 0; i < h.dim(); ++i) header << (i ? "," : "") << h.size(i);
     header << "],\"data_offsets\":[" << offset << "," << offset + n << "]}";
     offset += n;
-    hosts.push_back(h);
+    out.tensors.emplace_back(name, std::move(h));
   }
   header << "}";
   std::string hs = header.str();
   while (hs.size() % 8) hs += ' ';  // align the data section
+  const uint64_t hl = hs.size();
+  for (int i = 0; i < 8; ++i) out.header.push_back(char((hl >> (8 * i)) & 0xff));
+  out.header += hs;
+  return out;
+}
+
+std::string SafetensorsHost::join() const {
+  size_t n = header.size();
+  for (const auto& [name, h] : tensors) n += h.nbytes();
   std::string bytes;
-  bytes.reserve(8 + hs.size() + offset);
-  uint64_t hl = hs.size();
-  for (int i = 0; i < 8; ++i) bytes.push_back(char((hl >> (8 * i)) & 0xff));
-  bytes += hs;
-  for (const Tensor& h : hosts) bytes.append(static_cast<const char*>(h.raw_data()), h.nbytes());
+  bytes.reserve(n);
+  bytes += header;
+  for (const auto& [name, h] : tensors)
+    bytes.append(static_cast<const char*>(h.raw_data()), h.nbytes());
   return bytes;
+}
+
+std::string safetensors_bytes(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  return safetensors_host(path, tensors, metadata).join();
 }
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,

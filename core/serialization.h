@@ -21,9 +21,21 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 // The bytes save_safetensors writes (device tensors are copied to the host now), for a caller
-// that writes them later or elsewhere (a background checkpoint writer). `path` names errors.
+// that writes them later or elsewhere. `path` names errors.
 std::string safetensors_bytes(const std::string& path, const NamedTensors& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+
+// safetensors_bytes in two steps, for a background writer: safetensors_host copies every tensor
+// to host memory of its own now (on the caller's thread, so the file holds this moment's values;
+// CPU tensors are copied too, so later in-place updates do not reach it), and join() lays out the
+// bytes later, on any thread, touching no device. join() == safetensors_bytes(...) byte for byte.
+struct SafetensorsHost {
+  std::string header;           // length prefix and JSON header, padded to 8 bytes
+  NamedTensors tensors;         // contiguous host copies, in file order
+  std::string join() const;
+};
+SafetensorsHost safetensors_host(const std::string& path, const NamedTensors& tensors,
+                                 const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsData {
   NamedTensors tensors;  // CPU tensors in file order

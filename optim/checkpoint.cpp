@@ -148,6 +148,10 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
 }
 
 std::string checkpoint_bytes(const std::string& path, const TrainingState& state) {
+  return checkpoint_host(path, state).join();
+}
+
+SafetensorsHost checkpoint_host(const std::string& path, const TrainingState& state) {
   KILN_CHECK(state.model != nullptr, "save_checkpoint '", path, "': TrainingState.model is null");
   std::map<std::string, std::string> meta;
   for (const auto& [k, v] : state.metadata) {
@@ -174,7 +178,7 @@ std::string checkpoint_bytes(const std::string& path, const TrainingState& state
     for (const auto& [key, t] : state.optimizer->state_dict())
       tensors.emplace_back(kOptimPrefix + key, t);
   for (const auto& [key, t] : state.scaler) tensors.emplace_back(kScalerPrefix + key, t);
-  return safetensors_bytes(path, tensors, meta);
+  return safetensors_host(path, tensors, meta);
 }
 
 void load_checkpoint(const std::string& path, TrainingState& state) {

@@ -93,6 +93,10 @@ void save_checkpoint(const std::string& path, const TrainingState& state);
 // What save_checkpoint writes to `path`, as bytes (device state is copied to the host now):
 // write them with write_file_atomic (core/serialization.h), on another thread if you like.
 std::string checkpoint_bytes(const std::string& path, const TrainingState& state);
+// The same in two steps (core/serialization.h's SafetensorsHost): the state is copied to the
+// host now; join() gives checkpoint_bytes' bytes later, on any thread (kiln-train's background
+// writer does, so the training thread pays only for the copies).
+SafetensorsHost checkpoint_host(const std::string& path, const TrainingState& state);
 
 // Restores `state.model` (strict), `state.optimizer` (when set), kiln::default_generator() and
 // every generator in `state.generators` (each must be in the file), and sets scaler, epoch, step

@@ -483,6 +483,22 @@ TEST_CASE("kiln-train: non-finite metrics are reported as such, logged as null")
   CHECK(train::fmt_time(-2) == "?");
   CHECK(train::first_non_finite(*model) == "fc.bias");
   CHECK(train::first_non_finite(*job_model()).empty());
+  // Infinities of either sign, in every floating dtype; the largest finite values are finite.
+  for (DType dt : {DType::f16, DType::bf16, DType::f32, DType::f64}) {
+    CAPTURE(dtype_name(dt));
+    auto m = job_model();
+    m->to(dt);
+    CHECK(train::first_non_finite(*m).empty());
+    const Tensor w = m->named_parameters().back().second;
+    NoGradGuard ng;
+    const double biggest = dt == DType::f16 ? 65504.0 : dt == DType::bf16 ? 3.38e38 : 3.4e38;
+    w.fill_(biggest);
+    CHECK(train::first_non_finite(*m).empty());
+    w.fill_(-INFINITY);
+    CHECK(train::first_non_finite(*m) == m->named_parameters().back().first);
+    w.fill_(INFINITY);
+    CHECK(train::first_non_finite(*m) == m->named_parameters().back().first);
+  }
 }
 
 TEST_CASE("kiln-train: flag ranges and contradictions fail early") {

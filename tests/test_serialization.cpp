@@ -56,6 +56,23 @@ TEST_CASE("safetensors round trip of every dtype, strided input, metadata") {
   CHECK(len[0] % 8 == 0);
 }
 
+TEST_CASE("safetensors_host: this moment's values, joined later, the same bytes") {
+  Tensor w = randn({4, 3});
+  Tensor cl = randn({2, 3, 2, 2}).contiguous(MemoryFormat::ChannelsLast);  // written contiguous
+  const NamedTensors ts{{"w", w}, {"cl", cl}};
+  const std::string before = safetensors_bytes("x", ts, {{"k", "v"}});
+  const SafetensorsHost host = safetensors_host("x", ts, {{"k", "v"}});
+  // In-place updates after the snapshot (the next epoch's steps) must not reach it.
+  w.fill_(7.0);
+  cl.fill_(-1.0);
+  CHECK(host.join() == before);
+  CHECK(host.tensors[0].second.data<float>() != w.data<float>());
+  CHECK(safetensors_bytes("x", ts, {{"k", "v"}}) != before);
+  // The header is the file's first bytes: length prefix, JSON, padding to 8.
+  CHECK(before.compare(0, host.header.size(), host.header) == 0);
+  CHECK(host.header.size() % 8 == 0);
+}
+
 TEST_CASE("atomic write leaves no temp file and replaces the old file whole") {
   std::string path = temp_path("b.safetensors");
   save_safetensors(path, {{"x", ones({4})}});

@@ -51,7 +51,7 @@ std::string json_number(double v);  // %.6g; non-finite values as null
 std::string fmt_metric(double v, double factor, int decimals);  // v·factor, or "nan"/"inf"
 
 // The name of the first parameter or buffer of `model` holding a NaN or inf, or "" when all
-// values are finite (one device-to-host copy per floating tensor).
+// values are finite (one device-to-host copy per floating tensor, then a scan of its bits).
 std::string first_non_finite(const nn::Module& model);
 
 // Keeps the lines of a JSON-lines log whose number `key` is <= max, and drops unreadable ones (a

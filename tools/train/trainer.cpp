@@ -43,9 +43,10 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Epoch checkpoints are written on a background thread: the state becomes host bytes at the
-// epoch's end (the caller's thread, so they are the epoch's weights), and the temporary file's
-// write, fsync and rename (write_file_atomic) run while evaluation and the next epoch do. One
+// Epoch checkpoints are written on a background thread: the state is copied to the host at the
+// epoch's end (the caller's thread, so they are the epoch's weights), and laying out the bytes
+// and the temporary file's write, fsync and rename (write_file_atomic) run while evaluation and
+// the next epoch do. One
 // write at a time: the next write and finish() wait for the previous one and rethrow its error.
 // A crash mid-write leaves the previous checkpoint whole, as a synchronous save would.
 class BackgroundWriter {
@@ -62,10 +63,10 @@ class BackgroundWriter {
       }
     }
   }
-  void write(std::string path, std::string bytes) {
+  void write(std::string path, SafetensorsHost state) {
     finish();
-    pending_ = std::async(std::launch::async, [p = std::move(path), b = std::move(bytes)] {
-      write_file_atomic(p, b);
+    pending_ = std::async(std::launch::async, [p = std::move(path), h = std::move(state)] {
+      write_file_atomic(p, h.join());
     });
   }
   void finish() {
@@ -487,7 +488,7 @@ Summary run(const Config& c) {
       st.step = step;
       st.metadata = meta;
       const std::string path = out_dir->file("checkpoint.safetensors");
-      checkpoints.write(path, checkpoint_bytes(path, st));
+      checkpoints.write(path, checkpoint_host(path, st));
     }
     const double save_s = seconds_since(save_start);  // the training thread's share of the save
     const auto eval_start = Clock::now();
