@@ -85,9 +85,12 @@ bool Tensor::is_contiguous(MemoryFormat fmt) const {
 }
 
 MemoryFormat Tensor::suggest_memory_format() const {
-  if (dim() == 4 && !is_contiguous() && is_contiguous(MemoryFormat::ChannelsLast))
-    return MemoryFormat::ChannelsLast;
-  return MemoryFormat::Contiguous;
+  if (dim() != 4 || !is_contiguous(MemoryFormat::ChannelsLast)) return MemoryFormat::Contiguous;
+  if (!is_contiguous()) return MemoryFormat::ChannelsLast;
+  // Dense in both layouts: the exact strides tell which one the tensor was made in.
+  const Shape cl = channels_last_strides(shape());
+  return strides() == cl && cl != contiguous_strides(shape()) ? MemoryFormat::ChannelsLast
+                                                              : MemoryFormat::Contiguous;
 }
 
 std::string Tensor::desc() const {

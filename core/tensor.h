@@ -92,7 +92,13 @@ class Tensor {
   size_t element_size() const { return dtype_size(dtype()); }
   size_t nbytes() const { return size_t(numel()) * element_size(); }
   bool is_contiguous(MemoryFormat fmt = MemoryFormat::Contiguous) const;
-  // ChannelsLast when 4-D and NHWC-contiguous but not plain contiguous, else Contiguous.
+  // ChannelsLast when 4-D and NHWC-contiguous but not plain contiguous, else Contiguous. When
+  // both hold (a size-1 channel or spatial dimension: (N, 1, H, W), (N, C, 1, 1)) the two
+  // layouts put every element at the same address, and the strides the tensor was made with
+  // decide: exactly channels_last_strides() (empty(..., ChannelsLast), clone(ChannelsLast))
+  // suggests ChannelsLast, anything else Contiguous. Ops allocate their outputs in the layout
+  // their input suggests, so a 1-channel NHWC input keeps a whole network NHWC (with plain
+  // strides it would run NCHW: cuDNN's slow NCHW kernels and layout conversions in every conv).
   MemoryFormat suggest_memory_format() const;
   std::string shape_str() const { return kiln::shape_str(shape()); }
   // "f32[2, 3] cpu" — used in error messages.

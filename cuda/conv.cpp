@@ -486,12 +486,14 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
 }
 
 // ---- stem channel padding ----
-// 4 channels; padding to 8 was measured slower end to end (NOTES.md, v4).
+// A first layer with 1-3 input channels (RGB; grayscale such as Fashion-MNIST's) runs as 4
+// channels, the last ones zero: cuDNN's NHWC FP16 engines want 4 or a multiple of 8, and 4 is
+// what ResNet-50's stem runs on (padding to 8 was measured slower end to end, NOTES.md, v4).
 constexpr int64_t kStemChannels = 4;
 bool pad_stem(DType t, int64_t c_in, int64_t groups) {
-  return t == DType::f16 && c_in == 3 && groups == 1;
+  return t == DType::f16 && c_in < kStemChannels && groups == 1;
 }
-// t (A, 3, H, W) -> (A, 4, H, W) NHWC with channel 3 zero.
+// t (A, C, H, W), C < 4 -> (A, 4, H, W) NHWC with channels C.. zero.
 Tensor pad_channels(const Tensor& t) {
   NoGradGuard no_grad;
   Shape s = t.shape();

@@ -37,14 +37,6 @@ struct PinnedJobs {
   PinnedJobs& operator=(const PinnedJobs&) = delete;
 };
 
-// Tensor::contiguous(ChannelsLast), which amp::prepare_input calls, keeps plain strides when
-// they are channels-last too (C = 1, or H = W = 1); so do the loader's batches, which then have
-// prepare_input's strides exactly. Both layouts put every element at the same address.
-MemoryFormat plain_if_also_channels_last(const TensorDataset& ds, MemoryFormat fmt) {
-  const Tensor probe = empty({1, ds.channels(), ds.height(), ds.width()}, DType::u8);
-  return probe.is_contiguous(MemoryFormat::ChannelsLast) ? MemoryFormat::Contiguous : fmt;
-}
-
 }  // namespace
 
 struct DeviceLoader::Gpu {
@@ -65,7 +57,7 @@ struct DeviceLoader::Gpu {
       : host(loader),
         device(dev),
         dtype(dt),
-        format(plain_if_also_channels_last(loader.dataset(), fmt)),
+        format(fmt),
         pinned(size_t(kSlots * loader.options().batch_size)) {
     KILN_CHECK(cuda::current_device() == dev.index, "DeviceLoader: ", dev.str(),
                " is not the current device (cuda:", cuda::current_device(), ")");

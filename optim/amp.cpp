@@ -45,7 +45,12 @@ Tensor prepare_input(const Tensor& x, Device device, Precision precision) {
   if (precision == Precision::FP32) return y.to(DType::f32).contiguous();
   KILN_CHECK(device.is_cuda(), "amp::prepare_input: mixed precision needs a CUDA device");
   y = y.to(DType::f16);
-  return y.dim() == 4 ? y.contiguous(MemoryFormat::ChannelsLast) : y.contiguous();
+  if (y.dim() != 4) return y.contiguous();
+  // contiguous(ChannelsLast) keeps plain strides that address NHWC too (one channel); the
+  // network's layers follow what their input suggests, so such a batch gets NHWC strides.
+  return y.suggest_memory_format() == MemoryFormat::ChannelsLast
+             ? y
+             : y.clone(MemoryFormat::ChannelsLast);
 }
 
 // ---------------- AsyncScalars ----------------

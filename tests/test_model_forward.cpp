@@ -1,9 +1,6 @@
-// NEEDS F::conv2d, F::max_pool2d, F::adaptive_avg_pool2d, F::batch_norm, F::linear and
-// F::cross_entropy (implemented on other branches). This suite fails to link on branch
-// nn-models alone; run it after those branches are merged. It must NOT include
-//
-// Forward passes through the layers and the ResNets, BN running-statistics bookkeeping, and one
-// SGD step that lowers the loss of resnet_small on a fixed batch.
+// Forward passes through the layers and the ResNets, BN running-statistics bookkeeping, one
+// SGD step that lowers the loss of resnet_small on a fixed batch, and a 1-channel NHWC input
+// that keeps the network NHWC.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -121,4 +118,51 @@ TEST_CASE("a model converted to f64 runs f64 inputs") {
   Tensor y = m->forward(randn({2, 1, 28, 28}, DType::f64, &gen));
   CHECK(y.dtype() == DType::f64);
   CHECK(y.shape() == Shape{2, 10});
+}
+
+TEST_CASE("a 1-channel NHWC input keeps resnet_small NHWC, with the NCHW run's values") {
+  // A grayscale batch is dense in both layouts; made with NHWC strides (as amp::prepare_input
+  // makes Mixed16 batches) every layer must follow it, as with RGB, or the GPU runs the whole
+  // network on NCHW kernels. f64 on the CPU: the two layouts must agree to rounding.
+  auto m = resnet_small(10, 8, 1);
+  m->to(DType::f64);
+  Generator gen(17);
+  const Tensor x0 = randn({3, 1, 12, 12}, DType::f64, &gen);
+  auto run = [&](MemoryFormat fmt) {
+    m->zero_grad();
+    Tensor x = x0.clone(fmt).detach().set_requires_grad(true);
+    CHECK(x.suggest_memory_format() == fmt);
+    Tensor y = (*m)(x);
+    F::cross_entropy(y, tensor({1, 4, 7}, DType::i64)).backward();
+    std::vector<Tensor> out{y.detach(), x.grad()};
+    for (const Tensor& p : m->parameters()) out.push_back(p.grad());
+    return out;
+  };
+  const std::vector<Tensor> nchw = run(MemoryFormat::Contiguous);
+  const std::vector<Tensor> nhwc = run(MemoryFormat::ChannelsLast);
+  REQUIRE(nchw.size() == nhwc.size());
+  for (size_t i = 0; i < nchw.size(); ++i) {
+    CAPTURE(i);
+    const std::vector<double> a = nchw[i].to_vector<double>(), b = nhwc[i].to_vector<double>();
+    REQUIRE(a.size() == b.size());
+    double worst = 0;
+    for (size_t k = 0; k < a.size(); ++k) worst = std::max(worst, std::abs(a[k] - b[k]));
+    CHECK(worst < 1e-9);
+  }
+  CHECK(nhwc[1].suggest_memory_format() == MemoryFormat::ChannelsLast);  // the input's gradient
+  // Stage by stage: the activations stay NHWC.
+  NoGradGuard no_grad;
+  auto child = [&](const std::string& name) -> nn::Module& {
+    for (const auto& [n, c] : m->named_children())
+      if (n == name) return *c;
+    FAIL("no child ", name);
+    throw;
+  };
+  Tensor h = F::relu(child("bn1")(child("conv1")(x0.clone(MemoryFormat::ChannelsLast))));
+  CHECK(h.suggest_memory_format() == MemoryFormat::ChannelsLast);
+  for (const char* stage : {"layer1", "layer2", "layer3"}) {
+    CAPTURE(stage);
+    h = child(stage)(h);
+    CHECK(h.suggest_memory_format() == MemoryFormat::ChannelsLast);
+  }
 }

@@ -267,11 +267,27 @@ TEST_CASE("channels-last memory format") {
   // a 3-D tensor is never channels-last; channels-last needs 4-D
   CHECK_FALSE(empty({2, 3, 4}).is_contiguous(MemoryFormat::ChannelsLast));
   CHECK_THROWS_AS(empty({2, 3, 4}, TensorOptions().with_memory_format(MemoryFormat::ChannelsLast)), Error);
-  // C == 1: both layouts coincide; suggest the plain one
-  Tensor c1 = empty({2, 1, 3, 3}, TensorOptions().with_memory_format(MemoryFormat::ChannelsLast));
-  CHECK(c1.is_contiguous());
-  CHECK(c1.is_contiguous(MemoryFormat::ChannelsLast));
-  CHECK(c1.suggest_memory_format() == MemoryFormat::Contiguous);
+  // C == 1 or H == W == 1: both layouts address every element alike; the exact strides the
+  // tensor was made with decide what it suggests (what ops then allocate their outputs in)
+  for (const Shape& amb : {Shape{2, 1, 3, 3}, Shape{2, 5, 1, 1}, Shape{1, 1, 4, 2}}) {
+    CAPTURE(shape_str(amb));
+    Tensor made_cl = empty(amb, TensorOptions().with_memory_format(MemoryFormat::ChannelsLast));
+    CHECK(made_cl.is_contiguous());
+    CHECK(made_cl.is_contiguous(MemoryFormat::ChannelsLast));
+    CHECK(made_cl.strides() == channels_last_strides(amb));
+    CHECK(made_cl.suggest_memory_format() == MemoryFormat::ChannelsLast);
+    CHECK(made_cl.clone().suggest_memory_format() == MemoryFormat::ChannelsLast);
+    Tensor plain = empty(amb);
+    CHECK(plain.is_contiguous(MemoryFormat::ChannelsLast));
+    CHECK(plain.suggest_memory_format() == MemoryFormat::Contiguous);
+    // contiguous(fmt) only promises density in fmt: plain strides stay (no copy)
+    CHECK(plain.contiguous(MemoryFormat::ChannelsLast).strides() == plain.strides());
+    CHECK(plain.clone(MemoryFormat::ChannelsLast).suggest_memory_format() ==
+          MemoryFormat::ChannelsLast);
+  }
+  // (N, 1, 1, 1): the two layouts' strides are the same numbers; plain
+  CHECK(empty({3, 1, 1, 1}, TensorOptions().with_memory_format(MemoryFormat::ChannelsLast))
+            .suggest_memory_format() == MemoryFormat::Contiguous);
   // permuting an NHWC-contiguous (N,H,W,C) tensor to (N,C,H,W) gives channels-last strides
   Tensor nhwc = empty({2, 4, 5, 3}).permute({0, 3, 1, 2});
   CHECK(nhwc.is_contiguous(MemoryFormat::ChannelsLast));

@@ -130,9 +130,12 @@ TEST_CASE("conv2d: every ResNet-50 convolution, f32/f16, NCHW/NHWC, fwd + both b
   for (const ConvCase& c : kResNet50) run_case(c, gen);
 }
 
-TEST_CASE("conv2d: groups, depthwise, dilation, odd sizes") {
+TEST_CASE("conv2d: groups, depthwise, dilation, odd sizes, 1- and 2-channel stems") {
   Generator gen(8);
   const std::vector<ConvCase> cases = {
+      // f16 inputs with 1-3 channels run padded to 4 NHWC channels (Fashion-MNIST's stem)
+      {"grayscale stem 3x3 1->64", 1, 64, 3, 1, 1, 28},
+      {"2-channel 3x3/2 2->16", 2, 16, 3, 2, 1, 9},
       {"grouped 3x3 8->16 g4", 8, 16, 3, 1, 1, 7, 1, 4},
       {"depthwise 3x3/2 16 g16", 16, 16, 3, 2, 1, 9, 1, 16},
       {"dilated 3x3 d2 8->8", 8, 8, 3, 1, 2, 9, 2, 1},

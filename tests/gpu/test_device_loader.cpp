@@ -117,6 +117,7 @@ TEST_CASE("DeviceLoader batches equal the DataLoader's, batch by batch") {
           CHECK(g.x.dtype() == out.dtype);
           CHECK(g.x.shape() == w.x.shape());
           CHECK(g.x.is_contiguous(out.format));
+          CHECK(g.x.suggest_memory_format() == out.format);  // also for C = 1
           CHECK(g.y.device() == kGpu);
           CHECK(g.y.dtype() == DType::i64);
           CHECK(g.y.to(Device::cpu()).to_vector<int64_t>() == w.y.to_vector<int64_t>());
