@@ -368,6 +368,10 @@ Summary run(const Config& c) {
   auto skipped_steps = [&]() -> int64_t {
     return mixed ? int64_t(scaler.skipped_steps().to(DType::f64).item()) : 0;
   };
+  // The next epoch's batches start before this epoch's checkpoint and evaluation, so the input
+  // path (JPEG decoding above all) fills its prefetch while those run, not at the next epoch's
+  // start. A loader runs one epoch at a time: the finished epoch's stream is dropped first.
+  std::unique_ptr<BatchStream> next_stream;
   for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
     model->train();
     const int64_t skipped_at_start = skipped_steps(), step_at_start = step;
@@ -419,7 +423,8 @@ Summary run(const Config& c) {
       }
     };
     auto tick = Clock::now();  // end of the previous step's iteration
-    auto stream = data.train_epoch(epoch);
+    std::unique_ptr<BatchStream> stream =
+        next_stream ? std::move(next_stream) : data.train_epoch(epoch);
     while (true) {
       const auto fetch = Clock::now();
       std::optional<data::DeviceBatch> b = stream->next();
@@ -463,6 +468,8 @@ Summary run(const Config& c) {
     const double host_share = stream->host_decode_share();  // this rank's
     if (dp) dp->sum_host(m);
     const double epoch_s = seconds_since(epoch_start);
+    stream.reset();
+    if (epoch + 1 < c.epochs) next_stream = data.train_epoch(epoch + 1);
     if (c.profile && epoch == start_epoch) {
       if (talk) std::printf("%s", cuda::profiler_report().c_str());
       cuda::enable_profiler(false);
