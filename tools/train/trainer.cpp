@@ -46,9 +46,9 @@ double seconds_since(Clock::time_point t) {
 // Epoch checkpoints are written on a background thread: the state is copied to the host at the
 // epoch's end (the caller's thread, so they are the epoch's weights), and laying out the bytes
 // and the temporary file's write, fsync and rename (write_file_atomic) run while evaluation and
-// the next epoch do. One
-// write at a time: the next write and finish() wait for the previous one and rethrow its error.
-// A crash mid-write leaves the previous checkpoint whole, as a synchronous save would.
+// the next epoch do. One write at a time: the next write and finish() wait for the previous one
+// and rethrow its error. A crash mid-write leaves the previous checkpoint whole, as a
+// synchronous save would.
 class BackgroundWriter {
  public:
   BackgroundWriter() = default;
