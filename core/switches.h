@@ -9,6 +9,8 @@
 // | KILN_FUSED_BN            | 0                   | unfused batch norm, ReLU and add                |
 // | KILN_CONV_STATS          | 0                   | BN statistics from the BN kernels, not from the |
 // |                          |                     | convolution's epilogue                          |
+// | KILN_BN_STATS_PASS       | 0                   | where the convolution gives no statistics, BN   |
+// |                          |                     | runs on cuDNN's fused kernels (before session 9)|
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_CUDNN_BACKEND       | 0, force            | convolutions on cuDNN's legacy API only / on    |
 // |                          |                     | the backend API's plans whenever one runs       |
@@ -30,6 +32,7 @@ namespace kiln {
 struct Switches {
   bool fused_bn = true;
   bool conv_stats = true;
+  bool bn_stats_pass = true;
   bool accumulate_grads = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
   bool cudnn_find_log = false;

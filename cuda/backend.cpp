@@ -2,6 +2,7 @@
 // table's contract and a kernel's signature differ.
 #include "cuda/backend.h"
 
+#include "core/switches.h"
 #include "cuda/allocator.h"
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
@@ -59,19 +60,26 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
   conv2d_backward_weight(dw, dy, x, p, mode == GradientMode::Accumulate);
 }
 
-// The convolution's statistics for the batch norm that follows. cuDNN's GenStats epilogue adds
-// across thread blocks in no fixed order; in deterministic mode kiln's own fixed-order pass
-// computes them instead, so replays stay bit-identical and the same BN kernels run.
+// The convolution's statistics for the batch norm that follows, so that kiln's own NHWC batch
+// norm kernels run. From cuDNN's GenStats epilogue where a plan for it beats the plain
+// convolution plus a statistics pass. Otherwise the plain convolution and kiln's fixed-order
+// pass (bn_nhwc_stats) — always in deterministic mode (the epilogue adds across thread blocks in
+// no fixed order), else from kStatsPassMinChannels channels up; below that false, and cuDNN's
+// fused BN runs: its semi-persistent kernels keep part of a small-channel tensor on chip
+// between their two phases and beat kiln's two passes there, while from 256 channels up they
+// lose by up to 2.5x (session 9's per-kernel profile in NOTES.md). KILN_BN_STATS_PASS=0: the
+// epilogue or cuDNN's BN only, as before session 9.
+constexpr int64_t kStatsPassMinChannels = 256;
+
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
                 const Tensor& w, const ConvParams& p) {
-  if (!conv_deterministic()) return conv2d_forward_stats(y, sum, sqsum, x, w, p);
-  if (!bn_nhwc_supported(y)) return false;
+  const bool deterministic = conv_deterministic();
+  if (!deterministic && conv2d_forward_stats(y, sum, sqsum, x, w, p)) return true;
+  if (!bn_nhwc_supported(y) || y.numel() == 0) return false;
+  if (!deterministic && (!switches().bn_stats_pass || y.size(1) < kStatsPassMinChannels))
+    return false;
   conv2d_forward(y, x, w, Tensor(), p);
-  const int64_t c = y.size(1);
-  Tensor st = empty({2 * c + 1}, TensorOptions(DType::f32).with_device(y.device()));
-  sync_batch_norm_stats(st, y);
-  sum.copy_(st.narrow(0, 0, c));
-  sqsum.copy_(st.narrow(0, c, c));
+  bn_nhwc_stats(sum, sqsum, y);
   return true;
 }
 

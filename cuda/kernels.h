@@ -17,6 +17,10 @@ namespace kiln::cuda {
 void copy_tensor(const Tensor& dst, const Tensor& src);
 // Every element of the cuda tensor dst (any strides) = value converted to dst's dtype.
 void fill_tensor(const Tensor& dst, double value);
+// dst (A, 4, H, W) = src (A, C < 4, H, W) with channels C..3 zero, for 2-byte dtypes with
+// channels innermost and dense in both (cuda/kernels/copy.cu): one pass, no fill. Returns false,
+// doing nothing, for any other pair.
+bool pad_channels4(const Tensor& dst, const Tensor& src);
 
 // ---- elementwise and reductions (cuda/kernels/elementwise.cu, reduce.cu) ----
 void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar);
@@ -155,6 +159,11 @@ void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tenso
 
 // Whether the kernels take x: f16, 4-D, channels-last dense, C % 8 == 0, on a CUDA device.
 bool bn_nhwc_supported(const Tensor& x);
+
+// sum (=) and sqsum (=) (C, f32) = Σx and Σx² per channel over x's N·H·W rows, summed in f32 in
+// a fixed order (bit-reproducible for a given shape and device). The statistics pass for a
+// convolution whose kernel did not produce them (cuda/backend.cpp conv_stats).
+void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x);
 
 // From sum and sqsum (C) of x over M values: save_mean (=), save_invstd (=) = 1/sqrt(var + eps)
 // with var = sqsum/M - mean² (biased, clamped at 0), scale_shift (2C) (=) = [weight·invstd,

@@ -146,8 +146,8 @@ void BatchNorm2d::check_and_count(const Tensor& x) {
   if (num_batches_tracked_.is_cpu()) {
     ++*num_batches_tracked_.data<int64_t>();
     num_batches_tracked_.bump_version();
-  } else {  // stays on the device: no host synchronisation
-    num_batches_tracked_.copy_(F::add(num_batches_tracked_.to(DType::f64), 1.0));
+  } else {  // stays on the device: no host synchronisation; one integer kernel
+    F::add_(num_batches_tracked_, 1.0);
   }
 }
 

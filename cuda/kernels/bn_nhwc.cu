@@ -1,9 +1,10 @@
 // Batch norm on f16 NHWC activations with known statistics (contract in cuda/kernels.h).
 //
-// Every pass moves 16-byte vectors: 8 neighbouring channels of one (n, h, w) row. The backward
-// sums run in two kernels like cuda/kernels/sync_batch_norm.cu: blocks write partial sums over a
-// fixed split of the rows, then one thread per channel adds them in order — bit-reproducible,
-// so a replayed CUDA graph matches eager execution.
+// Every pass moves 16-byte vectors: 8 neighbouring channels of one (n, h, w) row. The per-channel
+// sums (the forward's statistics when the convolution did not produce them, and the backward's)
+// run in two kernels: blocks write partial sums over a fixed split of the rows, then one warp per
+// channel adds them in a fixed order — bit-reproducible, so a replayed CUDA graph matches eager
+// execution.
 #include <algorithm>
 
 #include "cuda/kernels.h"
@@ -117,13 +118,15 @@ __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
 
 // ---- backward ----
 
-// Where the ReLU mask comes from.
-enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskBits = 2 };
+// Where the ReLU mask comes from; kStatsOfX: no gradient at all, the sums kernel's terms are x
+// itself (the forward statistics Σx and Σx²).
+enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskBits = 2, kStatsOfX = 3 };
 
-// g = dy·mask for the 8 channels of vector i.
+// g = dy·mask for the 8 channels of vector i (x itself for kStatsOfX).
 template <int kMode>
 __device__ inline Vec8 masked_grad(const uint4* dy, const uint8_t* mask, const Vec8& xv,
                                    const Vec8& sc, const Vec8& sh, int64_t i) {
+  if constexpr (kMode == kStatsOfX) return xv;
   Vec8 g = load8(dy, i);
   if constexpr (kMode == kMaskFromX) {
 #pragma unroll
@@ -139,7 +142,8 @@ __device__ inline Vec8 masked_grad(const uint4* dy, const uint8_t* mask, const V
 }
 
 // Block (tx, ty), tx·ty = kBlock, tx vectors of a row side by side; grid (tiles, parts).
-// partial (parts, 2, C): Σg and Σg·(x - mean) over this part's rows.
+// partial (parts, 2, C): Σg and Σg·(x - mean) over this part's rows; for kStatsOfX (g = x, no
+// mean) Σx and Σx².
 template <int kMode>
 __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* __restrict__ x,
                                      const uint8_t* __restrict__ y, const float* __restrict__ mean,
@@ -152,7 +156,8 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
   float s1[kVec] = {}, s2[kVec] = {};
   if (gv < G) {
     const int64_t c0 = gv * kVec;
-    const Vec8 m = load8f(mean + c0);
+    Vec8 m{};
+    if constexpr (kMode != kStatsOfX) m = load8f(mean + c0);
     Vec8 sc{}, shf{};
     if constexpr (kMode == kMaskFromX) {
       sc = load8f(scale_shift + c0);
@@ -231,6 +236,24 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
   coef[c] = float(a);
   coef[C + c] = float(bcoef);
   coef[2 * C + c] = float(-a * double(s1) / n - bcoef * double(mean[c]));
+}
+
+// sum and sqsum (C) from the kStatsOfX partials, one warp per channel as above.
+__global__ void stats_finish_kernel(float* __restrict__ sum, float* __restrict__ sqsum,
+                                    const float* __restrict__ partial, int64_t C, int parts) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (c >= C) return;
+  float s1 = 0.f, s2 = 0.f;
+  for (int q = lane; q < parts; q += 32) {
+    s1 += partial[(int64_t(q) * 2) * C + c];
+    s2 += partial[(int64_t(q) * 2 + 1) * C + c];
+  }
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  if (lane != 0) return;
+  sum[c] = s1;
+  sqsum[c] = s2;
 }
 
 template <int kMode, bool kDz>
@@ -472,6 +495,25 @@ void check_x(const Tensor& x, const char* op) {
 bool bn_nhwc_supported(const Tensor& x) {
   return x.defined() && x.is_cuda() && x.dtype() == DType::f16 && x.dim() == 4 &&
          x.size(1) % kVec == 0 && x.size(1) > 0 && x.is_contiguous(MemoryFormat::ChannelsLast);
+}
+
+void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
+  const char* op = "bn_nhwc_stats";
+  check_x(x, op);
+  const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C;
+  float* s = required(f32_ptr(sum, C, x, op, "sum"), op, "sum");
+  float* q = required(f32_ptr(sqsum, C, x, op, "sqsum"), op, "sqsum");
+  KILN_CHECK(rows > 0, op, " (cuda): x has no values, got ", x.desc());
+  const SumsLaunch L = sums_launch(rows, G);
+  Tensor partial = empty({int64_t(L.parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  float* pp = static_cast<float*>(partial.raw_data());
+  cudaStream_t st = current_stream();
+  backward_sums_kernel<kStatsOfX><<<L.grid, L.block, 0, st>>>(nullptr, vec_in(x), nullptr, nullptr,
+                                                              nullptr, pp, rows, G, C, L.parts);
+  KILN_CUDA_CHECK_LAUNCH();
+  stats_finish_kernel<<<unsigned((32 * C + kBlock - 1) / kBlock), kBlock, 0, st>>>(s, q, pp, C,
+                                                                                   L.parts);
+  KILN_CUDA_CHECK_LAUNCH();
 }
 
 void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,

@@ -27,7 +27,42 @@ __global__ void fill_kernel(Geom<1> g, U* __restrict__ dst, U bits, int64_t n) {
   }
 }
 
+// dst (P, 4) = src (P, C) with channels C.. zero, C < 4: one pixel per thread, one 8-byte store.
+__global__ void pad4_kernel(uint2* __restrict__ dst, const uint16_t* __restrict__ src, int C,
+                            int64_t pixels) {
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pixels;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    uint16_t h[4] = {0, 0, 0, 0};
+    for (int c = 0; c < C; ++c) h[c] = src[p * C + c];
+    dst[p] = make_uint2(uint32_t(h[0]) | uint32_t(h[1]) << 16, uint32_t(h[2]) | uint32_t(h[3]) << 16);
+  }
+}
+
+// (A, C, H, W) with channels innermost and no gaps (channels-last dense; any strides for C = 1).
+bool channels_inner_dense(const Tensor& t) {
+  if (t.dim() != 4) return false;
+  const int64_t c = t.size(1), h = t.size(2), w = t.size(3);
+  return (c == 1 || t.stride(1) == 1) && (w == 1 || t.stride(3) == c) &&
+         (h == 1 || t.stride(2) == w * c) && (t.size(0) == 1 || t.stride(0) == h * w * c);
+}
+
 }  // namespace
+
+bool pad_channels4(const Tensor& dst, const Tensor& src) {
+  if (src.element_size() != 2 || dst.element_size() != 2 || src.dtype() != dst.dtype() ||
+      src.size(1) >= 4 || dst.size(1) != 4 || !channels_inner_dense(src) ||
+      !channels_inner_dense(dst) || src.device() != dst.device())
+    return false;
+  for (int d : {0, 2, 3})
+    if (src.size(d) != dst.size(d)) return false;
+  const int64_t pixels = dst.numel() / 4;
+  if (pixels == 0) return true;
+  pad4_kernel<<<grid_for(pixels), kBlock, 0, current_stream()>>>(
+      static_cast<uint2*>(dst.raw_data()), static_cast<const uint16_t*>(src.raw_data()),
+      int(src.size(1)), pixels);
+  KILN_CUDA_CHECK_LAUNCH();
+  return true;
+}
 
 void launch_copy_strided(const Tensor& dst, const Tensor& src) {
   const int64_t n = dst.numel();

@@ -79,11 +79,28 @@ __global__ void binary_strided(BinaryOp op, Geom<3> g, T* out, const T* a, const
   }
 }
 
+// Integer counters (batch norm's num_batches_tracked): out = a + s, exactly.
+__global__ void add_i64_kernel(int64_t* out, const int64_t* a, int64_t s, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = a[i] + s;
+}
+
 }  // namespace
 
 void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar) {
   const int64_t n = out.numel();
   if (n == 0) return;
+  if (op == UnaryOp::AddScalar && a.dtype() == DType::i64 && out.dtype() == DType::i64 &&
+      out.is_contiguous() && a.is_contiguous()) {
+    KILN_CHECK(scalar == double(int64_t(scalar)), "add (cuda): an i64 tensor takes an integral "
+               "scalar, got ", scalar);
+    add_i64_kernel<<<grid_for(n), kBlock, 0, current_stream()>>>(
+        static_cast<int64_t*>(out.raw_data()), static_cast<const int64_t*>(a.raw_data()),
+        int64_t(scalar), n);
+    KILN_CUDA_CHECK_LAUNCH();
+    return;
+  }
   dispatch_device_float(a.dtype(), unary_name(op), [&]<typename T>() {
     using C = acc_t<T>;
     T* o = static_cast<T*>(out.raw_data());

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cuda/conv.h"
+#include "cuda/kernels.h"
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
 
@@ -295,4 +296,83 @@ TEST_CASE("fused batch norms add their parameter gradients into an existing .gra
   }
   // Only the batch norms' parameter gradients can have been accumulated into here.
   CHECK(autograd::accumulate_stats().used > 0);
+}
+
+TEST_CASE("bn_nhwc_stats: per-channel sum and sum of squares, in a fixed order") {
+  struct Case {
+    int64_t n, c, h, w;
+  };
+  for (Case cs : {Case{3, 8, 5, 7}, Case{16, 256, 14, 14}, Case{4, 2048, 7, 7}, Case{1, 64, 1, 1}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.n * cs.h * cs.w);
+    manual_seed(uint64_t(cs.c + cs.h));
+    // Mean away from zero, as a convolution's output can be: Σx² is then far from the variance.
+    Tensor host = F::add(randn({cs.n, cs.c, cs.h, cs.w}), 0.5).to(DType::f16);
+    Tensor x = host.to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(kGpu);
+    Tensor sum = empty({cs.c}, f32), sqsum = empty({cs.c}, f32);
+    cuda::bn_nhwc_stats(sum, sqsum, x);
+    // Reference in f64 on the f16 values themselves.
+    Tensor h64 = host.to(DType::f64);
+    Tensor want = F::sum(h64, {0, 2, 3}), want_sq = F::sum(F::mul(h64, h64), {0, 2, 3});
+    Tensor abs = F::sum(F::add(F::relu(h64), F::relu(F::neg(h64))), {0, 2, 3});
+    Tensor got = sum.to(kCPU), got_sq = sqsum.to(kCPU);
+    for (int64_t c = 0; c < cs.c; ++c) {
+      CAPTURE(c);
+      // f32 partial sums: relative error ~1e-6 of the sum of magnitudes.
+      CHECK(std::fabs(got.data<float>()[c] - want.data<double>()[c]) <=
+            1e-5 * abs.data<double>()[c] + 1e-6);
+      CHECK(std::fabs(got_sq.data<float>()[c] - want_sq.data<double>()[c]) <=
+            1e-5 * want_sq.data<double>()[c] + 1e-6);
+    }
+    // Bit-reproducible: the split of the rows depends only on the shape and the device.
+    Tensor sum2 = empty({cs.c}, f32), sqsum2 = empty({cs.c}, f32);
+    cuda::bn_nhwc_stats(sum2, sqsum2, x);
+    KILN_CHECK_OK(testing::compare(sum2, sum, 0, 0));
+    KILN_CHECK_OK(testing::compare(sqsum2, sqsum, 0, 0));
+  }
+  // Inputs the kernels do not take: a clear error, not a wrong answer.
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(kGpu);
+  Tensor s12 = empty({12}, f32), q12 = empty({12}, f32);
+  Tensor c12 = randn({2, 12, 3, 3}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  CHECK_THROWS_AS(cuda::bn_nhwc_stats(s12, q12, c12), Error);
+  Tensor s8 = empty({8}, f32), q8 = empty({8}, f32);
+  Tensor nchw = randn({2, 8, 3, 3}).to(DType::f16).to(kGpu);
+  CHECK_THROWS_AS(cuda::bn_nhwc_stats(s8, q8, nchw), Error);
+  Tensor x8 = randn({2, 8, 3, 3}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  CHECK_THROWS_AS(cuda::bn_nhwc_stats(s12, q8, x8), Error);
+}
+
+TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels up") {
+  // The legacy API has no epilogue, so the statistics come from kiln's pass or not at all.
+  const cuda::ConvBackend before = cuda::conv_backend();
+  cuda::set_conv_backend(cuda::ConvBackend::Off);
+  for (int64_t c_out : {64, 256}) {
+    CAPTURE(c_out);
+    manual_seed(uint64_t(c_out));
+    Tensor x = gpu_leaf(randn({8, 32, 7, 6}), DType::f16, true);
+    Tensor w = gpu_leaf(F::mul(randn({c_out, 32, 1, 1}), 0.2), DType::f16, true);
+    F::ChannelStats stats;
+    Tensor y = F::conv2d(x, w, Tensor(), 1, 0, 1, 1, &stats);
+    Tensor plain = F::conv2d(x.detach(), w.detach(), Tensor(), 1, 0);
+    KILN_CHECK_OK(testing::compare(y.to(DType::f32), plain.to(DType::f32), 0, 0));
+    if (c_out < 256) {
+      CHECK_FALSE(stats.defined());  // cuDNN's fused batch norm runs instead
+      continue;
+    }
+    REQUIRE(stats.defined());
+    CHECK(stats.version == y.version());
+    Tensor y32 = y.detach().to(DType::f32);
+    KILN_CHECK_OK(testing::compare(stats.sum, F::sum(y32, {0, 2, 3}), 1e-4, 1e-4));
+    KILN_CHECK_OK(testing::compare(stats.sqsum, F::sum(F::mul(y32, y32), {0, 2, 3}), 1e-4, 1e-4));
+    // and the gradients of an ordinary convolution
+    Tensor dy = randn({8, c_out, 7, 6}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    y.backward(dy);
+    Tensor rx = gpu_leaf(x.detach().to(kCPU), DType::f16, true);
+    Tensor rw = gpu_leaf(w.detach().to(kCPU), DType::f16, true);
+    F::conv2d(rx, rw, Tensor(), 1, 0).backward(dy);
+    KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad().to(DType::f32), 1e-3, 1e-3));
+    KILN_CHECK_OK(testing::compare(w.grad().to(DType::f32), rw.grad().to(DType::f32), 1e-3, 1e-3));
+  }
+  cuda::set_conv_backend(before);
 }

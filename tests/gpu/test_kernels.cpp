@@ -232,3 +232,20 @@ TEST_CASE("F:: elementwise and reductions dispatch to the device") {
   check_close(F::mean(a), F::mean(ha), tol_for(DType::f32), "F::mean");
   CHECK(F::sum(a).is_cuda());
 }
+
+TEST_CASE("add_ on an i64 counter is exact (batch norm's num_batches_tracked)") {
+  // 2^60 + 1 has no f64 representation: a round trip through f64 would lose the 1.
+  Tensor h = empty({3}, TensorOptions(DType::i64));
+  const int64_t big = (int64_t(1) << 60) + 1;
+  h.data<int64_t>()[0] = big;
+  h.data<int64_t>()[1] = -7;
+  h.data<int64_t>()[2] = 0;
+  Tensor g = h.to(Device::cuda(0));
+  F::add_(g, 1.0);
+  F::add_(g, 3.0);
+  Tensor back = g.to(Device::cpu());
+  CHECK(back.data<int64_t>()[0] == big + 4);
+  CHECK(back.data<int64_t>()[1] == -3);
+  CHECK(back.data<int64_t>()[2] == 4);
+  CHECK_THROWS_AS(F::add_(g, 0.5), Error);
+}

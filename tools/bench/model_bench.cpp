@@ -24,6 +24,8 @@
 #include "tools/train/train_dist.h"
 #include "optim/train_step.h"
 #ifdef KILN_WITH_CUDA
+#include <cuda_profiler_api.h>
+
 #include "cuda/allocator.h"
 #include "cuda/check.h"
 #include "cuda/conv.h"
@@ -141,6 +143,13 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       if (!graph) {
         t = time_steps([&] { step_once(x, y); }, o.warmup, o.windows, o.steps_per_window);
         if (o.profile) {  // every rank steps (their collectives pair up); rank 0 prints
+          // One step between cudaProfilerStart/Stop, for a kernel-level profiler attached with
+          // its capture starting off (`ncu --profile-from-start off`); a no-op otherwise.
+          CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
+          CUDA_CHECK(cudaProfilerStart());
+          step_once(x, y);
+          CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
+          CUDA_CHECK(cudaProfilerStop());
           cuda::profiler_reset();
           cuda::enable_profiler(true);
           for (int i = 0; i < 5; ++i) step_once(x, y);
@@ -177,7 +186,7 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.final_scale = scaler.scale_value();
       r.skipped_steps = int64_t(scaler.skipped_steps().item());
       r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window + 5 +  // + issue probes
-                      (o.profile && !graph ? 5 : 0);                           // + profiled
+                      (o.profile && !graph ? 6 : 0);                           // + profiled
       rows.push_back(r);
       if (!report) continue;
       if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);
