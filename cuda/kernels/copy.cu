@@ -1,4 +1,7 @@
 // Strided, converting copy and bit-pattern fill.
+#include <cstdint>
+#include <cstring>
+
 #include "cuda/kernels/copy.cuh"
 #include "cuda/kernels/common.cuh"
 
@@ -38,6 +41,33 @@ __global__ void pad4_kernel(uint2* __restrict__ dst, const uint16_t* __restrict_
   }
 }
 
+// The RGB case, 8 pixels per thread: 48 bytes in as 3 16-byte loads, 64 bytes out as 4 stores.
+__global__ void pad3to4_kernel(uint4* __restrict__ dst, const uint4* __restrict__ src,
+                               int64_t groups) {
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    uint16_t in[24];
+    const uint4 a = src[3 * g], b = src[3 * g + 1], c = src[3 * g + 2];
+    memcpy(in, &a, 16);
+    memcpy(in + 8, &b, 16);
+    memcpy(in + 16, &c, 16);
+    uint16_t out[32];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      out[4 * p] = in[3 * p];
+      out[4 * p + 1] = in[3 * p + 1];
+      out[4 * p + 2] = in[3 * p + 2];
+      out[4 * p + 3] = 0;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint4 o;
+      memcpy(&o, out + 8 * q, 16);
+      dst[4 * g + q] = o;
+    }
+  }
+}
+
 // (A, C, H, W) with channels innermost and no gaps (channels-last dense; any strides for C = 1).
 bool channels_inner_dense(const Tensor& t) {
   if (t.dim() != 4) return false;
@@ -57,6 +87,14 @@ bool pad_channels4(const Tensor& dst, const Tensor& src) {
     if (src.size(d) != dst.size(d)) return false;
   const int64_t pixels = dst.numel() / 4;
   if (pixels == 0) return true;
+  if (src.size(1) == 3 && pixels % 8 == 0 && reinterpret_cast<uintptr_t>(src.raw_data()) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(dst.raw_data()) % 16 == 0) {
+    const int64_t groups = pixels / 8;
+    pad3to4_kernel<<<grid_for(groups), kBlock, 0, current_stream()>>>(
+        static_cast<uint4*>(dst.raw_data()), static_cast<const uint4*>(src.raw_data()), groups);
+    KILN_CUDA_CHECK_LAUNCH();
+    return true;
+  }
   pad4_kernel<<<grid_for(pixels), kBlock, 0, current_stream()>>>(
       static_cast<uint2*>(dst.raw_data()), static_cast<const uint16_t*>(src.raw_data()),
       int(src.size(1)), pixels);

@@ -227,36 +227,9 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
       const int oh_hi = min(hp / g.sh, g.OH - 1);
       const int ow_lo = wp < g.kw ? 0 : (wp - g.kw + g.sw) / g.sw;
       const int ow_hi = min(wp / g.sw, g.OW - 1);
-      if (oh_hi - oh_lo <= 1 && ow_hi - ow_lo <= 1) {
-        // At most 2x2 covering windows (ResNet's 3x3/2): every index and dy load issued before
-        // any is used, instead of a chain of dependent round trips per window. Same order of
-        // additions as the loop below.
-        IVec<I, V> iv[4];
-        Vec<T> d[4];
-        bool ok[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int oh = oh_lo + (q >> 1), ow = ow_lo + (q & 1);
-          ok[q] = oh <= oh_hi && ow <= ow_hi;
-          if (ok[q]) {
-            const int64_t o = ((n * g.OH + oh) * g.OW + ow) * C + int64_t(cv) * V;
-            iv[q] = *reinterpret_cast<const IVec<I, V>*>(idx + o);
-            d[q] = *reinterpret_cast<const Vec<T>*>(dy + o);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (!ok[q]) continue;
-          const I k = I((hp - (oh_lo + (q >> 1)) * g.sh) * g.kw + (wp - (ow_lo + (q & 1)) * g.sw));
-#pragma unroll
-          for (int l = 0; l < V; ++l)
-            if (iv[q].v[l] == k) acc[l] += cvt<Cc>(d[q].v[l]);
-        }
-      } else {
-        for (int oh = oh_lo; oh <= oh_hi; ++oh)
-          for (int ow = ow_lo; ow <= ow_hi; ++ow)
-            gather(oh, ow, I((hp - oh * g.sh) * g.kw + (wp - ow * g.sw)));
-      }
+      for (int oh = oh_lo; oh <= oh_hi; ++oh)
+        for (int ow = ow_lo; ow <= ow_hi; ++ow)
+          gather(oh, ow, I((hp - oh * g.sh) * g.kw + (wp - ow * g.sw)));
     } else {
       for (int ki = 0; ki < g.kh; ++ki) {
         const int th = h + g.ph - ki * g.dh;

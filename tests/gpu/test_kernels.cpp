@@ -10,6 +10,7 @@
 #include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gradcheck.h"
 
 using namespace kiln;
 using namespace kiln::gputest;
@@ -248,4 +249,32 @@ TEST_CASE("add_ on an i64 counter is exact (batch norm's num_batches_tracked)") 
   CHECK(back.data<int64_t>()[1] == -3);
   CHECK(back.data<int64_t>()[2] == 4);
   CHECK_THROWS_AS(F::add_(g, 0.5), Error);
+}
+
+TEST_CASE("pad_channels4: the stem's 1-3 channels to 4, channels C.. zero") {
+  struct Case {
+    int64_t n, c, h, w;
+  };
+  // 3 channels with a pixel count divisible by 8 take the 8-pixel path; the rest one per thread.
+  for (Case cs : {Case{2, 3, 8, 4}, Case{1, 3, 5, 3}, Case{2, 2, 6, 6}, Case{3, 1, 7, 5}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.n * cs.h * cs.w);
+    for (DType t : {DType::f16, DType::bf16}) {
+      CAPTURE(dtype_name(t));
+      Tensor src = randn({cs.n, cs.c, cs.h, cs.w}).to(t).to(Device::cuda(0))
+                       .contiguous(MemoryFormat::ChannelsLast);
+      Tensor dst = empty({cs.n, 4, cs.h, cs.w}, gpu_opts(t, MemoryFormat::ChannelsLast));
+      dst.fill_(7.0);  // every element must be written
+      REQUIRE(cuda::pad_channels4(dst, src));
+      Tensor got = dst.to(Device::cpu()).to(DType::f32);
+      Tensor want = zeros({cs.n, 4, cs.h, cs.w});
+      want.narrow(1, 0, cs.c).copy_(src.to(Device::cpu()).to(DType::f32));
+      KILN_CHECK_OK(testing::compare(got, want, 0, 0));
+    }
+  }
+  // Pairs it does not take: it declines, and leaves dst alone.
+  Tensor four = empty({1, 4, 2, 2}, gpu_opts(DType::f16, MemoryFormat::ChannelsLast));
+  CHECK_FALSE(cuda::pad_channels4(four, randn({1, 4, 2, 2}).to(DType::f16).to(Device::cuda(0))));
+  CHECK_FALSE(cuda::pad_channels4(four, randn({1, 3, 2, 2}).to(Device::cuda(0))));  // f32
+  CHECK_FALSE(cuda::pad_channels4(four, randn({1, 3, 2, 2}).to(DType::f16).to(Device::cuda(0))));
 }
