@@ -2,9 +2,9 @@
 //
 // Every pass moves 16-byte vectors: 8 neighbouring channels of one (n, h, w) row. The per-channel
 // sums (the forward's statistics when the convolution did not produce them, and the backward's)
-// run in two kernels: blocks write partial sums over a fixed split of the rows, then one warp per
-// channel adds them in a fixed order — bit-reproducible, so a replayed CUDA graph matches eager
-// execution.
+// run in two kernels: blocks write partial sums over a fixed split of the rows, then a finishing
+// kernel adds them per channel in a fixed order — bit-reproducible, so a replayed CUDA graph
+// matches eager execution.
 #include <algorithm>
 
 #include "cuda/kernels.h"
@@ -208,25 +208,51 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
   }
 }
 
-// Per channel, one warp: lane l adds parts l, l + 32, ... in order, then the warp's fixed
-// shuffle tree (so still bit-reproducible); then dweight, dbias, and dx = A·g + B·x + C0.
-// Block kBlock; grid ceil(32·C / kBlock).
+// The finishing kernels add the partial sums (parts, T, C) of the sums kernels. Block
+// (32, kFinishRows), grid ceil(C / 32): thread (tx, ty) adds parts ty, ty + kFinishRows, ... of
+// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels), then the rows
+// of the block are added in order — a fixed order, so bit-reproducible. The totals are valid in
+// the threads with ty == 0 and a channel below C, for which finish_sums returns true.
+constexpr int kFinishRows = 8;
+const dim3 kFinishBlock{32, kFinishRows};
+
+template <int T>
+__device__ bool finish_sums(const float* __restrict__ partial, int64_t C, int parts,
+                            float (&s)[T]) {
+  __shared__ float sh[kFinishRows][T][32];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = int64_t(blockIdx.x) * 32 + tx;
+#pragma unroll
+  for (int t = 0; t < T; ++t) s[t] = 0.f;
+  if (c < C)
+    for (int q = ty; q < parts; q += kFinishRows)
+#pragma unroll
+      for (int t = 0; t < T; ++t) s[t] += partial[(int64_t(q) * T + t) * C + c];
+#pragma unroll
+  for (int t = 0; t < T; ++t) sh[ty][t][tx] = s[t];
+  __syncthreads();
+  if (ty != 0 || c >= C) return false;
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    float a = 0.f;
+    for (int r = 0; r < kFinishRows; ++r) a += sh[r][t][tx];
+    s[t] = a;
+  }
+  return true;
+}
+
+unsigned finish_grid(int64_t C) { return unsigned((C + 31) / 32); }
+
+// Per channel: dweight, dbias, and the coefficients of dx = A·g + B·x + C0.
 __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
                                        float* __restrict__ coef, const float* __restrict__ partial,
                                        const float* __restrict__ w, const float* __restrict__ mean,
                                        const float* __restrict__ invstd, int64_t C, int parts,
                                        double n, bool acc) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (c >= C) return;  // whole warps: c is the same for all 32 lanes
-  float s1 = 0.f, s2 = 0.f;
-  for (int q = lane; q < parts; q += 32) {
-    s1 += partial[(int64_t(q) * 2) * C + c];
-    s2 += partial[(int64_t(q) * 2 + 1) * C + c];
-  }
-  s1 = warp_sum(s1);
-  s2 = warp_sum(s2);
-  if (lane != 0) return;
+  float sums[2];
+  if (!finish_sums(partial, C, parts, sums)) return;
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  const float s1 = sums[0], s2 = sums[1];
   const double k = double(invstd[c]);
   const double sum_gxhat = double(s2) * k;
   if (dweight != nullptr) dweight[c] = float(sum_gxhat) + (acc ? dweight[c] : 0.f);
@@ -238,22 +264,14 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
   coef[2 * C + c] = float(-a * double(s1) / n - bcoef * double(mean[c]));
 }
 
-// sum and sqsum (C) from the kStatsOfX partials, one warp per channel as above.
+// sum and sqsum (C) from the kStatsOfX partials.
 __global__ void stats_finish_kernel(float* __restrict__ sum, float* __restrict__ sqsum,
                                     const float* __restrict__ partial, int64_t C, int parts) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (c >= C) return;
-  float s1 = 0.f, s2 = 0.f;
-  for (int q = lane; q < parts; q += 32) {
-    s1 += partial[(int64_t(q) * 2) * C + c];
-    s2 += partial[(int64_t(q) * 2 + 1) * C + c];
-  }
-  s1 = warp_sum(s1);
-  s2 = warp_sum(s2);
-  if (lane != 0) return;
-  sum[c] = s1;
-  sqsum[c] = s2;
+  float sums[2];
+  if (!finish_sums(partial, C, parts, sums)) return;
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  sum[c] = sums[0];
+  sqsum[c] = sums[1];
 }
 
 template <int kMode, bool kDz>
@@ -371,7 +389,7 @@ __global__ void dual_sums_kernel(const uint4* __restrict__ dy, const uint8_t* __
   }
 }
 
-// One warp per channel as in backward_finish_kernel; coef (6C): A, B, C0 for x then for r.
+// As backward_finish_kernel, for both sides; coef (6C): A, B, C0 for x then for r.
 __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ dbx,
                                    float* __restrict__ dwr, float* __restrict__ dbr,
                                    float* __restrict__ coef, const float* __restrict__ partial,
@@ -379,14 +397,9 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
                                    const float* __restrict__ kx, const float* __restrict__ wr,
                                    const float* __restrict__ mr, const float* __restrict__ kr,
                                    int64_t C, int parts, double n, bool acc) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (c >= C) return;
-  float s[3] = {0.f, 0.f, 0.f};
-  for (int q = lane; q < parts; q += 32)
-    for (int t = 0; t < 3; ++t) s[t] += partial[(int64_t(q) * 3 + t) * C + c];
-  for (int t = 0; t < 3; ++t) s[t] = warp_sum(s[t]);
-  if (lane != 0) return;
+  float s[3];
+  if (!finish_sums(partial, C, parts, s)) return;
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   auto side = [&](int t, const float* w, const float* m, const float* kk, float* dw, float* db,
                   float* out) {
     const double k = double(kk[c]);
@@ -511,8 +524,7 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
   backward_sums_kernel<kStatsOfX><<<L.grid, L.block, 0, st>>>(nullptr, vec_in(x), nullptr, nullptr,
                                                               nullptr, pp, rows, G, C, L.parts);
   KILN_CUDA_CHECK_LAUNCH();
-  stats_finish_kernel<<<unsigned((32 * C + kBlock - 1) / kBlock), kBlock, 0, st>>>(s, q, pp, C,
-                                                                                   L.parts);
+  stats_finish_kernel<<<finish_grid(C), kFinishBlock, 0, st>>>(s, q, pp, C, L.parts);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -607,9 +619,8 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                                                               pp, rows, G, C, parts);
   }
   KILN_CUDA_CHECK_LAUNCH();
-  const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);
-  backward_finish_kernel<<<fgrid, kBlock, 0, s>>>(dw, db, cp, pp, w, mean, invstd, C, parts,
-                                                  double(rows), accumulate_params);
+  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
+      dw, db, cp, pp, w, mean, invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned agrid = grid_for(vecs);
   uint4* dzp = dz.defined() ? vec_out(dz) : nullptr;
@@ -674,8 +685,7 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   dual_sums_kernel<<<L.grid, L.block, 0, s>>>(vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp, rows,
                                           G, C, parts);
   KILN_CUDA_CHECK_LAUNCH();
-  const unsigned fgrid = unsigned((32 * C + kBlock - 1) / kBlock);
-  dual_finish_kernel<<<fgrid, kBlock, 0, s>>>(
+  dual_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
       f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
       f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
       f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),

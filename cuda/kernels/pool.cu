@@ -252,6 +252,62 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
   }
 }
 
+// The same for 3x3 windows, stride 2, padding 1, undilated (ResNet's stem pool): one thread per
+// 2x2 block of input pixels (rows 2a, 2a+1, columns 2b, 2b+1) and channel vector. Exactly the
+// windows (a..a+1, b..b+1) cover the block — window a' spans rows 2a'-1..2a'+1 — so their indices
+// and dy are loaded once for all 4 pixels, not once per covering window per pixel. Each pixel adds
+// in max_pool_bwd_nhwc's order (window row, then column): bit-identical to it.
+template <typename T, typename I>
+__global__ void max_pool_bwd_nhwc_k3s2(NhwcGeom g, T* dx, const T* dy, const I* idx,
+                                       int64_t n_blocks) {
+  constexpr int V = Vec<T>::n;
+  using Cc = acc_t<T>;
+  const int64_t C = int64_t(g.CV) * V;
+  const int BH = (g.H + 1) / 2, BW = (g.W + 1) / 2;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_blocks;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = i;
+    const int cv = divmod(n, g.CV);
+    const int b = divmod(n, BW);
+    const int a = divmod(n, BH);
+    IVec<I, V> iv[4];
+    Vec<T> d[4];
+    bool ok[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int oh = a + (q >> 1), ow = b + (q & 1);
+      ok[q] = oh < g.OH && ow < g.OW;
+      if (ok[q]) {
+        const int64_t o = ((n * g.OH + oh) * g.OW + ow) * C + int64_t(cv) * V;
+        iv[q] = *reinterpret_cast<const IVec<I, V>*>(idx + o);
+        d[q] = *reinterpret_cast<const Vec<T>*>(dy + o);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int dh = p >> 1, dw = p & 1, h = 2 * a + dh, w = 2 * b + dw;
+      if (h >= g.H || w >= g.W) continue;
+      Cc acc[V];
+#pragma unroll
+      for (int l = 0; l < V; ++l) acc[l] = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int qh = q >> 1, qw = q & 1;
+        // window a+1 (b+1) starts at row 2a+1 (column 2b+1): it does not cover dh = 0 (dw = 0)
+        if (!ok[q] || (qh && !dh) || (qw && !dw)) continue;
+        const I k = I((qh ? 0 : dh + 1) * 3 + (qw ? 0 : dw + 1));
+#pragma unroll
+        for (int l = 0; l < V; ++l)
+          if (iv[q].v[l] == k) acc[l] += cvt<Cc>(d[q].v[l]);
+      }
+      Vec<T> out;
+#pragma unroll
+      for (int l = 0; l < V; ++l) out.v[l] = cvt<T>(acc[l]);
+      *reinterpret_cast<Vec<T>*>(dx + ((n * g.H + h) * g.W + w) * C + int64_t(cv) * V) = out;
+    }
+  }
+}
+
 // Global average pooling, x (N, HW, C) -> y (N, C): one thread per (n, channel vector).
 template <typename T>
 __global__ void global_avg_fwd_nhwc(int HW, int CV, T* y, const T* x, int64_t n_out) {
@@ -506,9 +562,19 @@ void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indic
       cudaStream_t s = current_stream();
       if (nhwc_vectorisable<T>(dx) && nhwc_vectorisable<T>(dy) &&
           indices_vectorisable<T, I>(indices)) {
-        const int64_t n = dx.numel() / Vec<T>::n;
-        max_pool_bwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(
-            make_nhwc_geom(dx, dy, Vec<T>::n, p), ptr<T>(dx), ptr<T>(dy), ptr<I>(indices), n);
+        const NhwcGeom g = make_nhwc_geom(dx, dy, Vec<T>::n, p);
+        const bool k3s2 = p.kernel_h == 3 && p.kernel_w == 3 && p.stride_h == 2 &&
+                          p.stride_w == 2 && p.pad_h == 1 && p.pad_w == 1 && p.dil_h == 1 &&
+                          p.dil_w == 1;
+        if (k3s2) {
+          const int64_t n = dx.size(0) * ((g.H + 1) / 2) * ((g.W + 1) / 2) * g.CV;
+          max_pool_bwd_nhwc_k3s2<T, I><<<grid_for(n), kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy),
+                                                                      ptr<I>(indices), n);
+        } else {
+          const int64_t n = dx.numel() / Vec<T>::n;
+          max_pool_bwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy),
+                                                                 ptr<I>(indices), n);
+        }
       } else {
         const int64_t n = dx.numel();
         max_pool_bwd<T, I><<<grid_for(n), kBlock, 0, s>>>(
