@@ -9,7 +9,6 @@
 
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
-#include "cuda/kernels/reduce.cuh"
 
 namespace kiln::cuda {
 namespace {
