@@ -209,11 +209,10 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
 
 // The finishing kernels add the partial sums (parts, T, C) of the sums kernels. Block
 // (32, kFinishRows), grid ceil(C / 32): thread (tx, ty) adds parts ty, ty + kFinishRows, ... of
-// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels) into 4
-// accumulators in turn, so that 4 loads are in flight, then the rows of the block are added in
-// order — a fixed order, so bit-reproducible. The totals are valid in the threads with ty == 0
-// and a channel below C, for which finish_sums returns true.
-constexpr int kFinishRows = 32;
+// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels), then the rows
+// of the block are added in order — a fixed order, so bit-reproducible. The totals are valid in
+// the threads with ty == 0 and a channel below C, for which finish_sums returns true.
+constexpr int kFinishRows = 8;
 const dim3 kFinishBlock{32, kFinishRows};
 
 template <int T>
@@ -222,21 +221,14 @@ __device__ bool finish_sums(const float* __restrict__ partial, int64_t C, int pa
   __shared__ float sh[kFinishRows][T][32];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
-  float acc[4][T] = {};
-  if (c < C) {
-    int q = ty;
-    for (; q + 3 * kFinishRows < parts; q += 4 * kFinishRows)
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+  for (int t = 0; t < T; ++t) s[t] = 0.f;
+  if (c < C)
+    for (int q = ty; q < parts; q += kFinishRows)
 #pragma unroll
-        for (int t = 0; t < T; ++t)
-          acc[u][t] += partial[(int64_t(q + u * kFinishRows) * T + t) * C + c];
-    for (; q < parts; q += kFinishRows)
+      for (int t = 0; t < T; ++t) s[t] += partial[(int64_t(q) * T + t) * C + c];
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[0][t] += partial[(int64_t(q) * T + t) * C + c];
-  }
-#pragma unroll
-  for (int t = 0; t < T; ++t) sh[ty][t][tx] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
+  for (int t = 0; t < T; ++t) sh[ty][t][tx] = s[t];
   __syncthreads();
   if (ty != 0 || c >= C) return false;
 #pragma unroll

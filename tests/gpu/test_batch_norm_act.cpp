@@ -372,9 +372,10 @@ TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels
     Tensor rx = gpu_leaf(x.detach().to(kCPU), DType::f16, true);
     Tensor rw = gpu_leaf(w.detach().to(kCPU), DType::f16, true);
     F::conv2d(rx, rw, Tensor(), 1, 0).backward(dy);
-    // (cuDNN may pick another algorithm for the reference: f16 results within a few ulps)
-    KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad().to(DType::f32), 1e-2, 1e-2));
-    KILN_CHECK_OK(testing::compare(w.grad().to(DType::f32), rw.grad().to(DType::f32), 1e-2, 1e-2));
+    // (the legacy API's algorithms for the two calls may differ: on the H200 up to ~0.03 apart
+    // on values of ~1 in dx, f16 outputs)
+    KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad().to(DType::f32), 5e-2, 2e-2));
+    KILN_CHECK_OK(testing::compare(w.grad().to(DType::f32), rw.grad().to(DType::f32), 5e-2, 2e-2));
   }
   cuda::set_conv_backend(before);
 }
