@@ -65,10 +65,11 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // convolution plus a statistics pass. Otherwise the plain convolution and kiln's fixed-order
 // pass (bn_nhwc_stats) — always in deterministic mode (the epilogue adds across thread blocks in
 // no fixed order), else from kStatsPassMinChannels channels up; below that false, and cuDNN's
-// fused BN runs: its semi-persistent kernels keep part of a small-channel tensor on chip
-// between their two phases and beat kiln's two passes there, while from 256 channels up they
-// lose by up to 2.5x (session 9's per-kernel profile in NOTES.md). KILN_BN_STATS_PASS=0: the
-// epilogue or cuDNN's BN only, as before session 9.
+// fused BN runs. Its semi-persistent kernels keep part of a small-channel tensor on chip between
+// their two phases and beat kiln's two passes there (layer 1's BN+ReLU backward: 126 vs 147 µs);
+// from 256 channels up kiln's kernels are faster per kernel (layers 3-4, in-situ profile: BN
+// 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (session 9 in
+// NOTES.md). KILN_BN_STATS_PASS=0: the epilogue or cuDNN's BN only, as before session 9.
 constexpr int64_t kStatsPassMinChannels = 256;
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,

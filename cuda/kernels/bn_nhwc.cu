@@ -517,7 +517,8 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
   float* q = required(f32_ptr(sqsum, C, x, op, "sqsum"), op, "sqsum");
   KILN_CHECK(rows > 0, op, " (cuda): x has no values, got ", x.desc());
   const SumsLaunch L = sums_launch(rows, G);
-  Tensor partial = empty({int64_t(L.parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  Tensor partial =
+      empty({int64_t(L.parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
   float* pp = static_cast<float*>(partial.raw_data());
   cudaStream_t st = current_stream();
   backward_sums_kernel<kStatsOfX><<<L.grid, L.block, 0, st>>>(nullptr, vec_in(x), nullptr, nullptr,

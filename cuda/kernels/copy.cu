@@ -37,7 +37,8 @@ __global__ void pad4_kernel(uint2* __restrict__ dst, const uint16_t* __restrict_
        p += int64_t(gridDim.x) * blockDim.x) {
     uint16_t h[4] = {0, 0, 0, 0};
     for (int c = 0; c < C; ++c) h[c] = src[p * C + c];
-    dst[p] = make_uint2(uint32_t(h[0]) | uint32_t(h[1]) << 16, uint32_t(h[2]) | uint32_t(h[3]) << 16);
+    dst[p] = make_uint2(uint32_t(h[0]) | uint32_t(h[1]) << 16,
+                        uint32_t(h[2]) | uint32_t(h[3]) << 16);
   }
 }
 
@@ -87,8 +88,9 @@ bool pad_channels4(const Tensor& dst, const Tensor& src) {
     if (src.size(d) != dst.size(d)) return false;
   const int64_t pixels = dst.numel() / 4;
   if (pixels == 0) return true;
-  if (src.size(1) == 3 && pixels % 8 == 0 && reinterpret_cast<uintptr_t>(src.raw_data()) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(dst.raw_data()) % 16 == 0) {
+  const bool aligned = reinterpret_cast<uintptr_t>(src.raw_data()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(dst.raw_data()) % 16 == 0;
+  if (src.size(1) == 3 && pixels % 8 == 0 && aligned) {
     const int64_t groups = pixels / 8;
     pad3to4_kernel<<<grid_for(groups), kBlock, 0, current_stream()>>>(
         static_cast<uint4*>(dst.raw_data()), static_cast<const uint4*>(src.raw_data()), groups);

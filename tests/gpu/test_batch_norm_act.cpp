@@ -302,7 +302,8 @@ TEST_CASE("bn_nhwc_stats: per-channel sum and sum of squares, in a fixed order")
   struct Case {
     int64_t n, c, h, w;
   };
-  for (Case cs : {Case{3, 8, 5, 7}, Case{16, 256, 14, 14}, Case{4, 2048, 7, 7}, Case{1, 64, 1, 1}}) {
+  for (Case cs :
+       {Case{3, 8, 5, 7}, Case{16, 256, 14, 14}, Case{4, 2048, 7, 7}, Case{1, 64, 1, 1}}) {
     CAPTURE(cs.c);
     CAPTURE(cs.n * cs.h * cs.w);
     manual_seed(uint64_t(cs.c + cs.h));
@@ -367,7 +368,8 @@ TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels
     KILN_CHECK_OK(testing::compare(stats.sum, F::sum(y32, {0, 2, 3}), 1e-4, 1e-4));
     KILN_CHECK_OK(testing::compare(stats.sqsum, F::sum(F::mul(y32, y32), {0, 2, 3}), 1e-4, 1e-4));
     // and the gradients of an ordinary convolution
-    Tensor dy = randn({8, c_out, 7, 6}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    Tensor dy =
+        randn({8, c_out, 7, 6}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
     y.backward(dy);
     Tensor rx = gpu_leaf(x.detach().to(kCPU), DType::f16, true);
     Tensor rw = gpu_leaf(w.detach().to(kCPU), DType::f16, true);
