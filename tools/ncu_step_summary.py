@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Summarises an Nsight Compute CSV of one training step: the table behind NOTES.md's
+"Where the step goes now" (session 9).
+
+    ncu --clock-control none --cache-control none --profile-from-start off \\
+        --metrics gpu__time_duration.sum,dram__bytes.sum --csv \\
+        kiln-bench --model resnet50 --batches 256 --eager-only --profile > step.csv
+    python3 tools/ncu_step_summary.py step.csv [--kernels N] [--sequence]
+
+kiln-bench --profile runs one eager step between cudaProfilerStart/Stop, so the CSV holds that
+step's kernels only. Keep --cache-control none: ncu's default empties L2 before every kernel and
+inflates the kernels that read what the previous one wrote (NOTES.md, session 9).
+
+Prints the step's kernels by phase (forward up to the loss kernel, backward, optimizer) and kind
+(convolution or GEMM, kiln's BN, cuDNN's BN, pooling, rest), then the N kernels that take the
+most time summed over their calls, with the DRAM bandwidth each reached; --sequence also lists
+every kernel in launch order.
+"""
+import argparse
+import collections
+import csv
+import re
+import sys
+
+TIME = "gpu__time_duration.sum"  # ns
+BYTES = "dram__bytes.sum"
+
+KINDS = [  # first match wins
+    ("cuDNN BN", r"batchnorm"),
+    ("kiln BN", r"apply_kernel|sums_kernel|finish_kernel|finalize_kernel"),
+    ("conv/GEMM", r"xmma|nvjet|cutlass|splitKreduce|ReduceSplitK|convertTensor|nchwToNhwc"
+                  r"|init_device_workspace|pad3to4|pad4"),
+    ("pooling", r"pool"),
+    ("optimizer", r"step_kernel|step_begin|check_kernel|scaler_update"),
+]
+
+
+def kind_of(name):
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "rest"
+
+
+def short(name):
+    return re.sub(r"\(.*", "", name).replace("void ", "").replace("kiln::<unnamed>::", "")
+
+
+def read_kernels(path):
+    """Kernels in launch order: dicts with name, grid, ns, bytes."""
+    kernels = {}
+    header = None
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            if row and row[0] == "ID":
+                header = row
+                continue
+            if header is None or len(row) != len(header):
+                continue  # the profiled program's own output
+            r = dict(zip(header, row))
+            k = kernels.setdefault(int(r["ID"]), {"name": r["Kernel Name"], "grid": r["Grid Size"],
+                                                  "ns": 0.0, "bytes": 0.0})
+            value = float(r["Metric Value"].replace(",", ""))
+            if r["Metric Name"] == TIME:
+                k["ns"] = value
+            elif r["Metric Name"] == BYTES:
+                k["bytes"] = value
+    if not kernels:
+        sys.exit(f"{path}: no kernel rows (was ncu run with --csv and a profiler range?)")
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def phase_of(kernels):
+    """forward until the loss's first kernel, then backward; the optimizer's kernels apart."""
+    loss = next((i for i, k in enumerate(kernels) if "cross_entropy" in k["name"]), len(kernels))
+    return ["optimizer" if kind_of(k["name"]) == "optimizer" else
+            "forward" if i < loss else "backward" for i, k in enumerate(kernels)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv")
+    ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
+    ap.add_argument("--sequence", action="store_true", help="every kernel in launch order")
+    a = ap.parse_args()
+    kernels = read_kernels(a.csv)
+    phases = phase_of(kernels)
+    total = sum(k["ns"] for k in kernels) / 1e6
+    print(f"{len(kernels)} kernels, {total:.3f} ms summed")
+    by_part = collections.defaultdict(float)
+    for k, ph in zip(kernels, phases):
+        by_part[(ph, kind_of(k["name"]))] += k["ns"] / 1e6
+    print(f"\n{'phase':10s} {'kind':10s} {'ms':>8s} {'share':>7s}")
+    for (ph, kind), ms in sorted(by_part.items(), key=lambda kv: -kv[1]):
+        print(f"{ph:10s} {kind:10s} {ms:8.3f} {100 * ms / total:6.1f}%")
+    small = [k for k in kernels if k["ns"] < 5000]
+    print(f"\n{len(small)} kernels under 5 us: {sum(k['ns'] for k in small) / 1e6:.3f} ms")
+    by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k in kernels:
+        e = by_name[short(k["name"])[:100]]
+        e[0] += 1
+        e[1] += k["ns"]
+        e[2] += k["bytes"]
+    print(f"\n{'calls':>5s} {'ms':>8s} {'GB/s':>7s}  kernel")
+    for name, (calls, ns, nbytes) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.kernels]:
+        print(f"{calls:5d} {ns / 1e6:8.3f} {nbytes / ns if ns else 0:7.0f}  {name}")
+    if a.sequence:
+        print(f"\n{'#':>4s} {'phase':9s} {'us':>8s} {'MB':>8s} {'grid':>16s}  kernel")
+        for i, (k, ph) in enumerate(zip(kernels, phases)):
+            print(f"{i:4d} {ph:9s} {k['ns'] / 1e3:8.1f} {k['bytes'] / 1e6:8.1f} {k['grid']:>16s}  "
+                  f"{short(k['name'])[:90]}")
+
+
+if __name__ == "__main__":
+    main()
