@@ -255,8 +255,8 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
 // The same for 3x3 windows, stride 2, padding 1, undilated (ResNet's stem pool): one thread per
 // 2x2 block of input pixels (rows 2a, 2a+1, columns 2b, 2b+1) and channel vector. Exactly the
 // windows (a..a+1, b..b+1) cover the block (window a' spans rows 2a'-1..2a'+1), so their
-// indices and dy are loaded once for all 4 pixels, not once per covering window per pixel. Each pixel adds
-// in max_pool_bwd_nhwc's order (window row, then column): bit-identical to it.
+// indices and dy are loaded once for all 4 pixels, not once per covering window per pixel.
+// Each pixel adds in max_pool_bwd_nhwc's order (window row, then column): bit-identical to it.
 template <typename T, typename I>
 __global__ void max_pool_bwd_nhwc_k3s2(NhwcGeom g, T* dx, const T* dy, const I* idx,
                                        int64_t n_blocks) {
