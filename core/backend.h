@@ -195,6 +195,16 @@ struct Backend {
                                  TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
                                  GradientMode mode) = nullptr;
 
+  // Optional, each on its own; need the six above. sum, sqsum (C) (=) = Σx and Σx² per channel
+  // in a fixed order: the statistics for batch_norm_from_stats when the convolution did not
+  // produce them.
+  void (*bn_stats_compute)(TensorRef sum, TensorRef sqsum, TensorRef x) = nullptr;
+  // The ResNet stem's tail in one pass: y = max_pool2d(relu(x·scale + shift), 3x3, stride 2,
+  // padding 1) and the pool's indices (max_pool2d_indices_dtype, y's shape and layout), equal to
+  // bn_stats_apply(relu) then max_pool2d_forward; the normalised tensor is never written.
+  void (*bn_stats_relu_max_pool)(TensorRef y, TensorRef indices, TensorRef x,
+                                 TensorRef scale_shift) = nullptr;
+
   // ---- softmax and cross-entropy ----
   // Over the last dim of contiguous (rows, cols) tensors. y = softmax(x) or log_softmax(x).
   void (*softmax_forward)(TensorRef y, TensorRef x, int64_t rows, int64_t cols,

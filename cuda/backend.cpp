@@ -179,6 +179,8 @@ Backend make_table() {
   b.bn_stats_backward = bn_stats_backward;
   b.bn_stats_dual_apply = bn_nhwc_dual_apply;
   b.bn_stats_dual_backward = bn_stats_dual_backward;
+  b.bn_stats_compute = bn_nhwc_stats;
+  b.bn_stats_relu_max_pool = bn_nhwc_relu_max_pool;
   b.softmax_forward = softmax_fwd;
   b.softmax_backward = softmax_bwd;
   b.cross_entropy = cross_entropy_fused;

@@ -190,6 +190,14 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
                       const Tensor& scale_shift, bool relu, bool accumulate_params = false);
 
+// The ResNet stem's batch norm + ReLU + max pool in one pass: y (=) = max_pool2d(relu(x·scale +
+// shift), 3x3, stride 2, padding 1) and indices (=) (u8, y's shape, channels-last: the window
+// position 0-8 of each maximum), bit for bit bn_nhwc_apply(relu) then max_pool2d_forward; the
+// normalised tensor is never written. max_pool2d_backward with these indices, then
+// bn_nhwc_backward (relu, mask recomputed from x), is the backward.
+void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
+                           const Tensor& scale_shift);
+
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
 // as in bn_nhwc_apply. One pass instead of two, and the shortcut's normalised tensor is never

@@ -217,6 +217,13 @@ Tensor ConvBnRef::forward_add(const Tensor& x, const ConvBnRef& shortcut, const 
                                            /*training=*/true);
 }
 
+Tensor ConvBnRef::forward_max_pool(const Tensor& x, MaxPool2d& pool) const {
+  F::ChannelStats stats;
+  Tensor y = conv.forward(x, wants_stats(bn) ? &stats : nullptr);
+  if (!wants_stats(bn)) return pool.forward(bn.forward_relu(y, Tensor()));
+  return pool.forward_bn_relu(y, stats, bn);
+}
+
 ConvBn::ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn) {
   KILN_CHECK(conv && bn, "ConvBn: conv and bn must be non-null");
   conv_ = register_module("0", std::move(conv));
@@ -275,6 +282,13 @@ std::string Linear::describe() const {
 // ---------------- pooling ----------------
 Tensor MaxPool2d::forward(const Tensor& x) {
   return F::max_pool2d(x, kernel_, stride_, padding_, dilation_);
+}
+
+Tensor MaxPool2d::forward_bn_relu(const Tensor& y, const F::ChannelStats& stats,
+                                  BatchNorm2d& bn) {
+  bn.check_and_count(y);
+  return F::batch_norm_relu_max_pool(y, stats, bn.params(), bn.is_training(), kernel_, stride_,
+                                     padding_, dilation_);
 }
 std::string MaxPool2d::describe() const {
   return "MaxPool2d(kernel=" + pair_str(kernel_) + ", stride=" + pair_str(stride_) +

@@ -105,6 +105,8 @@ class BatchNorm2d : public Module {
 // F::batch_norm_add_batch_norm_relu). Otherwise each module runs on its own; the results are
 // the same up to rounding. The modules are registered elsewhere (a ResNet block's conv1/bn1,
 // or ConvBn below); this only refers to them.
+class MaxPool2d;
+
 struct ConvBnRef {
   Conv2d& conv;
   BatchNorm2d& bn;
@@ -113,6 +115,9 @@ struct ConvBnRef {
   // relu(bn(conv(x)) + shortcut.bn(shortcut.conv(r))): a ResNet block's tail with a
   // convolution shortcut, one fused pass when both convolutions produce their statistics.
   Tensor forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const;
+  // pool(relu(bn(conv(x)))): the ResNet stem, one fused pass after the convolution where
+  // F::batch_norm_relu_max_pool fuses.
+  Tensor forward_max_pool(const Tensor& x, MaxPool2d& pool) const;
 };
 
 // torchvision's Sequential(Conv2d, BatchNorm2d) — a ResNet downsample — with its names ("0",
@@ -162,6 +167,9 @@ class MaxPool2d : public Module {
                      Pair dilation = 1)
       : kernel_(kernel), stride_(stride.value_or(kernel)), padding_(padding), dilation_(dilation) {}
   Tensor forward(const Tensor& x) override;
+  // forward(relu(bn(y))) for y with the statistics `stats` (ConvBnRef::forward_max_pool):
+  // F::batch_norm_relu_max_pool, one pass for the ResNet stem's pool.
+  Tensor forward_bn_relu(const Tensor& y, const F::ChannelStats& stats, BatchNorm2d& bn);
   std::string type_name() const override { return "MaxPool2d"; }
   std::string describe() const override;
 

@@ -136,8 +136,8 @@ std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t block
 Tensor ResNet::forward(const Tensor& x) {
   KILN_CHECK(x.dim() == 4 && x.size(1) == opts_.in_channels, "ResNet: expected input (N, ",
              opts_.in_channels, ", H, W), got ", x.desc());
-  Tensor y = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
-  if (maxpool_) y = maxpool_->forward(y);
+  const nn::ConvBnRef stem{*conv1_, *bn1_};
+  Tensor y = maxpool_ ? stem.forward_max_pool(x, *maxpool_) : stem.forward(x, /*relu=*/true);
   for (const auto& layer : layers_) y = layer->forward(y);
   y = flatten_->forward(avgpool_->forward(y));
   return fc_->forward(y);

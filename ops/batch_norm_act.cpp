@@ -173,12 +173,12 @@ class DualBatchNormBackward final : public Node {
   SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;
 };
 
-bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
-                   const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                   const Tensor& running_var, bool training) {
+// Whether the bn_stats_* kernels take x, residual and the parameters (the statistics aside).
+bool params_fusable(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                    const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
+                    bool training) {
   const Backend& be = backend(x);
-  if (!training || !fused_enabled() || !stats.defined() || !be.bn_stats_supported ||
-      !be.bn_stats_supported(x) || stats.version != x.version())
+  if (!training || !fused_enabled() || !be.bn_stats_supported || !be.bn_stats_supported(x))
     return false;
   auto per_channel = [&](const Tensor& p) {
     return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
@@ -189,9 +189,83 @@ bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& res
         residual.shape() == x.shape() && residual.is_contiguous(MemoryFormat::ChannelsLast)))
     return false;
   return per_channel(weight) && per_channel(bias) && per_channel(running_mean) &&
-         per_channel(running_var) && per_channel(stats.sum) && per_channel(stats.sqsum) &&
-         x.numel() / x.size(1) > 1;
+         per_channel(running_var) && x.numel() / x.size(1) > 1;
 }
+
+// ... and whether `stats` are x's current statistics in the form the kernels take.
+bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                   const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                   const Tensor& running_var, bool training) {
+  if (!stats.defined() || stats.version != x.version() ||
+      !params_fusable(x, residual, weight, bias, running_mean, running_var, training))
+    return false;
+  auto per_channel = [&](const Tensor& p) {
+    return p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
+           p.size(0) == x.size(1) && p.is_contiguous();
+  };
+  return per_channel(stats.sum) && per_channel(stats.sqsum);
+}
+
+// Per-channel scale and shift from the statistics, with the running statistics updated (the
+// forward half every fused path shares).
+struct Finalized {
+  Tensor mean, invstd, scale_shift;
+};
+Finalized finalize_stats(const Tensor& x, const ChannelStats& st, const BatchNormParams& p,
+                         const char* op) {
+  autograd::check_inplace(p.running_mean, op);
+  autograd::check_inplace(p.running_var, op);
+  const int64_t C = x.size(1);
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Finalized f{empty({C}, f32), empty({C}, f32), empty({2 * C}, f32)};
+  NoGradGuard no_grad;  // running statistics change in place, outside the graph
+  p.running_mean.bump_version();
+  p.running_var.bump_version();
+  backend(x).bn_stats_finalize(f.mean, f.invstd, f.scale_shift, st.sum, st.sqsum,
+                               p.weight.detach(), p.bias.detach(), p.running_mean, p.running_var,
+                               x.numel() / C, p.momentum, p.eps);
+  return f;
+}
+
+// Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias.
+class BatchNormReluMaxPoolBackward final : public Node {
+ public:
+  BatchNormReluMaxPoolBackward(const Tensor& x, const Tensor& indices, const Tensor& weight,
+                               const Finalized& f, const PoolParams& p)
+      : x_(x), indices_(indices), weight_(weight), save_mean_(f.mean),
+        save_invstd_(f.invstd), scale_shift_(f.scale_shift), p_(p) {}
+  std::string name() const override { return "BatchNormReluMaxPoolBackward"; }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &indices_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
+      s->release();
+  }
+  bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor x = x_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor()};
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    const Backend& be = backend(x);
+    Tensor dact = empty_like(x);  // the gradient at the ReLU's output
+    be.max_pool2d_backward(dact, dy, indices_.get(*this), p_);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    const std::vector<Tensor> targets = param_targets(*this, {1, 2}, x);
+    const bool acc = !targets.empty();
+    Tensor dw = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
+    Tensor db = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
+    Tensor dx = empty_like(x);
+    be.bn_stats_backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
+                         save_mean_.get(*this), save_invstd_.get(*this),
+                         scale_shift_.get(*this), /*relu=*/true,
+                         acc ? GradientMode::Accumulate : GradientMode::Set);
+    return {needs_input_grad(0) ? dx : Tensor(), dw, db};
+  }
+
+ private:
+  SavedTensor x_, indices_, weight_, save_mean_, save_invstd_, scale_shift_;
+  PoolParams p_;
+};
 
 }  // namespace
 
@@ -202,29 +276,18 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
   check_defined(x, "batch_norm_from_stats", "x");
   if (stats_fusable(x, stats, residual, weight, bias, running_mean, running_var, training)) {
     KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", x);
-    autograd::check_inplace(running_mean, "batch_norm_from_stats (running_mean update)");
-    autograd::check_inplace(running_var, "batch_norm_from_stats (running_var update)");
-    const int64_t C = x.size(1);
-    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-    Tensor save_mean = empty({C}, f32), save_invstd = empty({C}, f32);
-    Tensor scale_shift = empty({2 * C}, f32);
-    {
-      NoGradGuard no_grad;  // running statistics change in place, outside the graph
-      running_mean.bump_version();
-      running_var.bump_version();
-      backend(x).bn_stats_finalize(save_mean, save_invstd, scale_shift, stats.sum, stats.sqsum,
-                                   weight.detach(), bias.detach(), running_mean, running_var,
-                                   x.numel() / C, momentum, eps);
-    }
+    const Finalized f =
+        finalize_stats(x, stats, {weight, bias, running_mean, running_var, momentum, eps},
+                       "batch_norm_from_stats (running statistics update)");
     Tensor y = empty_like(x);
     Tensor mask = relu && residual.defined()
                       ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
                       : Tensor();
     backend(x).bn_stats_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
-                              scale_shift, relu, mask);
+                              f.scale_shift, relu, mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
-          x.detach(), mask, weight.detach(), save_mean, save_invstd, scale_shift, relu,
+          x.detach(), mask, weight.detach(), f.mean, f.invstd, f.scale_shift, relu,
           residual.defined());
       node->set_inputs({x, residual, weight, bias});
       autograd::set_history(y, node);
@@ -250,32 +313,16 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
                     training) &&
       r.device() == x.device()) {
     KILN_OP_SCOPE("batch_norm_add_batch_norm_relu", x);
-    const int64_t C = x.size(1);
-    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-    auto finalize = [&](const Tensor& t, const ChannelStats& st, const BatchNormParams& p,
-                        Tensor& mean, Tensor& invstd, Tensor& ss) {
-      autograd::check_inplace(p.running_mean, "batch_norm_add_batch_norm_relu (running_mean)");
-      autograd::check_inplace(p.running_var, "batch_norm_add_batch_norm_relu (running_var)");
-      mean = empty({C}, f32);
-      invstd = empty({C}, f32);
-      ss = empty({2 * C}, f32);
-      NoGradGuard no_grad;
-      p.running_mean.bump_version();
-      p.running_var.bump_version();
-      backend(t).bn_stats_finalize(mean, invstd, ss, st.sum, st.sqsum, p.weight.detach(),
-                                   p.bias.detach(), p.running_mean, p.running_var, t.numel() / C,
-                                   p.momentum, p.eps);
-    };
-    Tensor mean_x, invstd_x, ss_x, mean_r, invstd_r, ss_r;
-    finalize(x, sx, px, mean_x, invstd_x, ss_x);
-    finalize(r, sr, pr, mean_r, invstd_r, ss_r);
+    const char* what = "batch_norm_add_batch_norm_relu (running statistics update)";
+    const Finalized fx = finalize_stats(x, sx, px, what), fr = finalize_stats(r, sr, pr, what);
     Tensor y = empty_like(x);
     Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()));
-    backend(x).bn_stats_dual_apply(y, x.detach(), ss_x, r.detach(), ss_r, mask);
+    backend(x).bn_stats_dual_apply(y, x.detach(), fx.scale_shift, r.detach(), fr.scale_shift,
+                                   mask);
     if (autograd::any_requires_grad({x, r, px.weight, px.bias, pr.weight, pr.bias})) {
       auto node = std::make_shared<DualBatchNormBackward>(
-          x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), mean_x, invstd_x,
-          mean_r, invstd_r);
+          x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), fx.mean,
+          fx.invstd, fr.mean, fr.invstd);
       node->set_inputs({x, r, px.weight, px.bias, pr.weight, pr.bias});
       autograd::set_history(y, node);
     }
@@ -320,6 +367,55 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
   if (residual.defined()) y = add(y, residual);
   return relu(y);
+}
+
+Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
+                                const BatchNormParams& bn, bool training, Pair kernel,
+                                std::optional<Pair> stride, Pair padding, Pair dilation) {
+  check_defined(x, "batch_norm_relu_max_pool", "x");
+  const Pair s = stride.value_or(kernel);
+  const bool stem_pool = kernel.h == 3 && kernel.w == 3 && s.h == 2 && s.w == 2 &&
+                         padding.h == 1 && padding.w == 1 && dilation.h == 1 && dilation.w == 1;
+  const Backend& be = backend(x);
+  if (stem_pool && be.bn_stats_relu_max_pool &&
+      params_fusable(x, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                     training) &&
+      (stats_fusable(x, stats, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                     training) ||
+       be.bn_stats_compute)) {
+    KILN_OP_SCOPE("batch_norm_relu_max_pool", x);
+    ChannelStats st = stats;
+    if (!stats_fusable(x, st, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                       training)) {
+      const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+      st = ChannelStats{empty({x.size(1)}, f32), empty({x.size(1)}, f32), x.version()};
+      be.bn_stats_compute(st.sum, st.sqsum, x.detach());
+    }
+    const Finalized f =
+        finalize_stats(x, st, bn, "batch_norm_relu_max_pool (running statistics update)");
+    PoolParams p;
+    p.kernel_h = p.kernel_w = 3;
+    p.stride_h = p.stride_w = 2;
+    p.pad_h = p.pad_w = 1;
+    const Shape out{x.size(0), x.size(1), (x.size(2) - 1) / 2 + 1, (x.size(3) - 1) / 2 + 1};
+    const TensorOptions nhwc =
+        TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(
+            MemoryFormat::ChannelsLast);
+    Tensor y = empty(out, nhwc);
+    Tensor indices = empty(out, nhwc.with_dtype(max_pool2d_indices_dtype(p)));
+    be.bn_stats_relu_max_pool(y, indices, x.detach(), f.scale_shift);
+    if (autograd::any_requires_grad({x, bn.weight, bn.bias})) {
+      auto node = std::make_shared<BatchNormReluMaxPoolBackward>(x.detach(), indices,
+                                                                 bn.weight.detach(), f, p);
+      node->set_inputs({x, bn.weight, bn.bias});
+      autograd::set_history(y, node);
+    }
+    return y;
+  }
+  return max_pool2d(batch_norm_from_stats(x, stats, Tensor(), /*relu=*/true, bn.weight, bn.bias,
+                                          bn.running_mean, bn.running_var, training, bn.momentum,
+                                          bn.eps),
+                    kernel, stride, padding, dilation);
 }
 
 }  // namespace kiln::F

@@ -140,6 +140,18 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
                                       const ChannelStats& sr, const BatchNormParams& pr,
                                       bool training);
 
+// max_pool2d(relu(batch_norm(x)), kernel, stride, padding, dilation): the ResNet stem's tail,
+// with `stats` as in batch_norm_from_stats (may be undefined). On CUDA in training, for the
+// stem's 3x3/2 pool with padding 1, under batch_norm_from_stats's conditions, it is one pass
+// (statistics from a fixed-order pass when the convolution did not produce them) and the
+// normalised tensor is never written; the backward is the pool's backward, then the batch
+// norm + ReLU backward with the mask recomputed. Otherwise it is that composition, which
+// defines the result; the fused path equals it bit for bit.
+Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
+                                const BatchNormParams& bn, bool training, Pair kernel,
+                                std::optional<Pair> stride = std::nullopt, Pair padding = 0,
+                                Pair dilation = 1);
+
 // ---------------- synchronised batch norm (ops/sync_batch_norm.cpp) ----------------
 // Sums a small dense 1-D statistics tensor IN PLACE over all data-parallel ranks (kiln-train:
 // an NCCL all-reduce on the current stream; one rank: do nothing). The tensor has the

@@ -250,3 +250,28 @@ TEST_CASE("batch_norm_relu is relu(batch_norm(x) + residual), differentiable in 
         inputs));
   }
 }
+
+TEST_CASE("batch_norm_relu_max_pool is max_pool2d(relu(batch_norm(x))), differentiable") {
+  using kiln::testing::gradcheck;
+  using kiln::testing::leaf;
+  // The stem's 3x3/2 pool with padding 1 and another pool; the CPU runs the composition.
+  for (int64_t k : {3, 2}) {
+    CAPTURE(k);
+    const int64_t s = 2, pad = k == 3 ? 1 : 0;
+    Tensor x = leaf({2, 3, 5, 6}, -2, 2), w = leaf({3}, 0.5, 1.5), b = leaf({3}, -0.3, 0.3);
+    F::BatchNormParams p{w, b, zeros({3}, DType::f64), ones({3}, DType::f64), 0.1, 1e-5};
+    Tensor rm2 = zeros({3}, DType::f64), rv2 = ones({3}, DType::f64);
+    Tensor got = F::batch_norm_relu_max_pool(x, F::ChannelStats{}, p, true, k, s, pad);
+    Tensor want = F::max_pool2d(F::relu(F::batch_norm(x, w, b, rm2, rv2, true)), k, s, pad);
+    KILN_CHECK_OK(kiln::testing::compare(got, want, 0, 0));
+    KILN_CHECK_OK(kiln::testing::compare(p.running_mean, rm2, 0, 0));
+    KILN_CHECK_OK(kiln::testing::compare(p.running_var, rv2, 0, 0));
+    KILN_CHECK_OK(gradcheck(
+        [&](const std::vector<Tensor>& in) {
+          return F::batch_norm_relu_max_pool(in[0], F::ChannelStats{},
+                                             F::BatchNormParams{in[1], in[2], Tensor(), Tensor()},
+                                             true, k, s, pad);
+        },
+        {x, w, b}));
+  }
+}

@@ -453,6 +453,68 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
   }
 }
 
+// ---- batch norm + ReLU + 3x3/2 max pool (the ResNet stem) ----
+
+// y = max_pool2d(relu(x·scale + shift), 3x3, stride 2, pad 1) and the window position (0-8) of
+// each maximum, bit for bit what apply_kernel<true, false> followed by max_pool_fwd_nhwc give:
+// each normalised value is rounded to f16 before the comparison, positions are visited in the
+// same order with the same rule (first valid, then NaN over a number, then strictly greater).
+// The normalised tensor itself is never written. Thread: one output pixel's 8 channels; grid
+// (ceil(OH·OW·G / kBlock), N) keeps the index arithmetic in 32 bits; the 9 loads are issued
+// before any is used.
+__global__ void relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
+                                          const uint4* __restrict__ x,
+                                          const float* __restrict__ scale_shift, int H, int W,
+                                          int OH, int OW, int G) {
+  const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= OH * OW * G) return;
+  const int g = t % G, pix = t / G, ow = pix % OW, oh = pix / OW;
+  const int64_t n = blockIdx.y, C = int64_t(G) * kVec;
+  const Vec8 sc = load8f(scale_shift + g * kVec), sh = load8f(scale_shift + C + g * kVec);
+  uint4 raw[9];
+  bool valid[9];
+#pragma unroll
+  for (int k = 0; k < 9; ++k) {
+    const int h = 2 * oh - 1 + k / 3, w = 2 * ow - 1 + k % 3;
+    valid[k] = h >= 0 && h < H && w >= 0 && w < W;
+    if (valid[k]) raw[k] = x[((n * H + h) * W + w) * G + g];
+  }
+  float best[kVec];
+  unsigned arg[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    best[j] = -INFINITY;  // as max_pool_fwd_nhwc for a window without input (not reached here)
+    arg[j] = 0xffu;
+  }
+  bool first = true;
+#pragma unroll
+  for (int k = 0; k < 9; ++k) {
+    if (!valid[k]) continue;
+    const __half2* hv = reinterpret_cast<const __half2*>(&raw[k]);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float2 f2 = __half22float2(hv[j / 2]);
+      const float a = relu_keep_nan(fmaf(j % 2 ? f2.y : f2.x, sc.v[j], sh.v[j]));
+      const float f = __half2float(__float2half_rn(a));
+      if (first || (isnan(f) && !isnan(best[j])) || f > best[j]) {
+        best[j] = f;
+        arg[j] = unsigned(k);
+      }
+    }
+    first = false;
+  }
+  Vec8 out;
+  uint2 packed{0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    out.v[j] = best[j];
+    (j < 4 ? packed.x : packed.y) |= arg[j] << (8 * (j % 4));
+  }
+  const int64_t o = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g;
+  store8(y, o, out);
+  idx[o] = packed;
+}
+
 // ---- host side ----
 
 const uint4* vec_in(const Tensor& t) { return static_cast<const uint4*>(t.raw_data()); }
@@ -693,6 +755,34 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   KILN_CUDA_CHECK_LAUNCH();
   dual_backward_apply_kernel<<<grid_for(vecs), kBlock, 0, s>>>(
       vec_out(dx), vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
+                           const Tensor& scale_shift) {
+  const char* op = "bn_nhwc_relu_max_pool";
+  check_x(x, op);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1;  // 3x3, stride 2, pad 1
+  const Shape out{N, C, OH, OW};
+  KILN_CHECK(y.defined() && y.dtype() == DType::f16 && y.shape() == out &&
+                 y.device() == x.device() && y.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): y must be f16 channels-last ", shape_str(out), " for x ", x.desc(),
+             ", got ", y.defined() ? y.desc() : "undefined");
+  KILN_CHECK(indices.defined() && indices.dtype() == DType::u8 && indices.shape() == out &&
+                 indices.device() == x.device() &&
+                 indices.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): indices must be u8 channels-last ", shape_str(out), ", got ",
+             indices.defined() ? indices.desc() : "undefined");
+  KILN_CHECK(N <= 65535 && OH * OW * (C / kVec) < (int64_t(1) << 31), op,
+             " (cuda): x ", x.desc(), " is too large for this kernel");
+  const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  if (y.numel() == 0) return;
+  const int G = int(C / kVec);
+  const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
+  relu_max_pool_k3s2_kernel<<<grid, kBlock, 0, current_stream()>>>(
+      vec_out(y), static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH),
+      int(OW), G);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

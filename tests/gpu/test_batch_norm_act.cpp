@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
@@ -380,4 +381,124 @@ TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels
     KILN_CHECK_OK(testing::compare(w.grad().to(DType::f32), rw.grad().to(DType::f32), 5e-2, 2e-2));
   }
   cuda::set_conv_backend(before);
+}
+
+// ---- the ResNet stem's batch norm + ReLU + max pool (F::batch_norm_relu_max_pool) ----
+
+namespace {
+
+// Relative L2 distance ||a - b|| / ||b|| of two f32 tensors.
+double rel_l2(const Tensor& a, const Tensor& b) {
+  Tensor d = F::sub(a, b);
+  const double num = F::sum(F::mul(d, d)).to(kCPU).item<float>();
+  const double den = F::sum(F::mul(b, b)).to(kCPU).item<float>();
+  return std::sqrt(num / den);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  Tensor x = a.detach().to(kCPU).contiguous(), y = b.detach().to(kCPU).contiguous();
+  return x.shape() == y.shape() && x.dtype() == y.dtype() &&
+         std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm_relu_max_pool: bit for bit the composition, and the f32 reference") {
+  // Odd and even sizes put windows on every border; ReLU's zeros make ties, whose first
+  // position must win as in max_pool2d.
+  for (Shape shape : {Shape{8, 64, 15, 14}, Shape{4, 24, 8, 9}}) {
+    CAPTURE(shape_str(shape));
+    const int64_t C = shape[1];
+    const TensorOptions opt = TensorOptions().with_device(kGpu);
+    Tensor hx = F::add(randn(shape), 0.3), hw = uniform({C}, 0.5, 1.5);
+    Tensor hb = uniform({C}, -0.5, 0.5);
+    const Shape out{shape[0], C, (shape[2] - 1) / 2 + 1, (shape[3] - 1) / 2 + 1};
+    Tensor hdy = randn(out);
+    Tensor dy = hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    auto params = [&](double momentum) {
+      return F::BatchNormParams{gpu_leaf(hw, DType::f32, false), gpu_leaf(hb, DType::f32, false),
+                                zeros({C}, opt), ones({C}, opt), momentum, 1e-5};
+    };
+    Tensor x = gpu_leaf(hx, DType::f16, true);
+    Tensor x32 = x.detach().to(DType::f32);
+    const F::ChannelStats stats{F::sum(x32, {0, 2, 3}), F::sum(F::mul(x32, x32), {0, 2, 3}),
+                                x.version()};
+    // Fused, with the given statistics.
+    F::BatchNormParams p = params(0.1);
+    Tensor y = F::batch_norm_relu_max_pool(x, stats, p, true, 3, 2, 1);
+    REQUIRE(y.grad_fn());
+    CHECK(y.grad_fn()->name() == "BatchNormReluMaxPoolBackward");
+    CHECK(y.shape() == out);
+    CHECK(y.is_contiguous(MemoryFormat::ChannelsLast));
+    y.backward(dy);
+    // The composition on the same statistics: batch_norm_from_stats's pass, then max_pool2d.
+    Tensor x2 = gpu_leaf(hx, DType::f16, true);
+    F::BatchNormParams p2 = params(0.1);
+    Tensor y2 = F::max_pool2d(F::batch_norm_from_stats(x2, {stats.sum, stats.sqsum, x2.version()},
+                                                       Tensor(), true, p2.weight, p2.bias,
+                                                       p2.running_mean, p2.running_var, true),
+                              3, 2, 1);
+    y2.backward(dy);
+    CHECK(bitwise_equal(y, y2));
+    CHECK(bitwise_equal(p.running_mean, p2.running_mean));
+    CHECK(bitwise_equal(p.running_var, p2.running_var));
+    CHECK(bitwise_equal(x.grad(), x2.grad()));
+    CHECK(bitwise_equal(p.weight.grad(), p2.weight.grad()));
+    CHECK(bitwise_equal(p.bias.grad(), p2.bias.grad()));
+
+    // Without statistics the op sums them itself; against the f32 reference on the CPU.
+    Tensor x3 = gpu_leaf(hx, DType::f16, true);
+    F::BatchNormParams p3 = params(0.2);
+    Tensor y3 = F::batch_norm_relu_max_pool(x3, F::ChannelStats{}, p3, true, 3, 2, 1);
+    REQUIRE(y3.grad_fn());
+    CHECK(y3.grad_fn()->name() == "BatchNormReluMaxPoolBackward");
+    y3.backward(dy);
+    Tensor rx = hx.to(DType::f16).to(DType::f32).detach();
+    rx.set_requires_grad(true);
+    Tensor rw = hw.detach(), rb = hb.detach();
+    rw.set_requires_grad(true);
+    rb.set_requires_grad(true);
+    Tensor rm = zeros({C}), rv = ones({C});
+    Tensor ry = F::max_pool2d(F::relu(F::batch_norm(rx, rw, rb, rm, rv, true, 0.2)), 3, 2, 1);
+    ry.backward(hdy.to(DType::f16).to(DType::f32));
+    KILN_CHECK_OK(testing::compare(y3.to(DType::f32).to(kCPU), ry, 2e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(p3.running_mean.to(kCPU), rm, 1e-4, 1e-3));
+    KILN_CHECK_OK(testing::compare(p3.running_var.to(kCPU), rv, 1e-4, 1e-3));
+    KILN_CHECK_OK(testing::compare(p3.weight.grad().to(kCPU), rw.grad(), 5e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(p3.bias.grad().to(kCPU), rb.grad(), 5e-2, 1e-2));
+    // dx in L2: where two window values are within f16 rounding of each other, the two
+    // precisions may route a gradient to different (neighbouring, equally valid) positions.
+    CHECK(rel_l2(x3.grad().to(DType::f32).to(kCPU), rx.grad()) < 2e-2);
+  }
+}
+
+TEST_CASE("batch_norm_relu_max_pool: other pools, eval mode and NCHW take the composition") {
+  manual_seed(71);
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor x = randn({4, 16, 10, 10}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  auto bn = [&] {
+    return F::BatchNormParams{uniform({16}, 0.5, 1.5).to(kGpu), uniform({16}, -0.5, 0.5).to(kGpu),
+                              zeros({16}, opt), ones({16}, opt)};
+  };
+  struct Case {
+    int64_t k, s, pad;
+    bool training, nchw;
+  };
+  for (Case c : {Case{2, 2, 0, true, false}, Case{3, 1, 1, true, false}, Case{3, 2, 1, false, false},
+                 Case{3, 2, 1, true, true}}) {
+    CAPTURE(c.k);
+    CAPTURE(c.s);
+    CAPTURE(c.training);
+    CAPTURE(c.nchw);
+    Tensor xi = c.nchw ? x.contiguous() : x;
+    F::BatchNormParams a = bn(), b = a;
+    b.running_mean = a.running_mean.clone();
+    b.running_var = a.running_var.clone();
+    Tensor y = F::batch_norm_relu_max_pool(xi, F::ChannelStats{}, a, c.training, c.k, c.s, c.pad);
+    Tensor want = F::max_pool2d(F::batch_norm_relu(xi, Tensor(), b.weight, b.bias, b.running_mean,
+                                                   b.running_var, c.training),
+                                c.k, c.s, c.pad);
+    KILN_CHECK_OK(testing::compare(y.to(DType::f32), want.to(DType::f32), 1e-3, 1e-3));
+    KILN_CHECK_OK(testing::compare(a.running_mean, b.running_mean, 1e-6, 1e-5));
+  }
 }
