@@ -234,7 +234,16 @@ struct Plan {
   std::shared_ptr<ConvEngine> engine;  // the backend API's plan, when it beat the legacy API
   std::vector<Choice> candidates;  // best first; the one that last ran after failures moves up
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;  // currently set on d.conv
+  // Accumulating weight gradients: whether beta = 0 into a fresh buffer plus an add beat
+  // beta = 1 (decided on the first run; see fresh_beats_accumulate).
+  bool fresh_checked = false, via_fresh = false;
 };
+
+// The plan's measured time (ms): its backend plan's, else the legacy API's best (cudnnFind's,
+// timed with beta = 0); -1 when untimed.
+float plan_ms(const Plan& plan) {
+  return plan.engine ? conv_engine_ms(*plan.engine) : plan.candidates.front().ms;
+}
 
 // Forward convolutions with the statistics epilogue: the tuned plan, or null when no plan
 // describes the problem (remembered, so it is not searched again).
@@ -254,6 +263,7 @@ class ConvPlanCache {
   uint64_t hits = 0, misses = 0;
   std::atomic<bool> deterministic{false};
   std::atomic<int> backend{-1};  // a ConvBackend; -1: not yet read from the switches
+  std::atomic<int> wgrad_accumulate{-1};  // a WgradAccumulate; -1: not yet read
 };
 
 ConvPlanCache& plan_cache() {
@@ -390,6 +400,61 @@ const Tensor& output_of(const Tensor& x, const Tensor& w, const Tensor& y) {
   else return w;
 }
 
+template <class Op>
+void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, const Tensor& y,
+             const ConvParams& cp, bool accumulate);
+
+// A weight gradient added into .grad (beta = 1) reaches other engines than the same problem
+// with beta = 0, sometimes much slower ones (ResNet-50's layer-1 3x3: 0.29 ms against 0.13 ms,
+// NOTES.md session 10); the weights are small, so beta = 0 into a fresh buffer plus one add
+// can win. On the accumulating plan's first run the beta = 0 problem is tuned too (on a scratch
+// output) and the faster way is kept: the add is counted as 3 µs plus three passes over the
+// weights at 2 TB/s.
+template <class Op>
+bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Tensor& x,
+                            const Tensor& w, const Tensor& y, const ConvParams& cp,
+                            const Key& acc_key) {
+  int m = plan_cache().wgrad_accumulate.load();
+  if (m < 0) {  // KILN_WGRAD_FRESH=0: beta = 1 always
+    int expected = -1;
+    plan_cache().wgrad_accumulate.compare_exchange_strong(
+        expected, int(switches().wgrad_fresh ? WgradAccumulate::Tuned : WgradAccumulate::BetaOne));
+    m = plan_cache().wgrad_accumulate.load();
+  }
+  const auto mode = WgradAccumulate(m);
+  if (mode != WgradAccumulate::Tuned) return mode == WgradAccumulate::FreshAndAdd;
+  std::lock_guard<std::mutex> lock(plan.m);
+  if (plan.fresh_checked) return plan.via_fresh;
+  plan.fresh_checked = true;
+  Tensor scratch = empty(w.shape(), TensorOptions(dtype).with_device(w.device())
+                                        .with_memory_format(fmt));
+  execute<Op>(dtype, fmt, x, scratch, y, cp, false);  // tunes the beta = 0 problem
+  Key key = acc_key;
+  key.accumulate = false;
+  key.align = std::min({pointer_alignment(x.raw_data()), pointer_alignment(scratch.raw_data()),
+                        pointer_alignment(y.raw_data())});
+  std::shared_ptr<Plan> fresh;
+  {
+    std::lock_guard<std::mutex> cache_lock(plan_cache().mutex);
+    auto it = plan_cache().plans.find(key);
+    if (it != plan_cache().plans.end()) fresh = it->second;
+  }
+  if (!fresh) return false;
+  float fresh_ms;
+  {
+    std::lock_guard<std::mutex> fresh_lock(fresh->m);
+    fresh_ms = plan_ms(*fresh);
+  }
+  const float acc_ms = plan_ms(plan);
+  const float add_ms = 0.003f + 3.0f * float(w.nbytes()) / 2e9f;
+  plan.via_fresh = fresh_ms >= 0 && acc_ms >= 0 && fresh_ms + add_ms < acc_ms;
+  if (find_log_enabled())
+    std::fprintf(stderr, "[kiln conv] %s: beta = 1 %.4f ms, beta = 0 %.4f ms + add %.4f ms: %s\n",
+                 describe(Op::kOp, problem_of(acc_key)).c_str(), double(acc_ms), double(fresh_ms),
+                 double(add_ms), plan.via_fresh ? "fresh buffer and add" : "beta = 1");
+  return plan.via_fresh;
+}
+
 // Runs one problem (x, w, y dense in fmt) with its cached plan, searching on first sight, and
 // falls through to the next candidate when one fails. With accumulate the computed operand is
 // `+=` (beta = 1): a separate problem in the cache, searched and tuned on a zeroed scratch
@@ -440,6 +505,16 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
                                      : "legacy API");
       }
       plan = plan_cache().plans.emplace(key, std::move(fresh)).first->second;
+    }
+  }
+  if constexpr (Op::kOp == ConvOp::BackwardFilter) {
+    if (accumulate && fresh_beats_accumulate<Op>(*plan, dtype, fmt, x, w, y, cp, key)) {
+      NoGradGuard no_grad;
+      Tensor fresh = empty(w.shape(), TensorOptions(dtype).with_device(w.device())
+                                          .with_memory_format(fmt));
+      execute<Op>(dtype, fmt, x, fresh, y, cp, false);
+      w.add_(fresh);
+      return;
     }
   }
   std::lock_guard<std::mutex> lock(plan->m);
@@ -715,6 +790,10 @@ void clear_conv_algo_cache() {
 
 void set_conv_backend(ConvBackend mode) { plan_cache().backend.store(int(mode)); }
 ConvBackend conv_backend() { return backend_mode(); }
+
+void set_wgrad_accumulate(WgradAccumulate mode) {
+  plan_cache().wgrad_accumulate.store(int(mode));
+}
 
 void set_conv_deterministic(bool on) { plan_cache().deterministic.store(on); }
 bool conv_deterministic() { return plan_cache().deterministic.load(); }

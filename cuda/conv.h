@@ -35,6 +35,13 @@ enum class ConvBackend : int { Off = 0, Auto = 1, Force = 2 };
 void set_conv_backend(ConvBackend mode);
 ConvBackend conv_backend();
 
+// How a weight gradient added into an existing one (accumulate) runs: Tuned (the default)
+// times beta = 1 against beta = 0 into a fresh buffer plus an add and keeps the faster; the
+// other two force one way (tests; KILN_WGRAD_FRESH=0 sets BetaOne). Not part of the cache key:
+// a Tuned plan decides once.
+enum class WgradAccumulate : int { Tuned = 0, FreshAndAdd = 1, BetaOne = 2 };
+void set_wgrad_accumulate(WgradAccumulate mode);
+
 // The largest workspace an algorithm search offers cuDNN (bytes).
 inline constexpr size_t kConvMaxWorkspaceBytes = size_t(1) << 30;
 

@@ -377,7 +377,7 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
   const bool stem_pool = kernel.h == 3 && kernel.w == 3 && s.h == 2 && s.w == 2 &&
                          padding.h == 1 && padding.w == 1 && dilation.h == 1 && dilation.w == 1;
   const Backend& be = backend(x);
-  if (stem_pool && be.bn_stats_relu_max_pool &&
+  if (stem_pool && switches().fused_stem && be.bn_stats_relu_max_pool &&
       params_fusable(x, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
                      training) &&
       (stats_fusable(x, stats, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,

@@ -116,14 +116,24 @@ std::vector<ConvShape> resnet50_convs() {
   return v;
 }
 
-std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
+// filter: when not empty, only the convolution rows whose shape contains it.
+std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat, const std::string& filter) {
   std::vector<Row> rows;
   const TensorOptions o = TensorOptions(dt).with_device(Device::cuda(0));
   const TensorOptions nhwc = o.with_memory_format(MemoryFormat::ChannelsLast);
   const double es = double(dtype_size(dt));
   NoGradGuard ng;
-  for (const ConvShape& c : resnet50_convs()) {
+  std::vector<ConvShape> convs = resnet50_convs();
+  // The stem as a 4x4 convolution over its input rearranged space-to-depth (2x2 pixels of 3
+  // channels -> 12, padded to 16): the same outputs, tensor-core friendly (a probe; the real
+  // shape is 115x115 without padding, this row 112x112 with padding 2, 113x113 out).
+  convs.insert(convs.begin() + 1, ConvShape{16, 64, 4, 1, 112});
+  for (const ConvShape& c : convs) {
     const int64_t pad = c.k / 2, out = (c.hw + 2 * pad - c.k) / c.stride + 1;
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "%ldx%ldx%ld %ldx%ld/%ld -> %ld", long(c.cin), long(c.hw),
+                  long(c.hw), long(c.k), long(c.k), long(c.stride), long(c.cout));
+    if (!filter.empty() && std::string(shape).find(filter) == std::string::npos) continue;
     Tensor x = randn({batch, c.cin, c.hw, c.hw}, nhwc);
     Tensor w = randn({c.cout, c.cin, c.k, c.k}, nhwc);
     Tensor y = empty({batch, c.cout, out, out}, nhwc);
@@ -132,9 +142,6 @@ std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
     p.stride_h = p.stride_w = c.stride;
     p.pad_h = p.pad_w = pad;
     const double flops = 2.0 * double(batch * c.cout * out * out) * double(c.cin * c.k * c.k);
-    char shape[96];
-    std::snprintf(shape, sizeof shape, "%ldx%ldx%ld %ldx%ld/%ld -> %ld", long(c.cin), long(c.hw),
-                  long(c.hw), long(c.k), long(c.k), long(c.stride), long(c.cout));
     rows.push_back({"conv fwd", shape,
                     time_ms([&] { cuda::conv2d_forward(y, x, w, Tensor(), p); }, repeat), flops});
     rows.push_back({"conv dgrad", shape,
@@ -142,6 +149,7 @@ std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat) {
     rows.push_back({"conv wgrad", shape,
                     time_ms([&] { cuda::conv2d_backward_weight(dw, y, x, p); }, repeat), flops});
   }
+  if (!filter.empty()) return rows;
   // Batch norm (training) at each distinct activation size of ResNet-50.
   for (auto [ch, hw] : std::vector<std::pair<int64_t, int64_t>>{
            {64, 112}, {64, 56}, {256, 56}, {128, 28}, {512, 28}, {256, 14}, {1024, 14},
@@ -253,6 +261,9 @@ int main(int argc, char** argv) {
     p.flag("--ops", &ops, "per-op benchmark of ResNet-50's layers (the default without --model)");
     p.value("-b, --batch-size", "BATCH", &batch, "batch size for --ops", 1);
     p.choice("--dtype", &dtype, {"f16", "f32"}, "data type for --ops");
+    std::string ops_filter;
+    p.value("--ops-filter", "TEXT", &ops_filter,
+            "with --ops: only the convolution rows whose shape contains TEXT");
     p.value("--repeat", "N", &repeat, "timed repetitions per op, median reported", 1);
     p.value("--back-to-back", "N", &g_back_to_back, "calls per sample in the b2b column", 1);
     p.value("--json", "PATH", &json_path, "also write the rows as JSON");
@@ -297,7 +308,8 @@ int main(int argc, char** argv) {
     }
 #ifdef KILN_WITH_CUDA
     KILN_CHECK(kiln::cuda::device_count() > 0, "no CUDA device found");
-    auto rows = bench_ops(batch, dtype == "f16" ? kiln::DType::f16 : kiln::DType::f32, repeat);
+    auto rows = bench_ops(batch, dtype == "f16" ? kiln::DType::f16 : kiln::DType::f32, repeat,
+                          ops_filter);
     std::printf("%-20s %-28s %10s %10s %10s %8s\n", "op", "shape", "single ms", "b2b ms",
                 "TFLOP/s", "% peak");
     std::string json = "[";

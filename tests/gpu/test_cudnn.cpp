@@ -356,9 +356,18 @@ TEST_CASE("conv2d: accumulate (beta = 1) adds into dx/dw once, legacy and backen
           Tensor dx = to_gpu(t0x, dtype, nhwc);
           cuda::conv2d_backward_data(dx, dyg, wg, p, /*accumulate=*/true);
           KILN_CHECK_OK(compare_scaled(dx, F::add(t0x, r.dx), tol));
-          Tensor dw = to_gpu(t0w, dtype, w_fmt);
-          cuda::conv2d_backward_weight(dw, dyg, xg, p, /*accumulate=*/true);
-          KILN_CHECK_OK(compare_scaled(dw, F::add(t0w, r.dw), tol));
+          // Both ways of adding a weight gradient (beta = 1, fresh buffer + add) and the
+          // tuner's choice between them.
+          for (cuda::WgradAccumulate wa :
+               {cuda::WgradAccumulate::Tuned, cuda::WgradAccumulate::BetaOne,
+                cuda::WgradAccumulate::FreshAndAdd}) {
+            CAPTURE(int(wa));
+            cuda::set_wgrad_accumulate(wa);
+            Tensor dw = to_gpu(t0w, dtype, w_fmt);
+            cuda::conv2d_backward_weight(dw, dyg, xg, p, /*accumulate=*/true);
+            KILN_CHECK_OK(compare_scaled(dw, F::add(t0w, r.dw), tol));
+          }
+          cuda::set_wgrad_accumulate(cuda::WgradAccumulate::Tuned);
         }
       }
     }
