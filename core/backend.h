@@ -204,6 +204,13 @@ struct Backend {
   // bn_stats_apply(relu) then max_pool2d_forward; the normalised tensor is never written.
   void (*bn_stats_relu_max_pool)(TensorRef y, TensorRef indices, TensorRef x,
                                  TensorRef scale_shift) = nullptr;
+  // Its backward (with it or neither): dy (y's gradient) through the pool and the ReLU (mask
+  // recomputed from x) to dx (=); dweight, dbias as bn_stats_backward's.
+  void (*bn_stats_relu_max_pool_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias,
+                                          TensorRef dy, TensorRef indices, TensorRef x,
+                                          TensorRef weight, TensorRef save_mean,
+                                          TensorRef save_invstd, TensorRef scale_shift,
+                                          GradientMode mode) = nullptr;
 
   // ---- softmax and cross-entropy ----
   // Over the last dim of contiguous (rows, cols) tensors. y = softmax(x) or log_softmax(x).

@@ -138,6 +138,16 @@ void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dw
                         mode == GradientMode::Accumulate);
 }
 
+void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
+                                     const Tensor& dbias, const Tensor& dy,
+                                     const Tensor& indices, const Tensor& x,
+                                     const Tensor& weight, const Tensor& save_mean,
+                                     const Tensor& save_invstd, const Tensor& scale_shift,
+                                     GradientMode mode) {
+  bn_nhwc_relu_max_pool_backward(dx, dweight, dbias, dy, indices, x, weight, save_mean,
+                                 save_invstd, scale_shift, mode == GradientMode::Accumulate);
+}
+
 Backend make_table() {
   Backend b;
   b.name = "cuda";
@@ -181,6 +191,7 @@ Backend make_table() {
   b.bn_stats_dual_backward = bn_stats_dual_backward;
   b.bn_stats_compute = bn_nhwc_stats;
   b.bn_stats_relu_max_pool = bn_nhwc_relu_max_pool;
+  b.bn_stats_relu_max_pool_backward = bn_stats_relu_max_pool_backward;
   b.softmax_forward = softmax_fwd;
   b.softmax_backward = softmax_bwd;
   b.cross_entropy = cross_entropy_fused;

@@ -198,6 +198,16 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
 void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
                            const Tensor& scale_shift);
 
+// Its backward: dy (the pool's output gradient) through the pool (the forward's indices) and
+// the ReLU (mask recomputed from x) to dx (=), with dweight and dbias (= or += with
+// accumulate_params, when defined) — what max_pool2d_backward then bn_nhwc_backward give, in two
+// passes that rebuild the pool's gradient from dy instead of writing and reading it.
+void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                                    const Tensor& dy, const Tensor& indices, const Tensor& x,
+                                    const Tensor& weight, const Tensor& save_mean,
+                                    const Tensor& save_invstd, const Tensor& scale_shift,
+                                    bool accumulate_params = false);
+
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
 // as in bn_nhwc_apply. One pass instead of two, and the shortcut's normalised tensor is never

@@ -247,18 +247,24 @@ class BatchNormReluMaxPoolBackward final : public Node {
     if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
       dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
     const Backend& be = backend(x);
-    Tensor dact = empty_like(x);  // the gradient at the ReLU's output
-    be.max_pool2d_backward(dact, dy, indices_.get(*this), p_);
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const std::vector<Tensor> targets = param_targets(*this, {1, 2}, x);
     const bool acc = !targets.empty();
+    const GradientMode mode = acc ? GradientMode::Accumulate : GradientMode::Set;
     Tensor dw = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor dx = empty_like(x);
-    be.bn_stats_backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
-                         save_mean_.get(*this), save_invstd_.get(*this),
-                         scale_shift_.get(*this), /*relu=*/true,
-                         acc ? GradientMode::Accumulate : GradientMode::Set);
+    if (be.bn_stats_relu_max_pool_backward) {
+      be.bn_stats_relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), x,
+                                         weight_.get(*this), save_mean_.get(*this),
+                                         save_invstd_.get(*this), scale_shift_.get(*this), mode);
+    } else {
+      Tensor dact = empty_like(x);  // the gradient at the ReLU's output
+      be.max_pool2d_backward(dact, dy, indices_.get(*this), p_);
+      be.bn_stats_backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
+                           save_mean_.get(*this), save_invstd_.get(*this),
+                           scale_shift_.get(*this), /*relu=*/true, mode);
+    }
     return {needs_input_grad(0) ? dx : Tensor(), dw, db};
   }
 

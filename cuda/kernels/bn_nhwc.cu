@@ -515,6 +515,149 @@ __global__ void relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restri
   idx[o] = packed;
 }
 
+// Its backward. The pool's gradient goes back to the 2x2 block of input pixels (2a..2a+1,
+// 2b..2b+1) from the 4 windows (a..a+1, b..b+1) that cover it, added and rounded to f16 exactly
+// as max_pool_bwd_nhwc_k3s2 does, then masked by the ReLU recomputed from x — the g the
+// unfused backward_*_kernel<kMaskFromX> would read — without writing it: the sums and the apply
+// kernel each rebuild it from dy and the indices (1/4 and 1/8 of x's bytes).
+struct StemPoolGeom {
+  int H, W, OH, OW, G, BH, BW;  // BH, BW: 2x2 blocks of input pixels per column, row
+};
+
+// Item i = ((n·BH + a)·BW + b)·G + g. g[p], x[p] for pixel p = 2·dh + dw of the block;
+// inside[p] false past the input's edge.
+__device__ inline void pool_relu_grad_2x2(Vec8 (&g)[4], Vec8 (&xv)[4], bool (&inside)[4],
+                                          const uint4* __restrict__ dy,
+                                          const uint2* __restrict__ idx,
+                                          const uint4* __restrict__ x, const Vec8& sc,
+                                          const Vec8& sh, const StemPoolGeom& s, int i) {
+  const int gv = i % s.G;
+  int r = i / s.G;
+  const int b = r % s.BW;
+  r /= s.BW;
+  const int a = r % s.BH;
+  const int64_t n = r / s.BH;
+  uint2 iv[4];
+  uint4 d[4];
+  bool ok[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int oh = a + (q >> 1), ow = b + (q & 1);
+    ok[q] = oh < s.OH && ow < s.OW;
+    if (ok[q]) {
+      const int64_t o = ((n * s.OH + oh) * s.OW + ow) * s.G + gv;
+      iv[q] = idx[o];
+      d[q] = dy[o];
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int dh = p >> 1, dw = p & 1, h = 2 * a + dh, w = 2 * b + dw;
+    inside[p] = h < s.H && w < s.W;
+    if (inside[p]) xv[p] = load8(x, ((n * s.H + h) * s.W + w) * s.G + gv);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    if (!inside[p]) continue;
+    const int dh = p >> 1, dw = p & 1;
+    float acc[kVec] = {};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int qh = q >> 1, qw = q & 1;
+      // window a+1 (b+1) starts at row 2a+1 (column 2b+1): it does not cover dh = 0 (dw = 0)
+      if (!ok[q] || (qh && !dh) || (qw && !dw)) continue;
+      const unsigned k = unsigned((qh ? 0 : dh + 1) * 3 + (qw ? 0 : dw + 1));
+      const __half2* hv = reinterpret_cast<const __half2*>(&d[q]);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const unsigned pos = ((j < 4 ? iv[q].x : iv[q].y) >> (8 * (j % 4))) & 0xffu;
+        if (pos == k) {
+          const float2 f2 = __half22float2(hv[j / 2]);
+          acc[j] += j % 2 ? f2.y : f2.x;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float gj = __half2float(__float2half_rn(acc[j]));
+      g[p].v[j] = fmaf(xv[p].v[j], sc.v[j], sh.v[j]) > 0.f ? gj : 0.f;
+    }
+  }
+}
+
+// Σg and Σg·(x - mean) per channel over this block's items (grid-stride, a stride that is a
+// multiple of G, so each thread keeps one channel vector): partial (parts, 2, C) as
+// backward_sums_kernel's, the block's threads added in a fixed order.
+__global__ void pool_relu_sums_kernel(const uint4* __restrict__ dy, const uint2* __restrict__ idx,
+                                      const uint4* __restrict__ x, const float* __restrict__ mean,
+                                      const float* __restrict__ scale_shift,
+                                      float* __restrict__ partial, StemPoolGeom s, int items) {
+  __shared__ float sh_sums[kBlock][2 * kVec];
+  const int tid = threadIdx.x, gv = tid % s.G;
+  const int64_t C = int64_t(s.G) * kVec;
+  const Vec8 m = load8f(mean + gv * kVec), sc = load8f(scale_shift + gv * kVec),
+             sh = load8f(scale_shift + C + gv * kVec);
+  float s1[kVec] = {}, s2[kVec] = {};
+  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock) {
+    Vec8 g[4], xv[4];
+    bool inside[4];
+    pool_relu_grad_2x2(g, xv, inside, dy, idx, x, sc, sh, s, i);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (!inside[p]) continue;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s1[j] += g[p].v[j];
+        s2[j] = fmaf(g[p].v[j], xv[p].v[j] - m.v[j], s2[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    sh_sums[tid][j] = s1[j];
+    sh_sums[tid][kVec + j] = s2[j];
+  }
+  __syncthreads();
+  for (int col = tid; col < 2 * C; col += kBlock) {
+    const int k = int(col / C), c = int(col % C), v = c / kVec, j = c % kVec;
+    float t = 0.f;
+    for (int row = v; row < kBlock; row += s.G) t += sh_sums[row][k * kVec + j];
+    partial[(int64_t(blockIdx.x) * 2 + k) * C + c] = t;
+  }
+}
+
+// dx = A·g + B·x + C0 per channel (coef from backward_finish_kernel), for every input pixel.
+__global__ void pool_relu_apply_kernel(uint4* __restrict__ dx, const uint4* __restrict__ dy,
+                                       const uint2* __restrict__ idx, const uint4* __restrict__ x,
+                                       const float* __restrict__ scale_shift,
+                                       const float* __restrict__ coef, StemPoolGeom s, int items) {
+  const int tid = threadIdx.x, gv = tid % s.G;
+  const int64_t C = int64_t(s.G) * kVec;
+  const Vec8 sc = load8f(scale_shift + gv * kVec), sh = load8f(scale_shift + C + gv * kVec);
+  const Vec8 ca = load8f(coef + gv * kVec), cb = load8f(coef + C + gv * kVec),
+             cc = load8f(coef + 2 * C + gv * kVec);
+  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock) {
+    Vec8 g[4], xv[4];
+    bool inside[4];
+    pool_relu_grad_2x2(g, xv, inside, dy, idx, x, sc, sh, s, i);
+    int r = i / s.G;
+    const int b = r % s.BW;
+    r /= s.BW;
+    const int a = r % s.BH;
+    const int64_t n = r / s.BH;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (!inside[p]) continue;
+      Vec8 out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        out.v[j] = fmaf(ca.v[j], g[p].v[j], fmaf(cb.v[j], xv[p].v[j], cc.v[j]));
+      const int h = 2 * a + (p >> 1), w = 2 * b + (p & 1);
+      store8(dx, ((n * s.H + h) * s.W + w) * s.G + gv, out);
+    }
+  }
+}
+
 // ---- host side ----
 
 const uint4* vec_in(const Tensor& t) { return static_cast<const uint4*>(t.raw_data()); }
@@ -783,6 +926,68 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
   relu_max_pool_k3s2_kernel<<<grid, kBlock, 0, current_stream()>>>(
       vec_out(y), static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH),
       int(OW), G);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                                    const Tensor& dy, const Tensor& indices, const Tensor& x,
+                                    const Tensor& weight, const Tensor& save_mean,
+                                    const Tensor& save_invstd, const Tensor& scale_shift,
+                                    bool accumulate_params) {
+  const char* op = "bn_nhwc_relu_max_pool_backward";
+  check_x(x, op);
+  check_act(dx, x, op, "dx");
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1, G = C / kVec;
+  const Shape out{N, C, OH, OW};
+  KILN_CHECK(dy.defined() && dy.dtype() == DType::f16 && dy.shape() == out &&
+                 dy.device() == x.device() && dy.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): dy must be f16 channels-last ", shape_str(out), ", got ",
+             dy.defined() ? dy.desc() : "undefined");
+  KILN_CHECK(indices.defined() && indices.dtype() == DType::u8 && indices.shape() == out &&
+                 indices.device() == x.device() &&
+                 indices.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): indices must be u8 channels-last ", shape_str(out), ", got ",
+             indices.defined() ? indices.desc() : "undefined");
+  const int64_t BH = (H + 1) / 2, BW = (W + 1) / 2, items = N * BH * BW * G;
+  if (kBlock % G != 0 || items >= (int64_t(1) << 31)) {
+    // A channel count this layout does not keep per thread: the two passes it replaces.
+    Tensor dact = empty_like(x);
+    PoolParams p;
+    p.kernel_h = p.kernel_w = 3;
+    p.stride_h = p.stride_w = 2;
+    p.pad_h = p.pad_w = 1;
+    max_pool2d_backward(dact, dy, indices, p);
+    bn_nhwc_backward(dx, Tensor(), dweight, dbias, dact, x, Tensor(), weight, save_mean,
+                     save_invstd, scale_shift, /*relu=*/true, accumulate_params);
+    return;
+  }
+  const int64_t rows = N * H * W;
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+  const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
+  const float* invstd =
+      required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
+  const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  const float* w = f32_ptr(weight, C, x, op, "weight");
+  float* dw = f32_ptr(dweight, C, x, op, "dweight");
+  float* db = f32_ptr(dbias, C, x, op, "dbias");
+  const StemPoolGeom geom{int(H), int(W), int(OH), int(OW), int(G), int(BH), int(BW)};
+  const int parts = int(std::min<int64_t>(kMaxParts, (items + kBlock - 1) / kBlock));
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
+  Tensor coef = empty({3 * C}, f32);
+  float* pp = static_cast<float*>(partial.raw_data());
+  float* cp = static_cast<float*>(coef.raw_data());
+  const auto* ip = static_cast<const uint2*>(indices.raw_data());
+  cudaStream_t s = current_stream();
+  pool_relu_sums_kernel<<<parts, kBlock, 0, s>>>(vec_in(dy), ip, vec_in(x), mean, ss, pp, geom,
+                                                 int(items));
+  KILN_CUDA_CHECK_LAUNCH();
+  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
+      dw, db, cp, pp, w, mean, invstd, C, parts, double(rows), accumulate_params);
+  KILN_CUDA_CHECK_LAUNCH();
+  pool_relu_apply_kernel<<<grid_for(items), kBlock, 0, s>>>(vec_out(dx), vec_in(dy), ip,
+                                                            vec_in(x), ss, cp, geom, int(items));
   KILN_CUDA_CHECK_LAUNCH();
 }
 
