@@ -13,7 +13,8 @@ Switches read_switches() {
   s.fused_bn = !is(std::getenv("KILN_FUSED_BN"), "0");
   s.conv_stats = !is(std::getenv("KILN_CONV_STATS"), "0");
   s.bn_stats_pass = !is(std::getenv("KILN_BN_STATS_PASS"), "0");
-  s.fused_stem = !is(std::getenv("KILN_FUSED_STEM"), "0");
+  const char* stem = std::getenv("KILN_FUSED_STEM");
+  s.fused_stem = is(stem, "0") ? 0 : is(stem, "forward") ? 1 : 2;
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.wgrad_fresh = !is(std::getenv("KILN_WGRAD_FRESH"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");

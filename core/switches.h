@@ -11,8 +11,9 @@
 // |                          |                     | convolution's epilogue                          |
 // | KILN_BN_STATS_PASS       | 0                   | where the convolution gives no statistics, BN   |
 // |                          |                     | runs on cuDNN's fused kernels (before session 9)|
-// | KILN_FUSED_STEM          | 0                   | the stem's batch norm, ReLU and max pool as     |
-// |                          |                     | separate passes (before session 10)             |
+// | KILN_FUSED_STEM          | 0, forward          | the stem's batch norm, ReLU and max pool as     |
+// |                          |                     | separate passes (before session 10) / fused in  |
+// |                          |                     | the forward only                                |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
 // |                          |                     | the tuner's choice (before session 10)          |
@@ -37,7 +38,7 @@ struct Switches {
   bool fused_bn = true;
   bool conv_stats = true;
   bool bn_stats_pass = true;
-  bool fused_stem = true;
+  int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool accumulate_grads = true;
   bool wgrad_fresh = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)

@@ -254,7 +254,7 @@ class BatchNormReluMaxPoolBackward final : public Node {
     Tensor dw = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor dx = empty_like(x);
-    if (be.bn_stats_relu_max_pool_backward) {
+    if (be.bn_stats_relu_max_pool_backward && switches().fused_stem > 1) {
       be.bn_stats_relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), x,
                                          weight_.get(*this), save_mean_.get(*this),
                                          save_invstd_.get(*this), scale_shift_.get(*this), mode);
@@ -383,7 +383,7 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
   const bool stem_pool = kernel.h == 3 && kernel.w == 3 && s.h == 2 && s.w == 2 &&
                          padding.h == 1 && padding.w == 1 && dilation.h == 1 && dilation.w == 1;
   const Backend& be = backend(x);
-  if (stem_pool && switches().fused_stem && be.bn_stats_relu_max_pool &&
+  if (stem_pool && switches().fused_stem > 0 && be.bn_stats_relu_max_pool &&
       params_fusable(x, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
                      training) &&
       (stats_fusable(x, stats, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,

@@ -462,7 +462,7 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
 // The normalised tensor itself is never written. Thread: one output pixel's 8 channels; grid
 // (ceil(OH·OW·G / kBlock), N) keeps the index arithmetic in 32 bits; the 9 loads are issued
 // before any is used.
-__global__ void relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
+__global__ void __launch_bounds__(kBlock, 3) relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
                                           const uint4* __restrict__ x,
                                           const float* __restrict__ scale_shift, int H, int W,
                                           int OH, int OW, int G) {
@@ -479,14 +479,18 @@ __global__ void relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restri
     valid[k] = h >= 0 && h < H && w >= 0 && w < W;
     if (valid[k]) raw[k] = x[((n * H + h) * W + w) * G + g];
   }
-  float best[kVec];
-  unsigned arg[kVec];
+  // The comparison runs on the f16 bits with the sign cleared: after the ReLU a value is +0,
+  // -0 (kept, as relu_keep_nan keeps it), positive or NaN (one bit pattern once rounded to f16),
+  // so this key orders them as max_pool_fwd_nhwc's float comparison does — ±0 tie, NaN above
+  // every number, NaNs tie — and a strictly greater key takes over: first position wins ties.
+  int key[kVec];
+  unsigned bits[kVec], arg[kVec];
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    best[j] = -INFINITY;  // as max_pool_fwd_nhwc for a window without input (not reached here)
+    key[j] = -1;  // below every key: the first valid position always takes over
+    bits[j] = 0xfc00u;  // -inf, as max_pool_fwd_nhwc for a window without input (not reached)
     arg[j] = 0xffu;
   }
-  bool first = true;
 #pragma unroll
   for (int k = 0; k < 9; ++k) {
     if (!valid[k]) continue;
@@ -495,23 +499,24 @@ __global__ void relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restri
     for (int j = 0; j < kVec; ++j) {
       const float2 f2 = __half22float2(hv[j / 2]);
       const float a = relu_keep_nan(fmaf(j % 2 ? f2.y : f2.x, sc.v[j], sh.v[j]));
-      const float f = __half2float(__float2half_rn(a));
-      if (first || (isnan(f) && !isnan(best[j])) || f > best[j]) {
-        best[j] = f;
+      const unsigned h = __half_as_ushort(__float2half_rn(a));
+      const int kk = int(h & 0x7fffu);
+      if (kk > key[j]) {
+        key[j] = kk;
+        bits[j] = h;
         arg[j] = unsigned(k);
       }
     }
-    first = false;
   }
-  Vec8 out;
+  uint4 out;
   uint2 packed{0u, 0u};
+  unsigned* ow32 = reinterpret_cast<unsigned*>(&out);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    out.v[j] = best[j];
-    (j < 4 ? packed.x : packed.y) |= arg[j] << (8 * (j % 4));
-  }
+  for (int j = 0; j < kVec / 2; ++j) ow32[j] = bits[2 * j] | (bits[2 * j + 1] << 16);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) (j < 4 ? packed.x : packed.y) |= arg[j] << (8 * (j % 4));
   const int64_t o = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g;
-  store8(y, o, out);
+  y[o] = out;
   idx[o] = packed;
 }
 
@@ -524,13 +529,16 @@ struct StemPoolGeom {
   int H, W, OH, OW, G, BH, BW;  // BH, BW: 2x2 blocks of input pixels per column, row
 };
 
-// Item i = ((n·BH + a)·BW + b)·G + g. g[p], x[p] for pixel p = 2·dh + dw of the block;
-// inside[p] false past the input's edge.
-__device__ inline void pool_relu_grad_2x2(Vec8 (&g)[4], Vec8 (&xv)[4], bool (&inside)[4],
-                                          const uint4* __restrict__ dy,
-                                          const uint2* __restrict__ idx,
-                                          const uint4* __restrict__ x, const Vec8& sc,
-                                          const Vec8& sh, const StemPoolGeom& s, int i) {
+// Item i = ((n·BH + a)·BW + b)·G + gv: calls use(e, xv, g) for each input pixel of the block
+// (element offset e / 8 as a vector index, x there, the masked gradient there). The 4 windows'
+// indices and gradients and the 4 pixels' x are loaded first (as raw vectors: few registers,
+// all loads in flight), then each pixel is finished and handed over in turn.
+template <class Use>
+__device__ inline void for_each_pool_relu_grad(const uint4* __restrict__ dy,
+                                               const uint2* __restrict__ idx,
+                                               const uint4* __restrict__ x, const Vec8& sc,
+                                               const Vec8& sh, const StemPoolGeom& s, int i,
+                                               Use&& use) {
   const int gv = i % s.G;
   int r = i / s.G;
   const int b = r % s.BW;
@@ -538,7 +546,7 @@ __device__ inline void pool_relu_grad_2x2(Vec8 (&g)[4], Vec8 (&xv)[4], bool (&in
   const int a = r % s.BH;
   const int64_t n = r / s.BH;
   uint2 iv[4];
-  uint4 d[4];
+  uint4 d[4], xr[4];
   bool ok[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -552,14 +560,13 @@ __device__ inline void pool_relu_grad_2x2(Vec8 (&g)[4], Vec8 (&xv)[4], bool (&in
   }
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const int dh = p >> 1, dw = p & 1, h = 2 * a + dh, w = 2 * b + dw;
-    inside[p] = h < s.H && w < s.W;
-    if (inside[p]) xv[p] = load8(x, ((n * s.H + h) * s.W + w) * s.G + gv);
+    const int h = 2 * a + (p >> 1), w = 2 * b + (p & 1);
+    if (h < s.H && w < s.W) xr[p] = x[((n * s.H + h) * s.W + w) * s.G + gv];
   }
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    if (!inside[p]) continue;
-    const int dh = p >> 1, dw = p & 1;
+    const int dh = p >> 1, dw = p & 1, h = 2 * a + dh, w = 2 * b + dw;
+    if (h >= s.H || w >= s.W) continue;
     float acc[kVec] = {};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -571,47 +578,45 @@ __device__ inline void pool_relu_grad_2x2(Vec8 (&g)[4], Vec8 (&xv)[4], bool (&in
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const unsigned pos = ((j < 4 ? iv[q].x : iv[q].y) >> (8 * (j % 4))) & 0xffu;
-        if (pos == k) {
-          const float2 f2 = __half22float2(hv[j / 2]);
-          acc[j] += j % 2 ? f2.y : f2.x;
-        }
+        const float2 f2 = __half22float2(hv[j / 2]);
+        acc[j] += pos == k ? (j % 2 ? f2.y : f2.x) : 0.f;
       }
     }
+    const int64_t e = ((n * s.H + h) * s.W + w) * s.G + gv;
+    const Vec8 xv = load8(&xr[p], 0);
+    Vec8 g;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float gj = __half2float(__float2half_rn(acc[j]));
-      g[p].v[j] = fmaf(xv[p].v[j], sc.v[j], sh.v[j]) > 0.f ? gj : 0.f;
+      g.v[j] = fmaf(xv.v[j], sc.v[j], sh.v[j]) > 0.f ? gj : 0.f;
     }
+    use(e, xv, g);
   }
 }
 
 // Σg and Σg·(x - mean) per channel over this block's items (grid-stride, a stride that is a
 // multiple of G, so each thread keeps one channel vector): partial (parts, 2, C) as
 // backward_sums_kernel's, the block's threads added in a fixed order.
-__global__ void pool_relu_sums_kernel(const uint4* __restrict__ dy, const uint2* __restrict__ idx,
-                                      const uint4* __restrict__ x, const float* __restrict__ mean,
-                                      const float* __restrict__ scale_shift,
-                                      float* __restrict__ partial, StemPoolGeom s, int items) {
+__global__ void __launch_bounds__(kBlock, 2)
+    pool_relu_sums_kernel(const uint4* __restrict__ dy, const uint2* __restrict__ idx,
+                          const uint4* __restrict__ x, const float* __restrict__ mean,
+                          const float* __restrict__ scale_shift, float* __restrict__ partial,
+                          StemPoolGeom s, int items) {
   __shared__ float sh_sums[kBlock][2 * kVec];
   const int tid = threadIdx.x, gv = tid % s.G;
   const int64_t C = int64_t(s.G) * kVec;
   const Vec8 m = load8f(mean + gv * kVec), sc = load8f(scale_shift + gv * kVec),
              sh = load8f(scale_shift + C + gv * kVec);
   float s1[kVec] = {}, s2[kVec] = {};
-  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock) {
-    Vec8 g[4], xv[4];
-    bool inside[4];
-    pool_relu_grad_2x2(g, xv, inside, dy, idx, x, sc, sh, s, i);
+  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock)
+    for_each_pool_relu_grad(dy, idx, x, sc, sh, s, i,
+                            [&](int64_t, const Vec8& xv, const Vec8& g) {
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      if (!inside[p]) continue;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        s1[j] += g[p].v[j];
-        s2[j] = fmaf(g[p].v[j], xv[p].v[j] - m.v[j], s2[j]);
-      }
-    }
-  }
+                              for (int j = 0; j < kVec; ++j) {
+                                s1[j] += g.v[j];
+                                s2[j] = fmaf(g.v[j], xv.v[j] - m.v[j], s2[j]);
+                              }
+                            });
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     sh_sums[tid][j] = s1[j];
@@ -627,35 +632,25 @@ __global__ void pool_relu_sums_kernel(const uint4* __restrict__ dy, const uint2*
 }
 
 // dx = A·g + B·x + C0 per channel (coef from backward_finish_kernel), for every input pixel.
-__global__ void pool_relu_apply_kernel(uint4* __restrict__ dx, const uint4* __restrict__ dy,
-                                       const uint2* __restrict__ idx, const uint4* __restrict__ x,
-                                       const float* __restrict__ scale_shift,
-                                       const float* __restrict__ coef, StemPoolGeom s, int items) {
+__global__ void __launch_bounds__(kBlock, 2)
+    pool_relu_apply_kernel(uint4* __restrict__ dx, const uint4* __restrict__ dy,
+                           const uint2* __restrict__ idx, const uint4* __restrict__ x,
+                           const float* __restrict__ scale_shift, const float* __restrict__ coef,
+                           StemPoolGeom s, int items) {
   const int tid = threadIdx.x, gv = tid % s.G;
   const int64_t C = int64_t(s.G) * kVec;
   const Vec8 sc = load8f(scale_shift + gv * kVec), sh = load8f(scale_shift + C + gv * kVec);
   const Vec8 ca = load8f(coef + gv * kVec), cb = load8f(coef + C + gv * kVec),
              cc = load8f(coef + 2 * C + gv * kVec);
-  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock) {
-    Vec8 g[4], xv[4];
-    bool inside[4];
-    pool_relu_grad_2x2(g, xv, inside, dy, idx, x, sc, sh, s, i);
-    int r = i / s.G;
-    const int b = r % s.BW;
-    r /= s.BW;
-    const int a = r % s.BH;
-    const int64_t n = r / s.BH;
+  for (int i = int(blockIdx.x) * kBlock + tid; i < items; i += int(gridDim.x) * kBlock)
+    for_each_pool_relu_grad(dy, idx, x, sc, sh, s, i,
+                            [&](int64_t e, const Vec8& xv, const Vec8& g) {
+                              Vec8 out;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      if (!inside[p]) continue;
-      Vec8 out;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        out.v[j] = fmaf(ca.v[j], g[p].v[j], fmaf(cb.v[j], xv[p].v[j], cc.v[j]));
-      const int h = 2 * a + (p >> 1), w = 2 * b + (p & 1);
-      store8(dx, ((n * s.H + h) * s.W + w) * s.G + gv, out);
-    }
-  }
+                              for (int j = 0; j < kVec; ++j)
+                                out.v[j] = fmaf(ca.v[j], g.v[j], fmaf(cb.v[j], xv.v[j], cc.v[j]));
+                              store8(dx, e, out);
+                            });
 }
 
 // ---- host side ----
