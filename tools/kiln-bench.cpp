@@ -11,6 +11,8 @@
 //       every distinct ResNet-50 layer at the given batch: conv fwd / dgrad / wgrad, batch norm
 //       fwd / bwd, pooling, linear, softmax-cross-entropy; median time over repeats, TFLOP/s
 //       (or GB/s for memory-bound ops) against the measured ceilings of the H200.
+//       --ops-filter TEXT: only the convolution rows whose shape contains TEXT (with
+//       KILN_CUDNN_FIND_LOG=1, the tuner's log for those problems).
 //
 // Timing: 5 warm-up runs, then two medians of `repeat` samples on the compute stream:
 //   single: CUDA events around one call, so host work inside the call that outlasts the GPU work
@@ -123,12 +125,7 @@ std::vector<Row> bench_ops(int64_t batch, DType dt, int repeat, const std::strin
   const TensorOptions nhwc = o.with_memory_format(MemoryFormat::ChannelsLast);
   const double es = double(dtype_size(dt));
   NoGradGuard ng;
-  std::vector<ConvShape> convs = resnet50_convs();
-  // The stem as a 4x4 convolution over its input rearranged space-to-depth (2x2 pixels of 3
-  // channels -> 12, padded to 16): the same outputs, tensor-core friendly (a probe; the real
-  // shape is 115x115 without padding, this row 112x112 with padding 2, 113x113 out).
-  convs.insert(convs.begin() + 1, ConvShape{16, 64, 4, 1, 112});
-  for (const ConvShape& c : convs) {
+  for (const ConvShape& c : resnet50_convs()) {
     const int64_t pad = c.k / 2, out = (c.hw + 2 * pad - c.k) / c.stride + 1;
     char shape[96];
     std::snprintf(shape, sizeof shape, "%ldx%ldx%ld %ldx%ld/%ld -> %ld", long(c.cin), long(c.hw),
@@ -233,7 +230,8 @@ int main(int argc, char** argv) {
         "kiln-bench",
         "--model NAME [--batches B1,B2,...] [--eager-only|--graph-only] [--json PATH]\n"
         "       kiln-bench --model NAME --verify-graph [--batches B1,...] [--verify-steps K]\n"
-        "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]",
+        "       kiln-bench --ops [-b BATCH] [--dtype f16|f32] [--repeat N] [--back-to-back N]\n"
+        "                        [--ops-filter TEXT]",
         "Speed of kiln on the GPU, as a table and JSON.");
     p.version(kiln::version_line("kiln-bench"));
     p.value("--model", "NAME", &model,

@@ -461,11 +461,13 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
 // same order with the same rule (first valid, then NaN over a number, then strictly greater).
 // The normalised tensor itself is never written. Thread: one output pixel's 8 channels; grid
 // (ceil(OH·OW·G / kBlock), N) keeps the index arithmetic in 32 bits; the 9 loads are issued
-// before any is used.
-__global__ void __launch_bounds__(kBlock, 3) relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
-                                          const uint4* __restrict__ x,
-                                          const float* __restrict__ scale_shift, int H, int W,
-                                          int OH, int OW, int G) {
+// before any is used. The kernel is bound by its instructions (72 normalise-round-compare steps
+// per thread), not by memory: comparing f16 keys instead of floats and 3 blocks per SM (80
+// registers) took it from 406 to 310 µs on the ResNet-50 stem at batch 256 (NOTES.md).
+__global__ void __launch_bounds__(kBlock, 3)
+    relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
+                              const uint4* __restrict__ x, const float* __restrict__ scale_shift,
+                              int H, int W, int OH, int OW, int G) {
   const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= OH * OW * G) return;
   const int g = t % G, pix = t / G, ow = pix % OW, oh = pix / OW;
@@ -530,9 +532,12 @@ struct StemPoolGeom {
 };
 
 // Item i = ((n·BH + a)·BW + b)·G + gv: calls use(e, xv, g) for each input pixel of the block
-// (element offset e / 8 as a vector index, x there, the masked gradient there). The 4 windows'
-// indices and gradients and the 4 pixels' x are loaded first (as raw vectors: few registers,
-// all loads in flight), then each pixel is finished and handed over in turn.
+// (e: the pixel's vector index, x there, the masked gradient there). The 4 windows' indices
+// and gradients and the 4 pixels' x are loaded first, as raw vectors (all loads in flight),
+// then each pixel is finished and handed over in turn. Registers bound these kernels: at 160
+// per thread (every pixel's g and x kept as floats) they took 663 + 763 µs on the stem, more
+// than the two unfused passes; streamed, with at most 128 (2 blocks per SM), 268 + 308 µs.
+// Forcing 3 blocks per SM spills.
 template <class Use>
 __device__ inline void for_each_pool_relu_grad(const uint4* __restrict__ dy,
                                                const uint2* __restrict__ idx,
