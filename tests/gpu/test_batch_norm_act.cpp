@@ -449,12 +449,20 @@ TEST_CASE("batch_norm_relu_max_pool: bit for bit the composition, and the f32 re
     KILN_CHECK_OK(testing::compare(p.weight.grad(), p2.weight.grad(), 1e-3, 1e-4));
     KILN_CHECK_OK(testing::compare(p.bias.grad(), p2.bias.grad(), 1e-3, 1e-4));
     if (C % 8 == 0 && 256 % (C / 8) != 0) CHECK(bitwise_equal(x.grad(), x2.grad()));
-    // Repeatable bit for bit (a fixed summation order).
+    // Repeatable bit for bit (a fixed summation order); a second backward adds its parameter
+    // gradients into the existing .grad (autograd's accumulate-into targets).
     Tensor xr = gpu_leaf(hx, DType::f16, true);
-    F::batch_norm_relu_max_pool(xr, {stats.sum, stats.sqsum, xr.version()}, params(0.1), true,
-                                3, 2, 1)
-        .backward(dy);
+    F::BatchNormParams pr = params(0.1);
+    auto run = [&] {
+      F::batch_norm_relu_max_pool(xr, {stats.sum, stats.sqsum, xr.version()}, pr, true, 3, 2, 1)
+          .backward(dy);
+    };
+    run();
     CHECK(bitwise_equal(x.grad(), xr.grad()));
+    const Tensor once_w = pr.weight.grad().clone(), once_b = pr.bias.grad().clone();
+    run();
+    CHECK(bitwise_equal(pr.weight.grad(), F::mul(once_w, 2.0)));
+    CHECK(bitwise_equal(pr.bias.grad(), F::mul(once_b, 2.0)));
 
     // Without statistics the op sums them itself; against the f32 reference on the CPU.
     Tensor x3 = gpu_leaf(hx, DType::f16, true);
