@@ -97,6 +97,8 @@ class BatchNorm2d : public Module {
   StatsAllReduce sync_;
 };
 
+class MaxPool2d;
+
 // A convolution and the batch norm that follows it: the one place that decides how the two
 // run together. In training without synchronisation the convolution also produces the batch
 // norm's per-channel statistics (F::conv2d's `stats`, a backend fast path: cuDNN's statistics
@@ -105,8 +107,6 @@ class BatchNorm2d : public Module {
 // F::batch_norm_add_batch_norm_relu). Otherwise each module runs on its own; the results are
 // the same up to rounding. The modules are registered elsewhere (a ResNet block's conv1/bn1,
 // or ConvBn below); this only refers to them.
-class MaxPool2d;
-
 struct ConvBnRef {
   Conv2d& conv;
   BatchNorm2d& bn;

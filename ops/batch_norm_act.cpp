@@ -3,7 +3,8 @@
 // BN_ACTIVATION / BN_ADD_ACTIVATION kernels and kiln's NHWC kernels), in training, with f16
 // channels-last data and f32 parameters, it is one fused pass each way, saving the separate
 // add and ReLU passes over the activation and their saved tensors. Elsewhere it is the
-// composition of F::batch_norm, F::add and F::relu, which defines the result.
+// composition of F::batch_norm, F::add and F::relu, which defines the result. The ResNet stem's
+// batch norm + ReLU + max pool (batch_norm_relu_max_pool) is fused the same way.
 
 #include "core/switches.h"
 #include "ops/check.h"

@@ -144,9 +144,10 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
 // with `stats` as in batch_norm_from_stats (may be undefined). On CUDA in training, for the
 // stem's 3x3/2 pool with padding 1, under batch_norm_from_stats's conditions, it is one pass
 // (statistics from a fixed-order pass when the convolution did not produce them) and the
-// normalised tensor is never written; the backward is the pool's backward, then the batch
-// norm + ReLU backward with the mask recomputed. Otherwise it is that composition, which
-// defines the result; the fused path equals it bit for bit.
+// normalised tensor is never written; the backward rebuilds the pool's gradient inside the
+// batch norm + ReLU backward (mask recomputed). Otherwise it is that composition, which defines
+// the result: the fused forward equals it bit for bit (values and pool indices), the backward
+// to rounding (its per-channel sums run in another fixed order).
 Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
                                 const BatchNormParams& bn, bool training, Pair kernel,
                                 std::optional<Pair> stride = std::nullopt, Pair padding = 0,
