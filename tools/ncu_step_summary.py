@@ -6,6 +6,7 @@
         --metrics gpu__time_duration.sum,dram__bytes.sum --csv \\
         kiln-bench --model resnet50 --batches 256 --eager-only --profile > step.csv
     python3 tools/ncu_step_summary.py step.csv [--kernels N] [--sequence]
+    python3 tools/ncu_step_summary.py a.csv --compare b.csv [--kernels N]
 
 kiln-bench --profile runs one eager step between cudaProfilerStart/Stop, so the CSV holds that
 step's kernels only. Keep --cache-control none: ncu's default empties L2 before every kernel and
@@ -14,7 +15,10 @@ inflates the kernels that read what the previous one wrote (NOTES.md, session 9)
 Prints the step's kernels by phase (forward up to the loss kernel, backward, optimizer) and kind
 (convolution or GEMM, kiln's BN, cuDNN's BN, pooling, rest), then the N kernels that take the
 most time summed over their calls, with the DRAM bandwidth each reached; --sequence also lists
-every kernel in launch order.
+every kernel in launch order. --compare puts two profiles side by side (say, a switch off and
+on, each from its own process): per phase and kind, then the N kernels whose summed time moved
+most. In-situ kernel sums are the steadier A/B: the whole graph step moves by about ±0.3 ms
+between processes as the convolution tuner picks other plans (NOTES.md, sessions 9 and 10).
 """
 import argparse
 import collections
@@ -77,30 +81,58 @@ def phase_of(kernels):
             "forward" if i < loss else "backward" for i, k in enumerate(kernels)]
 
 
+def by_part_and_name(kernels):
+    """({(phase, kind): ms}, {kernel name: [calls, ns, bytes]}) of one profile."""
+    by_part = collections.defaultdict(float)
+    by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k, ph in zip(kernels, phase_of(kernels)):
+        by_part[(ph, kind_of(k["name"]))] += k["ns"] / 1e6
+        e = by_name[short(k["name"])[:100]]
+        e[0] += 1
+        e[1] += k["ns"]
+        e[2] += k["bytes"]
+    return by_part, by_name
+
+
+def compare(path_a, path_b, n):
+    ka, kb = read_kernels(path_a), read_kernels(path_b)
+    (pa, na), (pb, nb) = by_part_and_name(ka), by_part_and_name(kb)
+    ta, tb = (sum(k["ns"] for k in ks) / 1e6 for ks in (ka, kb))
+    print(f"A {path_a}: {len(ka)} kernels, {ta:.3f} ms summed")
+    print(f"B {path_b}: {len(kb)} kernels, {tb:.3f} ms summed (B - A {tb - ta:+.3f} ms)")
+    print(f"\n{'phase':10s} {'kind':10s} {'A ms':>8s} {'B ms':>8s} {'B - A':>8s}")
+    for key in sorted(set(pa) | set(pb), key=lambda k: -max(pa.get(k, 0), pb.get(k, 0))):
+        a, b = pa.get(key, 0.0), pb.get(key, 0.0)
+        print(f"{key[0]:10s} {key[1]:10s} {a:8.3f} {b:8.3f} {b - a:+8.3f}")
+    names = set(na) | set(nb)
+    moved = sorted(names, key=lambda s: -abs(nb.get(s, [0, 0.0])[1] - na.get(s, [0, 0.0])[1]))
+    print(f"\n{'A calls':>7s} {'A ms':>8s} {'B calls':>7s} {'B ms':>8s} {'B - A':>8s}  kernel")
+    for name in moved[:n]:
+        ca, sa = na.get(name, [0, 0.0])[:2]
+        cb, sb = nb.get(name, [0, 0.0])[:2]
+        print(f"{ca:7d} {sa / 1e6:8.3f} {cb:7d} {sb / 1e6:8.3f} {(sb - sa) / 1e6:+8.3f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
     ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
     ap.add_argument("--sequence", action="store_true", help="every kernel in launch order")
+    ap.add_argument("--compare", metavar="B_CSV", help="a second profile to set against the first")
     a = ap.parse_args()
+    if a.compare:
+        compare(a.csv, a.compare, a.kernels)
+        return
     kernels = read_kernels(a.csv)
     phases = phase_of(kernels)
     total = sum(k["ns"] for k in kernels) / 1e6
     print(f"{len(kernels)} kernels, {total:.3f} ms summed")
-    by_part = collections.defaultdict(float)
-    for k, ph in zip(kernels, phases):
-        by_part[(ph, kind_of(k["name"]))] += k["ns"] / 1e6
+    by_part, by_name = by_part_and_name(kernels)
     print(f"\n{'phase':10s} {'kind':10s} {'ms':>8s} {'share':>7s}")
     for (ph, kind), ms in sorted(by_part.items(), key=lambda kv: -kv[1]):
         print(f"{ph:10s} {kind:10s} {ms:8.3f} {100 * ms / total:6.1f}%")
     small = [k for k in kernels if k["ns"] < 5000]
     print(f"\n{len(small)} kernels under 5 us: {sum(k['ns'] for k in small) / 1e6:.3f} ms")
-    by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for k in kernels:
-        e = by_name[short(k["name"])[:100]]
-        e[0] += 1
-        e[1] += k["ns"]
-        e[2] += k["bytes"]
     print(f"\n{'calls':>5s} {'ms':>8s} {'GB/s':>7s}  kernel")
     for name, (calls, ns, nbytes) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.kernels]:
         print(f"{calls:5d} {ns / 1e6:8.3f} {nbytes / ns if ns else 0:7.0f}  {name}")
