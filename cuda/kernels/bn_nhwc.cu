@@ -485,6 +485,8 @@ __global__ void __launch_bounds__(kBlock, 3)
   // -0 (kept, as relu_keep_nan keeps it), positive or NaN (one bit pattern once rounded to f16),
   // so this key orders them as max_pool_fwd_nhwc's float comparison does — ±0 tie, NaN above
   // every number, NaNs tie — and a strictly greater key takes over: first position wins ties.
+  // (A NaN is stored as rounded; the unfused pool passes it through float and back, which may
+  // change its sign or payload bits. Numbers are identical.)
   int key[kVec];
   unsigned bits[kVec], arg[kVec];
 #pragma unroll
