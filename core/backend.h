@@ -30,6 +30,18 @@ namespace kiln {
 
 using TensorRef = const Tensor&;
 
+// What bn_stats_finalize computes, for the entries that take it (below): from sum and sqsum
+// (C) of x over `count` = M values, save_mean (=), save_invstd (=) and scale_shift (2C) (=) =
+// [weight·invstd, bias - mean·weight·invstd]; running_mean and running_var (when defined)
+// r = (1 - momentum)·r + momentum·stat, the variance unbiased (M/(M-1)); and `counter` (a
+// BatchNorm2d's num_batches_tracked, i64 scalar, when defined) += 1.
+struct BnStatsFinalize {
+  Tensor save_mean, save_invstd, scale_shift;  // outputs
+  Tensor sum, sqsum, weight, bias, running_mean, running_var, counter;
+  int64_t count = 0;
+  double momentum = 0.1, eps = 1e-5;
+};
+
 struct Backend {
   const char* name = nullptr;  // "cpu", "cuda"
 
@@ -167,16 +179,14 @@ struct Backend {
   // one elementwise pass; optional, all six or none. x, z, y, dy, dx, dz, r: (N, C, H, W) of
   // a layout and dtype bn_stats_supported accepts; per-channel tensors f32 contiguous; M = N·H·W.
   bool (*bn_stats_supported)(TensorRef x) = nullptr;
-  // save_mean, save_invstd (=), scale_shift (2C) (=) = [weight·invstd, bias - mean·weight·
-  // invstd], running stats updated as above, from sum and sqsum over `count` = M values.
-  void (*bn_stats_finalize)(TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
-                            TensorRef sum, TensorRef sqsum, TensorRef weight, TensorRef bias,
-                            TensorRef running_mean, TensorRef running_var, int64_t count,
-                            double momentum, double eps) = nullptr;
-  // y = act(x·scale + shift [+ z]), act = ReLU when relu. With relu and z, `mask` (u8,
-  // numel/8) gets the ReLU's mask (bit j of byte i: element 8i + j of y is positive).
-  void (*bn_stats_apply)(TensorRef y, TensorRef x, TensorRef z, TensorRef scale_shift, bool relu,
-                         TensorRef mask) = nullptr;
+  // BnStatsFinalize's outputs from its inputs.
+  void (*bn_stats_finalize)(const BnStatsFinalize& f) = nullptr;
+  // y = act(x·scale + shift [+ z]), act = ReLU when relu, scale and shift = f.scale_shift: f
+  // finalized first (bn_stats_finalize(f), which the backend may do in the same kernel). With
+  // relu and z, `mask` (u8, numel/8) gets the ReLU's mask (bit j of byte i: element 8i + j of y
+  // is positive).
+  void (*bn_stats_apply)(TensorRef y, TensorRef x, TensorRef z, const BnStatsFinalize& f,
+                         bool relu, TensorRef mask) = nullptr;
   // Its backward: g = dy masked by the ReLU (the forward's mask when z was given, else
   // recomputed); dx (=), dz (=) = g when defined; dweight = Σ g·x̂, dbias = Σ g when defined,
   // `=` or `+=` by `mode`.
@@ -184,9 +194,10 @@ struct Backend {
                             TensorRef dy, TensorRef x, TensorRef mask, TensorRef weight,
                             TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
                             bool relu, GradientMode mode) = nullptr;
-  // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above.
-  void (*bn_stats_dual_apply)(TensorRef y, TensorRef x, TensorRef ss_x, TensorRef r,
-                              TensorRef ss_r, TensorRef mask) = nullptr;
+  // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above, ss_x
+  // and ss_r the scale_shift of f_x and f_r, each finalized first as in bn_stats_apply.
+  void (*bn_stats_dual_apply)(TensorRef y, TensorRef x, const BnStatsFinalize& f_x, TensorRef r,
+                              const BnStatsFinalize& f_r, TensorRef mask) = nullptr;
   // Its backward: dx, dr (=); per side dweight, dbias when defined (`=` or `+=` by `mode`).
   void (*bn_stats_dual_backward)(TensorRef dx, TensorRef dr, TensorRef dweight_x,
                                  TensorRef dbias_x, TensorRef dweight_r, TensorRef dbias_r,

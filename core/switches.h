@@ -21,6 +21,8 @@
 // |                          |                     | the backend API's plans whenever one runs       |
 // | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |
 // | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
+// | KILN_TUNE_COLD           | 0, 1                | rank a convolution's plans by their time with   |
+// |                          |                     | L2 overwritten before each run (1) or warm (0)  |
 // | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
 // |                          |                     | time went (data/gpu_jpeg.cpp)                   |
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
@@ -44,6 +46,7 @@ struct Switches {
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;
+  bool tune_cold = false;
   bool jpeg_trace = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
   double jpeg_stall_s = 0;  // 0: GpuJpegLoader's default

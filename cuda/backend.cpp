@@ -115,9 +115,9 @@ void bn_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                            reserve, eps);
 }
 
-void bn_stats_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& ss, bool relu,
-                    const Tensor& mask) {
-  bn_nhwc_apply(y, x, z, ss, relu, mask);
+void bn_stats_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
+                    bool relu, const Tensor& mask) {
+  bn_nhwc_apply(y, x, z, f, relu, mask);
 }
 
 void bn_stats_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "core/storage.h"
@@ -167,6 +168,20 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
   cudaEvent_t a, b;
   CUDA_CHECK(cudaEventCreate(&a));
   CUDA_CHECK(cudaEventCreate(&b));
+  // Back to back, a plan finds its operands in L2 (50 MB on an H200) when they fit; in the
+  // training step they were mostly evicted by the kernels in between. KILN_TUNE_COLD=1 ranks the
+  // plans by their time with L2 overwritten before each run; the warm time still meets the
+  // legacy API's bar (cudnnFind times warm).
+  std::unique_ptr<Storage> flush;
+  const size_t flush_bytes = size_t(std::max(context().props.l2CacheSize, 1 << 20)) * 2;
+  if (switches().tune_cold) {
+    try {
+      flush = std::make_unique<Storage>(flush_bytes, Device::cuda(device));
+    } catch (const OutOfMemoryError&) {
+      flush.reset();  // ranked warm
+    }
+  }
+  auto rank_ms = [&](const be::Candidate& c) { return flush ? c.cold_ms : c.ms; };
   int best = -1;
   for (size_t i = 0; i < cands.size(); ++i) {
     be::Candidate& c = cands[i];
@@ -182,7 +197,20 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     c.ms = ms / kTimedRuns;
-    if (best < 0 || c.ms < cands[size_t(best)].ms) best = int(i);
+    if (flush) {
+      float cold = 0;
+      for (int r = 0; r < kTimedRuns; ++r) {
+        CUDA_CHECK(cudaMemsetAsync(flush->data(), r + 1, flush_bytes, s));
+        CUDA_CHECK(cudaEventRecord(a, s));
+        be::run(h, c, uids, ptrs, wsp);
+        CUDA_CHECK(cudaEventRecord(b, s));
+        CUDA_CHECK(cudaEventSynchronize(b));
+        CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        cold += ms;
+      }
+      c.cold_ms = cold / kTimedRuns;
+    }
+    if (best < 0 || rank_ms(c) < rank_ms(cands[size_t(best)])) best = int(i);
   }
   CUDA_CHECK(cudaEventDestroy(a));
   CUDA_CHECK(cudaEventDestroy(b));
@@ -190,8 +218,9 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
     std::fprintf(stderr, "[kiln conv engine] %s: %zu plans, legacy best %.4f ms\n", what.c_str(),
                  cands.size(), double(beat_ms));
     for (const be::Candidate& c : cands)
-      std::fprintf(stderr, "    %s: %.4f ms, workspace %lld bytes%s\n", c.name.c_str(),
-                   double(c.ms), static_cast<long long>(c.workspace),
+      std::fprintf(stderr, "    %s: %.4f ms (L2 overwritten: %.4f ms), workspace %lld bytes%s\n",
+                   c.name.c_str(), double(c.ms), double(c.cold_ms),
+                   static_cast<long long>(c.workspace),
                    c.deterministic ? "" : ", nondeterministic");
   }
   if (best < 0) return nullptr;

@@ -74,6 +74,7 @@ struct Candidate {
   bool deterministic = true;
   std::string name;       // "engine 12" plus knob choices, for logs
   float ms = -1;          // measured time, when timed
+  float cold_ms = -1;     // the same with L2 overwritten before each run, when timed so
 };
 
 // What cuDNN says of one engine configuration.

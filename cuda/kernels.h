@@ -5,6 +5,7 @@
 // only what is particular to CUDA. f32 and f16 data (f32 accumulation); batch-norm parameters
 // and statistics f32; every function runs on kiln::cuda::current_stream() without
 // synchronising the host unless it says so.
+#include "core/backend.h"
 #include "core/fused_optim.h"
 #include "core/kinds.h"
 #include "core/tensor.h"
@@ -165,20 +166,16 @@ bool bn_nhwc_supported(const Tensor& x);
 // convolution whose kernel did not produce them (cuda/backend.cpp conv_stats).
 void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x);
 
-// From sum and sqsum (C) of x over M values: save_mean (=), save_invstd (=) = 1/sqrt(var + eps)
-// with var = sqsum/M - mean² (biased, clamped at 0), scale_shift (2C) (=) = [weight·invstd,
-// bias - mean·weight·invstd], and the running stats (when defined) r = (1-momentum)·r +
-// momentum·stat (variance unbiased: M/(M-1)).
-void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, const Tensor& sum, const Tensor& sqsum,
-                      const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                      const Tensor& running_var, int64_t count, double momentum, double eps);
+// BnStatsFinalize's outputs from its inputs (core/backend.h has the arithmetic's contract).
+void bn_nhwc_finalize(const BnStatsFinalize& f);
 
-// y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity.
+// y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity; scale and
+// shift from f, finalized in the same kernel when each thread stays on one group of channels
+// (always for ResNet's shapes), else by bn_nhwc_finalize first — the same values either way.
 // z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
 // mask, bit j of byte i set when y's element 8i + j is positive: the backward reads it instead
 // of y (1/16 of the bytes).
-void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
+void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
                    bool relu, const Tensor& mask = Tensor());
 
 // Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the forward's `mask` when z
@@ -210,10 +207,10 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
-// as in bn_nhwc_apply. One pass instead of two, and the shortcut's normalised tensor is never
-// written.
-void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_shift_x,
-                        const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask);
+// and both finalizes as in bn_nhwc_apply. One pass instead of two, and the shortcut's
+// normalised tensor is never written.
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize& f_x,
+                        const Tensor& r, const BnStatsFinalize& f_r, const Tensor& mask);
 
 // Its backward: g = dy masked by `mask`; dx (=) and dr (=) as bn_nhwc_backward's dx for each
 // side; dweight_x/dbias_x and dweight_r/dbias_r (=, or += with accumulate_params) when

@@ -138,9 +138,13 @@ BatchNorm2d::BatchNorm2d(int64_t channels, double eps, double momentum)
   num_batches_tracked_ = register_buffer("num_batches_tracked", zeros({}, DType::i64));
 }
 
-void BatchNorm2d::check_and_count(const Tensor& x) {
+void BatchNorm2d::check(const Tensor& x) const {
   KILN_CHECK(x.dim() == 4 && x.size(1) == channels_, "BatchNorm2d(", channels_,
              "): expected input (N, ", channels_, ", H, W), got ", x.desc());
+}
+
+void BatchNorm2d::check_and_count(const Tensor& x) {
+  check(x);
   if (!is_training()) return;
   NoGradGuard no_grad;
   if (num_batches_tracked_.is_cpu()) {
@@ -172,7 +176,8 @@ Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
 }
 
 F::BatchNormParams BatchNorm2d::params() const {
-  return F::BatchNormParams{weight_, bias_, running_mean_, running_var_, momentum_, eps_};
+  return F::BatchNormParams{weight_,   bias_, running_mean_,       running_var_,
+                            momentum_, eps_,  num_batches_tracked_};
 }
 
 // ---------------- ConvBnRef, ConvBn ----------------
@@ -190,10 +195,11 @@ Tensor bn_tail(BatchNorm2d& bn, const Tensor& y, const F::ChannelStats& stats,
     Tensor z = bn.forward(y);
     return residual.defined() ? F::add(z, residual) : z;
   }
-  bn.check_and_count(y);
+  bn.check(y);  // F counts the batch (in its kernel when fused)
   const F::BatchNormParams p = bn.params();
   return F::batch_norm_from_stats(y, stats, residual, relu, p.weight, p.bias, p.running_mean,
-                                  p.running_var, /*training=*/true, p.momentum, p.eps);
+                                  p.running_var, /*training=*/true, p.momentum, p.eps,
+                                  p.num_batches_tracked);
 }
 
 }  // namespace
@@ -211,8 +217,8 @@ Tensor ConvBnRef::forward_add(const Tensor& x, const ConvBnRef& shortcut, const 
   Tensor yr = shortcut.conv.forward(r, want ? &sr : nullptr);
   if (!(want && sx.defined() && sr.defined()))
     return bn_tail(bn, y, sx, bn_tail(shortcut.bn, yr, sr, Tensor(), false), true);
-  bn.check_and_count(y);
-  shortcut.bn.check_and_count(yr);
+  bn.check(y);  // F counts both batches
+  shortcut.bn.check(yr);
   return F::batch_norm_add_batch_norm_relu(y, sx, bn.params(), yr, sr, shortcut.bn.params(),
                                            /*training=*/true);
 }
@@ -286,7 +292,7 @@ Tensor MaxPool2d::forward(const Tensor& x) {
 
 Tensor MaxPool2d::forward_bn_relu(const Tensor& y, const F::ChannelStats& stats,
                                   BatchNorm2d& bn) {
-  bn.check_and_count(y);
+  bn.check(y);  // F counts the batch
   return F::batch_norm_relu_max_pool(y, stats, bn.params(), bn.is_training(), kernel_, stride_,
                                      padding_, dilation_);
 }

@@ -77,8 +77,9 @@ class BatchNorm2d : public Module {
   F::BatchNormParams params() const;
   // Validates x (N, C, H, W) and, in training, counts a batch (num_batches_tracked += 1): what
   // every forward does first. For callers that run the batch norm through F:: themselves
-  // (ConvBnRef).
+  // (ConvBnRef), check alone where they hand params()' counter to an F op that counts.
   void check_and_count(const Tensor& x);
+  void check(const Tensor& x) const;
   // An empty `reduce` turns synchronisation off. The reducer's captures must outlive training.
   void set_sync(StatsAllReduce reduce) { sync_ = std::move(reduce); }
   bool sync_enabled() const { return static_cast<bool>(sync_); }

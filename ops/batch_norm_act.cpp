@@ -207,34 +207,55 @@ bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& res
   return per_channel(stats.sum) && per_channel(stats.sqsum);
 }
 
-// Per-channel scale and shift from the statistics, with the running statistics updated (the
-// forward half every fused path shares).
-struct Finalized {
-  Tensor mean, invstd, scale_shift;
-};
-Finalized finalize_stats(const Tensor& x, const ChannelStats& st, const BatchNormParams& p,
-                         const char* op) {
+// The finalize every fused path shares: per-channel scale and shift from the statistics, the
+// running statistics and the counter updated — by the kernel that takes it (the apply kernels
+// finalize for themselves; Backend::bn_stats_finalize on its own).
+BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const BatchNormParams& p,
+                               const char* op) {
   autograd::check_inplace(p.running_mean, op);
   autograd::check_inplace(p.running_var, op);
   const int64_t C = x.size(1);
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-  Finalized f{empty({C}, f32), empty({C}, f32), empty({2 * C}, f32)};
-  NoGradGuard no_grad;  // running statistics change in place, outside the graph
+  BnStatsFinalize f;
+  f.save_mean = empty({C}, f32);
+  f.save_invstd = empty({C}, f32);
+  f.scale_shift = empty({2 * C}, f32);
+  f.sum = st.sum;
+  f.sqsum = st.sqsum;
+  f.weight = p.weight.detach();
+  f.bias = p.bias.detach();
+  f.running_mean = p.running_mean;
+  f.running_var = p.running_var;
+  f.counter = p.num_batches_tracked;
+  f.count = x.numel() / C;
+  f.momentum = p.momentum;
+  f.eps = p.eps;
+  // The running statistics and the counter change in place, outside the graph.
   p.running_mean.bump_version();
   p.running_var.bump_version();
-  backend(x).bn_stats_finalize(f.mean, f.invstd, f.scale_shift, st.sum, st.sqsum,
-                               p.weight.detach(), p.bias.detach(), p.running_mean, p.running_var,
-                               x.numel() / C, p.momentum, p.eps);
+  if (f.counter.defined()) f.counter.bump_version();
   return f;
+}
+
+// num_batches_tracked += 1 where no fused kernel counted.
+void count_batch(const Tensor& counter, bool training) {
+  if (!counter.defined() || !training) return;
+  NoGradGuard no_grad;
+  if (counter.is_cpu()) {
+    ++*counter.data<int64_t>();
+    counter.bump_version();
+  } else {
+    add_(counter, 1.0);
+  }
 }
 
 // Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias.
 class BatchNormReluMaxPoolBackward final : public Node {
  public:
   BatchNormReluMaxPoolBackward(const Tensor& x, const Tensor& indices, const Tensor& weight,
-                               const Finalized& f, const PoolParams& p)
-      : x_(x), indices_(indices), weight_(weight), save_mean_(f.mean),
-        save_invstd_(f.invstd), scale_shift_(f.scale_shift), p_(p) {}
+                               const BnStatsFinalize& f, const PoolParams& p)
+      : x_(x), indices_(indices), weight_(weight), save_mean_(f.save_mean),
+        save_invstd_(f.save_invstd), scale_shift_(f.scale_shift), p_(p) {}
   std::string name() const override { return "BatchNormReluMaxPoolBackward"; }
   void release_saved() override {
     for (SavedTensor* s : {&x_, &indices_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
@@ -279,28 +300,29 @@ class BatchNormReluMaxPoolBackward final : public Node {
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              bool relu, const Tensor& weight, const Tensor& bias,
                              const Tensor& running_mean, const Tensor& running_var, bool training,
-                             double momentum, double eps) {
+                             double momentum, double eps, const Tensor& num_batches_tracked) {
   check_defined(x, "batch_norm_from_stats", "x");
   if (stats_fusable(x, stats, residual, weight, bias, running_mean, running_var, training)) {
     KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", x);
-    const Finalized f =
-        finalize_stats(x, stats, {weight, bias, running_mean, running_var, momentum, eps},
-                       "batch_norm_from_stats (running statistics update)");
+    const BnStatsFinalize f = finalize_stats(
+        x, stats, {weight, bias, running_mean, running_var, momentum, eps, num_batches_tracked},
+        "batch_norm_from_stats (running statistics update)");
     Tensor y = empty_like(x);
     Tensor mask = relu && residual.defined()
                       ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
                       : Tensor();
     backend(x).bn_stats_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
-                              f.scale_shift, relu, mask);
+                              f, relu, mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
-          x.detach(), mask, weight.detach(), f.mean, f.invstd, f.scale_shift, relu,
+          x.detach(), mask, weight.detach(), f.save_mean, f.save_invstd, f.scale_shift, relu,
           residual.defined());
       node->set_inputs({x, residual, weight, bias});
       autograd::set_history(y, node);
     }
     return y;
   }
+  count_batch(num_batches_tracked, training);
   if (relu) return batch_norm_relu(x, residual, weight, bias, running_mean, running_var, training,
                                    momentum, eps);
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
@@ -321,15 +343,14 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
       r.device() == x.device()) {
     KILN_OP_SCOPE("batch_norm_add_batch_norm_relu", x);
     const char* what = "batch_norm_add_batch_norm_relu (running statistics update)";
-    const Finalized fx = finalize_stats(x, sx, px, what), fr = finalize_stats(r, sr, pr, what);
+    const BnStatsFinalize fx = finalize_stats(x, sx, px, what), fr = finalize_stats(r, sr, pr, what);
     Tensor y = empty_like(x);
     Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()));
-    backend(x).bn_stats_dual_apply(y, x.detach(), fx.scale_shift, r.detach(), fr.scale_shift,
-                                   mask);
+    backend(x).bn_stats_dual_apply(y, x.detach(), fx, r.detach(), fr, mask);
     if (autograd::any_requires_grad({x, r, px.weight, px.bias, pr.weight, pr.bias})) {
       auto node = std::make_shared<DualBatchNormBackward>(
-          x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), fx.mean,
-          fx.invstd, fr.mean, fr.invstd);
+          x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), fx.save_mean,
+          fx.save_invstd, fr.save_mean, fr.save_invstd);
       node->set_inputs({x, r, px.weight, px.bias, pr.weight, pr.bias});
       autograd::set_history(y, node);
     }
@@ -337,9 +358,10 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
   }
   Tensor shortcut = batch_norm_from_stats(r, sr, Tensor(), false, pr.weight, pr.bias,
                                           pr.running_mean, pr.running_var, training, pr.momentum,
-                                          pr.eps);
+                                          pr.eps, pr.num_batches_tracked);
   return batch_norm_from_stats(x, sx, shortcut, true, px.weight, px.bias, px.running_mean,
-                               px.running_var, training, px.momentum, px.eps);
+                               px.running_var, training, px.momentum, px.eps,
+                               px.num_batches_tracked);
 }
 
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,
@@ -398,8 +420,9 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
       st = ChannelStats{empty({x.size(1)}, f32), empty({x.size(1)}, f32), x.version()};
       be.bn_stats_compute(st.sum, st.sqsum, x.detach());
     }
-    const Finalized f =
+    const BnStatsFinalize f =
         finalize_stats(x, st, bn, "batch_norm_relu_max_pool (running statistics update)");
+    be.bn_stats_finalize(f);
     PoolParams p;
     p.kernel_h = p.kernel_w = 3;
     p.stride_h = p.stride_w = 2;
@@ -421,7 +444,7 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
   }
   return max_pool2d(batch_norm_from_stats(x, stats, Tensor(), /*relu=*/true, bn.weight, bn.bias,
                                           bn.running_mean, bn.running_var, training, bn.momentum,
-                                          bn.eps),
+                                          bn.eps, bn.num_batches_tracked),
                     kernel, stride, padding, dilation);
 }
 

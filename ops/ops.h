@@ -120,16 +120,21 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
 // (F::conv2d's). On CUDA, training, f16 channels-last x (and residual) with channels a multiple
 // of 8, f32 parameters and running stats, and stats current (x unmodified since), the forward is
 // one elementwise pass (cuda/kernels.h) and the backward kiln's two-pass kernels; otherwise it
-// is batch_norm_relu, or batch_norm [+ add], which define the result.
+// is batch_norm_relu, or batch_norm [+ add], which define the result. num_batches_tracked (an
+// i64 scalar, a BatchNorm2d's counter), when defined and training, is incremented — in the
+// fused kernel when that runs.
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              bool relu, const Tensor& weight, const Tensor& bias,
                              const Tensor& running_mean, const Tensor& running_var, bool training,
-                             double momentum = 0.1, double eps = 1e-5);
+                             double momentum = 0.1, double eps = 1e-5,
+                             const Tensor& num_batches_tracked = Tensor());
 
-// One batch norm's parameters and running statistics (F::batch_norm's arguments).
+// One batch norm's parameters, running statistics and counter (F::batch_norm_from_stats's
+// arguments).
 struct BatchNormParams {
   Tensor weight, bias, running_mean, running_var;
   double momentum = 0.1, eps = 1e-5;
+  Tensor num_batches_tracked;  // may be undefined
 };
 // relu(batch_norm(x) + batch_norm(r)), each batch norm with its own statistics (from the
 // convolutions that produced x and r) and parameters: the tail of a ResNet block whose shortcut
@@ -147,7 +152,8 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
 // normalised tensor is never written; the backward rebuilds the pool's gradient inside the
 // batch norm + ReLU backward (mask recomputed). Otherwise it is that composition, which defines
 // the result: the fused forward equals it bit for bit (values and pool indices), the backward
-// to rounding (its per-channel sums run in another fixed order).
+// to rounding (its per-channel sums run in another fixed order). bn.num_batches_tracked as in
+// batch_norm_from_stats (also for the add_batch_norm_relu above, per side).
 Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
                                 const BatchNormParams& bn, bool training, Pair kernel,
                                 std::optional<Pair> stride = std::nullopt, Pair padding = 0,

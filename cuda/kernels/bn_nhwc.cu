@@ -50,26 +50,63 @@ __device__ inline Vec8 load8f(const float* p) {
 
 // ---- forward ----
 
-__global__ void finalize_kernel(float* __restrict__ mean, float* __restrict__ invstd,
-                                float* __restrict__ scale_shift, float* __restrict__ rm,
-                                float* __restrict__ rv, const float* __restrict__ sum,
-                                const float* __restrict__ sqsum, const float* __restrict__ w,
-                                const float* __restrict__ b, int64_t C, double n,
-                                double momentum, double eps) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    const double mu = double(sum[c]) / n;
-    const double var = fmax(double(sqsum[c]) / n - mu * mu, 0.0);
-    const double k = 1.0 / sqrt(var + eps);
-    const double scale = (w != nullptr ? double(w[c]) : 1.0) * k;
-    mean[c] = float(mu);
-    invstd[c] = float(k);
-    scale_shift[c] = float(scale);
-    scale_shift[C + c] = float((b != nullptr ? double(b[c]) : 0.0) - mu * scale);
-    if (rm != nullptr) {
-      rm[c] = float((1.0 - momentum) * double(rm[c]) + momentum * mu);
-      rv[c] = float((1.0 - momentum) * double(rv[c]) + momentum * var * n / (n - 1.0));
+// BnStatsFinalize as raw pointers (null: undefined); sum == nullptr: nothing to finalize, the
+// scale_shift is an input.
+struct Finalize {
+  float *mean = nullptr, *invstd = nullptr, *scale_shift = nullptr, *rm = nullptr, *rv = nullptr;
+  const float *sum = nullptr, *sqsum = nullptr, *w = nullptr, *b = nullptr;
+  int64_t* counter = nullptr;
+  double n = 0, momentum = 0, eps = 0;
+};
+
+// Channel c of the finalize: its scale and shift, and with `write` every output of channel c
+// (the counter aside). In double, so that finalize_kernel and the apply kernels that finalize
+// for themselves give the same floats.
+__device__ inline float2 finalize_channel(const Finalize& f, int64_t c, int64_t C, bool write) {
+  const double mu = double(f.sum[c]) / f.n;
+  const double var = fmax(double(f.sqsum[c]) / f.n - mu * mu, 0.0);
+  const double k = 1.0 / sqrt(var + f.eps);
+  const double scale = (f.w != nullptr ? double(f.w[c]) : 1.0) * k;
+  const float2 out{float(scale), float((f.b != nullptr ? double(f.b[c]) : 0.0) - mu * scale)};
+  if (write) {
+    f.mean[c] = float(mu);
+    f.invstd[c] = float(k);
+    f.scale_shift[c] = out.x;
+    f.scale_shift[C + c] = out.y;
+    if (f.rm != nullptr) {
+      f.rm[c] = float((1.0 - f.momentum) * double(f.rm[c]) + f.momentum * mu);
+      f.rv[c] = float((1.0 - f.momentum) * double(f.rv[c]) + f.momentum * var * f.n / (f.n - 1.0));
     }
+  }
+  return out;
+}
+
+__global__ void finalize_kernel(Finalize f, int64_t C) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t == 0 && f.counter != nullptr) ++*f.counter;
+  for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) finalize_channel(f, c, C, true);
+}
+
+// The scale and shift of channels c0 .. c0 + 7 for the apply kernels: loaded from f's
+// scale_shift, or finalized here when f has statistics — then thread i < G, the first to reach
+// these channels, writes the finalize's outputs, and thread 0 counts.
+__device__ inline void channel_factors(const Finalize& f, int64_t i, int64_t G, int64_t C,
+                                       float (&sc)[8], float (&sh)[8]) {
+  const int64_t c0 = (i % G) * 8;
+  if (f.sum == nullptr) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = f.scale_shift[c0 + j];
+      sh[j] = f.scale_shift[C + c0 + j];
+    }
+    return;
+  }
+  if (i == 0 && f.counter != nullptr) ++*f.counter;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 v = finalize_channel(f, c0 + j, C, i < G);
+    sc[j] = v.x;
+    sh[j] = v.y;
   }
 }
 
@@ -79,22 +116,19 @@ __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 // A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
 // the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
 // per-channel factors are loaded once, not per vector.
+// f finalizes here only when the stride is a multiple of G (bn_nhwc_apply sees to it).
 template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
-                             const uint4* __restrict__ z, const float* __restrict__ scale_shift,
+                             const uint4* __restrict__ z, const Finalize f,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= vecs) return;
-  int64_t c0 = (i % G) * kVec;
-  Vec8 sc = load8f(scale_shift + c0), sh = load8f(scale_shift + C + c0);
+  Vec8 sc, sh;
+  channel_factors(f, i, G, C, sc.v, sh.v);
   for (; i < vecs; i += stride) {
-    if (!fixed) {
-      c0 = (i % G) * kVec;
-      sc = load8f(scale_shift + c0);
-      sh = load8f(scale_shift + C + c0);
-    }
+    if (!fixed) channel_factors(f, i, G, C, sc.v, sh.v);
     Vec8 v = load8(x, i);
     Vec8 r;
     if constexpr (kAdd) r = load8(z, i);
@@ -312,8 +346,8 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
 // ---- two batch norms meeting at the residual add ----
 
 __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
-                                  const float* __restrict__ ssx, const uint4* __restrict__ r,
-                                  const float* __restrict__ ssr, uint8_t* __restrict__ mask,
+                                  const Finalize fx, const uint4* __restrict__ r,
+                                  const Finalize fr, uint8_t* __restrict__ mask,
                                   int64_t vecs, int64_t G, int64_t C) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;  // as in apply_kernel
@@ -321,11 +355,8 @@ __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict
   if (i >= vecs) return;
   Vec8 a1, b1, a2, b2;
   auto load_factors = [&](int64_t v) {
-    const int64_t c0 = (v % G) * kVec;
-    a1 = load8f(ssx + c0);
-    b1 = load8f(ssx + C + c0);
-    a2 = load8f(ssr + c0);
-    b2 = load8f(ssr + C + c0);
+    channel_factors(fx, v, G, C, a1.v, b1.v);
+    channel_factors(fr, v, G, C, a2.v, b2.v);
   };
   load_factors(i);
   for (; i < vecs; i += stride) {
@@ -735,29 +766,67 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void bn_nhwc_finalize(const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, const Tensor& sum, const Tensor& sqsum,
-                      const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                      const Tensor& running_var, int64_t count, double momentum, double eps) {
-  const char* op = "bn_nhwc_finalize";
-  const int64_t C = sum.numel();
-  KILN_CHECK(count > 1, op, " (cuda): needs more than one value per channel, got ", count);
-  float* mean = required(f32_ptr(save_mean, C, sum, op, "save_mean"), op, "save_mean");
-  float* invstd = required(f32_ptr(save_invstd, C, sum, op, "save_invstd"), op, "save_invstd");
-  float* ss = required(f32_ptr(scale_shift, 2 * C, sum, op, "scale_shift"), op, "scale_shift");
-  const float* s = required(f32_ptr(sum, C, sum, op, "sum"), op, "sum");
-  const float* q = required(f32_ptr(sqsum, C, sum, op, "sqsum"), op, "sqsum");
-  float* rm = f32_ptr(running_mean, C, sum, op, "running_mean");
-  float* rv = f32_ptr(running_var, C, sum, op, "running_var");
-  KILN_CHECK((rm == nullptr) == (rv == nullptr), op,
+namespace {
+
+// f's pointers, checked against x's channels.
+Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op) {
+  const int64_t C = x.size(1);
+  Finalize d;
+  d.scale_shift =
+      required(f32_ptr(f.scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  if (!f.sum.defined()) return d;
+  KILN_CHECK(f.count > 1, op, " (cuda): needs more than one value per channel, got ", f.count);
+  d.mean = required(f32_ptr(f.save_mean, C, x, op, "save_mean"), op, "save_mean");
+  d.invstd = required(f32_ptr(f.save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
+  d.sum = required(f32_ptr(f.sum, C, x, op, "sum"), op, "sum");
+  d.sqsum = required(f32_ptr(f.sqsum, C, x, op, "sqsum"), op, "sqsum");
+  d.w = f32_ptr(f.weight, C, x, op, "weight");
+  d.b = f32_ptr(f.bias, C, x, op, "bias");
+  d.rm = f32_ptr(f.running_mean, C, x, op, "running_mean");
+  d.rv = f32_ptr(f.running_var, C, x, op, "running_var");
+  KILN_CHECK((d.rm == nullptr) == (d.rv == nullptr), op,
              " (cuda): running_mean and running_var must be given together");
-  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(
-      mean, invstd, ss, rm, rv, s, q, f32_ptr(weight, C, sum, op, "weight"),
-      f32_ptr(bias, C, sum, op, "bias"), C, double(count), momentum, eps);
+  if (f.counter.defined()) {
+    KILN_CHECK(f.counter.dtype() == DType::i64 && f.counter.numel() == 1 &&
+                   f.counter.device() == x.device(),
+               op, " (cuda): counter must be one i64 value on ", x.device(), ", got ",
+               f.counter.desc());
+    d.counter = static_cast<int64_t*>(f.counter.raw_data());
+  }
+  d.n = double(f.count);
+  d.momentum = f.momentum;
+  d.eps = f.eps;
+  return d;
+}
+
+// What the apply kernels take: f itself when their threads each stay on one group of channels
+// (they finalize then), else f finalized now and its scale_shift as the input.
+Finalize apply_finalize(const BnStatsFinalize& f, const Tensor& x, unsigned grid,
+                        const char* op) {
+  Finalize d = finalize_args(f, x, op);
+  const int64_t G = x.size(1) / kVec, stride = int64_t(grid) * kBlock;
+  if (d.sum == nullptr || (stride % G == 0 && stride >= G)) return d;
+  finalize_kernel<<<grid_for(G * kVec), kBlock, 0, current_stream()>>>(d, G * kVec);
+  KILN_CUDA_CHECK_LAUNCH();
+  Finalize given;
+  given.scale_shift = d.scale_shift;
+  return given;
+}
+
+}  // namespace
+
+void bn_nhwc_finalize(const BnStatsFinalize& f) {
+  const char* op = "bn_nhwc_finalize";
+  KILN_CHECK(f.sum.defined() && f.sum.is_cuda() && f.sum.dim() == 1, op,
+             " (cuda): sum must be a CUDA vector, got ", f.sum.defined() ? f.sum.desc() : "undefined");
+  const int64_t C = f.sum.numel();
+  // finalize_args checks the channel count against x's dimension 1: a (1, C) view of sum.
+  const Finalize d = finalize_args(f, f.sum.reshape({1, C}), op);
+  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(d, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tensor& scale_shift,
+void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
                    bool relu, const Tensor& mask) {
   const char* op = "bn_nhwc_apply";
   check_x(x, op);
@@ -766,8 +835,8 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const Tens
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
   if (vecs == 0) return;
-  const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
   const unsigned grid = grid_for(vecs);
+  const Finalize ss = apply_finalize(f, x, grid, op);
   cudaStream_t s = current_stream();
   const uint4* zp = z.defined() ? vec_in(z) : nullptr;
   if (relu && z.defined())
@@ -847,19 +916,19 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const Tensor& scale_shift_x,
-                        const Tensor& r, const Tensor& scale_shift_r, const Tensor& mask) {
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize& f_x,
+                        const Tensor& r, const BnStatsFinalize& f_r, const Tensor& mask) {
   const char* op = "bn_nhwc_dual_apply";
   check_x(x, op);
   check_act(y, x, op, "y");
   check_act(r, x, op, "r");
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = mask_ptr(mask, vecs, x, op);
-  const float* ssx = required(f32_ptr(scale_shift_x, 2 * C, x, op, "scale_shift_x"), op, "scale_shift_x");
-  const float* ssr = required(f32_ptr(scale_shift_r, 2 * C, x, op, "scale_shift_r"), op, "scale_shift_r");
   if (vecs == 0) return;
-  dual_apply_kernel<<<grid_for(vecs), kBlock, 0, current_stream()>>>(
-      vec_out(y), vec_in(x), ssx, vec_in(r), ssr, mp, vecs, G, C);
+  const unsigned grid = grid_for(vecs);
+  const Finalize fx = apply_finalize(f_x, x, grid, op), fr = apply_finalize(f_r, x, grid, op);
+  dual_apply_kernel<<<grid, kBlock, 0, current_stream()>>>(vec_out(y), vec_in(x), fx, vec_in(r),
+                                                           fr, mp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
