@@ -520,3 +520,123 @@ TEST_CASE("batch_norm_relu_max_pool: other pools, eval mode and NCHW take the co
     KILN_CHECK_OK(testing::compare(a.running_mean, b.running_mean, 1e-6, 1e-5));
   }
 }
+
+namespace {
+
+// A finalize of x's statistics with fresh outputs and running statistics (mean 0.5, var 2, so
+// the update is visible) and a counter at 7.
+BnStatsFinalize finalize_of(const Tensor& x, double momentum) {
+  const int64_t C = x.size(1);
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor x32 = x.to(DType::f32);
+  BnStatsFinalize f;
+  f.save_mean = empty({C}, opt);
+  f.save_invstd = empty({C}, opt);
+  f.scale_shift = empty({2 * C}, opt);
+  f.sum = F::sum(x32, {0, 2, 3});
+  f.sqsum = F::sum(F::mul(x32, x32), {0, 2, 3});
+  f.weight = uniform({C}, 0.5, 1.5).to(kGpu);
+  f.bias = uniform({C}, -0.5, 0.5).to(kGpu);
+  f.running_mean = full({C}, 0.5).to(kGpu);
+  f.running_var = full({C}, 2.0).to(kGpu);
+  f.counter = full({}, 7.0, TensorOptions(DType::i64)).to(kGpu);
+  f.count = x.numel() / C;
+  f.momentum = momentum;
+  return f;
+}
+
+// The same finalize on fresh copies of its in-place tensors (running statistics, counter).
+BnStatsFinalize copy_of(const BnStatsFinalize& f) {
+  BnStatsFinalize g = f;
+  g.save_mean = empty_like(f.save_mean);
+  g.save_invstd = empty_like(f.save_invstd);
+  g.scale_shift = empty_like(f.scale_shift);
+  g.running_mean = f.running_mean.clone();
+  g.running_var = f.running_var.clone();
+  g.counter = f.counter.clone();
+  return g;
+}
+
+// Only the scale_shift of f: what the apply kernels take as given.
+BnStatsFinalize given(const BnStatsFinalize& f) {
+  BnStatsFinalize g;
+  g.scale_shift = f.scale_shift;
+  return g;
+}
+
+void check_same_finalize(const BnStatsFinalize& a, const BnStatsFinalize& b) {
+  for (auto [ta, tb] : {std::pair{a.save_mean, b.save_mean}, {a.save_invstd, b.save_invstd},
+                        {a.scale_shift, b.scale_shift}, {a.running_mean, b.running_mean},
+                        {a.running_var, b.running_var}})
+    KILN_CHECK_OK(testing::compare(ta, tb, 0, 0));
+  CHECK(a.counter.to(kCPU).data<int64_t>()[0] == 8);
+  CHECK(b.counter.to(kCPU).data<int64_t>()[0] == 8);
+}
+
+}  // namespace
+
+// bn_nhwc_apply finalizes inside its kernel when each thread stays on one channel group (C = 64
+// here), else runs the finalize kernel first (C = 24: the grid stride is no multiple of the 3
+// vectors per row). Either way every output equals the finalize kernel followed by the apply
+// with the scale_shift given, bit for bit, and the counter goes up once.
+TEST_CASE("the apply kernels finalize for themselves: the finalize kernel's floats, one count") {
+  manual_seed(61);
+  for (int64_t C : {64, 24}) {
+    CAPTURE(C);
+    const Shape shape{8, C, 14, 12};
+    Tensor x = F::add(F::mul(randn(shape), 1.5), 0.25).to(DType::f16).to(kGpu)
+                   .contiguous(MemoryFormat::ChannelsLast);
+    Tensor z = randn(shape).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    const TensorOptions u8 = TensorOptions(DType::u8).with_device(kGpu);
+    const BnStatsFinalize fa = finalize_of(x, 0.1), fb = copy_of(fa);
+    Tensor ya = empty_like(x), yb = empty_like(x);
+    Tensor ma = empty({x.numel() / 8}, u8), mb = empty({x.numel() / 8}, u8);
+    cuda::bn_nhwc_finalize(fa);
+    cuda::bn_nhwc_apply(ya, x, z, given(fa), /*relu=*/true, ma);
+    cuda::bn_nhwc_apply(yb, x, z, fb, /*relu=*/true, mb);
+    check_same_finalize(fa, fb);
+    KILN_CHECK_OK(testing::compare(ya, yb, 0, 0));
+    KILN_CHECK_OK(testing::compare(ma, mb, 0, 0));
+    // And with the two batch norms of a downsampling block's tail.
+    const BnStatsFinalize fx = finalize_of(x, 0.1), fr = finalize_of(z, 0.3);
+    const BnStatsFinalize gx = copy_of(fx), gr = copy_of(fr);
+    cuda::bn_nhwc_finalize(fx);
+    cuda::bn_nhwc_finalize(fr);
+    cuda::bn_nhwc_dual_apply(ya, x, given(fx), z, given(fr), ma);
+    cuda::bn_nhwc_dual_apply(yb, x, gx, z, gr, mb);
+    check_same_finalize(fx, gx);
+    check_same_finalize(fr, gr);
+    KILN_CHECK_OK(testing::compare(ya, yb, 0, 0));
+    KILN_CHECK_OK(testing::compare(ma, mb, 0, 0));
+  }
+}
+
+// num_batches_tracked handed to the F ops: counted once per training call, fused or not, never
+// in eval.
+TEST_CASE("batch_norm_from_stats and friends count the batch once") {
+  ConvOut o = conv_with_stats(71);
+  REQUIRE(o.stats.defined());
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  auto count = [](const Tensor& t) { return t.to(kCPU).data<int64_t>()[0]; };
+  F::BatchNormParams p{ones({64}, opt), zeros({64}, opt), zeros({64}, opt), ones({64}, opt)};
+  p.num_batches_tracked = zeros({}, TensorOptions(DType::i64).with_device(kGpu));
+  Tensor x = o.y.detach();
+  auto run = [&](const F::ChannelStats& st, bool training) {
+    return F::batch_norm_from_stats(x, st, Tensor(), true, p.weight, p.bias, p.running_mean,
+                                    p.running_var, training, p.momentum, p.eps,
+                                    p.num_batches_tracked);
+  };
+  run(o.stats, true);  // fused
+  CHECK(count(p.num_batches_tracked) == 1);
+  run(F::ChannelStats{}, true);  // no statistics: the composition
+  CHECK(count(p.num_batches_tracked) == 2);
+  run(o.stats, false);  // eval
+  CHECK(count(p.num_batches_tracked) == 2);
+  F::BatchNormParams q{ones({64}, opt), zeros({64}, opt), zeros({64}, opt), ones({64}, opt)};
+  q.num_batches_tracked = zeros({}, TensorOptions(DType::i64).with_device(kGpu));
+  F::batch_norm_add_batch_norm_relu(x, o.stats, p, x, o.stats, q, true);
+  CHECK(count(p.num_batches_tracked) == 3);
+  CHECK(count(q.num_batches_tracked) == 1);
+  F::batch_norm_relu_max_pool(x, o.stats, q, true, 3, 2, 1, 1);
+  CHECK(count(q.num_batches_tracked) == 2);
+}
