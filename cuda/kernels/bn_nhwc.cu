@@ -87,26 +87,33 @@ __global__ void finalize_kernel(Finalize f, int64_t C) {
   for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) finalize_channel(f, c, C, true);
 }
 
-// The scale and shift of channels c0 .. c0 + 7 for the apply kernels: loaded from f's
-// scale_shift, or finalized here when f has statistics — then thread i < G, the first to reach
-// these channels, writes the finalize's outputs, and thread 0 counts.
-__device__ inline void channel_factors(const Finalize& f, int64_t i, int64_t G, int64_t C,
-                                       float (&sc)[8], float (&sh)[8]) {
-  const int64_t c0 = (i % G) * 8;
-  if (f.sum == nullptr) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sc[j] = f.scale_shift[c0 + j];
-      sh[j] = f.scale_shift[C + c0 + j];
-    }
-    return;
+// The apply kernels' per-channel factors: with `staged`, the block puts the scale and shift of
+// all C channels in shared memory (2C floats from `staged` on), finalized here when f has
+// statistics — block 0 then writes the finalize's outputs and counts — else copied from f's
+// scale_shift; without, f's scale_shift is read where it is (it was finalized before the
+// launch). Returns where the factors are: scale of channel c at [c], shift at [C + c].
+__device__ inline const float* block_factors(const Finalize& f, int64_t C, float* staged,
+                                             bool stage) {
+  if (!stage) return f.scale_shift;
+  const bool write = blockIdx.x == 0;
+  if (f.sum != nullptr && write && threadIdx.x == 0 && f.counter != nullptr) ++*f.counter;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float2 v = f.sum != nullptr ? finalize_channel(f, c, C, write)
+                                      : float2{f.scale_shift[c], f.scale_shift[C + c]};
+    staged[c] = v.x;
+    staged[C + c] = v.y;
   }
-  if (i == 0 && f.counter != nullptr) ++*f.counter;
+  __syncthreads();
+  return staged;
+}
+
+__device__ inline void factors8(const float* ss, int64_t i, int64_t G, int64_t C, Vec8& sc,
+                                Vec8& sh) {
+  const int64_t c0 = (i % G) * kVec;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float2 v = finalize_channel(f, c0 + j, C, i < G);
-    sc[j] = v.x;
-    sh[j] = v.y;
+  for (int j = 0; j < kVec; ++j) {
+    sc.v[j] = ss[c0 + j];
+    sh.v[j] = ss[C + c0 + j];
   }
 }
 
@@ -116,19 +123,21 @@ __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 // A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
 // the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
 // per-channel factors are loaded once, not per vector.
-// f finalizes here only when the stride is a multiple of G (bn_nhwc_apply sees to it).
+// f and stage as in block_factors (shared memory: 2C floats when staged).
 template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
-                             const uint4* __restrict__ z, const Finalize f,
+                             const uint4* __restrict__ z, const Finalize f, bool stage,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
+  extern __shared__ float staged[];
+  const float* ss = block_factors(f, C, staged, stage);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= vecs) return;
   Vec8 sc, sh;
-  channel_factors(f, i, G, C, sc.v, sh.v);
+  factors8(ss, i, G, C, sc, sh);
   for (; i < vecs; i += stride) {
-    if (!fixed) channel_factors(f, i, G, C, sc.v, sh.v);
+    if (!fixed) factors8(ss, i, G, C, sc, sh);
     Vec8 v = load8(x, i);
     Vec8 r;
     if constexpr (kAdd) r = load8(z, i);
@@ -243,10 +252,14 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
 
 // The finishing kernels add the partial sums (parts, T, C) of the sums kernels. Block
 // (32, kFinishRows), grid ceil(C / 32): thread (tx, ty) adds parts ty, ty + kFinishRows, ... of
-// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels), then the rows
-// of the block are added in order — a fixed order, so bit-reproducible. The totals are valid in
-// the threads with ty == 0 and a channel below C, for which finish_sums returns true.
+// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels) into
+// kFinishLanes running sums taken in turn, which it then adds in order; then the rows of the
+// block are added in order — a fixed order, so bit-reproducible. The lanes keep kFinishLanes·T
+// loads in flight per thread: one running sum waited on every load (13–15 µs at C = 64, 1,024
+// parts, where the loads take about 1 µs; NOTES.md, session 11). The totals are valid in the
+// threads with ty == 0 and a channel below C, for which finish_sums returns true.
 constexpr int kFinishRows = 8;
+constexpr int kFinishLanes = 8;
 const dim3 kFinishBlock{32, kFinishRows};
 
 template <int T>
@@ -257,10 +270,27 @@ __device__ bool finish_sums(const float* __restrict__ partial, int64_t C, int pa
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
 #pragma unroll
   for (int t = 0; t < T; ++t) s[t] = 0.f;
-  if (c < C)
-    for (int q = ty; q < parts; q += kFinishRows)
+  if (c < C) {
+    float lane[kFinishLanes][T] = {};
+    constexpr int kStep = kFinishLanes * kFinishRows;
+    int q = ty;
+    for (; q + kStep - kFinishRows < parts; q += kStep)
 #pragma unroll
-      for (int t = 0; t < T; ++t) s[t] += partial[(int64_t(q) * T + t) * C + c];
+      for (int u = 0; u < kFinishLanes; ++u)
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+          lane[u][t] += partial[(int64_t(q + u * kFinishRows) * T + t) * C + c];
+#pragma unroll
+    for (int u = 0; u < kFinishLanes; ++u)  // the last parts, fewer than kFinishLanes
+      if (q + u * kFinishRows < parts)
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+          lane[u][t] += partial[(int64_t(q + u * kFinishRows) * T + t) * C + c];
+#pragma unroll
+    for (int u = 0; u < kFinishLanes; ++u)
+#pragma unroll
+      for (int t = 0; t < T; ++t) s[t] += lane[u][t];
+  }
 #pragma unroll
   for (int t = 0; t < T; ++t) sh[ty][t][tx] = s[t];
   __syncthreads();
@@ -347,16 +377,19 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
 
 __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
                                   const Finalize fx, const uint4* __restrict__ r,
-                                  const Finalize fr, uint8_t* __restrict__ mask,
+                                  const Finalize fr, bool stage, uint8_t* __restrict__ mask,
                                   int64_t vecs, int64_t G, int64_t C) {
+  extern __shared__ float staged[];  // 4C floats when staged: x's factors, then r's
+  const float* ssx = block_factors(fx, C, staged, stage);
+  const float* ssr = block_factors(fr, C, staged + 2 * C, stage);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;  // as in apply_kernel
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= vecs) return;
   Vec8 a1, b1, a2, b2;
   auto load_factors = [&](int64_t v) {
-    channel_factors(fx, v, G, C, a1.v, b1.v);
-    channel_factors(fr, v, G, C, a2.v, b2.v);
+    factors8(ssx, v, G, C, a1, b1);
+    factors8(ssr, v, G, C, a2, b2);
   };
   load_factors(i);
   for (; i < vecs; i += stride) {
@@ -799,18 +832,19 @@ Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op
   return d;
 }
 
-// What the apply kernels take: f itself when their threads each stay on one group of channels
-// (they finalize then), else f finalized now and its scale_shift as the input.
-Finalize apply_finalize(const BnStatsFinalize& f, const Tensor& x, unsigned grid,
-                        const char* op) {
-  Finalize d = finalize_args(f, x, op);
-  const int64_t G = x.size(1) / kVec, stride = int64_t(grid) * kBlock;
-  if (d.sum == nullptr || (stride % G == 0 && stride >= G)) return d;
-  finalize_kernel<<<grid_for(G * kVec), kBlock, 0, current_stream()>>>(d, G * kVec);
+// The apply kernels stage their factors in shared memory (and finalize there) up to this
+// many bytes of them; beyond, f is finalized by its own kernel first.
+constexpr size_t kMaxStagedBytes = 48 * 1024;
+
+// Whether an apply kernel over C channels, `sides` batch norms, stages its factors; if not, f
+// is finalized now.
+bool stage_factors(int64_t C, int sides) {
+  return size_t(C) * 2 * sizeof(float) * size_t(sides) <= kMaxStagedBytes;
+}
+void finalize_unless_staged(const Finalize& f, int64_t C, bool stage) {
+  if (stage || f.sum == nullptr) return;
+  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(f, C);
   KILN_CUDA_CHECK_LAUNCH();
-  Finalize given;
-  given.scale_shift = d.scale_shift;
-  return given;
 }
 
 }  // namespace
@@ -835,18 +869,20 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnSt
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
   if (vecs == 0) return;
+  const Finalize fin = finalize_args(f, x, op);
+  const bool stage = stage_factors(C, 1);
+  finalize_unless_staged(fin, C, stage);
   const unsigned grid = grid_for(vecs);
-  const Finalize ss = apply_finalize(f, x, grid, op);
+  const size_t smem = stage ? size_t(2 * C) * sizeof(float) : 0;
   cudaStream_t s = current_stream();
   const uint4* zp = z.defined() ? vec_in(z) : nullptr;
-  if (relu && z.defined())
-    apply_kernel<true, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
-  else if (relu)
-    apply_kernel<true, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
-  else if (z.defined())
-    apply_kernel<false, true><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
-  else
-    apply_kernel<false, false><<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kBlock, smem, s>>>(vec_out(y), vec_in(x), zp, fin, stage, mp, vecs, G, C);
+  };
+  if (relu && z.defined()) launch(apply_kernel<true, true>);
+  else if (relu) launch(apply_kernel<true, false>);
+  else if (z.defined()) launch(apply_kernel<false, true>);
+  else launch(apply_kernel<false, false>);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -925,10 +961,13 @@ void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize&
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = mask_ptr(mask, vecs, x, op);
   if (vecs == 0) return;
-  const unsigned grid = grid_for(vecs);
-  const Finalize fx = apply_finalize(f_x, x, grid, op), fr = apply_finalize(f_r, x, grid, op);
-  dual_apply_kernel<<<grid, kBlock, 0, current_stream()>>>(vec_out(y), vec_in(x), fx, vec_in(r),
-                                                           fr, mp, vecs, G, C);
+  const Finalize fx = finalize_args(f_x, x, op), fr = finalize_args(f_r, x, op);
+  const bool stage = stage_factors(C, 2);
+  finalize_unless_staged(fx, C, stage);
+  finalize_unless_staged(fr, C, stage);
+  const size_t smem = stage ? size_t(4 * C) * sizeof(float) : 0;
+  dual_apply_kernel<<<grid_for(vecs), kBlock, smem, current_stream()>>>(
+      vec_out(y), vec_in(x), fx, vec_in(r), fr, stage, mp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
