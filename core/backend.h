@@ -182,7 +182,7 @@ struct Backend {
   // BnStatsFinalize's outputs from its inputs.
   void (*bn_stats_finalize)(const BnStatsFinalize& f) = nullptr;
   // y = act(x·scale + shift [+ z]), act = ReLU when relu, scale and shift = f.scale_shift: f
-  // finalized first (bn_stats_finalize(f), which the backend may do in the same kernel). With
+  // finalized first (bn_stats_finalize(f)), in the same launch sequence. With
   // relu and z, `mask` (u8, numel/8) gets the ReLU's mask (bit j of byte i: element 8i + j of y
   // is positive).
   void (*bn_stats_apply)(TensorRef y, TensorRef x, TensorRef z, const BnStatsFinalize& f,

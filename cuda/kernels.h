@@ -170,9 +170,8 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x);
 void bn_nhwc_finalize(const BnStatsFinalize& f);
 
 // y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity; scale and
-// shift from f, finalized in the same kernel when each thread stays on one group of channels
-// (always for ResNet's shapes), else by bn_nhwc_finalize first — the same values either way.
-// z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
+// shift are f's scale_shift, f finalized first when it has statistics (f.sum defined; otherwise
+// its scale_shift is the input). z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
 // mask, bit j of byte i set when y's element 8i + j is positive: the backward reads it instead
 // of y (1/16 of the bytes).
 void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,

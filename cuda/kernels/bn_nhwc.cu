@@ -59,62 +59,32 @@ struct Finalize {
   double n = 0, momentum = 0, eps = 0;
 };
 
-// Channel c of the finalize: its scale and shift, and with `write` every output of channel c
-// (the counter aside). In double, so that finalize_kernel and the apply kernels that finalize
-// for themselves give the same floats.
-__device__ inline float2 finalize_channel(const Finalize& f, int64_t c, int64_t C, bool write) {
-  const double mu = double(f.sum[c]) / f.n;
-  const double var = fmax(double(f.sqsum[c]) / f.n - mu * mu, 0.0);
-  const double k = 1.0 / sqrt(var + f.eps);
-  const double scale = (f.w != nullptr ? double(f.w[c]) : 1.0) * k;
-  const float2 out{float(scale), float((f.b != nullptr ? double(f.b[c]) : 0.0) - mu * scale)};
-  if (write) {
+// One thread per channel, in double; thread 0 also counts.
+__global__ void finalize_kernel(Finalize f, int64_t C) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t == 0 && f.counter != nullptr) ++*f.counter;
+  for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+    const double mu = double(f.sum[c]) / f.n;
+    const double var = fmax(double(f.sqsum[c]) / f.n - mu * mu, 0.0);
+    const double k = 1.0 / sqrt(var + f.eps);
+    const double scale = (f.w != nullptr ? double(f.w[c]) : 1.0) * k;
     f.mean[c] = float(mu);
     f.invstd[c] = float(k);
-    f.scale_shift[c] = out.x;
-    f.scale_shift[C + c] = out.y;
+    f.scale_shift[c] = float(scale);
+    f.scale_shift[C + c] = float((f.b != nullptr ? double(f.b[c]) : 0.0) - mu * scale);
     if (f.rm != nullptr) {
       f.rm[c] = float((1.0 - f.momentum) * double(f.rm[c]) + f.momentum * mu);
       f.rv[c] = float((1.0 - f.momentum) * double(f.rv[c]) + f.momentum * var * f.n / (f.n - 1.0));
     }
   }
-  return out;
 }
 
-__global__ void finalize_kernel(Finalize f, int64_t C) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t == 0 && f.counter != nullptr) ++*f.counter;
-  for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) finalize_channel(f, c, C, true);
-}
-
-// The apply kernels' per-channel factors: with `staged`, the block puts the scale and shift of
-// all C channels in shared memory (2C floats from `staged` on), finalized here when f has
-// statistics — block 0 then writes the finalize's outputs and counts — else copied from f's
-// scale_shift; without, f's scale_shift is read where it is (it was finalized before the
-// launch). Returns where the factors are: scale of channel c at [c], shift at [C + c].
-__device__ inline const float* block_factors(const Finalize& f, int64_t C, float* staged,
-                                             bool stage) {
-  if (!stage) return f.scale_shift;
-  const bool write = blockIdx.x == 0;
-  if (f.sum != nullptr && write && threadIdx.x == 0 && f.counter != nullptr) ++*f.counter;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    const float2 v = f.sum != nullptr ? finalize_channel(f, c, C, write)
-                                      : float2{f.scale_shift[c], f.scale_shift[C + c]};
-    staged[c] = v.x;
-    staged[C + c] = v.y;
-  }
-  __syncthreads();
-  return staged;
-}
-
+// The scale and shift of vector i's 8 channels.
 __device__ inline void factors8(const float* ss, int64_t i, int64_t G, int64_t C, Vec8& sc,
                                 Vec8& sh) {
   const int64_t c0 = (i % G) * kVec;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    sc.v[j] = ss[c0 + j];
-    sh.v[j] = ss[C + c0 + j];
-  }
+  sc = load8f(ss + c0);
+  sh = load8f(ss + C + c0);
 }
 
 // NaN stays NaN through the ReLU (a comparison with NaN is false).
@@ -123,13 +93,10 @@ __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 // A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
 // the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
 // per-channel factors are loaded once, not per vector.
-// f and stage as in block_factors (shared memory: 2C floats when staged).
 template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
-                             const uint4* __restrict__ z, const Finalize f, bool stage,
+                             const uint4* __restrict__ z, const float* __restrict__ ss,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
-  extern __shared__ float staged[];
-  const float* ss = block_factors(f, C, staged, stage);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -252,14 +219,11 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
 
 // The finishing kernels add the partial sums (parts, T, C) of the sums kernels. Block
 // (32, kFinishRows), grid ceil(C / 32): thread (tx, ty) adds parts ty, ty + kFinishRows, ... of
-// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels) into
-// kFinishLanes running sums taken in turn, which it then adds in order; then the rows of the
-// block are added in order — a fixed order, so bit-reproducible. The lanes keep kFinishLanes·T
-// loads in flight per thread: one running sum waited on every load (13–15 µs at C = 64, 1,024
-// parts, where the loads take about 1 µs; NOTES.md, session 11). The totals are valid in the
-// threads with ty == 0 and a channel below C, for which finish_sums returns true.
+// channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels), then the rows
+// of the block are added in order — a fixed order, so bit-reproducible. The totals are valid in
+// the threads with ty == 0 and a channel below C, for which finish_sums returns true. (Eight
+// running sums per thread, taken in turn, made these kernels 3–4× slower: NOTES.md, session 11.)
 constexpr int kFinishRows = 8;
-constexpr int kFinishLanes = 8;
 const dim3 kFinishBlock{32, kFinishRows};
 
 template <int T>
@@ -270,27 +234,10 @@ __device__ bool finish_sums(const float* __restrict__ partial, int64_t C, int pa
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
 #pragma unroll
   for (int t = 0; t < T; ++t) s[t] = 0.f;
-  if (c < C) {
-    float lane[kFinishLanes][T] = {};
-    constexpr int kStep = kFinishLanes * kFinishRows;
-    int q = ty;
-    for (; q + kStep - kFinishRows < parts; q += kStep)
+  if (c < C)
+    for (int q = ty; q < parts; q += kFinishRows)
 #pragma unroll
-      for (int u = 0; u < kFinishLanes; ++u)
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-          lane[u][t] += partial[(int64_t(q + u * kFinishRows) * T + t) * C + c];
-#pragma unroll
-    for (int u = 0; u < kFinishLanes; ++u)  // the last parts, fewer than kFinishLanes
-      if (q + u * kFinishRows < parts)
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-          lane[u][t] += partial[(int64_t(q + u * kFinishRows) * T + t) * C + c];
-#pragma unroll
-    for (int u = 0; u < kFinishLanes; ++u)
-#pragma unroll
-      for (int t = 0; t < T; ++t) s[t] += lane[u][t];
-  }
+      for (int t = 0; t < T; ++t) s[t] += partial[(int64_t(q) * T + t) * C + c];
 #pragma unroll
   for (int t = 0; t < T; ++t) sh[ty][t][tx] = s[t];
   __syncthreads();
@@ -376,12 +323,9 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
 // ---- two batch norms meeting at the residual add ----
 
 __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
-                                  const Finalize fx, const uint4* __restrict__ r,
-                                  const Finalize fr, bool stage, uint8_t* __restrict__ mask,
+                                  const float* __restrict__ ssx, const uint4* __restrict__ r,
+                                  const float* __restrict__ ssr, uint8_t* __restrict__ mask,
                                   int64_t vecs, int64_t G, int64_t C) {
-  extern __shared__ float staged[];  // 4C floats when staged: x's factors, then r's
-  const float* ssx = block_factors(fx, C, staged, stage);
-  const float* ssr = block_factors(fr, C, staged + 2 * C, stage);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;  // as in apply_kernel
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -832,19 +776,16 @@ Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op
   return d;
 }
 
-// The apply kernels stage their factors in shared memory (and finalize there) up to this
-// many bytes of them; beyond, f is finalized by its own kernel first.
-constexpr size_t kMaxStagedBytes = 48 * 1024;
-
-// Whether an apply kernel over C channels, `sides` batch norms, stages its factors; if not, f
-// is finalized now.
-bool stage_factors(int64_t C, int sides) {
-  return size_t(C) * 2 * sizeof(float) * size_t(sides) <= kMaxStagedBytes;
-}
-void finalize_unless_staged(const Finalize& f, int64_t C, bool stage) {
-  if (stage || f.sum == nullptr) return;
-  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(f, C);
-  KILN_CUDA_CHECK_LAUNCH();
+// f finalized (when it has statistics); its scale_shift is then the apply kernels' input.
+// Finalizing inside the apply kernels, each block into shared memory, made them 11 µs slower
+// per call (NOTES.md, session 11): their 4 waves of blocks each paid the double-precision
+// arithmetic's latency.
+const float* finalized(const Finalize& f, int64_t C) {
+  if (f.sum != nullptr) {
+    finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(f, C);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  return f.scale_shift;
 }
 
 }  // namespace
@@ -869,15 +810,12 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnSt
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
   if (vecs == 0) return;
-  const Finalize fin = finalize_args(f, x, op);
-  const bool stage = stage_factors(C, 1);
-  finalize_unless_staged(fin, C, stage);
+  const float* ss = finalized(finalize_args(f, x, op), C);
   const unsigned grid = grid_for(vecs);
-  const size_t smem = stage ? size_t(2 * C) * sizeof(float) : 0;
   cudaStream_t s = current_stream();
   const uint4* zp = z.defined() ? vec_in(z) : nullptr;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kBlock, smem, s>>>(vec_out(y), vec_in(x), zp, fin, stage, mp, vecs, G, C);
+    kernel<<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   };
   if (relu && z.defined()) launch(apply_kernel<true, true>);
   else if (relu) launch(apply_kernel<true, false>);
@@ -961,13 +899,10 @@ void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize&
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = mask_ptr(mask, vecs, x, op);
   if (vecs == 0) return;
-  const Finalize fx = finalize_args(f_x, x, op), fr = finalize_args(f_r, x, op);
-  const bool stage = stage_factors(C, 2);
-  finalize_unless_staged(fx, C, stage);
-  finalize_unless_staged(fr, C, stage);
-  const size_t smem = stage ? size_t(4 * C) * sizeof(float) : 0;
-  dual_apply_kernel<<<grid_for(vecs), kBlock, smem, current_stream()>>>(
-      vec_out(y), vec_in(x), fx, vec_in(r), fr, stage, mp, vecs, G, C);
+  const float* ssx = finalized(finalize_args(f_x, x, op), C);
+  const float* ssr = finalized(finalize_args(f_r, x, op), C);
+  dual_apply_kernel<<<grid_for(vecs), kBlock, 0, current_stream()>>>(
+      vec_out(y), vec_in(x), ssx, vec_in(r), ssr, mp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
