@@ -204,6 +204,26 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
                                     const Tensor& save_invstd, const Tensor& scale_shift,
                                     bool accumulate_params = false);
 
+// The backward of bn_nhwc_apply(relu, z) — a ResNet block's tail relu(bn(x) + z) — whose output
+// gradient is a stride-1 1x1 convolution's data gradient added onto r (the next block's conv1
+// and its identity shortcut): G = dy1·w1 + r (dy1 (N, K, H, W) the convolution's output
+// gradient, w1 (K, C, 1, 1) its weight), computed with the batch norm's first pass in one GEMM
+// (cuda/kernels/gemm_bn.cu), then one pass for dx. g (=) = G masked by `mask` (the forward's
+// ReLU bits) — the gradient of z, and of the block's input through the shortcut; dx (=),
+// dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported; the result equals cuDNN's
+// dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds in another order).
+bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
+void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
+                               const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                               const Tensor& r, const Tensor& mask, const Tensor& x,
+                               const Tensor& weight, const Tensor& save_mean,
+                               const Tensor& save_invstd, bool accumulate_params = false);
+// Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
+// its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C).
+int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
+                     const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean);
+int dgrad1x1_bn_parts(int64_t M, int64_t C);
+
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)
 // and both finalizes as in bn_nhwc_apply. One pass instead of two, and the shortcut's

@@ -2,12 +2,15 @@
 // can run on this GPU, how long their plans take to build, how fast the best one runs against
 // the plain convolution, and whether its results match the unfused computation.
 //
-//   kiln-fusion-probe [--batch N] [--plans K]
+//   kiln-fusion-probe [--batch N] [--plans K] [--tail-gemm]
 //
 // A developer's tool for deciding what cuda/ can fuse (NOTES.md records its output); it exercises
 // ResNet-50 bottleneck shapes: conv + statistics epilogue, scale-bias-ReLU prologue + conv +
 // statistics, the same prologue on the weight gradient, and the data gradient with the ReLU
 // backward (mask recomputed from the saved pre-BN tensor) and per-channel reductions.
+// --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its
+// epilogue (cuda::bn_nhwc_backward_dgrad1x1) against what it replaces, on ResNet-50's four
+// identity-block tails.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,16 +24,19 @@ namespace {
 struct ProbeArgs {
   int64_t batch = 256;
   int plans = 4;
+  bool tail_gemm = false;
 };
 
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
-  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K]",
+  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K] [--tail-gemm]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
   p.value("--batch", "N", &a.batch, "batch size of the probed problems", 1);
   p.value("--plans", "K", &a.plans, "engine plans built and timed per graph", 1);
+  p.flag("--tail-gemm", &a.tail_gemm,
+         "time kiln's dgrad GEMM with the block tail's BN backward against cuDNN + kiln's BN");
   if (p.parse(argc, argv)) return true;
   std::fputs(p.info().c_str(), stdout);
   return false;
@@ -62,6 +68,9 @@ int main(int argc, char** argv) {
 #include "core/error.h"
 #include "cuda/conv_engine.h"
 #include "cuda/cudnn_graph.h"
+#include "cuda/kernels.h"
+#include "cuda/runtime.h"
+#include "ops/ops.h"
 
 namespace be = kiln::cuda::be;
 using kiln::cuda::ConvOp;
@@ -533,6 +542,86 @@ void probe_dgrad(cudnnHandle_t h, int64_t N, const Problem& p, int reductions, i
   }
 }
 
+// ---- --tail-gemm ----
+
+// Median milliseconds of `reps` runs of f, each timed with events on kiln's stream.
+template <class F>
+double median_ms(F&& f, int reps = 15) {
+  cudaStream_t s = kiln::cuda::current_stream();
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  f();  // warm-up (and the tuner's first sight)
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a, s));
+    f();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return double(t[t.size() / 2]);
+}
+
+// One identity-block tail at batch n: C channels at hw × hw, the next conv1 from C to K.
+void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  auto act = [&](int64_t ch) {
+    return randn({n, ch, hw, hw}).to(DType::f16).to(gpu).contiguous(MemoryFormat::ChannelsLast);
+  };
+  Tensor y3 = act(c), z = act(c), r = act(c), dy1 = act(k);
+  Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  Tensor y32 = y3.to(DType::f32);
+  BnStatsFinalize f;
+  f.save_mean = empty({c}, f32);
+  f.save_invstd = empty({c}, f32);
+  f.scale_shift = empty({2 * c}, f32);
+  f.sum = F::sum(y32, {0, 2, 3});
+  f.sqsum = F::sum(F::mul(y32, y32), {0, 2, 3});
+  f.weight = ones({c}, f32);
+  f.bias = zeros({c}, f32);
+  f.count = n * hw * hw;
+  y32 = Tensor();
+  Tensor mask = empty({y3.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
+  Tensor out = empty_like(y3);
+  cuda::bn_nhwc_apply(out, y3, z, f, /*relu=*/true, mask);
+  out = Tensor();
+  z = Tensor();
+  Tensor grad = r.clone(), dx = empty_like(y3), g = empty_like(y3);
+  Tensor dw = empty({c}, f32), db = empty({c}, f32);
+  Tensor partial = empty({int64_t(cuda::dgrad1x1_bn_parts(n * hw * hw, c)) * 2 * c}, f32);
+  const double t_dgrad = median_ms(
+      [&] { cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, /*accumulate=*/true); });
+  const double t_unfused = median_ms([&] {
+    cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, true);
+    cuda::bn_nhwc_backward(dx, g, dw, db, grad, y3, mask, f.weight, f.save_mean, f.save_invstd,
+                           f.scale_shift, /*relu=*/true);
+  });
+  const double t_gemm =
+      median_ms([&] { cuda::dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, y3, f.save_mean); });
+  const double t_fused = median_ms([&] {
+    cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, dy1, w1, r, mask, y3, f.weight, f.save_mean,
+                                    f.save_invstd);
+  });
+  const double gb = double(y3.nbytes()) / 1e9;
+  const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) / 1e9;
+  std::printf("tail %4lld ch @%lldx%lld, conv1 -> %lld (T = %.0f MB, %.1f GFLOP)\n",
+              static_cast<long long>(c), static_cast<long long>(hw), static_cast<long long>(hw),
+              static_cast<long long>(k), gb * 1e3, gflop);
+  std::printf("   cuDNN dgrad (beta 1) %.3f ms; + bn_nhwc_backward %.3f ms\n", t_dgrad, t_unfused);
+  std::printf("   kiln GEMM + sums     %.3f ms (%.2f TB/s, %.0f TFLOP/s); + finish, apply %.3f ms "
+              "(%.2fx the unfused)\n",
+              t_gemm, (gb * 3.0 + gb / 16.0 + gb * double(k) / double(c)) / t_gemm,
+              gflop / t_gemm, t_fused, t_fused / t_unfused);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -555,6 +644,13 @@ int main(int argc, char** argv) {
   const Problem conv3{"l1.conv3 1x1 64->256 @56", 64, 256, 56, 1, 1};
   const Problem l3c2{"l3.conv2 3x3 256->256 @14", 256, 256, 14, 3, 1};
   try {
+    if (args.tail_gemm) {
+      // ResNet-50's identity tails: layer l's C channels, its blocks' conv1 to C / 4.
+      for (auto [c, hw] : {std::pair<int64_t, int64_t>{256, 56}, {512, 28}, {1024, 14}, {2048, 7}})
+        probe_tail_gemm(N, c, c / 4, hw);
+      cudnnDestroy(h);
+      return 0;
+    }
     probe_forward(h, N, conv1, false, plans);
     probe_forward(h, N, conv2, true, plans);
     probe_forward(h, N, conv3, true, plans);

@@ -946,6 +946,36 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
+                               const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                               const Tensor& r, const Tensor& mask, const Tensor& x,
+                               const Tensor& weight, const Tensor& save_mean,
+                               const Tensor& save_invstd, bool accumulate_params) {
+  const char* op = "bn_nhwc_backward_dgrad1x1";
+  check_x(x, op);
+  check_act(dx, x, op, "dx");
+  const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+  const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
+  const float* invstd =
+      required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  const int parts = dgrad1x1_bn_parts(rows, C);
+  Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
+  Tensor coef = empty({3 * C}, f32);
+  dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean);
+  float* cp = static_cast<float*>(coef.raw_data());
+  cudaStream_t s = current_stream();
+  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
+      f32_ptr(dweight, C, x, op, "dweight"), f32_ptr(dbias, C, x, op, "dbias"), cp,
+      static_cast<const float*>(partial.raw_data()), f32_ptr(weight, C, x, op, "weight"), mean,
+      invstd, C, parts, double(rows), accumulate_params);
+  KILN_CUDA_CHECK_LAUNCH();
+  backward_apply_kernel<kNoMask, false><<<grid_for(vecs), kBlock, 0, s>>>(
+      vec_out(dx), nullptr, vec_in(g), vec_in(x), nullptr, nullptr, cp, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
                            const Tensor& scale_shift) {
   const char* op = "bn_nhwc_relu_max_pool";

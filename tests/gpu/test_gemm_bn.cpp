@@ -1,0 +1,157 @@
+// cuda::bn_nhwc_backward_dgrad1x1: a 1x1 convolution's data gradient with the block tail's
+// batch-norm backward in its epilogue, against the unfused composition it replaces (cuDNN's
+// dgrad with beta = 1, then bn_nhwc_backward with the ReLU bitmask) and against an f32 CPU
+// reference; bit-reproducible; unsupported shapes refused with a message.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+
+#include "cuda/kernels.h"
+#include "ops/ops.h"
+#include "tests/gradcheck.h"
+
+using namespace kiln;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+const Device kCPU = Device::cpu();
+
+Tensor nhwc(const Tensor& host) {
+  return host.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+}
+
+// A block tail's saved state: y3 (the batch norm's input) with its statistics, the forward's
+// ReLU bitmask of relu(bn(y3) + z), and the next block's conv1 (w1: K × C) with its output
+// gradient dy1 and the shortcut's gradient r.
+struct Tail {
+  Tensor y3, mask, weight, mean, invstd, scale_shift, dy1, w1, r;
+};
+
+Tail make_tail(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, uint64_t seed) {
+  manual_seed(seed);
+  Tail t;
+  const Shape shape{n, c, h, w};
+  t.y3 = nhwc(F::add(F::mul(randn(shape), 1.5), 0.25));
+  Tensor z = nhwc(randn(shape));
+  t.dy1 = nhwc(randn({n, k, h, w}));
+  t.w1 = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
+  t.r = nhwc(randn(shape));
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor y32 = t.y3.to(DType::f32);
+  BnStatsFinalize f;
+  f.save_mean = empty({c}, opt);
+  f.save_invstd = empty({c}, opt);
+  f.scale_shift = empty({2 * c}, opt);
+  f.sum = F::sum(y32, {0, 2, 3});
+  f.sqsum = F::sum(F::mul(y32, y32), {0, 2, 3});
+  f.weight = uniform({c}, 0.5, 1.5).to(kGpu);
+  f.bias = uniform({c}, -0.5, 0.5).to(kGpu);
+  f.count = n * h * w;
+  t.mask = empty({t.y3.numel() / 8}, TensorOptions(DType::u8).with_device(kGpu));
+  Tensor out = empty_like(t.y3);
+  cuda::bn_nhwc_apply(out, t.y3, z, f, /*relu=*/true, t.mask);
+  t.weight = f.weight;
+  t.mean = f.save_mean;
+  t.invstd = f.save_invstd;
+  t.scale_shift = f.scale_shift;
+  return t;
+}
+
+struct Grads {
+  Tensor dx, g, dw, db;
+};
+
+Grads run_fused(const Tail& t) {
+  const TensorOptions f32 = TensorOptions().with_device(kGpu);
+  const int64_t c = t.y3.size(1);
+  Grads o{empty_like(t.y3), empty_like(t.y3), empty({c}, f32), empty({c}, f32)};
+  cuda::bn_nhwc_backward_dgrad1x1(o.dx, o.g, o.dw, o.db, t.dy1, t.w1, t.r, t.mask, t.y3,
+                                  t.weight, t.mean, t.invstd);
+  return o;
+}
+
+// Today's path: cuDNN's dgrad added onto r, then kiln's two passes.
+Grads run_unfused(const Tail& t) {
+  const TensorOptions f32 = TensorOptions().with_device(kGpu);
+  const int64_t c = t.y3.size(1);
+  Tensor grad = t.r.clone();
+  cuda::conv2d_backward_data(grad, t.dy1, t.w1, ConvParams{}, /*accumulate=*/true);
+  Grads o{empty_like(t.y3), empty_like(t.y3), empty({c}, f32), empty({c}, f32)};
+  cuda::bn_nhwc_backward(o.dx, o.g, o.dw, o.db, grad, t.y3, t.mask, t.weight, t.mean, t.invstd,
+                         t.scale_shift, /*relu=*/true);
+  return o;
+}
+
+Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
+
+}  // namespace
+
+TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward") {
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  // 784 rows (6 full tiles and 16 rows), 105 rows (one partial tile), 2 column tiles of 64.
+  for (Case cs : {Case{4, 256, 64, 14, 14}, Case{3, 128, 32, 7, 5}, Case{2, 64, 128, 9, 9}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 81 + uint64_t(cs.c));
+    REQUIRE(cuda::dgrad1x1_bn_supported(t.dy1, t.w1, t.y3));
+    const Grads a = run_fused(t), b = run_unfused(t);
+    // g: the GEMM adds in another order than cuDNN, so G may round to the neighbouring f16.
+    KILN_CHECK_OK(testing::compare(f32(a.g), f32(b.g), 2e-3, 2e-3));
+    KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), 1e-2, 1e-3));
+    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), 1e-2, 1e-3));
+    // Against f32 on the CPU: G = dy1·w1 + r, masked by the forward's ReLU.
+    const int64_t M = cs.n * cs.h * cs.w;
+    Tensor dy = f32(t.dy1).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k});
+    Tensor w = f32(t.w1).reshape({cs.k, cs.c});
+    Tensor r = f32(t.r).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    Tensor G = F::add(F::matmul(dy, w), r);
+    Tensor mask_bytes = t.mask.to(kCPU);
+    Tensor want = G.clone();
+    float* wp = want.data<float>();
+    const uint8_t* mp = mask_bytes.data<uint8_t>();
+    for (int64_t i = 0; i < M * cs.c; ++i)
+      if (!((mp[i / 8] >> (i % 8)) & 1u)) wp[i] = 0.f;
+    Tensor got = f32(a.g).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    KILN_CHECK_OK(testing::compare(got, want, 1e-2, 2e-3));
+  }
+}
+
+TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
+  const Tail t = make_tail(4, 128, 64, 12, 10, 91);
+  const Grads a = run_fused(t), b = run_fused(t);
+  for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+    KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  // accumulate_params: dweight and dbias added onto what is there.
+  Tensor dw = a.dw.clone(), db = a.db.clone();
+  Tensor dx = empty_like(t.y3), g = empty_like(t.y3);
+  cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, t.dy1, t.w1, t.r, t.mask, t.y3, t.weight, t.mean,
+                                  t.invstd, /*accumulate_params=*/true);
+  KILN_CHECK_OK(testing::compare(dw, F::mul(a.dw, 2.0), 0, 1e-6));
+  KILN_CHECK_OK(testing::compare(db, F::mul(a.db, 2.0), 0, 1e-6));
+}
+
+TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
+  const Tail t = make_tail(2, 64, 32, 4, 4, 95);
+  // K not a multiple of 32, C not a multiple of 64, a 3x3 weight.
+  Tensor dy24 = nhwc(randn({2, 24, 4, 4}));
+  Tensor w24 = randn({24, 64, 1, 1}).to(DType::f16).to(kGpu);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(dy24, w24, t.y3));
+  Tensor x96 = nhwc(randn({2, 96, 4, 4}));
+  Tensor w96 = randn({32, 96, 1, 1}).to(DType::f16).to(kGpu);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(t.dy1, w96, x96));
+  Tensor w3 = randn({32, 64, 3, 3}).to(DType::f16).to(kGpu);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(t.dy1, w3, t.y3));
+  Tensor dx = empty_like(t.y3), g = empty_like(t.y3);
+  try {
+    cuda::bn_nhwc_backward_dgrad1x1(dx, g, Tensor(), Tensor(), dy24, w24, t.r, t.mask, t.y3,
+                                    t.weight, t.mean, t.invstd);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("K % 32 == 0") != std::string::npos);
+  }
+}
