@@ -102,8 +102,10 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward"
     // g: the GEMM adds in another order than cuDNN, so G may round to the neighbouring f16.
     KILN_CHECK_OK(testing::compare(f32(a.g), f32(b.g), 2e-3, 2e-3));
     KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 5e-3, 5e-3));
-    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), 1e-2, 1e-3));
-    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), 1e-2, 1e-3));
+    // dweight and dbias add M terms, each of which may be one f16 rounding step of G apart
+    // (about 2^-11 relative): about sqrt(M)·2^-11·|g·x̂| of noise, 0.03 at M = 784.
+    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), 6e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), 6e-2, 1e-2));
     // Against f32 on the CPU: G = dy1·w1 + r, masked by the forward's ReLU.
     const int64_t M = cs.n * cs.h * cs.w;
     Tensor dy = f32(t.dy1).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k});
