@@ -210,8 +210,10 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 // gradient, w1 (K, C, 1, 1) its weight), computed with the batch norm's first pass in one GEMM
 // (cuda/kernels/gemm_bn.cu), then one pass for dx. g (=) = G masked by `mask` (the forward's
 // ReLU bits) — the gradient of z, and of the block's input through the shortcut; dx (=),
-// dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported; the result equals cuDNN's
-// dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds in another order).
+// dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported (K 64 or 128, C % 64 ==
+// 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; NOTES.md, session 11);
+// the result equals cuDNN's dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds
+// in another order).
 bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
 void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
                                const Tensor& dbias, const Tensor& dy1, const Tensor& w1,

@@ -604,18 +604,22 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
     cuda::bn_nhwc_backward(dx, g, dw, db, grad, y3, mask, f.weight, f.save_mean, f.save_invstd,
                            f.scale_shift, /*relu=*/true);
   });
-  const double t_gemm =
-      median_ms([&] { cuda::dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, y3, f.save_mean); });
-  const double t_fused = median_ms([&] {
-    cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, dy1, w1, r, mask, y3, f.weight, f.save_mean,
-                                    f.save_invstd);
-  });
   const double gb = double(y3.nbytes()) / 1e9;
   const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) / 1e9;
   std::printf("tail %4lld ch @%lldx%lld, conv1 -> %lld (T = %.0f MB, %.1f GFLOP)\n",
               static_cast<long long>(c), static_cast<long long>(hw), static_cast<long long>(hw),
               static_cast<long long>(k), gb * 1e3, gflop);
   std::printf("   cuDNN dgrad (beta 1) %.3f ms; + bn_nhwc_backward %.3f ms\n", t_dgrad, t_unfused);
+  if (!cuda::dgrad1x1_bn_supported(dy1, w1, y3)) {
+    std::printf("   kiln GEMM: not for K = %lld\n", static_cast<long long>(k));
+    return;
+  }
+  const double t_gemm =
+      median_ms([&] { cuda::dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, y3, f.save_mean); });
+  const double t_fused = median_ms([&] {
+    cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, dy1, w1, r, mask, y3, f.weight, f.save_mean,
+                                    f.save_invstd);
+  });
   std::printf("   kiln GEMM + sums     %.3f ms (%.2f TB/s, %.0f TFLOP/s); + finish, apply %.3f ms "
               "(%.2fx the unfused)\n",
               t_gemm, (gb * 3.0 + gb / 16.0 + gb * double(k) / double(c)) / t_gemm,

@@ -11,11 +11,14 @@
 // is dz) and accumulates Σg and Σg·(y3 − mean) per channel; the apply then reads g and y3 and
 // writes dy3 only: two passes over the activation fewer.
 //
-// The GEMM: mma.sync m16n8k16 (f16 in, f32 accumulation), CTA tile 128 × 64 × 32, 8 warps as
-// 4 (M) × 2 (N), each 32 × 32; operands staged by cp.async in 3 stages; ldmatrix from padded
-// rows (no bank conflicts). A CTA walks M tiles blockIdx.y, blockIdx.y + gridDim.y, ... of its
-// column tile blockIdx.x and keeps its columns' sums in registers; at the end its warps' sums are
-// added in a fixed order into one partial row — bit-reproducible for a given shape and device.
+// The GEMM: mma.sync m16n8k16 (f16 in, f32 accumulation), CTA tile 128 × 64 × K (K = 64 or
+// 128: the layers where the activation, not the arithmetic, sets the time), 8 warps as 4 (M) × 2
+// (N), each 32 × 32. A CTA keeps its column tile of w in shared memory and walks M tiles
+// blockIdx.y, blockIdx.y + gridDim.y, ...; the next tile's rows of dy load (cp.async) while
+// this one computes and writes. The accumulators go through shared memory so that the epilogue
+// reads r and x and writes g in whole 16-byte vectors; each thread keeps the sums of its 8
+// channels over all its rows, and at the end the CTA adds its threads' sums in a fixed order
+// into one partial row — bit-reproducible for a given shape and device.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -26,10 +29,19 @@
 namespace kiln::cuda {
 namespace {
 
-constexpr int kBM = 128, kBN = 64, kBK = 32, kStages = 3;
+constexpr int kBM = 128, kBN = 64;
 constexpr int kThreads = 256;
-constexpr int kPadA = kBK + 8, kPadB = kBN + 8;  // halves per smem row (16 B of padding)
-constexpr int kStageHalves = kBM * kPadA + kBK * kPadB;
+constexpr int kPadC = kBN + 4;  // floats per row of the staged accumulators
+
+// Shared memory of the kernel for K: w's column tile, then two buffers each holding a tile of dy
+// or, once it is consumed, the staged accumulators.
+template <int K>
+struct Smem {
+  static constexpr int kPadA = K + 8, kPadB = kBN + 8;  // halves per row (16 B of padding)
+  static constexpr size_t kB = size_t(K) * kPadB * 2;
+  static constexpr size_t kBuf = std::max(size_t(kBM) * kPadA * 2, size_t(kBM) * kPadC * 4);
+  static constexpr size_t kBytes = kB + 2 * kBuf;
+};
 
 __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -37,8 +49,7 @@ __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 __device__ inline void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -60,142 +71,158 @@ __device__ inline void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Stage s of the (kBM × kBK) tile of dy at rows m0.., columns k0.. and the (kBK × kBN) tile of w
-// at rows k0.., columns n0..: 16-byte chunks, rows past M zero-filled.
-__device__ inline void load_stage(__half* stage, const __half* __restrict__ dy,
-                                  const __half* __restrict__ w, int64_t M, int K, int N,
-                                  int64_t m0, int k0, int n0) {
-  __half* sa = stage;
-  __half* sb = stage + kBM * kPadA;
-  const int t = threadIdx.x;
-  // A: 128 rows × 4 chunks = 512 chunks, two per thread.
+// The (kBM × K) tile of dy at rows m0.. into sa; rows past M zero-filled.
+template <int K>
+__device__ inline void load_a(__half* sa, const __half* __restrict__ dy, int64_t M, int64_t m0) {
+  constexpr int kChunks = K / 8;  // 16-byte chunks per row
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int chunk = t + i * kThreads, row = chunk >> 2, col = (chunk & 3) * 8;
+  for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads, row = chunk / kChunks;
+    const int col = (chunk % kChunks) * 8;
     const int64_t m = m0 + row;
     const bool valid = m < M;
-    cp_async16(sa + row * kPadA + col, dy + (valid ? m : 0) * K + k0 + col, valid);
-  }
-  // B: 32 rows × 8 chunks = 256 chunks, one per thread.
-  {
-    const int row = t >> 3, col = (t & 7) * 8;
-    cp_async16(sb + row * kPadB + col, w + int64_t(k0 + row) * N + n0 + col, true);
+    cp_async16(sa + row * Smem<K>::kPadA + col, dy + (valid ? m : 0) * K + col, valid);
   }
 }
 
+__device__ inline float4 h4(const uint2 u) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return {a.x, a.y, b.x, b.y};
+}
+
+template <int K>
 __global__ void __launch_bounds__(kThreads, 2)
 dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
                         const __half* __restrict__ dy, const __half* __restrict__ w,
                         const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                         const __half* __restrict__ x, const float* __restrict__ mean, int64_t M,
-                        int K, int N) {
-  __shared__ __align__(16) __half smem[kStages * kStageHalves];
-  __shared__ float red[4][2][kBN];  // per M-warp row: Σg and Σg·(x - mean) per column
+                        int N) {
+  using S = Smem<K>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* sb = reinterpret_cast<__half*>(smem);
+  auto buf = [&](int i) { return smem + S::kB + size_t(i) * S::kBuf; };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp >> 1, wn = warp & 1;  // warp tile rows wm·32.., columns wn·32..
   const int n0 = blockIdx.x * kBN;
   const int64_t tiles = (M + kBM - 1) / kBM;
-  const int ktiles = K / kBK;
 
-  // This thread's 8 columns: wn·32 + ni·8 + 2·(lane % 4) + {0, 1}, ni = 0..3.
-  float mu[4][2];
+  // w's (K × kBN) column tile, and the first tile of dy.
 #pragma unroll
-  for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) mu[ni][j] = mean[n0 + wn * 32 + ni * 8 + 2 * (lane & 3) + j];
-  float s1[4][2] = {}, s2[4][2] = {};
+  for (int i = 0; i < K * (kBN / 8) / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads, row = chunk / (kBN / 8);
+    const int col = (chunk % (kBN / 8)) * 8;
+    cp_async16(sb + row * S::kPadB + col, w + int64_t(row) * N + n0 + col, true);
+  }
+  int64_t tile = blockIdx.y;
+  if (tile < tiles) load_a<K>(reinterpret_cast<__half*>(buf(0)), dy, M, tile * kBM);
+  cp_async_commit();
 
-  for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+  // The epilogue's thread layout: channel group cg (8 channels) of rows rr, rr + 32, ... .
+  const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;
+  const int c0 = n0 + cg * 8;
+  float mu[8], s1[8] = {}, s2[8] = {};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) mu[j] = mean[c0 + j];
+
+  for (int cur = 0; tile < tiles; tile += gridDim.y, cur ^= 1) {
     const int64_t m0 = tile * kBM;
-    float acc[2][4][4] = {};
-    // Prologue: the first kStages - 1 stages in flight.
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ktiles) load_stage(smem + s * kStageHalves, dy, w, M, K, N, m0, s * kBK, n0);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < ktiles; ++kt) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      // Refill the stage consumed one step ago.
-      const int next = kt + kStages - 1;
-      if (next < ktiles)
-        load_stage(smem + (next % kStages) * kStageHalves, dy, w, M, K, N, m0, next * kBK, n0);
-      cp_async_commit();
-      const __half* sa = smem + (kt % kStages) * kStageHalves;
-      const __half* sb = sa + kBM * kPadA;
-#pragma unroll
-      for (int kk = 0; kk < kBK; kk += 16) {
-        unsigned a[2][4], b[2][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-          ldmatrix_x4(a[mi], sa + (wm * 32 + mi * 16 + (lane & 15)) * kPadA + kk + (lane >> 4) * 8);
-#pragma unroll
-        for (int nj = 0; nj < 2; ++nj)  // n8 tiles 2·nj and 2·nj + 1
-          ldmatrix_x4_trans(b[nj], sb + (kk + (lane & 15)) * kPadB + wn * 32 + nj * 16 +
-                                       (lane >> 4) * 8);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < 4; ++ni)
-            mma16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the stages before the next tile refills them
+    cp_async_wait_all();
+    __syncthreads();  // this tile's rows are in; the other buffer's last readers are done
+    if (tile + gridDim.y < tiles)
+      load_a<K>(reinterpret_cast<__half*>(buf(cur ^ 1)), dy, M, (tile + gridDim.y) * kBM);
+    cp_async_commit();
 
-    // Epilogue: rows wm·32 + mi·16 + lane/4 + 8·h, columns as above.
+    const __half* sa = reinterpret_cast<const __half*>(buf(cur));
+    float acc[2][4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+      unsigned a[2][4], b[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+        ldmatrix_x4(a[mi], sa + (wm * 32 + mi * 16 + (lane & 15)) * S::kPadA + kk + (lane >> 4) * 8);
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj)  // n8 tiles 2·nj and 2·nj + 1
+        ldmatrix_x4_trans(b[nj], sb + (kk + (lane & 15)) * S::kPadB + wn * 32 + nj * 16 +
+                                     (lane >> 4) * 8);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+          mma16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+    }
+    __syncthreads();  // every warp is done with this tile's rows: the buffer takes the results
+    float* sc = reinterpret_cast<float*>(buf(cur));
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t m = m0 + wm * 32 + mi * 16 + (lane >> 2) + 8 * h;
-        if (m >= M) continue;
+      for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
-          const int n = n0 + wn * 32 + ni * 8 + 2 * (lane & 3);
-          const int64_t i = m * N + n;
-          const float2 rv = __half22float2(*reinterpret_cast<const __half2*>(r + i));
-          const float2 xv = __half22float2(*reinterpret_cast<const __half2*>(x + i));
-          const unsigned bits = mask[i >> 3] >> (n & 7);
-          // G rounded to f16 as cuDNN stores it, then masked: g is exactly what the unfused
-          // sums kernel would read.
-          const __half2 gh = __floats2half2_rn(acc[mi][ni][2 * h] + rv.x, acc[mi][ni][2 * h + 1] + rv.y);
-          float2 gv = __half22float2(gh);
-          if (!(bits & 1u)) gv.x = 0.f;
-          if (!(bits & 2u)) gv.y = 0.f;
-          *reinterpret_cast<__half2*>(g + i) = __floats2half2_rn(gv.x, gv.y);
-          s1[ni][0] += gv.x;
-          s1[ni][1] += gv.y;
-          s2[ni][0] = fmaf(gv.x, xv.x - mu[ni][0], s2[ni][0]);
-          s2[ni][1] = fmaf(gv.y, xv.y - mu[ni][1], s2[ni][1]);
+        for (int h = 0; h < 2; ++h) {
+          const int row = wm * 32 + mi * 16 + (lane >> 2) + 8 * h;
+          const int col = wn * 32 + ni * 8 + 2 * (lane & 3);
+          *reinterpret_cast<float2*>(sc + row * kPadC + col) =
+              float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]};
         }
-      }
-  }
+    __syncthreads();
 
-  // The 8 lanes of a column group (lane / 4) in a fixed shuffle tree, then the 4 M-warps in order.
+    // Rows rr + 32·j of the tile, channels c0..c0+7: all loads first, then the arithmetic.
+    constexpr int kRows = kBM / 32;
+    uint4 rv[kRows], xv[kRows];
+    unsigned bits[kRows];
 #pragma unroll
-  for (int ni = 0; ni < 4; ++ni)
+    for (int j = 0; j < kRows; ++j) {
+      const int64_t m = m0 + rr + 32 * j;
+      const int64_t v = (m < M ? m : 0) * (N / 8) + c0 / 8;  // the 16-byte vector's index
+      rv[j] = reinterpret_cast<const uint4*>(r)[v];
+      xv[j] = reinterpret_cast<const uint4*>(x)[v];
+      bits[j] = mask[v];
+    }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < kRows; ++j) {
+      const int64_t m = m0 + rr + 32 * j;
+      if (m >= M) continue;
+      const float* arow = sc + (rr + 32 * j) * kPadC + cg * 8;
+      const float4 a0 = *reinterpret_cast<const float4*>(arow);
+      const float4 a1 = *reinterpret_cast<const float4*>(arow + 4);
+      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float4 r0 = h4(uint2{rv[j].x, rv[j].y}), r1 = h4(uint2{rv[j].z, rv[j].w});
+      const float4 x0 = h4(uint2{xv[j].x, xv[j].y}), x1 = h4(uint2{xv[j].z, xv[j].w});
+      const float rf[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+      const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      uint4 out;
+      __half2* oh = reinterpret_cast<__half2*>(&out);
 #pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        s1[ni][j] += __shfl_xor_sync(0xffffffffu, s1[ni][j], off);
-        s2[ni][j] += __shfl_xor_sync(0xffffffffu, s2[ni][j], off);
+      for (int q = 0; q < 4; ++q) {
+        // G rounded to f16 as cuDNN stores it, then masked: g is exactly what the unfused
+        // sums kernel would read.
+        float2 gv = __half22float2(__floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
+        if (!((bits[j] >> (2 * q)) & 1u)) gv.x = 0.f;
+        if (!((bits[j] >> (2 * q + 1)) & 1u)) gv.y = 0.f;
+        oh[q] = __floats2half2_rn(gv.x, gv.y);
+        s1[2 * q] += gv.x;
+        s1[2 * q + 1] += gv.y;
+        s2[2 * q] = fmaf(gv.x, xf[2 * q] - mu[2 * q], s2[2 * q]);
+        s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
       }
-  if (lane < 4)
+      reinterpret_cast<uint4*>(g)[m * (N / 8) + c0 / 8] = out;
+    }
+  }
+  cp_async_wait_all();
+
+  // The 32 threads of a channel group, added in row order into the CTA's partial row.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(buf(0));  // [32 rows][2][kBN]
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = wn * 32 + ni * 8 + 2 * lane + j;
-        red[wm][0][col] = s1[ni][j];
-        red[wm][1][col] = s2[ni][j];
-      }
+  for (int j = 0; j < 8; ++j) {
+    red[(rr * 2 + 0) * kBN + cg * 8 + j] = s1[j];
+    red[(rr * 2 + 1) * kBN + cg * 8 + j] = s2[j];
+  }
   __syncthreads();
   if (threadIdx.x < 2 * kBN) {
     const int t = threadIdx.x / kBN, col = threadIdx.x % kBN;
-    const float v = ((red[0][t][col] + red[1][t][col]) + red[2][t][col]) + red[3][t][col];
+    float v = 0.f;
+    for (int row = 0; row < 32; ++row) v += red[(row * 2 + t) * kBN + col];
     partial[(int64_t(blockIdx.y) * 2 + t) * N + n0 + col] = v;
   }
 }
@@ -226,7 +253,7 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         K % kBK == 0 && N % kBN == 0 && dy.is_contiguous(MemoryFormat::ChannelsLast) &&
+         (K == 64 || K == 128) && N % kBN == 0 && dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
 }
@@ -236,7 +263,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const char* op = "dgrad1x1_bn_sums";
   KILN_CHECK(dgrad1x1_bn_supported(dy, w, x), op,
              " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, W) "
-             "with K % 32 == 0 and C % 64 == 0, got dy ", dy.desc(), ", w ", w.desc(), ", x ",
+             "with K 64 or 128 and C % 64 == 0, got dy ", dy.desc(), ", w ", w.desc(), ", x ",
              x.desc());
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
@@ -257,10 +284,21 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   if (M == 0) return 0;
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
-  dgrad1x1_bn_sums_kernel<<<grid, kThreads, 0, current_stream()>>>(
-      static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
-      h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
-      static_cast<const float*>(mean.raw_data()), M, int(K), int(C));
+  auto launch = [&]<int kK>() {
+    auto kernel = dgrad1x1_bn_sums_kernel<kK>;
+    static const bool sized = [&] {  // above 48 KB of dynamic shared memory needs asking
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(Smem<kK>::kBytes)));
+      return true;
+    }();
+    (void)sized;
+    kernel<<<grid, kThreads, Smem<kK>::kBytes, current_stream()>>>(
+        static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
+        h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
+        static_cast<const float*>(mean.raw_data()), M, int(C));
+  };
+  if (K == 64) launch.template operator()<64>();
+  else launch.template operator()<128>();
   KILN_CUDA_CHECK_LAUNCH();
   return parts;
 }
