@@ -206,6 +206,18 @@ struct Backend {
                                  TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
                                  GradientMode mode) = nullptr;
 
+  // Optional, both or neither; need the six above. bn_stats_backward's relu + z case (the
+  // forward's mask) where dy is a stride-1 1x1 convolution's data gradient added onto r:
+  // dy = dgrad(dy1, w1) + r, w1 (K, C, 1, 1), r undefined meaning zero — computed here with the
+  // first pass (on CUDA one GEMM with the sums in its epilogue). dz (=) = dy masked by the
+  // ReLU. Only where bn_stats_dgrad1x1_supported(dy1, w1, x).
+  bool (*bn_stats_dgrad1x1_supported)(TensorRef dy1, TensorRef w1, TensorRef x) = nullptr;
+  void (*bn_stats_backward_dgrad1x1)(TensorRef dx, TensorRef dz, TensorRef dweight,
+                                     TensorRef dbias, TensorRef dy1, TensorRef w1, TensorRef r,
+                                     TensorRef x, TensorRef mask, TensorRef weight,
+                                     TensorRef save_mean, TensorRef save_invstd,
+                                     GradientMode mode) = nullptr;
+
   // Optional, each on its own; need the six above. sum, sqsum (C) (=) = Σx and Σx² per channel
   // in a fixed order: the statistics for batch_norm_from_stats when the convolution did not
   // produce them.

@@ -138,6 +138,16 @@ void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dw
                         mode == GradientMode::Accumulate);
 }
 
+void bn_stats_backward_dgrad1x1(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                                const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                                const Tensor& r, const Tensor& x, const Tensor& mask,
+                                const Tensor& weight, const Tensor& save_mean,
+                                const Tensor& save_invstd, GradientMode mode) {
+  Tensor rz = r.defined() ? r : zeros_like(x);
+  bn_nhwc_backward_dgrad1x1(dx, dz, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
+                            save_invstd, mode == GradientMode::Accumulate);
+}
+
 void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
                                      const Tensor& dbias, const Tensor& dy,
                                      const Tensor& indices, const Tensor& x,
@@ -189,6 +199,8 @@ Backend make_table() {
   b.bn_stats_backward = bn_stats_backward;
   b.bn_stats_dual_apply = bn_nhwc_dual_apply;
   b.bn_stats_dual_backward = bn_stats_dual_backward;
+  b.bn_stats_dgrad1x1_supported = dgrad1x1_bn_supported;
+  b.bn_stats_backward_dgrad1x1 = bn_stats_backward_dgrad1x1;
   b.bn_stats_compute = bn_nhwc_stats;
   b.bn_stats_relu_max_pool = bn_nhwc_relu_max_pool;
   b.bn_stats_relu_max_pool_backward = bn_stats_relu_max_pool_backward;

@@ -6,8 +6,12 @@
 // composition of F::batch_norm, F::add and F::relu, which defines the result. The ResNet stem's
 // batch norm + ReLU + max pool (batch_norm_relu_max_pool) is fused the same way.
 
+#include <atomic>
+#include <utility>
+
 #include "core/switches.h"
 #include "ops/check.h"
+#include "ops/dgrad_sink.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -15,6 +19,9 @@ namespace {
 
 // KILN_FUSED_BN=0 turns the fused paths off (for A/B measurements and bisecting).
 bool fused_enabled() { return switches().fused_bn; }
+
+std::atomic<int> g_dgrad_fusion{-1};  // -1: not yet read from KILN_FUSED_DGRAD
+std::atomic<uint64_t> g_dgrad_fusions{0};
 
 bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
              const Tensor& running_mean, const Tensor& running_var, bool training) {
@@ -89,8 +96,10 @@ std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t
   return out;
 }
 
-// Backward of batch_norm_from_stats's fused path (Backend::bn_stats_*).
-class BatchNormStatsBackward final : public Node {
+// Backward of batch_norm_from_stats's fused path (Backend::bn_stats_*). With relu and a
+// residual (a ResNet block's tail) it takes the next block's conv1 data gradient into its own
+// first pass where the backend can (ops/dgrad_sink.h).
+class BatchNormStatsBackward final : public Node, public detail::DgradSink {
  public:
   BatchNormStatsBackward(const Tensor& x, const Tensor& mask, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd,
@@ -104,33 +113,55 @@ class BatchNormStatsBackward final : public Node {
   void release_saved() override {
     for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
+    dy1_ = w1_ = Tensor();
   }
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
+  bool accept_dgrad1x1(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
+    if (output_nr != 0 || !relu_ || !add_ || dy1_.defined() || !dgrad_fusion_enabled() ||
+        !x_.defined() || !mask_.defined())
+      return false;
+    const Tensor x = x_.get(*this);
+    const Backend& be = backend(x);
+    if (!be.bn_stats_backward_dgrad1x1 || !be.bn_stats_dgrad1x1_supported(dy1, w1, x))
+      return false;
+    dy1_ = dy1;
+    w1_ = w1;
+    ++g_dgrad_fusions;
+    return true;
+  }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
-    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+    // The conv1 gradient taken in: dy is then what the other consumers added (maybe nothing).
+    const Tensor dy1 = std::exchange(dy1_, Tensor()), w1 = std::exchange(w1_, Tensor());
+    if (!dy.defined() && !dy1.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (dy.defined() && (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype()))
       dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     Tensor dx = empty_like(x);
-    Tensor dz = add_ && needs_input_grad(1) ? empty_like(x) : Tensor();
+    Tensor dz = add_ && (needs_input_grad(1) || dy1.defined()) ? empty_like(x) : Tensor();
     const std::vector<Tensor> targets = param_targets(*this, {2, 3}, x);
     const bool acc = !targets.empty();
     Tensor dw = acc ? targets[0] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
-    // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
-    Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
-    backend(x).bn_stats_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
-                                 save_invstd_.get(*this), scale_shift_.get(*this), relu_,
-                                 acc ? GradientMode::Accumulate : GradientMode::Set);
-    return {needs_input_grad(0) ? dx : Tensor(), dz, dw, db};
+    const GradientMode mode = acc ? GradientMode::Accumulate : GradientMode::Set;
+    if (dy1.defined()) {
+      backend(x).bn_stats_backward_dgrad1x1(dx, dz, dw, db, dy1, w1, dy, x, mask_.get(*this), w,
+                                            save_mean_.get(*this), save_invstd_.get(*this), mode);
+    } else {
+      // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
+      Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
+      backend(x).bn_stats_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
+                                   save_invstd_.get(*this), scale_shift_.get(*this), relu_, mode);
+    }
+    return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(), dw, db};
   }
 
  private:
   SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
   bool relu_, add_;
+  Tensor dy1_, w1_;  // a 1x1 convolution's data gradient operands, taken in (accept_dgrad1x1)
 };
 
 // Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br.
@@ -296,6 +327,18 @@ class BatchNormReluMaxPoolBackward final : public Node {
 };
 
 }  // namespace
+
+bool dgrad_fusion_enabled() {
+  int v = g_dgrad_fusion.load();
+  if (v < 0) {
+    int expected = -1;
+    g_dgrad_fusion.compare_exchange_strong(expected, switches().fused_dgrad ? 1 : 0);
+    v = g_dgrad_fusion.load();
+  }
+  return v == 1;
+}
+void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.store(on ? 1 : 0); }
+uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              bool relu, const Tensor& weight, const Tensor& bias,

@@ -1,5 +1,6 @@
 // conv2d: validation, forward, backward (data, weight, bias), device dispatch.
 #include "ops/check.h"
+#include "ops/dgrad_sink.h"
 #include "ops/ops.h"
 
 namespace kiln::F {
@@ -103,13 +104,24 @@ class Conv2dBackward final : public Node {
     x_.release();
     w_.release();
   }
+  // A stride-1, unpadded 1x1 convolution offers its data gradient to the node its input came
+  // from (ops/dgrad_sink.h); true when that node took it (dx then stays undefined here).
+  bool hand_to_sink(const Tensor& dy, const Tensor& w) const {
+    const Shape& ws = input_meta_[1].shape;
+    if (ws.size() != 4 || ws[2] != 1 || ws[3] != 1 || p_.stride_h != 1 || p_.stride_w != 1 ||
+        p_.pad_h != 0 || p_.pad_w != 0 || p_.groups != 1 || !next_edges_[0].valid())
+      return false;
+    auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
+    return sink && sink->accept_dgrad1x1(next_edges_[0].input_nr, dy, w);
+  }
   // dx and dw are fresh tensors (`=`), or the engine's targets with `+=`; db = Σ_{n,h,w} dy.
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     const Tensor& g = grads[0];
     Tensor dx, dw, db;
     if (needs_input_grad(0)) {
       const Tensor w = w_.get(*this);
-      dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}));
+      if (!hand_to_sink(g, w))
+        dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}));
     }
     if (needs_input_grad(1)) {
       const Tensor x = x_.get(*this);

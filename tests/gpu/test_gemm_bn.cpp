@@ -157,3 +157,72 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
     CHECK(std::string(e.what()).find("K 64 or 128") != std::string::npos);
   }
 }
+
+// The wiring: a block tail relu(bn(y3) + z) whose output feeds a 1x1 convolution and one more
+// consumer (the next block's shortcut; here a product with a fixed tensor). With the fusion the
+// tail's node takes the convolution's data gradient into its GEMM (counted by dgrad_fusions);
+// every gradient matches the unfused run, and the f32 composition.
+TEST_CASE("a block tail takes the next 1x1 convolution's data gradient: gradients unchanged") {
+  struct Case {
+    int64_t c, k;
+    bool shortcut;  // a second consumer of the tail's output
+  };
+  for (Case cs : {Case{256, 64, true}, Case{128, 128, true}, Case{64, 64, false}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.shortcut);
+    manual_seed(101 + uint64_t(cs.c));
+    const Shape shape{4, cs.c, 10, 12};
+    Tensor hy = F::add(F::mul(randn(shape), 1.5), 0.25), hz = randn(shape), hs = randn(shape);
+    Tensor hw1 = F::mul(randn({cs.k, cs.c, 1, 1}), 0.1), hdy = randn({4, cs.k, 10, 12});
+    Tensor hg = uniform({cs.c}, 0.5, 1.5), hb = uniform({cs.c}, -0.5, 0.5);
+    struct Run {
+      Tensor y3, z, w1, weight, bias;
+    };
+    auto run = [&](bool fused, DType dt) {
+      const bool before = F::dgrad_fusion_enabled();
+      F::set_dgrad_fusion_enabled(fused);
+      auto leaf = [&](const Tensor& h, DType t, bool act) {
+        Tensor g = h.to(t).to(kGpu);
+        if (act) g = g.contiguous(MemoryFormat::ChannelsLast);
+        g = g.detach();
+        g.set_requires_grad(true);
+        return g;
+      };
+      Run r{leaf(hy.to(DType::f16), dt, true), leaf(hz.to(DType::f16), dt, true),
+            leaf(hw1.to(DType::f16), dt, false), leaf(hg, DType::f32, false),
+            leaf(hb, DType::f32, false)};
+      const TensorOptions opt = TensorOptions().with_device(kGpu);
+      Tensor rm = zeros({cs.c}, opt), rv = ones({cs.c}, opt);
+      Tensor out;
+      if (dt == DType::f16) {
+        Tensor y32 = r.y3.detach().to(DType::f32);
+        const F::ChannelStats st{F::sum(y32, {0, 2, 3}), F::sum(F::mul(y32, y32), {0, 2, 3}),
+                                 r.y3.version()};
+        out = F::batch_norm_from_stats(r.y3, st, r.z, true, r.weight, r.bias, rm, rv, true);
+      } else {
+        out = F::relu(F::add(F::batch_norm(r.y3, r.weight, r.bias, rm, rv, true), r.z));
+      }
+      Tensor y1 = F::conv2d(out, r.w1);
+      Tensor loss = F::sum(F::mul(y1.to(DType::f32), nhwc(hdy).to(DType::f32)));
+      if (cs.shortcut) loss = F::add(loss, F::sum(F::mul(out.to(DType::f32), nhwc(hs).to(DType::f32))));
+      loss.backward();
+      F::set_dgrad_fusion_enabled(before);
+      return r;
+    };
+    const uint64_t n0 = F::dgrad_fusions();
+    const Run a = run(true, DType::f16);
+    CHECK(F::dgrad_fusions() == n0 + 1);
+    const Run b = run(false, DType::f16);
+    CHECK(F::dgrad_fusions() == n0 + 1);
+    const Run c = run(false, DType::f32);  // the composition in f32
+    KILN_CHECK_OK(testing::compare(f32(a.z.grad()), f32(b.z.grad()), 2e-3, 2e-3));
+    KILN_CHECK_OK(testing::compare(f32(a.y3.grad()), f32(b.y3.grad()), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.weight.grad().to(kCPU), b.weight.grad().to(kCPU), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), b.bias.grad().to(kCPU), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(a.w1.grad()), f32(b.w1.grad()), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(a.z.grad()), f32(c.z.grad()), 2e-2, 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(a.y3.grad()), f32(c.y3.grad()), 5e-2, 2e-2));
+    KILN_CHECK_OK(testing::compare(a.weight.grad().to(kCPU), c.weight.grad().to(kCPU), 1.0, 2e-2));
+    KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), c.bias.grad().to(kCPU), 1.0, 2e-2));
+  }
+}
