@@ -9,7 +9,6 @@
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "ops/ops.h"
-#include "tests/gpu/bn_finalize.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;
@@ -527,10 +526,21 @@ namespace {
 // A finalize of x's statistics with fresh outputs and running statistics (mean 0.5, var 2, so
 // the update is visible) and a counter at 7.
 BnStatsFinalize finalize_of(const Tensor& x, double momentum) {
-  BnStatsFinalize f = testing::finalize_for(x);
-  f.running_mean = full({x.size(1)}, 0.5).to(kGpu);
-  f.running_var = full({x.size(1)}, 2.0).to(kGpu);
+  const int64_t C = x.size(1);
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor x32 = x.to(DType::f32);
+  BnStatsFinalize f;
+  f.save_mean = empty({C}, opt);
+  f.save_invstd = empty({C}, opt);
+  f.scale_shift = empty({2 * C}, opt);
+  f.sum = F::sum(x32, {0, 2, 3});
+  f.sqsum = F::sum(F::mul(x32, x32), {0, 2, 3});
+  f.weight = uniform({C}, 0.5, 1.5).to(kGpu);
+  f.bias = uniform({C}, -0.5, 0.5).to(kGpu);
+  f.running_mean = full({C}, 0.5).to(kGpu);
+  f.running_var = full({C}, 2.0).to(kGpu);
   f.counter = full({}, 7.0, TensorOptions(DType::i64)).to(kGpu);
+  f.count = x.numel() / C;
   f.momentum = momentum;
   return f;
 }
