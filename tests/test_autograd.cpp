@@ -385,3 +385,41 @@ TEST_CASE("deep graphs run and free without recursion trouble") {
   y = Tensor();
   CHECK(a.grad().defined());
 }
+
+// What ops/dgrad_sink.h relies on: a consumer may return no gradient for an input and hand the
+// work to that input's producer instead. The engine still counts the edge, so the producer runs
+// after the consumer — with every other contribution summed, or with an undefined gradient when
+// there is none.
+TEST_CASE("an input's producer runs after every consumer, also one that returned no gradient") {
+  for (bool other_consumer : {true, false}) {
+    CAPTURE(other_consumer);
+    Tensor a = leaf({3});
+    std::vector<std::string> order;
+    Tensor handed;  // what the consumer passed to the producer instead of a gradient
+    Tensor received;
+    Tensor p = custom_op({a}, {3}, [&](std::vector<Tensor>& g) {
+      order.push_back("producer");
+      received = g[0];
+      CHECK(handed.defined());
+      return std::vector<Tensor>{g[0].defined() ? F::add(g[0], handed) : handed};
+    });
+    Tensor c = custom_op({p}, {1}, [&](std::vector<Tensor>&) {
+      order.push_back("consumer");
+      handed = full({3}, 0.25, DType::f64);
+      return std::vector<Tensor>{Tensor()};
+    });
+    Tensor loss = other_consumer ? F::add(F::sum(c), F::sum(F::mul(p, 2.0))) : F::sum(c);
+    loss.backward();
+    REQUIRE(order.size() == 2);
+    CHECK(order[0] == "consumer");
+    CHECK(order[1] == "producer");
+    if (other_consumer) {
+      REQUIRE(received.defined());
+      CHECK(received.to_vector<double>() == std::vector<double>{2, 2, 2});
+      CHECK(a.grad().to_vector<double>() == std::vector<double>{2.25, 2.25, 2.25});
+    } else {
+      CHECK_FALSE(received.defined());
+      CHECK(a.grad().to_vector<double>() == std::vector<double>{0.25, 0.25, 0.25});
+    }
+  }
+}
