@@ -275,3 +275,33 @@ TEST_CASE("batch_norm_relu_max_pool is max_pool2d(relu(batch_norm(x))), differen
         {x, w, b}));
   }
 }
+
+// A BatchNorm2d's num_batches_tracked handed to the F ops (nn::ConvBnRef does): +1 per training
+// call, none in eval — here through the compositions the CPU runs.
+TEST_CASE("the F batch-norm ops count num_batches_tracked once per training call") {
+  auto params = [] {
+    F::BatchNormParams p{ones({3}, DType::f64), zeros({3}, DType::f64), zeros({3}, DType::f64),
+                         ones({3}, DType::f64)};
+    p.num_batches_tracked = zeros({}, DType::i64);
+    return p;
+  };
+  auto count = [](const F::BatchNormParams& p) { return p.num_batches_tracked.item(); };
+  Tensor x = leaf({2, 3, 5, 6}, -2, 2), r = leaf({2, 3, 5, 6}, -2, 2);
+  F::BatchNormParams p = params(), q = params();
+  auto from_stats = [&](bool training) {
+    return F::batch_norm_from_stats(x, F::ChannelStats{}, r, true, p.weight, p.bias,
+                                    p.running_mean, p.running_var, training, p.momentum, p.eps,
+                                    p.num_batches_tracked);
+  };
+  from_stats(true);
+  CHECK(count(p) == 1.0);
+  from_stats(false);
+  CHECK(count(p) == 1.0);
+  F::batch_norm_add_batch_norm_relu(x, F::ChannelStats{}, p, r, F::ChannelStats{}, q, true);
+  CHECK(count(p) == 2.0);
+  CHECK(count(q) == 1.0);
+  F::batch_norm_relu_max_pool(x, F::ChannelStats{}, q, true, 3, 2, 1);
+  CHECK(count(q) == 2.0);
+  F::batch_norm_relu_max_pool(x, F::ChannelStats{}, q, false, 3, 2, 1);
+  CHECK(count(q) == 2.0);
+}
