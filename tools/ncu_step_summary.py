@@ -31,6 +31,7 @@ BYTES = "dram__bytes.sum"
 
 KINDS = [  # first match wins
     ("cuDNN BN", r"batchnorm"),
+    ("kiln GEMM+BN", r"dgrad1x1_bn"),  # cuda/kernels/gemm_bn.cu: a dgrad with BN sums
     ("kiln BN", r"apply_kernel|sums_kernel|finish_kernel|finalize_kernel"),
     ("conv/GEMM", r"xmma|nvjet|cutlass|splitKreduce|ReduceSplitK|convertTensor|nchwToNhwc"
                   r"|init_device_workspace|pad3to4|pad4"),
