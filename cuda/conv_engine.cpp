@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/storage.h"
@@ -218,8 +219,10 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
     std::fprintf(stderr, "[kiln conv engine] %s: %zu plans, legacy best %.4f ms\n", what.c_str(),
                  cands.size(), double(beat_ms));
     for (const be::Candidate& c : cands)
-      std::fprintf(stderr, "    %s: %.4f ms (L2 overwritten: %.4f ms), workspace %lld bytes%s\n",
-                   c.name.c_str(), double(c.ms), double(c.cold_ms),
+      std::fprintf(stderr, "    %s: %.4f ms%s, workspace %lld bytes%s\n", c.name.c_str(),
+                   double(c.ms),
+                   flush ? (" (L2 overwritten: " + std::to_string(c.cold_ms) + " ms)").c_str()
+                         : "",
                    static_cast<long long>(c.workspace),
                    c.deterministic ? "" : ", nondeterministic");
   }

@@ -145,14 +145,7 @@ void BatchNorm2d::check(const Tensor& x) const {
 
 void BatchNorm2d::check_and_count(const Tensor& x) {
   check(x);
-  if (!is_training()) return;
-  NoGradGuard no_grad;
-  if (num_batches_tracked_.is_cpu()) {
-    ++*num_batches_tracked_.data<int64_t>();
-    num_batches_tracked_.bump_version();
-  } else {  // stays on the device: no host synchronisation; one integer kernel
-    F::add_(num_batches_tracked_, 1.0);
-  }
+  if (is_training()) F::count_batch(num_batches_tracked_);
 }
 
 Tensor BatchNorm2d::forward(const Tensor& x) {

@@ -239,8 +239,8 @@ bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& res
 }
 
 // The finalize every fused path shares: per-channel scale and shift from the statistics, the
-// running statistics and the counter updated — by the kernel that takes it (the apply kernels
-// finalize for themselves; Backend::bn_stats_finalize on its own).
+// running statistics and the counter updated — by the backend entry it is handed to
+// (bn_stats_apply and bn_stats_dual_apply run it first; bn_stats_finalize on its own).
 BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const BatchNormParams& p,
                                const char* op) {
   autograd::check_inplace(p.running_mean, op);
@@ -266,18 +266,6 @@ BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const Ba
   p.running_var.bump_version();
   if (f.counter.defined()) f.counter.bump_version();
   return f;
-}
-
-// num_batches_tracked += 1 where no fused kernel counted.
-void count_batch(const Tensor& counter, bool training) {
-  if (!counter.defined() || !training) return;
-  NoGradGuard no_grad;
-  if (counter.is_cpu()) {
-    ++*counter.data<int64_t>();
-    counter.bump_version();
-  } else {
-    add_(counter, 1.0);
-  }
 }
 
 // Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias.
@@ -328,6 +316,17 @@ class BatchNormReluMaxPoolBackward final : public Node {
 
 }  // namespace
 
+void count_batch(const Tensor& counter) {
+  if (!counter.defined()) return;
+  NoGradGuard no_grad;
+  if (counter.is_cpu()) {
+    ++*counter.data<int64_t>();
+    counter.bump_version();
+  } else {  // stays on the device: no host synchronisation; one integer kernel
+    add_(counter, 1.0);
+  }
+}
+
 bool dgrad_fusion_enabled() {
   int v = g_dgrad_fusion.load();
   if (v < 0) {
@@ -365,7 +364,7 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
     }
     return y;
   }
-  count_batch(num_batches_tracked, training);
+  if (training) count_batch(num_batches_tracked);
   if (relu) return batch_norm_relu(x, residual, weight, bias, running_mean, running_var, training,
                                    momentum, eps);
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);

@@ -138,6 +138,11 @@ bool dgrad_fusion_enabled();
 void set_dgrad_fusion_enabled(bool on);
 uint64_t dgrad_fusions();
 
+// counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,
+// outside the graph: what the batch-norm ops below do in training where no kernel of theirs
+// counted.
+void count_batch(const Tensor& counter);
+
 // One batch norm's parameters, running statistics and counter (F::batch_norm_from_stats's
 // arguments).
 struct BatchNormParams {

@@ -211,6 +211,14 @@ TEST_CASE("Conv2d, Linear, BatchNorm2d: shapes, names and PyTorch default init")
   CHECK(bn.running_var().to_vector<double>() == std::vector<double>{1, 1, 1});
   CHECK(bn.num_batches_tracked().dim() == 0);
   CHECK(bn.num_batches_tracked().item() == 0.0);
+  // One batch counted per training forward, none in eval.
+  Tensor x = randn({2, 3, 4, 4});
+  bn.forward(x);
+  bn.forward(x);
+  CHECK(bn.num_batches_tracked().item() == 2.0);
+  bn.eval();
+  bn.forward(x);
+  CHECK(bn.num_batches_tracked().item() == 2.0);
 }
 
 TEST_CASE("init helpers: kaiming_normal fan_out/relu and kaiming_uniform statistics") {
