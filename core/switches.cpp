@@ -16,6 +16,7 @@ Switches read_switches() {
   const char* stem = std::getenv("KILN_FUSED_STEM");
   s.fused_stem = is(stem, "0") ? 0 : is(stem, "forward") ? 1 : 2;
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
+  s.pdl = !is(std::getenv("KILN_PDL"), "0");
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.wgrad_fresh = !is(std::getenv("KILN_WGRAD_FRESH"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");

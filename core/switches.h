@@ -17,6 +17,9 @@
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
 // |                          |                     | own GEMM (before session 11)                    |
+// | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
+// |                          |                     | kernel ends (no programmatic dependent launch;  |
+// |                          |                     | before session 12)                              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
 // |                          |                     | the tuner's choice (before session 10)          |
@@ -45,6 +48,7 @@ struct Switches {
   bool bn_stats_pass = true;
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
+  bool pdl = true;
   bool accumulate_grads = true;
   bool wgrad_fresh = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)

@@ -2,10 +2,12 @@
 #include "cuda/runtime.h"
 
 #include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 
 #include "core/device_query.h"
+#include "core/switches.h"
 #include "core/version.h"
 #include "cuda/check.h"
 
@@ -87,6 +89,21 @@ Context& context(int device) {
   if (!g_contexts[size_t(device)]) g_contexts[size_t(device)] = create_context(device);
   return *g_contexts[size_t(device)];
 }
+
+namespace {
+std::atomic<int> g_pdl{-1};  // -1: not yet read from KILN_PDL
+}  // namespace
+
+bool pdl_enabled() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int expected = -1;
+    g_pdl.compare_exchange_strong(expected, switches().pdl ? 1 : 0);
+    v = g_pdl.load();
+  }
+  return v == 1 && context().props.major >= 9;
+}
+void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0); }
 
 cudaStream_t current_stream() {
   if (t_stream.set) return t_stream.stream;

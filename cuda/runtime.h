@@ -45,6 +45,14 @@ class StreamGuard {
   bool prev_set_;  // whether an outer guard was active (stream 0 is a valid override)
 };
 
+// Programmatic dependent launch (sm_90 and later): kiln's own kernels on the training step's
+// path are launched through cuda::launch (cuda/kernels/common.cuh) so that the next one can be
+// placed on the SMs while the one before it drains; each of them waits for its predecessor's
+// results before it touches memory. True when the current device supports it and neither
+// KILN_PDL=0 nor set_pdl_enabled(false) turned it off.
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
+
 // Waits for all of the current device's work.
 void synchronize();
 

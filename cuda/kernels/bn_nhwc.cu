@@ -61,6 +61,7 @@ struct Finalize {
 
 // One thread per channel, in double; thread 0 also counts.
 __global__ void finalize_kernel(Finalize f, int64_t C) {
+  pdl_start();
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t == 0 && f.counter != nullptr) ++*f.counter;
   for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) {
@@ -97,6 +98,7 @@ template <bool kRelu, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
                              const uint4* __restrict__ z, const float* __restrict__ ss,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
+  pdl_start();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -159,6 +161,7 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
                                      const float* __restrict__ scale_shift,
                                      float* __restrict__ partial, int64_t rows, int64_t G,
                                      int64_t C, int parts) {
+  pdl_start();
   __shared__ float sh_sums[kBlock * 2 * kVec];
   const int tx = threadIdx.x, ty = threadIdx.y, nx = blockDim.x, ny = blockDim.y;
   const int64_t gv = int64_t(blockIdx.x) * nx + tx;
@@ -259,6 +262,7 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
                                        const float* __restrict__ w, const float* __restrict__ mean,
                                        const float* __restrict__ invstd, int64_t C, int parts,
                                        double n, bool acc) {
+  pdl_start();
   float sums[2];
   if (!finish_sums(partial, C, parts, sums)) return;
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
@@ -277,6 +281,7 @@ __global__ void backward_finish_kernel(float* __restrict__ dweight, float* __res
 // sum and sqsum (C) from the kStatsOfX partials.
 __global__ void stats_finish_kernel(float* __restrict__ sum, float* __restrict__ sqsum,
                                     const float* __restrict__ partial, int64_t C, int parts) {
+  pdl_start();
   float sums[2];
   if (!finish_sums(partial, C, parts, sums)) return;
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
@@ -291,6 +296,7 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
                                       const float* __restrict__ scale_shift,
                                       const float* __restrict__ coef, int64_t vecs, int64_t G,
                                       int64_t C) {
+  pdl_start();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;  // as in apply_kernel
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -326,6 +332,7 @@ __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict
                                   const float* __restrict__ ssx, const uint4* __restrict__ r,
                                   const float* __restrict__ ssr, uint8_t* __restrict__ mask,
                                   int64_t vecs, int64_t G, int64_t C) {
+  pdl_start();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;  // as in apply_kernel
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -359,6 +366,7 @@ __global__ void dual_sums_kernel(const uint4* __restrict__ dy, const uint8_t* __
                                  const uint4* __restrict__ r, const float* __restrict__ mean_r,
                                  float* __restrict__ partial, int64_t rows, int64_t G, int64_t C,
                                  int parts) {
+  pdl_start();
   __shared__ float sh_sums[kBlock * 3 * kVec];
   const int tx = threadIdx.x, ty = threadIdx.y, nx = blockDim.x, ny = blockDim.y;
   const int64_t gv = int64_t(blockIdx.x) * nx + tx;
@@ -404,6 +412,7 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
                                    const float* __restrict__ kx, const float* __restrict__ wr,
                                    const float* __restrict__ mr, const float* __restrict__ kr,
                                    int64_t C, int parts, double n, bool acc) {
+  pdl_start();
   float s[3];
   if (!finish_sums(partial, C, parts, s)) return;
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
@@ -430,6 +439,7 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
                                            const uint4* __restrict__ r,
                                            const float* __restrict__ coef, int64_t vecs,
                                            int64_t G, int64_t C) {
+  pdl_start();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const bool fixed = stride % G == 0;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -476,6 +486,7 @@ __global__ void __launch_bounds__(kBlock, 3)
     relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
                               const uint4* __restrict__ x, const float* __restrict__ scale_shift,
                               int H, int W, int OH, int OW, int G) {
+  pdl_start();
   const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= OH * OW * G) return;
   const int g = t % G, pix = t / G, ow = pix % OW, oh = pix / OW;
@@ -617,6 +628,7 @@ __global__ void __launch_bounds__(kBlock, 2)
                           const uint4* __restrict__ x, const float* __restrict__ mean,
                           const float* __restrict__ scale_shift, float* __restrict__ partial,
                           StemPoolGeom s, int items) {
+  pdl_start();
   __shared__ float sh_sums[kBlock][2 * kVec];
   const int tid = threadIdx.x, gv = tid % s.G;
   const int64_t C = int64_t(s.G) * kVec;
@@ -652,6 +664,7 @@ __global__ void __launch_bounds__(kBlock, 2)
                            const uint2* __restrict__ idx, const uint4* __restrict__ x,
                            const float* __restrict__ scale_shift, const float* __restrict__ coef,
                            StemPoolGeom s, int items) {
+  pdl_start();
   const int tid = threadIdx.x, gv = tid % s.G;
   const int64_t C = int64_t(s.G) * kVec;
   const Vec8 sc = load8f(scale_shift + gv * kVec), sh = load8f(scale_shift + C + gv * kVec);
@@ -736,10 +749,10 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
       empty({int64_t(L.parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
   float* pp = static_cast<float*>(partial.raw_data());
   cudaStream_t st = current_stream();
-  backward_sums_kernel<kStatsOfX><<<L.grid, L.block, 0, st>>>(nullptr, vec_in(x), nullptr, nullptr,
-                                                              nullptr, pp, rows, G, C, L.parts);
+  launch(backward_sums_kernel<kStatsOfX>, L.grid, L.block, 0, st, nullptr, vec_in(x), nullptr,
+         nullptr, nullptr, pp, rows, G, C, L.parts);
   KILN_CUDA_CHECK_LAUNCH();
-  stats_finish_kernel<<<finish_grid(C), kFinishBlock, 0, st>>>(s, q, pp, C, L.parts);
+  launch(stats_finish_kernel, finish_grid(C), kFinishBlock, 0, st, s, q, pp, C, L.parts);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -782,7 +795,7 @@ Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op
 // arithmetic's latency.
 const float* finalized(const Finalize& f, int64_t C) {
   if (f.sum != nullptr) {
-    finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(f, C);
+    launch(finalize_kernel, grid_for(C), kBlock, 0, current_stream(), f, C);
     KILN_CUDA_CHECK_LAUNCH();
   }
   return f.scale_shift;
@@ -797,7 +810,7 @@ void bn_nhwc_finalize(const BnStatsFinalize& f) {
   const int64_t C = f.sum.numel();
   // finalize_args checks the channel count against x's dimension 1: a (1, C) view of sum.
   const Finalize d = finalize_args(f, f.sum.reshape({1, C}), op);
-  finalize_kernel<<<grid_for(C), kBlock, 0, current_stream()>>>(d, C);
+  launch(finalize_kernel, grid_for(C), kBlock, 0, current_stream(), d, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -814,13 +827,17 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnSt
   const unsigned grid = grid_for(vecs);
   cudaStream_t s = current_stream();
   const uint4* zp = z.defined() ? vec_in(z) : nullptr;
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kBlock, 0, s>>>(vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
+  auto apply = [&](auto kernel) {
+    launch(kernel, grid, kBlock, 0, s, vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   };
-  if (relu && z.defined()) launch(apply_kernel<true, true>);
-  else if (relu) launch(apply_kernel<true, false>);
-  else if (z.defined()) launch(apply_kernel<false, true>);
-  else launch(apply_kernel<false, false>);
+  if (relu && z.defined())
+    apply(apply_kernel<true, true>);
+  else if (relu)
+    apply(apply_kernel<true, false>);
+  else if (z.defined())
+    apply(apply_kernel<false, true>);
+  else
+    apply(apply_kernel<false, false>);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -857,35 +874,41 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   const dim3 grid = L.grid, block = L.block;
   switch (mode) {
     case kNoMask:
-      backward_sums_kernel<kNoMask><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
-                                                           pp, rows, G, C, parts);
+      launch(backward_sums_kernel<kNoMask>, grid, block, 0, s, vec_in(dy), vec_in(x), yp, mean, ss,
+             pp, rows, G, C, parts);
       break;
     case kMaskFromX:
-      backward_sums_kernel<kMaskFromX><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
-                                                              pp, rows, G, C, parts);
+      launch(backward_sums_kernel<kMaskFromX>, grid, block, 0, s, vec_in(dy), vec_in(x), yp, mean,
+             ss, pp, rows, G, C, parts);
       break;
     default:
-      backward_sums_kernel<kMaskBits><<<grid, block, 0, s>>>(vec_in(dy), vec_in(x), yp, mean, ss,
-                                                              pp, rows, G, C, parts);
+      launch(backward_sums_kernel<kMaskBits>, grid, block, 0, s, vec_in(dy), vec_in(x), yp, mean,
+             ss, pp, rows, G, C, parts);
   }
   KILN_CUDA_CHECK_LAUNCH();
-  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
-      dw, db, cp, pp, w, mean, invstd, C, parts, double(rows), accumulate_params);
+  launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s, dw, db, cp, pp, w, mean,
+         invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned agrid = grid_for(vecs);
   uint4* dzp = dz.defined() ? vec_out(dz) : nullptr;
-  auto launch = [&]<int kMode>() {
+  auto run = [&]<int kMode>() {
     if (dzp)
-      backward_apply_kernel<kMode, true><<<agrid, kBlock, 0, s>>>(vec_out(dx), dzp, vec_in(dy),
-                                                                  vec_in(x), yp, ss, cp, vecs, G, C);
+      launch(backward_apply_kernel<kMode, true>, agrid, kBlock, 0, s, vec_out(dx), dzp, vec_in(dy),
+             vec_in(x), yp, ss, cp, vecs, G, C);
     else
-      backward_apply_kernel<kMode, false><<<agrid, kBlock, 0, s>>>(vec_out(dx), dzp, vec_in(dy),
-                                                                   vec_in(x), yp, ss, cp, vecs, G, C);
+      launch(backward_apply_kernel<kMode, false>, agrid, kBlock, 0, s, vec_out(dx), dzp, vec_in(dy),
+             vec_in(x), yp, ss, cp, vecs, G, C);
   };
   switch (mode) {
-    case kNoMask: launch.template operator()<kNoMask>(); break;
-    case kMaskFromX: launch.template operator()<kMaskFromX>(); break;
-    default: launch.template operator()<kMaskBits>(); break;
+    case kNoMask:
+      run.template operator()<kNoMask>();
+      break;
+    case kMaskFromX:
+      run.template operator()<kMaskFromX>();
+      break;
+    default:
+      run.template operator()<kMaskBits>();
+      break;
   }
   KILN_CUDA_CHECK_LAUNCH();
 }
@@ -901,8 +924,8 @@ void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize&
   if (vecs == 0) return;
   const float* ssx = finalized(finalize_args(f_x, x, op), C);
   const float* ssr = finalized(finalize_args(f_r, x, op), C);
-  dual_apply_kernel<<<grid_for(vecs), kBlock, 0, current_stream()>>>(
-      vec_out(y), vec_in(x), ssx, vec_in(r), ssr, mp, vecs, G, C);
+  launch(dual_apply_kernel, grid_for(vecs), kBlock, 0, current_stream(), vec_out(y), vec_in(x), ssx,
+         vec_in(r), ssr, mp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -932,17 +955,17 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   float* pp = static_cast<float*>(partial.raw_data());
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
-  dual_sums_kernel<<<L.grid, L.block, 0, s>>>(vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp, rows,
-                                          G, C, parts);
+  launch(dual_sums_kernel, L.grid, L.block, 0, s, vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp,
+         rows, G, C, parts);
   KILN_CUDA_CHECK_LAUNCH();
-  dual_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
-      f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
-      f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
-      f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
-      mr, kr, C, parts, double(rows), accumulate_params);
+  launch(dual_finish_kernel, finish_grid(C), kFinishBlock, 0, s,
+         f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
+         f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
+         f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
+         mr, kr, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
-  dual_backward_apply_kernel<<<grid_for(vecs), kBlock, 0, s>>>(
-      vec_out(dx), vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
+  launch(dual_backward_apply_kernel, grid_for(vecs), kBlock, 0, s, vec_out(dx), vec_out(dr),
+         vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -966,13 +989,13 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
   dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean);
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
-  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
-      f32_ptr(dweight, C, x, op, "dweight"), f32_ptr(dbias, C, x, op, "dbias"), cp,
-      static_cast<const float*>(partial.raw_data()), f32_ptr(weight, C, x, op, "weight"), mean,
-      invstd, C, parts, double(rows), accumulate_params);
+  launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s,
+         f32_ptr(dweight, C, x, op, "dweight"), f32_ptr(dbias, C, x, op, "dbias"), cp,
+         static_cast<const float*>(partial.raw_data()), f32_ptr(weight, C, x, op, "weight"), mean,
+         invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
-  backward_apply_kernel<kNoMask, false><<<grid_for(vecs), kBlock, 0, s>>>(
-      vec_out(dx), nullptr, vec_in(g), vec_in(x), nullptr, nullptr, cp, vecs, G, C);
+  launch(backward_apply_kernel<kNoMask, false>, grid_for(vecs), kBlock, 0, s, vec_out(dx), nullptr,
+         vec_in(g), vec_in(x), nullptr, nullptr, cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -998,9 +1021,9 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
   if (y.numel() == 0) return;
   const int G = int(C / kVec);
   const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
-  relu_max_pool_k3s2_kernel<<<grid, kBlock, 0, current_stream()>>>(
-      vec_out(y), static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH),
-      int(OW), G);
+  launch(relu_max_pool_k3s2_kernel, grid, kBlock, 0, current_stream(), vec_out(y),
+         static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH), int(OW),
+         G);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -1055,14 +1078,14 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
   float* cp = static_cast<float*>(coef.raw_data());
   const auto* ip = static_cast<const uint2*>(indices.raw_data());
   cudaStream_t s = current_stream();
-  pool_relu_sums_kernel<<<parts, kBlock, 0, s>>>(vec_in(dy), ip, vec_in(x), mean, ss, pp, geom,
-                                                 int(items));
+  launch(pool_relu_sums_kernel, parts, kBlock, 0, s, vec_in(dy), ip, vec_in(x), mean, ss, pp, geom,
+         int(items));
   KILN_CUDA_CHECK_LAUNCH();
-  backward_finish_kernel<<<finish_grid(C), kFinishBlock, 0, s>>>(
-      dw, db, cp, pp, w, mean, invstd, C, parts, double(rows), accumulate_params);
+  launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s, dw, db, cp, pp, w, mean,
+         invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
-  pool_relu_apply_kernel<<<grid_for(items), kBlock, 0, s>>>(vec_out(dx), vec_in(dy), ip,
-                                                            vec_in(x), ss, cp, geom, int(items));
+  launch(pool_relu_apply_kernel, grid_for(items), kBlock, 0, s, vec_out(dx), vec_in(dy), ip,
+         vec_in(x), ss, cp, geom, int(items));
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "core/tensor.h"
 #include "cuda/check.h"
@@ -149,6 +150,38 @@ inline unsigned grid_for(int64_t n, int block = kBlock) {
   const int64_t cap = int64_t(context().props.multiProcessorCount) * 32;
   if (blocks > cap) blocks = cap;
   return unsigned(blocks < 1 ? 1 : blocks);
+}
+
+// ---- programmatic dependent launch ----
+// A kernel launched with cuda::launch may start while the kernel before it on the stream is
+// still running (sm_90+, when pdl_enabled()). Such a kernel must begin with pdl_start(): it lets
+// the kernel after it be placed as soon as all of its own blocks have started, then waits until
+// the kernel before it has finished and its writes are visible. Nothing of a block runs before
+// that wait, so the stream order of every read and write is unchanged; what overlaps is the
+// launch and the placement of blocks. On older GPUs, and when launched with <<<>>>, both
+// instructions return at once.
+__device__ __forceinline__ void pdl_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) for kernels that begin with pdl_start().
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace kiln::cuda

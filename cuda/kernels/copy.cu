@@ -11,6 +11,7 @@ namespace {
 template <typename D, typename S>
 __global__ void copy_kernel(Geom<2> g, D* __restrict__ dst, const S* __restrict__ src,
                             int64_t n) {
+  pdl_start();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[2];
@@ -22,6 +23,7 @@ __global__ void copy_kernel(Geom<2> g, D* __restrict__ dst, const S* __restrict_
 // Element-size-generic: U is an unsigned integer of the element's width.
 template <typename U>
 __global__ void fill_kernel(Geom<1> g, U* __restrict__ dst, U bits, int64_t n) {
+  pdl_start();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[1];
@@ -33,6 +35,7 @@ __global__ void fill_kernel(Geom<1> g, U* __restrict__ dst, U bits, int64_t n) {
 // dst (P, 4) = src (P, C) with channels C.. zero, C < 4: one pixel per thread, one 8-byte store.
 __global__ void pad4_kernel(uint2* __restrict__ dst, const uint16_t* __restrict__ src, int C,
                             int64_t pixels) {
+  pdl_start();
   for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pixels;
        p += int64_t(gridDim.x) * blockDim.x) {
     uint16_t h[4] = {0, 0, 0, 0};
@@ -45,6 +48,7 @@ __global__ void pad4_kernel(uint2* __restrict__ dst, const uint16_t* __restrict_
 // The RGB case, 8 pixels per thread: 48 bytes in as 3 16-byte loads, 64 bytes out as 4 stores.
 __global__ void pad3to4_kernel(uint4* __restrict__ dst, const uint4* __restrict__ src,
                                int64_t groups) {
+  pdl_start();
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
     uint16_t in[24];
@@ -92,14 +96,14 @@ bool pad_channels4(const Tensor& dst, const Tensor& src) {
                        reinterpret_cast<uintptr_t>(dst.raw_data()) % 16 == 0;
   if (src.size(1) == 3 && pixels % 8 == 0 && aligned) {
     const int64_t groups = pixels / 8;
-    pad3to4_kernel<<<grid_for(groups), kBlock, 0, current_stream()>>>(
-        static_cast<uint4*>(dst.raw_data()), static_cast<const uint4*>(src.raw_data()), groups);
+    launch(pad3to4_kernel, grid_for(groups), kBlock, 0, current_stream(),
+           static_cast<uint4*>(dst.raw_data()), static_cast<const uint4*>(src.raw_data()), groups);
     KILN_CUDA_CHECK_LAUNCH();
     return true;
   }
-  pad4_kernel<<<grid_for(pixels), kBlock, 0, current_stream()>>>(
-      static_cast<uint2*>(dst.raw_data()), static_cast<const uint16_t*>(src.raw_data()),
-      int(src.size(1)), pixels);
+  launch(pad4_kernel, grid_for(pixels), kBlock, 0, current_stream(),
+         static_cast<uint2*>(dst.raw_data()), static_cast<const uint16_t*>(src.raw_data()),
+         int(src.size(1)), pixels);
   KILN_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -111,8 +115,8 @@ void launch_copy_strided(const Tensor& dst, const Tensor& src) {
   cudaStream_t stream = current_stream();
   dispatch_device_all(dst.dtype(), [&]<typename D>() {
     dispatch_device_all(src.dtype(), [&]<typename S>() {
-      copy_kernel<D, S><<<grid_for(n), kBlock, 0, stream>>>(
-          g, static_cast<D*>(dst.raw_data()), static_cast<const S*>(src.raw_data()), n);
+      launch(copy_kernel<D, S>, grid_for(n), kBlock, 0, stream, g, static_cast<D*>(dst.raw_data()),
+             static_cast<const S*>(src.raw_data()), n);
       KILN_CUDA_CHECK_LAUNCH();
     });
   });
@@ -124,8 +128,8 @@ void launch_fill(const Tensor& dst, uint64_t bits) {
   Geom<1> g = make_geom<1>(dst.shape(), {&dst.strides()});
   cudaStream_t stream = current_stream();
   auto run = [&]<typename U>() {
-    fill_kernel<U><<<grid_for(n), kBlock, 0, stream>>>(g, static_cast<U*>(dst.raw_data()),
-                                                       U(bits), n);
+    launch(fill_kernel<U>, grid_for(n), kBlock, 0, stream, g, static_cast<U*>(dst.raw_data()),
+           U(bits), n);
     KILN_CUDA_CHECK_LAUNCH();
   };
   switch (dst.element_size()) {

@@ -19,6 +19,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // ---- unary ----
 template <typename T>
 __global__ void unary_flat(UnaryOp op, T* out, const T* a, acc_t<T> s, int64_t n) {
+  pdl_start();
   using C = acc_t<T>;
   constexpr int V = Vec16<T>::kN;
   const int64_t nv = n / V;
@@ -36,6 +37,7 @@ __global__ void unary_flat(UnaryOp op, T* out, const T* a, acc_t<T> s, int64_t n
 
 template <typename T>
 __global__ void unary_strided(UnaryOp op, Geom<2> g, T* out, const T* a, acc_t<T> s, int64_t n) {
+  pdl_start();
   using C = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -49,6 +51,7 @@ __global__ void unary_strided(UnaryOp op, Geom<2> g, T* out, const T* a, acc_t<T
 template <typename T>
 __global__ void binary_flat(BinaryOp op, T* out, const T* a, const T* b, acc_t<T> alpha,
                             int64_t n) {
+  pdl_start();
   using C = acc_t<T>;
   constexpr int V = Vec16<T>::kN;
   const int64_t nv = n / V;
@@ -70,6 +73,7 @@ __global__ void binary_flat(BinaryOp op, T* out, const T* a, const T* b, acc_t<T
 template <typename T>
 __global__ void binary_strided(BinaryOp op, Geom<3> g, T* out, const T* a, const T* b,
                                acc_t<T> alpha, int64_t n) {
+  pdl_start();
   using C = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -81,6 +85,7 @@ __global__ void binary_strided(BinaryOp op, Geom<3> g, T* out, const T* a, const
 
 // Integer counters (batch norm's num_batches_tracked): out = a + s, exactly.
 __global__ void add_i64_kernel(int64_t* out, const int64_t* a, int64_t s, int64_t n) {
+  pdl_start();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     out[i] = a[i] + s;
@@ -95,9 +100,9 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar) {
       out.is_contiguous() && a.is_contiguous()) {
     KILN_CHECK(scalar == double(int64_t(scalar)), "add (cuda): an i64 tensor takes an integral "
                "scalar, got ", scalar);
-    add_i64_kernel<<<grid_for(n), kBlock, 0, current_stream()>>>(
-        static_cast<int64_t*>(out.raw_data()), static_cast<const int64_t*>(a.raw_data()),
-        int64_t(scalar), n);
+    launch(add_i64_kernel, grid_for(n), kBlock, 0, current_stream(),
+           static_cast<int64_t*>(out.raw_data()), static_cast<const int64_t*>(a.raw_data()),
+           int64_t(scalar), n);
     KILN_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -108,10 +113,10 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar) {
     cudaStream_t stream = current_stream();
     if (dense_same_layout(out, a) && aligned16(o) && aligned16(x)) {
       const int64_t items = (n + Vec16<T>::kN - 1) / Vec16<T>::kN;
-      unary_flat<T><<<grid_for(items), kBlock, 0, stream>>>(op, o, x, C(scalar), n);
+      launch(unary_flat<T>, grid_for(items), kBlock, 0, stream, op, o, x, C(scalar), n);
     } else {
       Geom<2> g = make_geom<2>(out.shape(), {&out.strides(), &a.strides()});
-      unary_strided<T><<<grid_for(n), kBlock, 0, stream>>>(op, g, o, x, C(scalar), n);
+      launch(unary_strided<T>, grid_for(n), kBlock, 0, stream, op, g, o, x, C(scalar), n);
     }
     KILN_CUDA_CHECK_LAUNCH();
   });
@@ -129,10 +134,10 @@ void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b, do
     if (dense_same_layout(out, a) && dense_same_layout(out, b) && aligned16(o) &&
         aligned16(x) && aligned16(y)) {
       const int64_t items = (n + Vec16<T>::kN - 1) / Vec16<T>::kN;
-      binary_flat<T><<<grid_for(items), kBlock, 0, stream>>>(op, o, x, y, C(alpha), n);
+      launch(binary_flat<T>, grid_for(items), kBlock, 0, stream, op, o, x, y, C(alpha), n);
     } else {
       Geom<3> g = make_geom<3>(out.shape(), {&out.strides(), &a.strides(), &b.strides()});
-      binary_strided<T><<<grid_for(n), kBlock, 0, stream>>>(op, g, o, x, y, C(alpha), n);
+      launch(binary_strided<T>, grid_for(n), kBlock, 0, stream, op, g, o, x, y, C(alpha), n);
     }
     KILN_CUDA_CHECK_LAUNCH();
   });

@@ -22,6 +22,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
+#include <mutex>
 
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
@@ -32,6 +34,7 @@ namespace {
 constexpr int kBM = 128, kBN = 64;
 constexpr int kThreads = 256;
 constexpr int kPadC = kBN + 4;  // floats per row of the staged accumulators
+constexpr int kMaxDevices = 64;
 
 // Shared memory of the kernel for K: w's column tile, then two buffers each holding a tile of dy
 // or, once it is consumed, the staged accumulators.
@@ -98,6 +101,7 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
                         const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                         const __half* __restrict__ x, const float* __restrict__ mean, int64_t M,
                         int N) {
+  pdl_start();
   using S = Smem<K>;
   extern __shared__ __align__(16) unsigned char smem[];
   __half* sb = reinterpret_cast<__half*>(smem);
@@ -284,21 +288,25 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   if (M == 0) return 0;
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
-  auto launch = [&]<int kK>() {
+  auto run = [&]<int kK>() {
     auto kernel = dgrad1x1_bn_sums_kernel<kK>;
-    static const bool sized = [&] {  // above 48 KB of dynamic shared memory needs asking
+    // Above 48 KB of dynamic shared memory needs asking, once per device.
+    static std::array<std::once_flag, kMaxDevices> sized;
+    const int dev = current_device();  // where the attribute is set and the kernel runs
+    KILN_CHECK(dev >= 0 && dev < kMaxDevices, op, " (cuda): device ", dev, " out of range");
+    std::call_once(sized[size_t(dev)], [&] {
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(Smem<kK>::kBytes)));
-      return true;
-    }();
-    (void)sized;
-    kernel<<<grid, kThreads, Smem<kK>::kBytes, current_stream()>>>(
-        static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
-        h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
-        static_cast<const float*>(mean.raw_data()), M, int(C));
+    });
+    launch(kernel, grid, kThreads, Smem<kK>::kBytes, current_stream(),
+           static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
+           h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
+           static_cast<const float*>(mean.raw_data()), M, int(C));
   };
-  if (K == 64) launch.template operator()<64>();
-  else launch.template operator()<128>();
+  if (K == 64)
+    run.template operator()<64>();
+  else
+    run.template operator()<128>();
   KILN_CUDA_CHECK_LAUNCH();
   return parts;
 }

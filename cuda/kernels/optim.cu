@@ -42,6 +42,7 @@ __device__ float block_sum(float v) {
 }
 
 __global__ void check_kernel(CheckArgs a) {
+  pdl_start();
   const Chunk ch = a.table.chunks[blockIdx.x];
   const Slot s = a.table.slots[ch.slot];
   const uint8_t* g = a.grads + s.grad;
@@ -59,6 +60,7 @@ __global__ void check_kernel(CheckArgs a) {
 
 __global__ void clip_kernel(const float* partial, int64_t n, const float* scale, float max_norm,
                             float* norm, float* coef) {
+  pdl_start();
   __shared__ double sums[kThreads];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) s += double(partial[i]);
@@ -77,13 +79,18 @@ __global__ void clip_kernel(const float* partial, int64_t n, const float* scale,
 }
 
 __global__ void step_begin_kernel(int32_t* step, const float* found_inf) {
+  pdl_start();
   if (!found_inf || *found_inf == 0.0f) *step += 1;
 }
 
-__global__ void scaler_update_kernel(ScalerArgs a) { scaler_update(a); }
+__global__ void scaler_update_kernel(ScalerArgs a) {
+  pdl_start();
+  scaler_update(a);
+}
 
 template <bool Adam>
 __global__ void step_kernel(StepArgs a) {
+  pdl_start();
   if (a.scaling.found_inf && *a.scaling.found_inf != 0.0f) return;
   const Chunk ch = a.table.chunks[blockIdx.x];
   const Slot s = a.table.slots[ch.slot];
@@ -127,35 +134,35 @@ __global__ void step_kernel(StepArgs a) {
 
 void fused_check_grads(const CheckArgs& a) {
   if (a.table.num_chunks == 0) return;
-  check_kernel<<<unsigned(a.table.num_chunks), kThreads, 0, current_stream()>>>(a);
+  launch(check_kernel, unsigned(a.table.num_chunks), kThreads, 0, current_stream(), a);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void fused_clip_coef(const float* partial, int64_t n, const float* scale, float max_norm,
                      float* norm, float* coef) {
-  clip_kernel<<<1, kThreads, 0, current_stream()>>>(partial, n, scale, max_norm, norm, coef);
+  launch(clip_kernel, 1, kThreads, 0, current_stream(), partial, n, scale, max_norm, norm, coef);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void fused_step_begin(int32_t* step, const float* found_inf) {
-  step_begin_kernel<<<1, 1, 0, current_stream()>>>(step, found_inf);
+  launch(step_begin_kernel, 1, 1, 0, current_stream(), step, found_inf);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void fused_sgd_step(const StepArgs& a) {
   if (a.table.num_chunks == 0) return;
-  step_kernel<false><<<unsigned(a.table.num_chunks), kThreads, 0, current_stream()>>>(a);
+  launch(step_kernel<false>, unsigned(a.table.num_chunks), kThreads, 0, current_stream(), a);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void fused_adamw_step(const StepArgs& a) {
   if (a.table.num_chunks == 0) return;
-  step_kernel<true><<<unsigned(a.table.num_chunks), kThreads, 0, current_stream()>>>(a);
+  launch(step_kernel<true>, unsigned(a.table.num_chunks), kThreads, 0, current_stream(), a);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void loss_scaler_update(const ScalerArgs& a) {
-  scaler_update_kernel<<<1, 1, 0, current_stream()>>>(a);
+  launch(scaler_update_kernel, 1, 1, 0, current_stream(), a);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -79,6 +79,7 @@ __device__ inline I window_argmax(const PoolGeom& g, const T* x, int64_t n, int6
 
 template <typename T, typename I>
 __global__ void max_pool_fwd(PoolGeom g, T* y, I* idx, const T* x, int64_t n_out) {
+  pdl_start();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
     const Idx4 o = decompose(i, g.C, g.OH, g.OW, g.channels_fastest);
@@ -91,6 +92,7 @@ __global__ void max_pool_fwd(PoolGeom g, T* y, I* idx, const T* x, int64_t n_out
 
 template <typename T, typename I>
 __global__ void max_pool_bwd(PoolGeom g, T* dx, const T* dy, const I* idx, int64_t n_in) {
+  pdl_start();
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -144,6 +146,7 @@ struct NhwcGeom {
 
 template <typename T, typename I>
 __global__ void max_pool_fwd_nhwc(NhwcGeom g, T* y, I* idx, const T* x, int64_t n_out) {
+  pdl_start();
   constexpr int V = Vec<T>::n;
   using Cc = acc_t<T>;
   const int64_t C = int64_t(g.CV) * V;
@@ -193,6 +196,7 @@ __global__ void max_pool_fwd_nhwc(NhwcGeom g, T* y, I* idx, const T* x, int64_t 
 
 template <typename T, typename I>
 __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, int64_t n_in) {
+  pdl_start();
   constexpr int V = Vec<T>::n;
   using Cc = acc_t<T>;
   const int64_t C = int64_t(g.CV) * V;
@@ -260,6 +264,7 @@ __global__ void max_pool_bwd_nhwc(NhwcGeom g, T* dx, const T* dy, const I* idx, 
 template <typename T, typename I>
 __global__ void max_pool_bwd_nhwc_k3s2(NhwcGeom g, T* dx, const T* dy, const I* idx,
                                        int64_t n_blocks) {
+  pdl_start();
   constexpr int V = Vec<T>::n;
   using Cc = acc_t<T>;
   const int64_t C = int64_t(g.CV) * V;
@@ -311,6 +316,7 @@ __global__ void max_pool_bwd_nhwc_k3s2(NhwcGeom g, T* dx, const T* dy, const I* 
 // Global average pooling, x (N, HW, C) -> y (N, C): one thread per (n, channel vector).
 template <typename T>
 __global__ void global_avg_fwd_nhwc(int HW, int CV, T* y, const T* x, int64_t n_out) {
+  pdl_start();
   constexpr int V = Vec<T>::n;
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
@@ -337,6 +343,7 @@ __global__ void global_avg_fwd_nhwc(int HW, int CV, T* y, const T* x, int64_t n_
 // dx (N, HW, C) = dy (N, C) / HW: one thread per dx channel vector.
 template <typename T>
 __global__ void global_avg_bwd_nhwc(int HW, int CV, T* dx, const T* dy, int64_t n_in) {
+  pdl_start();
   constexpr int V = Vec<T>::n;
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
@@ -366,6 +373,7 @@ __device__ inline int64_t avg_divisor(const PoolGeom& g, int64_t oh, int64_t ow)
 
 template <typename T>
 __global__ void avg_pool_fwd(PoolGeom g, T* y, const T* x, int64_t n_out) {
+  pdl_start();
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -382,6 +390,7 @@ __global__ void avg_pool_fwd(PoolGeom g, T* y, const T* x, int64_t n_out) {
 
 template <typename T>
 __global__ void avg_pool_bwd(PoolGeom g, T* dx, const T* dy, int64_t n_in) {
+  pdl_start();
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -410,6 +419,7 @@ __device__ inline int64_t ad_end(int64_t i, int64_t in, int64_t out) {
 
 template <typename T>
 __global__ void adaptive_avg_fwd(PoolGeom g, T* y, const T* x, int64_t n_out) {
+  pdl_start();
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -425,6 +435,7 @@ __global__ void adaptive_avg_fwd(PoolGeom g, T* y, const T* x, int64_t n_out) {
 
 template <typename T>
 __global__ void adaptive_avg_bwd(PoolGeom g, T* dx, const T* dy, int64_t n_in) {
+  pdl_start();
   using Cc = acc_t<T>;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_in;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -542,12 +553,12 @@ void max_pool2d_forward(const Tensor& y, const Tensor& indices, const Tensor& x,
       if (nhwc_vectorisable<T>(x) && nhwc_vectorisable<T>(y) &&
           indices_vectorisable<T, I>(indices)) {
         const int64_t n = y.numel() / Vec<T>::n;
-        max_pool_fwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(
-            make_nhwc_geom(x, y, Vec<T>::n, p), ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
+        launch(max_pool_fwd_nhwc<T, I>, grid_for(n), kBlock, 0, s,
+               make_nhwc_geom(x, y, Vec<T>::n, p), ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
       } else {
         const int64_t n = y.numel();
-        max_pool_fwd<T, I><<<grid_for(n), kBlock, 0, s>>>(
-            make_pool_geom(x, y, y, &p, &indices), ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
+        launch(max_pool_fwd<T, I>, grid_for(n), kBlock, 0, s, make_pool_geom(x, y, y, &p, &indices),
+               ptr<T>(y), ptr<I>(indices), ptr<T>(x), n);
       }
       KILN_CUDA_CHECK_LAUNCH();
     });
@@ -568,18 +579,18 @@ void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indic
                           p.dil_w == 1;
         if (k3s2) {
           const int64_t n = dx.size(0) * ((g.H + 1) / 2) * ((g.W + 1) / 2) * g.CV;
-          max_pool_bwd_nhwc_k3s2<T, I><<<grid_for(n), kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy),
-                                                                      ptr<I>(indices), n);
+          launch(max_pool_bwd_nhwc_k3s2<T, I>, grid_for(n), kBlock, 0, s, g, ptr<T>(dx), ptr<T>(dy),
+                 ptr<I>(indices), n);
         } else {
           const int64_t n = dx.numel() / Vec<T>::n;
-          max_pool_bwd_nhwc<T, I><<<grid_for(n), kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy),
-                                                                 ptr<I>(indices), n);
+          launch(max_pool_bwd_nhwc<T, I>, grid_for(n), kBlock, 0, s, g, ptr<T>(dx), ptr<T>(dy),
+                 ptr<I>(indices), n);
         }
       } else {
         const int64_t n = dx.numel();
-        max_pool_bwd<T, I><<<grid_for(n), kBlock, 0, s>>>(
-            make_pool_geom(dx, dy, dx, &p, &indices), ptr<T>(dx), ptr<T>(dy), ptr<I>(indices),
-            n);
+        launch(max_pool_bwd<T, I>, grid_for(n), kBlock, 0, s,
+               make_pool_geom(dx, dy, dx, &p, &indices), ptr<T>(dx), ptr<T>(dy), ptr<I>(indices),
+               n);
       }
       KILN_CUDA_CHECK_LAUNCH();
     });
@@ -589,14 +600,14 @@ void max_pool2d_backward(const Tensor& dx, const Tensor& dy, const Tensor& indic
 void avg_pool2d_forward(const Tensor& y, const Tensor& x, const PoolParams& p) {
   PoolGeom g = make_pool_geom(x, y, y, &p);
   run("avg_pool2d", y, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-    avg_pool_fwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(y), ptr<T>(x), n);
+    launch(avg_pool_fwd<T>, grid, kBlock, 0, s, g, ptr<T>(y), ptr<T>(x), n);
   });
 }
 
 void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p) {
   PoolGeom g = make_pool_geom(dx, dy, dx, &p);
   run("avg_pool2d backward", dx, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-    avg_pool_bwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy), n);
+    launch(avg_pool_bwd<T>, grid, kBlock, 0, s, g, ptr<T>(dx), ptr<T>(dy), n);
   });
 }
 
@@ -606,8 +617,8 @@ void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x) {
     const bool done = dispatch_device_float(y.dtype(), "adaptive_avg_pool2d", [&]<typename T>() {
       if (!nhwc_vectorisable<T>(x) || !flat_nc(y) || !aligned(y, 16)) return false;
       const int64_t n = y.numel() / Vec<T>::n;
-      global_avg_fwd_nhwc<T><<<grid_for(n), kBlock, 0, current_stream()>>>(
-          int(x.size(2) * x.size(3)), int(x.size(1) / Vec<T>::n), ptr<T>(y), ptr<T>(x), n);
+      launch(global_avg_fwd_nhwc<T>, grid_for(n), kBlock, 0, current_stream(),
+             int(x.size(2) * x.size(3)), int(x.size(1) / Vec<T>::n), ptr<T>(y), ptr<T>(x), n);
       KILN_CUDA_CHECK_LAUNCH();
       return true;
     });
@@ -615,7 +626,7 @@ void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x) {
   }
   PoolGeom g = make_pool_geom(x, y, y, nullptr);
   run("adaptive_avg_pool2d", y, [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-    adaptive_avg_fwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(y), ptr<T>(x), n);
+    launch(adaptive_avg_fwd<T>, grid, kBlock, 0, s, g, ptr<T>(y), ptr<T>(x), n);
   });
 }
 
@@ -626,9 +637,9 @@ void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy) {
         dispatch_device_float(dx.dtype(), "adaptive_avg_pool2d backward", [&]<typename T>() {
           if (!nhwc_vectorisable<T>(dx) || !flat_nc(dy) || !aligned(dy, 16)) return false;
           const int64_t n = dx.numel() / Vec<T>::n;
-          global_avg_bwd_nhwc<T><<<grid_for(n), kBlock, 0, current_stream()>>>(
-              int(dx.size(2) * dx.size(3)), int(dx.size(1) / Vec<T>::n), ptr<T>(dx), ptr<T>(dy),
-              n);
+          launch(global_avg_bwd_nhwc<T>, grid_for(n), kBlock, 0, current_stream(),
+                 int(dx.size(2) * dx.size(3)), int(dx.size(1) / Vec<T>::n), ptr<T>(dx), ptr<T>(dy),
+                 n);
           KILN_CUDA_CHECK_LAUNCH();
           return true;
         });
@@ -637,7 +648,7 @@ void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy) {
   PoolGeom g = make_pool_geom(dx, dy, dx, nullptr);
   run("adaptive_avg_pool2d backward", dx,
       [&]<typename T>(unsigned grid, int64_t n, cudaStream_t s) {
-        adaptive_avg_bwd<T><<<grid, kBlock, 0, s>>>(g, ptr<T>(dx), ptr<T>(dy), n);
+        launch(adaptive_avg_bwd<T>, grid, kBlock, 0, s, g, ptr<T>(dx), ptr<T>(dy), n);
       });
 }
 

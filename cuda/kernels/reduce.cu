@@ -17,6 +17,7 @@ constexpr int kWarps = kBlock / 32;
 template <int TPR, typename T>
 __global__ void reduce_rows_kernel(ReduceOp op, T* out, const T* x, int64_t rows,
                                    int64_t inner) {
+  pdl_start();
   using C = acc_t<T>;
   __shared__ C partial[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -50,6 +51,7 @@ __global__ void reduce_rows_kernel(ReduceOp op, T* out, const T* x, int64_t rows
 template <int TPR, typename T>
 __global__ void max_rows_kernel(T* values, int64_t* indices, const T* x, int64_t rows,
                                 int64_t inner) {
+  pdl_start();
   using C = acc_t<T>;
   __shared__ C pv[kWarps];
   __shared__ int64_t pi[kWarps];
@@ -94,6 +96,7 @@ __global__ void max_rows_kernel(T* values, int64_t* indices, const T* x, int64_t
 template <typename T>
 __global__ void scatter_rows_kernel(T* dx, const T* g, const int64_t* indices, int64_t rows,
                                     int64_t inner) {
+  pdl_start();
   const int64_t n = rows * inner;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -117,9 +120,10 @@ void reduce_rows(ReduceOp op, const Tensor& out, const Tensor& x, int64_t rows, 
     const T* p = static_cast<const T*>(x.raw_data());
     cudaStream_t s = current_stream();
     if (inner >= kLongRow)
-      reduce_rows_kernel<kBlock, T><<<row_grid(rows, kBlock), kBlock, 0, s>>>(op, o, p, rows, inner);
+      launch(reduce_rows_kernel<kBlock, T>, row_grid(rows, kBlock), kBlock, 0, s, op, o, p, rows,
+             inner);
     else
-      reduce_rows_kernel<32, T><<<row_grid(rows, 32), kBlock, 0, s>>>(op, o, p, rows, inner);
+      launch(reduce_rows_kernel<32, T>, row_grid(rows, 32), kBlock, 0, s, op, o, p, rows, inner);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }
@@ -133,9 +137,10 @@ void max_rows(const Tensor& values, const Tensor& indices, const Tensor& x, int6
     const T* p = static_cast<const T*>(x.raw_data());
     cudaStream_t s = current_stream();
     if (inner >= kLongRow)
-      max_rows_kernel<kBlock, T><<<row_grid(rows, kBlock), kBlock, 0, s>>>(v, ix, p, rows, inner);
+      launch(max_rows_kernel<kBlock, T>, row_grid(rows, kBlock), kBlock, 0, s, v, ix, p, rows,
+             inner);
     else
-      max_rows_kernel<32, T><<<row_grid(rows, 32), kBlock, 0, s>>>(v, ix, p, rows, inner);
+      launch(max_rows_kernel<32, T>, row_grid(rows, 32), kBlock, 0, s, v, ix, p, rows, inner);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }
@@ -145,9 +150,9 @@ void scatter_rows(const Tensor& dx, const Tensor& g, const Tensor& indices, int6
   const int64_t n = rows * inner;
   if (n == 0) return;
   dispatch_device_float(dx.dtype(), "max backward", [&]<typename T>() {
-    scatter_rows_kernel<T><<<grid_for(n), kBlock, 0, current_stream()>>>(
-        static_cast<T*>(dx.raw_data()), static_cast<const T*>(g.raw_data()),
-        static_cast<const int64_t*>(indices.raw_data()), rows, inner);
+    launch(scatter_rows_kernel<T>, grid_for(n), kBlock, 0, current_stream(),
+           static_cast<T*>(dx.raw_data()), static_cast<const T*>(g.raw_data()),
+           static_cast<const int64_t*>(indices.raw_data()), rows, inner);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }

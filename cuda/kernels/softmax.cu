@@ -22,6 +22,7 @@ __device__ inline int64_t warp_row(int64_t& step) {
 
 template <typename T>
 __global__ void softmax_fwd(T* y, const T* x, int64_t rows, int64_t cols, bool log_out) {
+  pdl_start();
   using C = acc_t<T>;
   const int lane = threadIdx.x % 32;
   int64_t step;
@@ -47,6 +48,7 @@ __global__ void softmax_fwd(T* y, const T* x, int64_t rows, int64_t cols, bool l
 template <typename T>
 __global__ void softmax_bwd(T* dx, const T* dy, const T* y, int64_t rows, int64_t cols,
                             bool log_out) {
+  pdl_start();
   using C = acc_t<T>;
   const int lane = threadIdx.x % 32;
   int64_t step;
@@ -72,6 +74,7 @@ template <typename T, typename G, typename I>
 __global__ void cross_entropy_rows(float* row_loss, int* row_hit, G* grad, const T* logits,
                                    const I* target, int64_t rows, int64_t cols, double eps,
                                    double scale) {
+  pdl_start();
   using C = acc_t<T>;
   const int lane = threadIdx.x % 32;
   int64_t step;
@@ -116,6 +119,7 @@ __global__ void cross_entropy_rows(float* row_loss, int* row_hit, G* grad, const
 // One block: loss = Σ row_loss / N, correct = Σ row_hit, in a fixed order.
 __global__ void cross_entropy_total(float* loss, int64_t* correct, const float* row_loss,
                                     const int* row_hit, int64_t rows) {
+  pdl_start();
   __shared__ float sl[kBlock];
   __shared__ long long sc[kBlock];
   float l = 0;
@@ -156,8 +160,8 @@ void softmax_forward(const Tensor& y, const Tensor& x, bool log) {
   last_dim(x, rows, cols);
   if (rows == 0) return;
   dispatch_device_float(x.dtype(), log ? "log_softmax" : "softmax", [&]<typename T>() {
-    softmax_fwd<T><<<warp_rows_grid(rows), kBlock, 0, current_stream()>>>(
-        static_cast<T*>(y.raw_data()), static_cast<const T*>(x.raw_data()), rows, cols, log);
+    launch(softmax_fwd<T>, warp_rows_grid(rows), kBlock, 0, current_stream(),
+           static_cast<T*>(y.raw_data()), static_cast<const T*>(x.raw_data()), rows, cols, log);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }
@@ -166,13 +170,13 @@ void softmax_backward(const Tensor& dx, const Tensor& dy, const Tensor& y, bool 
   int64_t rows, cols;
   last_dim(y, rows, cols);
   if (rows == 0) return;
-  dispatch_device_float(y.dtype(), log ? "log_softmax backward" : "softmax backward",
-                        [&]<typename T>() {
-    softmax_bwd<T><<<warp_rows_grid(rows), kBlock, 0, current_stream()>>>(
-        static_cast<T*>(dx.raw_data()), static_cast<const T*>(dy.raw_data()),
-        static_cast<const T*>(y.raw_data()), rows, cols, log);
-    KILN_CUDA_CHECK_LAUNCH();
-  });
+  dispatch_device_float(
+      y.dtype(), log ? "log_softmax backward" : "softmax backward", [&]<typename T>() {
+        launch(softmax_bwd<T>, warp_rows_grid(rows), kBlock, 0, current_stream(),
+               static_cast<T*>(dx.raw_data()), static_cast<const T*>(dy.raw_data()),
+               static_cast<const T*>(y.raw_data()), rows, cols, log);
+        KILN_CUDA_CHECK_LAUNCH();
+      });
 }
 
 void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& correct,
@@ -206,28 +210,27 @@ void cross_entropy_fused(const Tensor& loss, const Tensor& grad, const Tensor& c
       "cross_entropy (cuda): grad must have the logits' dtype (or f32 for 16-bit logits), got ",
       grad.desc(), " for logits ", logits.desc());
   dispatch_device_float(logits.dtype(), "cross_entropy", [&]<typename T>() {
-    auto launch = [&]<typename G, typename I>() {
-      cross_entropy_rows<T, G, I><<<warp_rows_grid(rows), kBlock, 0, stream>>>(
-          static_cast<float*>(row_loss.raw_data()), static_cast<int*>(row_hit.raw_data()),
-          static_cast<G*>(grad.raw_data()), static_cast<const T*>(logits.raw_data()),
-          static_cast<const I*>(target.raw_data()), rows, cols, label_smoothing, scale);
+    auto rows_kernel = [&]<typename G, typename I>() {
+      launch(cross_entropy_rows<T, G, I>, warp_rows_grid(rows), kBlock, 0, stream,
+             static_cast<float*>(row_loss.raw_data()), static_cast<int*>(row_hit.raw_data()),
+             static_cast<G*>(grad.raw_data()), static_cast<const T*>(logits.raw_data()),
+             static_cast<const I*>(target.raw_data()), rows, cols, label_smoothing, scale);
       KILN_CUDA_CHECK_LAUNCH();
     };
     auto with_grad = [&]<typename G>() {
       if (target.dtype() == DType::i64)
-        launch.template operator()<G, int64_t>();
+        rows_kernel.template operator()<G, int64_t>();
       else
-        launch.template operator()<G, int32_t>();
+        rows_kernel.template operator()<G, int32_t>();
     };
     if (f32_grad)
       with_grad.template operator()<float>();
     else
       with_grad.template operator()<T>();
   });
-  cross_entropy_total<<<1, kBlock, 0, stream>>>(
-      static_cast<float*>(loss.raw_data()), static_cast<int64_t*>(correct.raw_data()),
-      static_cast<const float*>(row_loss.raw_data()), static_cast<const int*>(row_hit.raw_data()),
-      rows);
+  launch(cross_entropy_total, 1, kBlock, 0, stream, static_cast<float*>(loss.raw_data()),
+         static_cast<int64_t*>(correct.raw_data()), static_cast<const float*>(row_loss.raw_data()),
+         static_cast<const int*>(row_hit.raw_data()), rows);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

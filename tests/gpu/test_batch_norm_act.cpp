@@ -8,6 +8,7 @@
 
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
+#include "cuda/runtime.h"
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
 
@@ -638,4 +639,51 @@ TEST_CASE("batch_norm_from_stats and friends count the batch once") {
   CHECK(count(q.num_batches_tracked) == 1);
   F::batch_norm_relu_max_pool(x, o.stats, q, true, 3, 2, 1, 1);
   CHECK(count(q.num_batches_tracked) == 2);
+}
+
+// Programmatic dependent launch (cuda::launch, sm_90+) changes when kiln's kernels are placed,
+// never what they compute: a chain of fused batch norms forward and backward, on tensors of
+// several waves, gives the same bits with it on and off.
+TEST_CASE("the fused batch norms give the same bits with programmatic dependent launch on and off") {
+  const bool was = cuda::pdl_enabled();
+  const Shape shape{32, 256, 28, 28};
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  manual_seed(81);
+  Tensor hx = randn(shape), hr = randn(shape), hdy = randn(shape);
+  Tensor hw = uniform({256}, 0.5, 1.5), hb = uniform({256}, -0.5, 0.5);
+  auto stats_of = [](const Tensor& t) {
+    Tensor t32 = t.detach().to(DType::f32);
+    return F::ChannelStats{F::sum(t32, {0, 2, 3}), F::sum(F::mul(t32, t32), {0, 2, 3}),
+                           t.version()};
+  };
+  struct Run {
+    Tensor y, dx, dr, dw, db, rm, count;
+  };
+  auto run = [&](bool pdl) {
+    cuda::set_pdl_enabled(pdl);
+    Tensor x = gpu_leaf(hx, DType::f16, true), r = gpu_leaf(hr, DType::f16, true);
+    F::BatchNormParams px{gpu_leaf(hw, DType::f32, false), gpu_leaf(hb, DType::f32, false),
+                          zeros({256}, opt), ones({256}, opt)};
+    F::BatchNormParams pr{gpu_leaf(hw, DType::f32, false), gpu_leaf(hb, DType::f32, false),
+                          zeros({256}, opt), ones({256}, opt)};
+    px.num_batches_tracked = zeros({}, TensorOptions(DType::i64).with_device(kGpu));
+    Tensor h = F::batch_norm_add_batch_norm_relu(x, stats_of(x), px, r, stats_of(r), pr, true);
+    Tensor y = F::batch_norm_from_stats(h, stats_of(h), x, true, px.weight, px.bias,
+                                        px.running_mean, px.running_var, true, px.momentum,
+                                        px.eps, px.num_batches_tracked);
+    y.backward(hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast));
+    cuda::synchronize();
+    return Run{y, x.grad(), r.grad(), px.weight.grad(), pr.bias.grad(), px.running_mean,
+               px.num_batches_tracked};
+  };
+  const Run on = run(true), off = run(false);
+  cuda::set_pdl_enabled(was);
+  CHECK(bitwise_equal(on.y, off.y));
+  CHECK(bitwise_equal(on.dx, off.dx));
+  CHECK(bitwise_equal(on.dr, off.dr));
+  CHECK(bitwise_equal(on.dw, off.dw));
+  CHECK(bitwise_equal(on.db, off.db));
+  CHECK(bitwise_equal(on.rm, off.rm));
+  CHECK(on.count.to(kCPU).data<int64_t>()[0] == 2);
+  CHECK(bitwise_equal(on.count, off.count));
 }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <thread>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/kernels.h"
@@ -268,4 +269,36 @@ TEST_CASE("profiler: op table and NVTX ranges") {
   CHECK(report.substr(at, 60).find(" 3 ") != std::string::npos);
   cuda::profiler_reset();
   CHECK(cuda::profiler_report().find("test_fill") == std::string::npos);
+}
+
+TEST_CASE("programmatic dependent launch: each kernel still sees all of the previous one's writes") {
+  const cudaDeviceProp& props = cuda::context().props;
+  if (props.major < 9) CHECK_FALSE(cuda::pdl_enabled());
+  const bool was = cuda::pdl_enabled();
+  cuda::set_pdl_enabled(true);
+  CHECK(cuda::pdl_enabled() == (props.major >= 9));
+  // 64 dependent passes over 96 MB (more than L2) alternating between two buffers, with a
+  // one-block kernel (the minimum of the whole buffer) after every eighth: one element read
+  // before its producer finished leaves a value below 64, or a minimum below the pass count.
+  const int64_t n = int64_t(24) << 20;
+  const TensorOptions f32 = TensorOptions().with_device(Device::cuda(0));
+  Tensor a = zeros({n}, f32), b = empty({n}, f32);
+  std::vector<Tensor> mins;
+  for (int i = 0; i < 64; ++i) {
+    const Tensor& out = (i % 2) ? a : b;
+    cuda::unary(UnaryOp::AddScalar, out, (i % 2) ? b : a, 1.0);
+    if (i % 8 == 7) {
+      mins.push_back(empty({1}, f32));
+      cuda::reduce_rows(ReduceOp::Min, mins.back(), out, 1, n);
+    }
+  }
+  cuda::synchronize();
+  Tensor host = a.to(Device::cpu());
+  const float* p = host.data<float>();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += p[i] != 64.f;
+  CHECK(wrong == 0);
+  for (size_t k = 0; k < mins.size(); ++k)
+    CHECK(mins[k].to(Device::cpu()).item<float>() == float(8 * (k + 1)));
+  cuda::set_pdl_enabled(was);
 }
