@@ -17,6 +17,9 @@ Switches read_switches() {
   s.fused_stem = is(stem, "0") ? 0 : is(stem, "forward") ? 1 : 2;
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
+  const char* sb = std::getenv("KILN_BN_SUMS_BLOCKS");
+  const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;
+  if (blocks > 0 && blocks <= 64) s.bn_sums_blocks = int(blocks);
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.wgrad_fresh = !is(std::getenv("KILN_WGRAD_FRESH"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");

@@ -17,6 +17,9 @@
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
 // |                          |                     | own GEMM (before session 11)                    |
+// | KILN_BN_SUMS_BLOCKS      | N > 0               | the BN sums kernels split rows over N blocks per|
+// |                          |                     | SM (8 before session 12), not over the blocks   |
+// |                          |                     | the SM holds at once                            |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before session 12)                              |
@@ -49,6 +52,7 @@ struct Switches {
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
   bool pdl = true;
+  int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
   bool wgrad_fresh = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)

@@ -6,7 +6,11 @@
 // kernel adds them per channel in a fixed order — bit-reproducible, so a replayed CUDA graph
 // matches eager execution.
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
 
+#include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 
@@ -693,17 +697,37 @@ void check_act(const Tensor& t, const Tensor& x, const char* op, const char* wha
              t.defined() ? t.desc() : "undefined");
 }
 
+// Blocks of `kernel` (kBlock threads, no dynamic shared memory) resident on one SM of the
+// current device; cached per kernel and device. KILN_BN_SUMS_BLOCKS=N says N instead.
+int resident_blocks(const void* kernel) {
+  if (switches().bn_sums_blocks > 0) return switches().bn_sums_blocks;
+  static std::mutex m;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const std::pair<const void*, int> key{kernel, current_device()};
+  std::lock_guard<std::mutex> lock(m);
+  auto [it, fresh] = cache.try_emplace(key, 1);
+  if (fresh) {
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kBlock, 0));
+    it->second = std::max(n, 1);
+  }
+  return it->second;
+}
+
 // Launch shape of the backward sums over (rows, G vectors): tx vectors of a row side by side per
-// block row, ty rows, and enough parts (row splits) to fill the device. Depends only on the
-// shape and the device, which keeps the sums bit-reproducible.
+// block row, ty rows, and as many parts (row splits) as the device holds blocks of `kernel` at
+// once: one wave, so every resident block streams rows until the end and the finishing kernel
+// adds as few partials as keep the memory busy (8 blocks per SM, 1,024 partials per channel at
+// 64 channels, before session 12). Depends only on the shape, the kernel and the device, which
+// keeps the sums bit-reproducible.
 struct SumsLaunch {
   dim3 grid, block;
   int parts;
 };
-SumsLaunch sums_launch(int64_t rows, int64_t G) {
+SumsLaunch sums_launch(int64_t rows, int64_t G, const void* kernel) {
   const int tx = int(std::min<int64_t>(G, 32)), ty = kBlock / tx;
   const int64_t tiles = (G + tx - 1) / tx;
-  const int64_t target = int64_t(context().props.multiProcessorCount) * 8;
+  const int64_t target = int64_t(context().props.multiProcessorCount) * resident_blocks(kernel);
   const int64_t useful = (rows + ty - 1) / ty;
   const int parts = int(std::clamp<int64_t>((target + tiles - 1) / tiles, 1,
                                             std::clamp<int64_t>(useful, 1, kMaxParts)));
@@ -744,7 +768,8 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
   float* s = required(f32_ptr(sum, C, x, op, "sum"), op, "sum");
   float* q = required(f32_ptr(sqsum, C, x, op, "sqsum"), op, "sqsum");
   KILN_CHECK(rows > 0, op, " (cuda): x has no values, got ", x.desc());
-  const SumsLaunch L = sums_launch(rows, G);
+  const SumsLaunch L =
+      sums_launch(rows, G, reinterpret_cast<const void*>(backward_sums_kernel<kStatsOfX>));
   Tensor partial =
       empty({int64_t(L.parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
   float* pp = static_cast<float*>(partial.raw_data());
@@ -863,7 +888,11 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   float* db = f32_ptr(dbias, C, x, op, "dbias");
   KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
 
-  const SumsLaunch L = sums_launch(rows, G);
+  const void* sums_kernel =
+      mode == kNoMask      ? reinterpret_cast<const void*>(backward_sums_kernel<kNoMask>)
+      : mode == kMaskFromX ? reinterpret_cast<const void*>(backward_sums_kernel<kMaskFromX>)
+                           : reinterpret_cast<const void*>(backward_sums_kernel<kMaskBits>);
+  const SumsLaunch L = sums_launch(rows, G, sums_kernel);
   const int parts = L.parts;
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
@@ -947,7 +976,7 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
   const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
   const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
-  const SumsLaunch L = sums_launch(rows, G);
+  const SumsLaunch L = sums_launch(rows, G, reinterpret_cast<const void*>(dual_sums_kernel));
   const int parts = L.parts;
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
@@ -1070,7 +1099,10 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
   float* dw = f32_ptr(dweight, C, x, op, "dweight");
   float* db = f32_ptr(dbias, C, x, op, "dbias");
   const StemPoolGeom geom{int(H), int(W), int(OH), int(OW), int(G), int(BH), int(BW)};
-  const int parts = int(std::min<int64_t>(kMaxParts, (items + kBlock - 1) / kBlock));
+  // One wave of resident blocks, as sums_launch.
+  const int64_t resident = int64_t(context().props.multiProcessorCount) *
+                           resident_blocks(reinterpret_cast<const void*>(pool_relu_sums_kernel));
+  const int parts = int(std::min<int64_t>({kMaxParts, resident, (items + kBlock - 1) / kBlock}));
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
