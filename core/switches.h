@@ -17,9 +17,9 @@
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
 // |                          |                     | own GEMM (before session 11)                    |
-// | KILN_BN_SUMS_BLOCKS      | N > 0               | the BN sums kernels split rows over N blocks per|
-// |                          |                     | SM (8 before session 12), not over the blocks   |
-// |                          |                     | the SM holds at once                            |
+// | KILN_BN_SUMS_BLOCKS      | N in 1..64          | the BN sums kernels split rows over N blocks    |
+// |                          |                     | per SM (8 before session 12), not over the      |
+// |                          |                     | blocks an SM holds at once                      |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before session 12)                              |
