@@ -174,7 +174,7 @@ void check_inplace(const Tensor& t, const char* op) {
 
 namespace {
 
-std::atomic<int> g_accumulate{-1};  // -1: not yet read from KILN_ACCUMULATE_GRADS
+constinit RuntimeSwitch g_accumulate{&Switches::accumulate_grads};  // KILN_ACCUMULATE_GRADS
 std::atomic<uint64_t> g_offered{0}, g_offered_leaf{0}, g_used{0};
 
 // A buffered partial sum the engine may hand to a node to accumulate into: nobody else can
@@ -226,16 +226,8 @@ void validate_grads(const Node& node, std::vector<Tensor>& grads) {
 
 }  // namespace
 
-bool accumulate_into_enabled() {
-  int v = g_accumulate.load();
-  if (v < 0) {
-    int expected = -1;
-    g_accumulate.compare_exchange_strong(expected, switches().accumulate_grads ? 1 : 0);
-    v = g_accumulate.load();
-  }
-  return v == 1;
-}
-void set_accumulate_into_enabled(bool on) { g_accumulate.store(on ? 1 : 0); }
+bool accumulate_into_enabled() { return g_accumulate.get(); }
+void set_accumulate_into_enabled(bool on) { g_accumulate.set(on); }
 
 AccumulateStats accumulate_stats() {
   return {g_offered.load(), g_used.load(), g_offered_leaf.load()};

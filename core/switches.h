@@ -40,6 +40,7 @@
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
+#include <atomic>
 #include <cstddef>
 #include <string>
 
@@ -66,5 +67,27 @@ struct Switches {
 
 // The process's switches, read from the environment on the first call.
 const Switches& switches();
+
+// A boolean switch that starts from its Switches field and that a program or test may flip at run
+// time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled and
+// cuda::set_pdl_enabled.
+class RuntimeSwitch {
+ public:
+  explicit constexpr RuntimeSwitch(bool Switches::*field) : field_(field) {}
+  bool get() const {
+    int v = v_.load(std::memory_order_relaxed);
+    if (v < 0) {  // first use: the environment's value, unless set() came first
+      int expected = -1;
+      v_.compare_exchange_strong(expected, switches().*field_ ? 1 : 0);
+      v = v_.load();
+    }
+    return v == 1;
+  }
+  void set(bool on) { v_.store(on ? 1 : 0); }
+
+ private:
+  bool Switches::*field_;
+  mutable std::atomic<int> v_{-1};
+};
 
 }  // namespace kiln

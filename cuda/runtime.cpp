@@ -2,7 +2,6 @@
 #include "cuda/runtime.h"
 
 #include <array>
-#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -91,19 +90,11 @@ Context& context(int device) {
 }
 
 namespace {
-std::atomic<int> g_pdl{-1};  // -1: not yet read from KILN_PDL
+constinit RuntimeSwitch g_pdl{&Switches::pdl};  // KILN_PDL
 }  // namespace
 
-bool pdl_enabled() {
-  int v = g_pdl.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int expected = -1;
-    g_pdl.compare_exchange_strong(expected, switches().pdl ? 1 : 0);
-    v = g_pdl.load();
-  }
-  return v == 1 && context().props.major >= 9;
-}
-void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0); }
+bool pdl_enabled() { return g_pdl.get() && context().props.major >= 9; }
+void set_pdl_enabled(bool on) { g_pdl.set(on); }
 
 cudaStream_t current_stream() {
   if (t_stream.set) return t_stream.stream;

@@ -20,7 +20,7 @@ namespace {
 // KILN_FUSED_BN=0 turns the fused paths off (for A/B measurements and bisecting).
 bool fused_enabled() { return switches().fused_bn; }
 
-std::atomic<int> g_dgrad_fusion{-1};  // -1: not yet read from KILN_FUSED_DGRAD
+constinit RuntimeSwitch g_dgrad_fusion{&Switches::fused_dgrad};  // KILN_FUSED_DGRAD
 std::atomic<uint64_t> g_dgrad_fusions{0};
 
 bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -327,16 +327,8 @@ void count_batch(const Tensor& counter) {
   }
 }
 
-bool dgrad_fusion_enabled() {
-  int v = g_dgrad_fusion.load();
-  if (v < 0) {
-    int expected = -1;
-    g_dgrad_fusion.compare_exchange_strong(expected, switches().fused_dgrad ? 1 : 0);
-    v = g_dgrad_fusion.load();
-  }
-  return v == 1;
-}
-void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.store(on ? 1 : 0); }
+bool dgrad_fusion_enabled() { return g_dgrad_fusion.get(); }
+void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.set(on); }
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
