@@ -26,7 +26,9 @@
 #include <mutex>
 
 #include "cuda/kernels.h"
+#include "core/switches.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_wgmma.h"
 
 namespace kiln::cuda {
 namespace {
@@ -241,8 +243,19 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
 
 }  // namespace
 
-// Two CTAs per SM over the whole grid, at most one per M tile.
-int dgrad1x1_bn_parts(int64_t M, int64_t C) {
+namespace {
+// The wgmma kernel (gemm_bn_wgmma.cu) for K and C: where the mma.sync kernel does not go (K 256,
+// 512), or everywhere with KILN_TAIL_GEMM=wgmma; never with KILN_TAIL_GEMM=mma.
+bool use_wgmma(int64_t K, int64_t C) {
+  const int mode = switches().tail_gemm;
+  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available()) return false;
+  return mode == 2 || K > 128;
+}
+}  // namespace
+
+// The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
+int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
+  if (use_wgmma(K, C)) return dgrad1x1_bn_wgmma_parts(M, C);
   const int64_t tiles = (M + kBM - 1) / kBM, col_tiles = std::max<int64_t>(C / kBN, 1);
   const int64_t sms = context().props.multiProcessorCount;
   return int(std::clamp<int64_t>((2 * sms + col_tiles - 1) / col_tiles, 1,
@@ -257,7 +270,8 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         (K == 64 || K == 128) && N % kBN == 0 && dy.is_contiguous(MemoryFormat::ChannelsLast) &&
+         (((K == 64 || K == 128) && N % kBN == 0) || use_wgmma(K, N)) &&
+         dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
 }
@@ -267,8 +281,8 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const char* op = "dgrad1x1_bn_sums";
   KILN_CHECK(dgrad1x1_bn_supported(dy, w, x), op,
              " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, W) "
-             "with K 64 or 128 and C % 64 == 0, got dy ", dy.desc(), ", w ", w.desc(), ", x ",
-             x.desc());
+             "with K 64 or 128 and C % 64 == 0 (on sm_90 also K 256 or 512 and C % 128 == 0), "
+             "got dy ", dy.desc(), ", w ", w.desc(), ", x ", x.desc());
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
   check_nhwc_f16(r, x.shape(), x.device(), op, "r");
@@ -280,12 +294,16 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
                  mean.is_contiguous() && mean.device() == x.device(),
              op, " (cuda): mean must be f32 of ", C, " elements, got ",
              mean.defined() ? mean.desc() : "undefined");
-  const int parts = dgrad1x1_bn_parts(M, C);
+  const int parts = dgrad1x1_bn_parts(M, C, K);
   KILN_CHECK(partial.defined() && partial.dtype() == DType::f32 && partial.is_contiguous() &&
                  partial.numel() >= int64_t(parts) * 2 * C && partial.device() == x.device(),
              op, " (cuda): partial must hold ", int64_t(parts) * 2 * C, " f32 values, got ",
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
+  if (use_wgmma(K, C)) {
+    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, parts);
+    return parts;
+  }
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
   auto run = [&]<int kK>() {
