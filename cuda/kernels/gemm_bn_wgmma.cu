@@ -315,8 +315,12 @@ EncodeTiled encode_tiled() {
   static EncodeTiled fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
     CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
                                                 cudaEnableDefault, &q));
+#else
+    CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
+#endif
     KILN_CHECK(q == cudaDriverEntryPointSuccess && p, "dgrad1x1_bn_sums (cuda): the driver has no "
                "cuTensorMapEncodeTiled");
     return reinterpret_cast<EncodeTiled>(p);
