@@ -28,6 +28,7 @@
 #include "cuda/kernels.h"
 #include "core/switches.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_epilogue.cuh"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 
 namespace kiln::cuda {
@@ -88,12 +89,6 @@ __device__ inline void load_a(__half* sa, const __half* __restrict__ dy, int64_t
     const bool valid = m < M;
     cp_async16(sa + row * Smem<K>::kPadA + col, dy + (valid ? m : 0) * K + col, valid);
   }
-}
-
-__device__ inline float4 h4(const uint2 u) {
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-  return {a.x, a.y, b.x, b.y};
 }
 
 template <int K>
@@ -188,30 +183,8 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
     for (int j = 0; j < kRows; ++j) {
       const int64_t m = m0 + rr + 32 * j;
       if (m >= M) continue;
-      const float* arow = sc + (rr + 32 * j) * kPadC + cg * 8;
-      const float4 a0 = *reinterpret_cast<const float4*>(arow);
-      const float4 a1 = *reinterpret_cast<const float4*>(arow + 4);
-      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float4 r0 = h4(uint2{rv[j].x, rv[j].y}), r1 = h4(uint2{rv[j].z, rv[j].w});
-      const float4 x0 = h4(uint2{xv[j].x, xv[j].y}), x1 = h4(uint2{xv[j].z, xv[j].w});
-      const float rf[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-      const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      uint4 out;
-      __half2* oh = reinterpret_cast<__half2*>(&out);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        // G rounded to f16 as cuDNN stores it, then masked: g is exactly what the unfused
-        // sums kernel would read.
-        float2 gv = __half22float2(__floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
-        if (!((bits[j] >> (2 * q)) & 1u)) gv.x = 0.f;
-        if (!((bits[j] >> (2 * q + 1)) & 1u)) gv.y = 0.f;
-        oh[q] = __floats2half2_rn(gv.x, gv.y);
-        s1[2 * q] += gv.x;
-        s1[2 * q + 1] += gv.y;
-        s2[2 * q] = fmaf(gv.x, xf[2 * q] - mu[2 * q], s2[2 * q]);
-        s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
-      }
-      reinterpret_cast<uint4*>(g)[m * (N / 8) + c0 / 8] = out;
+      reinterpret_cast<uint4*>(g)[m * (N / 8) + c0 / 8] = tail_epilogue8(
+          sc + (rr + 32 * j) * kPadC + cg * 8, rv[j], xv[j], bits[j], mu, s1, s2);
     }
   }
   cp_async_wait_all();

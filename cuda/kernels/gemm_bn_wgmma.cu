@@ -30,6 +30,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_epilogue.cuh"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 
 namespace kiln::cuda {
@@ -123,11 +124,6 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_
       : "l"(desc_a), "l"(desc_b));
 }
 
-__device__ inline float4 h4(const uint2 u) {
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-  return {a.x, a.y, b.x, b.y};
-}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
@@ -255,30 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kRows; ++i) {
       const int64_t m = m0 + rr + 8 * i;
       if (m >= M) continue;
-      const float* arow = sc + (rr + 8 * i) * kPitch + cg * 8;
-      const float4 a0 = *reinterpret_cast<const float4*>(arow);
-      const float4 a1 = *reinterpret_cast<const float4*>(arow + 4);
-      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float4 q0 = h4(uint2{rv[i].x, rv[i].y}), q1 = h4(uint2{rv[i].z, rv[i].w});
-      const float4 x0 = h4(uint2{xv[i].x, xv[i].y}), x1 = h4(uint2{xv[i].z, xv[i].w});
-      const float rf[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-      const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      uint4 out;
-      __half2* oh = reinterpret_cast<__half2*>(&out);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        // G rounded to f16 as cuDNN stores it, then masked (as gemm_bn.cu).
-        float2 gv = __half22float2(
-            __floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
-        if (!((bits[i] >> (2 * q)) & 1u)) gv.x = 0.f;
-        if (!((bits[i] >> (2 * q + 1)) & 1u)) gv.y = 0.f;
-        oh[q] = __floats2half2_rn(gv.x, gv.y);
-        s1[2 * q] += gv.x;
-        s1[2 * q + 1] += gv.y;
-        s2[2 * q] = fmaf(gv.x, xf[2 * q] - mu[2 * q], s2[2 * q]);
-        s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
-      }
-      reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = out;
+      reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = tail_epilogue8(
+          sc + (rr + 8 * i) * kPitch + cg * 8, rv[i], xv[i], bits[i], mu, s1, s2);
     }
   }
 
