@@ -167,25 +167,9 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
         }
     __syncthreads();
 
-    // Rows rr + 32·j of the tile, channels c0..c0+7: all loads first, then the arithmetic.
-    constexpr int kRows = kBM / 32;
-    uint4 rv[kRows], xv[kRows];
-    unsigned bits[kRows];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t m = m0 + rr + 32 * j;
-      const int64_t v = (m < M ? m : 0) * (N / 8) + c0 / 8;  // the 16-byte vector's index
-      rv[j] = reinterpret_cast<const uint4*>(r)[v];
-      xv[j] = reinterpret_cast<const uint4*>(x)[v];
-      bits[j] = mask[v];
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t m = m0 + rr + 32 * j;
-      if (m >= M) continue;
-      reinterpret_cast<uint4*>(g)[m * (N / 8) + c0 / 8] = tail_epilogue8(
-          sc + (rr + 32 * j) * kPadC + cg * 8, rv[j], xv[j], bits[j], mu, s1, s2);
-    }
+    // Rows rr + 32·j of the tile, channels c0..c0+7.
+    tail_epilogue_rows<kBM / 32, 32>(g, r, mask, x, M, N, m0, rr, c0, sc + rr * kPadC + cg * 8,
+                                     kPadC, mu, s1, s2);
   }
   cp_async_wait_all();
 

@@ -43,4 +43,32 @@ __device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, uns
   return out;
 }
 
+// Rows m0 + rr + kStride·i (i < kRows, those below M) of a tile, channels c0..c0 + 7 of C: all
+// loads first (r's and x's 16 bytes and the mask's byte per row), then tail_epilogue8 per row,
+// written to g. acc: the staged accumulators of row rr, channel c0; pitch: floats per staged row.
+template <int kRows, int kStride>
+__device__ inline void tail_epilogue_rows(__half* __restrict__ g, const __half* __restrict__ r,
+                                          const uint8_t* __restrict__ mask,
+                                          const __half* __restrict__ x, int64_t M, int64_t C,
+                                          int64_t m0, int rr, int c0, const float* acc, int pitch,
+                                          const float (&mu)[8], float (&s1)[8], float (&s2)[8]) {
+  uint4 rv[kRows], xv[kRows];
+  unsigned bits[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t m = m0 + rr + kStride * i;
+    const int64_t v = (m < M ? m : 0) * (C / 8) + c0 / 8;  // the 16-byte vector's index
+    rv[i] = reinterpret_cast<const uint4*>(r)[v];
+    xv[i] = reinterpret_cast<const uint4*>(x)[v];
+    bits[i] = mask[v];
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t m = m0 + rr + kStride * i;
+    if (m >= M) continue;
+    reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
+        tail_epilogue8(acc + kStride * i * pitch, rv[i], xv[i], bits[i], mu, s1, s2);
+  }
+}
+
 }  // namespace kiln::cuda

@@ -235,25 +235,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     named_sync(1 + c, 128);
 
-    // Rows rr + 8·i of this warpgroup's 64, channels c0..c0+7: all loads first, then arithmetic.
-    constexpr int kRows = 8;
-    uint4 rv[kRows], xv[kRows];
-    unsigned bits[kRows];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t m = m0 + rr + 8 * i;
-      const int64_t v = (m < M ? m : 0) * (C / 8) + c0 / 8;  // the 16-byte vector's index
-      rv[i] = reinterpret_cast<const uint4*>(r)[v];
-      xv[i] = reinterpret_cast<const uint4*>(x)[v];
-      bits[i] = mask[v];
-    }
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t m = m0 + rr + 8 * i;
-      if (m >= M) continue;
-      reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = tail_epilogue8(
-          sc + (rr + 8 * i) * kPitch + cg * 8, rv[i], xv[i], bits[i], mu, s1, s2);
-    }
+    // Rows rr + 8·i of this warpgroup's 64, channels c0..c0+7.
+    tail_epilogue_rows<8, 8>(g, r, mask, x, M, C, m0, rr, c0, sc + rr * kPitch + cg * 8, kPitch, mu,
+                             s1, s2);
   }
 
   // The 16 row sets (8 per warpgroup) of each channel, added in a fixed order into the CTA's
