@@ -23,6 +23,10 @@
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before session 12)                              |
+// | KILN_TAIL_GEMM           | mma, wgmma          | a block tail's fused data-gradient GEMM: the    |
+// |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
+// |                          |                     | kernel wherever it fits (default: wgmma only    |
+// |                          |                     | for K 256 and 512, on sm_90; WIP, session 13)   |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
 // |                          |                     | the tuner's choice (before session 10)          |
@@ -52,6 +56,7 @@ struct Switches {
   bool bn_stats_pass = true;
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
+  int tail_gemm = 1;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;

@@ -211,7 +211,8 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 // (cuda/kernels/gemm_bn.cu), then one pass for dx. g (=) = G masked by `mask` (the forward's
 // ReLU bits) — the gradient of z, and of the block's input through the shortcut; dx (=),
 // dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported (K 64 or 128, C % 64 ==
-// 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; NOTES.md, session 11);
+// 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; NOTES.md, session 11;
+// on sm_90 also K 256 and 512 with C % 128 == 0, on the wgmma kernel: WIP, session 13);
 // the result equals cuDNN's dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds
 // in another order).
 bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
@@ -221,10 +222,10 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
                                const Tensor& weight, const Tensor& save_mean,
                                const Tensor& save_invstd, bool accumulate_params = false);
 // Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
-// its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C).
+// its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C, K).
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
                      const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean);
-int dgrad1x1_bn_parts(int64_t M, int64_t C);
+int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K);
 
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)

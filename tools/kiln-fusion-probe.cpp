@@ -596,7 +596,7 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   z = Tensor();
   Tensor grad = r.clone(), dx = empty_like(y3), g = empty_like(y3);
   Tensor dw = empty({c}, f32), db = empty({c}, f32);
-  Tensor partial = empty({int64_t(cuda::dgrad1x1_bn_parts(n * hw * hw, c)) * 2 * c}, f32);
+  Tensor partial = empty({int64_t(cuda::dgrad1x1_bn_parts(n * hw * hw, c, k)) * 2 * c}, f32);
   const double t_dgrad = median_ms(
       [&] { cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, /*accumulate=*/true); });
   const double t_unfused = median_ms([&] {

@@ -1012,7 +1012,7 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
   const float* invstd =
       required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-  const int parts = dgrad1x1_bn_parts(rows, C);
+  const int parts = dgrad1x1_bn_parts(rows, C, dy1.size(1));
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
   dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean);

@@ -26,7 +26,10 @@
 #include <mutex>
 
 #include "cuda/kernels.h"
+#include "core/switches.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_epilogue.cuh"
+#include "cuda/kernels/gemm_bn_wgmma.h"
 
 namespace kiln::cuda {
 namespace {
@@ -86,12 +89,6 @@ __device__ inline void load_a(__half* sa, const __half* __restrict__ dy, int64_t
     const bool valid = m < M;
     cp_async16(sa + row * Smem<K>::kPadA + col, dy + (valid ? m : 0) * K + col, valid);
   }
-}
-
-__device__ inline float4 h4(const uint2 u) {
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-  return {a.x, a.y, b.x, b.y};
 }
 
 template <int K>
@@ -170,47 +167,9 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
         }
     __syncthreads();
 
-    // Rows rr + 32·j of the tile, channels c0..c0+7: all loads first, then the arithmetic.
-    constexpr int kRows = kBM / 32;
-    uint4 rv[kRows], xv[kRows];
-    unsigned bits[kRows];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t m = m0 + rr + 32 * j;
-      const int64_t v = (m < M ? m : 0) * (N / 8) + c0 / 8;  // the 16-byte vector's index
-      rv[j] = reinterpret_cast<const uint4*>(r)[v];
-      xv[j] = reinterpret_cast<const uint4*>(x)[v];
-      bits[j] = mask[v];
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t m = m0 + rr + 32 * j;
-      if (m >= M) continue;
-      const float* arow = sc + (rr + 32 * j) * kPadC + cg * 8;
-      const float4 a0 = *reinterpret_cast<const float4*>(arow);
-      const float4 a1 = *reinterpret_cast<const float4*>(arow + 4);
-      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float4 r0 = h4(uint2{rv[j].x, rv[j].y}), r1 = h4(uint2{rv[j].z, rv[j].w});
-      const float4 x0 = h4(uint2{xv[j].x, xv[j].y}), x1 = h4(uint2{xv[j].z, xv[j].w});
-      const float rf[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-      const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      uint4 out;
-      __half2* oh = reinterpret_cast<__half2*>(&out);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        // G rounded to f16 as cuDNN stores it, then masked: g is exactly what the unfused
-        // sums kernel would read.
-        float2 gv = __half22float2(__floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
-        if (!((bits[j] >> (2 * q)) & 1u)) gv.x = 0.f;
-        if (!((bits[j] >> (2 * q + 1)) & 1u)) gv.y = 0.f;
-        oh[q] = __floats2half2_rn(gv.x, gv.y);
-        s1[2 * q] += gv.x;
-        s1[2 * q + 1] += gv.y;
-        s2[2 * q] = fmaf(gv.x, xf[2 * q] - mu[2 * q], s2[2 * q]);
-        s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
-      }
-      reinterpret_cast<uint4*>(g)[m * (N / 8) + c0 / 8] = out;
-    }
+    // Rows rr + 32·j of the tile, channels c0..c0+7.
+    tail_epilogue_rows<kBM / 32, 32>(g, r, mask, x, M, N, m0, rr, c0, sc + rr * kPadC + cg * 8,
+                                     kPadC, mu, s1, s2);
   }
   cp_async_wait_all();
 
@@ -241,8 +200,19 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
 
 }  // namespace
 
-// Two CTAs per SM over the whole grid, at most one per M tile.
-int dgrad1x1_bn_parts(int64_t M, int64_t C) {
+namespace {
+// The wgmma kernel (gemm_bn_wgmma.cu) for K and C: where the mma.sync kernel does not go (K 256,
+// 512), or everywhere with KILN_TAIL_GEMM=wgmma; never with KILN_TAIL_GEMM=mma.
+bool use_wgmma(int64_t K, int64_t C) {
+  const int mode = switches().tail_gemm;
+  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available()) return false;
+  return mode == 2 || K > 128;
+}
+}  // namespace
+
+// The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
+int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
+  if (use_wgmma(K, C)) return dgrad1x1_bn_wgmma_parts(M, C);
   const int64_t tiles = (M + kBM - 1) / kBM, col_tiles = std::max<int64_t>(C / kBN, 1);
   const int64_t sms = context().props.multiProcessorCount;
   return int(std::clamp<int64_t>((2 * sms + col_tiles - 1) / col_tiles, 1,
@@ -257,7 +227,8 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         (K == 64 || K == 128) && N % kBN == 0 && dy.is_contiguous(MemoryFormat::ChannelsLast) &&
+         (((K == 64 || K == 128) && N % kBN == 0) || use_wgmma(K, N)) &&
+         dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
 }
@@ -267,8 +238,8 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const char* op = "dgrad1x1_bn_sums";
   KILN_CHECK(dgrad1x1_bn_supported(dy, w, x), op,
              " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, W) "
-             "with K 64 or 128 and C % 64 == 0, got dy ", dy.desc(), ", w ", w.desc(), ", x ",
-             x.desc());
+             "with K 64 or 128 and C % 64 == 0 (on sm_90 also K 256 or 512 and C % 128 == 0), "
+             "got dy ", dy.desc(), ", w ", w.desc(), ", x ", x.desc());
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
   check_nhwc_f16(r, x.shape(), x.device(), op, "r");
@@ -280,12 +251,16 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
                  mean.is_contiguous() && mean.device() == x.device(),
              op, " (cuda): mean must be f32 of ", C, " elements, got ",
              mean.defined() ? mean.desc() : "undefined");
-  const int parts = dgrad1x1_bn_parts(M, C);
+  const int parts = dgrad1x1_bn_parts(M, C, K);
   KILN_CHECK(partial.defined() && partial.dtype() == DType::f32 && partial.is_contiguous() &&
                  partial.numel() >= int64_t(parts) * 2 * C && partial.device() == x.device(),
              op, " (cuda): partial must hold ", int64_t(parts) * 2 * C, " f32 values, got ",
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
+  if (use_wgmma(K, C)) {
+    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, parts);
+    return parts;
+  }
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
   auto run = [&]<int kK>() {

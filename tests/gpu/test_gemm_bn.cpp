@@ -9,6 +9,7 @@
 
 #include "core/autograd.h"
 #include "cuda/kernels.h"
+#include "cuda/kernels/gemm_bn_wgmma.h"
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
 
@@ -93,10 +94,18 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward"
   struct Case {
     int64_t n, c, k, h, w;
   };
-  // 784 rows (6 full tiles and 16 rows), 105 rows (one partial tile), 162 rows; K 64 and 128.
-  for (Case cs : {Case{4, 256, 64, 14, 14}, Case{3, 128, 128, 7, 5}, Case{2, 64, 64, 9, 9}}) {
+  // 784 rows (6 full tiles and 16 rows), 105 rows (one partial tile), 162 rows; K 64 and 128
+  // (mma.sync). On sm_90, the wgmma kernel: K 256 and 512, 784 rows over 2 column tiles, 84 rows
+  // (one partial tile), 98 rows over 8 and 16 column tiles (ResNet-50's layers 3 and 4).
+  for (Case cs : {Case{4, 256, 64, 14, 14}, Case{3, 128, 128, 7, 5}, Case{2, 64, 64, 9, 9},
+                  Case{4, 256, 256, 14, 14}, Case{2, 128, 256, 6, 7}, Case{2, 1024, 256, 7, 7},
+                  Case{2, 2048, 512, 7, 7}}) {
     CAPTURE(cs.c);
     CAPTURE(cs.k);
+    if (cs.k > 128 && !cuda::dgrad1x1_bn_wgmma_available()) {
+      MESSAGE("K ", cs.k, ": the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+      continue;
+    }
     const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 81 + uint64_t(cs.c));
     REQUIRE(cuda::dgrad1x1_bn_supported(t.dy1, t.w1, t.y3));
     const Grads a = run_fused(t), b = run_unfused(t);
@@ -125,7 +134,15 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward"
 }
 
 TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
+  const bool wgmma = cuda::dgrad1x1_bn_wgmma_available();
+  // The mma.sync kernel (K 64), and on sm_90 the wgmma kernel too (K 256).
   const Tail t = make_tail(4, 128, 64, 12, 10, 91);
+  if (wgmma) {
+    const Tail t2 = make_tail(4, 256, 256, 12, 10, 92);
+    const Grads a = run_fused(t2), b = run_fused(t2);
+    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
   const Grads a = run_fused(t), b = run_fused(t);
   for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
     KILN_CHECK_OK(testing::compare(x, y, 0, 0));
@@ -140,7 +157,11 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
 
 TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
   const Tail t = make_tail(2, 64, 64, 4, 4, 95);
-  // K other than 64 or 128, C not a multiple of 64, a 3x3 weight.
+  // K other than 64 or 128 (and not a multiple of 64 for the wgmma kernel), C not a multiple of
+  // 64, a 3x3 weight; K 256 with C 64 (not a multiple of the wgmma kernel's 128 columns).
+  Tensor dy256 = nhwc(randn({2, 256, 4, 4}));
+  Tensor w256 = randn({256, 64, 1, 1}).to(DType::f16).to(kGpu);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(dy256, w256, t.y3));
   Tensor dy24 = nhwc(randn({2, 24, 4, 4}));
   Tensor w24 = randn({24, 64, 1, 1}).to(DType::f16).to(kGpu);
   CHECK_FALSE(cuda::dgrad1x1_bn_supported(dy24, w24, t.y3));

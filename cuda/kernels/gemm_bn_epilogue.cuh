@@ -1,0 +1,74 @@
+#pragma once
+// The block tail GEMM's epilogue for one row and 8 channels, shared by the mma.sync kernel
+// (gemm_bn.cu, whose header says what it computes) and the wgmma kernel (gemm_bn_wgmma.cu).
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace kiln::cuda {
+
+__device__ inline float4 h4(const uint2 u) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return {a.x, a.y, b.x, b.y};
+}
+
+// acc: the GEMM's 8 f32 results (16-byte aligned, shared memory); rv, xv: r's and x's 8 halves;
+// bits: the ReLU mask's byte. Returns g's 8 halves: acc + r rounded to f16 as cuDNN stores G,
+// then masked — exactly what the unfused sums kernel would read; adds g into s1 and
+// g·(x − mean) into s2.
+__device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, unsigned bits,
+                                       const float (&mu)[8], float (&s1)[8], float (&s2)[8]) {
+  const float4 a0 = *reinterpret_cast<const float4*>(acc);
+  const float4 a1 = *reinterpret_cast<const float4*>(acc + 4);
+  const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+  const float4 r0 = h4(uint2{rv.x, rv.y}), r1 = h4(uint2{rv.z, rv.w});
+  const float4 x0 = h4(uint2{xv.x, xv.y}), x1 = h4(uint2{xv.z, xv.w});
+  const float rf[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+  const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  uint4 out;
+  __half2* oh = reinterpret_cast<__half2*>(&out);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float2 gv = __half22float2(
+        __floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
+    if (!((bits >> (2 * q)) & 1u)) gv.x = 0.f;
+    if (!((bits >> (2 * q + 1)) & 1u)) gv.y = 0.f;
+    oh[q] = __floats2half2_rn(gv.x, gv.y);
+    s1[2 * q] += gv.x;
+    s1[2 * q + 1] += gv.y;
+    s2[2 * q] = fmaf(gv.x, xf[2 * q] - mu[2 * q], s2[2 * q]);
+    s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
+  }
+  return out;
+}
+
+// Rows m0 + rr + kStride·i (i < kRows, those below M) of a tile, channels c0..c0 + 7 of C: all
+// loads first (r's and x's 16 bytes and the mask's byte per row), then tail_epilogue8 per row,
+// written to g. acc: the staged accumulators of row rr, channel c0; pitch: floats per staged row.
+template <int kRows, int kStride>
+__device__ inline void tail_epilogue_rows(__half* __restrict__ g, const __half* __restrict__ r,
+                                          const uint8_t* __restrict__ mask,
+                                          const __half* __restrict__ x, int64_t M, int64_t C,
+                                          int64_t m0, int rr, int c0, const float* acc, int pitch,
+                                          const float (&mu)[8], float (&s1)[8], float (&s2)[8]) {
+  uint4 rv[kRows], xv[kRows];
+  unsigned bits[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t m = m0 + rr + kStride * i;
+    const int64_t v = (m < M ? m : 0) * (C / 8) + c0 / 8;  // the 16-byte vector's index
+    rv[i] = reinterpret_cast<const uint4*>(r)[v];
+    xv[i] = reinterpret_cast<const uint4*>(x)[v];
+    bits[i] = mask[v];
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t m = m0 + rr + kStride * i;
+    if (m >= M) continue;
+    reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
+        tail_epilogue8(acc + kStride * i * pitch, rv[i], xv[i], bits[i], mu, s1, s2);
+  }
+}
+
+}  // namespace kiln::cuda

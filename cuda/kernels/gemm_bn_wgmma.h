@@ -1,0 +1,21 @@
+#pragma once
+// The block tail's fused data-gradient GEMM on Hopper (cuda/kernels/gemm_bn_wgmma.cu), used by
+// cuda/kernels/gemm_bn.cu's dgrad1x1_bn_sums where it fits. Same contract as that function.
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace kiln::cuda {
+
+// An sm_90 device, and this build compiled the kernel for sm_90a.
+bool dgrad1x1_bn_wgmma_available();
+// The shapes it takes: K a multiple of 64 up to 512, C a multiple of 128.
+bool dgrad1x1_bn_wgmma_shape(int64_t K, int64_t C);
+// Its partial rows for M rows: the SMs divided among C / 128 column tiles.
+int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
+// g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there.
+void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
+                            const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
+                            const Tensor& mean, int parts);
+
+}  // namespace kiln::cuda
