@@ -26,7 +26,7 @@
 // | KILN_TAIL_GEMM           | mma, wgmma          | a block tail's fused data-gradient GEMM: the    |
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
 // |                          |                     | kernel wherever it fits (default: wgmma only    |
-// |                          |                     | for K 256 and 512, on sm_90; WIP, session 13)   |
+// |                          |                     | for K 256 and 512, on sm_90; session 14)        |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
 // |                          |                     | the tuner's choice (before session 10)          |
