@@ -7,8 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/generator.h"
 #include "core/tensor.h"
+#include "ops/ops.h"
 
 namespace kiln::gputest {
 
@@ -74,6 +76,25 @@ inline void check_close(const Tensor& got, const Tensor& want, Tol tol, const st
   REQUIRE_MESSAGE(got.shape() == want.shape(), what, ": shape ", got.shape_str(), " vs ",
                   want.shape_str());
   check_close(got.to_vector<double>(), want.to_vector<double>(), tol, what);
+}
+
+// A batch norm's finalize of x ((N, C, H, W) on the GPU): fresh save_mean, save_invstd and
+// scale_shift; sum and sqsum of x in f32; weight uniform in [0.5, 1.5) then bias in [-0.5, 0.5),
+// drawn in that order from the global generator; count N·H·W. No running statistics or counter.
+inline BnStatsFinalize bn_finalize_of(const Tensor& x) {
+  const int64_t C = x.size(1);
+  const TensorOptions opt = TensorOptions().with_device(x.device());
+  Tensor x32 = x.to(DType::f32);
+  BnStatsFinalize f;
+  f.save_mean = empty({C}, opt);
+  f.save_invstd = empty({C}, opt);
+  f.scale_shift = empty({2 * C}, opt);
+  f.sum = F::sum(x32, {0, 2, 3});
+  f.sqsum = F::sum(F::mul(x32, x32), {0, 2, 3});
+  f.weight = uniform({C}, 0.5, 1.5).to(x.device());
+  f.bias = uniform({C}, -0.5, 0.5).to(x.device());
+  f.count = x.numel() / C;
+  return f;
 }
 
 }  // namespace kiln::gputest

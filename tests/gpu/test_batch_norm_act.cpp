@@ -10,6 +10,7 @@
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
 #include "ops/ops.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;
@@ -528,20 +529,10 @@ namespace {
 // the update is visible) and a counter at 7.
 BnStatsFinalize finalize_of(const Tensor& x, double momentum) {
   const int64_t C = x.size(1);
-  const TensorOptions opt = TensorOptions().with_device(kGpu);
-  Tensor x32 = x.to(DType::f32);
-  BnStatsFinalize f;
-  f.save_mean = empty({C}, opt);
-  f.save_invstd = empty({C}, opt);
-  f.scale_shift = empty({2 * C}, opt);
-  f.sum = F::sum(x32, {0, 2, 3});
-  f.sqsum = F::sum(F::mul(x32, x32), {0, 2, 3});
-  f.weight = uniform({C}, 0.5, 1.5).to(kGpu);
-  f.bias = uniform({C}, -0.5, 0.5).to(kGpu);
+  BnStatsFinalize f = gputest::bn_finalize_of(x);
   f.running_mean = full({C}, 0.5).to(kGpu);
   f.running_var = full({C}, 2.0).to(kGpu);
   f.counter = full({}, 7.0, TensorOptions(DType::i64)).to(kGpu);
-  f.count = x.numel() / C;
   f.momentum = momentum;
   return f;
 }

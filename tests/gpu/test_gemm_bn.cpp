@@ -11,6 +11,7 @@
 #include "cuda/kernels.h"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 #include "ops/ops.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;
@@ -40,17 +41,7 @@ Tail make_tail(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, uint64_t s
   t.dy1 = nhwc(randn({n, k, h, w}));
   t.w1 = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
   t.r = nhwc(randn(shape));
-  const TensorOptions opt = TensorOptions().with_device(kGpu);
-  Tensor y32 = t.y3.to(DType::f32);
-  BnStatsFinalize f;
-  f.save_mean = empty({c}, opt);
-  f.save_invstd = empty({c}, opt);
-  f.scale_shift = empty({2 * c}, opt);
-  f.sum = F::sum(y32, {0, 2, 3});
-  f.sqsum = F::sum(F::mul(y32, y32), {0, 2, 3});
-  f.weight = uniform({c}, 0.5, 1.5).to(kGpu);
-  f.bias = uniform({c}, -0.5, 0.5).to(kGpu);
-  f.count = n * h * w;
+  BnStatsFinalize f = gputest::bn_finalize_of(t.y3);
   t.mask = empty({t.y3.numel() / 8}, TensorOptions(DType::u8).with_device(kGpu));
   Tensor out = empty_like(t.y3);
   cuda::bn_nhwc_apply(out, t.y3, z, f, /*relu=*/true, t.mask);
