@@ -198,9 +198,6 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
              ", got ", t.defined() ? t.desc() : "undefined");
 }
 
-}  // namespace
-
-namespace {
 // The wgmma kernel (gemm_bn_wgmma.cu) for K and C: where the mma.sync kernel does not go (K 256,
 // 512), or everywhere with KILN_TAIL_GEMM=wgmma; never with KILN_TAIL_GEMM=mma.
 bool use_wgmma(int64_t K, int64_t C) {
@@ -227,7 +224,7 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         (((K == 64 || K == 128) && N % kBN == 0) || use_wgmma(K, N)) &&
+         N > 0 && (((K == 64 || K == 128) && N % kBN == 0) || use_wgmma(K, N)) &&
          dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
