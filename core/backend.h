@@ -168,12 +168,13 @@ struct Backend {
                                     TensorRef x, TensorRef z, TensorRef weight, TensorRef bias,
                                     TensorRef running_mean, TensorRef running_var,
                                     double momentum, double eps) = nullptr;
-  // Its backward: dx, dz (when z was given), dweight, dbias (=).
+  // Its backward: dx, dz (when z was given) (=); dweight, dbias `=` or `+=` by `mode` (then
+  // dense f32 (C)).
   void (*batch_norm_relu_backward)(TensorRef dx, TensorRef dz, TensorRef dweight,
                                    TensorRef dbias, TensorRef dy, TensorRef x, TensorRef y,
                                    TensorRef weight, TensorRef bias, TensorRef save_mean,
-                                   TensorRef save_invstd, TensorRef reserve,
-                                   double eps) = nullptr;
+                                   TensorRef save_invstd, TensorRef reserve, double eps,
+                                   GradientMode mode) = nullptr;
 
   // Batch norm of an activation whose per-channel sums are known (conv2d_forward_stats), as
   // one elementwise pass; optional, all six or none. x, z, y, dy, dx, dz, r: (N, C, H, W) of

@@ -107,12 +107,14 @@ Tensor bn_relu_forward(const Tensor& y, const Tensor& save_mean, const Tensor& s
 void bn_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
                       const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
-                      const Tensor& save_invstd, const Tensor& reserve, double eps) {
+                      const Tensor& save_invstd, const Tensor& reserve, double eps,
+                      GradientMode mode) {
+  const bool acc = mode == GradientMode::Accumulate;
   if (dz.defined())
     return batch_norm_add_relu_backward(dx, dz, dweight, dbias, dy, x, y, weight, bias, save_mean,
-                                        save_invstd, reserve, eps);
+                                        save_invstd, reserve, eps, acc);
   batch_norm_relu_backward(dx, dweight, dbias, dy, x, y, weight, bias, save_mean, save_invstd,
-                           reserve, eps);
+                           reserve, eps, acc);
 }
 
 void bn_stats_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,

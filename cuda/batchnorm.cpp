@@ -162,10 +162,12 @@ Tensor forward_training(BnOps ops, const Tensor& y, const Tensor& save_mean,
 }
 
 // Backward for all three op kinds (y, bias, reserve and dz only matter for the fused ones).
+// accumulate_params: dweight and dbias += (cuDNN's betaParamDiff = 1), written in place.
 void backward(BnOps ops, const Tensor& dx, const Tensor& dz, const Tensor& dweight,
               const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& y,
               const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
-              const Tensor& save_invstd, const Tensor& reserve, double eps) {
+              const Tensor& save_invstd, const Tensor& reserve, double eps,
+              bool accumulate_params) {
   const Layout l = layout_for(x);
   const int64_t c = x.size(1);
   const Device dev = x.device();
@@ -177,6 +179,18 @@ void backward(BnOps ops, const Tensor& dx, const Tensor& dz, const Tensor& dweig
   Tensor dzb = dz.defined() ? out_buffer(dz, l.fmt) : Tensor();
   Tensor w = param_or(weight, 1.0, c, dev), b = param_or(bias, 0.0, c, dev);
   Tensor dw = param_out(dweight, c, dev), db = param_out(dbias, c, dev);
+  if (accumulate_params) {
+    // cuDNN adds onto what is there: the outputs themselves, dense; an unwanted one a zeroed
+    // scratch (cuDNN always writes both).
+    for (auto [t, buf] : {std::pair{&dweight, &dw}, {&dbias, &db}}) {
+      if (!t->defined())
+        *buf = zeros({c}, TensorOptions(DType::f32).with_device(dev));
+      else
+        KILN_CHECK(buf->is_same(*t), "batch_norm (cuda) backward: accumulating parameter "
+                   "gradients must be dense f32 (", c, "), got ", t->desc());
+    }
+  }
+  const float* beta_param = accumulate_params ? &kOne : &kZero;
   Tensor sm = dense_in(save_mean, MemoryFormat::Contiguous);
   Tensor si = dense_in(save_invstd, MemoryFormat::Contiguous);
   const cudnnBatchNormOps_t cops = cudnn_ops(ops);
@@ -191,7 +205,7 @@ void backward(BnOps ops, const Tensor& dx, const Tensor& dz, const Tensor& dweig
                                                                    &reserve_bytes));
   if (ops == BnOps::Norm && reserve_bytes > 0) {
     CUDNN_CHECK(cudnnBatchNormalizationBackward(
-        h, l.mode, &kOne, &kZero, &kOne, &kZero, d.data.d, xc.raw_data(), d.data.d,
+        h, l.mode, &kOne, &kZero, &kOne, beta_param, d.data.d, xc.raw_data(), d.data.d,
         dyc.raw_data(), d.data.d, dxb.raw_data(), d.param.d, w.raw_data(), dw.raw_data(),
         db.raw_data(), eps, sm.raw_data(), si.raw_data()));
   } else {
@@ -205,7 +219,7 @@ void backward(BnOps ops, const Tensor& dx, const Tensor& dz, const Tensor& dweig
         h, l.mode, cops, d.data.d, yd, d.data.d, dzd, d.data.d, d.param.d, ad, &ws_bytes));
     auto ws = scratch(ws_bytes, dev);
     CUDNN_CHECK(cudnnBatchNormalizationBackwardEx(
-        h, l.mode, cops, &kOne, &kZero, &kOne, &kZero, d.data.d, xc.raw_data(), yd,
+        h, l.mode, cops, &kOne, &kZero, &kOne, beta_param, d.data.d, xc.raw_data(), yd,
         ptr_or_null(yc), d.data.d, dyc.raw_data(), dzd, ptr_or_null(dzb), d.data.d,
         dxb.raw_data(), d.param.d, w.raw_data(), b.raw_data(), dw.raw_data(), db.raw_data(), eps,
         sm.raw_data(), si.raw_data(), ad, ws ? ws->data() : nullptr, ws_bytes,
@@ -251,7 +265,7 @@ void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd) {
   backward(BnOps::Norm, dx, Tensor(), dweight, dbias, dy, x, Tensor(), weight, Tensor(),
-           save_mean, save_invstd, Tensor(), kDefaultEps);
+           save_mean, save_invstd, Tensor(), kDefaultEps, false);
 }
 
 Tensor batch_norm_relu_forward_training(const Tensor& y, const Tensor& save_mean,
@@ -281,23 +295,24 @@ Tensor batch_norm_add_relu_forward_training(const Tensor& y, const Tensor& save_
 void batch_norm_relu_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                               const Tensor& dy, const Tensor& x, const Tensor& y,
                               const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
-                              const Tensor& save_invstd, const Tensor& reserve, double eps) {
+                              const Tensor& save_invstd, const Tensor& reserve, double eps,
+                              bool accumulate_params) {
   check_fused("batch_norm_relu_backward", x);
   KILN_CHECK(y.defined(), "batch_norm_relu_backward: the forward output y is required");
   backward(BnOps::Relu, dx, Tensor(), dweight, dbias, dy, x, y, weight, bias, save_mean,
-           save_invstd, reserve, eps);
+           save_invstd, reserve, eps, accumulate_params);
 }
 
 void batch_norm_add_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                                   const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                   const Tensor& y, const Tensor& weight, const Tensor& bias,
                                   const Tensor& save_mean, const Tensor& save_invstd,
-                                  const Tensor& reserve, double eps) {
+                                  const Tensor& reserve, double eps, bool accumulate_params) {
   check_fused("batch_norm_add_relu_backward", x);
   KILN_CHECK(dz.defined(), "batch_norm_add_relu_backward: dz is required");
   KILN_CHECK(y.defined(), "batch_norm_add_relu_backward: the forward output y is required");
   backward(BnOps::AddRelu, dx, dz, dweight, dbias, dy, x, y, weight, bias, save_mean,
-           save_invstd, reserve, eps);
+           save_invstd, reserve, eps, accumulate_params);
 }
 
 }  // namespace kiln::cuda

@@ -117,16 +117,19 @@ Tensor batch_norm_add_relu_forward_training(const Tensor& y, const Tensor& save_
                                             const Tensor& running_var, double momentum,
                                             double eps);
 // Backward through relu and bn (and the add): dx (=), dz (=, add variant), dweight and dbias
-// (=) when defined. y is the forward's output, eps and reserve the forward's.
+// (=, or += with accumulate_params: cuDNN's betaParamDiff = 1; then they must be dense f32)
+// when defined. y is the forward's output, eps and reserve the forward's.
 void batch_norm_relu_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                               const Tensor& dy, const Tensor& x, const Tensor& y,
                               const Tensor& weight, const Tensor& bias, const Tensor& save_mean,
-                              const Tensor& save_invstd, const Tensor& reserve, double eps);
+                              const Tensor& save_invstd, const Tensor& reserve, double eps,
+                              bool accumulate_params = false);
 void batch_norm_add_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                                   const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                   const Tensor& y, const Tensor& weight, const Tensor& bias,
                                   const Tensor& save_mean, const Tensor& save_invstd,
-                                  const Tensor& reserve, double eps);
+                                  const Tensor& reserve, double eps,
+                                  bool accumulate_params = false);
 
 // ---- softmax and cross-entropy (cuda/kernels/softmax.cu) ----
 // Over the last dim of contiguous (rows, cols).

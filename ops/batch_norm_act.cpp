@@ -41,41 +41,6 @@ bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, cons
   return param(weight) && param(bias) && param(running_mean) && param(running_var);
 }
 
-class BatchNormActBackward final : public Node {
- public:
-  BatchNormActBackward(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
-                       const Tensor& save_mean, const Tensor& save_invstd, const Tensor& reserve,
-                       bool add, double eps)
-      : x_(x), y_(y), weight_(weight), bias_(bias), save_mean_(save_mean),
-        save_invstd_(save_invstd), reserve_(reserve), add_(add), eps_(eps) {}
-  std::string name() const override {
-    return add_ ? "BatchNormAddReluBackward" : "BatchNormReluBackward";
-  }
-  void release_saved() override {
-    for (SavedTensor* s : {&x_, &y_, &weight_, &bias_, &save_mean_, &save_invstd_, &reserve_})
-      s->release();
-  }
-  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
-    Tensor x = x_.get(*this), y = y_.get(*this), w = weight_.get(*this), b = bias_.get(*this);
-    Tensor dy = grads[0];
-    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
-      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
-    Tensor dx = empty_like(x);
-    Tensor dz = add_ ? empty_like(x) : Tensor();
-    Tensor dw = empty_like(w), db = empty_like(b);  // cuDNN always computes both
-    backend(x).batch_norm_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
-                                        save_invstd_.get(*this), reserve_.get(*this), eps_);
-    return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
-            needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
-  }
-
- private:
-  SavedTensor x_, y_, weight_, bias_, save_mean_, save_invstd_, reserve_;
-  bool add_;
-  double eps_;
-};
-
 // The engine's accumulate-into targets for parameter gradients `inputs` of `node` (see Node in
 // core/autograd.h) when every needed one is usable by the kernels (contiguous f32 of C values
 // on x's device); else none, and the gradients come back fresh.
@@ -95,6 +60,47 @@ std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t
   }
   return out;
 }
+
+class BatchNormActBackward final : public Node {
+ public:
+  BatchNormActBackward(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                       const Tensor& save_mean, const Tensor& save_invstd, const Tensor& reserve,
+                       bool add, double eps)
+      : x_(x), y_(y), weight_(weight), bias_(bias), save_mean_(save_mean),
+        save_invstd_(save_invstd), reserve_(reserve), add_(add), eps_(eps) {}
+  std::string name() const override {
+    return add_ ? "BatchNormAddReluBackward" : "BatchNormReluBackward";
+  }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &y_, &weight_, &bias_, &save_mean_, &save_invstd_, &reserve_})
+      s->release();
+  }
+  // dweight and dbias may be added straight into the parameters' .grad (cuDNN's betaParamDiff).
+  bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor x = x_.get(*this), y = y_.get(*this), w = weight_.get(*this), b = bias_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    Tensor dx = empty_like(x);
+    Tensor dz = add_ ? empty_like(x) : Tensor();
+    const std::vector<Tensor> targets = param_targets(*this, {2, 3}, x);
+    const bool acc = !targets.empty();
+    // cuDNN always computes both; an unwanted one into a scratch the backend provides.
+    Tensor dw = acc ? targets[0] : empty_like(w), db = acc ? targets[1] : empty_like(b);
+    backend(x).batch_norm_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
+                                        save_invstd_.get(*this), reserve_.get(*this), eps_,
+                                        acc ? GradientMode::Accumulate : GradientMode::Set);
+    return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
+            needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
+  }
+
+ private:
+  SavedTensor x_, y_, weight_, bias_, save_mean_, save_invstd_, reserve_;
+  bool add_;
+  double eps_;
+};
 
 // Backward of batch_norm_from_stats's fused path (Backend::bn_stats_*). With relu and a
 // residual (a ResNet block's tail) it takes the next block's conv1 data gradient into its own

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/generator.h"
 #include "cuda/kernels.h"
 #include "ops/ops.h"
@@ -193,6 +194,27 @@ TEST_CASE("batch_norm: fused ReLU and add+ReLU vs CPU and vs unfused (NHWC f16)"
     KILN_CHECK_OK(compare_scaled(dx, to_cpu64(dxu), 1e-2));
     KILN_CHECK_OK(compare_scaled(dw, to_cpu64(dwu), 1e-3));
     KILN_CHECK_OK(compare_scaled(db, to_cpu64(dbu), 1e-3));
+    // accumulate_params (autograd's accumulate-into): dweight and dbias added onto what is
+    // there (cuDNN's betaParamDiff = 1), dx and dz still overwritten; and with dbias undefined.
+    Tensor base_w = to_gpu(randn({c}, DType::f64, &gen), DType::f32);
+    Tensor base_b = to_gpu(randn({c}, DType::f64, &gen), DType::f32);
+    Tensor dwa = base_w.clone(), dba = base_b.clone(), dxa = nan_gpu(shape, h, kNHWC);
+    Tensor dza = nan_gpu(shape, h, kNHWC), dwo = base_w.clone();
+    if (add) {
+      cuda::batch_norm_add_relu_backward(dxa, dza, dwa, dba, dy, x, yf, w, b, sm, si, reserve,
+                                         kEps, /*accumulate_params=*/true);
+      KILN_CHECK_OK(compare_scaled(dza, to_cpu64(dz), 0));
+      cuda::batch_norm_add_relu_backward(dxa, dza, dwo, Tensor(), dy, x, yf, w, b, sm, si,
+                                         reserve, kEps, true);
+    } else {
+      cuda::batch_norm_relu_backward(dxa, dwa, dba, dy, x, yf, w, b, sm, si, reserve, kEps, true);
+      cuda::batch_norm_relu_backward(dxa, dwo, Tensor(), dy, x, yf, w, b, sm, si, reserve, kEps,
+                                     true);
+    }
+    KILN_CHECK_OK(compare_scaled(dxa, to_cpu64(dx), 1e-3));  // cuDNN may add in another order
+    KILN_CHECK_OK(compare_scaled(dwa, F::add(to_cpu64(base_w), to_cpu64(dw)), 1e-5));
+    KILN_CHECK_OK(compare_scaled(dba, F::add(to_cpu64(base_b), to_cpu64(db)), 1e-5));
+    KILN_CHECK_OK(compare_scaled(dwo, to_cpu64(dwa), 1e-5));
   }
 }
 
@@ -208,4 +230,48 @@ TEST_CASE("batch_norm: fused variants refuse anything but NHWC f16") {
   CHECK_THROWS_AS(cuda::batch_norm_add_relu_forward_training(yn, sm, si, xn, xn, w, b, Tensor(),
                                                              Tensor(), kMomentum, kEps),
                   Error);
+}
+
+TEST_CASE("batch_norm_relu: autograd adds dweight and dbias into a pre-filled .grad, same as without") {
+  // The fused cuDNN path's node takes the parameters' .grad as its accumulate-into target (as
+  // the fused optimizer's arena offers it): cuDNN adds onto it (betaParamDiff = 1), and every
+  // gradient matches the run that returns fresh ones and adds them after.
+  Generator gen(31);
+  const Shape shape{4, 64, 8, 8};
+  Tensor x0 = randn(shape, DType::f64, &gen), z0 = randn(shape, DType::f64, &gen);
+  Tensor dy0 = randn(shape, DType::f64, &gen);
+  Tensor w0 = F::add(F::mul(randn({64}, DType::f64, &gen), 0.25), 1.0);
+  Tensor b0 = randn({64}, DType::f64, &gen), gw0 = randn({64}, DType::f64, &gen);
+  Tensor gb0 = randn({64}, DType::f64, &gen);
+  for (bool add : {false, true}) {
+    CAPTURE(add);
+    std::vector<Tensor> results[2];
+    for (bool on : {false, true}) {
+      const bool prev = autograd::accumulate_into_enabled();
+      autograd::set_accumulate_into_enabled(on);
+      autograd::reset_accumulate_stats();
+      Tensor x = to_gpu(x0, DType::f16, kNHWC).set_requires_grad(true);
+      Tensor z = to_gpu(z0, DType::f16, kNHWC).set_requires_grad(true);
+      Tensor w = to_gpu(w0, DType::f32).set_requires_grad(true);
+      Tensor b = to_gpu(b0, DType::f32).set_requires_grad(true);
+      w.set_grad(to_gpu(gw0, DType::f32));
+      b.set_grad(to_gpu(gb0, DType::f32));
+      Tensor rm = zeros({64}, DType::f32).to(Device::cuda());
+      Tensor rv = ones({64}, DType::f32).to(Device::cuda());
+      Tensor y = F::batch_norm_relu(x, add ? z : Tensor(), w, b, rm, rv, true);
+      autograd::backward({y}, {to_gpu(dy0, DType::f16, kNHWC)}, false);
+      const auto st = autograd::accumulate_stats();
+      autograd::set_accumulate_into_enabled(prev);
+      if (on) {
+        CHECK(st.offered_leaf == 2);  // w.grad and b.grad
+        CHECK(st.used == 2);
+      }
+      for (const Tensor& t : {x, w, b}) results[on].push_back(to_cpu64(t.grad()));
+      if (add) results[on].push_back(to_cpu64(z.grad()));
+    }
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      CAPTURE(i);
+      KILN_CHECK_OK(compare_scaled(results[1][i], results[0][i], 1e-3));
+    }
+  }
 }
