@@ -40,9 +40,11 @@ Node::~Node() {
   draining = false;
 }
 
-void Node::set_accumulate_target(size_t input_nr, const Tensor& t) {
+void Node::set_accumulate_target(size_t input_nr, const Tensor& t, bool zero) {
   if (accumulate_targets_.size() <= input_nr) accumulate_targets_.resize(input_nr + 1);
+  if (accumulate_zero_.size() <= input_nr) accumulate_zero_.resize(input_nr + 1);
   accumulate_targets_[input_nr] = t;
+  accumulate_zero_[input_nr] = zero;
 }
 
 void Node::set_inputs(const std::vector<Tensor>& inputs) {
@@ -175,7 +177,7 @@ void check_inplace(const Tensor& t, const char* op) {
 namespace {
 
 constinit RuntimeSwitch g_accumulate{&Switches::accumulate_grads};  // KILN_ACCUMULATE_GRADS
-std::atomic<uint64_t> g_offered{0}, g_offered_leaf{0}, g_used{0};
+std::atomic<uint64_t> g_offered{0}, g_offered_leaf{0}, g_offered_zero{0}, g_used{0};
 
 // A buffered partial sum the engine may hand to a node to accumulate into: nobody else can
 // observe the in-place update (the engine holds the only handle, and that handle the only
@@ -230,16 +232,17 @@ bool accumulate_into_enabled() { return g_accumulate.get(); }
 void set_accumulate_into_enabled(bool on) { g_accumulate.set(on); }
 
 AccumulateStats accumulate_stats() {
-  return {g_offered.load(), g_used.load(), g_offered_leaf.load()};
+  return {g_offered.load(), g_used.load(), g_offered_leaf.load(), g_offered_zero.load()};
 }
 void reset_accumulate_stats() {
   g_offered = 0;
   g_used = 0;
   g_offered_leaf = 0;
+  g_offered_zero = 0;
 }
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-              bool retain_graph) {
+              bool retain_graph, bool leaf_grads_zero) {
   KILN_CHECK(roots.size() == grads.size(), "backward: ", roots.size(), " roots but ",
              grads.size(), " gradients");
   NoGradGuard no_grad;  // backward itself is not recorded (no double backward)
@@ -269,7 +272,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   //  * the slot is empty, the consumer is an AccumulateGrad, this edge is its last pending
   //    contribution (deps == 1) and the leaf's .grad is defined: .grad is the target. With
   //    more contributions pending the first one is buffered as today, so the summation order —
-  //    .grad + (g1 + g2 + ...) — and hence every bit of the result is unchanged.
+  //    .grad + (g1 + g2 + ...) — and hence every bit of the result is unchanged. The .grad
+  //    is untouched so far in this backward (AccumulateGrad adds once, after its last
+  //    contribution), so with leaf_grads_zero it still holds zeros: flagged so.
   // After apply, a used target is stored in the slot (nothing to add); an unused one goes back
   // into the slot and the fresh gradient is added to it as before, in the same order.
   struct Offer {
@@ -306,10 +311,12 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       } else {
         continue;
       }
-      n->set_accumulate_target(i, o.target);
+      const bool zero = o.leaf && leaf_grads_zero;
+      n->set_accumulate_target(i, o.target, zero);
       offers.push_back(std::move(o));
       ++g_offered;
       if (offers.back().leaf) ++g_offered_leaf;
+      if (zero) ++g_offered_zero;
     }
   };
   auto settle_targets = [&](Node* n, std::vector<Tensor>& out) {

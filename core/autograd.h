@@ -18,7 +18,11 @@
 // to it and its memory), or the leaf's .grad (the AccumulateGrad behind the edge would `+=` into
 // it anyway). A node that uses the target computes `target += grad_i` in place and returns the
 // target itself as gradient i; otherwise it returns a fresh gradient as usual and the engine
-// adds. This saves the separate `+=` pass (cuDNN's beta = 1 for convolution backward).
+// adds. This saves the separate `+=` pass (cuDNN's beta = 1 for convolution backward). When
+// the caller of backward promises that every leaf's .grad is all zeros (leaf_grads_zero below),
+// a leaf's .grad comes flagged accumulate_target_zero(i): the node may then write it (`=`)
+// instead of adding — the same sum, without reading it (and, for cuDNN's weight gradients,
+// without the fresh tensor and separate add its tuner may pick for `+=`).
 //
 // Backward frees saved tensors unless retain_graph is set; a second backward through such a
 // node is an error. A SavedTensor remembers its storage's version and refuses to unpack if an
@@ -79,9 +83,17 @@ class Node {
   Tensor accumulate_target(size_t input_nr) const {
     return input_nr < accumulate_targets_.size() ? accumulate_targets_[input_nr] : Tensor();
   }
+  // Whether accumulate_target(input_nr) is known to hold zeros: writing it is then the same as
+  // adding to it.
+  bool accumulate_target_zero(size_t input_nr) const {
+    return input_nr < accumulate_zero_.size() && accumulate_zero_[input_nr];
+  }
   // Engine only.
-  void set_accumulate_target(size_t input_nr, const Tensor& t);
-  void clear_accumulate_targets() { accumulate_targets_.clear(); }
+  void set_accumulate_target(size_t input_nr, const Tensor& t, bool zero = false);
+  void clear_accumulate_targets() {
+    accumulate_targets_.clear();
+    accumulate_zero_.clear();
+  }
 
   size_t num_inputs() const { return next_edges_.size(); }
   uint32_t num_outputs() const { return num_outputs_; }
@@ -102,6 +114,7 @@ class Node {
 
  private:
   std::vector<Tensor> accumulate_targets_;
+  std::vector<bool> accumulate_zero_;
 };
 
 // A tensor kept for backward. Stores an autograd-free alias (no reference cycle through the
@@ -170,13 +183,18 @@ void set_accumulate_into_enabled(bool on);
 struct AccumulateStats {
   uint64_t offered = 0, used = 0;
   uint64_t offered_leaf = 0;  // of `offered`: a leaf's .grad
+  uint64_t offered_zero = 0;  // of `offered_leaf`: flagged zero (leaf_grads_zero)
 };
 AccumulateStats accumulate_stats();
 void reset_accumulate_stats();
 
 // Runs backward from `roots` with the given gradients (undefined = ones for one-element roots).
+// leaf_grads_zero: the caller promises that every leaf's defined .grad holds zeros right now (it
+// has just zeroed them: optim::ClassifierStep after FusedOptimizer::zero_grad), so a node handed
+// a leaf's .grad as its accumulate-into target may overwrite it (see Node). Wrong when a .grad
+// holds anything else: that value is lost.
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-              bool retain_graph = false);
+              bool retain_graph = false, bool leaf_grads_zero = false);
 
 // Records a node for a one-input, one-output op whose backward is `fn(grad_out) -> grad_in`.
 // Handy for views and simple elementwise ops; `fn` captures whatever it needs by value.

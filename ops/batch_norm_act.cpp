@@ -61,6 +61,14 @@ std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t
   return out;
 }
 
+// How a node writes the targets param_targets gave it: `=` when every one it needs is known to
+// hold zeros (Node::accumulate_target_zero: writing is then adding), else `+=`.
+GradientMode target_mode(const Node& node, std::initializer_list<size_t> inputs) {
+  for (size_t i : inputs)
+    if (node.needs_input_grad(i) && !node.accumulate_target_zero(i)) return GradientMode::Accumulate;
+  return GradientMode::Set;
+}
+
 class BatchNormActBackward final : public Node {
  public:
   BatchNormActBackward(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
@@ -91,7 +99,7 @@ class BatchNormActBackward final : public Node {
     Tensor dw = acc ? targets[0] : empty_like(w), db = acc ? targets[1] : empty_like(b);
     backend(x).batch_norm_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
                                         save_invstd_.get(*this), reserve_.get(*this), eps_,
-                                        acc ? GradientMode::Accumulate : GradientMode::Set);
+                                        acc ? target_mode(*this, {2, 3}) : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
             needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
   }
@@ -151,7 +159,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     const bool acc = !targets.empty();
     Tensor dw = acc ? targets[0] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
-    const GradientMode mode = acc ? GradientMode::Accumulate : GradientMode::Set;
+    const GradientMode mode = acc ? target_mode(*this, {2, 3}) : GradientMode::Set;
     if (dy1.defined()) {
       backend(x).bn_stats_backward_dgrad1x1(dx, dz, dw, db, dy1, w1, dy, x, mask_.get(*this), w,
                                             save_mean_.get(*this), save_invstd_.get(*this), mode);
@@ -202,7 +210,7 @@ class DualBatchNormBackward final : public Node {
                                       wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this),
                                       r, wr_.get(*this), mean_r_.get(*this),
                                       invstd_r_.get(*this),
-                                      acc ? GradientMode::Accumulate : GradientMode::Set);
+                                      acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }
@@ -297,7 +305,7 @@ class BatchNormReluMaxPoolBackward final : public Node {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const std::vector<Tensor> targets = param_targets(*this, {1, 2}, x);
     const bool acc = !targets.empty();
-    const GradientMode mode = acc ? GradientMode::Accumulate : GradientMode::Set;
+    const GradientMode mode = acc ? target_mode(*this, {1, 2}) : GradientMode::Set;
     Tensor dw = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor dx = empty_like(x);

@@ -60,11 +60,13 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
 }
 
 // dx = dgrad(dy, w), a fresh tensor in `fmt`; or, with `acc` defined, acc += dgrad(dy, w) and
-// acc is returned (the backend fuses the `+=` where it can: cuDNN's beta = 1).
+// acc is returned (the backend fuses the `+=` where it can: cuDNN's beta = 1) — acc =
+// dgrad(dy, w) when acc_zero (acc known to hold zeros).
 Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
-                         const ConvParams& p, const Tensor& acc) {
+                         const ConvParams& p, const Tensor& acc, bool acc_zero) {
   if (acc.defined()) {
-    backend(dy).conv2d_backward_data(acc, dense(dy), dense(w), p, GradientMode::Accumulate);
+    backend(dy).conv2d_backward_data(acc, dense(dy), dense(w), p,
+                                     acc_zero ? GradientMode::Set : GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }
@@ -74,11 +76,13 @@ Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape
   return dx;
 }
 
-// dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) as above.
+// dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) (acc = with acc_zero) as above.
 Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
-                           MemoryFormat fmt, const ConvParams& p, const Tensor& acc) {
+                           MemoryFormat fmt, const ConvParams& p, const Tensor& acc,
+                           bool acc_zero) {
   if (acc.defined()) {
-    backend(dy).conv2d_backward_weight(acc, dense(dy), dense(x), p, GradientMode::Accumulate);
+    backend(dy).conv2d_backward_weight(acc, dense(dy), dense(x), p,
+                                       acc_zero ? GradientMode::Set : GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }
@@ -121,11 +125,13 @@ class Conv2dBackward final : public Node {
     if (needs_input_grad(0)) {
       const Tensor w = w_.get(*this);
       if (!hand_to_sink(g, w))
-        dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}));
+        dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}),
+                               accumulate_target_zero(0));
     }
     if (needs_input_grad(1)) {
       const Tensor x = x_.get(*this);
-      dw = run_backward_weight(g, x, input_meta_[1].shape, w_format_, p_, target(1, {g, x}));
+      dw = run_backward_weight(g, x, input_meta_[1].shape, w_format_, p_, target(1, {g, x}),
+                               accumulate_target_zero(1));
     }
     if (needs_input_grad(2)) db = sum(g, {0, 2, 3});
     return {dx, dw, db};

@@ -18,7 +18,9 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
   opt_.zero_grad();
   Tensor logits = model_(x);
   Tensor loss = F::cross_entropy(logits, y, label_smoothing_);
-  scaler_.scale(loss).backward();
+  // zero_grad just zeroed every gradient (the arena): the first write into each may overwrite.
+  autograd::backward({scaler_.scale(loss)}, {Tensor()}, /*retain_graph=*/false,
+                     /*leaf_grads_zero=*/true);
   scaler_.step(opt_);
   scaler_.update();
   NoGradGuard no_grad;

@@ -350,3 +350,41 @@ TEST_CASE("the switch turns offering off") {
   CHECK(autograd::accumulate_stats().offered == 0);
   CHECK_FALSE(autograd::accumulate_into_enabled());
 }
+
+TEST_CASE("leaf_grads_zero: a zeroed .grad is written, not added to; the gradients are the same") {
+  // A convolution's weight (and a shared weight with two contributions) with .grad zeroed, as
+  // ClassifierStep does after FusedOptimizer::zero_grad. With the promise, w.grad (a single
+  // contribution) comes flagged zero and the convolution writes it; v.grad (two contributions)
+  // is never offered as .grad, so its flag never matters. Every gradient equals the plain run.
+  Generator gen(7);
+  Tensor x = leaf({2, 3, 5, 5}, -1, 1, &gen), w = leaf({4, 3, 3, 3}, -1, 1, &gen);
+  Tensor v = leaf({4, 4, 1, 1}, -1, 1, &gen);
+  auto run = [&](bool promise, double fill) {
+    AccumulateSwitch sw(true);
+    Tensor wl = w.detach().clone(), vl = v.detach().clone(), xl = x.detach().clone();
+    for (Tensor* t : {&wl, &vl, &xl}) t->set_requires_grad(true);
+    Tensor wbuf = full(w.shape(), fill, DType::f64), vbuf = full(v.shape(), fill, DType::f64);
+    wl.set_grad(wbuf);
+    vl.set_grad(vbuf);
+    Tensor h = F::conv2d(xl, wl, Tensor(), 1, 1);
+    Tensor loss = wsum(F::conv2d(F::relu(F::conv2d(h, vl)), vl), 11);
+    autograd::backward({loss}, {Tensor()}, false, promise);
+    CHECK(wl.grad().is_same(wbuf));  // written in place either way
+    return std::pair{std::vector<Tensor>{wl.grad(), vl.grad(), xl.grad()},
+                     autograd::accumulate_stats()};
+  };
+  const auto [plain, st_plain] = run(false, 0.0);
+  const auto [zero, st_zero] = run(true, 0.0);
+  CHECK(st_plain.offered_zero == 0);
+  CHECK(st_zero.offered_zero == 1);  // w.grad only (x.grad undefined, v: two contributions)
+  CHECK(st_zero.used == st_plain.used);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    CAPTURE(i);
+    KILN_CHECK_OK(testing::compare(zero[i], plain[i], 0, 0));
+  }
+  // The promise broken on purpose: w.grad holds 3 and is overwritten (the value is lost, as
+  // documented); v.grad, added to as usual, keeps it. This is what shows the write happened.
+  const auto [broken, st_broken] = run(true, 3.0);
+  KILN_CHECK_OK(testing::compare(broken[0], plain[0], 0, 0));
+  KILN_CHECK_OK(testing::compare(broken[1], F::add(plain[1], 3.0), 1e-12, 1e-12));
+}
