@@ -242,7 +242,7 @@ void reset_accumulate_stats() {
 }
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-              bool retain_graph, bool leaf_grads_zero) {
+              bool retain_graph, const Tensor& zeroed) {
   KILN_CHECK(roots.size() == grads.size(), "backward: ", roots.size(), " roots but ",
              grads.size(), " gradients");
   NoGradGuard no_grad;  // backward itself is not recorded (no double backward)
@@ -274,7 +274,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   //    more contributions pending the first one is buffered as today, so the summation order —
   //    .grad + (g1 + g2 + ...) — and hence every bit of the result is unchanged. The .grad
   //    is untouched so far in this backward (AccumulateGrad adds once, after its last
-  //    contribution), so with leaf_grads_zero it still holds zeros: flagged so.
+  //    contribution), so when it views `zeroed` it still holds zeros: flagged so.
   // After apply, a used target is stored in the slot (nothing to add); an unused one goes back
   // into the slot and the fresh gradient is added to it as before, in the same order.
   struct Offer {
@@ -311,7 +311,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       } else {
         continue;
       }
-      const bool zero = o.leaf && leaf_grads_zero;
+      const bool zero = o.leaf && zeroed.defined() && o.target.shares_storage(zeroed);
       n->set_accumulate_target(i, o.target, zero);
       offers.push_back(std::move(o));
       ++g_offered;

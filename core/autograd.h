@@ -19,7 +19,7 @@
 // it anyway). A node that uses the target computes `target += grad_i` in place and returns the
 // target itself as gradient i; otherwise it returns a fresh gradient as usual and the engine
 // adds. This saves the separate `+=` pass (cuDNN's beta = 1 for convolution backward). When
-// the caller of backward promises that every leaf's .grad is all zeros (leaf_grads_zero below),
+// the caller of backward says a leaf's .grad lies in memory it has just zeroed (`zeroed` below),
 // a leaf's .grad comes flagged accumulate_target_zero(i): the node may then write it (`=`)
 // instead of adding — the same sum, without reading it (and, for cuDNN's weight gradients,
 // without the fresh tensor and separate add its tuner may pick for `+=`).
@@ -183,18 +183,18 @@ void set_accumulate_into_enabled(bool on);
 struct AccumulateStats {
   uint64_t offered = 0, used = 0;
   uint64_t offered_leaf = 0;  // of `offered`: a leaf's .grad
-  uint64_t offered_zero = 0;  // of `offered_leaf`: flagged zero (leaf_grads_zero)
+  uint64_t offered_zero = 0;  // of `offered_leaf`: flagged zero (backward's `zeroed`)
 };
 AccumulateStats accumulate_stats();
 void reset_accumulate_stats();
 
 // Runs backward from `roots` with the given gradients (undefined = ones for one-element roots).
-// leaf_grads_zero: the caller promises that every leaf's defined .grad holds zeros right now (it
-// has just zeroed them: optim::ClassifierStep after FusedOptimizer::zero_grad), so a node handed
-// a leaf's .grad as its accumulate-into target may overwrite it (see Node). Wrong when a .grad
-// holds anything else: that value is lost.
+// zeroed (optional): memory the caller has just zeroed and not written since — the fused
+// optimizer's gradient arena right after its zero_grad (optim::ClassifierStep). A leaf's .grad
+// that views it holds zeros, so a node handed it as its accumulate-into target may overwrite it
+// (see Node). Wrong when such a .grad holds anything else: that value is lost.
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-              bool retain_graph = false, bool leaf_grads_zero = false);
+              bool retain_graph = false, const Tensor& zeroed = Tensor());
 
 // Records a node for a one-input, one-output op whose backward is `fn(grad_out) -> grad_in`.
 // Handy for views and simple elementwise ops; `fn` captures whatever it needs by value.

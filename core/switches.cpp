@@ -23,6 +23,7 @@ Switches read_switches() {
   const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;
   if (blocks > 0 && blocks <= 64) s.bn_sums_blocks = int(blocks);
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
+  s.grad_overwrite = !is(std::getenv("KILN_GRAD_OVERWRITE"), "0");
   s.wgrad_fresh = !is(std::getenv("KILN_WGRAD_FRESH"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");
   s.cudnn_backend = is(b, "0") ? 0 : is(b, "force") ? 2 : 1;

@@ -27,6 +27,8 @@
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
 // |                          |                     | kernel wherever it fits (default: wgmma only    |
 // |                          |                     | for K 256 and 512, on sm_90; session 14)        |
+// | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
+// |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
 // |                          |                     | the tuner's choice (before session 10)          |
@@ -60,6 +62,7 @@ struct Switches {
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
+  bool grad_overwrite = true;
   bool wgrad_fresh = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
   bool cudnn_find_log = false;

@@ -1,5 +1,7 @@
 #include "optim/train_step.h"
 
+#include "core/autograd.h"
+#include "core/switches.h"
 #include "ops/ops.h"
 
 namespace kiln::optim {
@@ -18,9 +20,10 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
   opt_.zero_grad();
   Tensor logits = model_(x);
   Tensor loss = F::cross_entropy(logits, y, label_smoothing_);
-  // zero_grad just zeroed every gradient (the arena): the first write into each may overwrite.
+  // zero_grad just zeroed the gradient arena: the first write into each .grad may overwrite
+  // (KILN_GRAD_OVERWRITE=0: always add).
   autograd::backward({scaler_.scale(loss)}, {Tensor()}, /*retain_graph=*/false,
-                     /*leaf_grads_zero=*/true);
+                     switches().grad_overwrite ? opt_.grad_arena() : Tensor());
   scaler_.step(opt_);
   scaler_.update();
   NoGradGuard no_grad;

@@ -351,40 +351,49 @@ TEST_CASE("the switch turns offering off") {
   CHECK_FALSE(autograd::accumulate_into_enabled());
 }
 
-TEST_CASE("leaf_grads_zero: a zeroed .grad is written, not added to; the gradients are the same") {
-  // A convolution's weight (and a shared weight with two contributions) with .grad zeroed, as
-  // ClassifierStep does after FusedOptimizer::zero_grad. With the promise, w.grad (a single
-  // contribution) comes flagged zero and the convolution writes it; v.grad (two contributions)
-  // is never offered as .grad, so its flag never matters. Every gradient equals the plain run.
+TEST_CASE("backward's zeroed memory: a .grad in it is written, not added to; same gradients") {
+  // A convolution's weight and a weight used twice, their .grads views of one zeroed arena, as
+  // ClassifierStep passes FusedOptimizer's after zero_grad. w.grad (a single contribution) comes
+  // flagged zero and the convolution writes it; v.grad (two contributions) is never offered as
+  // .grad; u.grad (a single contribution, but outside the arena) is offered, not flagged. Every
+  // gradient equals the plain run.
   Generator gen(7);
   Tensor x = leaf({2, 3, 5, 5}, -1, 1, &gen), w = leaf({4, 3, 3, 3}, -1, 1, &gen);
-  Tensor v = leaf({4, 4, 1, 1}, -1, 1, &gen);
-  auto run = [&](bool promise, double fill) {
+  Tensor v = leaf({4, 4, 1, 1}, -1, 1, &gen), u = leaf({2, 4, 1, 1}, -1, 1, &gen);
+  const int64_t nw = w.numel(), nv = v.numel();
+  auto run = [&](bool pass_arena, double fill) {
     AccumulateSwitch sw(true);
     Tensor wl = w.detach().clone(), vl = v.detach().clone(), xl = x.detach().clone();
-    for (Tensor* t : {&wl, &vl, &xl}) t->set_requires_grad(true);
-    Tensor wbuf = full(w.shape(), fill, DType::f64), vbuf = full(v.shape(), fill, DType::f64);
+    Tensor ul = u.detach().clone();
+    for (Tensor* t : {&wl, &vl, &xl, &ul}) t->set_requires_grad(true);
+    Tensor arena = full({nw + nv}, fill, DType::f64);  // w.grad and v.grad view it
+    Tensor wbuf = arena.narrow(0, 0, nw).view(w.shape());
+    Tensor vbuf = arena.narrow(0, nw, nv).view(v.shape());
     wl.set_grad(wbuf);
     vl.set_grad(vbuf);
+    ul.set_grad(full(u.shape(), fill, DType::f64));
     Tensor h = F::conv2d(xl, wl, Tensor(), 1, 1);
-    Tensor loss = wsum(F::conv2d(F::relu(F::conv2d(h, vl)), vl), 11);
-    autograd::backward({loss}, {Tensor()}, false, promise);
+    Tensor loss = wsum(F::conv2d(F::conv2d(F::relu(F::conv2d(h, vl)), vl), ul), 11);
+    autograd::backward({loss}, {Tensor()}, false, pass_arena ? arena : Tensor());
     CHECK(wl.grad().is_same(wbuf));  // written in place either way
-    return std::pair{std::vector<Tensor>{wl.grad(), vl.grad(), xl.grad()},
+    return std::pair{std::vector<Tensor>{wl.grad(), vl.grad(), xl.grad(), ul.grad()},
                      autograd::accumulate_stats()};
   };
   const auto [plain, st_plain] = run(false, 0.0);
   const auto [zero, st_zero] = run(true, 0.0);
   CHECK(st_plain.offered_zero == 0);
   CHECK(st_zero.offered_zero == 1);  // w.grad only (x.grad undefined, v: two contributions)
+  CHECK(st_zero.offered_leaf == 2);  // w.grad and u.grad
   CHECK(st_zero.used == st_plain.used);
   for (size_t i = 0; i < plain.size(); ++i) {
     CAPTURE(i);
     KILN_CHECK_OK(testing::compare(zero[i], plain[i], 0, 0));
   }
-  // The promise broken on purpose: w.grad holds 3 and is overwritten (the value is lost, as
-  // documented); v.grad, added to as usual, keeps it. This is what shows the write happened.
+  // The promise broken on purpose: the arena and u.grad hold 3. w.grad is overwritten (the
+  // value is lost, as documented) — this is what shows the write happened; v.grad and u.grad
+  // are added to as usual.
   const auto [broken, st_broken] = run(true, 3.0);
   KILN_CHECK_OK(testing::compare(broken[0], plain[0], 0, 0));
   KILN_CHECK_OK(testing::compare(broken[1], F::add(plain[1], 3.0), 1e-12, 1e-12));
+  KILN_CHECK_OK(testing::compare(broken[3], F::add(plain[3], 3.0), 1e-12, 1e-12));
 }
