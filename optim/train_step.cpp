@@ -6,6 +6,13 @@
 
 namespace kiln::optim {
 
+namespace {
+constinit RuntimeSwitch g_overwrite{&Switches::grad_overwrite};  // KILN_GRAD_OVERWRITE
+}  // namespace
+
+bool grad_overwrite_enabled() { return g_overwrite.get(); }
+void set_grad_overwrite_enabled(bool on) { g_overwrite.set(on); }
+
 ClassifierStep::ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLossScaler& scaler,
                                double label_smoothing)
     : model_(model), opt_(opt), scaler_(scaler), label_smoothing_(label_smoothing) {
@@ -23,7 +30,7 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
   // zero_grad just zeroed the gradient arena: the first write into each .grad may overwrite
   // (KILN_GRAD_OVERWRITE=0: always add).
   autograd::backward({scaler_.scale(loss)}, {Tensor()}, /*retain_graph=*/false,
-                     switches().grad_overwrite ? opt_.grad_arena() : Tensor());
+                     g_overwrite.get() ? opt_.grad_arena() : Tensor());
   scaler_.step(opt_);
   scaler_.update();
   NoGradGuard no_grad;

@@ -17,6 +17,12 @@
 
 namespace kiln::optim {
 
+// Whether run()'s backward writes the .grads zero_grad has just zeroed instead of adding to them
+// (autograd::backward's `zeroed`: the fused optimizer's gradient arena). The same sums either
+// way; on by default, KILN_GRAD_OVERWRITE=0 or set_grad_overwrite_enabled(false) for A/B.
+bool grad_overwrite_enabled();
+void set_grad_overwrite_enabled(bool on);
+
 class ClassifierStep {
  public:
   // `model`, `opt` and `scaler` must outlive the step. x: (N, C, H, W) as amp::prepare_input

@@ -12,13 +12,18 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "core/autograd.h"
+#include "core/generator.h"
+#include "cuda/conv.h"
+#include "models/resnet.h"
 #include "models/nn.h"
 #include "cuda/runtime.h"
 #include "cuda/check.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
+#include "optim/train_step.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace kiln;
@@ -351,4 +356,104 @@ TEST_CASE("a whole mixed-precision step captures into a CUDA graph (no host sync
     CUDA_CHECK(cudaGraphDestroy(graph));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+namespace {
+
+// One ClassifierStep::run of `model` (a fresh copy from `make`) on (x, y), .grads written after
+// zero_grad (overwrite) or added to them; returns the .grads (f32 copies, CPU) and the updated
+// parameters, and how many .grads the backward flagged zero.
+struct StepResult {
+  std::vector<Tensor> grads, params;
+  uint64_t offered_zero = 0, used = 0;
+};
+StepResult one_step(const std::function<std::shared_ptr<models::ResNet>()>& make, const Tensor& x,
+                    const Tensor& y, bool overwrite) {
+  auto m = make();
+  amp::prepare_model(*m, kGpu);
+  FusedSGD opt(split_weight_decay(*m, sgd(0.1, 0.9, 5e-4, false)));
+  DynamicLossScaler scaler(kGpu, {256.0});
+  ClassifierStep step(*m, opt, scaler);
+  optim::set_grad_overwrite_enabled(overwrite);
+  autograd::reset_accumulate_stats();
+  step.run(amp::prepare_input(x, kGpu), y.to(kGpu));
+  const autograd::AccumulateStats st = autograd::accumulate_stats();
+  optim::set_grad_overwrite_enabled(true);
+  CHECK(scaler.skipped_steps().item() == 0);
+  StepResult out;
+  out.offered_zero = st.offered_zero;
+  out.used = st.used;
+  for (const Tensor& p : m->parameters()) {
+    REQUIRE(p.grad().defined());
+    out.grads.push_back(p.grad().to(DType::f32).to(Device::cpu()).contiguous());
+    out.params.push_back(p.detach().to(DType::f32).to(Device::cpu()).contiguous());
+  }
+  return out;
+}
+
+// Largest |a - b| over max |b| (and the absolute difference where b is all zeros).
+double rel_diff(const Tensor& a, const Tensor& b) {
+  const auto u = a.to_vector<double>(), v = b.to_vector<double>();
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < u.size(); ++i) {
+    worst = std::max(worst, std::fabs(u[i] - v[i]));
+    scale = std::max(scale, std::fabs(v[i]));
+  }
+  return scale > 0 ? worst / scale : worst;
+}
+
+void check_overwrite_equals_add(const std::function<std::shared_ptr<models::ResNet>()>& make,
+                                const Tensor& x, const Tensor& y) {
+  cuda::set_conv_deterministic(true);
+  const StepResult add = one_step(make, x, y, false), write = one_step(make, x, y, true);
+  cuda::set_conv_deterministic(false);
+  CHECK(add.offered_zero == 0);
+  // Every parameter with a .grad in the arena was offered zeroed to the node producing it.
+  CHECK(write.offered_zero > 0);
+  REQUIRE(add.grads.size() == write.grads.size());
+  int nonzero = 0;
+  for (size_t i = 0; i < add.grads.size(); ++i) {
+    CAPTURE(i);
+    // Same sums; a different cuDNN plan (beta = 0 against beta = 1) may order them differently.
+    // A lost or doubled contribution is off by O(1), not O(f16 rounding).
+    CHECK(rel_diff(write.grads[i], add.grads[i]) <= 2e-2);
+    CHECK(rel_diff(write.params[i], add.params[i]) <= 1e-3);
+    nonzero += rel_diff(add.grads[i], zeros(add.grads[i].shape())) > 0;
+  }
+  CHECK(nonzero == int(add.grads.size()));
+}
+
+}  // namespace
+
+TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to (ResNet-18, 28x28)") {
+  // kiln-train's Fashion-MNIST model: 3x3 stem, no max pool, 64..512 channels (cuDNN's fused BN
+  // below 256, kiln's BN kernels from 256).
+  Generator gen(3);
+  const Tensor x = randn({16, 1, 28, 28}, DType::f32, &gen);
+  const Tensor y = randint(0, 10, {16}, DType::i64, &gen);
+  auto make = [] {
+    models::ResNetOptions o;
+    o.num_classes = 10;
+    o.in_channels = 1;
+    o.imagenet_stem = false;
+    o.seed = 5;
+    return std::make_shared<models::ResNet>(models::BlockKind::Basic,
+                                            std::vector<int64_t>{2, 2, 2, 2}, o);
+  };
+  check_overwrite_equals_add(make, x, y);
+}
+
+TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to (ResNet-50, 64x64)") {
+  // The ImageNet stem (fused BN + ReLU + max pool), bottlenecks, the block tail's fused GEMM.
+  Generator gen(4);
+  const Tensor x = randn({8, 3, 64, 64}, DType::f32, &gen);
+  const Tensor y = randint(0, 10, {8}, DType::i64, &gen);
+  auto make = [] {
+    models::ResNetOptions o;
+    o.num_classes = 10;
+    o.seed = 6;
+    return std::make_shared<models::ResNet>(models::BlockKind::Bottleneck,
+                                            std::vector<int64_t>{3, 4, 6, 3}, o);
+  };
+  check_overwrite_equals_add(make, x, y);
 }
