@@ -18,7 +18,6 @@ Switches read_switches() {
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   const char* tg = std::getenv("KILN_TAIL_GEMM");
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "wgmma") ? 2 : 1;
-  s.tail_prefetch = !is(std::getenv("KILN_TAIL_PREFETCH"), "0");
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
   const char* sb = std::getenv("KILN_BN_SUMS_BLOCKS");
   const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;

@@ -27,9 +27,6 @@
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
 // |                          |                     | kernel wherever it fits (default: wgmma only    |
 // |                          |                     | for K 256 and 512, on sm_90; session 14)        |
-// | KILN_TAIL_PREFETCH       | 0                   | the tail GEMMs read r, x and the mask in their  |
-// |                          |                     | epilogue without asking L2 a tile ahead (before |
-// |                          |                     | session 15)                                     |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -62,7 +59,6 @@ struct Switches {
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
   int tail_gemm = 1;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
-  bool tail_prefetch = true;
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;

@@ -97,7 +97,7 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
                         const __half* __restrict__ dy, const __half* __restrict__ w,
                         const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                         const __half* __restrict__ x, const float* __restrict__ mean, int64_t M,
-                        int N, bool prefetch) {
+                        int N) {
   pdl_start();
   using S = Smem<K>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -126,13 +126,8 @@ dgrad1x1_bn_sums_kernel(__half* __restrict__ g, float* __restrict__ partial,
 #pragma unroll
   for (int j = 0; j < 8; ++j) mu[j] = mean[c0 + j];
 
-  // The epilogue's rows of r, x and the mask asked of L2 one tile ahead.
-  if (prefetch && tile < tiles)
-    tail_prefetch_rows<kBM / 32, 32>(r, mask, x, M, N, tile * kBM, rr, c0);
   for (int cur = 0; tile < tiles; tile += gridDim.y, cur ^= 1) {
     const int64_t m0 = tile * kBM;
-    if (prefetch && tile + gridDim.y < tiles)
-      tail_prefetch_rows<kBM / 32, 32>(r, mask, x, M, N, m0 + int64_t(gridDim.y) * kBM, rr, c0);
     cp_async_wait_all();
     __syncthreads();  // this tile's rows are in; the other buffer's last readers are done
     if (tile + gridDim.y < tiles)
@@ -278,7 +273,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
     launch(kernel, grid, kThreads, Smem<kK>::kBytes, current_stream(),
            static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
            h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
-           static_cast<const float*>(mean.raw_data()), M, int(C), switches().tail_prefetch);
+           static_cast<const float*>(mean.raw_data()), M, int(C));
   };
   if (K == 64)
     run.template operator()<64>();

@@ -71,22 +71,4 @@ __device__ inline void tail_epilogue_rows(__half* __restrict__ g, const __half* 
   }
 }
 
-// Asks L2 for the lines tail_epilogue_rows will read for the same rows (r's, x's, the mask's),
-// so that they arrive while the GEMM runs rather than when the epilogue asks. One thread per
-// 64 channels (a 128-byte line of r and of x) issues; a hint, never waited on.
-template <int kRows, int kStride>
-__device__ inline void tail_prefetch_rows(const __half* r, const uint8_t* mask, const __half* x,
-                                          int64_t M, int64_t C, int64_t m0, int rr, int c0) {
-  if (c0 % 64 != 0) return;
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int64_t m = m0 + rr + kStride * i;
-    if (m >= M) break;
-    const int64_t e = m * C + c0;
-    asm volatile("prefetch.L2 [%0];" ::"l"(r + e));
-    asm volatile("prefetch.L2 [%0];" ::"l"(x + e));
-    asm volatile("prefetch.L2 [%0];" ::"l"(mask + e / 8));
-  }
-}
-
 }  // namespace kiln::cuda

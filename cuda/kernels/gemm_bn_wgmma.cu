@@ -30,7 +30,6 @@
 #include <array>
 #include <mutex>
 
-#include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
@@ -152,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const __grid_constant__ CUtensorMap map_wt,
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
-                                  int64_t M, int C, int K, int parts, bool prefetch) {
+                                  int64_t M, int C, int K, int parts) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -205,13 +204,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int q = 0; q < 8; ++q) mu[q] = mean[c0 + q];
 
-  // The epilogue's rows of r, x and the mask asked of L2 one tile ahead.
-  if (prefetch) tail_prefetch_rows<8, 8>(r, mask, x, M, C, part * kBM + c * 64, rr, c0);
   int j = 0;
   for (int64_t tile = part; tile < row_tiles; tile += parts) {
     const int64_t m0 = tile * kBM + c * 64;
-    if (prefetch && tile + parts < row_tiles)
-      tail_prefetch_rows<8, 8>(r, mask, x, M, C, m0 + parts * kBM, rr, c0);
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
@@ -358,7 +353,7 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
          static_cast<float*>(partial.raw_data()), map_dy, map_wt,
          static_cast<const __half*>(r.raw_data()), static_cast<const uint8_t*>(mask.raw_data()),
          static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()), M,
-         int(C), int(K), parts, switches().tail_prefetch);
+         int(C), int(K), parts);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
