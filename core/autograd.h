@@ -20,9 +20,10 @@
 // target itself as gradient i; otherwise it returns a fresh gradient as usual and the engine
 // adds. This saves the separate `+=` pass (cuDNN's beta = 1 for convolution backward). When
 // the caller of backward says a leaf's .grad lies in memory it has just zeroed (`zeroed` below),
-// a leaf's .grad comes flagged accumulate_target_zero(i): the node may then write it (`=`)
-// instead of adding — the same sum, without reading it (and, for cuDNN's weight gradients,
-// without the fresh tensor and separate add its tuner may pick for `+=`).
+// a leaf's .grad comes flagged accumulate_target_zero(i): the node then passes
+// GradientMode::AddToZeros, and the backend may write instead of adding — the same values
+// without reading the target (and, for cuDNN's weight gradients, without the fresh tensor and
+// separate add its tuner may pick for `+=`).
 //
 // Backward frees saved tensors unless retain_graph is set; a second backward through such a
 // node is an error. A SavedTensor remembers its storage's version and refuses to unpack if an

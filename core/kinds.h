@@ -18,8 +18,12 @@ enum class BinaryOp : uint8_t { AddScaled, Mul, Div, Pow, ReluBackward, Eq };
 enum class ReduceOp : uint8_t { Sum, Max, Min, Avg };
 
 // Whether a backward writes a gradient (`=`) or adds into one (`+=`, autograd's
-// accumulate-into: the gradient buffer already holds other edges' sum).
-enum class GradientMode : uint8_t { Set, Accumulate };
+// accumulate-into: the gradient buffer already holds other edges' sum). AddToZeros: `+=` into a
+// buffer known to hold zeros (a .grad zero_grad has just cleared): the result must be
+// Accumulate's, value for value (the sign of a zero aside), but the backend need not read the
+// buffer — it may write it as with Set wherever Set computes the same values (everything but
+// cuDNN's weight gradient, whose beta = 1 plan may differ from its beta = 0 one).
+enum class GradientMode : uint8_t { Set, Accumulate, AddToZeros };
 
 const char* unary_name(UnaryOp op);
 const char* binary_name(BinaryOp op);

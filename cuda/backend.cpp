@@ -52,12 +52,14 @@ void bn_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, c
 
 void conv_dgrad(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
                 GradientMode mode) {
-  conv2d_backward_data(dx, dy, w, p, mode == GradientMode::Accumulate);
+  // AddToZeros adds (beta = 1) as Accumulate does: the beta = 0 plan may round differently.
+  conv2d_backward_data(dx, dy, w, p, mode != GradientMode::Set);
 }
 
 void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvParams& p,
                 GradientMode mode) {
-  conv2d_backward_weight(dw, dy, x, p, mode == GradientMode::Accumulate);
+  conv2d_backward_weight(dw, dy, x, p, mode != GradientMode::Set,
+                         mode == GradientMode::AddToZeros);
 }
 
 // The convolution's statistics for the batch norm that follows, so that kiln's own NHWC batch

@@ -402,7 +402,7 @@ const Tensor& output_of(const Tensor& x, const Tensor& w, const Tensor& y) {
 
 template <class Op>
 void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, const Tensor& y,
-             const ConvParams& cp, bool accumulate);
+             const ConvParams& cp, bool accumulate, bool zeroed = false);
 
 // A weight gradient added into .grad (beta = 1) reaches other engines than the same problem
 // with beta = 0, sometimes much slower ones (ResNet-50's layer-1 3x3: 0.29 ms against 0.13 ms,
@@ -461,7 +461,7 @@ bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Ten
 // output, since the timing runs would otherwise add into the real one several times.
 template <class Op>
 void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, const Tensor& y,
-             const ConvParams& cp, bool accumulate) {
+             const ConvParams& cp, bool accumulate, bool zeroed) {
   Context& ctx = context();
   cudnnHandle_t h = ctx.cudnn;
   CUDNN_CHECK(cudnnSetStream(h, current_stream()));
@@ -509,6 +509,8 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
   }
   if constexpr (Op::kOp == ConvOp::BackwardFilter) {
     if (accumulate && fresh_beats_accumulate<Op>(*plan, dtype, fmt, x, w, y, cp, key)) {
+      // Into zeros (conv2d_backward_weight's `zeroed`) the fresh buffer is the output itself.
+      if (zeroed) return execute<Op>(dtype, fmt, x, w, y, cp, false);
       NoGradGuard no_grad;
       Tensor fresh = empty(w.shape(), TensorOptions(dtype).with_device(w.device())
                                           .with_memory_format(fmt));
@@ -748,7 +750,7 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, c
 }
 
 void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
-                            const ConvParams& p, bool accumulate) {
+                            const ConvParams& p, bool accumulate, bool zeroed) {
   if (dw.numel() == 0) return;
   if (dy.numel() == 0 || x.numel() == 0) {
     if (!accumulate) dw.zero_();
@@ -757,6 +759,7 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
   const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
   if (accumulate && (pad || !dw.is_contiguous(fmt))) {
+    if (zeroed) return conv2d_backward_weight(dw, dy, x, p, false);  // 0 + fresh: fresh
     NoGradGuard no_grad;
     Tensor fresh = empty(dw.shape(), TensorOptions(dw.dtype()).with_device(dw.device())
                                          .with_memory_format(fmt));
@@ -767,7 +770,7 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);
   Tensor dyc = dense_in(dy, fmt);
   Tensor dwb = pad ? padded_empty(dw) : out_buffer(dw, fmt);
-  execute<BwdFilter>(x.dtype(), fmt, xc, dwb, dyc, p, accumulate);
+  execute<BwdFilter>(x.dtype(), fmt, xc, dwb, dyc, p, accumulate, accumulate && zeroed);
   if (pad) dw.copy_(dwb.narrow(1, 0, dw.size(1))); else finish_out(dw, dwb);
 }
 

@@ -63,8 +63,11 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
                           const Tensor& x, const Tensor& w, const ConvParams& p);
 void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
                           bool accumulate = false);
+// zeroed (with accumulate): dw holds zeros. Where `+=` would run as beta = 0 into a fresh buffer
+// plus an add (the tuner's choice, or a padded stem), the beta = 0 plan writes dw instead: the
+// same values, one pass and one buffer fewer; where it would run beta = 1, it still does.
 void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
-                            const ConvParams& p, bool accumulate = false);
+                            const ConvParams& p, bool accumulate = false, bool zeroed = false);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

@@ -61,12 +61,13 @@ std::vector<Tensor> param_targets(const Node& node, std::initializer_list<size_t
   return out;
 }
 
-// How a node writes the targets param_targets gave it: `=` when every one it needs is known to
-// hold zeros (Node::accumulate_target_zero: writing is then adding), else `+=`.
+// How a node adds into the targets param_targets gave it: AddToZeros when every one it needs is
+// known to hold zeros (Node::accumulate_target_zero: the kernels then write instead of adding),
+// else Accumulate.
 GradientMode target_mode(const Node& node, std::initializer_list<size_t> inputs) {
   for (size_t i : inputs)
     if (node.needs_input_grad(i) && !node.accumulate_target_zero(i)) return GradientMode::Accumulate;
-  return GradientMode::Set;
+  return GradientMode::AddToZeros;
 }
 
 class BatchNormActBackward final : public Node {

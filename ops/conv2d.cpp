@@ -60,13 +60,14 @@ ConvParams validate(const Tensor& x, const Tensor& w, const Tensor& b, Pair stri
 }
 
 // dx = dgrad(dy, w), a fresh tensor in `fmt`; or, with `acc` defined, acc += dgrad(dy, w) and
-// acc is returned (the backend fuses the `+=` where it can: cuDNN's beta = 1) — acc =
-// dgrad(dy, w) when acc_zero (acc known to hold zeros).
+// acc is returned (the backend fuses the `+=` where it can: cuDNN's beta = 1); acc_zero: acc
+// is known to hold zeros (GradientMode::AddToZeros: the backend may write it instead).
 Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape, MemoryFormat fmt,
                          const ConvParams& p, const Tensor& acc, bool acc_zero) {
   if (acc.defined()) {
     backend(dy).conv2d_backward_data(acc, dense(dy), dense(w), p,
-                                     acc_zero ? GradientMode::Set : GradientMode::Accumulate);
+                                     acc_zero ? GradientMode::AddToZeros
+                                              : GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }
@@ -76,13 +77,14 @@ Tensor run_backward_data(const Tensor& dy, const Tensor& w, const Shape& x_shape
   return dx;
 }
 
-// dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) (acc = with acc_zero) as above.
+// dw = wgrad(dy, x), fresh in `fmt`, or acc += wgrad(dy, x) (acc_zero as above).
 Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                            MemoryFormat fmt, const ConvParams& p, const Tensor& acc,
                            bool acc_zero) {
   if (acc.defined()) {
     backend(dy).conv2d_backward_weight(acc, dense(dy), dense(x), p,
-                                       acc_zero ? GradientMode::Set : GradientMode::Accumulate);
+                                       acc_zero ? GradientMode::AddToZeros
+                                              : GradientMode::Accumulate);
     acc.bump_version();
     return acc;
   }

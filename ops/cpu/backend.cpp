@@ -17,7 +17,7 @@ void add_into(const Tensor& acc, const Tensor& fresh) {
 
 void conv_dgrad(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
                 GradientMode mode) {
-  if (mode == GradientMode::Set) return conv2d_backward_data(dx, dy, w, p);
+  if (mode != GradientMode::Accumulate) return conv2d_backward_data(dx, dy, w, p);
   Tensor fresh = empty(dx.shape(), TensorOptions(dx.dtype()));
   conv2d_backward_data(fresh, dy, w, p);
   add_into(dx, fresh);
@@ -25,7 +25,7 @@ void conv_dgrad(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvP
 
 void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvParams& p,
                 GradientMode mode) {
-  if (mode == GradientMode::Set) return conv2d_backward_weight(dw, dy, x, p);
+  if (mode != GradientMode::Accumulate) return conv2d_backward_weight(dw, dy, x, p);
   Tensor fresh = empty(dw.shape(), TensorOptions(dw.dtype()));
   conv2d_backward_weight(fresh, dy, x, p);
   add_into(dw, fresh);
