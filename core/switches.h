@@ -77,8 +77,8 @@ struct Switches {
 const Switches& switches();
 
 // A boolean switch that starts from its Switches field and that a program or test may flip at run
-// time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled and
-// cuda::set_pdl_enabled.
+// time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
+// cuda::set_pdl_enabled and optim::set_grad_overwrite_enabled.
 class RuntimeSwitch {
  public:
   explicit constexpr RuntimeSwitch(bool Switches::*field) : field_(field) {}
