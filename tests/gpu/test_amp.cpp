@@ -421,37 +421,33 @@ void check_overwrite_equals_add(const std::function<std::shared_ptr<models::ResN
   CHECK(nonzero == int(add.grads.size()));
 }
 
+// A batch of `n` random images with random labels (data seed `seed`), and `o`'s model.
+void check_overwrite_equals_add(models::BlockKind kind, std::vector<int64_t> layers,
+                                models::ResNetOptions o, int64_t n, int64_t side, uint64_t seed) {
+  Generator gen(seed);
+  const Tensor x = randn({n, o.in_channels, side, side}, DType::f32, &gen);
+  const Tensor y = randint(0, o.num_classes, {n}, DType::i64, &gen);
+  check_overwrite_equals_add(
+      [&] { return std::make_shared<models::ResNet>(kind, layers, o); }, x, y);
+}
+
 }  // namespace
 
 TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to (ResNet-18, 28x28)") {
   // kiln-train's Fashion-MNIST model: 3x3 stem, no max pool, 64..512 channels (cuDNN's fused BN
   // below 256, kiln's BN kernels from 256).
-  Generator gen(3);
-  const Tensor x = randn({16, 1, 28, 28}, DType::f32, &gen);
-  const Tensor y = randint(0, 10, {16}, DType::i64, &gen);
-  auto make = [] {
-    models::ResNetOptions o;
-    o.num_classes = 10;
-    o.in_channels = 1;
-    o.imagenet_stem = false;
-    o.seed = 5;
-    return std::make_shared<models::ResNet>(models::BlockKind::Basic,
-                                            std::vector<int64_t>{2, 2, 2, 2}, o);
-  };
-  check_overwrite_equals_add(make, x, y);
+  models::ResNetOptions o;
+  o.num_classes = 10;
+  o.in_channels = 1;
+  o.imagenet_stem = false;
+  o.seed = 5;
+  check_overwrite_equals_add(models::BlockKind::Basic, {2, 2, 2, 2}, o, 16, 28, 3);
 }
 
 TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to (ResNet-50, 64x64)") {
   // The ImageNet stem (fused BN + ReLU + max pool), bottlenecks, the block tail's fused GEMM.
-  Generator gen(4);
-  const Tensor x = randn({8, 3, 64, 64}, DType::f32, &gen);
-  const Tensor y = randint(0, 10, {8}, DType::i64, &gen);
-  auto make = [] {
-    models::ResNetOptions o;
-    o.num_classes = 10;
-    o.seed = 6;
-    return std::make_shared<models::ResNet>(models::BlockKind::Bottleneck,
-                                            std::vector<int64_t>{3, 4, 6, 3}, o);
-  };
-  check_overwrite_equals_add(make, x, y);
+  models::ResNetOptions o;
+  o.num_classes = 10;
+  o.seed = 6;
+  check_overwrite_equals_add(models::BlockKind::Bottleneck, {3, 4, 6, 3}, o, 8, 64, 4);
 }
