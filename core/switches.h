@@ -27,6 +27,9 @@
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
 // |                          |                     | kernel wherever it fits (default: wgmma only    |
 // |                          |                     | for K 256 and 512, on sm_90; session 14)        |
+// | KILN_TAIL_TMA_EPI        | 0                   | the wgmma tail GEMM reads r, x and the mask     |
+// |                          |                     | from global memory after its MMAs, not by TMA   |
+// |                          |                     | during them (before session 15)                 |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -59,6 +62,7 @@ struct Switches {
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
   int tail_gemm = 1;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
+  bool tail_tma_epi = true;
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
@@ -78,7 +82,8 @@ const Switches& switches();
 
 // A boolean switch that starts from its Switches field and that a program or test may flip at run
 // time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
-// cuda::set_pdl_enabled and optim::set_grad_overwrite_enabled.
+// cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled and
+// optim::set_grad_overwrite_enabled.
 class RuntimeSwitch {
  public:
   explicit constexpr RuntimeSwitch(bool Switches::*field) : field_(field) {}

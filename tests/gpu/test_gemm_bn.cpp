@@ -146,6 +146,31 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
   KILN_CHECK_OK(testing::compare(db, F::mul(a.db, 2.0), 0, 1e-6));
 }
 
+TEST_CASE("the wgmma kernel's TMA epilogue equals its global-memory epilogue bit for bit") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  // 784 rows (6 full tiles, 16 rows), 84 rows (one partial tile), ResNet-50's layers 3 and 4.
+  for (Case cs : {Case{4, 256, 256, 14, 14}, Case{2, 128, 256, 6, 7}, Case{2, 1024, 256, 7, 7},
+                  Case{2, 2048, 512, 7, 7}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 101 + uint64_t(cs.c));
+    const bool before = cuda::tail_tma_epilogue_enabled();
+    cuda::set_tail_tma_epilogue_enabled(true);
+    const Grads a = run_fused(t);
+    cuda::set_tail_tma_epilogue_enabled(false);
+    const Grads b = run_fused(t);
+    cuda::set_tail_tma_epilogue_enabled(before);
+    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+}
+
 TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
   const Tail t = make_tail(2, 64, 64, 4, 4, 95);
   // K other than 64 or 128 (and not a multiple of 64 for the wgmma kernel), C not a multiple of
