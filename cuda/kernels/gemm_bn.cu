@@ -22,8 +22,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
 #include "cuda/kernels.h"
 #include "core/switches.h"
@@ -37,7 +35,6 @@ namespace {
 constexpr int kBM = 128, kBN = 64;
 constexpr int kThreads = 256;
 constexpr int kPadC = kBN + 4;  // floats per row of the staged accumulators
-constexpr int kMaxDevices = 64;
 
 // Shared memory of the kernel for K: w's column tile, then two buffers each holding a tile of dy
 // or, once it is consumed, the staged accumulators.
@@ -261,15 +258,8 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
   auto run = [&]<int kK>() {
-    auto kernel = dgrad1x1_bn_sums_kernel<kK>;
-    // Above 48 KB of dynamic shared memory needs asking, once per device.
-    static std::array<std::once_flag, kMaxDevices> sized;
-    const int dev = current_device();  // where the attribute is set and the kernel runs
-    KILN_CHECK(dev >= 0 && dev < kMaxDevices, op, " (cuda): device ", dev, " out of range");
-    std::call_once(sized[size_t(dev)], [&] {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(Smem<kK>::kBytes)));
-    });
+    constexpr auto kernel = dgrad1x1_bn_sums_kernel<kK>;
+    allow_smem_once<kernel>(int(Smem<kK>::kBytes), op);
     launch(kernel, grid, kThreads, Smem<kK>::kBytes, current_stream(),
            static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
            h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),

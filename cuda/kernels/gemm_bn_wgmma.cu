@@ -27,8 +27,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -54,7 +52,6 @@ constexpr int kEpiBytes = kEpiMask + 64 * 16;
 static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
-constexpr int kMaxDevices = 64;
 
 // ---- PTX wrappers (sm_90a; only its device pass sees them) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -442,15 +439,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   }
   auto run = [&]<bool kTma>() {
-    auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma>;
-    static std::array<std::once_flag, kMaxDevices> sized;  // per device and variant
-    const int dev = current_device();
-    KILN_CHECK(dev >= 0 && dev < kMaxDevices, "dgrad1x1_bn_sums (cuda): device ", dev,
-               " out of range");
-    std::call_once(sized[size_t(dev)], [&] {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kSmemBytes));
-    });
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma>;
+    allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
     const unsigned grid = unsigned(parts * (C / kBN));
     launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
            static_cast<float*>(partial.raw_data()), map_dy, map_wt, map_r, map_x, map_mask,
