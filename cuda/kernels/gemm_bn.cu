@@ -23,8 +23,8 @@
 
 #include <algorithm>
 
-#include "cuda/kernels.h"
 #include "core/switches.h"
+#include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
 #include "cuda/kernels/gemm_bn_wgmma.h"
@@ -195,14 +195,22 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
              ", got ", t.defined() ? t.desc() : "undefined");
 }
 
+constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_GEMM
+
 // The wgmma kernel (gemm_bn_wgmma.cu) for K and C: where the mma.sync kernel does not go (K 256,
-// 512), or everywhere with KILN_TAIL_GEMM=wgmma; never with KILN_TAIL_GEMM=mma.
+// 512), or everywhere in mode 2 (KILN_TAIL_GEMM=wgmma); never in mode 0 (KILN_TAIL_GEMM=mma).
 bool use_wgmma(int64_t K, int64_t C) {
-  const int mode = switches().tail_gemm;
+  const int mode = g_tail_gemm.get();
   if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available()) return false;
   return mode == 2 || K > 128;
 }
 }  // namespace
+
+int tail_gemm_mode() { return g_tail_gemm.get(); }
+void set_tail_gemm_mode(int mode) {
+  KILN_CHECK(mode >= 0 && mode <= 2, "set_tail_gemm_mode: mode ", mode, " is not 0, 1 or 2");
+  g_tail_gemm.set(mode);
+}
 
 // The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {

@@ -87,10 +87,11 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward"
   };
   // 784 rows (6 full tiles and 16 rows), 105 rows (one partial tile), 162 rows; K 64 and 128
   // (mma.sync). On sm_90, the wgmma kernel: K 256 and 512, 784 rows over 2 column tiles, 84 rows
-  // (one partial tile), 98 rows over 8 and 16 column tiles (ResNet-50's layers 3 and 4).
+  // (one partial tile), 98 rows over 8 and 16 column tiles (ResNet-50's layers 3 and 4), and
+  // layer 3 at batch 64 (12,544 rows: 98 tiles over 16 CTAs, several each).
   for (Case cs : {Case{4, 256, 64, 14, 14}, Case{3, 128, 128, 7, 5}, Case{2, 64, 64, 9, 9},
                   Case{4, 256, 256, 14, 14}, Case{2, 128, 256, 6, 7}, Case{2, 1024, 256, 7, 7},
-                  Case{2, 2048, 512, 7, 7}}) {
+                  Case{2, 2048, 512, 7, 7}, Case{64, 1024, 256, 14, 14}}) {
     CAPTURE(cs.c);
     CAPTURE(cs.k);
     if (cs.k > 128 && !cuda::dgrad1x1_bn_wgmma_available()) {
@@ -146,7 +147,7 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
   KILN_CHECK_OK(testing::compare(db, F::mul(a.db, 2.0), 0, 1e-6));
 }
 
-TEST_CASE("the wgmma kernel's TMA epilogue equals its global-memory epilogue bit for bit") {
+TEST_CASE("the wgmma kernel's TMA epilogue, one or two buffers, equals its global-memory epilogue") {
   if (!cuda::dgrad1x1_bn_wgmma_available()) {
     MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
     return;
@@ -154,21 +155,34 @@ TEST_CASE("the wgmma kernel's TMA epilogue equals its global-memory epilogue bit
   struct Case {
     int64_t n, c, k, h, w;
   };
-  // 784 rows (6 full tiles, 16 rows), 84 rows (one partial tile), ResNet-50's layers 3 and 4.
+  // Every K on the wgmma kernel (mode 2): 784 rows (6 full tiles, 16 rows), 84 rows (one partial
+  // tile), ResNet-50's layers 3 and 4; K 64 at 392 and 50,176 rows (layer 1's shape at batch 16:
+  // 392 tiles over 66 CTAs, 5–6 each, so both buffers turn over more than once), K 128 at 105
+  // rows; K 256 at 12,544 rows (98 tiles over 16 CTAs).
+  const int mode = cuda::tail_gemm_mode();
+  cuda::set_tail_gemm_mode(2);
   for (Case cs : {Case{4, 256, 256, 14, 14}, Case{2, 128, 256, 6, 7}, Case{2, 1024, 256, 7, 7},
-                  Case{2, 2048, 512, 7, 7}}) {
+                  Case{2, 2048, 512, 7, 7}, Case{2, 256, 64, 14, 14}, Case{16, 256, 64, 56, 56},
+                  Case{3, 512, 128, 7, 5}, Case{64, 1024, 256, 14, 14}}) {
+    CAPTURE(cs.n);
     CAPTURE(cs.c);
     CAPTURE(cs.k);
     const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 101 + uint64_t(cs.c));
     const bool before = cuda::tail_tma_epilogue_enabled();
-    cuda::set_tail_tma_epilogue_enabled(true);
-    const Grads a = run_fused(t);
     cuda::set_tail_tma_epilogue_enabled(false);
-    const Grads b = run_fused(t);
+    const Grads want = run_fused(t);
+    cuda::set_tail_tma_epilogue_enabled(true);
+    for (int bufs : {1, 2}) {
+      CAPTURE(bufs);
+      cuda::set_tail_epilogue_buffers(bufs);
+      const Grads a = run_fused(t);
+      for (auto [x, y] : {std::pair{a.dx, want.dx}, {a.g, want.g}, {a.dw, want.dw}, {a.db, want.db}})
+        KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+    }
+    cuda::set_tail_epilogue_buffers(0);
     cuda::set_tail_tma_epilogue_enabled(before);
-    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
-      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
   }
+  cuda::set_tail_gemm_mode(mode);
 }
 
 TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
