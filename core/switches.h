@@ -23,15 +23,14 @@
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before session 12)                              |
-// | KILN_TAIL_GEMM           | mma, wgmma          | a block tail's fused data-gradient GEMM: the    |
+// | KILN_TAIL_GEMM           | mma, mixed          | a block tail's fused data-gradient GEMM: the    |
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
-// |                          |                     | kernel wherever it fits (default: wgmma only    |
-// |                          |                     | for K 256 and 512, on sm_90; session 14)        |
+// |                          |                     | kernel for K 256 and 512 only (sessions 14–15)  |
+// |                          |                     | (default: the wgmma kernel wherever it fits, on |
+// |                          |                     | sm_90; session 16)                              |
 // | KILN_TAIL_TMA_EPI        | 0                   | the wgmma tail GEMM reads r, x and the mask     |
 // |                          |                     | from global memory after its MMAs, not by TMA   |
 // |                          |                     | during them (before session 15)                 |
-// | KILN_TAIL_EPI_BUFS       | 1 or 2              | that TMA epilogue's buffers per warpgroup for   |
-// |                          |                     | every K (default: 2 up to K 128, else 1)        |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -64,9 +63,8 @@ struct Switches {
   bool bn_stats_pass = true;
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
-  int tail_gemm = 1;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
+  int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
-  int tail_epi_bufs = 0;  // 0: by K (2 up to K 128, else 1)
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
@@ -86,8 +84,8 @@ const Switches& switches();
 
 // A switch that starts from its Switches field (bool or int) and that a program or test may set at
 // run time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
-// cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode,
-// cuda::set_tail_epilogue_buffers and optim::set_grad_overwrite_enabled.
+// cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode
+// and optim::set_grad_overwrite_enabled.
 template <typename T>
 class RuntimeSetting {
  public:

@@ -51,14 +51,7 @@ constexpr int kEpiX = 2 * 64 * 64 * 2, kEpiMask = 2 * kEpiX;
 constexpr int kEpiBytes = kEpiMask + 64 * 16;
 static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
-// Shared memory for `stages` operand stages and `epi_bufs` such buffers per consumer warpgroup
-// (2 lets the TMA epilogue load a tile's rows while the previous tile's are read; it fits with 2
-// stages: 201,824 bytes), their barriers, and the alignment slack.
-constexpr int smem_bytes(int stages, int epi_bufs) {
-  return stages * kStageBytes + 2 * epi_bufs * kStageOut + (2 * stages + 4 * epi_bufs) * 8 + 1024;
-}
-static_assert(smem_bytes(kStages, 1) <= 232448 && smem_bytes(2, 2) <= 232448,
-              "over the 227 KB a CTA may have");
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
 
 // ---- PTX wrappers (sm_90a; only its device pass sees them) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -168,9 +161,8 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // add r there in their fragment layout, and the epilogue reads everything from shared memory —
 // instead of staging the accumulators and reading r, x and the mask from global memory after the
 // MMAs (latency-bound: ncu in NOTES.md session 15). Same arithmetic in the same order: the
-// results are bit-identical between the two. kSt: operand stages; kEB: the TMA epilogue's buffers
-// per consumer warpgroup (1 or 2; the staging path has 1).
-template <bool kTmaEpi, int kSt, int kEB>
+// results are bit-identical between the two.
+template <bool kTmaEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -181,7 +173,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
                                   int64_t M, int C, int K, int parts) {
-  static_assert(kEB == 1 || (kTmaEpi && kEB == 2), "one staging buffer, or one or two TMA buffers");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -190,27 +181,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* gbase = smem_raw + (base - raw);
   auto a_tile = [&](int s) { return base + uint32_t(s * kStageBytes); };
   auto b_tile = [&](int s) { return base + uint32_t(s * kStageBytes + kTile); };
-  const uint32_t out0 = uint32_t(kSt * kStageBytes);  // the staging / epilogue buffers
-  const uint32_t bars = base + out0 + 2 * kEB * kStageOut;
+  const uint32_t out0 = uint32_t(kStages * kStageBytes);  // the two staging buffers
+  const uint32_t bars = base + out0 + 2 * kStageOut;
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
-  auto empty = [&](int s) { return bars + uint32_t((kSt + s) * 8); };
-  // Warpgroup c's epilogue buffer k: its barriers and its bytes.
-  auto epi_full = [&](int c, int k) { return bars + uint32_t((2 * kSt + c * kEB + k) * 8); };
-  auto epi_empty = [&](int c, int k) {
-    return bars + uint32_t((2 * kSt + 2 * kEB + c * kEB + k) * 8);
-  };
-  auto epi_off = [&](int c, int k) { return out0 + uint32_t((c * kEB + k) * kStageOut); };
+  auto empty = [&](int s) { return bars + uint32_t((kStages + s) * 8); };
+  auto epi_full = [&](int c) { return bars + uint32_t((2 * kStages + c) * 8); };
+  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
+  auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
-    for (int s = 0; s < kSt; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
     }
-    for (int c = 0; c < 2; ++c)
-      for (int k = 0; k < kEB; ++k) {
-        mbar_init(epi_full(c, k), 1);
-        mbar_init(epi_empty(c, k), 128);
-      }
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(epi_full(c), 1);
+      mbar_init(epi_empty(c), 128);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -222,19 +209,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
     if constexpr (kTmaEpi) {
       if (tid == 32) {
-        int u = 0;  // this CTA's tiles so far; tile u goes into buffer u % kEB
+        int u = 0;  // this CTA's tiles so far
         for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
           for (int c = 0; c < 2; ++c) {
-            const int k = u % kEB, n = u / kEB;  // the buffer and its use
-            if (n > 0) mbar_wait(epi_empty(c, k), uint32_t((n - 1) & 1));  // tile u - kEB read
-            const uint32_t bar = epi_full(c, k), e = base + epi_off(c, k);
-            mbar_expect_tx(bar, uint32_t(kEpiBytes));
+            if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // tile u-1 read
+            mbar_expect_tx(epi_full(c), uint32_t(kEpiBytes));
             const int m0 = int(tile * kBM + c * 64);
+            const uint32_t e = epi_buf(c);
             for (int h = 0; h < 2; ++h) {
-              tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, bar);
-              tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, bar);
+              tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
+              tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
             }
-            tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, bar);
+            tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
           }
         return;
       }
@@ -244,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int64_t tile = part; tile < row_tiles; tile += parts) {
       const int m0 = int(tile * kBM);
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        const int s = j % kSt;
-        if (j >= kSt) mbar_wait(empty(s), uint32_t((j / kSt - 1) & 1));
+        const int s = j % kStages;
+        if (j >= kStages) mbar_wait(empty(s), uint32_t((j / kStages - 1) & 1));
         mbar_expect_tx(full(s), uint32_t(kStageBytes));
         tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
         tma_load_2d(b_tile(s), &map_wt, kt * kBK, n0, full(s));
@@ -271,8 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     for (int kt = 0; kt < KT; ++kt, ++j) {
-      const int s = j % kSt;
-      mbar_wait(full(s), uint32_t((j / kSt) & 1));
+      const int s = j % kStages;
+      mbar_wait(full(s), uint32_t((j / kStages) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -291,9 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // r, x and the mask of these rows are in. Over r, in its place: acc + r rounded to f16
       // (g before the mask). Byte (row, col) of a 64-column box in the 128-byte swizzle lies at
       // row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2; r0 % 8 = lane / 4.
-      const int k = u % kEB;
-      mbar_wait(epi_full(c, k), uint32_t((u / kEB) & 1));
-      unsigned char* e = gbase + epi_off(c, k);
+      mbar_wait(epi_full(c), uint32_t(u & 1));
+      unsigned char* e = gbase + out0 + c * kStageOut;
 #pragma unroll
       for (int b = 0; b < kBN / 8; ++b) {
         const int off = (b / 8) * (kEpiX / 2) + (((b % 8) ^ (lane >> 2)) * 16) + (lane & 3) * 4;
@@ -318,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
       }
       fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
-      mbar_arrive(epi_empty(c, k));
+      mbar_arrive(epi_empty(c));
       ++u;
     } else {
       // Stage the accumulators, then the epilogue reads r, x and the mask from global memory.
@@ -408,8 +393,7 @@ CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
   return tile_map(p, true, rows, K, kBM, kBK, true);
 }
 
-constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};          // KILN_TAIL_TMA_EPI
-constinit RuntimeSetting<int> g_epi_bufs{&Switches::tail_epi_bufs};  // KILN_TAIL_EPI_BUFS
+constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 
 }  // namespace
 
@@ -454,36 +438,24 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
     map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   }
-  auto run = [&]<bool kTma, int kSt, int kEB>() {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kSt, kEB>;
-    constexpr int bytes = smem_bytes(kSt, kEB);
-    allow_smem_once<kernel>(bytes, "dgrad1x1_bn_sums");
+  auto run = [&]<bool kTma>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma>;
+    allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
     const unsigned grid = unsigned(parts * (C / kBN));
-    launch(kernel, grid, kThreads, bytes, s, static_cast<__half*>(g.raw_data()),
+    launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
            static_cast<float*>(partial.raw_data()), map_dy, map_wt, map_r, map_x, map_mask,
            static_cast<const __half*>(r.raw_data()), static_cast<const uint8_t*>(mask.raw_data()),
            static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
            M, int(C), int(K), parts);
   };
-  if (!tma_epi)
-    run.template operator()<false, kStages, 1>();
-  else if (tail_epilogue_buffers(K) == 2)
-    run.template operator()<true, 2, 2>();
+  if (tma_epi)
+    run.template operator()<true>();
   else
-    run.template operator()<true, kStages, 1>();
+    run.template operator()<false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
-int tail_epilogue_buffers(int64_t K) {
-  const int n = g_epi_bufs.get();
-  if (n == 1 || n == 2) return n;
-  return K <= 128 ? 2 : 1;
-}
-void set_tail_epilogue_buffers(int n) {
-  KILN_CHECK(n >= 0 && n <= 2, "set_tail_epilogue_buffers: ", n, " is not 0 (by K), 1 or 2");
-  g_epi_bufs.set(n);
-}
 void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 
 }  // namespace kiln::cuda

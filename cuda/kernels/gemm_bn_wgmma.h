@@ -22,11 +22,5 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
 // them, as before session 15). Bit-identical results either way.
 bool tail_tma_epilogue_enabled();
 void set_tail_tma_epilogue_enabled(bool on);
-// The TMA epilogue's buffers per consumer warpgroup for K: 2 (with 2 operand stages, so one
-// tile's rows load while the previous tile's are read) or 1 (with 4 stages). KILN_TAIL_EPI_BUFS=1
-// or 2 sets it for every K; by default 2 for K up to 128, where a tile is one or two k-steps.
-int tail_epilogue_buffers(int64_t K);
-// 1 or 2 for every K, or 0: by K as above.
-void set_tail_epilogue_buffers(int n);
 
 }  // namespace kiln::cuda
