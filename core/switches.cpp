@@ -17,7 +17,8 @@ Switches read_switches() {
   s.fused_stem = is(stem, "0") ? 0 : is(stem, "forward") ? 1 : 2;
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   const char* tg = std::getenv("KILN_TAIL_GEMM");
-  s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "wgmma") ? 2 : 1;
+  s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
+  s.tail_tma_epi = !is(std::getenv("KILN_TAIL_TMA_EPI"), "0");
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
   const char* sb = std::getenv("KILN_BN_SUMS_BLOCKS");
   const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;

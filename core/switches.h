@@ -23,10 +23,14 @@
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before session 12)                              |
-// | KILN_TAIL_GEMM           | mma, wgmma          | a block tail's fused data-gradient GEMM: the    |
+// | KILN_TAIL_GEMM           | mma, mixed          | a block tail's fused data-gradient GEMM: the    |
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
-// |                          |                     | kernel wherever it fits (default: wgmma only    |
-// |                          |                     | for K 256 and 512, on sm_90; session 14)        |
+// |                          |                     | kernel for K 256 and 512 only (sessions 14–15)  |
+// |                          |                     | (default: the wgmma kernel wherever it fits, on |
+// |                          |                     | sm_90; session 16)                              |
+// | KILN_TAIL_TMA_EPI        | 0                   | the wgmma tail GEMM reads r, x and the mask     |
+// |                          |                     | from global memory after its MMAs, not by TMA   |
+// |                          |                     | during them (before session 15)                 |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -48,6 +52,7 @@
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
 #include <atomic>
 #include <cstddef>
+#include <limits>
 #include <string>
 
 namespace kiln {
@@ -58,7 +63,8 @@ struct Switches {
   bool bn_stats_pass = true;
   int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
-  int tail_gemm = 1;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
+  int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
+  bool tail_tma_epi = true;
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
@@ -76,26 +82,30 @@ struct Switches {
 // The process's switches, read from the environment on the first call.
 const Switches& switches();
 
-// A boolean switch that starts from its Switches field and that a program or test may flip at run
-// time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
-// cuda::set_pdl_enabled and optim::set_grad_overwrite_enabled.
-class RuntimeSwitch {
+// A switch that starts from its Switches field (bool or int) and that a program or test may set at
+// run time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
+// cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode
+// and optim::set_grad_overwrite_enabled.
+template <typename T>
+class RuntimeSetting {
  public:
-  explicit constexpr RuntimeSwitch(bool Switches::*field) : field_(field) {}
-  bool get() const {
+  explicit constexpr RuntimeSetting(T Switches::*field) : field_(field) {}
+  T get() const {
     int v = v_.load(std::memory_order_relaxed);
-    if (v < 0) {  // first use: the environment's value, unless set() came first
-      int expected = -1;
-      v_.compare_exchange_strong(expected, switches().*field_ ? 1 : 0);
+    if (v == kUnset) {  // first use: the environment's value, unless set() came first
+      int expected = kUnset;
+      v_.compare_exchange_strong(expected, static_cast<int>(switches().*field_));
       v = v_.load();
     }
-    return v == 1;
+    return static_cast<T>(v);
   }
-  void set(bool on) { v_.store(on ? 1 : 0); }
+  void set(T value) { v_.store(static_cast<int>(value)); }
 
  private:
-  bool Switches::*field_;
-  mutable std::atomic<int> v_{-1};
+  static constexpr int kUnset = std::numeric_limits<int>::min();
+  T Switches::*field_;
+  mutable std::atomic<int> v_{kUnset};
 };
+using RuntimeSwitch = RuntimeSetting<bool>;
 
 }  // namespace kiln

@@ -62,7 +62,6 @@ constexpr size_t kLargeRound = size_t(2) << 20;
 constexpr size_t kMidLimit = size_t(10) << 20;    // large requests below this share segments
 constexpr size_t kMidSegment = size_t(20) << 20;  // of this size
 constexpr size_t kMinLargeRest = size_t(1) << 20;  // a large block's rest below this stays attached
-constexpr int kMaxDevices = 64;
 
 size_t round_size(size_t n) { return (n + kRound - 1) / kRound * kRound; }
 

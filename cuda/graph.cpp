@@ -14,7 +14,6 @@
 namespace kiln::cuda {
 namespace {
 
-constexpr int kMaxDevices = 64;
 
 
 std::mutex g_streams_mutex;

@@ -232,6 +232,11 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
                      const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean);
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K);
+// Which GEMM takes it: 0 the mma.sync kernel only (K 64, 128), 1 the wgmma kernel where the
+// mma.sync kernel does not go (K 256, 512), 2 (default) the wgmma kernel wherever it fits, the
+// mma.sync kernel elsewhere. KILN_TAIL_GEMM=mma / mixed, or set here (tests).
+int tail_gemm_mode();
+void set_tail_gemm_mode(int mode);
 
 // Two batch norms meeting at a residual add, as at the end of a ResNet block whose shortcut is
 // a convolution + batch norm: y (=) = relu(x·scale_shift_x + r·scale_shift_r), with `mask` (=)

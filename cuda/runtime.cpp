@@ -13,7 +13,6 @@
 namespace kiln::cuda {
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 // Contexts are created once and deliberately never destroyed: tearing down streams and

@@ -13,6 +13,8 @@ namespace kiln::cuda {
 // Number of visible CUDA devices; 0 (never an error) when there is no driver or device. The same
 // as kiln::cuda_device_count() (core/device_query.h), which needs none of the headers here.
 int device_count();
+// Devices kiln keeps per-device state for (contexts, allocators, idle streams, kernel attributes).
+inline constexpr int kMaxDevices = 64;
 bool is_available();
 int current_device();
 void set_device(int device);

@@ -2,12 +2,14 @@
 // can run on this GPU, how long their plans take to build, how fast the best one runs against
 // the plain convolution, and whether its results match the unfused computation.
 //
-//   kiln-fusion-probe [--batch N] [--plans K] [--tail-gemm]
+//   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm]
 //
 // A developer's tool for deciding what cuda/ can fuse (NOTES.md records its output); it exercises
 // ResNet-50 bottleneck shapes: conv + statistics epilogue, scale-bias-ReLU prologue + conv +
 // statistics, the same prologue on the weight gradient, and the data gradient with the ReLU
 // backward (mask recomputed from the saved pre-BN tensor) and per-channel reductions.
+// --half-scale gives the prologue f16 scale and bias (and f16 intermediates), the form cuDNN's
+// precompiled ConvBNfprop / ConvBNwgrad engines are documented for, instead of f32.
 // --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its
 // epilogue (cuda::bn_nhwc_backward_dgrad1x1) against what it replaces, on ResNet-50's four
 // identity-block tails.
@@ -25,16 +27,19 @@ struct ProbeArgs {
   int64_t batch = 256;
   int plans = 4;
   bool tail_gemm = false;
+  bool half_scale = false;
 };
 
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
-  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K] [--tail-gemm]",
+  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K] [--half-scale] [--tail-gemm]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
   p.value("--batch", "N", &a.batch, "batch size of the probed problems", 1);
   p.value("--plans", "K", &a.plans, "engine plans built and timed per graph", 1);
+  p.flag("--half-scale", &a.half_scale,
+         "the scale-bias-ReLU prologue with f16 scale, bias and intermediates (default f32)");
   p.flag("--tail-gemm", &a.tail_gemm,
          "time kiln's dgrad GEMM with the block tail's BN backward against cuDNN + kiln's BN");
   if (p.parse(argc, argv)) return true;
@@ -159,16 +164,16 @@ struct Graph {
     const be::Desc& cd = hold(be::convolution_2d({stride, stride}, {k / 2, k / 2}, {1, 1}));
     ops.push_back(&hold(kiln::cuda::conv_operation(op, x, w, y, cd, 0.0f)));
   }
-  // relu(x * scale + bias) with per-channel f32 scale and bias (their uids out), f32 inside,
-  // an f16 virtual result.
+  // relu(x * scale + bias) with per-channel scale and bias of type `pt` (their uids out), `pt`
+  // inside (pointwise math in f32 either way), an f16 virtual result.
   const be::Desc& scale_bias_relu(const be::Desc& x, const Dims& xd, int64_t& scale,
-                                  int64_t& bias) {
+                                  int64_t& bias, cudnnDataType_t pt) {
     const Dims ci{1, xd[1], 1, 1};
     int64_t u1, u2, u3;
-    const be::Desc& S = tensor(scale, CUDNN_DATA_FLOAT, ci, false);
-    const be::Desc& B = tensor(bias, CUDNN_DATA_FLOAT, ci, false);
-    const be::Desc& T1 = tensor(u1, CUDNN_DATA_FLOAT, xd, true);
-    const be::Desc& T2 = tensor(u2, CUDNN_DATA_FLOAT, xd, true);
+    const be::Desc& S = tensor(scale, pt, ci, false);
+    const be::Desc& B = tensor(bias, pt, ci, false);
+    const be::Desc& T1 = tensor(u1, pt, xd, true);
+    const be::Desc& T2 = tensor(u2, pt, xd, true);
     const be::Desc& T3 = tensor(u3, CUDNN_DATA_HALF, xd, true);
     pw(CUDNN_POINTWISE_MUL, x, &S, T1);
     pw(CUDNN_POINTWISE_ADD, T1, &B, T2);
@@ -369,7 +374,16 @@ struct Problem {
 constexpr auto F = CUDNN_DATA_FLOAT;
 constexpr auto H = CUDNN_DATA_HALF;
 
-void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, int plans) {
+// Per-channel prologue parameters as a buffer of type pt holds them.
+std::vector<float> as_stored(std::vector<float> v, cudnnDataType_t pt) {
+  if (pt == H)
+    for (float& x : v) x = __half2float(__float2half(x));
+  return v;
+}
+
+// pt: the prologue's scale and bias type (F, or H with --half-scale).
+void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, int plans,
+                   cudnnDataType_t pt) {
   const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
   const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
   const Dims co{1, p.cout, 1, 1};
@@ -382,8 +396,8 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
   g0.conv(ConvOp::Forward, X0, W0, Y0, p.k, p.stride);
   std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 1);
   std::vector<float> wv = random_values(size_t(p.cout * p.cin * p.k * p.k), -0.1f, 0.1f, 2);
-  std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 3);
-  std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 4);
+  const std::vector<float> sc = as_stored(random_values(size_t(p.cin), 0.5f, 1.5f, 3), pt);
+  const std::vector<float> bi = as_stored(random_values(size_t(p.cin), -0.5f, 0.5f, 4), pt);
   std::vector<float> xin = xv;
   if (prologue)
     for (size_t i = 0; i < xin.size(); ++i) {
@@ -399,7 +413,7 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
   Graph g(h);
   int64_t x, w, y, s, q, sc_id = 0, bi_id = 0;
   const be::Desc& X = g.tensor(x, H, xd, false);
-  const be::Desc* conv_in = prologue ? &g.scale_bias_relu(X, xd, sc_id, bi_id) : &X;
+  const be::Desc* conv_in = prologue ? &g.scale_bias_relu(X, xd, sc_id, bi_id, pt) : &X;
   const be::Desc& W = g.tensor(w, H, wd, false);
   const be::Desc& Y = g.tensor(y, H, yd, false);
   const be::Desc& S = g.tensor(s, F, co, false);
@@ -412,8 +426,9 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
     upload(g.bufs[sc_id], sc);
     upload(g.bufs[bi_id], bi);
   }
-  label = std::string(p.name) + (prologue ? ": scale-bias-relu + conv fprop + genstats"
-                                          : ": conv fprop + genstats");
+  const std::string sbr = pt == H ? "scale-bias-relu (f16)" : "scale-bias-relu";
+  label = std::string(p.name) + (prologue ? ": " + sbr + " + conv fprop + genstats"
+                                          : std::string(": conv fprop + genstats"));
   Result r = run_graph(g, label.c_str(), plans);
   if (r.ran && r0.ran) {
     std::vector<float> yv = download(g.bufs[y]);
@@ -426,13 +441,13 @@ void probe_forward(cudnnHandle_t h, int64_t N, const Problem& p, bool prologue, 
   }
 }
 
-void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
+void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans, cudnnDataType_t pt) {
   const int64_t ho = (p.hw + 2 * (p.k / 2) - p.k) / p.stride + 1;
   const Dims xd{N, p.cin, p.hw, p.hw}, wd{p.cout, p.cin, p.k, p.k}, yd{N, p.cout, ho, ho};
   std::vector<float> xv = random_values(size_t(N * p.cin * p.hw * p.hw), -1, 2, 5);
   std::vector<float> dyv = random_values(size_t(N * p.cout * ho * ho), -1, 1, 6);
-  std::vector<float> sc = random_values(size_t(p.cin), 0.5f, 1.5f, 7);
-  std::vector<float> bi = random_values(size_t(p.cin), -0.5f, 0.5f, 8);
+  const std::vector<float> sc = as_stored(random_values(size_t(p.cin), 0.5f, 1.5f, 7), pt);
+  const std::vector<float> bi = as_stored(random_values(size_t(p.cin), -0.5f, 0.5f, 8), pt);
   std::vector<float> xin = xv;
   for (size_t i = 0; i < xin.size(); ++i) {
     const size_t c = i % size_t(p.cin);
@@ -451,7 +466,7 @@ void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
   Graph g(h);
   int64_t x, w, y, s, b;
   const be::Desc& X = g.tensor(x, H, xd, false);
-  const be::Desc& T3 = g.scale_bias_relu(X, xd, s, b);
+  const be::Desc& T3 = g.scale_bias_relu(X, xd, s, b, pt);
   const be::Desc& W = g.tensor(w, H, wd, false);
   const be::Desc& Y = g.tensor(y, H, yd, false);
   g.conv(ConvOp::BackwardFilter, T3, W, Y, p.k, p.stride);
@@ -459,7 +474,8 @@ void probe_wgrad(cudnnHandle_t h, int64_t N, const Problem& p, int plans) {
   upload(g.bufs[y], dyv);
   upload(g.bufs[s], sc);
   upload(g.bufs[b], bi);
-  Result r = run_graph(g, (std::string(p.name) + ": scale-bias-relu + wgrad").c_str(), plans);
+  const std::string sbr = pt == H ? ": scale-bias-relu (f16)" : ": scale-bias-relu";
+  Result r = run_graph(g, (std::string(p.name) + sbr + " + wgrad").c_str(), plans);
   if (r.ran && r0.ran) {
     std::printf("   check: dw vs unfused %.2e\n",
                 max_rel_err(download(g.bufs[w]), download(g0.bufs[w0])));
@@ -662,12 +678,13 @@ int main(int argc, char** argv) {
       cudnnDestroy(h);
       return 0;
     }
-    probe_forward(h, N, conv1, false, plans);
-    probe_forward(h, N, conv2, true, plans);
-    probe_forward(h, N, conv3, true, plans);
-    probe_forward(h, N, l3c2, true, plans);
-    probe_wgrad(h, N, conv2, plans);
-    probe_wgrad(h, N, conv3, plans);
+    const cudnnDataType_t pt = args.half_scale ? H : F;
+    probe_forward(h, N, conv1, false, plans, pt);
+    probe_forward(h, N, conv2, true, plans, pt);
+    probe_forward(h, N, conv3, true, plans, pt);
+    probe_forward(h, N, l3c2, true, plans, pt);
+    probe_wgrad(h, N, conv2, plans, pt);
+    probe_wgrad(h, N, conv3, plans, pt);
     probe_dgrad(h, N, conv2, 0, plans);
     probe_dgrad(h, N, conv2, 1, plans);
     probe_dgrad(h, N, conv2, 2, plans);

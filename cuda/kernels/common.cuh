@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -165,6 +166,19 @@ __device__ __forceinline__ void pdl_start() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// Lets `Kernel` use `bytes` of dynamic shared memory (above 48 KB must be asked for), once per
+// device. Kernel is the function itself, not its type, so that each instantiation of a kernel
+// template gets its own flags. `op` names the caller in the error for an unexpected device.
+template <auto Kernel>
+void allow_smem_once(int bytes, const char* op) {
+  static std::array<std::once_flag, kMaxDevices> once;
+  const int dev = current_device();  // where the attribute is set and the kernel runs
+  KILN_CHECK(dev >= 0 && dev < kMaxDevices, op, " (cuda): device ", dev, " out of range");
+  std::call_once(once[size_t(dev)], [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  });
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) for kernels that begin with pdl_start().

@@ -22,11 +22,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
-#include "cuda/kernels.h"
 #include "core/switches.h"
+#include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
 #include "cuda/kernels/gemm_bn_wgmma.h"
@@ -37,7 +35,6 @@ namespace {
 constexpr int kBM = 128, kBN = 64;
 constexpr int kThreads = 256;
 constexpr int kPadC = kBN + 4;  // floats per row of the staged accumulators
-constexpr int kMaxDevices = 64;
 
 // Shared memory of the kernel for K: w's column tile, then two buffers each holding a tile of dy
 // or, once it is consumed, the staged accumulators.
@@ -198,14 +195,24 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
              ", got ", t.defined() ? t.desc() : "undefined");
 }
 
-// The wgmma kernel (gemm_bn_wgmma.cu) for K and C: where the mma.sync kernel does not go (K 256,
-// 512), or everywhere with KILN_TAIL_GEMM=wgmma; never with KILN_TAIL_GEMM=mma.
+constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_GEMM
+
+// The wgmma kernel (gemm_bn_wgmma.cu) for K and C: wherever it fits in mode 2 (the default; with
+// its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too: NOTES.md, session 16), only
+// where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
+// mode 0 (KILN_TAIL_GEMM=mma).
 bool use_wgmma(int64_t K, int64_t C) {
-  const int mode = switches().tail_gemm;
+  const int mode = g_tail_gemm.get();
   if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available()) return false;
   return mode == 2 || K > 128;
 }
 }  // namespace
+
+int tail_gemm_mode() { return g_tail_gemm.get(); }
+void set_tail_gemm_mode(int mode) {
+  KILN_CHECK(mode >= 0 && mode <= 2, "set_tail_gemm_mode: mode ", mode, " is not 0, 1 or 2");
+  g_tail_gemm.set(mode);
+}
 
 // The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
@@ -261,15 +268,8 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};
   auto h = [](const Tensor& t) { return static_cast<const __half*>(t.raw_data()); };
   auto run = [&]<int kK>() {
-    auto kernel = dgrad1x1_bn_sums_kernel<kK>;
-    // Above 48 KB of dynamic shared memory needs asking, once per device.
-    static std::array<std::once_flag, kMaxDevices> sized;
-    const int dev = current_device();  // where the attribute is set and the kernel runs
-    KILN_CHECK(dev >= 0 && dev < kMaxDevices, op, " (cuda): device ", dev, " out of range");
-    std::call_once(sized[size_t(dev)], [&] {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(Smem<kK>::kBytes)));
-    });
+    constexpr auto kernel = dgrad1x1_bn_sums_kernel<kK>;
+    allow_smem_once<kernel>(int(Smem<kK>::kBytes), op);
     launch(kernel, grid, kThreads, Smem<kK>::kBytes, current_stream(),
            static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
            h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),

@@ -13,25 +13,20 @@ __device__ inline float4 h4(const uint2 u) {
   return {a.x, a.y, b.x, b.y};
 }
 
-// acc: the GEMM's 8 f32 results (16-byte aligned, shared memory); rv, xv: r's and x's 8 halves;
-// bits: the ReLU mask's byte. Returns g's 8 halves: acc + r rounded to f16 as cuDNN stores G,
-// then masked — exactly what the unfused sums kernel would read; adds g into s1 and
-// g·(x − mean) into s2.
-__device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, unsigned bits,
-                                       const float (&mu)[8], float (&s1)[8], float (&s2)[8]) {
-  const float4 a0 = *reinterpret_cast<const float4*>(acc);
-  const float4 a1 = *reinterpret_cast<const float4*>(acc + 4);
-  const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-  const float4 r0 = h4(uint2{rv.x, rv.y}), r1 = h4(uint2{rv.z, rv.w});
+// pv: the 8 halves of acc + r, already rounded to f16 as cuDNN stores G; xv: x's 8 halves; bits:
+// the ReLU mask's byte. Returns g's 8 halves: pv masked — exactly what the unfused sums kernel
+// would read; adds g into s1 and g·(x − mean) into s2.
+__device__ inline uint4 tail_epilogue8_rounded(uint4 pv, uint4 xv, unsigned bits,
+                                               const float (&mu)[8], float (&s1)[8],
+                                               float (&s2)[8]) {
   const float4 x0 = h4(uint2{xv.x, xv.y}), x1 = h4(uint2{xv.z, xv.w});
-  const float rf[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
   const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  const __half2* ph = reinterpret_cast<const __half2*>(&pv);
   uint4 out;
   __half2* oh = reinterpret_cast<__half2*>(&out);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    float2 gv = __half22float2(
-        __floats2half2_rn(av[2 * q] + rf[2 * q], av[2 * q + 1] + rf[2 * q + 1]));
+    float2 gv = __half22float2(ph[q]);
     if (!((bits >> (2 * q)) & 1u)) gv.x = 0.f;
     if (!((bits >> (2 * q + 1)) & 1u)) gv.y = 0.f;
     oh[q] = __floats2half2_rn(gv.x, gv.y);
@@ -41,6 +36,22 @@ __device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, uns
     s2[2 * q + 1] = fmaf(gv.y, xf[2 * q + 1] - mu[2 * q + 1], s2[2 * q + 1]);
   }
   return out;
+}
+
+// acc: the GEMM's 8 f32 results (16-byte aligned, shared memory); rv, xv: r's and x's 8 halves;
+// bits: the ReLU mask's byte. acc + r rounded to f16, then tail_epilogue8_rounded.
+__device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, unsigned bits,
+                                       const float (&mu)[8], float (&s1)[8], float (&s2)[8]) {
+  const float4 a0 = *reinterpret_cast<const float4*>(acc);
+  const float4 a1 = *reinterpret_cast<const float4*>(acc + 4);
+  const float4 r0 = h4(uint2{rv.x, rv.y}), r1 = h4(uint2{rv.z, rv.w});
+  uint4 pv;
+  __half2* ph = reinterpret_cast<__half2*>(&pv);
+  ph[0] = __floats2half2_rn(a0.x + r0.x, a0.y + r0.y);
+  ph[1] = __floats2half2_rn(a0.z + r0.z, a0.w + r0.w);
+  ph[2] = __floats2half2_rn(a1.x + r1.x, a1.y + r1.y);
+  ph[3] = __floats2half2_rn(a1.z + r1.z, a1.w + r1.w);
+  return tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
 }
 
 // Rows m0 + rr + kStride·i (i < kRows, those below M) of a tile, channels c0..c0 + 7 of C: all

@@ -27,9 +27,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
+#include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
@@ -44,8 +43,15 @@ constexpr int kTile = kBM * kBK * 2;                  // bytes of one 128 × 64 
 constexpr int kStageBytes = 2 * kTile;                // A and B
 constexpr int kPitch = kBN + 4;                       // floats per staged accumulator row
 constexpr int kStageOut = 64 * kPitch * 4;            // one consumer warpgroup's staging buffer
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + 2 * kStages * 8 + 1024;
-constexpr int kMaxDevices = 64;
+// With the TMA epilogue (kTmaEpi below) each consumer warpgroup's buffer holds, instead of its
+// staged accumulators, its 64 rows of r and x (two 64 × 64 boxes each in the 128-byte swizzle)
+// and of the ReLU mask (64 × 16 bytes): the same 33,792 bytes. r at offset 0, then x, then the
+// mask.
+constexpr int kEpiX = 2 * 64 * 64 * 2, kEpiMask = 2 * kEpiX;
+constexpr int kEpiBytes = kEpiMask + 64 * 16;
+static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
+static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
 
 // ---- PTX wrappers (sm_90a; only its device pass sees them) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -78,6 +84,11 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0,
       "{%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA)
+// writes to the same bytes.
+__device__ inline void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ inline void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -145,10 +156,20 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
   }
 }
 
+// kTmaEpi: r's, x's and the mask's rows of each tile come into shared memory by TMA (thread 32
+// issues them while the tile's MMAs run, into the buffer the staging used), the accumulators
+// add r there in their fragment layout, and the epilogue reads everything from shared memory —
+// instead of staging the accumulators and reading r, x and the mask from global memory after the
+// MMAs (latency-bound: ncu in NOTES.md session 15). Same arithmetic in the same order: the
+// results are bit-identical between the two.
+template <bool kTmaEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
                                   const __grid_constant__ CUtensorMap map_wt,
+                                  const __grid_constant__ CUtensorMap map_r,
+                                  const __grid_constant__ CUtensorMap map_x,
+                                  const __grid_constant__ CUtensorMap map_mask,
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
                                   int64_t M, int C, int K, int parts) {
@@ -164,11 +185,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bars = base + out0 + 2 * kStageOut;
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
   auto empty = [&](int s) { return bars + uint32_t((kStages + s) * 8); };
+  auto epi_full = [&](int c) { return bars + uint32_t((2 * kStages + c) * 8); };
+  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
+  auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
+    }
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(epi_full(c), 1);
+      mbar_init(epi_empty(c), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -178,7 +206,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int part = int(blockIdx.x) / col_tiles, KT = K / kBK;
   const int64_t row_tiles = (M + kBM - 1) / kBM;
 
-  if (wg == 0) {  // the producer: one thread issues every load
+  if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
+    if constexpr (kTmaEpi) {
+      if (tid == 32) {
+        int u = 0;  // this CTA's tiles so far
+        for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
+          for (int c = 0; c < 2; ++c) {
+            if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // tile u-1 read
+            mbar_expect_tx(epi_full(c), uint32_t(kEpiBytes));
+            const int m0 = int(tile * kBM + c * 64);
+            const uint32_t e = epi_buf(c);
+            for (int h = 0; h < 2; ++h) {
+              tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
+              tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
+            }
+            tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
+          }
+        return;
+      }
+    }
     if (tid != 0) return;
     int j = 0;
     for (int64_t tile = part; tile < row_tiles; tile += parts) {
@@ -204,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int q = 0; q < 8; ++q) mu[q] = mean[c0 + q];
 
-  int j = 0;
+  int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
   for (int64_t tile = part; tile < row_tiles; tile += parts) {
     const int64_t m0 = tile * kBM + c * 64;
     float d[64];
@@ -224,22 +270,57 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait0();
       mbar_arrive(empty(s));
     }
-    // Stage the accumulators (fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4,
-    // columns 8b + 2·(lane % 4) + {0, 1}; 4b + {2, 3} the row 8 below).
-    named_sync(1 + c, 128);  // the buffer's previous tile has been read
+    // Fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4, columns
+    // 8b + 2·(lane % 4) + {0, 1}; 4b + {2, 3} the row 8 below.
     const int r0 = warp * 16 + (lane >> 2);
+    if constexpr (kTmaEpi) {
+      // r, x and the mask of these rows are in. Over r, in its place: acc + r rounded to f16
+      // (g before the mask). Byte (row, col) of a 64-column box in the 128-byte swizzle lies at
+      // row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2; r0 % 8 = lane / 4.
+      mbar_wait(epi_full(c), uint32_t(u & 1));
+      unsigned char* e = gbase + out0 + c * kStageOut;
 #pragma unroll
-    for (int b = 0; b < kBN / 8; ++b) {
-      const int col = b * 8 + (lane & 3) * 2;
-      *reinterpret_cast<float2*>(sc + r0 * kPitch + col) = float2{d[4 * b], d[4 * b + 1]};
-      *reinterpret_cast<float2*>(sc + (r0 + 8) * kPitch + col) =
-          float2{d[4 * b + 2], d[4 * b + 3]};
-    }
-    named_sync(1 + c, 128);
+      for (int b = 0; b < kBN / 8; ++b) {
+        const int off = (b / 8) * (kEpiX / 2) + (((b % 8) ^ (lane >> 2)) * 16) + (lane & 3) * 4;
+        __half2* p0 = reinterpret_cast<__half2*>(e + r0 * 128 + off);
+        __half2* p1 = reinterpret_cast<__half2*>(e + (r0 + 8) * 128 + off);
+        const float2 a0 = __half22float2(*p0), a1 = __half22float2(*p1);
+        *p0 = __floats2half2_rn(d[4 * b] + a0.x, d[4 * b + 1] + a0.y);
+        *p1 = __floats2half2_rn(d[4 * b + 2] + a1.x, d[4 * b + 3] + a1.y);
+      }
+      named_sync(1 + c, 128);
+      // Rows rr + 8·i (row % 8 = rr), channels c0..c0+7: 16-byte chunk cg % 8 of box cg / 8.
+      const int chunk = (cg / 8) * (kEpiX / 2) + (((cg % 8) ^ rr) * 16);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int row = rr + 8 * i;
+        const int64_t m = m0 + row;
+        if (m >= M) break;
+        const uint4 pv = *reinterpret_cast<const uint4*>(e + row * 128 + chunk);
+        const uint4 xv = *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
+        const unsigned bits = e[kEpiMask + row * 16 + cg];
+        reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
+            tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
+      }
+      fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
+      mbar_arrive(epi_empty(c));
+      ++u;
+    } else {
+      // Stage the accumulators, then the epilogue reads r, x and the mask from global memory.
+      named_sync(1 + c, 128);  // the buffer's previous tile has been read
+#pragma unroll
+      for (int b = 0; b < kBN / 8; ++b) {
+        const int col = b * 8 + (lane & 3) * 2;
+        *reinterpret_cast<float2*>(sc + r0 * kPitch + col) = float2{d[4 * b], d[4 * b + 1]};
+        *reinterpret_cast<float2*>(sc + (r0 + 8) * kPitch + col) =
+            float2{d[4 * b + 2], d[4 * b + 3]};
+      }
+      named_sync(1 + c, 128);
 
-    // Rows rr + 8·i of this warpgroup's 64, channels c0..c0+7.
-    tail_epilogue_rows<8, 8>(g, r, mask, x, M, C, m0, rr, c0, sc + rr * kPitch + cg * 8, kPitch, mu,
-                             s1, s2);
+      // Rows rr + 8·i of this warpgroup's 64, channels c0..c0+7.
+      tail_epilogue_rows<8, 8>(g, r, mask, x, M, C, m0, rr, c0, sc + rr * kPitch + cg * 8, kPitch,
+                               mu, s1, s2);
+    }
   }
 
   // The 16 row sets (8 per warpgroup) of each channel, added in a fixed order into the CTA's
@@ -288,22 +369,31 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// `rows` × K f16 row-major as a TMA map of 128 × 64 boxes in the 128-byte swizzle; rows past
-// the end read as zeros.
-CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
+// `rows` × `cols` row-major (f16, or bytes with !f16) as a TMA map of box_rows × box_cols
+// boxes, in the 128-byte swizzle or none; rows past the end read as zeros.
+CUtensorMap tile_map(const void* p, bool f16, int64_t rows, int64_t cols, int box_rows,
+                     int box_cols, bool swizzle) {
   CUtensorMap m;
-  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(K) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(kBK), cuuint32_t(kBM)};
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * (f16 ? 2 : 1)};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult res = encode_tiled()(
-      &m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(p), dims, strides, box, elem,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &m, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+      const_cast<void*>(p), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   KILN_CHECK(res == CUDA_SUCCESS, "dgrad1x1_bn_sums (cuda): cuTensorMapEncodeTiled failed (",
-             int(res), ") for a ", rows, " x ", K, " f16 operand");
+             int(res), ") for a ", rows, " x ", cols, f16 ? " f16" : " u8", " operand");
   return m;
 }
+
+// The GEMM's operands: `rows` × K f16, 128 × 64 boxes in the 128-byte swizzle.
+CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
+  return tile_map(p, true, rows, K, kBM, kBK, true);
+}
+
+constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 
 }  // namespace
 
@@ -339,22 +429,33 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   KILN_CUDA_CHECK_LAUNCH();
   const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K);
   const CUtensorMap map_wt = kmajor_map(wt.raw_data(), C, K);
-  auto kernel = dgrad1x1_bn_sums_wgmma_kernel;
-  static std::array<std::once_flag, kMaxDevices> sized;
-  const int dev = current_device();
-  KILN_CHECK(dev >= 0 && dev < kMaxDevices, "dgrad1x1_bn_sums (cuda): device ", dev,
-             " out of range");
-  std::call_once(sized[size_t(dev)], [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmemBytes));
-  });
-  const unsigned grid = unsigned(parts * (C / kBN));
-  launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-         static_cast<float*>(partial.raw_data()), map_dy, map_wt,
-         static_cast<const __half*>(r.raw_data()), static_cast<const uint8_t*>(mask.raw_data()),
-         static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()), M,
-         int(C), int(K), parts);
+  const bool tma_epi = g_tma_epi.get();
+  // The epilogue's operands per consumer warpgroup: 64 rows × 64 channels of r and x (twice),
+  // 64 rows × 16 bytes (128 channels) of the mask. Unused without the TMA epilogue.
+  CUtensorMap map_r{}, map_x{}, map_mask{};
+  if (tma_epi) {
+    map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
+    map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
+    map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
+  }
+  auto run = [&]<bool kTma>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma>;
+    allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
+    const unsigned grid = unsigned(parts * (C / kBN));
+    launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
+           static_cast<float*>(partial.raw_data()), map_dy, map_wt, map_r, map_x, map_mask,
+           static_cast<const __half*>(r.raw_data()), static_cast<const uint8_t*>(mask.raw_data()),
+           static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
+           M, int(C), int(K), parts);
+  };
+  if (tma_epi)
+    run.template operator()<true>();
+  else
+    run.template operator()<false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
+
+bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
+void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 
 }  // namespace kiln::cuda
