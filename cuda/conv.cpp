@@ -624,6 +624,10 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
                  sqsum.is_contiguous() && sum.numel() == y.size(1) && sqsum.numel() == y.size(1),
              "conv2d_forward_stats: sum and sqsum must be contiguous f32 (", y.size(1),
              "), got ", sum.desc(), " and ", sqsum.desc());
+  if (stem_conv_enabled() && stem_conv_supported(y, x, w, p)) {
+    stem_conv_forward_stats(y, sum, sqsum, x, w, p);
+    return true;
+  }
   const MemoryFormat fmt = MemoryFormat::ChannelsLast;
   // The stem's operands are padded only once a plan is going to run (usually none is found for
   // it, and F::conv2d's plain convolution pads them itself).

@@ -58,7 +58,9 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 // reproducible). Returns false when that is not available — f16 channels-last only, backend API
 // on, a plan found for the problem that beats the plain convolution plus a statistics pass
 // (tuned on first sight, like conv2d_forward; ConvBackend::Force takes any plan that runs),
-// KILN_CONV_STATS not 0 — and then y, sum and sqsum hold no result.
+// KILN_CONV_STATS not 0 — and then y, sum and sqsum hold no result. The ResNet stem's
+// convolution goes to kiln's own kernel instead (stem_conv_forward_stats below), whose statistics
+// are those of y as rounded to f16 and bit-reproducible.
 bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                           const Tensor& x, const Tensor& w, const ConvParams& p);
 void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p,
@@ -68,6 +70,18 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, c
 // same values, one pass and one buffer fewer; where it would run beta = 1, it still does.
 void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                             const ConvParams& p, bool accumulate = false, bool zeroed = false);
+
+// ---- the ResNet stem's convolution (cuda/kernels/stem_conv.cu) ----
+// x (N, 3, H, W) f16 channels-last, w (64, 3, 7, 7) f16 (any strides), stride 2, padding 3,
+// y (N, 64, OH, OW) f16 channels-last with OH a multiple of 8 and OW of 16 (224 → 112): y (=) and
+// sum, sqsum (=, f32, 64 each: Σy and Σy² of y as rounded to f16) from one kernel reading the
+// 3-channel x directly. Bit-reproducible for a shape and a device. conv2d_forward_stats takes it
+// where stem_conv_supported and stem_conv_enabled (KILN_STEM_CONV=0, set_stem_conv_enabled).
+bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p);
+void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                             const Tensor& x, const Tensor& w, const ConvParams& p);
+bool stem_conv_enabled();
+void set_stem_conv_enabled(bool on);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

@@ -1,0 +1,265 @@
+// The ResNet stem's convolution, 3 → 64 channels, 7x7, stride 2, padding 3, f16 NHWC, with the
+// batch norm's statistics (Σy, Σy² per channel) in its epilogue — one kernel where cuDNN ran a
+// channel pad of x (3 → 4), its image_first_layer kernel at ~1.2 TB/s and kiln a statistics pass
+// over y (NOTES.md, sessions 9–12: 75 + 410 + ~130 µs at batch 256).
+//
+// An implicit GEMM on mma.sync: M = output pixels, N = 64 channels, K = 7 rows × 8 columns × 4
+// channels = 224 (the 8th column and the 4th channel are zero weights, so that each k8 chunk of
+// A is 2 neighbouring input pixels × 4 channels: 16 contiguous bytes of the input patch in shared
+// memory, which ldmatrix loads directly). A CTA (4 warps) takes 8 × 16 output pixels at a time:
+// their 21 × 38-pixel input patch is loaded once (3 channels from global memory, padded to 4 in
+// shared memory, zeros outside the image) and each warp computes 2 output rows × 64 channels
+// from it with the whole weight tensor, which stays in shared memory for the CTA's life. CTAs are
+// persistent (one wave), tile t going to CTA t mod grid, and each keeps its statistics in
+// registers in a fixed order, so the per-CTA partial rows and their fixed-order sum make the
+// statistics bit-reproducible for a shape and a device.
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <array>
+#include <mutex>
+
+#include "core/switches.h"
+#include "cuda/kernels.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/kernels/mma.cuh"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kCout = 64, kKh = 7;
+constexpr int kTileH = 8, kTileW = 16;               // output pixels per tile
+constexpr int kThreads = 128;                        // 4 warps, 2 output rows each
+constexpr int kPatchH = 2 * kTileH + 5;              // 21 input rows: (8 − 1)·2 + 7
+constexpr int kPatchW = 2 * kTileW + 6;              // 38 input columns: (16 − 1)·2 + 8
+constexpr int kPatch = kPatchH * kPatchW;            // pixels of 4 halves (8 bytes)
+constexpr int kK = kKh * 8 * 4;                      // 224
+constexpr int kPitchW = kK + 8;                      // halves per weight row: conflict-free ldmatrix
+constexpr int kStage = 32 * kCout;                   // halves a warp stages per tile
+constexpr int kSmemBytes = kCout * kPitchW * 2 + kPatch * 8 + 4 * kStage * 2;  // 52,464
+
+struct StemGeom {
+  int H, W, OH, OW;
+  int tiles_w, tiles_img, tiles;
+  int64_t wn, wc, wh, ww;  // the weight's strides, elements
+};
+
+__global__ void __launch_bounds__(kThreads, 3)
+    stem_conv_stats_kernel(__half* __restrict__ y, float* __restrict__ partial,
+                           const __half* __restrict__ x, const __half* __restrict__ w,
+                           StemGeom g) {
+  pdl_start();
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* ws = reinterpret_cast<__half*>(smem);                            // [64][kPitchW]
+  uint2* patch = reinterpret_cast<uint2*>(smem + kCout * kPitchW * 2);     // [21][38] × 4 halves
+  __half* stage_all = reinterpret_cast<__half*>(smem + kCout * kPitchW * 2 + kPatch * 8);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  __half* stage = stage_all + warp * kStage;  // [32 pixels][64 channels], 16-byte chunks swizzled
+
+  // The weight as B (k-contiguous rows per output channel): k = kh·32 + kw·4 + c.
+  for (int i = tid; i < kCout * kK; i += kThreads) {
+    const int n = i / kK, k = i % kK, kh = k >> 5, kw = (k >> 2) & 7, c = k & 3;
+    __half v = __ushort_as_half(0);
+    if (kw < 7 && c < 3) v = w[n * g.wn + c * g.wc + kh * g.wh + kw * g.ww];
+    ws[n * kPitchW + k] = v;
+  }
+
+  // This thread's statistics: channels 8j + 2t + e (j < 8, e < 2) at index 2j + e.
+  float s1[16], s2[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s1[i] = s2[i] = 0.f;
+  const int gq = lane >> 2, tq = lane & 3;   // the fragment's row group and column pair
+  const int lj = lane >> 3, lr = lane & 7;   // ldmatrix: the matrix this lane addresses, its row
+
+  for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
+    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    __syncthreads();  // the previous tile's patch has been read (and the weights are in)
+    const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
+    for (int i = tid; i < kPatch; i += kThreads) {
+      const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
+      uint2 v{0u, 0u};
+      if (ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(x) +
+                                  ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
+        v.x = unsigned(p[0]) | (unsigned(p[1]) << 16);
+        v.y = unsigned(p[2]);
+      }
+      patch[i] = v;
+    }
+    __syncthreads();
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mi][j][q] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 2 * kKh; ++s) {
+      const int kh = s >> 1, kw0 = (s & 1) * 4 + 2 * (lj >> 1);
+      unsigned a[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        // Row lr + 8·(lj & 1) of the m16 tile = output column; its pixels 2·col + kw0, + 1.
+        const int row = 2 * (warp * 2 + mi) + kh, col = 2 * (lr + 8 * (lj & 1)) + kw0;
+        ldmatrix_x4(a[mi], patch + row * kPatchW + col);
+      }
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        unsigned b[4];
+        ldmatrix_x4(b, ws + (nb * 16 + lr + 8 * (lj >> 1)) * kPitchW + 16 * s + 8 * (lj & 1));
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma16816(acc[mi][2 * nb], a[mi], b[0], b[1]);
+          mma16816(acc[mi][2 * nb + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+
+    // Round to f16, add the rounded values into the statistics, stage the warp's 32 pixels
+    // (pixel p = 16·mi + column; chunk j of 8 channels at j XOR p % 8: conflict-free), then write
+    // them out 16 bytes per lane, each pixel's 128 bytes contiguous.
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const __half2 v = __floats2half2_rn(acc[mi][j][2 * h], acc[mi][j][2 * h + 1]);
+          const float2 f = __half22float2(v);
+          s1[2 * j] += f.x;
+          s1[2 * j + 1] += f.y;
+          s2[2 * j] += f.x * f.x;
+          s2[2 * j + 1] += f.y * f.y;
+          const int p = 16 * mi + gq + 8 * h;
+          *reinterpret_cast<__half2*>(stage + p * kCout + ((j ^ (p & 7)) * 8) + 2 * tq) = v;
+        }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int idx = it * 32 + lane, p = idx >> 3, chunk = idx & 7;
+      const int oh = oh0 + warp * 2 + (p >> 4), ow = ow0 + (p & 15);
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + p * kCout + ((chunk ^ (p & 7)) * 8));
+      *reinterpret_cast<uint4*>(y + ((int64_t(n) * g.OH + oh) * g.OW + ow) * kCout + chunk * 8) = v;
+    }
+    __syncwarp();
+  }
+
+  // The statistics: the 8 lanes of each column pair added in a fixed order, then the 4 warps,
+  // into this CTA's partial row (2, 64).
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+      s1[i] += __shfl_xor_sync(0xffffffffu, s1[i], m);
+      s2[i] += __shfl_xor_sync(0xffffffffu, s2[i], m);
+    }
+  __syncthreads();  // every warp is done with the patch and its staging
+  float* red = reinterpret_cast<float*>(stage_all);  // [4 warps][2][64]
+  if (gq == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        red[(warp * 2 + 0) * kCout + 8 * j + 2 * tq + e] = s1[2 * j + e];
+        red[(warp * 2 + 1) * kCout + 8 * j + 2 * tq + e] = s2[2 * j + e];
+      }
+  }
+  __syncthreads();
+  {
+    const int which = tid >> 6, c = tid & 63;
+    float v = 0.f;
+    for (int wv = 0; wv < 4; ++wv) v += red[(wv * 2 + which) * kCout + c];
+    partial[int64_t(blockIdx.x) * 2 * kCout + which * kCout + c] = v;
+  }
+}
+
+// sum (=) and sqsum (=): the parts' partial rows added in order.
+__global__ void stem_stats_finish_kernel(float* __restrict__ sum, float* __restrict__ sqsum,
+                                         const float* __restrict__ partial, int parts) {
+  pdl_start();
+  const int which = threadIdx.x >> 6, c = threadIdx.x & 63;
+  float v = 0.f;
+  for (int p = 0; p < parts; ++p) v += partial[int64_t(p) * 2 * kCout + which * kCout + c];
+  (which ? sqsum : sum)[c] = v;
+}
+
+// CTAs of stem_conv_stats_kernel resident per SM of the current device (cached).
+int stem_blocks_per_sm() {
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<int, kMaxDevices> blocks{};
+  const int dev = current_device();
+  KILN_CHECK(dev >= 0 && dev < kMaxDevices, "stem_conv (cuda): device ", dev, " out of range");
+  std::call_once(once[size_t(dev)], [&] {
+    allow_smem_once<stem_conv_stats_kernel>(kSmemBytes, "stem_conv");
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stem_conv_stats_kernel,
+                                                             kThreads, kSmemBytes));
+    blocks[size_t(dev)] = std::max(n, 1);
+  });
+  return blocks[size_t(dev)];
+}
+
+constinit RuntimeSwitch g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
+
+}  // namespace
+
+bool stem_conv_enabled() { return g_stem_conv.get(); }
+void set_stem_conv_enabled(bool on) { g_stem_conv.set(on); }
+
+bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
+  if (!(x.defined() && w.defined() && y.defined() && x.is_cuda() && x.dtype() == DType::f16 &&
+        w.dtype() == DType::f16 && y.dtype() == DType::f16 && x.dim() == 4 && w.dim() == 4 &&
+        y.dim() == 4 && w.device() == x.device() && y.device() == x.device()))
+    return false;
+  if (!(x.size(1) == 3 && w.size(0) == kCout && w.size(1) == 3 && w.size(2) == kKh &&
+        w.size(3) == kKh && p.stride_h == 2 && p.stride_w == 2 && p.pad_h == 3 && p.pad_w == 3 &&
+        p.dil_h == 1 && p.dil_w == 1 && p.groups == 1))
+    return false;
+  const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
+  const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1;
+  return y.size(0) == N && y.size(1) == kCout && y.size(2) == OH && y.size(3) == OW &&
+         OH % kTileH == 0 && OW % kTileW == 0 && N * (OH / kTileH) * (OW / kTileW) < (1 << 30) &&
+         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         y.is_contiguous(MemoryFormat::ChannelsLast);
+}
+
+void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                             const Tensor& x, const Tensor& w, const ConvParams& p) {
+  KILN_CHECK(stem_conv_supported(y, x, w, p),
+             "stem_conv_forward_stats (cuda): takes a 7x7/2 convolution (padding 3) of f16 "
+             "channels-last x with 3 channels to 64, output rows a multiple of 8 and columns of "
+             "16; got x ",
+             x.desc(), ", w ", w.desc(), ", y ", y.desc());
+  const char* op = "stem_conv_forward_stats";
+  float* ps = f32_ptr(sum, kCout, x, op, "sum");
+  float* pq = f32_ptr(sqsum, kCout, x, op, "sqsum");
+  const int64_t N = x.size(0), H = x.size(2), W = x.size(3), OH = y.size(2), OW = y.size(3);
+  StemGeom g{};
+  g.H = int(H);
+  g.W = int(W);
+  g.OH = int(OH);
+  g.OW = int(OW);
+  g.tiles_w = int(OW / kTileW);
+  g.tiles_img = int((OH / kTileH) * g.tiles_w);
+  g.tiles = int(N * g.tiles_img);
+  g.wn = w.stride(0);
+  g.wc = w.stride(1);
+  g.wh = w.stride(2);
+  g.ww = w.stride(3);
+  const int64_t wave = int64_t(context().props.multiProcessorCount) * stem_blocks_per_sm();
+  const int parts = int(std::clamp<int64_t>(wave, 1, g.tiles));
+  Tensor partial = empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
+  cudaStream_t s = current_stream();
+  launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s,
+         static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
+         static_cast<const __half*>(x.raw_data()), static_cast<const __half*>(w.raw_data()), g);
+  KILN_CUDA_CHECK_LAUNCH();
+  launch(stem_stats_finish_kernel, 1, 2 * kCout, 0, s, ps, pq,
+         static_cast<const float*>(partial.raw_data()), parts);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,144 @@
+// cuda::stem_conv_forward_stats, kiln's kernel for the ResNet stem's 7x7/2 convolution from 3
+// channels with the batch norm's statistics: y against cuDNN's convolution and the f32 CPU
+// convolution, the statistics against f64 sums of the y it wrote, bit-reproducible, either weight
+// layout, the path F::conv2d takes, and the shapes it leaves to cuDNN.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cuda/kernels.h"
+#include "ops/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/gradcheck.h"
+
+using namespace kiln;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+const Device kCPU = Device::cpu();
+
+ConvParams stem_params() {
+  ConvParams p;
+  p.stride_h = p.stride_w = 2;
+  p.pad_h = p.pad_w = 3;
+  return p;
+}
+
+struct Stem {
+  Tensor x, w;  // x f16 channels-last on the GPU; w f16 (64, 3, 7, 7) on the GPU
+};
+
+Stem make_stem(int64_t n, int64_t h, int64_t w, uint64_t seed, bool w_channels_last = false) {
+  manual_seed(seed);
+  Stem s;
+  s.x = randn({n, 3, h, w}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  Tensor wt = F::mul(randn({64, 3, 7, 7}), 1.0 / std::sqrt(147.0)).to(DType::f16).to(kGpu);
+  s.w = w_channels_last ? wt.contiguous(MemoryFormat::ChannelsLast) : wt;
+  return s;
+}
+
+struct Out {
+  Tensor y, sum, sqsum;
+};
+
+Out run_kernel(const Stem& s) {
+  const int64_t oh = (s.x.size(2) - 1) / 2 + 1, ow = (s.x.size(3) - 1) / 2 + 1;
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(kGpu);
+  Out o{gputest::nan_output({s.x.size(0), 64, oh, ow}, DType::f16, MemoryFormat::ChannelsLast),
+        empty({64}, f32), empty({64}, f32)};
+  o.sum.fill_(std::nan(""));
+  o.sqsum.fill_(std::nan(""));
+  REQUIRE(cuda::stem_conv_supported(o.y, s.x, s.w, stem_params()));
+  cuda::stem_conv_forward_stats(o.y, o.sum, o.sqsum, s.x, s.w, stem_params());
+  return o;
+}
+
+Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
+
+}  // namespace
+
+TEST_CASE("the stem convolution equals cuDNN's and the CPU's; its statistics are y's") {
+  struct Case {
+    int64_t n, h, w;
+  };
+  // One tile per image, 3 × 2 tiles with the image's border on every side, ResNet-50's 224 × 224
+  // (98 tiles per image, more tiles than one wave of CTAs at batch 8), and an odd input size.
+  for (Case cs : {Case{2, 32, 32}, Case{3, 48, 64}, Case{8, 224, 224}, Case{1, 31, 63}}) {
+    CAPTURE(cs.h);
+    CAPTURE(cs.w);
+    const Stem s = make_stem(cs.n, cs.h, cs.w, 7 + uint64_t(cs.h));
+    const Out o = run_kernel(s);
+    // cuDNN: the same products, added in another order, so y may round to the neighbouring f16.
+    const bool before = cuda::stem_conv_enabled();
+    cuda::set_stem_conv_enabled(false);
+    Tensor ref = F::conv2d(s.x, s.w, Tensor(), 2, 3);
+    cuda::set_stem_conv_enabled(before);
+    KILN_CHECK_OK(testing::compare(f32(o.y), f32(ref), 4e-3, 2e-3));
+    // The f32 CPU convolution of the same f16 values.
+    Tensor cpu = F::conv2d(f32(s.x), f32(s.w), Tensor(), 2, 3);
+    KILN_CHECK_OK(testing::compare(f32(o.y), cpu, 1e-2, 2e-3));
+    // Σy and Σy² of the y it wrote, in f64.
+    Tensor yc = f32(o.y).permute({0, 2, 3, 1}).contiguous();
+    const float* yp = yc.data<float>();
+    const int64_t rows = yc.numel() / 64;
+    std::vector<double> sum(64, 0.0), sq(64, 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < 64; ++c) {
+        const double v = yp[r * 64 + c];
+        sum[size_t(c)] += v;
+        sq[size_t(c)] += v * v;
+      }
+    Tensor want_sum = from_vector(sum, {64}, TensorOptions(DType::f32));
+    Tensor want_sq = from_vector(sq, {64}, TensorOptions(DType::f32));
+    // f32 sums of `rows` terms: the sum's error is bounded by its scale, sqrt(rows)·|y|.
+    const double tol = 1e-5 * double(rows);
+    KILN_CHECK_OK(testing::compare(o.sum.to(kCPU), want_sum, tol, 1e-5));
+    KILN_CHECK_OK(testing::compare(o.sqsum.to(kCPU), want_sq, tol, 1e-5));
+  }
+}
+
+TEST_CASE("the stem convolution is bit-reproducible and takes either weight layout") {
+  const Stem a = make_stem(4, 64, 96, 21), b = make_stem(4, 64, 96, 21, /*w_channels_last=*/true);
+  REQUIRE(b.w.is_contiguous(MemoryFormat::ChannelsLast));
+  const Out o1 = run_kernel(a), o2 = run_kernel(a), o3 = run_kernel(b);
+  for (const Out* o : {&o2, &o3}) {
+    KILN_CHECK_OK(testing::compare(o->y, o1.y, 0, 0));
+    KILN_CHECK_OK(testing::compare(o->sum, o1.sum, 0, 0));
+    KILN_CHECK_OK(testing::compare(o->sqsum, o1.sqsum, 0, 0));
+  }
+}
+
+TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on cuDNN") {
+  const Stem s = make_stem(2, 64, 64, 31);
+  F::ChannelStats stats;
+  Tensor y = F::conv2d(s.x, s.w, Tensor(), 2, 3, 1, 1, &stats);
+  REQUIRE(stats.defined());
+  const Out o = run_kernel(s);
+  KILN_CHECK_OK(testing::compare(y, o.y, 0, 0));
+  KILN_CHECK_OK(testing::compare(stats.sum, o.sum, 0, 0));
+
+  const ConvParams p = stem_params();
+  auto out_like = [](const Tensor& x, int64_t c) {
+    return empty({x.size(0), c, (x.size(2) - 1) / 2 + 1, (x.size(3) - 1) / 2 + 1},
+                 gputest::gpu_opts(DType::f16, MemoryFormat::ChannelsLast));
+  };
+  // Output rows not a multiple of 8 (30 → 15), 4 input channels, stride 1, f32, NCHW x.
+  const Stem odd = make_stem(1, 30, 64, 32);
+  CHECK_FALSE(cuda::stem_conv_supported(out_like(odd.x, 64), odd.x, odd.w, p));
+  Tensor x4 = randn({1, 4, 64, 64}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  Tensor w4 = randn({64, 4, 7, 7}).to(DType::f16).to(kGpu);
+  CHECK_FALSE(cuda::stem_conv_supported(out_like(x4, 64), x4, w4, p));
+  ConvParams p1 = p;
+  p1.stride_h = p1.stride_w = 1;
+  CHECK_FALSE(cuda::stem_conv_supported(out_like(s.x, 64), s.x, s.w, p1));
+  Tensor xf = s.x.to(DType::f32);
+  CHECK_FALSE(cuda::stem_conv_supported(out_like(s.x, 64), xf, s.w, p));
+  Tensor xn = s.x.contiguous();
+  CHECK_FALSE(cuda::stem_conv_supported(out_like(s.x, 64), xn, s.w, p));
+  // The kernel called on a shape it does not take says so.
+  Tensor ybad = out_like(odd.x, 64), sum = empty({64}, TensorOptions(DType::f32).with_device(kGpu));
+  CHECK_THROWS_WITH_AS(cuda::stem_conv_forward_stats(ybad, sum, sum.clone(), odd.x, odd.w, p),
+                       doctest::Contains("output rows a multiple of 8"), Error);
+}
