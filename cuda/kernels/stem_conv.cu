@@ -28,14 +28,14 @@ namespace kiln::cuda {
 namespace {
 
 constexpr int kCout = 64, kKh = 7;
-constexpr int kTileH = 8, kTileW = 16;               // output pixels per tile
-constexpr int kThreads = 128;                        // 4 warps, 2 output rows each
-constexpr int kPatchH = 2 * kTileH + 5;              // 21 input rows: (8 − 1)·2 + 7
-constexpr int kPatchW = 2 * kTileW + 6;              // 38 input columns: (16 − 1)·2 + 8
-constexpr int kPatch = kPatchH * kPatchW;            // pixels of 4 halves (8 bytes)
-constexpr int kK = kKh * 8 * 4;                      // 224
-constexpr int kPitchW = kK + 8;                      // halves per weight row: conflict-free ldmatrix
-constexpr int kStage = 32 * kCout;                   // halves a warp stages per tile
+constexpr int kTileH = 8, kTileW = 16;     // output pixels per tile
+constexpr int kThreads = 128;              // 4 warps, 2 output rows each
+constexpr int kPatchH = 2 * kTileH + 5;    // 21 input rows: (8 − 1)·2 + 7
+constexpr int kPatchW = 2 * kTileW + 6;    // 38 input columns: (16 − 1)·2 + 8
+constexpr int kPatch = kPatchH * kPatchW;  // pixels of 4 halves (8 bytes)
+constexpr int kK = kKh * 8 * 4;            // 224
+constexpr int kPitchW = kK + 8;            // halves per weight row: conflict-free ldmatrix
+constexpr int kStage = 32 * kCout;         // halves a warp stages per tile
 constexpr int kSmemBytes = kCout * kPitchW * 2 + kPatch * 8 + 4 * kStage * 2;  // 52,464
 
 struct StemGeom {
@@ -46,12 +46,11 @@ struct StemGeom {
 
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_kernel(__half* __restrict__ y, float* __restrict__ partial,
-                           const __half* __restrict__ x, const __half* __restrict__ w,
-                           StemGeom g) {
+                           const __half* __restrict__ x, const __half* __restrict__ w, StemGeom g) {
   pdl_start();
   extern __shared__ __align__(16) unsigned char smem[];
-  __half* ws = reinterpret_cast<__half*>(smem);                            // [64][kPitchW]
-  uint2* patch = reinterpret_cast<uint2*>(smem + kCout * kPitchW * 2);     // [21][38] × 4 halves
+  __half* ws = reinterpret_cast<__half*>(smem);                         // [64][kPitchW]
+  uint2* patch = reinterpret_cast<uint2*>(smem + kCout * kPitchW * 2);  // [21][38] × 4 halves
   __half* stage_all = reinterpret_cast<__half*>(smem + kCout * kPitchW * 2 + kPatch * 8);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __half* stage = stage_all + warp * kStage;  // [32 pixels][64 channels], 16-byte chunks swizzled
@@ -68,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   float s1[16], s2[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) s1[i] = s2[i] = 0.f;
-  const int gq = lane >> 2, tq = lane & 3;   // the fragment's row group and column pair
-  const int lj = lane >> 3, lr = lane & 7;   // ldmatrix: the matrix this lane addresses, its row
+  const int gq = lane >> 2, tq = lane & 3;  // the fragment's row group and column pair
+  const int lj = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
     const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
@@ -80,8 +79,8 @@ __global__ void __launch_bounds__(kThreads, 3)
       const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
       uint2 v{0u, 0u};
       if (ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
-        const unsigned short* p = reinterpret_cast<const unsigned short*>(x) +
-                                  ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
+        const unsigned short* p =
+            reinterpret_cast<const unsigned short*>(x) + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
         v.x = unsigned(p[0]) | (unsigned(p[1]) << 16);
         v.y = unsigned(p[2]);
       }
@@ -195,8 +194,8 @@ int stem_blocks_per_sm() {
   std::call_once(once[size_t(dev)], [&] {
     allow_smem_once<stem_conv_stats_kernel>(kSmemBytes, "stem_conv");
     int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stem_conv_stats_kernel,
-                                                             kThreads, kSmemBytes));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stem_conv_stats_kernel, kThreads,
+                                                             kSmemBytes));
     blocks[size_t(dev)] = std::max(n, 1);
   });
   return blocks[size_t(dev)];
@@ -222,8 +221,7 @@ bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, cons
   const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1;
   return y.size(0) == N && y.size(1) == kCout && y.size(2) == OH && y.size(3) == OW &&
          OH % kTileH == 0 && OW % kTileW == 0 && N * (OH / kTileH) * (OW / kTileW) < (1 << 30) &&
-         x.is_contiguous(MemoryFormat::ChannelsLast) &&
-         y.is_contiguous(MemoryFormat::ChannelsLast);
+         x.is_contiguous(MemoryFormat::ChannelsLast) && y.is_contiguous(MemoryFormat::ChannelsLast);
 }
 
 void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
@@ -251,11 +249,12 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   g.ww = w.stride(3);
   const int64_t wave = int64_t(context().props.multiProcessorCount) * stem_blocks_per_sm();
   const int parts = int(std::clamp<int64_t>(wave, 1, g.tiles));
-  Tensor partial = empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
+  Tensor partial =
+      empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
-  launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s,
-         static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-         static_cast<const __half*>(x.raw_data()), static_cast<const __half*>(w.raw_data()), g);
+  launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s, static_cast<__half*>(y.raw_data()),
+         static_cast<float*>(partial.raw_data()), static_cast<const __half*>(x.raw_data()),
+         static_cast<const __half*>(w.raw_data()), g);
   KILN_CUDA_CHECK_LAUNCH();
   launch(stem_stats_finish_kernel, 1, 2 * kCout, 0, s, ps, pq,
          static_cast<const float*>(partial.raw_data()), parts);
