@@ -249,12 +249,14 @@ __global__ void __launch_bounds__(kThreads, 3)
     // k16 step r: the 16 pixels of output row r of the tile.
 #pragma unroll 1
     for (int r = 0; r < kTileH; ++r) {
+      // A = dyᵀ: rows = channels, columns = the 16 pixels. B: rows = the same pixels (input
+      // column 2·col + kw0 of input row 2r + kh), columns = (kw0 + c / 4, channel c % 4).
       unsigned a[4][4];
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt)  // dyᵀ: rows = channels, columns = pixels
+      for (int mt = 0; mt < 4; ++mt) {
         ldmatrix_x4_trans(
             a[mt], sdy + (r * kTileW + lr + 8 * (lj >> 1)) * kDyPitch + mt * 16 + 8 * (lj & 1));
-        // B: rows = pixels (2·col + kw0 of input row 2r + kh), columns = (kw, channel).
+      }
 #pragma unroll
       for (int kh = 0; kh + 1 < kKh; kh += 2) {
         unsigned b[4];
