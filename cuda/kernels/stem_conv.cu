@@ -53,6 +53,34 @@ struct StemGeom {
   int64_t wn, wc, wh, ww;  // the weight's strides, elements
 };
 
+// The input patch of output tile (oh0, ow0) of image n into shared memory: rows 2·oh0 − 3..,
+// columns 2·ow0 − 3.., 3 channels padded to 4, zeros outside the image. Every load of the thread
+// is issued before its first store, so their latencies overlap (a loop of load-then-store
+// waits for each in turn).
+__device__ inline void load_patch(uint2* patch, const __half* __restrict__ x, const StemGeom& g,
+                                  int n, int oh0, int ow0) {
+  constexpr int kIters = (kPatch + kThreads - 1) / kThreads;
+  const unsigned short* xs = reinterpret_cast<const unsigned short*>(x);
+  const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
+  unsigned lo[kIters], hi[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = int(threadIdx.x) + it * kThreads;
+    const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
+    lo[it] = hi[it] = 0u;
+    if (i < kPatch && ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
+      const unsigned short* p = xs + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
+      lo[it] = unsigned(p[0]) | (unsigned(p[1]) << 16);
+      hi[it] = unsigned(p[2]);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = int(threadIdx.x) + it * kThreads;
+    if (i < kPatch) patch[i] = uint2{lo[it], hi[it]};
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_kernel(__half* __restrict__ y, float* __restrict__ partial,
                            const __half* __restrict__ x, const __half* __restrict__ w, StemGeom g) {
@@ -83,18 +111,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
     const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
     __syncthreads();  // the previous tile's patch has been read (and the weights are in)
-    const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
-    for (int i = tid; i < kPatch; i += kThreads) {
-      const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
-      uint2 v{0u, 0u};
-      if (ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
-        const unsigned short* p =
-            reinterpret_cast<const unsigned short*>(x) + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
-        v.x = unsigned(p[0]) | (unsigned(p[1]) << 16);
-        v.y = unsigned(p[2]);
-      }
-      patch[i] = v;
-    }
+    load_patch(patch, x, g, n, oh0, ow0);
     __syncthreads();
 
     float acc[2][8][4];
@@ -231,18 +248,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       cp_async16(sdy + pix * kDyPitch + chunk * 8, dy + src, true);
     }
     cp_async_commit();
-    const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
-    for (int i = tid; i < kPatch; i += kThreads) {
-      const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
-      uint2 v{0u, 0u};
-      if (ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
-        const unsigned short* p =
-            reinterpret_cast<const unsigned short*>(x) + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
-        v.x = unsigned(p[0]) | (unsigned(p[1]) << 16);
-        v.y = unsigned(p[2]);
-      }
-      patch[i] = v;
-    }
+    load_patch(patch, x, g, n, oh0, ow0);
     cp_async_wait_all();
     __syncthreads();
 
