@@ -1,12 +1,14 @@
 // The block tail's data-gradient GEMM with the batch-norm sums in its epilogue, on Hopper's
-// wgmma and TMA (contract in cuda/kernels.h: dgrad1x1_bn_sums; the mma.sync kernel for K 64 and
-// 128 is cuda/kernels/gemm_bn.cu, whose header explains what the epilogue computes).
+// wgmma and TMA (contract in cuda/kernels.h: dgrad1x1_bn_sums; the mma.sync kernel, which takes
+// the tails this one does not (C not a multiple of 128, GPUs other than sm_90), is
+// cuda/kernels/gemm_bn.cu, whose header explains what the epilogue computes).
 //
-// Measured in session 14 (NOTES.md): correct against the unfused composition and the CPU,
-// compute-sanitizer clean, and the step 0.13-0.16 ms faster than with KILN_TAIL_GEMM=mma (the
-// seven K 256/512 tails back on cuDNN's dgrad + kiln's two passes). Its GEMM is
-// tools/probes/wgmma_gemm.cu's v4 on branch wip/wgmma, level with cuBLASLt on ResNet-50's four
-// tail shapes (layer 3: 0.065 ms, layer 4: 0.053).
+// Measured (NOTES.md): in session 14, for K 256/512, correct against the unfused composition and
+// the CPU, compute-sanitizer clean, the step 0.13-0.16 ms faster than those seven tails on
+// cuDNN's dgrad + kiln's two passes; in session 16, with the TMA epilogue below, −0.22 ms more,
+// and faster than the mma.sync kernel at K 64/128 too (−0.19 ms), so it takes every tail it fits.
+// Its GEMM is tools/probes/wgmma_gemm.cu's v4 on branch wip/wgmma, level with cuBLASLt on
+// ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4: 0.053).
 //
 // G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC); B = w transposed to wt (C × K)
 // by a small kernel first, so that both operands are K-major for wgmma's descriptors. CTA: 3
@@ -14,9 +16,11 @@
 // kStages slots in the 128-byte swizzle (the layout wgmma's descriptors name), each slot guarded
 // by a "full" mbarrier (the bytes arrive on it) and an "empty" one (all 256 consumer threads
 // arrive once their wgmma group on it has completed). Warpgroups 1 and 2 compute rows 0-63 and
-// 64-127 of a 128 × 128 tile, stage their f32 accumulators in their own shared buffer, and run
-// gemm_bn.cu's epilogue on it: add r, round to f16, mask with the ReLU bits, write g in 16-byte
-// vectors, and keep Σg and Σg·(x − mean) of their 8 channels in registers.
+// 64-127 of a 128 × 128 tile and run gemm_bn.cu's epilogue: add r, round to f16, mask with the
+// ReLU bits, write g in 16-byte vectors, and keep Σg and Σg·(x − mean) of their 8 channels in
+// registers. By default (kTmaEpi) r, x and the mask come into each warpgroup's shared buffer by
+// TMA while its MMAs run and acc + r is formed there; with KILN_TAIL_TMA_EPI=0 the accumulators
+// are staged in that buffer and r, x and the mask read from global memory after the MMAs.
 //
 // Persistent and bit-reproducible: the grid is parts × (C / 128) CTAs; CTA b owns column tile
 // b % (C / 128) for good and the row tiles p, p + parts, ... (p = b / (C / 128)), so the producer
