@@ -25,8 +25,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -313,28 +311,13 @@ __global__ void stem_wgrad_finish_kernel(T* __restrict__ dw, const float* __rest
   *d = T(v);
 }
 
-// CTAs of `Kernel` (kThreads threads, `bytes` of shared memory) resident per SM of the current
-// device; cached per kernel and device, so the grids and with them the partial sums' order depend
-// on the shape and the device only.
-template <auto Kernel>
-int blocks_per_sm(int bytes) {
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<int, kMaxDevices> blocks{};
-  const int dev = current_device();
-  KILN_CHECK(dev >= 0 && dev < kMaxDevices, "stem_conv (cuda): device ", dev, " out of range");
-  std::call_once(once[size_t(dev)], [&] {
-    if (bytes > 48 * 1024) allow_smem_once<Kernel>(bytes, "stem_conv");
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, bytes));
-    blocks[size_t(dev)] = std::max(n, 1);
-  });
-  return blocks[size_t(dev)];
-}
-
 // One wave of `Kernel`'s CTAs, at most one per tile.
 template <auto Kernel>
 int stem_parts(int bytes, int tiles) {
-  const int64_t wave = int64_t(context().props.multiProcessorCount) * blocks_per_sm<Kernel>(bytes);
+  if (bytes > 48 * 1024) allow_smem_once<Kernel>(bytes, "stem_conv");
+  const int64_t wave =
+      int64_t(context().props.multiProcessorCount) *
+      resident_blocks_per_sm(reinterpret_cast<const void*>(Kernel), kThreads, bytes);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
