@@ -152,8 +152,10 @@ namespace {
 // a fresh dw of `dtype` and layout `fmt`: written, or added onto `base` when base is defined.
 Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFormat fmt,
              const Tensor& base = Tensor()) {
-  Tensor dw = base.defined() ? base.to(dtype).contiguous(fmt)
-                             : gputest::nan_output({64, 3, 7, 7}, dtype, fmt);
+  // A fresh tensor either way: base.to(dtype).contiguous(fmt) may be base itself, which the
+  // kernel would then add into.
+  Tensor dw = gputest::nan_output({64, 3, 7, 7}, dtype, fmt);
+  if (base.defined()) dw.copy_(base.to(dtype));
   const int before = cuda::stem_conv_mode();
   cuda::set_stem_conv_mode(mode);
   cuda::conv2d_backward_weight(dw, dy, x, stem_params(), /*accumulate=*/base.defined());
