@@ -19,7 +19,8 @@ Switches read_switches() {
   const char* tg = std::getenv("KILN_TAIL_GEMM");
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
   s.tail_tma_epi = !is(std::getenv("KILN_TAIL_TMA_EPI"), "0");
-  s.stem_conv = !is(std::getenv("KILN_STEM_CONV"), "0");
+  const char* sc = std::getenv("KILN_STEM_CONV");
+  s.stem_conv = is(sc, "0") ? 0 : is(sc, "forward") ? 1 : 2;
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
   const char* sb = std::getenv("KILN_BN_SUMS_BLOCKS");
   const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;

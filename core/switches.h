@@ -31,9 +31,10 @@
 // | KILN_TAIL_TMA_EPI        | 0                   | the wgmma tail GEMM reads r, x and the mask     |
 // |                          |                     | from global memory after its MMAs, not by TMA   |
 // |                          |                     | during them (before session 15)                 |
-// | KILN_STEM_CONV           | 0                   | the ResNet stem's 7x7/2 convolution on cuDNN    |
-// |                          |                     | (channel pad, plain kernel, statistics pass),   |
-// |                          |                     | not kiln's kernel (before session 16)           |
+// | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
+// |                          |                     | (channel pad, plain kernel, statistics pass;    |
+// |                          |                     | before session 16) / kiln's kernel for the      |
+// |                          |                     | forward only, its weight gradient on cuDNN      |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before session 15)       |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -68,7 +69,7 @@ struct Switches {
   bool fused_dgrad = true;
   int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
-  bool stem_conv = true;
+  int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
@@ -89,7 +90,7 @@ const Switches& switches();
 // A switch that starts from its Switches field (bool or int) and that a program or test may set at
 // run time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
 // cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode,
-// cuda::set_stem_conv_enabled and optim::set_grad_overwrite_enabled.
+// cuda::set_stem_conv_mode and optim::set_grad_overwrite_enabled.
 template <typename T>
 class RuntimeSetting {
  public:

@@ -624,7 +624,7 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
                  sqsum.is_contiguous() && sum.numel() == y.size(1) && sqsum.numel() == y.size(1),
              "conv2d_forward_stats: sum and sqsum must be contiguous f32 (", y.size(1),
              "), got ", sum.desc(), " and ", sqsum.desc());
-  if (stem_conv_enabled() && stem_conv_supported(y, x, w, p)) {
+  if (stem_conv_mode() >= 1 && stem_conv_supported(y, x, w, p)) {
     stem_conv_forward_stats(y, sum, sqsum, x, w, p);
     return true;
   }
@@ -758,6 +758,10 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
   if (dw.numel() == 0) return;
   if (dy.numel() == 0 || x.numel() == 0) {
     if (!accumulate) dw.zero_();
+    return;
+  }
+  if (stem_conv_mode() == 2 && stem_wgrad_supported(dw, dy, x, p)) {
+    stem_conv_backward_weight(dw, dy, x, p, accumulate && !zeroed);  // zeroed: 0 + dW = dW
     return;
   }
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);

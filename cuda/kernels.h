@@ -76,12 +76,22 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
 // y (N, 64, OH, OW) f16 channels-last with OH a multiple of 8 and OW of 16 (224 → 112): y (=) and
 // sum, sqsum (=, f32, 64 each: Σy and Σy² of y as rounded to f16) from one kernel reading the
 // 3-channel x directly. Bit-reproducible for a shape and a device. conv2d_forward_stats takes it
-// where stem_conv_supported and stem_conv_enabled (KILN_STEM_CONV=0, set_stem_conv_enabled).
+// where stem_conv_supported and stem_conv_mode() ≥ 1.
 bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p);
 void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                              const Tensor& x, const Tensor& w, const ConvParams& p);
-bool stem_conv_enabled();
-void set_stem_conv_enabled(bool on);
+// Its weight gradient: dw (64, 3, 7, 7) f16 or f32, any strides, (=, or += with accumulate) from
+// dy (N, 64, OH, OW) f16 channels-last and x as above; partial sums per CTA added in a fixed
+// order, so bit-reproducible too. conv2d_backward_weight takes it where stem_wgrad_supported and
+// stem_conv_mode() == 2.
+bool stem_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                          const ConvParams& p);
+void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                               const ConvParams& p, bool accumulate);
+// 0: both on cuDNN; 1: kiln's forward, cuDNN's weight gradient; 2 (default): both kiln's.
+// KILN_STEM_CONV=0 / forward, or set here (tests).
+int stem_conv_mode();
+void set_stem_conv_mode(int mode);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

@@ -28,11 +28,13 @@ struct ProbeArgs {
   int plans = 4;
   bool tail_gemm = false;
   bool half_scale = false;
+  bool stem = false;
 };
 
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
-  kiln::cli::Parser p("kiln-fusion-probe", "[--batch N] [--plans K] [--half-scale] [--tail-gemm]",
+  kiln::cli::Parser p("kiln-fusion-probe",
+                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -42,6 +44,9 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "the scale-bias-ReLU prologue with f16 scale, bias and intermediates (default f32)");
   p.flag("--tail-gemm", &a.tail_gemm,
          "time kiln's dgrad GEMM with the block tail's BN backward against cuDNN + kiln's BN");
+  p.flag("--stem", &a.stem,
+         "time kiln's ResNet stem convolution (forward with BN statistics, weight gradient) "
+         "against cuDNN's");
   if (p.parse(argc, argv)) return true;
   std::fputs(p.info().c_str(), stdout);
   return false;
@@ -649,6 +654,56 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
               gflop / t_gemm, t_fused, t_fused / t_unfused);
 }
 
+// ResNet-50's stem at batch n (224 × 224): kiln's kernels (KILN_STEM_CONV's mode 2) against
+// cuDNN's path (mode 0: the 3 → 4 channel pad, the convolution, kiln's statistics pass; the pad
+// and cuDNN's weight gradient).
+void probe_stem(int64_t n) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  const int64_t drawn = n % 8 == 0 ? 8 : n;  // as probe_tail_gemm: 8 images drawn, repeated
+  auto repeat = [&](const Tensor& host, int64_t ch, int64_t hw) {
+    return host.to(DType::f16)
+        .to(gpu)
+        .unsqueeze(0)
+        .expand({n / drawn, drawn, ch, hw, hw})
+        .contiguous()
+        .reshape({n, ch, hw, hw})
+        .contiguous(MemoryFormat::ChannelsLast);
+  };
+  Tensor x = repeat(randn({drawn, 3, 224, 224}), 3, 224);
+  Tensor dy = repeat(randn({drawn, 64, 112, 112}), 64, 112);
+  Tensor w = F::mul(randn({64, 3, 7, 7}), 0.08).to(DType::f16).to(gpu);
+  ConvParams p;
+  p.stride_h = p.stride_w = 2;
+  p.pad_h = p.pad_w = 3;
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  const TensorOptions f16 = TensorOptions(DType::f16).with_device(gpu);
+  Tensor y = empty({n, 64, 112, 112}, f16.with_memory_format(MemoryFormat::ChannelsLast));
+  Tensor sum = empty({64}, f32), sqsum = empty({64}, f32), dw = empty({64, 3, 7, 7}, f16);
+  auto fwd = [&] {
+    if (!cuda::conv2d_forward_stats(y, sum, sqsum, x, w, p)) {
+      cuda::conv2d_forward(y, x, w, Tensor(), p);
+      cuda::bn_nhwc_stats(sum, sqsum, y);
+    }
+  };
+  auto wgrad = [&] { cuda::conv2d_backward_weight(dw, dy, x, p); };
+  const int mode = cuda::stem_conv_mode();
+  double t[2][2];
+  for (int m : {0, 2}) {
+    cuda::set_stem_conv_mode(m);
+    t[m / 2][0] = median_ms(fwd);
+    t[m / 2][1] = median_ms(wgrad);
+  }
+  cuda::set_stem_conv_mode(mode);
+  const double gflop = 2.0 * double(n) * 112 * 112 * 64 * 147 / 1e9;
+  std::printf("stem 7x7/2 3 -> 64 @224, batch %lld (%.1f GFLOP each way)\n",
+              static_cast<long long>(n), gflop);
+  std::printf("   forward + statistics: cuDNN path %.3f ms, kiln %.3f ms (%.0f TFLOP/s)\n",
+              t[0][0], t[1][0], gflop / t[1][0]);
+  std::printf("   weight gradient:      cuDNN path %.3f ms, kiln %.3f ms (%.0f TFLOP/s)\n",
+              t[0][1], t[1][1], gflop / t[1][1]);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -671,6 +726,11 @@ int main(int argc, char** argv) {
   const Problem conv3{"l1.conv3 1x1 64->256 @56", 64, 256, 56, 1, 1};
   const Problem l3c2{"l3.conv2 3x3 256->256 @14", 256, 256, 14, 3, 1};
   try {
+    if (args.stem) {
+      probe_stem(N);
+      cudnnDestroy(h);
+      return 0;
+    }
     if (args.tail_gemm) {
       // ResNet-50's identity tails: layer l's C channels, its blocks' conv1 to C / 4.
       for (auto [c, hw] : {std::pair<int64_t, int64_t>{256, 56}, {512, 28}, {1024, 14}, {2048, 7}})

@@ -6,8 +6,6 @@
 // kernel adds them per channel in a fixed order — bit-reproducible, so a replayed CUDA graph
 // matches eager execution.
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <utility>
 
 #include "core/switches.h"
@@ -698,20 +696,10 @@ void check_act(const Tensor& t, const Tensor& x, const char* op, const char* wha
 }
 
 // Blocks of `kernel` (kBlock threads, no dynamic shared memory) resident on one SM of the
-// current device; cached per kernel and device. KILN_BN_SUMS_BLOCKS=N says N instead.
+// current device. KILN_BN_SUMS_BLOCKS=N says N instead.
 int resident_blocks(const void* kernel) {
   if (switches().bn_sums_blocks > 0) return switches().bn_sums_blocks;
-  static std::mutex m;
-  static std::map<std::pair<const void*, int>, int> cache;
-  const std::pair<const void*, int> key{kernel, current_device()};
-  std::lock_guard<std::mutex> lock(m);
-  auto [it, fresh] = cache.try_emplace(key, 1);
-  if (fresh) {
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kBlock, 0));
-    it->second = std::max(n, 1);
-  }
-  return it->second;
+  return resident_blocks_per_sm(kernel, kBlock, 0);
 }
 
 // Launch shape of the backward sums over (rows, G vectors): tx vectors of a row side by side per

@@ -5,9 +5,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -179,6 +182,24 @@ void allow_smem_once(int bytes, const char* op) {
   std::call_once(once[size_t(dev)], [&] {
     CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   });
+}
+
+// Blocks of `kernel` (`threads` each, `smem_bytes` of dynamic shared memory, above 48 KB allowed
+// first with allow_smem_once) resident on one SM of the current device; cached per kernel,
+// block shape and device, so that grids sized by it — and the order of the partial sums they
+// write — depend on the shape and the device only.
+inline int resident_blocks_per_sm(const void* kernel, int threads, int smem_bytes) {
+  static std::mutex m;
+  static std::map<std::tuple<const void*, int, int, int>, int> cache;
+  const std::tuple<const void*, int, int, int> key{kernel, threads, smem_bytes, current_device()};
+  std::lock_guard<std::mutex> lock(m);
+  auto [it, fresh] = cache.try_emplace(key, 1);
+  if (fresh) {
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes));
+    it->second = std::max(n, 1);
+  }
+  return it->second;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) for kernels that begin with pdl_start().

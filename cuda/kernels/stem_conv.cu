@@ -13,11 +13,18 @@
 // persistent (one wave), tile t going to CTA t mod grid, and each keeps its statistics in
 // registers in a fixed order, so the per-CTA partial rows and their fixed-order sum make the
 // statistics bit-reproducible for a shape and a device.
+//
+// Its weight gradient is the same GEMM turned around: dW (64 × 224) = dyᵀ · patches, summed
+// over the output pixels. A CTA loads a tile's input patch (as above) and its 128 × 64 block
+// of dy; warp w owns the 8 columns of kw = 2w, 2w + 1 for all 7 kernel rows and all 64 output
+// channels (7 × 4 MMA tiles in registers), taking 16 output pixels per k16 step: A = dyᵀ through
+// ldmatrix.trans of dy's rows, B = the same 16-byte patch chunks as the forward's A, through
+// ldmatrix.trans. Each persistent CTA writes its 64 × 224 partial once; a second kernel adds the
+// partials in a fixed order into dw's own layout (dropping the zero column and channel), written
+// or added to.
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
-#include <mutex>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -43,6 +50,34 @@ struct StemGeom {
   int tiles_w, tiles_img, tiles;
   int64_t wn, wc, wh, ww;  // the weight's strides, elements
 };
+
+// The input patch of output tile (oh0, ow0) of image n into shared memory: rows 2·oh0 − 3..,
+// columns 2·ow0 − 3.., 3 channels padded to 4, zeros outside the image. Every load of the thread
+// is issued before its first store, so their latencies overlap (a loop of load-then-store
+// waits for each in turn).
+__device__ inline void load_patch(uint2* patch, const __half* __restrict__ x, const StemGeom& g,
+                                  int n, int oh0, int ow0) {
+  constexpr int kIters = (kPatch + kThreads - 1) / kThreads;
+  const unsigned short* xs = reinterpret_cast<const unsigned short*>(x);
+  const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
+  unsigned lo[kIters], hi[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = int(threadIdx.x) + it * kThreads;
+    const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
+    lo[it] = hi[it] = 0u;
+    if (i < kPatch && ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
+      const unsigned short* p = xs + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
+      lo[it] = unsigned(p[0]) | (unsigned(p[1]) << 16);
+      hi[it] = unsigned(p[2]);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = int(threadIdx.x) + it * kThreads;
+    if (i < kPatch) patch[i] = uint2{lo[it], hi[it]};
+  }
+}
 
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_kernel(__half* __restrict__ y, float* __restrict__ partial,
@@ -74,18 +109,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
     const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
     __syncthreads();  // the previous tile's patch has been read (and the weights are in)
-    const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
-    for (int i = tid; i < kPatch; i += kThreads) {
-      const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
-      uint2 v{0u, 0u};
-      if (ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
-        const unsigned short* p =
-            reinterpret_cast<const unsigned short*>(x) + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
-        v.x = unsigned(p[0]) | (unsigned(p[1]) << 16);
-        v.y = unsigned(p[2]);
-      }
-      patch[i] = v;
-    }
+    load_patch(patch, x, g, n, oh0, ow0);
     __syncthreads();
 
     float acc[2][8][4];
@@ -185,32 +209,140 @@ __global__ void stem_stats_finish_kernel(float* __restrict__ sum, float* __restr
   (which ? sqsum : sum)[c] = v;
 }
 
-// CTAs of stem_conv_stats_kernel resident per SM of the current device (cached).
-int stem_blocks_per_sm() {
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<int, kMaxDevices> blocks{};
-  const int dev = current_device();
-  KILN_CHECK(dev >= 0 && dev < kMaxDevices, "stem_conv (cuda): device ", dev, " out of range");
-  std::call_once(once[size_t(dev)], [&] {
-    allow_smem_once<stem_conv_stats_kernel>(kSmemBytes, "stem_conv");
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stem_conv_stats_kernel, kThreads,
-                                                             kSmemBytes));
-    blocks[size_t(dev)] = std::max(n, 1);
-  });
-  return blocks[size_t(dev)];
+// ---- the weight gradient ----
+
+constexpr int kDyPitch = kCout + 8;  // halves per staged dy row: conflict-free ldmatrix.trans
+constexpr int kWgSmemBytes = kPatch * 8 + kTileH * kTileW * kDyPitch * 2;  // 24,816
+
+__global__ void __launch_bounds__(kThreads, 3)
+    stem_wgrad_kernel(float* __restrict__ partial, const __half* __restrict__ dy,
+                      const __half* __restrict__ x, StemGeom g) {
+  pdl_start();
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint2* patch = reinterpret_cast<uint2*>(smem);               // [21][38] × 4 halves
+  __half* sdy = reinterpret_cast<__half*>(smem + kPatch * 8);  // [128 pixels][kDyPitch]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3, lj = lane >> 3, lr = lane & 7;
+  const int kw0 = 2 * warp;  // this warp's kernel columns kw0, kw0 + 1
+
+  // acc[mt][kh]: output channels 16·mt.., the 8 columns (kw0 + c / 4, channel c % 4) of row kh.
+  float acc[4][kKh][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int kh = 0; kh < kKh; ++kh)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mt][kh][q] = 0.f;
+
+  for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
+    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    __syncthreads();  // the previous tile's patch and dy have been read
+    // dy's 128 pixels × 128 bytes, 16 bytes per copy.
+    for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {
+      const int pix = i >> 3, chunk = i & 7;
+      const int64_t src =
+          ((int64_t(n) * g.OH + oh0 + (pix >> 4)) * g.OW + ow0 + (pix & 15)) * kCout + chunk * 8;
+      cp_async16(sdy + pix * kDyPitch + chunk * 8, dy + src, true);
+    }
+    cp_async_commit();
+    load_patch(patch, x, g, n, oh0, ow0);
+    cp_async_wait_all();
+    __syncthreads();
+
+    // k16 step r: the 16 pixels of output row r of the tile.
+#pragma unroll 1
+    for (int r = 0; r < kTileH; ++r) {
+      // A = dyᵀ: rows = channels, columns = the 16 pixels. B: rows = the same pixels (input
+      // column 2·col + kw0 of input row 2r + kh), columns = (kw0 + c / 4, channel c % 4).
+      unsigned a[4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        ldmatrix_x4_trans(
+            a[mt], sdy + (r * kTileW + lr + 8 * (lj >> 1)) * kDyPitch + mt * 16 + 8 * (lj & 1));
+      }
+#pragma unroll
+      for (int kh = 0; kh + 1 < kKh; kh += 2) {
+        unsigned b[4];
+        const int row = 2 * r + kh + (lj >> 1), col = 2 * (lr + 8 * (lj & 1)) + kw0;
+        ldmatrix_x4_trans(b, patch + row * kPatchW + col);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          mma16816(acc[mt][kh], a[mt], b[0], b[1]);
+          mma16816(acc[mt][kh + 1], a[mt], b[2], b[3]);
+        }
+      }
+      {
+        unsigned b[2];
+        const int row = 2 * r + kKh - 1, col = 2 * (lr + 8 * (lj & 1)) + kw0;
+        ldmatrix_x2_trans(b, patch + row * kPatchW + col);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) mma16816(acc[mt][kKh - 1], a[mt], b[0], b[1]);
+      }
+    }
+  }
+
+  // This CTA's 64 × 224 partial, k = kh·32 + kw·4 + c as the forward's weight rows.
+  float* out = partial + int64_t(blockIdx.x) * kCout * kK;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int kh = 0; kh < kKh; ++kh)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        out[(mt * 16 + gq + 8 * (q >> 1)) * kK + kh * 32 + 4 * kw0 + 2 * tq + (q & 1)] =
+            acc[mt][kh][q];
 }
 
-constinit RuntimeSwitch g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
+// dw (64, 3, 7, 7; strides in g) (=, or += with accumulate) from the parts' partials, added in
+// order; the zero column (kw 7) and channel (3) are dropped.
+template <typename T>
+__global__ void stem_wgrad_finish_kernel(T* __restrict__ dw, const float* __restrict__ partial,
+                                         int parts, StemGeom g, bool accumulate) {
+  pdl_start();
+  const int i = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= kCout * 3 * kKh * kKh) return;
+  const int n = i / (3 * kKh * kKh), c = (i / (kKh * kKh)) % 3, kh = (i / kKh) % kKh, kw = i % kKh;
+  const int k = kh * 32 + kw * 4 + c;
+  float v = 0.f;
+  for (int p = 0; p < parts; ++p) v += partial[(int64_t(p) * kCout + n) * kK + k];
+  T* d = dw + n * g.wn + c * g.wc + kh * g.wh + kw * g.ww;
+  if (accumulate) v += float(*d);
+  *d = T(v);
+}
 
-}  // namespace
+// One wave of `Kernel`'s CTAs, at most one per tile.
+template <auto Kernel>
+int stem_parts(int bytes, int tiles) {
+  if (bytes > 48 * 1024) allow_smem_once<Kernel>(bytes, "stem_conv");
+  const int64_t wave =
+      int64_t(context().props.multiProcessorCount) *
+      resident_blocks_per_sm(reinterpret_cast<const void*>(Kernel), kThreads, bytes);
+  return int(std::clamp<int64_t>(wave, 1, tiles));
+}
 
-bool stem_conv_enabled() { return g_stem_conv.get(); }
-void set_stem_conv_enabled(bool on) { g_stem_conv.set(on); }
+// The geometry both kernels take (w: the weight or its gradient, for its strides).
+StemGeom stem_geom(const Tensor& x, const Tensor& w, int64_t OH, int64_t OW) {
+  StemGeom g{};
+  g.H = int(x.size(2));
+  g.W = int(x.size(3));
+  g.OH = int(OH);
+  g.OW = int(OW);
+  g.tiles_w = int(OW / kTileW);
+  g.tiles_img = int((OH / kTileH) * g.tiles_w);
+  g.tiles = int(x.size(0) * g.tiles_img);
+  g.wn = w.stride(0);
+  g.wc = w.stride(1);
+  g.wh = w.stride(2);
+  g.ww = w.stride(3);
+  return g;
+}
 
-bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
-  if (!(x.defined() && w.defined() && y.defined() && x.is_cuda() && x.dtype() == DType::f16 &&
-        w.dtype() == DType::f16 && y.dtype() == DType::f16 && x.dim() == 4 && w.dim() == 4 &&
+// Shapes, parameters and layouts (not the dtypes of w and y): x (N, 3, H, W) channels-last, w
+// (64, 3, 7, 7), stride 2, padding 3, y (N, 64, OH, OW) channels-last with OH % 8 == 0 and
+// OW % 16 == 0, all on x's CUDA device.
+bool stem_shapes(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
+  if (!(x.defined() && w.defined() && y.defined() && x.is_cuda() && x.dim() == 4 && w.dim() == 4 &&
         y.dim() == 4 && w.device() == x.device() && y.device() == x.device()))
     return false;
   if (!(x.size(1) == 3 && w.size(0) == kCout && w.size(1) == 3 && w.size(2) == kKh &&
@@ -224,6 +356,27 @@ bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, cons
          x.is_contiguous(MemoryFormat::ChannelsLast) && y.is_contiguous(MemoryFormat::ChannelsLast);
 }
 
+constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
+
+}  // namespace
+
+int stem_conv_mode() { return g_stem_conv.get(); }
+void set_stem_conv_mode(int mode) {
+  KILN_CHECK(mode >= 0 && mode <= 2, "set_stem_conv_mode: mode ", mode, " is not 0, 1 or 2");
+  g_stem_conv.set(mode);
+}
+
+bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
+  return stem_shapes(y, x, w, p) && x.dtype() == DType::f16 && w.dtype() == DType::f16 &&
+         y.dtype() == DType::f16;
+}
+
+bool stem_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                          const ConvParams& p) {
+  return stem_shapes(dy, x, dw, p) && x.dtype() == DType::f16 && dy.dtype() == DType::f16 &&
+         (dw.dtype() == DType::f16 || dw.dtype() == DType::f32);
+}
+
 void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                              const Tensor& x, const Tensor& w, const ConvParams& p) {
   KILN_CHECK(stem_conv_supported(y, x, w, p),
@@ -234,21 +387,8 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   const char* op = "stem_conv_forward_stats";
   float* ps = f32_ptr(sum, kCout, x, op, "sum");
   float* pq = f32_ptr(sqsum, kCout, x, op, "sqsum");
-  const int64_t N = x.size(0), H = x.size(2), W = x.size(3), OH = y.size(2), OW = y.size(3);
-  StemGeom g{};
-  g.H = int(H);
-  g.W = int(W);
-  g.OH = int(OH);
-  g.OW = int(OW);
-  g.tiles_w = int(OW / kTileW);
-  g.tiles_img = int((OH / kTileH) * g.tiles_w);
-  g.tiles = int(N * g.tiles_img);
-  g.wn = w.stride(0);
-  g.wc = w.stride(1);
-  g.wh = w.stride(2);
-  g.ww = w.stride(3);
-  const int64_t wave = int64_t(context().props.multiProcessorCount) * stem_blocks_per_sm();
-  const int parts = int(std::clamp<int64_t>(wave, 1, g.tiles));
+  const StemGeom g = stem_geom(x, w, y.size(2), y.size(3));
+  const int parts = stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
@@ -258,6 +398,33 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   KILN_CUDA_CHECK_LAUNCH();
   launch(stem_stats_finish_kernel, 1, 2 * kCout, 0, s, ps, pq,
          static_cast<const float*>(partial.raw_data()), parts);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                               const ConvParams& p, bool accumulate) {
+  KILN_CHECK(stem_wgrad_supported(dw, dy, x, p),
+             "stem_conv_backward_weight (cuda): takes the weight gradient (f16 or f32) of a 7x7/2 "
+             "convolution (padding 3) of f16 channels-last x with 3 channels to 64, output rows "
+             "a multiple of 8 and columns of 16; got dw ",
+             dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
+  const StemGeom g = stem_geom(x, dw, dy.size(2), dy.size(3));
+  const int parts = stem_parts<stem_wgrad_kernel>(kWgSmemBytes, g.tiles);
+  Tensor partial =
+      empty({int64_t(parts) * kCout * kK}, TensorOptions(DType::f32).with_device(x.device()));
+  cudaStream_t s = current_stream();
+  launch(stem_wgrad_kernel, parts, kThreads, kWgSmemBytes, s,
+         static_cast<float*>(partial.raw_data()), static_cast<const __half*>(dy.raw_data()),
+         static_cast<const __half*>(x.raw_data()), g);
+  KILN_CUDA_CHECK_LAUNCH();
+  const float* pp = static_cast<const float*>(partial.raw_data());
+  const unsigned blocks = unsigned((kCout * 3 * kKh * kKh + 255) / 256);
+  if (dw.dtype() == DType::f16)
+    launch(stem_wgrad_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
+           pp, parts, g, accumulate);
+  else
+    launch(stem_wgrad_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()),
+           pp, parts, g, accumulate);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,12 +1,15 @@
 // cuda::stem_conv_forward_stats, kiln's kernel for the ResNet stem's 7x7/2 convolution from 3
 // channels with the batch norm's statistics: y against cuDNN's convolution and the f32 CPU
 // convolution, the statistics against f64 sums of the y it wrote, bit-reproducible, either weight
-// layout, the path F::conv2d takes, and the shapes it leaves to cuDNN.
+// layout, the path F::conv2d takes, and the shapes it leaves to cuDNN. Its weight gradient
+// (cuda::stem_conv_backward_weight) against cuDNN's and the CPU's, written and added, f16 and f32,
+// either layout, bit-reproducible, and through autograd.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <vector>
 
+#include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -71,10 +74,10 @@ TEST_CASE("the stem convolution equals cuDNN's and the CPU's; its statistics are
     const Stem s = make_stem(cs.n, cs.h, cs.w, 7 + uint64_t(cs.h));
     const Out o = run_kernel(s);
     // cuDNN: the same products, added in another order, so y may round to the neighbouring f16.
-    const bool before = cuda::stem_conv_enabled();
-    cuda::set_stem_conv_enabled(false);
+    const int mode = cuda::stem_conv_mode();
+    cuda::set_stem_conv_mode(0);
     Tensor ref = F::conv2d(s.x, s.w, Tensor(), 2, 3);
-    cuda::set_stem_conv_enabled(before);
+    cuda::set_stem_conv_mode(mode);
     KILN_CHECK_OK(testing::compare(f32(o.y), f32(ref), 4e-3, 2e-3));
     // The f32 CPU convolution of the same f16 values.
     Tensor cpu = F::conv2d(f32(s.x), f32(s.w), Tensor(), 2, 3);
@@ -141,4 +144,88 @@ TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on
   Tensor ybad = out_like(odd.x, 64), sum = empty({64}, TensorOptions(DType::f32).with_device(kGpu));
   CHECK_THROWS_WITH_AS(cuda::stem_conv_forward_stats(ybad, sum, sum.clone(), odd.x, odd.w, p),
                        doctest::Contains("output rows a multiple of 8"), Error);
+}
+
+namespace {
+
+// The weight gradient of dy through the stem, on cuDNN (mode 0) or kiln's kernel (mode 2), into
+// a fresh dw of `dtype` and layout `fmt`: written, or added onto `base` when base is defined.
+Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFormat fmt,
+             const Tensor& base = Tensor()) {
+  // A fresh tensor either way: base.to(dtype).contiguous(fmt) may be base itself, which the
+  // kernel would then add into.
+  Tensor dw = gputest::nan_output({64, 3, 7, 7}, dtype, fmt);
+  if (base.defined()) dw.copy_(base.to(dtype));
+  const int before = cuda::stem_conv_mode();
+  cuda::set_stem_conv_mode(mode);
+  cuda::conv2d_backward_weight(dw, dy, x, stem_params(), /*accumulate=*/base.defined());
+  cuda::set_stem_conv_mode(before);
+  return dw;
+}
+
+}  // namespace
+
+TEST_CASE("the stem's weight gradient equals cuDNN's and the CPU's, written or added") {
+  struct Case {
+    int64_t n, h, w;
+  };
+  // As the forward's cases; 224 × 224 at batch 4 (392 tiles: more than one per CTA).
+  for (Case cs : {Case{2, 32, 32}, Case{3, 48, 64}, Case{4, 224, 224}, Case{1, 31, 63}}) {
+    CAPTURE(cs.h);
+    CAPTURE(cs.w);
+    const Stem s = make_stem(cs.n, cs.h, cs.w, 41 + uint64_t(cs.h));
+    const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
+    Tensor dy =
+        randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    REQUIRE(cuda::stem_wgrad_supported(gputest::nan_output({64, 3, 7, 7}, DType::f16), dy, s.x,
+                                       stem_params()));
+    // The f32 CPU gradient of the same f16 values, through autograd.
+    Tensor xc = f32(s.x), wc = f32(s.w).detach();
+    wc.set_requires_grad(true);
+    F::conv2d(xc, wc, Tensor(), 2, 3).backward(f32(dy));
+    const Tensor cpu = wc.grad();
+    // dW's entries add M = N·OH·OW products of size ~1: ~sqrt(M) in size, one f16 step 2^-11 of
+    // that; the two GPU sums differ in order only.
+    const double scale = std::sqrt(double(cs.n * oh * ow));
+    for (auto fmt : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+      const Tensor mine = wgrad(dy, s.x, 2, DType::f16, fmt);
+      const Tensor ref = wgrad(dy, s.x, 0, DType::f16, fmt);
+      KILN_CHECK_OK(testing::compare(f32(mine), f32(ref), 2e-3 * scale, 2e-3));
+      KILN_CHECK_OK(testing::compare(f32(mine), cpu, 2e-3 * scale, 2e-3));
+      const Tensor mine32 = wgrad(dy, s.x, 2, DType::f32, fmt);
+      KILN_CHECK_OK(testing::compare(f32(mine32), cpu, 1e-4 * scale, 1e-4));
+      // Added onto a gradient already there: base + dW, rounded once.
+      const Tensor base = F::mul(randn({64, 3, 7, 7}), scale).to(DType::f16).to(kGpu);
+      const Tensor added = wgrad(dy, s.x, 2, DType::f16, fmt, base);
+      KILN_CHECK_OK(
+          testing::compare(f32(added), F::add(f32(base), f32(mine32)), 2e-3 * scale, 2e-3));
+      // Bit-reproducible, and the same bits in either layout.
+      KILN_CHECK_OK(testing::compare(wgrad(dy, s.x, 2, DType::f16, fmt), mine, 0, 0));
+      KILN_CHECK_OK(testing::compare(
+          mine.contiguous(), wgrad(dy, s.x, 2, DType::f16, MemoryFormat::Contiguous), 0, 0));
+    }
+  }
+}
+
+TEST_CASE("autograd through the stem: kiln's kernels give cuDNN's gradients") {
+  const Stem s = make_stem(2, 64, 64, 51);
+  Tensor dy = randn({2, 64, 32, 32}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  auto grad_of = [&](int mode) {
+    const int before = cuda::stem_conv_mode();
+    cuda::set_stem_conv_mode(mode);
+    Tensor w = s.w.detach().clone();
+    w.set_requires_grad(true);
+    F::ChannelStats stats;
+    Tensor y = F::conv2d(s.x, w, Tensor(), 2, 3, 1, 1, &stats);
+    if (mode >= 1) CHECK(stats.defined());
+    y.backward(dy);
+    cuda::set_stem_conv_mode(before);
+    return w.grad();
+  };
+  // Deterministic convolutions, so that mode 1's weight gradient (cuDNN's) repeats mode 0's bits.
+  cuda::set_conv_deterministic(true);
+  const Tensor kiln2 = grad_of(2), kiln1 = grad_of(1), cudnn = grad_of(0);
+  cuda::set_conv_deterministic(false);
+  KILN_CHECK_OK(testing::compare(f32(kiln2), f32(cudnn), 2e-3 * 45.3, 2e-3));
+  KILN_CHECK_OK(testing::compare(kiln1, cudnn, 0, 0));
 }
