@@ -60,15 +60,19 @@ Out run_kernel(const Stem& s) {
 
 Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
 
+// The forward's and the weight gradient's shapes (batch, input rows, columns): one tile per image,
+// 3 × 2 tiles with the image's border on every side, ResNet-50's 224 × 224 (98 tiles per image;
+// 784 at batch 8, more than one wave of CTAs — 396 on an H200 — so each CTA takes several tiles,
+// as in training), and an odd input size.
+struct Case {
+  int64_t n, h, w;
+};
+constexpr Case kCases[] = {{2, 32, 32}, {3, 48, 64}, {8, 224, 224}, {1, 31, 63}};
+
 }  // namespace
 
 TEST_CASE("the stem convolution equals cuDNN's and the CPU's; its statistics are y's") {
-  struct Case {
-    int64_t n, h, w;
-  };
-  // One tile per image, 3 × 2 tiles with the image's border on every side, ResNet-50's 224 × 224
-  // (98 tiles per image, more tiles than one wave of CTAs at batch 8), and an odd input size.
-  for (Case cs : {Case{2, 32, 32}, Case{3, 48, 64}, Case{8, 224, 224}, Case{1, 31, 63}}) {
+  for (Case cs : kCases) {
     CAPTURE(cs.h);
     CAPTURE(cs.w);
     const Stem s = make_stem(cs.n, cs.h, cs.w, 7 + uint64_t(cs.h));
@@ -166,12 +170,7 @@ Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFor
 }  // namespace
 
 TEST_CASE("the stem's weight gradient equals cuDNN's and the CPU's, written or added") {
-  struct Case {
-    int64_t n, h, w;
-  };
-  // As the forward's cases; 224 × 224 at batch 8: 784 tiles, more than one per CTA (one wave is
-  // 396 CTAs on an H200), so each CTA's accumulators run over several tiles as in training.
-  for (Case cs : {Case{2, 32, 32}, Case{3, 48, 64}, Case{8, 224, 224}, Case{1, 31, 63}}) {
+  for (Case cs : kCases) {
     CAPTURE(cs.h);
     CAPTURE(cs.w);
     const Stem s = make_stem(cs.n, cs.h, cs.w, 41 + uint64_t(cs.h));
