@@ -11,10 +11,9 @@
 // One kernel launch sweeps every Chunk (a slice of one slot), so all parameters are updated
 // by one launch whatever their number.
 //
-// Every product that the reference optimizers (optim/sgd.cpp, optim/adamw.cpp) compute as
-// `a + alpha*b` is an explicit fused multiply-add here: GCC contracts that expression in
-// their CPU kernels, nvcc contracts it on the device. Products that the reference rounds
-// before adding (separate ops) use mul_rn, which is never contracted.
+// The formulas round after every operation, in the reference optimizers' order, so the CPU path
+// equals optim::SGD/AdamW bit for bit and the CUDA kernels equal the CPU path bit for bit, on
+// any CPU (see "per-element arithmetic" below).
 #include <cmath>
 #include <cstdint>
 
@@ -94,31 +93,16 @@ struct ScalerArgs {
 };
 
 // ---- per-element arithmetic (identical on both backends) ----
-#if !defined(__CUDA_ARCH__)
-// a·b rounded to f32 on its own: a volatile store stops the compiler from contracting it.
-inline float mul_rn_host(float a, float b) {
-  const volatile float p = a * b;
-  return p;
-}
-#endif
-// The reference optimizers' `a + alpha·b` is one rounding where the compiler contracts it: nvcc
-// always does on the device, GCC on the host only when the target has FMA instructions
-// (__FMA__: -march=native on a current CPU, KILN_NATIVE=ON). Without them it is two roundings,
-// and so is fmadd on the host, so the fused CPU path stays bitwise equal to the reference.
-KILN_HD float fmadd(float a, float b, float c) {  // a·b + c as the reference rounds it
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#elif defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return mul_rn_host(a, b) + c;
-#endif
-}
+// Every operation rounds on its own, on both backends and on any CPU: the device side through
+// the explicit __f*_rn intrinsics (nvcc never contracts those), the host side because kiln's C++
+// is compiled with -ffp-contract=off (CMakeLists.txt). The reference optimizers' `a + alpha·b`
+// (optim/sgd.cpp, optim/adamw.cpp through the CPU elementwise kernels) is a product and a sum,
+// so muladd is too: no FMA anywhere, so the result cannot depend on whether a target has one.
 KILN_HD float mul_rn(float a, float b) {  // a·b rounded on its own (never contracted)
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
-  return a * b;  // ops/cpu/fused_optim.cpp is compiled with fp-contract off
+  return a * b;
 #endif
 }
 KILN_HD float add_rn(float a, float b) {
@@ -128,6 +112,8 @@ KILN_HD float add_rn(float a, float b) {
   return a + b;
 #endif
 }
+// a·b + c as the reference optimizers compute it: the product rounded, then the sum.
+KILN_HD float muladd(float a, float b, float c) { return add_rn(mul_rn(a, b), c); }
 KILN_HD float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);
@@ -170,12 +156,12 @@ KILN_HD SGDScalars sgd_scalars(const GroupOptions& g, double lr, int32_t step) {
 }
 // torch.optim.SGD, as optim/sgd.cpp: p, buf updated in place.
 KILN_HD void sgd_update(float& p, float& buf, float g, const SGDScalars& s) {
-  if (s.use_wd) g = fmadd(s.weight_decay, p, g);
+  if (s.use_wd) g = muladd(s.weight_decay, p, g);
   if (s.use_momentum) {
-    buf = s.first ? g : fmadd(s.one_minus_dampening, g, mul_rn(buf, s.momentum));
-    g = s.nesterov ? fmadd(s.momentum, buf, g) : buf;
+    buf = s.first ? g : muladd(s.one_minus_dampening, g, mul_rn(buf, s.momentum));
+    g = s.nesterov ? muladd(s.momentum, buf, g) : buf;
   }
-  p = fmadd(s.neg_lr, g, p);
+  p = muladd(s.neg_lr, g, p);
 }
 
 struct AdamWScalars {
@@ -187,11 +173,10 @@ KILN_HD AdamWScalars adamw_scalars(const GroupOptions& g, double lr, int32_t ste
   const double bc1 = 1.0 - pow(g.beta1, t);
   const double bc2_sqrt = sqrt(1.0 - pow(g.beta2, t));
   AdamWScalars s;
-#if defined(__CUDA_ARCH__) || defined(__FMA__)
-  s.decay = float(fma(-lr, g.weight_decay, 1.0));  // GCC contracts optim/adamw.cpp's 1 - lr·wd
+#if defined(__CUDA_ARCH__)
+  s.decay = float(__dadd_rn(1.0, -__dmul_rn(lr, g.weight_decay)));  // adamw.cpp's 1 - lr·wd
 #else
-  const volatile double lr_wd = lr * g.weight_decay;  // rounded on its own, as adamw.cpp does
-  s.decay = float(1.0 - lr_wd);
+  s.decay = float(1.0 - lr * g.weight_decay);  // two roundings: the host never contracts
 #endif
   s.beta1 = float(g.beta1);
   s.one_minus_beta1 = float(1.0 - g.beta1);
@@ -206,10 +191,10 @@ KILN_HD AdamWScalars adamw_scalars(const GroupOptions& g, double lr, int32_t ste
 // torch.optim.AdamW, as optim/adamw.cpp: p, m, v updated in place.
 KILN_HD void adamw_update(float& p, float& m, float& v, float g, const AdamWScalars& s) {
   if (s.use_wd) p = mul_rn(p, s.decay);
-  m = fmadd(s.one_minus_beta1, g, mul_rn(m, s.beta1));
-  v = fmadd(s.one_minus_beta2, mul_rn(g, g), mul_rn(v, s.beta2));
+  m = muladd(s.one_minus_beta1, g, mul_rn(m, s.beta1));
+  v = muladd(s.one_minus_beta2, mul_rn(g, g), mul_rn(v, s.beta2));
   const float denom = add_rn(mul_rn(sqrt_rn(v), s.inv_bc2_sqrt), s.eps);
-  p = fmadd(s.neg_step_size, div_rn(m, denom), p);
+  p = muladd(s.neg_step_size, div_rn(m, denom), p);
 }
 
 // PyTorch's _amp_update_scale_: back off and reset on overflow; grow after growth_interval

@@ -117,3 +117,20 @@ TEST_CASE("dtype and device mismatches are errors") {
   }
   CHECK_THROWS_AS(F::exp(ones({2}, DType::i64)), Error);
 }
+
+TEST_CASE("a + alpha*b rounds the product on its own, whatever the CPU (no FMA contraction)") {
+  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 lies halfway between two floats and rounds (to even) to
+  // 1 + 2^-11, so c + alpha*b with c = -(1 + 2^-11) is exactly 0 when the product is rounded
+  // first and 2^-24 when the compiler fuses both into one FMA. kiln's C++ is compiled with
+  // -ffp-contract=off (CMakeLists.txt) so that results compared bit for bit elsewhere (the fused
+  // optimizers against optim::SGD/AdamW, resample_box's RGB and one-channel passes) cannot depend
+  // on -march: this fails on an FMA-capable build where the flag went missing. Long enough for
+  // the vectorised loop and its scalar tail.
+  const float a = 1.0f + 0x1p-12f, c = -(1.0f + 0x1p-11f);
+  const int64_t n = 1027;
+  Tensor out = F::add(full({n}, c), full({n}, a), a);
+  for (float v : out.to_vector<float>()) REQUIRE(v == 0.0f);
+  Tensor acc = full({n}, c);
+  acc.add_(full({n}, a), a);  // the in-place kernel optim::SGD uses
+  for (float v : acc.to_vector<float>()) REQUIRE(v == 0.0f);
+}

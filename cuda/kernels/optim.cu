@@ -51,7 +51,7 @@ __global__ void check_kernel(CheckArgs a) {
   for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += kThreads) {
     const float v = load_grad(g, s.dtype, i);
     bad |= !isfinite(v);
-    sum = fmadd(v, v, sum);
+    sum = muladd(v, v, sum);
   }
   if (bad) *a.found_inf = 1.0f;  // benign race: every writer stores the same value
   sum = block_sum(sum);

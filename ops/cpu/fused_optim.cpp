@@ -1,13 +1,6 @@
 // CPU reference of the fused optimizer kernels (and the CPU path of FusedSGD/FusedAdamW and the
 // loss scaler). Chunks are visited in order; within a chunk elements go in order, so results
 // are deterministic. The formulas live in core/fused_optim.h.
-#if defined(__GNUC__) && !defined(__clang__)
-// a*b then +c must round twice where the header says mul_rn; explicit fmadd still fuses.
-#pragma GCC optimize("fp-contract=off")
-#elif defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-
 #include <cmath>
 
 #include "core/fused_optim.h"
@@ -62,7 +55,7 @@ void check_grads(const CheckArgs& a) {
     for (int64_t i = ch.begin; i < ch.end; ++i) {
       const float g = load(a.grads + s.grad, s.dtype, i);
       bad |= !std::isfinite(g);
-      sum = fmadd(g, g, sum);
+      sum = muladd(g, g, sum);
     }
     if (bad) *a.found_inf = 1.0f;
     a.partial_sumsq[c] = sum;
