@@ -309,4 +309,49 @@ bool SafetensorsData::contains(const std::string& name) const {
   return false;
 }
 
+namespace {
+
+// Whether a contiguous host tensor of unsigned-integer-sized floats holds a NaN or an infinity:
+// an element whose exponent bits are all ones. Reads the bits where they lie (no conversion), so
+// it costs one pass over the bytes.
+template <typename U>
+bool any_non_finite(const Tensor& h, U exponent) {
+  const auto* p = static_cast<const unsigned char*>(h.raw_data());
+  const int64_t n = h.numel();  // hoisted: a call in the condition keeps the loop scalar
+  U bad = 0;  // an integer OR reduction, which vectorises (a bool one does not)
+  for (int64_t i = 0; i < n; ++i) {
+    U bits;
+    std::memcpy(&bits, p + i * int64_t(sizeof(U)), sizeof(U));
+    bad |= U((bits & exponent) == exponent);
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
+std::string first_non_finite(const NamedTensors& tensors) {
+  for (const auto& [name, t] : tensors) {
+    if (!is_floating(t.dtype())) continue;
+    const Tensor h = t.detach().to(Device::cpu()).contiguous();
+    bool bad = false;
+    switch (h.dtype()) {
+      case DType::f16: bad = any_non_finite<uint16_t>(h, 0x7C00u); break;
+      case DType::bf16: bad = any_non_finite<uint16_t>(h, 0x7F80u); break;
+      case DType::f32: bad = any_non_finite<uint32_t>(h, 0x7F800000u); break;
+      case DType::f64: bad = any_non_finite<uint64_t>(h, 0x7FF0000000000000ull); break;
+      default: KILN_FAIL("first_non_finite: '", name, "' has an unexpected dtype ", h.desc());
+    }
+    if (bad) return name;
+  }
+  return "";
+}
+
+void check_finite(const SafetensorsData& file, const std::string& what) {
+  const std::string bad = first_non_finite(file.tensors);
+  if (bad.empty()) return;
+  throw Error(what + " '" + file.path + "': tensor '" + bad +
+              "' holds NaN or infinite values; refusing weights that cannot have come from a "
+              "finished training run");
+}
+
 }  // namespace kiln

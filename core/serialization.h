@@ -57,6 +57,14 @@ inline constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
 // there is one. Tensor bytes are read straight into their storage (no whole-file buffer).
 SafetensorsData load_safetensors(const std::string& path);
 
+// The name of the first floating-point tensor holding a NaN or an infinity, "" when all are
+// finite (device tensors are copied to the host; one pass over each tensor's bits).
+std::string first_non_finite(const NamedTensors& tensors);
+// Throws kiln::Error (no source location: the message is about the user's file) when `file`
+// holds a non-finite tensor: "<what> '<path>': tensor '<name>' holds NaN or infinite values...".
+// `what` names the flag or role, e.g. "--weights".
+void check_finite(const SafetensorsData& file, const std::string& what);
+
 // Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the folder).
 void write_file_atomic(const std::string& path, const std::string& bytes);
 
