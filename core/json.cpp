@@ -1,6 +1,7 @@
 #include "core/json.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -187,4 +188,34 @@ std::string quote(const std::string& s) {
   return out + "\"";
 }
 
+std::string number(double v, int significant_digits) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*g", significant_digits, v);
+  return buf;
+}
+
+ObjectWriter& ObjectWriter::raw(const std::string& key, const std::string& value) {
+  if (!body_.empty()) body_ += ", ";
+  body_ += quote(key) + ": " + value;
+  return *this;
+}
+
+ObjectWriter& ObjectWriter::number(const std::string& key, double v, int significant_digits) {
+  return raw(key, json::number(v, significant_digits));
+}
+
+ObjectWriter& ObjectWriter::integer(const std::string& key, int64_t v) {
+  return raw(key, std::to_string(v));
+}
+
+ObjectWriter& ObjectWriter::string(const std::string& key, const std::string& v) {
+  return raw(key, quote(v));
+}
+
+ObjectWriter& ObjectWriter::boolean(const std::string& key, bool v) {
+  return raw(key, v ? "true" : "false");
+}
+
 }  // namespace kiln::json
+

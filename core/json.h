@@ -47,4 +47,26 @@ Value parse(const std::string& text);
 // "text" with JSON escapes.
 std::string quote(const std::string& s);
 
+// One JSON object written key by key, in the order given (kiln-train's logs):
+//   json::ObjectWriter o;
+//   o.integer("epoch", 3).number("loss", 0.25).string("arch", "resnet18");
+//   o.str() == R"({"epoch": 3, "loss": 0.25, "arch": "resnet18"})"
+// number(): %.6g by default, NaN and infinities as null (JSON has neither); strings through quote().
+class ObjectWriter {
+ public:
+  ObjectWriter& number(const std::string& key, double v, int significant_digits = 6);
+  ObjectWriter& integer(const std::string& key, int64_t v);
+  ObjectWriter& string(const std::string& key, const std::string& v);
+  ObjectWriter& boolean(const std::string& key, bool v);
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  ObjectWriter& raw(const std::string& key, const std::string& value);
+  std::string body_;
+};
+
+// A number as ObjectWriter writes it: "%.<digits>g", or null when not finite.
+std::string number(double v, int significant_digits = 6);
+
 }  // namespace kiln::json
+

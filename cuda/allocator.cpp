@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <mutex>
 #include <set>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -54,6 +55,16 @@
 
 namespace kiln::cuda {
 namespace {
+
+// "1.5 GiB", "12.0 MiB": sizes in an error message a person reads.
+std::string mib(size_t bytes) {
+  char buf[48];
+  if (bytes >= (size_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.1f GiB", double(bytes) / double(size_t(1) << 30));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", double(bytes) / double(size_t(1) << 20));
+  return buf;
+}
 
 constexpr size_t kSmallLimit = size_t(1) << 20;  // requests up to 1 MiB are "small"
 constexpr size_t kRound = 512;
@@ -392,15 +403,20 @@ class DeviceAllocator final : public Allocator {
       if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) cudaGetLastError();
       ::kiln::detail::fail(
           ErrorKind::OutOfMemory, __FILE__, __LINE__, nullptr,
-          detail::str_cat("CUDA out of memory on cuda:", device_, ": tried to allocate ", requested,
-                          " bytes (", size, " rounded); kiln has ", stats_.allocated_bytes,
-                          " bytes allocated and ", stats_.reserved_bytes,
-                          " bytes reserved; the device has ", free_b, " of ", total_b,
-                          " bytes free",
-                          current_op() ? std::string(", in op ") + current_op() : std::string(),
-                          capturing ? " (during CUDA graph capture, when the cache cannot be "
-                                      "released: give the warm-up room, or free memory first)"
-                                    : ""));
+          detail::str_cat(
+          "CUDA out of memory on cuda:", device_,
+          current_op() ? std::string(" in op ") + current_op() : std::string(),
+          current_op_input().empty() ? std::string() : " (input " + current_op_input() + ")",
+          ": tried to allocate ", requested, " bytes (", size, " rounded; ", mib(requested),
+          "); kiln has ", stats_.allocated_bytes, " bytes allocated (", mib(stats_.allocated_bytes),
+          ", peak ", mib(stats_.peak_allocated_bytes), ") and ", stats_.reserved_bytes,
+          " bytes reserved (", mib(stats_.reserved_bytes), ", of which ",
+          mib(stats_.reserved_bytes - stats_.allocated_bytes), " cached, ",
+          mib(stats_.graph_pool_bytes), " in CUDA graph pools); the device has ", free_b,
+          " of ", total_b, " bytes free (", mib(free_b), " of ", mib(total_b), ")",
+          capturing ? " (during CUDA graph capture, when the cache cannot be "
+                      "released: give the warm-up room, or free memory first)"
+                    : ""));
     }
     CUDA_CHECK(e);
     return p;

@@ -13,7 +13,7 @@ namespace {
 
 void* profile_begin(const char* name, const Tensor& t) {
   set_last_profiled_op(name);
-  push_current_op(name);
+  push_current_op(name, &t);
   if (!name || !profiler_enabled()) return nullptr;
   return new ProfileOp(name, t.desc());
 }

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/tensor.h"
 #include "cuda/check.h"
 #include "cuda/runtime.h"
 
@@ -72,19 +73,28 @@ void set_last_profiled_op(const char* name) { t_last_op = name; }
 
 namespace {
 constexpr int kMaxOpDepth = 32;  // deeper nesting is counted but not named
-thread_local const char* t_ops[kMaxOpDepth];
+struct RunningOp {
+  const char* name;
+  const Tensor* input;
+};
+thread_local RunningOp t_ops[kMaxOpDepth];
 thread_local int t_op_depth = 0;
 }  // namespace
 
-void push_current_op(const char* name) {
-  if (t_op_depth < kMaxOpDepth) t_ops[t_op_depth] = name;
+void push_current_op(const char* name, const Tensor* input) {
+  if (t_op_depth < kMaxOpDepth) t_ops[t_op_depth] = {name, input};
   ++t_op_depth;
 }
 void pop_current_op() {
   if (t_op_depth > 0) --t_op_depth;
 }
 const char* current_op() {
-  return t_op_depth > 0 ? t_ops[std::min(t_op_depth, kMaxOpDepth) - 1] : nullptr;
+  return t_op_depth > 0 ? t_ops[std::min(t_op_depth, kMaxOpDepth) - 1].name : nullptr;
+}
+std::string current_op_input() {
+  if (t_op_depth == 0) return "";
+  const Tensor* t = t_ops[std::min(t_op_depth, kMaxOpDepth) - 1].input;
+  return t && t->defined() ? t->desc() : "";
 }
 
 void enable_profiler(bool on) { g_enabled.store(on, std::memory_order_relaxed); }

@@ -13,6 +13,10 @@
 // The table is shared by all threads (mutex).
 #include <string>
 
+namespace kiln {
+class Tensor;
+}
+
 namespace kiln::cuda {
 
 #ifdef KILN_WITH_CUDA
@@ -55,11 +59,14 @@ class ProfileOp {
 const char* last_profiled_op();
 void set_last_profiled_op(const char* name);
 // The ops running on this thread now (an op calls ops), pushed and popped by the backend's
-// profile_begin / profile_end; current_op() is the innermost one, or null outside any op. The
-// caching allocator names it when the device runs out of memory.
-void push_current_op(const char* name);
+// profile_begin / profile_end with the op's main input (alive while the op runs: it is the op's
+// argument); current_op() is the innermost one, or null outside any op. The caching allocator
+// names it, with current_op_input()'s shape, when the device runs out of memory.
+void push_current_op(const char* name, const Tensor* input = nullptr);
 void pop_current_op();
 const char* current_op();
+// "f16[256, 64, 56, 56] cuda:0 NHWC" for the innermost op's input; "" when none.
+std::string current_op_input();
 
 #define KILN_PROFILE_CAT2(a, b) a##b
 #define KILN_PROFILE_CAT(a, b) KILN_PROFILE_CAT2(a, b)

@@ -199,8 +199,6 @@ TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
                                        "1e-4",
                                        "-p",
                                        "10",
-                                       "--resume",
-                                       "ck.safetensors",
                                        "-e",
                                        "--pretrained",
                                        "w.safetensors",
@@ -222,7 +220,7 @@ TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
   CHECK(c.momentum == 0.8);
   CHECK(c.wd == 1e-4);
   CHECK(c.print_freq == 10);
-  CHECK(c.resume == "ck.safetensors");
+  CHECK(train::parse_args({"--resume", "ck.safetensors", "-e"}).resume == "ck.safetensors");
   CHECK(c.evaluate);
   CHECK(c.pretrained == "w.safetensors");
   CHECK(c.seed == 7);
@@ -248,6 +246,9 @@ TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
   CHECK(msg({"--dummy", "dir"}) == "--dummy replaces DATA 'dir'; give one");
   CHECK(msg({"--freeze-backbone"}).find("give --pretrained PATH") != std::string::npos);
   CHECK(msg({"--pretrained", "a", "--weights", "b"}).find("give one") != std::string::npos);
+  CHECK(msg({"--resume", "a", "--pretrained", "b"}) ==
+        "--resume and --pretrained both name starting weights (--resume continues a run with its "
+        "own); give one");
   CHECK(msg({"--epochs", "2", "--start-epoch", "2"}) ==
         "--start-epoch 2: must be below --epochs 2");
   CHECK(msg({"--rank", "1"}) == "--rank 1 needs --world-size");

@@ -297,8 +297,10 @@ TEST_CASE("kiln-train: steps.jsonl, evaluation progress, --quiet's final line, -
   CHECK(std::count(text.begin(), text.end(), '\n') == 1);
   CHECK(read_jsonl(q / "steps.jsonl").size() == 18);
 
-  // --start-epoch 1 again: the logs lose what came after epoch 1 before they grow.
-  train::run(train::parse_args(job(q, 2, {"--start-epoch", "1"})));
+  // --start-epoch 1 again (the run's own checkpoint continued from epoch 1): the logs lose what
+  // came after epoch 1 before they grow. Without --resume it would be a new run, refused there.
+  train::run(train::parse_args(job(
+      q, 2, {"--start-epoch", "1", "--resume", (q / "checkpoint.safetensors").string()})));
   const std::vector<json::Value> again = read_jsonl(q / "steps.jsonl");
   REQUIRE(again.size() == 18);
   for (size_t i = 0; i < again.size(); ++i) CHECK(again[i].at("step").number() == double(i + 1));

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -369,12 +370,12 @@ TEST_CASE("kiln-train: --output is claimed before training: reuse, --overwrite, 
   CHECK(read_log(out / "log.jsonl").size() == 1);
   // A folder in use by a running kiln-train (its lock held) is refused even with --overwrite.
   {
-    train::OutputDir running(out.string(), train::OutputReuse::Overwrite);
+    train::OutputDir running(train::OutputPlan{out.string(), train::OutputReuse::Overwrite});
     m = run_error(with(job(out.string(), 1), {"--overwrite"}));
     CHECK(m.find("in use by a running kiln-train") != std::string::npos);
   }
   // An unwritable folder (root may write anywhere else) fails before training starts.
-  m = run_error(job("/proc/self", 1));
+  m = run_error(with(job("/proc/self", 1), {"--overwrite"}));  // not empty either
   CHECK(m.find("not writable") != std::string::npos);
   const fs::path file = tmp().dir / "a-file";
   std::ofstream(file) << "x";
@@ -394,8 +395,12 @@ TEST_CASE("kiln-train: temporary files of killed saves are removed at start") {
   const fs::path stale = out / ("checkpoint.safetensors.tmp." + std::to_string(child));
   const fs::path live = out / ("checkpoint.safetensors.tmp." + std::to_string(::getppid()));
   std::ofstream(stale) << "partial";
+  // A folder holding only a killed save's temporary file counts as empty.
+  CHECK(train::plan_output(out.string(), train::OutputReuse::New, {}).dir == out.string());
   std::ofstream(live) << "someone else's";
-  train::run(train::parse_args(job(out.string(), 1)));
+  // One whose writer is alive does not: it may be another program's file.
+  CHECK(run_error(job(out.string(), 1)).find("is not empty") != std::string::npos);
+  train::run(train::parse_args(with(job(out.string(), 1), {"--overwrite"})));
   CHECK_FALSE(fs::exists(stale));
   CHECK(fs::exists(live));  // its writer is alive
 }
@@ -467,16 +472,23 @@ TEST_CASE("kiln-train: non-finite metrics are reported as such, logged as null")
     for (auto& [name, t] : model->named_parameters())
       if (name == "fc.bias") t.fill_(std::nan(""));
   }
-  const fs::path w = tmp().dir / "nan.safetensors";
-  save_weights(w.string(), *model);
-  const train::Summary s = train::run(train::parse_args(
-      with(job((tmp().dir / "nan-eval").string(), 1), {"--evaluate", "--weights", w.string()})));
-  CHECK(std::isnan(s.test_loss));
-  CHECK(std::isnan(s.test_top1));  // not 100%: NaN > target is false for every logit
-  CHECK(std::isnan(s.test_top5));
-  CHECK(train::json_number(std::nan("")) == "null");
-  CHECK(train::json_number(INFINITY) == "null");
-  CHECK(json::parse("{\"a\": " + train::json_number(std::nan("")) + "}").at("a").kind() ==
+  // The evaluation of a diverged model (kiln-train refuses such a file as --weights).
+  train::Config c = train::parse_args(job((tmp().dir / "nan-eval").string(), 1));
+  train::DataOptions dopt;
+  dopt.data = c.data;
+  dopt.image_size = c.image_size;
+  dopt.batch_size = c.batch_size;
+  dopt.workers = 1;
+  dopt.device = Device::cpu();
+  const train::TrainData data(dopt);
+  const std::vector<double> ev = train::evaluate(*model, data);
+  CHECK(ev[3] == 100);
+  CHECK(std::isnan(ev[0]));
+  CHECK(std::isnan(ev[1]));  // not 100%: NaN > target is false for every logit
+  CHECK(std::isnan(ev[2]));
+  CHECK(json::number(std::nan("")) == "null");
+  CHECK(json::number(INFINITY) == "null");
+  CHECK(json::parse("{\"a\": " + json::number(std::nan("")) + "}").at("a").kind() ==
         json::Value::Kind::Null);
   CHECK(train::fmt_metric(std::nan(""), 100, 2) == "nan");
   CHECK(train::fmt_metric(0.5, 100, 2) == "50.00");
@@ -514,7 +526,14 @@ TEST_CASE("kiln-train: flag ranges and contradictions fail early") {
   CHECK(err({"--workers", "2147483648"}).find("--workers") != std::string::npos);
   CHECK(err({"--nproc", "4294967297"}).find("--nproc") != std::string::npos);
   CHECK(err({"--evaluate"}).find("--weights or --resume") != std::string::npos);
-  CHECK(err({"--resume", "x", "--overwrite"}).find("contradict") != std::string::npos);
+  CHECK(err({"--resume", "kiln-output/checkpoint.safetensors", "--overwrite"}).find("contradict") !=
+        std::string::npos);
+  CHECK(err({"--resume", "a/checkpoint.safetensors", "--output", "a/", "--overwrite"})
+            .find("contradict") != std::string::npos);
+  // Another run's checkpoint continued in a new folder, replacing what that folder holds.
+  CHECK(err({"--resume", "a/checkpoint.safetensors", "--output", "b", "--overwrite"}).empty());
+  CHECK(err({"--resume", "x", "--pretrained", "y"}).find("give one") != std::string::npos);
+  CHECK(err({"--resume", "x", "--weights", "y"}).find("give one") != std::string::npos);
   CHECK(err({"--workers", "1024", "--nproc", "1024"}).empty());
   train::Config c;
   c.workers = -1;  // a Config built in code is validated by run() too
@@ -577,4 +596,209 @@ TEST_CASE("kiln-train: IDX labels are validated when the data is opened") {
   m = run_error(
       with(job((tmp().dir / "idx-out").string(), 1), {"--data", dir.string(), "--overwrite"}));
   CHECK(m.find("holds no images") != std::string::npos);
+}
+
+// ---------------- no finished run is replaced, nothing is written into the data ----------------
+
+namespace {
+
+// Every file under `dir` (relative name -> bytes): what "left as it was" compares.
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  std::error_code ec;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec))
+    if (e.is_regular_file()) files[fs::relative(e.path(), dir).string()] = file_bytes(e.path());
+  return files;
+}
+
+// A finished one-epoch run in a fresh folder `name`.
+fs::path finished_run(const std::string& name) {
+  const fs::path out = tmp().dir / name;
+  fs::remove_all(out);
+  train::run(train::parse_args(job(out.string(), 1)));
+  REQUIRE(fs::exists(out / "model.safetensors"));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("kiln-train: --output is written only when empty, with --overwrite, or resuming its own") {
+  const fs::path a = finished_run("rule-a");
+  const auto before = snapshot(a);
+  const std::string ckpt = (a / "checkpoint.safetensors").string();
+
+  SUBCASE("--start-epoch into a finished run is a new run, refused") {
+    for (const char* e : {"0", "1"}) {
+      const std::string m = run_error(with(job(a.string(), 2), {"--start-epoch", e}));
+      CHECK(m.find("already holds a run") != std::string::npos);
+      CHECK(m.find(" [") == std::string::npos);  // a user error: no source location
+    }
+  }
+  SUBCASE("--resume of another run's checkpoint into a finished run, refused") {
+    const fs::path b = finished_run("rule-b");
+    const auto b_before = snapshot(b);
+    const std::string m =
+        run_error(with(job(b.string(), 2), {"--resume", ckpt}));
+    CHECK(m.find("already holds a run") != std::string::npos);
+    CHECK(snapshot(b) == b_before);
+  }
+  SUBCASE("--resume of another run's checkpoint into a new folder continues it there") {
+    const fs::path c = tmp().dir / "rule-c";
+    fs::remove_all(c);
+    const train::Summary s =
+        train::run(train::parse_args(with(job(c.string(), 2), {"--resume", ckpt})));
+    CHECK(s.epochs_done == 2);
+    const auto log = read_log(c / "log.jsonl");  // a's epoch 1, then c's epoch 2
+    REQUIRE(log.size() == 2);
+    CHECK(log[0].at("epoch").number() == 1);
+    CHECK(log[1].at("epoch").number() == 2);
+    CHECK(read_log(c / "steps.jsonl").size() == 18);
+    CHECK(read_log(c / "steps.jsonl").front().at("step").number() == 1);
+  }
+  SUBCASE("a run killed before its first checkpoint (steps.jsonl only) is not replaced") {
+    const fs::path k = tmp().dir / "rule-killed";
+    fs::remove_all(k);
+    fs::create_directories(k);
+    std::ofstream(k / "steps.jsonl") << "{\"step\": 1, \"epoch\": 1, \"loss\": 2.3}\n";
+    const auto k_before = snapshot(k);
+    const std::string m = run_error(job(k.string(), 1));
+    CHECK(m.find("already holds a run (steps.jsonl)") != std::string::npos);
+    CHECK(snapshot(k) == k_before);
+    // Someone else's file: not a run, but not empty either.
+    const fs::path o = tmp().dir / "rule-other";
+    fs::remove_all(o);
+    fs::create_directories(o);
+    std::ofstream(o / "notes.txt") << "mine";
+    CHECK(run_error(job(o.string(), 1)).find("is not empty (it holds notes.txt)") !=
+          std::string::npos);
+    CHECK(snapshot(o) == std::map<std::string, std::string>{{"notes.txt", "mine"}});
+  }
+  SUBCASE("--overwrite followed by divergence leaves no file of the old run") {
+    const std::string m = run_error(with(job(a.string(), 1), {"--overwrite", "--lr", "1e6"}));
+    CHECK(m.find("diverged") != std::string::npos);
+    CHECK(m.find("no checkpoint was written") != std::string::npos);
+    for (const char* f : {"log.jsonl", "checkpoint.safetensors", "model.safetensors"})
+      CHECK_MESSAGE(!fs::exists(a / f), f);
+    for (const auto& line : read_log(a / "steps.jsonl"))  // the new run's steps only
+      CHECK(line.at("lr").number() > 1.0);
+    return;  // `a` changed on purpose
+  }
+  SUBCASE("--overwrite with a bad --pretrained leaves the old run as it was") {
+    const fs::path bad = tmp().dir / "rule-bad.safetensors";
+    std::ofstream(bad) << "not safetensors";
+    CHECK(run_error(with(job(a.string(), 1), {"--overwrite", "--pretrained", bad.string()}))
+              .find("--pretrained") != std::string::npos);
+  }
+  CHECK(snapshot(a) == before);
+}
+
+TEST_CASE("kiln-train: nothing is created in the data or before the data is read") {
+  // The data set copied so that its folders can be checked byte for byte.
+  const fs::path root = tmp().dir / "data-tree";
+  fs::remove_all(root);
+  fs::copy(image_folder(), root, fs::copy_options::recursive);
+  const auto data_before = snapshot(root);
+  for (const fs::path& inside : {root / "train" / "kiln-output", root / "val", root / "out",
+                                 root / "train" / "0 T-shirt-top" / "x"}) {
+    const std::string m =
+        run_error(with(job(inside.string(), 1), {"--data", root.string()}));
+    CHECK_MESSAGE(m.find("lies inside the data") != std::string::npos, m);
+  }
+  // The default --output, relative to a working directory inside train/: refused too.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    if (::chdir((root / "train").c_str()) != 0) ::_exit(3);
+    const int rc = train::main({"--data", root.string(), "--epochs", "1", "--device", "cpu",
+                                "--quiet", "--arch", "resnet_small", "--width", "8",
+                                "--image-size", "16"});
+    ::_exit(rc == 1 ? 0 : 4);
+  }
+  int status = -1;
+  ::waitpid(child, &status, 0);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(snapshot(root) == data_before);
+  CHECK_FALSE(fs::exists(root / "train" / "kiln-output"));
+
+  // A wrong --data creates no --output; nor does a set-up that fails after the data was read.
+  const fs::path out = tmp().dir / "never-made";
+  fs::remove_all(out);
+  CHECK(run_error(with(job(out.string(), 1), {"--data", (tmp().dir / "nope").string()}))
+            .find("--data") != std::string::npos);
+  CHECK_FALSE(fs::exists(out));
+  const fs::path missing = tmp().dir / "missing-weights.safetensors";
+  CHECK(run_error(with(job(out.string(), 1), {"--pretrained", missing.string()}))
+            .find("--pretrained") != std::string::npos);
+  CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("kiln-train: weights that cannot be right are refused at load, naming file and tensor") {
+  const fs::path dir = tmp().dir / "bad-weights";
+  fs::create_directories(dir);
+  auto model = job_model();
+  const fs::path good = dir / "good.safetensors";
+  save_weights(good.string(), *model);
+  {
+    NoGradGuard ng;
+    for (auto& [name, t] : model->named_parameters())
+      if (name == "layer2.0.conv1.weight") t.narrow(0, 1, 1).fill_(INFINITY);
+  }
+  const fs::path inf = dir / "inf.safetensors";
+  save_weights(inf.string(), *model);
+  const fs::path out = dir / "out";
+  for (const char* flag : {"--weights", "--pretrained"}) {
+    for (bool eval : {true, false}) {
+      auto args = with(job(out.string(), 1), {flag, inf.string()});
+      if (eval) args.push_back("--evaluate");
+      const std::string m = run_error(args);
+      INFO(flag, " ", eval, ": ", m);
+      CHECK(m.find(std::string(flag) + " '" + inf.string() + "'") != std::string::npos);
+      CHECK(m.find("'layer2.0.conv1.weight' holds NaN or infinite values") != std::string::npos);
+      CHECK(m.find(" [") == std::string::npos);
+      CHECK_FALSE(fs::exists(out));
+    }
+  }
+  // -e with --pretrained of another class count would evaluate a random classifier.
+  auto five = models::resnet_small(5, 8, 1, 3);
+  const fs::path other = dir / "five-classes.safetensors";
+  save_weights(other.string(), *five);
+  std::string m = run_error(
+      with(job(out.string(), 1), {"--evaluate", "--pretrained", other.string()}));
+  CHECK(m.find("classifies 5 classes, the data has 10") != std::string::npos);
+  // Fine-tuning from it is what --pretrained is for (the classifier is re-initialised).
+  m = run_error(with(job(out.string(), 1), {"--pretrained", other.string()}));
+  CHECK_MESSAGE(m.empty(), m);
+  CHECK(fs::exists(out / "model.safetensors"));
+  // The good file evaluates.
+  CHECK(run_error(with(job(out.string(), 1), {"--evaluate", "--weights", good.string()})).empty());
+}
+
+TEST_CASE("kiln-train: --resume names what does not fit: optimizer, --freeze-backbone, arch") {
+  const fs::path a = finished_run("fit-a");
+  const std::string ckpt = (a / "checkpoint.safetensors").string();
+  const auto before = snapshot(a);
+  std::string m = run_error(with(job(a.string(), 2), {"--resume", ckpt, "--freeze-backbone"}));
+  CHECK(m.find("trained without --freeze-backbone") != std::string::npos);
+  CHECK(m.find("state.") == std::string::npos);  // no internal key
+  m = run_error(with(job(a.string(), 2), {"--resume", ckpt, "--optimizer", "adamw"}));
+  CHECK(m.find("--optimizer sgd") != std::string::npos);
+  CHECK(snapshot(a) == before);
+  // A checkpoint written before the run's optimizer was recorded: the mismatch is still named.
+  auto model = job_model();
+  optim::ParamGroup proto;
+  proto.momentum = 0.9;
+  optim::FusedSGD opt(optim::split_weight_decay(*model, proto));
+  TrainingState st;
+  st.model = model.get();
+  st.optimizer = &opt;
+  st.epoch = 1;
+  st.step = 9;
+  st.metadata["arch"] = "resnet_small";
+  const fs::path old = tmp().dir / "fit-old" / "checkpoint.safetensors";
+  fs::create_directories(old.parent_path());
+  save_checkpoint(old.string(), st);
+  m = run_error(with(job(old.parent_path().string(), 2),
+                     {"--resume", old.string(), "--freeze-backbone"}));
+  CHECK(m.find("does not fit this run's") != std::string::npos);
+  CHECK(m.find("--freeze-backbone") != std::string::npos);
 }

@@ -170,7 +170,10 @@ TEST_CASE("out of memory inside an op names the op; outside any op it names none
     msg = e.what();
   }
   MESSAGE(msg);
-  CHECK(msg.find("in op matmul") != std::string::npos);
+  CHECK(msg.find("in op matmul (input f32[1048576, 1] cuda:0)") != std::string::npos);
+  CHECK(msg.find("4.0 TiB") == std::string::npos);  // sizes are named in GiB
+  CHECK(msg.find("4096.0 GiB") != std::string::npos);
+  CHECK(msg.find(" cached, ") != std::string::npos);
   CHECK(cuda::current_op() == nullptr);  // the op's scope was left while unwinding
   try {
     empty({int64_t(1) << 48}, gpu_opts(DType::f32));

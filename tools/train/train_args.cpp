@@ -5,6 +5,7 @@
 #include "core/version.h"
 #include "data/fashion_mnist.h"
 #include "tools/cli/cli.h"
+#include "tools/train/output_dir.h"
 #include "tools/train/trainer.h"
 
 namespace kiln::train {
@@ -179,9 +180,15 @@ void validate(const Config& a) {
   if (a.evaluate && a.weights.empty() && a.pretrained.empty() && a.resume.empty())
     cli::usage_error("--evaluate needs --pretrained, --weights or --resume (otherwise a randomly "
                      "initialised model would be evaluated)");
-  if (!a.resume.empty() && a.overwrite)
-    cli::usage_error("--resume and --overwrite contradict each other: --resume continues the run "
-                     "in --output, --overwrite replaces it");
+  if (!a.resume.empty() && a.overwrite && resumes_own_run(a.output, a.resume))
+    cli::usage_error("--resume and --overwrite contradict each other: --resume '", a.resume,
+                     "' continues the run in --output, --overwrite would replace it");
+  if (!a.resume.empty() && !a.pretrained.empty())
+    cli::usage_error("--resume and --pretrained both name starting weights (--resume continues a "
+                     "run with its own); give one");
+  if (!a.resume.empty() && !a.weights.empty())
+    cli::usage_error("--resume and --weights both name starting weights (--resume continues a "
+                     "run with its own); give one");
 }
 
 std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {

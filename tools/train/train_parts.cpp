@@ -92,16 +92,23 @@ std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d)
   return kiln::build_model(model_info(c, d), c.seed);
 }
 
-std::string load_pretrained(const std::string& path, models::ResNet& model) {
+std::string load_pretrained(const std::string& path, models::ResNet& model,
+                            Classifier classifier) {
   SafetensorsData file;
   try {
     file = load_safetensors(path);
   } catch (const Error& e) {
     cli::usage_error("--pretrained: ", cli::without_location(e.what()));
   }
+  check_finite(file, "--pretrained");
   auto arch = file.metadata.find("arch");
   const Tensor* fc = file.contains("fc.weight") ? &file.at("fc.weight") : nullptr;
   const int64_t classes = model.options().num_classes;
+  if (classifier == Classifier::MustMatch && fc != nullptr && fc->dim() == 2 &&
+      fc->size(0) != classes)
+    cli::usage_error("--pretrained '", path, "' classifies ", fc->size(0), " classes, the data has ",
+                     classes, ": --evaluate needs a model trained on these classes (otherwise a "
+                     "re-initialised classifier would be evaluated)");
   if (fc == nullptr || fc->dim() != 2 || fc->size(0) == classes) {
     try {
       load_state(file.tensors, model, KeyMatch::Strict, path);
@@ -198,13 +205,6 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
   return {loss, top1, top5, seen, double(stream->bad_files())};
 }
 
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
 std::string fmt_metric(double v, double factor, int decimals) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
@@ -216,26 +216,6 @@ std::string fmt_metric(double v, double factor, int decimals) {
 std::string first_non_finite(const nn::Module& model) {
   NoGradGuard ng;
   return kiln::first_non_finite(state_dict(model));
-}
-
-void trim_jsonl(const std::string& path, const std::string& key, double max) {
-  std::ifstream f(path);
-  if (!f) return;
-  std::string kept;
-  bool dropped = false;
-  for (std::string line; std::getline(f, line);) {
-    bool keep = false;
-    try {
-      const json::Value v = json::parse(line);
-      keep = v.is_object() && v.contains(key) && v.at(key).number() <= max;
-    } catch (const Error&) {
-    }
-    if (keep)
-      kept += line + "\n";
-    else
-      dropped = true;
-  }
-  if (dropped) write_file_atomic(path, kept);
 }
 
 }  // namespace kiln::train

@@ -27,10 +27,17 @@ ModelInfo model_info(const Config& c, const TrainData& data);
 // The network of model_info(c, data), initial weights from c.seed.
 std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& data);
 
-// --pretrained PATH: loads every tensor strictly, except that a classifier (fc.weight, fc.bias)
-// of a different class count is left at its fresh initialisation. Returns the one line that
-// says which happened; any other mismatch throws kiln::Error naming the file and the key.
-std::string load_pretrained(const std::string& path, models::ResNet& model);
+// What --pretrained does with a classifier (fc.weight, fc.bias) of another class count.
+enum class Classifier {
+  ResetWhenDifferent,  // training: left at its fresh initialisation (fine-tuning)
+  MustMatch            // --evaluate: an error, since a random classifier would be evaluated
+};
+
+// --pretrained PATH: loads every tensor strictly, the classifier as `classifier` says. Returns
+// the one line that says what happened. Throws cli::UsageError naming the file: a mismatch (the
+// key), a NaN or infinity (the tensor), a classifier of another size under MustMatch.
+std::string load_pretrained(const std::string& path, models::ResNet& model,
+                            Classifier classifier = Classifier::ResetWhenDifferent);
 
 // --freeze-backbone: every parameter but the classifier's stops requiring grad. Returns the
 // parameters still trained (fc.weight, fc.bias).
@@ -47,14 +54,10 @@ std::vector<double> evaluate(nn::Module& model, const TrainData& data,
 
 // "m:ss", or "h:mm:ss" from one hour on; "?" for negative or non-finite values.
 std::string fmt_time(double seconds);
-std::string json_number(double v);  // %.6g; non-finite values as null
 std::string fmt_metric(double v, double factor, int decimals);  // v·factor, or "nan"/"inf"
 
 // The name of the first parameter or buffer of `model` holding a NaN or inf, or "" when all
 // values are finite (one device-to-host copy per floating tensor, then a scan of its bits).
 std::string first_non_finite(const nn::Module& model);
 
-// Keeps the lines of a JSON-lines log whose number `key` is <= max, and drops unreadable ones (a
-// line torn by a crash); rewritten atomically, and only when something goes. No file: nothing.
-void trim_jsonl(const std::string& path, const std::string& key, double max);
 }  // namespace kiln::train

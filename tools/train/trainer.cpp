@@ -1,3 +1,7 @@
+// kiln-train's job, top to bottom: Trainer's constructor sets everything up (device, data, the
+// --output folder, model and starting weights, optimizer, resume, schedule) without writing a
+// byte of the run; run() then either evaluates, or begins the run in its folder and loops over
+// epochs: train_epoch, save_checkpoint, evaluate, the epoch's log line; the model file last.
 #include "tools/train/trainer.h"
 
 #include <stdlib.h>
@@ -6,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
@@ -13,9 +18,11 @@
 #include <optional>
 
 #include "core/device_query.h"
+#include "core/json.h"
 #include "core/serialization.h"
 #include "core/version.h"
 #include "cuda/profiler.h"
+#include "data/fashion_mnist.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
 #include "optim/model_file.h"
@@ -25,6 +32,7 @@
 #include "tools/train/dist_env.h"
 #include "tools/train/launcher.h"
 #include "tools/train/output_dir.h"
+#include "tools/train/run_log.h"
 #include "tools/train/train_data.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
@@ -77,482 +85,662 @@ class BackgroundWriter {
   std::future<void> pending_;
 };
 
-}  // namespace
+// Rank 0 reads each step's device accumulators kMetricLag steps late, each in-flight step
+// through its own AsyncScalars, so the host can run that many steps ahead of the device (one
+// step ahead is not enough when a step is shorter than the host's work for it: small batches).
+constexpr size_t kMetricLag = 4;
 
-Summary run(const Config& c) {
-  validate(c);
-  const DistEnv env = DistEnv::from_env();
-  const Device dev = pick_device(c.device, env);
-  const bool lead = env.rank == 0;
-  const bool talk = lead && !c.quiet;
-  manual_seed(c.seed);
+// A step whose metrics are still on their way to the host.
+struct PendingStep {
+  int64_t step, index, batch, seen;  // global step, step in the epoch (from 1), its batch, seen
+  double lr, data_s, period_s;
+  amp::AsyncScalars* metrics;
+};
 
-  const bool mixed = c.amp == "on" || (c.amp == "auto" && dev.is_cuda());
-  const bool use_graph = c.graph == "on" || (c.graph == "auto" && dev.is_cuda());
-  if (mixed && !dev.is_cuda())
-    cli::usage_error("--amp on needs a CUDA device; the device is ", dev);
-  if (use_graph && !dev.is_cuda())
-    cli::usage_error("--graph on needs a CUDA device; the device is ", dev);
-  if (c.profile && !dev.is_cuda()) cli::usage_error("--profile times GPU ops; the device is ", dev);
-  if (use_graph && c.profile)
-    cli::usage_error("--profile times ops one by one; use it with --graph off");
-  if (c.nesterov && (c.optimizer != "sgd" || c.momentum <= 0.0))
-    cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
-  const amp::Precision precision = mixed ? amp::Precision::Mixed16 : amp::Precision::FP32;
+// One epoch's running totals on the host.
+struct EpochProgress {
+  int64_t epoch = 0, seen = 0;
+  double prev_loss = 0, prev_correct = 0;  // cumulative sums at the last logged step
+  int64_t window_images = 0;               // since the last progress line
+  double window_s = 0, window_data_s = 0;
+};
 
-  // Claim --output before anything expensive: a locked, unwritable or already used folder fails
-  // now, not after an epoch of training.
-  if (!c.dummy) detect_data(c.data);  // a wrong --data fails first, before a folder is created
-  std::unique_ptr<OutputDir> out_dir;
-  if (lead && !c.evaluate) {
-    // --start-epoch restarts a run in its folder, as --resume does.
-    const OutputReuse reuse = !c.resume.empty() || c.start_epoch >= 0 ? OutputReuse::Resume
-                              : c.overwrite                          ? OutputReuse::Overwrite
-                                                                     : OutputReuse::Refuse;
-    out_dir = std::make_unique<OutputDir>(c.output, reuse);
-    if (talk && out_dir->stale_temp_files_removed() > 0)
-      std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
-                  long(out_dir->stale_temp_files_removed()), c.output.c_str());
+// What an epoch's training leaves for its log line.
+struct EpochResult {
+  double train_loss = 0, train_top1 = 0, images_per_s = 0, seconds = 0;
+  int64_t bad_files = 0;
+  double host_decode_share = NAN;
+};
+
+// The folders kiln-train reads, which --output must stay out of.
+std::vector<std::string> data_roots(const Config& c) {
+  if (c.dummy) return {};
+  if (c.data == "fashion-mnist") return {data::kFashionMnistDir};
+  return {c.data};
+}
+
+class Trainer {
+ public:
+  explicit Trainer(const Config& config);
+  Summary run();
+
+ private:
+  // Set-up, in the order the constructor runs it.
+  void choose_device();
+  void open_data();
+  void build_model();
+  void build_optimizer();
+  void resume_or_start();
+  void build_schedule();
+  void print_plan() const;
+  // The run.
+  Summary evaluate_only();
+  void prepare_steps();
+  EpochResult train_epoch(int64_t epoch);
+  void log_step(const PendingStep& p, EpochProgress& ep);
+  void check_loss(double loss, int64_t epoch, int64_t steps, int64_t skipped) const;
+  void save_checkpoint(int64_t epoch);
+  void evaluate();
+  void log_epoch(int64_t epoch, const EpochResult& r, double save_s, double eval_s);
+  void save_model();
+  std::string what_is_kept(int64_t epoch) const;
+  int64_t skipped_steps() const;
+
+  const Config c_;
+  DistEnv env_;
+  Device dev_;
+  bool lead_ = true, talk_ = true, mixed_ = false, use_graph_ = false;
+  amp::Precision precision_ = amp::Precision::FP32;
+
+  std::unique_ptr<TrainData> data_;
+  std::unique_ptr<OutputDir> out_;  // rank 0 of a training run only
+  ModelInfo info_;
+  std::shared_ptr<models::ResNet> model_;
+  std::string pretrained_note_;
+  std::vector<Tensor> trained_;  // --freeze-backbone: the classifier's parameters
+  std::unique_ptr<DataParallel> dp_;
+  int64_t sync_bn_layers_ = 0;
+  std::unique_ptr<optim::FusedOptimizer> opt_;
+  std::unique_ptr<optim::DynamicLossScaler> scaler_;
+  std::map<std::string, std::string> meta_;  // the checkpoint's and model file's metadata
+
+  int64_t steps_per_epoch_ = 0, total_steps_ = 0, warmup_steps_ = 0;
+  int64_t start_epoch_ = 0, step_ = 0;
+  std::string resumed_from_;  // the folder of --resume's checkpoint
+  std::unique_ptr<optim::LRSchedule> sched_;
+  Summary sum_;
+
+  // Training state, made by prepare_steps() once the run has begun.
+  std::unique_ptr<RunLog> log_;
+  Tensor x_static_, y_static_;  // every step copies its batch here (a graph reads these)
+  std::unique_ptr<optim::ClassifierStep> plain_step_;
+  std::unique_ptr<StepRunner> dp_step_;
+  std::function<void()> step_fn_;
+#ifdef KILN_WITH_CUDA
+  std::unique_ptr<cuda::GraphStep> graph_;
+#endif
+  std::vector<std::unique_ptr<amp::AsyncScalars>> step_metrics_;
+  amp::AsyncScalars epoch_metrics_;
+  BackgroundWriter checkpoints_;
+  std::unique_ptr<BatchStream> next_stream_;
+  Clock::time_point start_ = Clock::now();
+  int64_t first_step_ = 0;
+};
+
+// ---- set-up ----
+
+Trainer::Trainer(const Config& config) : c_(config) {
+  validate(c_);
+  env_ = DistEnv::from_env();
+  lead_ = env_.rank == 0;
+  talk_ = lead_ && !c_.quiet;
+  choose_device();
+  manual_seed(c_.seed);
+  // --output is checked before anything is read or created (plan_output only reads), claimed
+  // once the data has been read (so nothing is made in a folder the data check would refuse),
+  // and written only from run()'s begin(): a failing set-up leaves it as it was.
+  OutputPlan plan;
+  const bool writes = lead_ && !c_.evaluate;
+  if (writes) {
+    if (!c_.dummy) detect_data(c_.data);  // a wrong --data is named before --output
+    const OutputReuse reuse = resumes_own_run(c_.output, c_.resume) ? OutputReuse::Resume
+                              : c_.overwrite                        ? OutputReuse::Overwrite
+                                                                    : OutputReuse::New;
+    plan = plan_output(c_.output, reuse, data_roots(c_));
   }
+  open_data();
+  if (writes) {
+    out_ = std::make_unique<OutputDir>(plan);
+    if (talk_ && out_->stale_temp_files_removed() > 0)
+      std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
+                  long(out_->stale_temp_files_removed()), c_.output.c_str());
+  }
+  build_model();
+  build_optimizer();
+  resume_or_start();
+  build_schedule();
+  print_plan();
+}
 
-  DataOptions dopt;
-  dopt.data = c.data;
-  dopt.dummy = c.dummy;
-  dopt.dummy_images = c.dummy_images;
-  dopt.batch_size = c.batch_size;
-  dopt.image_size = c.image_size;
-  dopt.augment = c.augment;
-  dopt.seed = c.seed;
-  dopt.workers = int(c.workers);
-  dopt.decoder = c.decoder;
-  dopt.host_decode_fraction = c.host_decode_fraction;
-  dopt.rank = env.rank;
-  dopt.world_size = env.world_size;
-  dopt.device = dev;
-  dopt.precision = precision;
-  TrainData data(dopt);
+void Trainer::choose_device() {
+  dev_ = pick_device(c_.device, env_);
+  mixed_ = c_.amp == "on" || (c_.amp == "auto" && dev_.is_cuda());
+  use_graph_ = c_.graph == "on" || (c_.graph == "auto" && dev_.is_cuda());
+  if (mixed_ && !dev_.is_cuda())
+    cli::usage_error("--amp on needs a CUDA device; the device is ", dev_);
+  if (use_graph_ && !dev_.is_cuda())
+    cli::usage_error("--graph on needs a CUDA device; the device is ", dev_);
+  if (c_.profile && !dev_.is_cuda())
+    cli::usage_error("--profile times GPU ops; the device is ", dev_);
+  if (use_graph_ && c_.profile)
+    cli::usage_error("--profile times ops one by one; use it with --graph off");
+  if (c_.nesterov && (c_.optimizer != "sgd" || c_.momentum <= 0.0))
+    cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
+  precision_ = mixed_ ? amp::Precision::Mixed16 : amp::Precision::FP32;
+}
 
-  const ModelInfo info = model_info(c, data);
-  auto model = build_model(c, data);
-  if (!c.weights.empty()) {
+void Trainer::open_data() {
+  DataOptions o;
+  o.data = c_.data;
+  o.dummy = c_.dummy;
+  o.dummy_images = c_.dummy_images;
+  o.batch_size = c_.batch_size;
+  o.image_size = c_.image_size;
+  o.augment = c_.augment;
+  o.seed = c_.seed;
+  o.workers = int(c_.workers);
+  o.decoder = c_.decoder;
+  o.host_decode_fraction = c_.host_decode_fraction;
+  o.rank = env_.rank;
+  o.world_size = env_.world_size;
+  o.device = dev_;
+  o.precision = precision_;
+  data_ = std::make_unique<TrainData>(o);
+  steps_per_epoch_ = data_->steps_per_epoch();
+}
+
+void Trainer::build_model() {
+  info_ = model_info(c_, *data_);
+  model_ = train::build_model(c_, *data_);
+  if (!c_.weights.empty()) {
     SafetensorsData w;
     try {
-      w = load_safetensors(c.weights);
+      w = load_safetensors(c_.weights);
     } catch (const Error& e) {
       cli::usage_error("--weights: ", cli::without_location(e.what()));
     }
     if (w.contains("fc.weight") && w.at("fc.weight").dim() == 2 &&
-        w.at("fc.weight").size(0) != info.num_classes)
-      cli::usage_error("--weights '", c.weights, "' has ", w.at("fc.weight").size(0),
-                       " classes, the data ", info.num_classes,
-                       " (--pretrained loads all but the classifier, for fine-tuning)");
+        w.at("fc.weight").size(0) != info_.num_classes)
+      cli::usage_error("--weights '", c_.weights, "' has ", w.at("fc.weight").size(0),
+                       " classes, the data ", info_.num_classes,
+                       c_.evaluate ? "" : " (--pretrained loads all but the classifier, for "
+                                          "fine-tuning)");
+    check_finite(w, "--weights");
     try {
-      load_state(w.tensors, *model, KeyMatch::Strict, c.weights);
+      load_state(w.tensors, *model_, KeyMatch::Strict, c_.weights);
     } catch (const Error& e) {
       cli::usage_error("--weights: ", cli::without_location(e.what()));
     }
   }
-  const std::string pretrained_note =
-      c.pretrained.empty() ? "" : load_pretrained(c.pretrained, *model);
-  amp::prepare_model(*model, dev, precision);
-  std::vector<Tensor> trained;  // --freeze-backbone: the classifier's parameters only
-  if (c.freeze_backbone) trained = freeze_backbone(*model);
-  std::unique_ptr<DataParallel> dp;
-  if (env.distributed()) dp = std::make_unique<DataParallel>(env, *model);  // broadcasts rank 0's
-  const int64_t sync_bn_layers = c.sync_bn && dp ? dp->enable_sync_batch_norm(*model) : 0;
+  if (!c_.pretrained.empty())
+    pretrained_note_ = load_pretrained(
+        c_.pretrained, *model_,
+        c_.evaluate ? Classifier::MustMatch : Classifier::ResetWhenDifferent);
+  amp::prepare_model(*model_, dev_, precision_);
+  if (c_.freeze_backbone) trained_ = freeze_backbone(*model_);
+  if (env_.distributed())
+    dp_ = std::make_unique<DataParallel>(env_, *model_);  // every rank gets rank 0's weights
+  if (c_.sync_bn && dp_) sync_bn_layers_ = dp_->enable_sync_batch_norm(*model_);
+}
 
+void Trainer::build_optimizer() {
   optim::ParamGroup proto;
-  proto.lr = c.lr;
-  proto.momentum = c.momentum;
-  proto.weight_decay = c.wd;
-  proto.nesterov = c.nesterov;
-  auto groups = optim::split_weight_decay(*model, proto);
-  if (c.freeze_backbone) {
+  proto.lr = c_.lr;
+  proto.momentum = c_.momentum;
+  proto.weight_decay = c_.wd;
+  proto.nesterov = c_.nesterov;
+  auto groups = optim::split_weight_decay(*model_, proto);
+  if (c_.freeze_backbone) {
     groups = {proto, proto};
     groups[1].weight_decay = 0.0;
-    for (const Tensor& p : trained) groups[p.dim() <= 1 ? 1 : 0].params.push_back(p);
+    for (const Tensor& p : trained_) groups[p.dim() <= 1 ? 1 : 0].params.push_back(p);
   }
-  std::unique_ptr<optim::FusedOptimizer> opt;
-  if (c.optimizer == "sgd")
-    opt = std::make_unique<optim::FusedSGD>(groups);
+  if (c_.optimizer == "sgd")
+    opt_ = std::make_unique<optim::FusedSGD>(groups);
   else
-    opt = std::make_unique<optim::FusedAdamW>(groups);
+    opt_ = std::make_unique<optim::FusedAdamW>(groups);
   optim::LossScalerOptions so;
-  so.enabled = mixed;
-  optim::DynamicLossScaler scaler(dev, so);
+  so.enabled = mixed_;
+  scaler_ = std::make_unique<optim::DynamicLossScaler>(dev_, so);
 
-  std::map<std::string, std::string> meta = model_metadata(info);
-  meta["data"] = c.dummy ? "dummy" : c.data;
-  meta["batch_size"] = std::to_string(c.batch_size * env.world_size);
-  const int64_t steps_per_epoch = data.steps_per_epoch();
-  int64_t start_epoch = 0, step = 0;
-  if (!c.resume.empty()) {
+  meta_ = model_metadata(info_);
+  meta_["data"] = c_.dummy ? "dummy" : c_.data;
+  meta_["batch_size"] = std::to_string(c_.batch_size * env_.world_size);
+  meta_["optimizer"] = c_.optimizer;  // a resume must use the same (resume_or_start)
+  meta_["freeze_backbone"] = c_.freeze_backbone ? "1" : "0";
+}
+
+// Why the checkpoint at `path` cannot continue this run, from its metadata ("" when they agree).
+std::string checkpoint_mismatch(const std::string& path, const Config& c) {
+  SafetensorsData file;
+  try {
+    file = load_safetensors(path);
+  } catch (const Error&) {
+    return "";
+  }
+  auto said = [&](const char* key) {
+    auto it = file.metadata.find(key);
+    return it == file.metadata.end() ? std::string() : it->second;
+  };
+  if (!said("arch").empty() && said("arch") != c.arch)
+    return "it holds a " + said("arch") + ", but --arch is " + c.arch;
+  if (!said("optimizer").empty() && said("optimizer") != c.optimizer)
+    return "its run trained with --optimizer " + said("optimizer") + ", this one with " +
+           c.optimizer + "; resume with the same optimizer";
+  const std::string frozen = said("freeze_backbone");
+  if (!frozen.empty() && (frozen == "1") != c.freeze_backbone)
+    return std::string("its run trained ") + (frozen == "1" ? "with" : "without") +
+           " --freeze-backbone; resume it " + (frozen == "1" ? "with" : "without") + " the flag";
+  return "";
+}
+
+void Trainer::resume_or_start() {
+  if (!c_.resume.empty()) {
     TrainingState st;
-    st.model = model.get();
-    st.optimizer = opt.get();
-    load_checkpoint(c.resume, st);
-    auto arch = st.metadata.find("arch");
-    if (arch != st.metadata.end() && arch->second != c.arch)
-      cli::usage_error("--resume '", c.resume, "' holds a ", arch->second, ", but --arch is ",
-                       c.arch);
-    scaler.load_state_dict(st.scaler);
-    start_epoch = st.epoch;
+    st.model = model_.get();
+    st.optimizer = opt_.get();
+    try {
+      load_checkpoint(c_.resume, st);
+    } catch (const Error& e) {
+      const std::string why = checkpoint_mismatch(c_.resume, c_);
+      if (!why.empty()) cli::usage_error("--resume '", c_.resume, "': ", why);
+      const std::string what = cli::without_location(e.what());
+      if (what.find("optimizer state") != std::string::npos)
+        cli::usage_error("--resume '", c_.resume, "': its optimizer state does not fit this run's "
+                         "(was it trained with another --optimizer or --freeze-backbone?): ",
+                         what);
+      cli::usage_error("--resume: ", what);
+    }
+    const std::string why = checkpoint_mismatch(c_.resume, c_);
+    if (!why.empty()) cli::usage_error("--resume '", c_.resume, "': ", why);
+    const std::string bad = first_non_finite(*model_);
+    if (!bad.empty())
+      cli::usage_error("--resume '", c_.resume, "': tensor '", bad,
+                       "' holds NaN or infinite values");
+    scaler_->load_state_dict(st.scaler);
+    start_epoch_ = st.epoch;
     // Checkpoints are written at epoch ends, so the schedule continues at the epoch's first step
     // for this run's batch size (another batch size saved another step count).
-    step = start_epoch * steps_per_epoch;
-    if (talk && st.step != step) {
+    step_ = start_epoch_ * steps_per_epoch_;
+    resumed_from_ = std::filesystem::path(c_.resume).parent_path().string();
+    if (resumed_from_.empty()) resumed_from_ = ".";
+    if (talk_ && st.step != step_) {
       auto bs = st.metadata.find("batch_size");
       std::printf(
           "kiln-train: '%s' was saved after %ld steps%s; at %ld steps per epoch the "
           "schedule continues at step %ld\n",
-          c.resume.c_str(), long(st.step),
-          bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(), long(steps_per_epoch),
-          long(step));
+          c_.resume.c_str(), long(st.step),
+          bs == st.metadata.end() ? "" : (" of batch " + bs->second).c_str(),
+          long(steps_per_epoch_), long(step_));
     }
   }
-  if (c.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
-    start_epoch = c.start_epoch;
-    step = start_epoch * steps_per_epoch;
+  if (c_.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
+    start_epoch_ = c_.start_epoch;
+    step_ = start_epoch_ * steps_per_epoch_;
   }
+  sum_.epochs_done = start_epoch_;
+}
 
-  const int64_t total = steps_per_epoch * c.epochs;
-  const int64_t world = env.world_size;
-  optim::Warmup warm{int64_t(std::llround(c.warmup_epochs * double(steps_per_epoch))), 0.0};
-  std::unique_ptr<optim::LRSchedule> sched;
-  if (c.schedule == "cosine")
-    sched = std::make_unique<optim::CosineLR>(std::max(total, warm.steps + 1), 0.0, warm);
-  else if (c.schedule == "step")
-    sched = std::make_unique<optim::MultiStepLR>(std::vector<int64_t>{total / 2, total * 3 / 4},
-                                                 0.1, warm);
+void Trainer::build_schedule() {
+  total_steps_ = steps_per_epoch_ * c_.epochs;
+  warmup_steps_ = int64_t(std::llround(c_.warmup_epochs * double(steps_per_epoch_)));
+  const optim::Warmup warm{warmup_steps_, 0.0};
+  if (c_.schedule == "cosine")
+    sched_ = std::make_unique<optim::CosineLR>(std::max(total_steps_, warm.steps + 1), 0.0, warm);
+  else if (c_.schedule == "step")
+    sched_ = std::make_unique<optim::MultiStepLR>(
+        std::vector<int64_t>{total_steps_ / 2, total_steps_ * 3 / 4}, 0.1, warm);
   else
-    sched = std::make_unique<optim::StepLR>(total + 1, 1.0, warm);
+    sched_ = std::make_unique<optim::StepLR>(total_steps_ + 1, 1.0, warm);
+}
 
-  if (talk) {
-    std::printf(
-        "kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
-        "parameters, %s%s\n",
-        c.arch.c_str(), data.description().c_str(), long(data.train_size()), long(data.test_size()),
-        long(data.num_classes()), dev.str().c_str(),
-        world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
-        long(model->num_parameters()), mixed ? "mixed precision (fp16/fp32 masters)" : "fp32",
-        use_graph ? ", whole-step CUDA graph" : "");
-    std::printf(
-        "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
-        "schedule%s%s\n",
-        long(c.epochs), long(c.batch_size), world > 1 ? " per process" : "", c.optimizer.c_str(),
-        c.lr, c.momentum, c.wd, long(warm.steps), c.schedule.c_str(),
-        c.augment ? ", crop+flip augmentation" : "",
-        start_epoch > 0 ? (", starting after epoch " + std::to_string(start_epoch)).c_str() : "");
-    if (!pretrained_note.empty()) std::printf("  %s\n", pretrained_note.c_str());
-    if (c.freeze_backbone)
-      std::printf("  --freeze-backbone: training fc only (%ld of %ld parameters)\n",
-                  long(trained[0].numel() + (trained.size() > 1 ? trained[1].numel() : 0)),
-                  long(model->num_parameters()));
-    if (c.sync_bn && dp)
-      std::printf("  sync BN: %ld BatchNorm2d layers normalise with the statistics of all %ld "
-                  "processes' batches\n",
-                  long(sync_bn_layers), long(world));
-    else if (c.sync_bn)
-      std::printf("  --sync-bn: one process, so its batch is the global batch: nothing to "
-                  "synchronise\n");
+void Trainer::print_plan() const {
+  if (lead_ && !talk_ && !pretrained_note_.empty()) {  // fine-tuning is said even with --quiet
+    std::printf("%s\n", pretrained_note_.c_str());
     std::fflush(stdout);
   }
-  if (lead && !talk && !pretrained_note.empty()) {  // fine-tuning is said even with --quiet
-    std::printf("%s\n", pretrained_note.c_str());
-    std::fflush(stdout);
+  if (!talk_) return;
+  const int64_t world = env_.world_size;
+  std::printf(
+      "kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
+      "parameters, %s%s\n",
+      c_.arch.c_str(), data_->description().c_str(), long(data_->train_size()),
+      long(data_->test_size()), long(data_->num_classes()), dev_.str().c_str(),
+      world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
+      long(model_->num_parameters()), mixed_ ? "mixed precision (fp16/fp32 masters)" : "fp32",
+      use_graph_ ? ", whole-step CUDA graph" : "");
+  std::printf(
+      "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
+      "schedule%s%s\n",
+      long(c_.epochs), long(c_.batch_size), world > 1 ? " per process" : "",
+      c_.optimizer.c_str(), c_.lr, c_.momentum, c_.wd, long(warmup_steps_), c_.schedule.c_str(),
+      c_.augment ? ", crop+flip augmentation" : "",
+      start_epoch_ > 0 ? (", starting after epoch " + std::to_string(start_epoch_)).c_str() : "");
+  if (!pretrained_note_.empty()) std::printf("  %s\n", pretrained_note_.c_str());
+  if (c_.freeze_backbone) {
+    int64_t n = 0;
+    for (const Tensor& p : trained_) n += p.numel();
+    std::printf("  --freeze-backbone: training fc only (%ld of %ld parameters)\n", long(n),
+                long(model_->num_parameters()));
   }
+  if (c_.sync_bn && dp_)
+    std::printf("  sync BN: %ld BatchNorm2d layers normalise with the statistics of all %ld "
+                "processes' batches\n",
+                long(sync_bn_layers_), long(world));
+  else if (c_.sync_bn)
+    std::printf("  --sync-bn: one process, so its batch is the global batch: nothing to "
+                "synchronise\n");
+  std::fflush(stdout);
+}
 
-  Summary sum;
-  sum.epochs_done = start_epoch;
-  const int64_t test_steps = data.test_steps();
-  auto run_eval = [&] {
-    if (dp) dp->sync_buffers(*model);
-    const auto eval_start = Clock::now();
-    std::vector<double> ev = evaluate(*model, data, [&](int64_t i) {
-      if (talk && (i % c.print_freq == 0 || i == test_steps)) {
-        const double eta = seconds_since(eval_start) / double(i) * double(test_steps - i);
-        std::printf("  evaluating: step %4ld/%ld  ETA %s\n", long(i), long(test_steps),
-                    fmt_time(eta).c_str());
-        std::fflush(stdout);
-      }
-    });
-    if (dp) dp->sum_host(ev);
-    KILN_CHECK(ev[3] > 0, "--data '", c.data, "': the evaluation saw no test images");
-    sum.test_loss = ev[0] / ev[3];
-    sum.test_top1 = ev[1] / ev[3];
-    sum.test_top5 = ev[2] / ev[3];
-    sum.test_bad_files = int64_t(ev[4]);
-  };
-  if (c.evaluate) {
-    run_eval();
-    if (lead)  // with --quiet too
-      std::printf("evaluation: test loss %s top-1 %s%% top-5 %s%%\n",
-                  fmt_metric(sum.test_loss, 1, 4).c_str(),
-                  fmt_metric(sum.test_top1, 100, 2).c_str(),
-                  fmt_metric(sum.test_top5, 100, 2).c_str());
-    return sum;
+// ---- the run ----
+
+Summary Trainer::run() {
+  if (c_.evaluate) return evaluate_only();
+  if (out_) {
+    out_->begin();  // the commit point: --overwrite's old run goes now, not before
+    log_ = std::make_unique<RunLog>(*out_, start_epoch_, step_,
+                                    out_->reuse() == OutputReuse::Resume ? "" : resumed_from_);
   }
-
-  // steps.jsonl: a resumed (or --start-epoch) run first drops the lines past its starting point
-  // (a run stopped mid-epoch wrote them), a new run starts the file afresh.
-  std::FILE* steps_log = nullptr;
-  if (lead) {
-    const std::string path = out_dir->file("steps.jsonl");
-    const bool continues = !c.resume.empty() || c.start_epoch >= 0;
-    if (continues) {
-      trim_jsonl(out_dir->file("log.jsonl"), "epoch", double(start_epoch));
-      trim_jsonl(path, "step", double(step));
-    }
-    steps_log = std::fopen(path.c_str(), continues ? "a" : "w");
-    KILN_CHECK(steps_log != nullptr, "cannot write '", path, "'");
-  }
-  struct CloseFile {
-    std::FILE*& f;
-    ~CloseFile() {
-      if (f) std::fclose(f);
-    }
-  } close_steps_log{steps_log};
-
-  // Static inputs: every step copies its batch into them (the graph reads these addresses).
-  Tensor x_static = amp::prepare_input(
-      zeros({c.batch_size, data.channels(), data.height(), data.width()}), dev, precision);
-  Tensor y_static = zeros({c.batch_size}, TensorOptions(DType::i64).with_device(dev));
-  optim::ClassifierStep plain_step(*model, *opt, scaler, c.label_smoothing);
-  std::unique_ptr<StepRunner> dp_step;
-  if (dp) dp_step = dp->make_step(*model, *opt, scaler, c.label_smoothing);
-  const Tensor& loss_sum = dp_step ? dp_step->loss_sum() : plain_step.loss_sum();
-  const Tensor& correct_sum = dp_step ? dp_step->correct_sum() : plain_step.correct_sum();
-  std::function<void()> step_fn = [&] {
-    if (dp_step)
-      dp_step->run(x_static, y_static);
-    else
-      plain_step.run(x_static, y_static);
-  };
-#ifdef KILN_WITH_CUDA
-  std::unique_ptr<cuda::GraphStep> graph;
-  if (use_graph) graph = std::make_unique<cuda::GraphStep>(step_fn, cuda::GraphOptions{});
-#endif
-  if (c.profile) cuda::enable_profiler(true);
-
-  BackgroundWriter checkpoints;
-  amp::AsyncScalars metrics;  // the epoch's totals
-  // Rank 0 reads each step's device accumulators kMetricLag steps late, each in-flight step
-  // through its own AsyncScalars, so the host can run that many steps ahead of the device (one
-  // step ahead is not enough when a step is shorter than the host's work for it: small batches).
-  constexpr size_t kMetricLag = 4;
-  std::vector<std::unique_ptr<amp::AsyncScalars>> step_metrics;
-  for (size_t i = 0; i < kMetricLag; ++i)
-    step_metrics.push_back(std::make_unique<amp::AsyncScalars>());
-  const auto start = Clock::now();
-  const int64_t first_step = step;
-  // `pending`: the steps whose values are in flight, oldest first.
-  struct Pending {
-    int64_t step, index, batch, seen;
-    double lr, data_s, period_s;
-  };
-  // What a diverged run leaves behind, for its error message.
-  auto kept = [&](int64_t epoch) {
-    return (c.resume.empty() && epoch == 0 ? std::string("no checkpoint was written")
-                                           : "the last checkpoint in '" + c.output + "' is kept") +
-           "; try a lower --lr or a longer --warmup-epochs";
-  };
-  // A non-finite training loss: FP32 weights are already poisoned, so stop; with mixed precision
-  // the scaler skips such steps, so stop only when it skipped every step (skipped_in_window).
-  auto check_loss = [&](double loss, int64_t epoch, int64_t steps_in_window,
-                        int64_t skipped_in_window) {
-    if (std::isfinite(loss) || (mixed && skipped_in_window < steps_in_window)) return;
-    KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
-              epoch + 1, mixed ? " and the loss scaler skipped every step" : "", " (lr ",
-              opt->param_groups[0].lr, "); stopping: ", kept(epoch));
-  };
-  auto skipped_steps = [&]() -> int64_t {
-    return mixed ? int64_t(scaler.skipped_steps().to(DType::f64).item()) : 0;
-  };
-  // The next epoch's batches start before this epoch's checkpoint and evaluation, so the input
-  // path (JPEG decoding above all) fills its prefetch while those run, not at the next epoch's
-  // start. A loader runs one epoch at a time: the finished epoch's stream is dropped first.
-  std::unique_ptr<BatchStream> next_stream;
-  for (int64_t epoch = start_epoch; epoch < c.epochs; ++epoch) {
-    model->train();
-    const int64_t skipped_at_start = skipped_steps(), step_at_start = step;
-    const auto epoch_start = Clock::now();
-    if (dp_step)
-      dp_step->reset_metrics();
-    else
-      plain_step.reset_metrics();
-    int64_t seen = 0, window_images = 0;
-    double window_s = 0, window_data_s = 0, prev_loss = 0, prev_correct = 0;
-    std::deque<std::pair<Pending, amp::AsyncScalars*>> pending;
-    auto emit = [&](const Pending& p, amp::AsyncScalars& source) {
-      const std::vector<double> m = source.values();  // cumulative over the epoch
-      const double loss = (m[0] - prev_loss) / double(p.batch);
-      const double top1 = (m[1] - prev_correct) / double(p.batch);
-      prev_loss = m[0];
-      prev_correct = m[1];
-      std::fprintf(steps_log,
-                   "{\"step\": %ld, \"epoch\": %ld, \"epoch_frac\": %s, \"loss\": %s, "
-                   "\"top1\": %s, \"lr\": %s, \"loss_scale\": %s, \"images_per_s\": %s, "
-                   "\"ms_compute\": %s, \"ms_data\": %s}\n",
-                   long(p.step), long(epoch + 1),
-                   json_number(double(epoch) + double(p.index) / double(steps_per_epoch)).c_str(),
-                   json_number(loss).c_str(), json_number(top1).c_str(), json_number(p.lr).c_str(),
-                   json_number(mixed ? m[2] : 1.0).c_str(),
-                   json_number(double(p.batch * world) / p.period_s).c_str(),
-                   json_number(1e3 * (p.period_s - p.data_s)).c_str(),
-                   json_number(1e3 * p.data_s).c_str());
-      window_images += p.batch;
-      window_s += p.period_s;
-      window_data_s += p.data_s;
-      if (!mixed && !dp) check_loss(m[0], epoch, 1, 0);  // ranks stop together at epoch ends
-      if (talk && (p.index % c.print_freq == 0 || p.index == steps_per_epoch)) {
-        const double eta =
-            seconds_since(start) / double(p.step - first_step) * double(total - p.step);
-        std::printf(
-            "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
-            "data wait %.0f%%  ETA %s\n",
-            long(epoch + 1), long(c.epochs), long(p.index), long(steps_per_epoch),
-            fmt_metric(m[0] / double(p.seen), 1, 4).c_str(),
-            fmt_metric(std::isfinite(m[0]) ? m[1] / double(p.seen) : NAN, 100, 2).c_str(), p.lr,
-            mixed ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
-            double(window_images * world) / window_s, 100.0 * window_data_s / window_s,
-            fmt_time(eta).c_str());
-        std::fflush(stdout);
-        std::fflush(steps_log);
-        window_images = 0;
-        window_s = window_data_s = 0;
-      }
-    };
-    auto tick = Clock::now();  // end of the previous step's iteration
-    std::unique_ptr<BatchStream> stream =
-        next_stream ? std::move(next_stream) : data.train_epoch(epoch);
-    while (true) {
-      const auto fetch = Clock::now();
-      std::optional<data::DeviceBatch> b = stream->next();
-      const double data_s = seconds_since(fetch);
-      if (!b) break;
-      sched->apply(*opt, step);
-      x_static.copy_(b->x);
-      y_static.copy_(b->y);
-#ifdef KILN_WITH_CUDA
-      if (graph) {
-        opt->stage_lr();
-        graph->run();
-      } else {
-        step_fn();
-      }
-#else
-      step_fn();
-#endif
-      ++step;
-      seen += b->y.size(0);
-      if (!lead) continue;
-      if (pending.size() == kMetricLag) {  // waits for a step kMetricLag back, not this one
-        emit(pending.front().first, *pending.front().second);
-        pending.pop_front();
-      }
-      const auto now = Clock::now();
-      amp::AsyncScalars* slot = step_metrics[size_t(step) % kMetricLag].get();  // just freed
-      pending.emplace_back(Pending{step, b->index + 1, b->y.size(0), seen,
-                                   opt->param_groups[0].lr, data_s,
-                                   std::chrono::duration<double>(now - tick).count()},
-                           slot);
-      tick = now;
-      slot->record({loss_sum, correct_sum, scaler.scale_tensor()});
-    }
-    for (; !pending.empty(); pending.pop_front())
-      emit(pending.front().first, *pending.front().second);
-    metrics.record({loss_sum, correct_sum});
-    std::vector<double> m = metrics.values();
-    m.push_back(double(seen));
-    m.push_back(double(stream->bad_files()));  // m[3]
-    const double host_share = stream->host_decode_share();  // this rank's
-    if (dp) dp->sum_host(m);
-    const double epoch_s = seconds_since(epoch_start);
-    stream.reset();
-    if (epoch + 1 < c.epochs) next_stream = data.train_epoch(epoch + 1);
-    if (c.profile && epoch == start_epoch) {
-      if (talk) std::printf("%s", cuda::profiler_report().c_str());
-      cuda::enable_profiler(false);
-    }
-    const double train_loss = m[0] / m[2], ips = m[2] / epoch_s;
-    check_loss(train_loss, epoch, step - step_at_start, skipped_steps() - skipped_at_start);
-    // Argmax hits of non-finite logits mean nothing.
-    const double train_top1 = std::isfinite(train_loss) ? m[1] / m[2] : NAN;
-    // Every rank holds the same weights; all check, so all stop together.
-    const std::string bad = first_non_finite(*model);
-    KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
-               "non-finite values (the first in '", bad,
-               "'); stopping without saving them: ", kept(epoch));
-    // The checkpoint before the evaluation: a failing evaluation loses no training.
-    if (steps_log) std::fflush(steps_log);
+  prepare_steps();
+  for (int64_t epoch = start_epoch_; epoch < c_.epochs; ++epoch) {
+    const EpochResult r = train_epoch(epoch);
     const auto save_start = Clock::now();
-    if (lead) {
-      TrainingState st;
-      st.model = model.get();
-      st.optimizer = opt.get();
-      st.scaler = scaler.state_dict();
-      st.epoch = epoch + 1;
-      st.step = step;
-      st.metadata = meta;
-      const std::string path = out_dir->file("checkpoint.safetensors");
-      checkpoints.write(path, checkpoint_host(path, st));
-    }
-    const double save_s = seconds_since(save_start);  // the training thread's share of the save
+    save_checkpoint(epoch);  // before the evaluation: a failing evaluation loses no training
+    const double save_s = seconds_since(save_start);
     const auto eval_start = Clock::now();
-    run_eval();
+    evaluate();
     const double eval_s = seconds_since(eval_start);
-    sum.epochs_done = epoch + 1;
-    if (talk) {
-      std::printf(
-          "epoch %ld/%ld done in %s (%.0f img/s): train loss %s acc %s%% | test loss "
-          "%s top-1 %s%% top-5 %s%%\n",
-          long(epoch + 1), long(c.epochs), fmt_time(epoch_s).c_str(), ips,
-          fmt_metric(train_loss, 1, 4).c_str(), fmt_metric(train_top1, 100, 2).c_str(),
-          fmt_metric(sum.test_loss, 1, 4).c_str(), fmt_metric(sum.test_top1, 100, 2).c_str(),
-          fmt_metric(sum.test_top5, 100, 2).c_str());
-      if (std::isfinite(host_share))
-        std::printf("epoch %ld/%ld: the CPU workers decoded %.0f%% of the training JPEGs, nvJPEG "
-                    "the rest\n",
-                    long(epoch + 1), long(c.epochs), 100.0 * host_share);
-      // The epoch's unreadable files, each named in a warning when first met.
-      if (m[3] > 0 || sum.test_bad_files > 0)
-        std::printf("epoch %ld/%ld: skipped %ld unreadable training file(s) and %ld test file(s), "
-                    "each replaced by the next readable one (named in the warnings above)\n",
-                    long(epoch + 1), long(c.epochs), long(m[3]), long(sum.test_bad_files));
+    sum_.epochs_done = epoch + 1;
+    log_epoch(epoch, r, save_s, eval_s);
+  }
+  if (sum_.epochs_done == start_epoch_) evaluate();  // resumed a finished run: nothing trained
+  checkpoints_.finish();
+  save_model();
+  return sum_;
+}
+
+Summary Trainer::evaluate_only() {
+  evaluate();
+  if (lead_)  // with --quiet too
+    std::printf("evaluation: test loss %s top-1 %s%% top-5 %s%%\n",
+                fmt_metric(sum_.test_loss, 1, 4).c_str(),
+                fmt_metric(sum_.test_top1, 100, 2).c_str(),
+                fmt_metric(sum_.test_top5, 100, 2).c_str());
+  return sum_;
+}
+
+void Trainer::prepare_steps() {
+  x_static_ = amp::prepare_input(
+      zeros({c_.batch_size, data_->channels(), data_->height(), data_->width()}), dev_,
+      precision_);
+  y_static_ = zeros({c_.batch_size}, TensorOptions(DType::i64).with_device(dev_));
+  if (dp_)
+    dp_step_ = dp_->make_step(*model_, *opt_, *scaler_, c_.label_smoothing);
+  else
+    plain_step_ =
+        std::make_unique<optim::ClassifierStep>(*model_, *opt_, *scaler_, c_.label_smoothing);
+  step_fn_ = [this] {
+    if (dp_step_)
+      dp_step_->run(x_static_, y_static_);
+    else
+      plain_step_->run(x_static_, y_static_);
+  };
+#ifdef KILN_WITH_CUDA
+  if (use_graph_) graph_ = std::make_unique<cuda::GraphStep>(step_fn_, cuda::GraphOptions{});
+#endif
+  if (c_.profile) cuda::enable_profiler(true);
+  for (size_t i = 0; i < kMetricLag; ++i)
+    step_metrics_.push_back(std::make_unique<amp::AsyncScalars>());
+  start_ = Clock::now();
+  first_step_ = step_;
+}
+
+EpochResult Trainer::train_epoch(int64_t epoch) {
+  model_->train();
+  const int64_t skipped_at_start = skipped_steps(), step_at_start = step_;
+  const auto epoch_start = Clock::now();
+  if (dp_step_)
+    dp_step_->reset_metrics();
+  else
+    plain_step_->reset_metrics();
+  const Tensor& loss_sum = dp_step_ ? dp_step_->loss_sum() : plain_step_->loss_sum();
+  const Tensor& correct_sum = dp_step_ ? dp_step_->correct_sum() : plain_step_->correct_sum();
+  EpochProgress ep;
+  ep.epoch = epoch;
+  std::deque<PendingStep> pending;  // oldest first
+  auto tick = Clock::now();          // end of the previous step's iteration
+  // The next epoch's batches start before this epoch's checkpoint and evaluation, so the input
+  // path (JPEG decoding above all) fills its prefetch while those run. A loader runs one epoch
+  // at a time: the finished epoch's stream is dropped first.
+  std::unique_ptr<BatchStream> stream =
+      next_stream_ ? std::move(next_stream_) : data_->train_epoch(epoch);
+  while (true) {
+    const auto fetch = Clock::now();
+    std::optional<data::DeviceBatch> b = stream->next();
+    const double data_s = seconds_since(fetch);
+    if (!b) break;
+    sched_->apply(*opt_, step_);
+    x_static_.copy_(b->x);
+    y_static_.copy_(b->y);
+#ifdef KILN_WITH_CUDA
+    if (graph_) {
+      opt_->stage_lr();
+      graph_->run();
+    } else {
+      step_fn_();
+    }
+#else
+    step_fn_();
+#endif
+    ++step_;
+    ep.seen += b->y.size(0);
+    if (!lead_) continue;
+    if (pending.size() == kMetricLag) {  // waits for a step kMetricLag back, not this one
+      log_step(pending.front(), ep);
+      pending.pop_front();
+    }
+    const auto now = Clock::now();
+    amp::AsyncScalars* slot = step_metrics_[size_t(step_) % kMetricLag].get();  // just freed
+    slot->record({loss_sum, correct_sum, scaler_->scale_tensor()});
+    pending.push_back({step_, b->index + 1, b->y.size(0), ep.seen, opt_->param_groups[0].lr,
+                       data_s, std::chrono::duration<double>(now - tick).count(), slot});
+    tick = now;
+  }
+  for (; !pending.empty(); pending.pop_front()) log_step(pending.front(), ep);
+
+  epoch_metrics_.record({loss_sum, correct_sum});
+  std::vector<double> m = epoch_metrics_.values();  // Σ loss·N, Σ correct
+  m.push_back(double(ep.seen));
+  m.push_back(double(stream->bad_files()));
+  EpochResult r;
+  r.host_decode_share = stream->host_decode_share();  // this rank's
+  if (dp_) dp_->sum_host(m);
+  r.seconds = seconds_since(epoch_start);
+  stream.reset();
+  if (epoch + 1 < c_.epochs) next_stream_ = data_->train_epoch(epoch + 1);
+  if (c_.profile && epoch == start_epoch_) {
+    if (talk_) std::printf("%s", cuda::profiler_report().c_str());
+    cuda::enable_profiler(false);
+  }
+  r.train_loss = m[0] / m[2];
+  r.images_per_s = m[2] / r.seconds;
+  r.bad_files = int64_t(m[3]);
+  check_loss(r.train_loss, epoch, step_ - step_at_start, skipped_steps() - skipped_at_start);
+  // Argmax hits of non-finite logits mean nothing.
+  r.train_top1 = std::isfinite(r.train_loss) ? m[1] / m[2] : NAN;
+  // Every rank holds the same weights; all check, so all stop together.
+  const std::string bad = first_non_finite(*model_);
+  KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
+             "non-finite values (the first in '", bad,
+             "'); stopping without saving them: ", what_is_kept(epoch));
+  return r;
+}
+
+// One steps.jsonl line, and every print_freq steps a progress line.
+void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
+  const std::vector<double> m = p.metrics->values();  // cumulative over the epoch
+  const double loss = (m[0] - ep.prev_loss) / double(p.batch);
+  const double top1 = (m[1] - ep.prev_correct) / double(p.batch);
+  ep.prev_loss = m[0];
+  ep.prev_correct = m[1];
+  const int64_t world = env_.world_size;
+  json::ObjectWriter line;
+  line.integer("step", p.step)
+      .integer("epoch", ep.epoch + 1)
+      .number("epoch_frac", double(ep.epoch) + double(p.index) / double(steps_per_epoch_))
+      .number("loss", loss)
+      .number("top1", top1)
+      .number("lr", p.lr)
+      .number("loss_scale", mixed_ ? m[2] : 1.0)
+      .number("images_per_s", double(p.batch * world) / p.period_s)
+      .number("ms_compute", 1e3 * (p.period_s - p.data_s))
+      .number("ms_data", 1e3 * p.data_s);
+  log_->step(line);
+  ep.window_images += p.batch;
+  ep.window_s += p.period_s;
+  ep.window_data_s += p.data_s;
+  if (!mixed_ && !dp_) check_loss(m[0], ep.epoch, 1, 0);  // ranks stop together at epoch ends
+  if (talk_ && (p.index % c_.print_freq == 0 || p.index == steps_per_epoch_)) {
+    const double eta = seconds_since(start_) / double(p.step - first_step_) *
+                       double(total_steps_ - p.step);
+    std::printf(
+        "epoch %ld/%ld step %4ld/%ld  loss %s  acc %s%%  lr %.4f%s  %.0f img/s  "
+        "data wait %.0f%%  ETA %s\n",
+        long(ep.epoch + 1), long(c_.epochs), long(p.index), long(steps_per_epoch_),
+        fmt_metric(m[0] / double(p.seen), 1, 4).c_str(),
+        fmt_metric(std::isfinite(m[0]) ? m[1] / double(p.seen) : NAN, 100, 2).c_str(), p.lr,
+        mixed_ ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+        double(ep.window_images * world) / ep.window_s, 100.0 * ep.window_data_s / ep.window_s,
+        fmt_time(eta).c_str());
+    std::fflush(stdout);
+    log_->flush();
+    ep.window_images = 0;
+    ep.window_s = ep.window_data_s = 0;
+  }
+}
+
+// A non-finite training loss: FP32 weights are already poisoned, so stop; with mixed precision
+// the scaler skips such steps, so stop only when it skipped every step of the window.
+void Trainer::check_loss(double loss, int64_t epoch, int64_t steps, int64_t skipped) const {
+  if (std::isfinite(loss) || (mixed_ && skipped < steps)) return;
+  KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
+            epoch + 1, mixed_ ? " and the loss scaler skipped every step" : "", " (lr ",
+            opt_->param_groups[0].lr, "); stopping: ", what_is_kept(epoch));
+}
+
+std::string Trainer::what_is_kept(int64_t epoch) const {
+  // --output holds a checkpoint once this run saved one, or when it is the resumed run's own.
+  const bool saved = epoch > start_epoch_ || resumes_own_run(c_.output, c_.resume);
+  return (saved ? "the last checkpoint in '" + c_.output + "' is kept"
+                : std::string("no checkpoint was written")) +
+         "; try a lower --lr or a longer --warmup-epochs";
+}
+
+int64_t Trainer::skipped_steps() const {
+  return mixed_ ? int64_t(scaler_->skipped_steps().to(DType::f64).item()) : 0;
+}
+
+void Trainer::save_checkpoint(int64_t epoch) {
+  if (log_) log_->flush();
+  if (!lead_) return;
+  TrainingState st;
+  st.model = model_.get();
+  st.optimizer = opt_.get();
+  st.scaler = scaler_->state_dict();
+  st.epoch = epoch + 1;
+  st.step = step_;
+  st.metadata = meta_;
+  const std::string path = out_->file("checkpoint.safetensors");
+  checkpoints_.write(path, checkpoint_host(path, st));
+}
+
+void Trainer::evaluate() {
+  if (dp_) dp_->sync_buffers(*model_);
+  const auto eval_start = Clock::now();
+  const int64_t test_steps = data_->test_steps();
+  std::vector<double> ev = train::evaluate(*model_, *data_, [&](int64_t i) {
+    if (talk_ && (i % c_.print_freq == 0 || i == test_steps)) {
+      const double eta = seconds_since(eval_start) / double(i) * double(test_steps - i);
+      std::printf("  evaluating: step %4ld/%ld  ETA %s\n", long(i), long(test_steps),
+                  fmt_time(eta).c_str());
       std::fflush(stdout);
     }
-    if (lead)
-      out_dir->append_log("{\"epoch\": " + std::to_string(epoch + 1) + ", \"train_loss\": " +
-                          json_number(train_loss) + ", \"train_top1\": " + json_number(train_top1) +
-                          ", \"test_loss\": " + json_number(sum.test_loss) +
-                          ", \"test_top1\": " + json_number(sum.test_top1) + ", \"test_top5\": " +
-                          json_number(sum.test_top5) + ", \"images_per_s\": " + json_number(ips) +
-                          ", \"seconds\": " + json_number(epoch_s) +
-                          ", \"checkpoint_seconds\": " + json_number(save_s) +
-                          ", \"eval_seconds\": " + json_number(eval_s) +
-                          ", \"lr\": " + json_number(opt->param_groups[0].lr) +
-                          ", \"bad_files\": " + std::to_string(int64_t(m[3])) +
-                          (std::isfinite(host_share)
-                               ? ", \"host_decode_share\": " + json_number(host_share)
-                               : std::string()) +
-                          ", \"test_bad_files\": " + std::to_string(sum.test_bad_files) + "}");
-  }
-
-  if (sum.epochs_done == start_epoch) run_eval();  // resumed a finished run: nothing trained
-  checkpoints.finish();
-  if (lead) {
-    std::map<std::string, std::string> wmeta = meta;
-    wmeta["epochs"] = std::to_string(sum.epochs_done);
-    wmeta["test_top1"] = json_number(sum.test_top1);
-    const std::string path = out_dir->file("model.safetensors");
-    save_weights(path, *model, WeightsDType::Float32, wmeta);
-    std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
-                fmt_metric(sum.test_top1, 100, 2).c_str(),
-                fmt_metric(sum.test_top5, 100, 2).c_str(), long(sum.epochs_done),
-                fmt_time(seconds_since(start)).c_str(), path.c_str());
-  }
-  return sum;
+  });
+  if (dp_) dp_->sum_host(ev);
+  KILN_CHECK(ev[3] > 0, "--data '", c_.data, "': the evaluation saw no test images");
+  sum_.test_loss = ev[0] / ev[3];
+  sum_.test_top1 = ev[1] / ev[3];
+  sum_.test_top5 = ev[2] / ev[3];
+  sum_.test_bad_files = int64_t(ev[4]);
 }
+
+void Trainer::log_epoch(int64_t epoch, const EpochResult& r, double save_s, double eval_s) {
+  if (talk_) {
+    std::printf(
+        "epoch %ld/%ld done in %s (%.0f img/s): train loss %s acc %s%% | test loss "
+        "%s top-1 %s%% top-5 %s%%\n",
+        long(epoch + 1), long(c_.epochs), fmt_time(r.seconds).c_str(), r.images_per_s,
+        fmt_metric(r.train_loss, 1, 4).c_str(), fmt_metric(r.train_top1, 100, 2).c_str(),
+        fmt_metric(sum_.test_loss, 1, 4).c_str(), fmt_metric(sum_.test_top1, 100, 2).c_str(),
+        fmt_metric(sum_.test_top5, 100, 2).c_str());
+    if (std::isfinite(r.host_decode_share))
+      std::printf("epoch %ld/%ld: the CPU workers decoded %.0f%% of the training JPEGs, nvJPEG "
+                  "the rest\n",
+                  long(epoch + 1), long(c_.epochs), 100.0 * r.host_decode_share);
+    // The epoch's unreadable files, each named in a warning when first met.
+    if (r.bad_files > 0 || sum_.test_bad_files > 0)
+      std::printf("epoch %ld/%ld: skipped %ld unreadable training file(s) and %ld test file(s), "
+                  "each replaced by the next readable one (named in the warnings above)\n",
+                  long(epoch + 1), long(c_.epochs), long(r.bad_files),
+                  long(sum_.test_bad_files));
+    std::fflush(stdout);
+  }
+  if (!log_) return;
+  json::ObjectWriter line;
+  line.integer("epoch", epoch + 1)
+      .number("train_loss", r.train_loss)
+      .number("train_top1", r.train_top1)
+      .number("test_loss", sum_.test_loss)
+      .number("test_top1", sum_.test_top1)
+      .number("test_top5", sum_.test_top5)
+      .number("images_per_s", r.images_per_s)
+      .number("seconds", r.seconds)
+      .number("checkpoint_seconds", save_s)
+      .number("eval_seconds", eval_s)
+      .number("lr", opt_->param_groups[0].lr)
+      .integer("bad_files", r.bad_files);
+  if (std::isfinite(r.host_decode_share)) line.number("host_decode_share", r.host_decode_share);
+  line.integer("test_bad_files", sum_.test_bad_files);
+  log_->epoch(line);
+}
+
+void Trainer::save_model() {
+  if (!lead_) return;
+  std::map<std::string, std::string> meta = meta_;
+  meta["epochs"] = std::to_string(sum_.epochs_done);
+  meta["test_top1"] = json::number(sum_.test_top1);
+  const std::string path = out_->file("model.safetensors");
+  save_weights(path, *model_, WeightsDType::Float32, meta);
+  std::printf("final test top-1 %s%% top-5 %s%% after %ld epoch(s), %s; model saved to %s\n",
+              fmt_metric(sum_.test_top1, 100, 2).c_str(),
+              fmt_metric(sum_.test_top5, 100, 2).c_str(), long(sum_.epochs_done),
+              fmt_time(seconds_since(start_)).c_str(), path.c_str());
+}
+
+}  // namespace
+
+Summary run(const Config& config) { return Trainer(config).run(); }
 
 int main(const std::vector<std::string>& args) {
   return cli::run_tool("kiln-train", [&] {

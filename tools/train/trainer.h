@@ -18,30 +18,29 @@
 // Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
 // (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
 // DIR/model.safetensors at the end (torchvision names, f32, with optim/model_file.h's metadata:
-// arch, width, channels, image size, normalisation, class names), DIR/log.jsonl with one JSON
-// object per epoch: epoch, train_loss, train_top1, test_loss, test_top1, test_top5, images_per_s,
-// seconds, lr (top-1/top-5 as fractions; a non-finite value is null), and DIR/steps.jsonl with
-// one per training step:
-//   step (global, from 1), epoch (from 1), epoch_frac (epochs done, fractional), loss, top1
-//   (this step's batch on rank 0), lr, loss_scale (1 without --amp), images_per_s (all ranks),
-//   ms_compute, ms_data: the host's view of the step: the time it waited for the batch, and the
-//   rest of the step's period (on the GPU the host runs one step ahead and waits for the step
-//   before, so ms_compute is the GPU's pace). A resumed run first drops the lines of both logs
-//   past the checkpoint. The folder is claimed
-// before training (tools/train/output_dir.h): locked, probed for write access, and refused when
-// it holds a previous run unless --resume or --overwrite is given. Each epoch's checkpoint is
-// saved before the evaluation, so a failing evaluation loses no training.
+// arch, width, channels, image size, normalisation, class names), and the run's logs
+// DIR/log.jsonl (per epoch) and DIR/steps.jsonl (per step), tools/train/run_log.h. The folder
+// (tools/train/output_dir.h) is written only when it is empty or new, with --overwrite (the
+// previous run's files are removed when training starts, not before), or when --resume names
+// its own checkpoint; it is never inside the data, and nothing is created in it before the data
+// has been read. A run that fails during set-up (bad weights, a checkpoint that does not fit)
+// leaves it as it was. Each epoch's checkpoint is saved before the evaluation, so a failing
+// evaluation loses no training.
 //
 // Divergence: evaluation metrics of non-finite logits are NaN (printed "nan", logged null),
 // never a count. A checkpoint is never written from non-finite weights: the run stops with an
 // error and the previous checkpoint stays. A run whose training loss is non-finite for a whole
 // epoch (FP32: at all; mixed precision: every step skipped by the loss scaler) stops too.
 //
-// --resume DIR/checkpoint.safetensors continues at the saved epoch with bit-identical state: an
+// --resume PATH continues at the saved epoch with bit-identical state: an
 // uninterrupted run and a run stopped and resumed at an epoch boundary give the same weights
 // (CPU; on the GPU up to the nondeterminism of the kernels), as long as the schedule's length
 // (--epochs) is the same or the schedule does not depend on it (constant). A different batch size
 // is allowed: the schedule continues at the saved epoch's first step of the new batch size.
+// PATH is DIR/checkpoint.safetensors to continue in DIR, or another run's checkpoint to continue
+// it in a new --output (that run's logs up to the checkpoint are copied there). The checkpoint
+// must fit: the same --arch, --optimizer and --freeze-backbone (each named when it differs).
+// --start-epoch N without --resume starts a new run whose schedule begins at epoch N.
 //
 // --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
 // (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
