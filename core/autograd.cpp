@@ -97,6 +97,24 @@ Tensor AccumulateGrad::grad_for_accumulation() const {
   return cur;
 }
 
+namespace {
+
+// `.grad += g` through the device's backend table (core cannot call ops/'s add_, which adds
+// broadcasting and autograd checks neither operand needs here).
+void add_into_grad(const Tensor& grad, const Tensor& g) {
+  KILN_CHECK(grad.shape() == g.shape() && grad.dtype() == g.dtype() && grad.device() == g.device(),
+             "autograd: cannot add a gradient ", g.desc(), " into .grad ", grad.desc());
+  // Reading .grad's memory through another layout while writing it would read stale values.
+  const Tensor src = g.shares_storage(grad) && (g.strides() != grad.strides() ||
+                                                g.offset() != grad.offset())
+                         ? g.clone()
+                         : g;
+  grad.bump_version();
+  backend(grad).binary(BinaryOp::AddScaled, grad, grad, src, 1.0);
+}
+
+}  // namespace
+
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>& grads) {
   Tensor var(variable_);
   Tensor g = grads[0];
@@ -110,7 +128,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>& grads) {
     // never writes into a tensor someone else holds.
     var.set_grad(g.clone(var.suggest_memory_format()).detach());
   } else {
-    cur.add_(g);  // `+=`
+    add_into_grad(cur, g);  // `+=`
   }
   AutogradMeta& m = var.autograd_meta();
   if (!m.post_accumulate_hooks.empty()) {

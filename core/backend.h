@@ -19,6 +19,7 @@
 // - Entries marked "optional" may be null: a fast path the backend does not have. The caller
 //   then takes the unfused composition, which defines the result.
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "core/fused_optim.h"
@@ -30,7 +31,7 @@ namespace kiln {
 
 using TensorRef = const Tensor&;
 
-// What bn_stats_finalize computes, for the entries that take it (below): from sum and sqsum
+// What BatchNormStatsPaths::finalize computes, for the entries that take it: from sum and sqsum
 // (C) of x over `count` = M values, save_mean (=), save_invstd (=) and scale_shift (2C) (=) =
 // [weight·invstd, bias - mean·weight·invstd]; running_mean and running_var (when defined)
 // r = (1 - momentum)·r + momentum·stat, the variance unbiased (M/(M-1)); and `counter` (a
@@ -40,6 +41,104 @@ struct BnStatsFinalize {
   Tensor sum, sqsum, weight, bias, running_mean, running_var, counter;
   int64_t count = 0;
   double momentum = 0.1, eps = 1e-5;
+};
+
+// The fast paths an op may take where its backend supports them (Backend::supports). Each names
+// the operands a query passes, in order.
+enum class FastPath : uint8_t {
+  // BatchNormReluPaths: x, residual, weight, bias, running_mean, running_var (training).
+  BatchNormRelu,
+  // BatchNormStatsPaths' required entries: x, residual, weight, bias, running_mean, running_var,
+  // sum, sqsum (training; sum and sqsum undefined when they would come from compute).
+  BatchNormStats,
+  // BatchNormStatsPaths::backward_dgrad1x1: dy1, w1, x.
+  BatchNormStatsDgrad1x1,
+  // BatchNormStatsPaths::relu_max_pool: x (the op checks the stem pool's geometry).
+  BatchNormReluMaxPool,
+  // BatchNormStatsPaths::relu_max_pool_backward: x.
+  BatchNormReluMaxPoolBackward,
+};
+
+// Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
+// BN_ADD_ACTIVATION), both entries or neither. forward: y = relu(bn(x) [+ z]) (z may be
+// undefined), saved statistics and running stats as batch_norm_forward_training; returns the
+// reserve space the backward needs (kept alive with y; may be empty). backward: dx, dz (when z
+// was given) (=); dweight, dbias `=` or `+=` by `mode`.
+struct BatchNormReluPaths {
+  using Forward = Tensor (*)(TensorRef y, TensorRef save_mean, TensorRef save_invstd,
+                             TensorRef x, TensorRef z, TensorRef weight, TensorRef bias,
+                             TensorRef running_mean, TensorRef running_var, double momentum,
+                             double eps);
+  using Backward = void (*)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                            TensorRef dy, TensorRef x, TensorRef y, TensorRef weight,
+                            TensorRef bias, TensorRef save_mean, TensorRef save_invstd,
+                            TensorRef reserve, double eps, GradientMode mode);
+  constexpr BatchNormReluPaths(Forward f, Backward b) : forward(f), backward(b) {}
+  const Forward forward;
+  const Backward backward;
+};
+
+// Batch norm of an activation whose per-channel sums are known (conv2d_forward_stats, or
+// `compute`), as one elementwise pass each way. The five required entries come together (the
+// constructor takes them all); the optional ones after them each name their FastPath. x, z, y,
+// dy, dx, dz, r: (N, C, H, W) of a layout and dtype supports(BatchNormStats) accepted;
+// per-channel tensors f32 contiguous; M = N·H·W.
+struct BatchNormStatsPaths {
+  // BnStatsFinalize's outputs from its inputs.
+  using Finalize = void (*)(const BnStatsFinalize& f);
+  // y = act(x·scale + shift [+ z]), act = ReLU when relu, scale and shift = f.scale_shift: f
+  // finalized first, in the same launch sequence. With relu and z, `mask` (u8, numel/8) gets the
+  // ReLU's mask (bit j of byte i: element 8i + j of y is positive).
+  using Apply = void (*)(TensorRef y, TensorRef x, TensorRef z, const BnStatsFinalize& f,
+                         bool relu, TensorRef mask);
+  // g = dy masked by the ReLU (the forward's mask when z was given, else recomputed); dx (=),
+  // dz (=) = g when defined; dweight = Σ g·x̂, dbias = Σ g when defined, `=` or `+=` by `mode`.
+  using Backward = void (*)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                            TensorRef dy, TensorRef x, TensorRef mask, TensorRef weight,
+                            TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
+                            bool relu, GradientMode mode);
+  // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above, ss_x
+  // and ss_r the scale_shift of f_x and f_r, each finalized first as in apply.
+  using DualApply = void (*)(TensorRef y, TensorRef x, const BnStatsFinalize& f_x, TensorRef r,
+                             const BnStatsFinalize& f_r, TensorRef mask);
+  // Its backward: dx, dr (=); per side dweight, dbias when defined (`=` or `+=` by `mode`).
+  using DualBackward = void (*)(TensorRef dx, TensorRef dr, TensorRef dweight_x,
+                                TensorRef dbias_x, TensorRef dweight_r, TensorRef dbias_r,
+                                TensorRef dy, TensorRef mask, TensorRef x, TensorRef weight_x,
+                                TensorRef mean_x, TensorRef invstd_x, TensorRef r,
+                                TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
+                                GradientMode mode);
+  constexpr BatchNormStatsPaths(Finalize f, Apply a, Backward b, DualApply da, DualBackward db)
+      : finalize(f), apply(a), backward(b), dual_apply(da), dual_backward(db) {}
+  const Finalize finalize;
+  const Apply apply;
+  const Backward backward;
+  const DualApply dual_apply;
+  const DualBackward dual_backward;
+
+  // Optional. sum, sqsum (C) (=) = Σx and Σx² per channel in a fixed order, for when the
+  // convolution did not produce them.
+  void (*compute)(TensorRef sum, TensorRef sqsum, TensorRef x) = nullptr;
+  // Optional (FastPath::BatchNormStatsDgrad1x1): backward's relu + z case (the forward's mask)
+  // where dy is a stride-1 1x1 convolution's data gradient added onto r: dy = dgrad(dy1, w1) + r,
+  // w1 (K, C, 1, 1), r undefined meaning zero — computed with the first pass (on CUDA one GEMM
+  // with the sums in its epilogue). dz (=) = dy masked by the ReLU.
+  void (*backward_dgrad1x1)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                            TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
+                            TensorRef weight, TensorRef save_mean, TensorRef save_invstd,
+                            GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
+  // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
+  // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then
+  // max_pool2d_forward; the normalised tensor is never written.
+  void (*relu_max_pool)(TensorRef y, TensorRef indices, TensorRef x,
+                        TensorRef scale_shift) = nullptr;
+  // Optional (FastPath::BatchNormReluMaxPoolBackward): dy (y's gradient) through the pool and
+  // the ReLU (mask recomputed from x) to dx (=); dweight, dbias as backward's.
+  void (*relu_max_pool_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy,
+                                 TensorRef indices, TensorRef x, TensorRef weight,
+                                 TensorRef save_mean, TensorRef save_invstd,
+                                 TensorRef scale_shift, GradientMode mode) = nullptr;
 };
 
 struct Backend {
@@ -159,82 +258,18 @@ struct Backend {
                                       TensorRef mean, TensorRef invstd, TensorRef sums,
                                       TensorRef count) = nullptr;
 
-  // ---- fused batch norm + ReLU (+ residual add), optional ----
-  // Library-fused training forward (cuDNN's BN_ACTIVATION / BN_ADD_ACTIVATION): x, z, y
-  // (N, C, H, W) f16 channels-last, parameters f32 contiguous. y = relu(bn(x) [+ z]), saved
-  // statistics and running stats as batch_norm_forward_training. Returns the reserve space the
-  // matching backward needs (keep it alive with y; may be empty). z may be undefined.
-  Tensor (*batch_norm_relu_forward)(TensorRef y, TensorRef save_mean, TensorRef save_invstd,
-                                    TensorRef x, TensorRef z, TensorRef weight, TensorRef bias,
-                                    TensorRef running_mean, TensorRef running_var,
-                                    double momentum, double eps) = nullptr;
-  // Its backward: dx, dz (when z was given) (=); dweight, dbias `=` or `+=` by `mode` (then
-  // dense f32 (C)).
-  void (*batch_norm_relu_backward)(TensorRef dx, TensorRef dz, TensorRef dweight,
-                                   TensorRef dbias, TensorRef dy, TensorRef x, TensorRef y,
-                                   TensorRef weight, TensorRef bias, TensorRef save_mean,
-                                   TensorRef save_invstd, TensorRef reserve, double eps,
-                                   GradientMode mode) = nullptr;
-
-  // Batch norm of an activation whose per-channel sums are known (conv2d_forward_stats), as
-  // one elementwise pass; optional, all six or none. x, z, y, dy, dx, dz, r: (N, C, H, W) of
-  // a layout and dtype bn_stats_supported accepts; per-channel tensors f32 contiguous; M = N·H·W.
-  bool (*bn_stats_supported)(TensorRef x) = nullptr;
-  // BnStatsFinalize's outputs from its inputs.
-  void (*bn_stats_finalize)(const BnStatsFinalize& f) = nullptr;
-  // y = act(x·scale + shift [+ z]), act = ReLU when relu, scale and shift = f.scale_shift: f
-  // finalized first (bn_stats_finalize(f)), in the same launch sequence. With
-  // relu and z, `mask` (u8, numel/8) gets the ReLU's mask (bit j of byte i: element 8i + j of y
-  // is positive).
-  void (*bn_stats_apply)(TensorRef y, TensorRef x, TensorRef z, const BnStatsFinalize& f,
-                         bool relu, TensorRef mask) = nullptr;
-  // Its backward: g = dy masked by the ReLU (the forward's mask when z was given, else
-  // recomputed); dx (=), dz (=) = g when defined; dweight = Σ g·x̂, dbias = Σ g when defined,
-  // `=` or `+=` by `mode`.
-  void (*bn_stats_backward)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
-                            TensorRef dy, TensorRef x, TensorRef mask, TensorRef weight,
-                            TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
-                            bool relu, GradientMode mode) = nullptr;
-  // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above, ss_x
-  // and ss_r the scale_shift of f_x and f_r, each finalized first as in bn_stats_apply.
-  void (*bn_stats_dual_apply)(TensorRef y, TensorRef x, const BnStatsFinalize& f_x, TensorRef r,
-                              const BnStatsFinalize& f_r, TensorRef mask) = nullptr;
-  // Its backward: dx, dr (=); per side dweight, dbias when defined (`=` or `+=` by `mode`).
-  void (*bn_stats_dual_backward)(TensorRef dx, TensorRef dr, TensorRef dweight_x,
-                                 TensorRef dbias_x, TensorRef dweight_r, TensorRef dbias_r,
-                                 TensorRef dy, TensorRef mask, TensorRef x, TensorRef weight_x,
-                                 TensorRef mean_x, TensorRef invstd_x, TensorRef r,
-                                 TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
-                                 GradientMode mode) = nullptr;
-
-  // Optional, both or neither; need the six above. bn_stats_backward's relu + z case (the
-  // forward's mask) where dy is a stride-1 1x1 convolution's data gradient added onto r:
-  // dy = dgrad(dy1, w1) + r, w1 (K, C, 1, 1), r undefined meaning zero — computed here with the
-  // first pass (on CUDA one GEMM with the sums in its epilogue). dz (=) = dy masked by the
-  // ReLU. Only where bn_stats_dgrad1x1_supported(dy1, w1, x).
-  bool (*bn_stats_dgrad1x1_supported)(TensorRef dy1, TensorRef w1, TensorRef x) = nullptr;
-  void (*bn_stats_backward_dgrad1x1)(TensorRef dx, TensorRef dz, TensorRef dweight,
-                                     TensorRef dbias, TensorRef dy1, TensorRef w1, TensorRef r,
-                                     TensorRef x, TensorRef mask, TensorRef weight,
-                                     TensorRef save_mean, TensorRef save_invstd,
-                                     GradientMode mode) = nullptr;
-
-  // Optional, each on its own; need the six above. sum, sqsum (C) (=) = Σx and Σx² per channel
-  // in a fixed order: the statistics for batch_norm_from_stats when the convolution did not
-  // produce them.
-  void (*bn_stats_compute)(TensorRef sum, TensorRef sqsum, TensorRef x) = nullptr;
-  // The ResNet stem's tail in one pass: y = max_pool2d(relu(x·scale + shift), 3x3, stride 2,
-  // padding 1) and the pool's indices (max_pool2d_indices_dtype, y's shape and layout), equal to
-  // bn_stats_apply(relu) then max_pool2d_forward; the normalised tensor is never written.
-  void (*bn_stats_relu_max_pool)(TensorRef y, TensorRef indices, TensorRef x,
-                                 TensorRef scale_shift) = nullptr;
-  // Its backward (with it or neither): dy (y's gradient) through the pool and the ReLU (mask
-  // recomputed from x) to dx (=); dweight, dbias as bn_stats_backward's.
-  void (*bn_stats_relu_max_pool_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias,
-                                          TensorRef dy, TensorRef indices, TensorRef x,
-                                          TensorRef weight, TensorRef save_mean,
-                                          TensorRef save_invstd, TensorRef scale_shift,
-                                          GradientMode mode) = nullptr;
+  // ---- fast paths (optional): the backend alone decides when they run ----
+  // Whether `path` takes these operands, in the order its FastPath names (undefined tensors
+  // where the op has none). ops/ states what an op means (training or not, which operands it
+  // has) and asks before every fast path, composing the op from the entries above otherwise;
+  // dtypes, layouts, hardware and the backend's own switches are the backend's business alone.
+  // Null: no fast paths (call through kiln::supports, below).
+  bool (*supports)(FastPath path, std::initializer_list<const Tensor*> operands) = nullptr;
+  // Library-fused batch norm + ReLU (+ residual add): FastPath::BatchNormRelu.
+  const BatchNormReluPaths* batch_norm_relu = nullptr;
+  // Batch norm of an activation whose per-channel sums are known: FastPath::BatchNormStats and
+  // the paths built on it.
+  const BatchNormStatsPaths* batch_norm_stats = nullptr;
 
   // ---- softmax and cross-entropy ----
   // Over the last dim of contiguous (rows, cols) tensors. y = softmax(x) or log_softmax(x).
@@ -266,6 +301,11 @@ inline const Backend& backend(const Tensor& t) { return backend(t.device().type)
 inline const Backend& backend(Device d) { return backend(d.type); }
 // Whether kiln was built with a backend for `type`.
 bool has_backend(DeviceType type);
+// Whether `be` takes fast path `path` for these operands (false when it has no fast paths).
+inline bool supports(const Backend& be, FastPath path,
+                     std::initializer_list<const Tensor*> operands) {
+  return be.supports != nullptr && be.supports(path, operands);
+}
 
 struct BackendRegistry {
   const Backend* tables[2] = {nullptr, nullptr};  // indexed by DeviceType

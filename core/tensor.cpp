@@ -384,12 +384,35 @@ void fill_cpu(const Tensor& dst, double value) {
 
 }  // namespace detail
 
+Tensor Tensor::broadcast_to(const Shape& target) const {
+  KILN_CHECK(int64_t(target.size()) >= dim(), "broadcast_to: target ", kiln::shape_str(target),
+             " has fewer dims than ", desc());
+  const size_t lead = target.size() - size_t(dim());
+  Shape ns(target.size()), nst(target.size());
+  for (size_t i = 0; i < target.size(); ++i) {
+    if (i < lead) {
+      KILN_CHECK(target[i] >= 0, "broadcast_to: -1 not allowed in a new leading dim");
+      ns[i] = target[i];
+      nst[i] = 0;
+      continue;
+    }
+    int64_t cur = shape()[i - lead];
+    int64_t want = target[i] == -1 ? cur : target[i];
+    KILN_CHECK(want >= 0, "broadcast_to: invalid size ", target[i], " in ", kiln::shape_str(target));
+    KILN_CHECK(cur == want || cur == 1, "broadcast_to: cannot expand ", desc(), " to ",
+               kiln::shape_str(target));
+    ns[i] = want;
+    nst[i] = (cur == want) ? strides()[i - lead] : 0;
+  }
+  return make_tensor(storage(), offset(), ns, nst, dtype());
+}
+
 const Tensor& Tensor::copy_(const Tensor& src) const {
   KILN_CHECK(src.defined(), "copy_: source is undefined");
   if (is_same(src)) return *this;
   autograd::check_inplace(*this, "copy_");
   Tensor s = src.detach();
-  if (s.shape() != shape()) s = s.expand(shape());
+  if (s.shape() != shape()) s = s.broadcast_to(shape());
   // Source and destination in one buffer through different layouts (x.copy_(x.t()), shifted
   // narrows): the loop would read elements it already overwrote. Copy from a snapshot.
   if (s.shares_storage(*this) && (s.offset() != offset() || s.strides() != strides()))

@@ -151,7 +151,10 @@ class Tensor {
   Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
   Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
   Tensor select(int64_t dim, int64_t index) const;  // drops `dim`
-  Tensor expand(const Shape& shape) const;           // -1 keeps a size
+  Tensor expand(const Shape& shape) const;           // -1 keeps a size (defined in ops/)
+  // expand's view without the autograd record: stride 0 along broadcast dims. For the floors
+  // below ops/ (core's copy_, the backends), which cannot call expand.
+  Tensor broadcast_to(const Shape& shape) const;
   Tensor squeeze(std::optional<int64_t> dim = std::nullopt) const;
   Tensor unsqueeze(int64_t dim) const;
 
@@ -166,6 +169,8 @@ class Tensor {
   const Tensor& zero_() const { return fill_(0.0); }
 
   // ---- arithmetic (differentiable; see ops/ops.h) ----
+  // Defined by the ops floor (ops/tensor_ops.cpp) over kiln::F: core/ and the backends never
+  // call them (CMakeLists.txt links each floor on its own, so the linker would refuse).
   Tensor operator-() const;
   // In-place arithmetic: not recorded by autograd, so refused on tensors that require grad
   // while grad mode is on. Used by optimizers (under NoGradGuard) and engines.

@@ -162,6 +162,70 @@ void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
                                  save_invstd, scale_shift, mode == GradientMode::Accumulate);
 }
 
+constinit RuntimeSwitch g_dgrad_fusion{&Switches::fused_dgrad};  // KILN_FUSED_DGRAD
+
+// The fast paths' operands: f16 channels-last activations, f32 contiguous per-channel tensors.
+bool nhwc_f16(const Tensor& t) {
+  return t.defined() && t.is_cuda() && t.dtype() == DType::f16 && t.dim() == 4 &&
+         t.is_contiguous(MemoryFormat::ChannelsLast);
+}
+bool per_channel(const Tensor& p, const Tensor& x) {
+  return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
+         p.size(0) == x.size(1) && p.is_contiguous();
+}
+// An undefined residual, or one of x's shape, layout and dtype on its device.
+bool residual_fits(const Tensor& r, const Tensor& x) {
+  return !r.defined() || (nhwc_f16(r) && r.shape() == x.shape() && r.device() == x.device());
+}
+
+bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
+  const Tensor* const* t = operands.begin();
+  auto expect = [&](size_t n) {
+    KILN_CHECK(operands.size() == n, "supports(FastPath ", int(path), "): ", n,
+               " operands expected, got ", operands.size());
+  };
+  switch (path) {
+    case FastPath::BatchNormRelu: {  // cuDNN's fused kernels
+      expect(6);
+      const Tensor& x = *t[0];
+      return switches().fused_bn && nhwc_f16(x) && residual_fits(*t[1], x) &&
+             per_channel(*t[2], x) && per_channel(*t[3], x) && per_channel(*t[4], x) &&
+             per_channel(*t[5], x);
+    }
+    case FastPath::BatchNormStats: {  // kiln's NHWC kernels (bn_nhwc.cu)
+      expect(8);
+      const Tensor& x = *t[0];
+      const bool sums = !t[6]->defined() || (per_channel(*t[6], x) && per_channel(*t[7], x));
+      return switches().fused_bn && bn_nhwc_supported(x) && residual_fits(*t[1], x) &&
+             per_channel(*t[2], x) && per_channel(*t[3], x) && per_channel(*t[4], x) &&
+             per_channel(*t[5], x) && x.numel() / x.size(1) > 1 && sums;
+    }
+    case FastPath::BatchNormStatsDgrad1x1:
+      expect(3);
+      return g_dgrad_fusion.get() && dgrad1x1_bn_supported(*t[0], *t[1], *t[2]);
+    case FastPath::BatchNormReluMaxPool:
+      expect(1);
+      return switches().fused_stem > 0 && bn_nhwc_supported(*t[0]);
+    case FastPath::BatchNormReluMaxPoolBackward:
+      expect(1);
+      return switches().fused_stem > 1 && bn_nhwc_supported(*t[0]);
+  }
+  return false;
+}
+
+constexpr BatchNormReluPaths kBatchNormRelu{bn_relu_forward, bn_relu_backward};
+
+constexpr BatchNormStatsPaths make_bn_stats() {
+  BatchNormStatsPaths p{bn_nhwc_finalize, bn_stats_apply, bn_stats_backward, bn_nhwc_dual_apply,
+                        bn_stats_dual_backward};
+  p.compute = bn_nhwc_stats;
+  p.backward_dgrad1x1 = bn_stats_backward_dgrad1x1;
+  p.relu_max_pool = bn_nhwc_relu_max_pool;
+  p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;
+  return p;
+}
+constexpr BatchNormStatsPaths kBatchNormStats = make_bn_stats();
+
 Backend make_table() {
   Backend b;
   b.name = "cuda";
@@ -195,19 +259,9 @@ Backend make_table() {
   b.sync_batch_norm_apply = sync_batch_norm_apply;
   b.sync_batch_norm_backward_sums = sync_batch_norm_backward_sums;
   b.sync_batch_norm_backward_dx = sync_batch_norm_backward_dx;
-  b.batch_norm_relu_forward = bn_relu_forward;
-  b.batch_norm_relu_backward = bn_relu_backward;
-  b.bn_stats_supported = bn_nhwc_supported;
-  b.bn_stats_finalize = bn_nhwc_finalize;
-  b.bn_stats_apply = bn_stats_apply;
-  b.bn_stats_backward = bn_stats_backward;
-  b.bn_stats_dual_apply = bn_nhwc_dual_apply;
-  b.bn_stats_dual_backward = bn_stats_dual_backward;
-  b.bn_stats_dgrad1x1_supported = dgrad1x1_bn_supported;
-  b.bn_stats_backward_dgrad1x1 = bn_stats_backward_dgrad1x1;
-  b.bn_stats_compute = bn_nhwc_stats;
-  b.bn_stats_relu_max_pool = bn_nhwc_relu_max_pool;
-  b.bn_stats_relu_max_pool_backward = bn_stats_relu_max_pool_backward;
+  b.supports = supports;
+  b.batch_norm_relu = &kBatchNormRelu;
+  b.batch_norm_stats = &kBatchNormStats;
   b.softmax_forward = softmax_fwd;
   b.softmax_backward = softmax_bwd;
   b.cross_entropy = cross_entropy_fused;
@@ -226,5 +280,8 @@ const Backend& backend_table() {
   static const Backend table = make_table();
   return table;
 }
+
+bool dgrad_fusion_enabled() { return g_dgrad_fusion.get(); }
+void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.set(on); }
 
 }  // namespace kiln::cuda

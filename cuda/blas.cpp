@@ -236,13 +236,13 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   with_dense_out(y, [&](const Tensor& o) {
     if (o.numel() == 0) return;
     if (x.size(1) == 0) {  // empty reduction: y = bias (or 0)
-      if (db.defined()) o.copy_(db.expand(o.shape())); else o.zero_();
+      if (db.defined()) o.copy_(db.broadcast_to(o.shape())); else o.zero_();
       return;
     }
     if (!db.defined()) {
       gemm_row_major(o, dx, false, dw, true);
     } else if (!gemm_row_major(o, dx, false, dw, true, CUBLASLT_EPILOGUE_BIAS, db.raw_data())) {
-      o.copy_(db.expand(o.shape()));
+      o.copy_(db.broadcast_to(o.shape()));
       gemm_row_major(o, dx, false, dw, true, CUBLASLT_EPILOGUE_DEFAULT, nullptr, 1.0f);
     }
   });

@@ -515,7 +515,7 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
       Tensor fresh = empty(w.shape(), TensorOptions(dtype).with_device(w.device())
                                           .with_memory_format(fmt));
       execute<Op>(dtype, fmt, x, fresh, y, cp, false);
-      w.add_(fresh);
+      binary(BinaryOp::AddScaled, w, w, fresh, 1.0);
       return;
     }
   }
@@ -714,7 +714,7 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
                     const ConvParams& p) {
   if (y.numel() == 0) return;
   if (x.numel() == 0 || w.numel() == 0) {  // empty reduction
-    if (bias.defined()) y.copy_(bias.view({1, y.size(1), 1, 1}).expand(y.shape())); else y.zero_();
+    if (bias.defined()) y.copy_(bias.view({1, y.size(1), 1, 1}).broadcast_to(y.shape())); else y.zero_();
     return;
   }
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
@@ -743,7 +743,7 @@ void conv2d_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, c
     Tensor fresh = empty(dx.shape(), TensorOptions(dx.dtype()).with_device(dx.device())
                                          .with_memory_format(fmt));
     conv2d_backward_data(fresh, dy, w, p, false);
-    dx.add_(fresh);
+    binary(BinaryOp::AddScaled, dx, dx, fresh, 1.0);
     return;
   }
   Tensor dyc = dense_in(dy, fmt);
@@ -772,7 +772,7 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
     Tensor fresh = empty(dw.shape(), TensorOptions(dw.dtype()).with_device(dw.device())
                                          .with_memory_format(fmt));
     conv2d_backward_weight(fresh, dy, x, p, false);
-    dw.add_(fresh);
+    binary(BinaryOp::AddScaled, dw, dw, fresh, 1.0);
     return;
   }
   Tensor xc = pad ? pad_channels(x) : dense_in(x, fmt);

@@ -1,15 +1,16 @@
-// relu(batch_norm(x) [+ residual]): the tail of every ResNet block. Where the backend has the
-// fused entries (core/backend.h: batch_norm_relu_*, bn_stats_*; on CUDA cuDNN's
-// BN_ACTIVATION / BN_ADD_ACTIVATION kernels and kiln's NHWC kernels), in training, with f16
-// channels-last data and f32 parameters, it is one fused pass each way, saving the separate
-// add and ReLU passes over the activation and their saved tensors. Elsewhere it is the
-// composition of F::batch_norm, F::add and F::relu, which defines the result. The ResNet stem's
-// batch norm + ReLU + max pool (batch_norm_relu_max_pool) is fused the same way.
+// relu(batch_norm(x) [+ residual]): the tail of every ResNet block. Where the backend supports
+// a fast path for the operands at hand (core/backend.h: Backend::supports, the
+// BatchNormReluPaths and BatchNormStatsPaths sub-tables; on CUDA cuDNN's BN_ACTIVATION /
+// BN_ADD_ACTIVATION kernels and kiln's NHWC kernels), in training, it is one fused pass each way,
+// saving the separate add and ReLU passes over the activation and their saved tensors.
+// Elsewhere it is the composition of F::batch_norm, F::add and F::relu, which defines the
+// result. The ResNet stem's batch norm + ReLU + max pool (batch_norm_relu_max_pool) is fused the
+// same way. Which operands a path takes is the backend's decision alone: nothing here knows a
+// device, a dtype or a switch.
 
 #include <atomic>
 #include <utility>
 
-#include "core/switches.h"
 #include "ops/check.h"
 #include "ops/dgrad_sink.h"
 #include "ops/ops.h"
@@ -17,28 +18,15 @@
 namespace kiln::F {
 namespace {
 
-// KILN_FUSED_BN=0 turns the fused paths off (for A/B measurements and bisecting).
-bool fused_enabled() { return switches().fused_bn; }
-
-constinit RuntimeSwitch g_dgrad_fusion{&Switches::fused_dgrad};  // KILN_FUSED_DGRAD
 std::atomic<uint64_t> g_dgrad_fusions{0};
 
-bool fusable(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
-             const Tensor& running_mean, const Tensor& running_var, bool training) {
-  auto nhwc_f16 = [&](const Tensor& t) {
-    return t.is_cuda() && t.dtype() == DType::f16 && t.dim() == 4 &&
-           t.is_contiguous(MemoryFormat::ChannelsLast);
-  };
-  auto param = [&](const Tensor& p) {
-    return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
-           p.size(0) == x.size(1) && p.is_contiguous();
-  };
-  if (!training || !fused_enabled() || !nhwc_f16(x) || !backend(x).batch_norm_relu_forward)
-    return false;
-  if (residual.defined() && !(nhwc_f16(residual) && residual.shape() == x.shape() &&
-                              residual.device() == x.device()))
-    return false;
-  return param(weight) && param(bias) && param(running_mean) && param(running_var);
+// The library-fused BN + ReLU path: training, and the backend takes these operands.
+bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+               const Tensor& running_mean, const Tensor& running_var, bool training) {
+  const Backend& be = backend(x);
+  return training && be.batch_norm_relu &&
+         supports(be, FastPath::BatchNormRelu,
+                  {&x, &residual, &weight, &bias, &running_mean, &running_var});
 }
 
 // The engine's accumulate-into targets for parameter gradients `inputs` of `node` (see Node in
@@ -98,9 +86,9 @@ class BatchNormActBackward final : public Node {
     const bool acc = !targets.empty();
     // cuDNN always computes both; an unwanted one into a scratch the backend provides.
     Tensor dw = acc ? targets[0] : empty_like(w), db = acc ? targets[1] : empty_like(b);
-    backend(x).batch_norm_relu_backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
-                                        save_invstd_.get(*this), reserve_.get(*this), eps_,
-                                        acc ? target_mode(*this, {2, 3}) : GradientMode::Set);
+    backend(x).batch_norm_relu->backward(dx, dz, dw, db, dy, x, y, w, b, save_mean_.get(*this),
+                                         save_invstd_.get(*this), reserve_.get(*this), eps_,
+                                         acc ? target_mode(*this, {2, 3}) : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(),
             needs_input_grad(2) ? dw : Tensor(), needs_input_grad(3) ? db : Tensor()};
   }
@@ -111,7 +99,7 @@ class BatchNormActBackward final : public Node {
   double eps_;
 };
 
-// Backward of batch_norm_from_stats's fused path (Backend::bn_stats_*). With relu and a
+// Backward of batch_norm_from_stats's fused path (BatchNormStatsPaths). With relu and a
 // residual (a ResNet block's tail) it takes the next block's conv1 data gradient into its own
 // first pass where the backend can (ops/dgrad_sink.h).
 class BatchNormStatsBackward final : public Node, public detail::DgradSink {
@@ -133,12 +121,12 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
   bool accept_dgrad1x1(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
-    if (output_nr != 0 || !relu_ || !add_ || dy1_.defined() || !dgrad_fusion_enabled() ||
-        !x_.defined() || !mask_.defined())
+    if (output_nr != 0 || !relu_ || !add_ || dy1_.defined() || !x_.defined() || !mask_.defined())
       return false;
     const Tensor x = x_.get(*this);
     const Backend& be = backend(x);
-    if (!be.bn_stats_backward_dgrad1x1 || !be.bn_stats_dgrad1x1_supported(dy1, w1, x))
+    if (!be.batch_norm_stats->backward_dgrad1x1 ||
+        !supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy1, &w1, &x}))
       return false;
     dy1_ = dy1;
     w1_ = w1;
@@ -162,13 +150,15 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     const GradientMode mode = acc ? target_mode(*this, {2, 3}) : GradientMode::Set;
     if (dy1.defined()) {
-      backend(x).bn_stats_backward_dgrad1x1(dx, dz, dw, db, dy1, w1, dy, x, mask_.get(*this), w,
-                                            save_mean_.get(*this), save_invstd_.get(*this), mode);
+      backend(x).batch_norm_stats->backward_dgrad1x1(dx, dz, dw, db, dy1, w1, dy, x,
+                                                     mask_.get(*this), w, save_mean_.get(*this),
+                                                     save_invstd_.get(*this), mode);
     } else {
       // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
       Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
-      backend(x).bn_stats_backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
-                                   save_invstd_.get(*this), scale_shift_.get(*this), relu_, mode);
+      backend(x).batch_norm_stats->backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
+                                            save_invstd_.get(*this), scale_shift_.get(*this),
+                                            relu_, mode);
     }
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(), dw, db};
   }
@@ -207,11 +197,10 @@ class DualBatchNormBackward final : public Node {
     const bool acc = !targets.empty();
     Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
     Tensor dwr = acc ? targets[2] : param_grad(4), dbr = acc ? targets[3] : param_grad(5);
-    backend(x).bn_stats_dual_backward(dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x,
-                                      wx_.get(*this), mean_x_.get(*this), invstd_x_.get(*this),
-                                      r, wr_.get(*this), mean_r_.get(*this),
-                                      invstd_r_.get(*this),
-                                      acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set);
+    backend(x).batch_norm_stats->dual_backward(
+        dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x, wx_.get(*this), mean_x_.get(*this),
+        invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this),
+        acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }
@@ -220,42 +209,29 @@ class DualBatchNormBackward final : public Node {
   SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;
 };
 
-// Whether the bn_stats_* kernels take x, residual and the parameters (the statistics aside).
-bool params_fusable(const Tensor& x, const Tensor& residual, const Tensor& weight,
-                    const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
-                    bool training) {
+// The BatchNormStats path: training, and the backend takes x, the residual, the parameters and
+// the statistics (sum and sqsum undefined: they would come from its `compute`).
+bool stats_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                const Tensor& running_mean, const Tensor& running_var, const Tensor& sum,
+                const Tensor& sqsum, bool training) {
   const Backend& be = backend(x);
-  if (!training || !fused_enabled() || !be.bn_stats_supported || !be.bn_stats_supported(x))
-    return false;
-  auto per_channel = [&](const Tensor& p) {
-    return p.defined() && p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
-           p.size(0) == x.size(1) && p.is_contiguous();
-  };
-  if (residual.defined() &&
-      !(residual.dtype() == DType::f16 && residual.device() == x.device() &&
-        residual.shape() == x.shape() && residual.is_contiguous(MemoryFormat::ChannelsLast)))
-    return false;
-  return per_channel(weight) && per_channel(bias) && per_channel(running_mean) &&
-         per_channel(running_var) && x.numel() / x.size(1) > 1;
+  return training && be.batch_norm_stats &&
+         supports(be, FastPath::BatchNormStats,
+                  {&x, &residual, &weight, &bias, &running_mean, &running_var, &sum, &sqsum});
 }
 
-// ... and whether `stats` are x's current statistics in the form the kernels take.
+// ... with `stats` that are x's current statistics.
 bool stats_fusable(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                    const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                    const Tensor& running_var, bool training) {
-  if (!stats.defined() || stats.version != x.version() ||
-      !params_fusable(x, residual, weight, bias, running_mean, running_var, training))
-    return false;
-  auto per_channel = [&](const Tensor& p) {
-    return p.dtype() == DType::f32 && p.device() == x.device() && p.dim() == 1 &&
-           p.size(0) == x.size(1) && p.is_contiguous();
-  };
-  return per_channel(stats.sum) && per_channel(stats.sqsum);
+  return stats.defined() && stats.version == x.version() &&
+         stats_path(x, residual, weight, bias, running_mean, running_var, stats.sum, stats.sqsum,
+                    training);
 }
 
 // The finalize every fused path shares: per-channel scale and shift from the statistics, the
 // running statistics and the counter updated — by the backend entry it is handed to
-// (bn_stats_apply and bn_stats_dual_apply run it first; bn_stats_finalize on its own).
+// (apply and dual_apply run it first; finalize on its own).
 BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const BatchNormParams& p,
                                const char* op) {
   autograd::check_inplace(p.running_mean, op);
@@ -310,16 +286,18 @@ class BatchNormReluMaxPoolBackward final : public Node {
     Tensor dw = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor dx = empty_like(x);
-    if (be.bn_stats_relu_max_pool_backward && switches().fused_stem > 1) {
-      be.bn_stats_relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), x,
-                                         weight_.get(*this), save_mean_.get(*this),
-                                         save_invstd_.get(*this), scale_shift_.get(*this), mode);
+    const BatchNormStatsPaths& bn = *be.batch_norm_stats;
+    if (bn.relu_max_pool_backward &&
+        supports(be, FastPath::BatchNormReluMaxPoolBackward, {&x})) {
+      bn.relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), x, weight_.get(*this),
+                                save_mean_.get(*this), save_invstd_.get(*this),
+                                scale_shift_.get(*this), mode);
     } else {
       Tensor dact = empty_like(x);  // the gradient at the ReLU's output
       be.max_pool2d_backward(dact, dy, indices_.get(*this), p_);
-      be.bn_stats_backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
-                           save_mean_.get(*this), save_invstd_.get(*this),
-                           scale_shift_.get(*this), /*relu=*/true, mode);
+      bn.backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
+                  save_mean_.get(*this), save_invstd_.get(*this), scale_shift_.get(*this),
+                  /*relu=*/true, mode);
     }
     return {needs_input_grad(0) ? dx : Tensor(), dw, db};
   }
@@ -342,8 +320,6 @@ void count_batch(const Tensor& counter) {
   }
 }
 
-bool dgrad_fusion_enabled() { return g_dgrad_fusion.get(); }
-void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.set(on); }
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
@@ -360,8 +336,9 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
     Tensor mask = relu && residual.defined()
                       ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
                       : Tensor();
-    backend(x).bn_stats_apply(y, x.detach(), residual.defined() ? residual.detach() : Tensor(),
-                              f, relu, mask);
+    backend(x).batch_norm_stats->apply(y, x.detach(),
+                                       residual.defined() ? residual.detach() : Tensor(), f, relu,
+                                       mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
           x.detach(), mask, weight.detach(), f.save_mean, f.save_invstd, f.scale_shift, relu,
@@ -395,7 +372,7 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
     const BnStatsFinalize fx = finalize_stats(x, sx, px, what), fr = finalize_stats(r, sr, pr, what);
     Tensor y = empty_like(x);
     Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()));
-    backend(x).bn_stats_dual_apply(y, x.detach(), fx, r.detach(), fr, mask);
+    backend(x).batch_norm_stats->dual_apply(y, x.detach(), fx, r.detach(), fr, mask);
     if (autograd::any_requires_grad({x, r, px.weight, px.bias, pr.weight, pr.bias})) {
       auto node = std::make_shared<DualBatchNormBackward>(
           x.detach(), r.detach(), mask, px.weight.detach(), pr.weight.detach(), fx.save_mean,
@@ -417,7 +394,7 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
                        const Tensor& bias, const Tensor& running_mean, const Tensor& running_var,
                        bool training, double momentum, double eps) {
   check_defined(x, "batch_norm_relu", "x");
-  if (fusable(x, residual, weight, bias, running_mean, running_var, training)) {
+  if (relu_path(x, residual, weight, bias, running_mean, running_var, training)) {
     KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : "batch_norm_relu", x);
     autograd::check_inplace(running_mean, "batch_norm_relu (running_mean update)");
     autograd::check_inplace(running_var, "batch_norm_relu (running_var update)");
@@ -429,9 +406,9 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
       NoGradGuard no_grad;  // running statistics change in place, outside the graph
       running_mean.bump_version();
       running_var.bump_version();
-      reserve = backend(x).batch_norm_relu_forward(y, save_mean, save_invstd, x, residual, weight,
-                                                   bias, running_mean, running_var, momentum,
-                                                   eps);
+      reserve = backend(x).batch_norm_relu->forward(y, save_mean, save_invstd, x, residual,
+                                                    weight, bias, running_mean, running_var,
+                                                    momentum, eps);
     }
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormActBackward>(x, y, weight, bias, save_mean,
@@ -455,23 +432,24 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
   const bool stem_pool = kernel.h == 3 && kernel.w == 3 && s.h == 2 && s.w == 2 &&
                          padding.h == 1 && padding.w == 1 && dilation.h == 1 && dilation.w == 1;
   const Backend& be = backend(x);
-  if (stem_pool && switches().fused_stem > 0 && be.bn_stats_relu_max_pool &&
-      params_fusable(x, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                     training) &&
-      (stats_fusable(x, stats, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
+  const Tensor none;
+  if (stem_pool && be.batch_norm_stats && be.batch_norm_stats->relu_max_pool &&
+      supports(be, FastPath::BatchNormReluMaxPool, {&x}) &&
+      (stats_fusable(x, stats, none, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                      training) ||
-       be.bn_stats_compute)) {
+       (be.batch_norm_stats->compute && stats_path(x, none, bn.weight, bn.bias, bn.running_mean,
+                                                   bn.running_var, none, none, training)))) {
     KILN_OP_SCOPE("batch_norm_relu_max_pool", x);
     ChannelStats st = stats;
     if (!stats_fusable(x, st, Tensor(), bn.weight, bn.bias, bn.running_mean, bn.running_var,
                        training)) {
       const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
       st = ChannelStats{empty({x.size(1)}, f32), empty({x.size(1)}, f32), x.version()};
-      be.bn_stats_compute(st.sum, st.sqsum, x.detach());
+      be.batch_norm_stats->compute(st.sum, st.sqsum, x.detach());
     }
     const BnStatsFinalize f =
         finalize_stats(x, st, bn, "batch_norm_relu_max_pool (running statistics update)");
-    be.bn_stats_finalize(f);
+    be.batch_norm_stats->finalize(f);
     PoolParams p;
     p.kernel_h = p.kernel_w = 3;
     p.stride_h = p.stride_w = 2;
@@ -482,7 +460,7 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
             MemoryFormat::ChannelsLast);
     Tensor y = empty(out, nhwc);
     Tensor indices = empty(out, nhwc.with_dtype(max_pool2d_indices_dtype(p)));
-    be.bn_stats_relu_max_pool(y, indices, x.detach(), f.scale_shift);
+    be.batch_norm_stats->relu_max_pool(y, indices, x.detach(), f.scale_shift);
     if (autograd::any_requires_grad({x, bn.weight, bn.bias})) {
       auto node = std::make_shared<BatchNormReluMaxPoolBackward>(x.detach(), indices,
                                                                  bn.weight.detach(), f, p);

@@ -6,37 +6,6 @@
 
 namespace kiln {
 
-const char* unary_name(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::Neg: return "neg";
-    case UnaryOp::Exp: return "exp";
-    case UnaryOp::Log: return "log";
-    case UnaryOp::Sqrt: return "sqrt";
-    case UnaryOp::Relu: return "relu";
-    case UnaryOp::Sigmoid: return "sigmoid";
-    case UnaryOp::Tanh: return "tanh";
-    case UnaryOp::PowScalar: return "pow";
-    case UnaryOp::AddScalar: return "add";
-    case UnaryOp::MulScalar: return "mul";
-    case UnaryOp::RsubScalar: return "rsub";
-    case UnaryOp::RdivScalar: return "rdiv";
-    case UnaryOp::GtScalar: return "gt";
-  }
-  return "?";
-}
-
-const char* binary_name(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::AddScaled: return "add";
-    case BinaryOp::Mul: return "mul";
-    case BinaryOp::Div: return "div";
-    case BinaryOp::Pow: return "pow";
-    case BinaryOp::ReluBackward: return "relu_backward";
-    case BinaryOp::Eq: return "eq";
-  }
-  return "?";
-}
-
 namespace F {
 
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {

@@ -131,11 +131,9 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
 
 // In backward, batch_norm_from_stats's fused node with relu and a residual (a ResNet block's
 // tail) takes the data gradient of a stride-1 1x1 convolution that reads its output into its
-// own first pass where the backend can (on CUDA one GEMM with the statistics in its epilogue,
-// for the convolution's output channels K = 64 or 128: ResNet-50's layers 1 and 2). On unless
-// KILN_FUSED_DGRAD=0 or switched off here; dgrad_fusions() counts the gradients taken in.
-bool dgrad_fusion_enabled();
-void set_dgrad_fusion_enabled(bool on);
+// own first pass where the backend supports it (FastPath::BatchNormStatsDgrad1x1; on CUDA one
+// GEMM with the statistics in its epilogue, cuda::set_dgrad_fusion_enabled switches it).
+// dgrad_fusions() counts the gradients taken in.
 uint64_t dgrad_fusions();
 
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,

@@ -8,26 +8,7 @@
 namespace kiln {
 
 Tensor Tensor::expand(const Shape& target) const {
-  KILN_CHECK(int64_t(target.size()) >= dim(), "expand: target ", kiln::shape_str(target),
-             " has fewer dims than ", desc());
-  const size_t lead = target.size() - size_t(dim());
-  Shape ns(target.size()), nst(target.size());
-  for (size_t i = 0; i < target.size(); ++i) {
-    if (i < lead) {
-      KILN_CHECK(target[i] >= 0, "expand: -1 not allowed in a new leading dim");
-      ns[i] = target[i];
-      nst[i] = 0;
-      continue;
-    }
-    int64_t cur = shape()[i - lead];
-    int64_t want = target[i] == -1 ? cur : target[i];
-    KILN_CHECK(want >= 0, "expand: invalid size ", target[i], " in ", kiln::shape_str(target));
-    KILN_CHECK(cur == want || cur == 1, "expand: cannot expand ", desc(), " to ",
-               kiln::shape_str(target));
-    ns[i] = want;
-    nst[i] = (cur == want) ? strides()[i - lead] : 0;
-  }
-  Tensor out = make_tensor(storage(), offset(), ns, nst, dtype());
+  Tensor out = broadcast_to(target);
   Shape in_shape = shape();
   autograd::record_unary("ExpandBackward", *this, out,
                          [in_shape](const Tensor& g) { return F::sum_to(g, in_shape); });

@@ -34,7 +34,7 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // y (N, out) = x·wᵀ + bias on the GEMM.
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias) {
   matmul(y, x, false, w, true);
-  if (bias.defined()) binary(BinaryOp::AddScaled, y, y, bias.expand(y.shape()), 1.0);
+  if (bias.defined()) binary(BinaryOp::AddScaled, y, y, bias.broadcast_to(y.shape()), 1.0);
 }
 
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,

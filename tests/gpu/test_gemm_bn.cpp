@@ -243,8 +243,8 @@ TEST_CASE("a block tail takes the next 1x1 convolution's data gradient: gradient
       Tensor y3, z, w1, weight, bias;
     };
     auto run = [&](bool fused, DType dt) {
-      const bool before = F::dgrad_fusion_enabled();
-      F::set_dgrad_fusion_enabled(fused);
+      const bool before = cuda::dgrad_fusion_enabled();
+      cuda::set_dgrad_fusion_enabled(fused);
       auto leaf = [&](const Tensor& h, DType t, bool act) {
         Tensor g = h.to(t).to(kGpu);
         if (act || (h.dim() == 4 && h.size(2) == 1)) g = g.contiguous(MemoryFormat::ChannelsLast);
@@ -273,7 +273,7 @@ TEST_CASE("a block tail takes the next 1x1 convolution's data gradient: gradient
         autograd::backward({y1, out}, {grad(hdy), grad(hs)}, false);
       else
         autograd::backward({y1}, {grad(hdy)}, false);
-      F::set_dgrad_fusion_enabled(before);
+      cuda::set_dgrad_fusion_enabled(before);
       return r;
     };
     const uint64_t n0 = F::dgrad_fusions();
