@@ -214,8 +214,7 @@ Value parse(const std::string& text) { return Parser(text).parse_document(); }
 std::string quote(const std::string& s) {
   const size_t bad = text::invalid_utf8_at(s);
   KILN_CHECK(bad == std::string::npos, "json: cannot write a string that is not UTF-8 (byte 0x",
-             hex_byte(s[bad]), " at offset ", bad, " of '", text::printable(s.substr(0, 80)),
-             "')");
+             hex_byte(s[bad]), " at offset ", bad, " of '", text::printable(s.substr(0, 80)), "')");
   std::string out = "\"";
   for (unsigned char c : s) {
     switch (c) {

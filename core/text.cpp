@@ -15,10 +15,14 @@ size_t decode_utf8(std::string_view s, size_t i, char32_t* cp) {
   // Lead byte: sequence length and the smallest code point it may encode (no overlong forms).
   size_t n;
   char32_t v, min;
-  if ((c & 0xE0) == 0xC0) n = 2, v = c & 0x1F, min = 0x80;
-  else if ((c & 0xF0) == 0xE0) n = 3, v = c & 0x0F, min = 0x800;
-  else if ((c & 0xF8) == 0xF0) n = 4, v = c & 0x07, min = 0x10000;
-  else return 0;  // a continuation byte, or 0xF8-0xFF
+  if ((c & 0xE0) == 0xC0)
+    n = 2, v = c & 0x1F, min = 0x80;
+  else if ((c & 0xF0) == 0xE0)
+    n = 3, v = c & 0x0F, min = 0x800;
+  else if ((c & 0xF8) == 0xF0)
+    n = 4, v = c & 0x07, min = 0x10000;
+  else
+    return 0;  // a continuation byte, or 0xF8-0xFF
   if (i + n > s.size()) return 0;
   for (size_t k = 1; k < n; ++k) {
     if ((b(k) & 0xC0) != 0x80) return 0;

@@ -1,7 +1,8 @@
 #pragma once
 // UTF-8 checks and terminal-safe display for text that comes from users' files (class names,
-// paths, metadata values): json::quote refuses what is not UTF-8, model files refuse class
-// names holding control characters, kiln-predict prints names through printable().
+// paths, metadata values): json::quote refuses what is not UTF-8, model_metadata and the
+// classes.txt reader refuse class names holding control characters, kiln-predict prints paths
+// and names through printable().
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -12,7 +13,9 @@ namespace kiln::text {
 // continuation byte, a truncated sequence, an overlong form, a surrogate, a code point past
 // U+10FFFF), or std::string_view::npos when all of `s` is well-formed.
 size_t invalid_utf8_at(std::string_view s);
-inline bool is_valid_utf8(std::string_view s) { return invalid_utf8_at(s) == std::string_view::npos; }
+inline bool is_valid_utf8(std::string_view s) {
+  return invalid_utf8_at(s) == std::string_view::npos;
+}
 
 // Code points a terminal acts on instead of showing: the C0 controls (U+0000-U+001F), DEL, the
 // C1 controls (U+0080-U+009F) and the bidirectional embeddings, overrides and isolates

@@ -97,8 +97,7 @@ bool header_size(const uint8_t* d, size_t n, int64_t* w, int64_t* h) {
 }
 
 void check_size_limits(int64_t w, int64_t h, const std::string& name) {
-  KILN_CHECK(h > 0 && w > 0 && h <= kMaxImageSide && w <= kMaxImageSide &&
-                 h * w <= kMaxImagePixels,
+  KILN_CHECK(h > 0 && w > 0 && h <= kMaxImageSide && w <= kMaxImageSide && h * w <= kMaxImagePixels,
              "image '", name, "': header claims ", w, "x", h, " pixels, over the limit (",
              kMaxImageSide, " per side, ", kMaxImagePixels, " in all)");
 }

@@ -56,9 +56,9 @@ int64_t meta_int(const std::string& text, const std::string& key, const std::str
                  int64_t lo, int64_t hi, const char* range = nullptr) {
   int64_t v = 0;
   const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  KILN_CHECK(r.ec == std::errc() && r.ptr == text.data() + text.size() && v >= lo && v <= hi,
-             "'", source, "': metadata '", key, "' = '", shown(text), "' is not an integer in ",
-             lo, "..", hi, range ? range : "");
+  KILN_CHECK(r.ec == std::errc() && r.ptr == text.data() + text.size() && v >= lo && v <= hi, "'",
+             source, "': metadata '", key, "' = '", shown(text), "' is not an integer in ", lo,
+             "..", hi, range ? range : "");
   return v;
 }
 
@@ -80,8 +80,8 @@ void check_norm(double x, bool is_std, const std::string& what) {
     KILN_CHECK(x >= kMinStd && x <= kMaxNorm, what, " holds ", x, ", outside ", kMinStd, "..",
                kMaxNorm);
   else
-    KILN_CHECK(x >= -kMaxNorm && x <= kMaxNorm, what, " holds ", x, ", outside ", -kMaxNorm,
-               "..", kMaxNorm);
+    KILN_CHECK(x >= -kMaxNorm && x <= kMaxNorm, what, " holds ", x, ", outside ", -kMaxNorm, "..",
+               kMaxNorm);
 }
 
 }  // namespace
@@ -114,8 +114,7 @@ void check_class_names(const std::vector<std::string>& names, const std::string&
     const std::string problem = class_name_problem(names[i]);
     KILN_CHECK(problem.empty(), source, ": class ", i, " '", shown(names[i]), "' ", problem);
     const auto [it, fresh] = seen.emplace(names[i], i);
-    KILN_CHECK(fresh, source, ": class ", i, " '", shown(names[i]), "' repeats class ",
-               it->second);
+    KILN_CHECK(fresh, source, ": class ", i, " '", shown(names[i]), "' repeats class ", it->second);
   }
 }
 
@@ -137,8 +136,8 @@ void check_model_info(const ModelInfo& m, const std::string& source) {
                " values for ", m.in_channels, " input channel(s)");
     for (float x : v) check_norm(double(x), is_std, source + ": " + key);
   }
-  KILN_CHECK(m.class_names.empty() || m.class_names.size() == size_t(m.num_classes), source,
-             ": ", m.class_names.size(), " class names for ", m.num_classes, " classes");
+  KILN_CHECK(m.class_names.empty() || m.class_names.size() == size_t(m.num_classes), source, ": ",
+             m.class_names.size(), " class names for ", m.num_classes, " classes");
   check_class_names(m.class_names, source);
 }
 
@@ -183,15 +182,15 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
     m.in_channels = meta_int(*v, "in_channels", source, 1, kMaxInChannels);
   if (const std::string* v = get("width")) m.width = meta_int(*v, "width", source, 1, kMaxWidth);
   if (const std::string* v = get("stem")) {
-    KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '",
-               shown(*v), "', expected imagenet or small");
+    KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '", shown(*v),
+               "', expected imagenet or small");
     m.imagenet_stem = *v == "imagenet";
   }
   if (const std::string* v = get("image_size"))
     m.image_size = meta_int(*v, "image_size", source, 1, kMaxImageSize);
   if (const std::string* v = get("resize_size"))
-    m.resize_size = meta_int(*v, "resize_size", source, m.image_size, kMaxResizeSize,
-                             " (at least image_size)");
+    m.resize_size =
+        meta_int(*v, "resize_size", source, m.image_size, kMaxResizeSize, " (at least image_size)");
   else
     m.resize_size = std::max(m.resize_size, m.image_size);
   for (const bool is_std : {false, true}) {

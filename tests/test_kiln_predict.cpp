@@ -608,7 +608,8 @@ TEST_CASE("kiln-train: classes.txt is checked line by line; class folders are ch
   write([](auto& l) { l[2] = "   "; });
   CHECK(error() == "'" + file + "' line 3: class name '   ' is only whitespace");
   write([](auto& l) { l[0] = "\x1b[2Jkind"; });
-  CHECK(error() == "'" + file + "' line 1: class name '\\x1b[2Jkind' holds control character U+001B");
+  CHECK(error() ==
+        "'" + file + "' line 1: class name '\\x1b[2Jkind' holds control character U+001B");
   write([](auto& l) { l[9] = "caf\xE9"; });
   CHECK(error() ==
         "'" + file + "' line 10: class name 'caf\\xe9' is not valid UTF-8 (byte 0xe9 at offset 3)");
@@ -629,8 +630,8 @@ TEST_CASE("kiln-train: classes.txt is checked line by line; class folders are ch
   // kiln-train's size flags keep to what a model file may hold.
   CHECK_THROWS_WITH_AS(train::parse_args({"--image-size", "5000"}),
                        doctest::Contains("--image-size"), cli::UsageError);
-  CHECK_THROWS_WITH_AS(train::parse_args({"--image-size", "5000"}),
-                       doctest::Contains("4096"), cli::UsageError);
+  CHECK_THROWS_WITH_AS(train::parse_args({"--image-size", "5000"}), doctest::Contains("4096"),
+                       cli::UsageError);
 }
 
 namespace {
@@ -678,7 +679,8 @@ TEST_CASE("model files: every metadata value is range-checked, naming the file, 
     return message_of([&] { read_model_metadata(with(key, value), "f.safetensors"); });
   };
   const std::string f = "'f.safetensors': metadata ";
-  CHECK(error("image_size", "100000") == f + "'image_size' = '100000' is not an integer in 1..4096");
+  CHECK(error("image_size", "100000") ==
+        f + "'image_size' = '100000' is not an integer in 1..4096");
   CHECK(error("image_size", "0") == f + "'image_size' = '0' is not an integer in 1..4096");
   CHECK(error("resize_size", "10") ==
         f + "'resize_size' = '10' is not an integer in 16..8192 (at least image_size)");
@@ -702,7 +704,8 @@ TEST_CASE("model files: every metadata value is range-checked, naming the file, 
   CHECK(error("mean", "[\"x\"]") == f + "'mean' holds a non-number");
   CHECK(error("mean", "[0.1, 0.2]") == f + "'mean' has 2 values for 1 input channel(s)");
   CHECK(error("in_channels", "3") == f + "'mean' has 1 values for 3 input channel(s)");
-  CHECK(error("class_names", "[\"a\"]") == "'f.safetensors': metadata has 1 class names for 4 classes");
+  CHECK(error("class_names", "[\"a\"]") ==
+        "'f.safetensors': metadata has 1 class names for 4 classes");
   // A long value is shown cut short.
   CHECK(error("width", std::string(500, '9')) ==
         f + "'width' = '" + std::string(80, '9') + "...' is not an integer in 1..1024");
@@ -713,8 +716,8 @@ TEST_CASE("model files: every metadata value is range-checked, naming the file, 
   CHECK(read_model_metadata(meta, "f").resize_size == 300);
 
   // Class names from older files are taken as they are (printers escape them) ...
-  const ModelInfo old = read_model_metadata(
-      with("class_names", "[\"a\", \"a\", \"\\u001b[31mred\", \"\"]"), "f");
+  const ModelInfo old =
+      read_model_metadata(with("class_names", "[\"a\", \"a\", \"\\u001b[31mred\", \"\"]"), "f");
   CHECK(old.class_names[2] == "\x1b[31mred");
   // ... but never written.
   ModelInfo bad = m;
@@ -790,8 +793,7 @@ TEST_CASE("kiln-predict: each bad input is one line naming it, the rest is predi
   auto meta = model_metadata(small_info(3, 3, 4));
   meta["class_names"] = "[\"plain\", \"\\u001b]0;pwned\\u0007\", \"rtl\\u202eabc\"]";
   const std::string weights = write_model("named.safetensors", 3, &meta);
-  const std::vector<std::string> pngs =
-      predict::collect_images({image_folder() + "/val"}).images;
+  const std::vector<std::string> pngs = predict::collect_images({image_folder() + "/val"}).images;
 
   const fs::path d = tmp().dir / "inputs";
   fs::create_directories(d / "tree" / "a");
@@ -803,10 +805,9 @@ TEST_CASE("kiln-predict: each bad input is one line naming it, the rest is predi
   std::ofstream(d / "broken.png") << "not an image";
   {
     // A PNG signature and an IHDR chunk claiming 60000 x 60000 pixels.
-    const unsigned char huge[] = {0x89, 'P',  'N',  'G',  '\r', '\n', 0x1A, '\n',
-                                  0,    0,    0,    13,   'I',  'H',  'D',  'R',
-                                  0,    0,    0xEA, 0x60, 0,    0,    0xEA, 0x60,
-                                  8,    2,    0,    0,    0,    0,    0,    0,    0};
+    const unsigned char huge[] = {0x89, 'P',  'N', 'G', '\r', '\n', 0x1A, '\n', 0,    0, 0,
+                                  13,   'I',  'H', 'D', 'R',  0,    0,    0xEA, 0x60, 0, 0,
+                                  0xEA, 0x60, 8,   2,   0,    0,    0,    0,    0,    0, 0};
     std::ofstream(d / "huge.png", std::ios::binary)
         .write(reinterpret_cast<const char*>(huge), sizeof huge);
   }
@@ -829,12 +830,12 @@ TEST_CASE("kiln-predict: each bad input is one line naming it, the rest is predi
   }
   const std::string D = d.string();
   Run r = run_command(prefix + tool + " --weights " + weights + " --top 3 " + D + "/missing.png " +
-                      (locked ? D + "/tree/locked/3.png " : "") + D + "/tree " + D + "/empty " +
-                      D + "/huge.png " + D + "/broken.png " + D + "/good.png");
+                      (locked ? D + "/tree/locked/3.png " : "") + D + "/tree " + D + "/empty " + D +
+                      "/huge.png " + D + "/broken.png " + D + "/good.png");
   if (locked) fs::permissions(d / "tree" / "locked", fs::perms::owner_all);
   CHECK(r.code == 1);
-  std::vector<std::string> expected = {
-      "kiln-predict: error: no such image or folder: '" + D + "/missing.png'"};
+  std::vector<std::string> expected = {"kiln-predict: error: no such image or folder: '" + D +
+                                       "/missing.png'"};
   if (locked) {
     expected.push_back("kiln-predict: error: cannot access '" + D +
                        "/tree/locked/3.png': Permission denied");
@@ -881,13 +882,16 @@ TEST_CASE("kiln-predict: output that cannot be written is an error, never exit c
   // stderr to the pipe, stdout elsewhere.
   Run r = run_command(cmd + " 2>&1 >/dev/full", false);
   CHECK(r.code == 1);
-  CHECK(r.output == "kiln-predict: error: cannot write to standard output: No space left on device\n");
+  CHECK(r.output ==
+        "kiln-predict: error: cannot write to standard output: No space left on device\n");
   r = run_command(tool + " --help 2>&1 >/dev/full", false);
   CHECK(r.code == 1);
-  CHECK(r.output == "kiln-predict: error: cannot write to standard output: No space left on device\n");
+  CHECK(r.output ==
+        "kiln-predict: error: cannot write to standard output: No space left on device\n");
   r = run_command(cmd + " 2>&1 >&-", false);
   CHECK(r.code == 1);
-  CHECK(r.output == "kiln-predict: error: standard output is closed: nowhere to print the predictions\n");
+  CHECK(r.output ==
+        "kiln-predict: error: standard output is closed: nowhere to print the predictions\n");
 
   // A reader that goes away: 20 images of 1000 classes is far more than a pipe holds. By
   // default SIGPIPE ends the tool quietly, as it does cat; with SIGPIPE ignored the write fails

@@ -56,8 +56,8 @@ std::vector<std::string> read_class_file(const fs::path& path, int64_t num_class
       cli::usage_error(where, line_no, ": class name '", text::printable(line), "' ", problem);
     const auto [it, fresh] = seen.emplace(line, line_no);
     if (!fresh)
-      cli::usage_error(where, line_no, ": class name '", text::printable(line),
-                       "' repeats line ", it->second);
+      cli::usage_error(where, line_no, ": class name '", text::printable(line), "' repeats line ",
+                       it->second);
     names.push_back(line);
   }
   if (f.bad()) cli::usage_error("error reading '", path.string(), "'");

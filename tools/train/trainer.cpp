@@ -14,6 +14,7 @@
 
 #include "core/device_query.h"
 #include "core/serialization.h"
+#include "core/text.h"
 #include "core/version.h"
 #include "cuda/profiler.h"
 #include "ops/ops.h"
@@ -182,7 +183,9 @@ Summary run(const Config& c) {
   optim::DynamicLossScaler scaler(dev, so);
 
   std::map<std::string, std::string> meta = model_metadata(info);
-  meta["data"] = c.dummy ? "dummy" : c.data;
+  // A safetensors header is UTF-8 JSON: a path that is not UTF-8 is kept with its bad bytes
+  // written \xNN (save_safetensors would refuse it at the first checkpoint).
+  meta["data"] = c.dummy ? "dummy" : text::is_valid_utf8(c.data) ? c.data : text::printable(c.data);
   meta["batch_size"] = std::to_string(c.batch_size * env.world_size);
   const int64_t steps_per_epoch = data.steps_per_epoch();
   int64_t start_epoch = 0, step = 0;
