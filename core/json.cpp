@@ -6,8 +6,17 @@
 #include <cstdlib>
 
 #include "core/error.h"
+#include "core/text.h"
 
 namespace kiln::json {
+
+namespace {
+std::string hex_byte(char c) {
+  char buf[4];
+  std::snprintf(buf, sizeof buf, "%02x", unsigned(static_cast<unsigned char>(c)));
+  return buf;
+}
+}  // namespace
 
 double Value::number() const {
   KILN_CHECK(kind_ == Kind::Number, "json: expected a number");
@@ -147,17 +156,54 @@ class Parser {
         case 'b': out += '\b'; break;
         case 'f': out += '\f'; break;
         case 'u': {
-          KILN_CHECK(i_ + 4 <= t_.size(), "json: short \\u escape");
-          unsigned cp = unsigned(std::strtoul(t_.substr(i_, 4).c_str(), nullptr, 16));
-          i_ += 4;
-          // UTF-8 encode the BMP code point (surrogate pairs are not needed for our files).
-          if (cp < 0x80) out += char(cp);
-          else if (cp < 0x800) { out += char(0xC0 | (cp >> 6)); out += char(0x80 | (cp & 0x3F)); }
-          else { out += char(0xE0 | (cp >> 12)); out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F)); }
+          const size_t at = i_ - 2;  // where the escape starts
+          char32_t cp = parse_hex4();
+          if (cp >= 0xD800 && cp <= 0xDBFF && t_.compare(i_, 2, "\\u") == 0) {
+            i_ += 2;
+            const char32_t lo = parse_hex4();
+            KILN_CHECK(lo >= 0xDC00 && lo <= 0xDFFF, "json: unpaired surrogate escape at byte ",
+                       at);
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          KILN_CHECK(cp < 0xD800 || cp > 0xDFFF, "json: unpaired surrogate escape at byte ", at);
+          append_utf8(out, cp);
           break;
         }
         default: out += e;
       }
+    }
+  }
+  // The four hex digits of a \u escape.
+  char32_t parse_hex4() {
+    KILN_CHECK(i_ + 4 <= t_.size(), "json: short \\u escape at byte ", i_);
+    char32_t v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char h = t_[i_ + size_t(k)];
+      const int d = h >= '0' && h <= '9'   ? h - '0'
+                    : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                    : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                           : -1;
+      KILN_CHECK(d >= 0, "json: bad \\u escape at byte ", i_);
+      v = (v << 4) | char32_t(d);
+    }
+    i_ += 4;
+    return v;
+  }
+  static void append_utf8(std::string& out, char32_t cp) {
+    if (cp < 0x80) {
+      out += char(cp);
+    } else if (cp < 0x800) {
+      out += char(0xC0 | (cp >> 6));
+      out += char(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += char(0xE0 | (cp >> 12));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
+    } else {
+      out += char(0xF0 | (cp >> 18));
+      out += char(0x80 | ((cp >> 12) & 0x3F));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
     }
   }
   const std::string& t_;
@@ -167,6 +213,9 @@ class Parser {
 Value parse(const std::string& text) { return Parser(text).parse_document(); }
 
 std::string quote(const std::string& s) {
+  const size_t bad = text::invalid_utf8_at(s);
+  KILN_CHECK(bad == std::string::npos, "json: cannot write a string that is not UTF-8 (byte 0x",
+             hex_byte(s[bad]), " at offset ", bad, " of '", text::printable(s.substr(0, 80)), "')");
   std::string out = "\"";
   for (unsigned char c : s) {
     switch (c) {

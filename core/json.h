@@ -42,9 +42,14 @@ class Value {
   std::map<std::string, Value> obj_;
 };
 
-// Throws kiln::Error with the byte position on malformed input and on duplicate keys.
+// Throws kiln::Error with the byte position on malformed input and on duplicate keys. A \u
+// escape must have four hex digits; a surrogate pair becomes one code point, a lone surrogate
+// is an error (so escapes always decode to valid UTF-8). Raw bytes are taken as they are.
 Value parse(const std::string& text);
-// "text" with JSON escapes.
+// `s` as a JSON string literal: '"' and '\\' escaped, control characters below U+0020 as \n,
+// \t, \r or \u00XX, everything else as it is. JSON text is UTF-8 (RFC 8259), so a string that
+// is not valid UTF-8 is refused: kiln::Error naming the first bad byte's offset. The result
+// is always valid UTF-8 JSON.
 std::string quote(const std::string& s);
 
 // One JSON object written key by key, in the order given (kiln-train's logs):

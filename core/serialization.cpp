@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/json.h"
+#include "core/text.h"
 
 namespace kiln {
 namespace {
@@ -93,6 +94,9 @@ SafetensorsHost safetensors_host(const std::string& path, const NamedTensors& te
     header << "\"__metadata__\":{";
     for (auto it = metadata.begin(); it != metadata.end(); ++it) {
       if (it != metadata.begin()) header << ",";
+      KILN_CHECK(text::is_valid_utf8(it->first) && text::is_valid_utf8(it->second),
+                 "save_safetensors '", path, "': metadata '", text::printable(it->first),
+                 "' is not UTF-8 (a safetensors header is UTF-8 JSON)");
       header << json::quote(it->first) << ":" << json::quote(it->second);
     }
     header << "}";
@@ -103,6 +107,8 @@ SafetensorsHost safetensors_host(const std::string& path, const NamedTensors& te
   for (const auto& [name, t] : tensors) {
     KILN_CHECK(t.defined(), "save_safetensors '", path, "': tensor '", name, "' is undefined");
     KILN_CHECK(name != "__metadata__", "save_safetensors: reserved tensor name __metadata__");
+    KILN_CHECK(text::is_valid_utf8(name), "save_safetensors '", path, "': tensor name '",
+               text::printable(name), "' is not UTF-8 (a safetensors header is UTF-8 JSON)");
     // A copy of its own in either case: to(cpu) of a CPU tensor would be the tensor itself.
     Tensor h = t.is_cpu() ? t.detach().clone(MemoryFormat::Contiguous)
                           : t.detach().to(Device::cpu()).contiguous();

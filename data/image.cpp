@@ -59,6 +59,49 @@ void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
   KILN_CHECK(f, "error writing '", path, "'");
 }
 
+// The width and height a PNG's IHDR or a JPEG's frame header (SOFn) claims, read without stb:
+// stb's own probe gives up on sides over STBI_MAX_DIMENSIONS ("unknown image type"), and the
+// user should hear the size instead. False when the header is not found.
+bool header_size(const uint8_t* d, size_t n, int64_t* w, int64_t* h) {
+  auto be16 = [&](size_t i) { return int64_t(d[i]) << 8 | d[i + 1]; };
+  auto be32 = [&](size_t i) { return be16(i) << 16 | be16(i + 2); };
+  static const uint8_t png[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  if (n >= 24 && std::memcmp(d, png, 8) == 0 && std::memcmp(d + 12, "IHDR", 4) == 0) {
+    *w = be32(16);
+    *h = be32(20);
+    return true;
+  }
+  if (n < 4 || d[0] != 0xFF || d[1] != 0xD8) return false;
+  for (size_t i = 2; i + 4 <= n;) {  // marker segments up to the frame header
+    if (d[i] != 0xFF) return false;
+    const uint8_t m = d[i + 1];
+    if (m == 0xFF) {  // fill byte
+      ++i;
+      continue;
+    }
+    if (m == 0x01 || (m >= 0xD0 && m <= 0xD7)) {  // markers without a length
+      i += 2;
+      continue;
+    }
+    const bool sof = m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC;
+    if (sof) {
+      if (i + 9 > n) return false;
+      *h = be16(i + 5);
+      *w = be16(i + 7);
+      return true;
+    }
+    if (m == 0xDA || m == 0xD9) return false;  // scan or end before any frame header
+    i += 2 + size_t(be16(i + 2));
+  }
+  return false;
+}
+
+void check_size_limits(int64_t w, int64_t h, const std::string& name) {
+  KILN_CHECK(h > 0 && w > 0 && h <= kMaxImageSide && w <= kMaxImageSide && h * w <= kMaxImagePixels,
+             "image '", name, "': header claims ", w, "x", h, " pixels, over the limit (",
+             kMaxImageSide, " per side, ", kMaxImagePixels, " in all)");
+}
+
 void append_bytes(void* ctx, void* data, int size) {
   auto* out = static_cast<std::vector<uint8_t>*>(ctx);
   const auto* p = static_cast<const uint8_t*>(data);
@@ -101,18 +144,19 @@ ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name)
   KILN_CHECK(size > 0, "image '", name, "': empty file");
   KILN_CHECK(size <= size_t(INT32_MAX), "image '", name, "': file too large (", size, " bytes)");
   int w = 0, h = 0, c = 0;
-  if (!stbi_info_from_memory(data, int(size), &w, &h, &c))
-    KILN_FAIL("image '", name, "': not a readable JPEG/PNG (", stb_reason(), ")");
+  if (!stbi_info_from_memory(data, int(size), &w, &h, &c)) {
+    const std::string reason = stb_reason();
+    int64_t hw = 0, hh = 0;
+    if (header_size(data, size, &hw, &hh) && (hw > kMaxImageSide || hh > kMaxImageSide))
+      check_size_limits(hw, hh, name);
+    KILN_FAIL("image '", name, "': not a readable JPEG/PNG (", reason, ")");
+  }
   return {h, w, c};
 }
 
 Image decode_image(const uint8_t* data, size_t size, const std::string& name) {
   const ImageInfo info = probe_image(data, size, name);
-  KILN_CHECK(info.height > 0 && info.width > 0 && info.height <= kMaxImageSide &&
-                 info.width <= kMaxImageSide && info.height * info.width <= kMaxImagePixels,
-             "image '", name, "': header claims ", info.width, "x", info.height,
-             " pixels, over the limit (", kMaxImageSide, " per side, ", kMaxImagePixels,
-             " in all)");
+  check_size_limits(info.width, info.height, name);
   int w = 0, h = 0, c = 0;
   stbi_uc* px = stbi_load_from_memory(data, int(size), &w, &h, &c, 3);
   if (!px) KILN_FAIL("image '", name, "': decoding failed (", stb_reason(), ")");

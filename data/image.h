@@ -44,7 +44,9 @@ std::vector<uint8_t> read_file_bytes(const std::string& path,
 void read_file_into(const std::string& path, std::vector<uint8_t>& out,
                     int64_t max_bytes = kMaxImageFileBytes);
 
-// Header-only probe: width/height/channels of a JPEG or PNG without decoding it.
+// Header-only probe: width/height/channels of a JPEG or PNG without decoding it. A header whose
+// sides stb will not read (over STBI_MAX_DIMENSIONS) fails with decode_image's size message
+// ("header claims 60000x60000 pixels, over the limit ...") rather than stb's reason.
 struct ImageInfo {
   int64_t height = 0, width = 0, channels = 0;
 };

@@ -1,9 +1,12 @@
 #include "optim/model_file.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 
 #include "core/json.h"
+#include "core/text.h"
 #include "optim/checkpoint.h"
 
 namespace kiln {
@@ -38,12 +41,24 @@ std::string float_list(const std::vector<float>& v) {
   return s + "]";
 }
 
+// A metadata value for a message: control characters escaped, at most 80 bytes.
+std::string shown(const std::string& text) {
+  return text::printable(text.substr(0, 80)) + (text.size() > 80 ? "..." : "");
+}
+
+std::string arch_list() {
+  std::string list;
+  for (const auto& [name, spec] : specs()) list += (list.empty() ? "" : ", ") + name;
+  return list;
+}
+
 int64_t meta_int(const std::string& text, const std::string& key, const std::string& source,
-                 int64_t lo) {
+                 int64_t lo, int64_t hi, const char* range = nullptr) {
   int64_t v = 0;
   const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  KILN_CHECK(r.ec == std::errc() && r.ptr == text.data() + text.size() && v >= lo, "'", source,
-             "': metadata '", key, "' = '", text, "' is not an integer >= ", lo);
+  KILN_CHECK(r.ec == std::errc() && r.ptr == text.data() + text.size() && v >= lo && v <= hi, "'",
+             source, "': metadata '", key, "' = '", shown(text), "' is not an integer in ", lo,
+             "..", hi, range ? range : "");
   return v;
 }
 
@@ -52,16 +67,82 @@ json::Value meta_array(const std::string& text, const std::string& key, const st
   try {
     v = json::parse(text);
   } catch (const Error&) {
-    KILN_FAIL("'", source, "': metadata '", key, "' is not a JSON array: ", text.substr(0, 80));
+    KILN_FAIL("'", source, "': metadata '", key, "' is not a JSON array: ", shown(text));
   }
   KILN_CHECK(v.kind() == json::Value::Kind::Array, "'", source, "': metadata '", key,
-             "' is not a JSON array: ", text.substr(0, 80));
+             "' is not a JSON array: ", shown(text));
   return v;
+}
+
+// The range check of one mean or std value; `what` names it for the message.
+void check_norm(double x, bool is_std, const std::string& what) {
+  if (is_std)
+    KILN_CHECK(x >= kMinStd && x <= kMaxNorm, what, " holds ", x, ", outside ", kMinStd, "..",
+               kMaxNorm);
+  else
+    KILN_CHECK(x >= -kMaxNorm && x <= kMaxNorm, what, " holds ", x, ", outside ", -kMaxNorm, "..",
+               kMaxNorm);
 }
 
 }  // namespace
 
+std::string class_name_problem(const std::string& name) {
+  if (name.empty()) return "is empty";
+  if (const size_t bad = text::invalid_utf8_at(name); bad != std::string::npos) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "is not valid UTF-8 (byte 0x%02x at offset %zu)",
+                  unsigned(static_cast<unsigned char>(name[bad])), bad);
+    return buf;
+  }
+  bool blank = true;
+  char32_t cp;
+  for (size_t i = 0, n; i < name.size(); i += n) {
+    n = text::decode_utf8(name, i, &cp);
+    if (text::is_control(cp)) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "holds control character U+%04X", unsigned(cp));
+      return buf;
+    }
+    blank = blank && text::is_space(cp);
+  }
+  return blank ? "is only whitespace" : "";
+}
+
+void check_class_names(const std::vector<std::string>& names, const std::string& source) {
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string problem = class_name_problem(names[i]);
+    KILN_CHECK(problem.empty(), source, ": class ", i, " '", shown(names[i]), "' ", problem);
+    const auto [it, fresh] = seen.emplace(names[i], i);
+    KILN_CHECK(fresh, source, ": class ", i, " '", shown(names[i]), "' repeats class ", it->second);
+  }
+}
+
+void check_model_info(const ModelInfo& m, const std::string& source) {
+  KILN_CHECK(specs().count(m.arch), source, ": arch '", shown(m.arch), "' is not one of ",
+             arch_list());
+  auto in = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
+    KILN_CHECK(v >= lo && v <= hi, source, ": ", field, " ", v, " is outside ", lo, "..", hi);
+  };
+  in("num_classes", m.num_classes, 1, kMaxClasses);
+  in("in_channels", m.in_channels, 1, kMaxInChannels);
+  in("width", m.width, 1, kMaxWidth);
+  in("image_size", m.image_size, 1, kMaxImageSize);
+  in("resize_size", m.resize_size, m.image_size, kMaxResizeSize);
+  for (const bool is_std : {false, true}) {
+    const std::vector<float>& v = is_std ? m.std : m.mean;
+    const char* key = is_std ? "std" : "mean";
+    KILN_CHECK(v.size() == size_t(m.in_channels), source, ": ", key, " has ", v.size(),
+               " values for ", m.in_channels, " input channel(s)");
+    for (float x : v) check_norm(double(x), is_std, source + ": " + key);
+  }
+  KILN_CHECK(m.class_names.empty() || m.class_names.size() == size_t(m.num_classes), source, ": ",
+             m.class_names.size(), " class names for ", m.num_classes, " classes");
+  check_class_names(m.class_names, source);
+}
+
 std::map<std::string, std::string> model_metadata(const ModelInfo& m) {
+  check_model_info(m, "model metadata");
   std::string names = "[";
   for (size_t i = 0; i < m.class_names.size(); ++i)
     names += (i ? ", " : "") + json::quote(m.class_names[i]);
@@ -90,36 +171,45 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
     if (absent) absent->push_back(key);
     return nullptr;
   };
-  if (const std::string* v = get("arch")) m.arch = *v;
+  if (const std::string* v = get("arch")) {
+    KILN_CHECK(specs().count(*v), "'", source, "': metadata 'arch' = '", shown(*v),
+               "' is not one of ", arch_list());
+    m.arch = *v;
+  }
   if (const std::string* v = get("num_classes"))
-    m.num_classes = meta_int(*v, "num_classes", source, 1);
+    m.num_classes = meta_int(*v, "num_classes", source, 1, kMaxClasses);
   if (const std::string* v = get("in_channels"))
-    m.in_channels = meta_int(*v, "in_channels", source, 1);
-  if (const std::string* v = get("width")) m.width = meta_int(*v, "width", source, 1);
+    m.in_channels = meta_int(*v, "in_channels", source, 1, kMaxInChannels);
+  if (const std::string* v = get("width")) m.width = meta_int(*v, "width", source, 1, kMaxWidth);
   if (const std::string* v = get("stem")) {
-    KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '", *v,
+    KILN_CHECK(*v == "imagenet" || *v == "small", "'", source, "': metadata 'stem' = '", shown(*v),
                "', expected imagenet or small");
     m.imagenet_stem = *v == "imagenet";
   }
   if (const std::string* v = get("image_size"))
-    m.image_size = meta_int(*v, "image_size", source, 1);
+    m.image_size = meta_int(*v, "image_size", source, 1, kMaxImageSize);
   if (const std::string* v = get("resize_size"))
-    m.resize_size = meta_int(*v, "resize_size", source, m.image_size);
-  for (const char* key : {"mean", "std"}) {
-    const std::string* v = get(key);
-    if (!v) continue;
-    std::vector<float> out;
-    const json::Value list = meta_array(*v, key, source);
-    for (const json::Value& x : list.array()) {
-      KILN_CHECK(x.kind() == json::Value::Kind::Number && std::isfinite(x.number()), "'", source,
-                 "': metadata '", key, "' holds a non-number");
-      out.push_back(float(x.number()));
+    m.resize_size =
+        meta_int(*v, "resize_size", source, m.image_size, kMaxResizeSize, " (at least image_size)");
+  else
+    m.resize_size = std::max(m.resize_size, m.image_size);
+  for (const bool is_std : {false, true}) {
+    const char* key = is_std ? "std" : "mean";
+    std::vector<float>& out = is_std ? m.std : m.mean;
+    if (const std::string* v = get(key)) {
+      out.clear();
+      const json::Value list = meta_array(*v, key, source);
+      for (const json::Value& x : list.array()) {
+        KILN_CHECK(x.kind() == json::Value::Kind::Number, "'", source, "': metadata '", key,
+                   "' holds a non-number");
+        check_norm(x.number(), is_std, "'" + source + "': metadata '" + key + "'");
+        out.push_back(float(x.number()));
+      }
     }
     KILN_CHECK(out.size() == size_t(m.in_channels), "'", source, "': metadata '", key, "' has ",
-               out.size(), " values for ", m.in_channels, " input channel(s)");
-    (std::string(key) == "mean" ? m.mean : m.std) = out;
+               out.size(), " values for ", m.in_channels, " input channel(s)",
+               meta.count(key) ? "" : " (it is absent: these are the defaults)");
   }
-  for (float s : m.std) KILN_CHECK(s > 0.0f, "'", source, "': metadata 'std' holds a value <= 0");
   if (const std::string* v = get("class_names")) {
     m.class_names.clear();
     const json::Value list = meta_array(*v, "class_names", source);
@@ -132,6 +222,20 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
                m.class_names.size(), " class names for ", m.num_classes, " classes");
   }
   return m;
+}
+
+void check_metadata_matches_weights(const ModelInfo& meta, const ModelInfo& weights,
+                                    const std::string& source) {
+  auto agree = [&](const char* key, const std::string& a, const std::string& b) {
+    KILN_CHECK(a == b, "'", source, "': metadata '", key, "' = '", shown(a),
+               "' but its weights hold ", b);
+  };
+  agree("arch", meta.arch, weights.arch);
+  agree("num_classes", std::to_string(meta.num_classes), std::to_string(weights.num_classes));
+  agree("in_channels", std::to_string(meta.in_channels), std::to_string(weights.in_channels));
+  agree("width", std::to_string(meta.width), std::to_string(weights.width));
+  agree("stem", meta.imagenet_stem ? "imagenet" : "small",
+        weights.imagenet_stem ? "imagenet" : "small");
 }
 
 std::shared_ptr<models::ResNet> build_model(const ModelInfo& info, uint64_t seed) {
@@ -162,6 +266,18 @@ ModelInfo infer_model_info(const NamedTensors& weights, const std::string& sourc
   m.width = conv1->size(0);
   m.in_channels = conv1->size(1);
   m.imagenet_stem = conv1->size(2) == 7;
+  if (m.mean.size() != size_t(m.in_channels)) {
+    // `defaults`' preprocessing is for another channel count: Fashion-MNIST's (kiln-train's
+    // default job) for 1-channel models, else 0.5 per channel.
+    if (m.in_channels == 1) {
+      m.image_size = m.resize_size = 28;
+      m.mean = {0.2860f};
+      m.std = {0.3530f};
+    } else {
+      m.mean.assign(size_t(m.in_channels), 0.5f);
+      m.std.assign(size_t(m.in_channels), 0.5f);
+    }
+  }
   const bool bottleneck = find("layer1.0.conv3.weight") != nullptr;
   std::vector<int64_t> layers;
   for (int stage = 1; find("layer" + std::to_string(stage) + ".0.conv1.weight"); ++stage) {
@@ -186,26 +302,21 @@ LoadedModel load_model_file(const std::string& path) {
       if (name.rfind("model.", 0) == 0) model.emplace_back(name.substr(6), t);
     file.tensors = std::move(model);
   }
+  check_finite(file, "model file");
   LoadedModel out;
   std::vector<std::string> absent;
-  ModelInfo shape = infer_model_info(file.tensors, path);
-  // Preprocessing defaults for a file without metadata: ImageNet's for 3-channel models,
-  // Fashion-MNIST's (kiln-train's default job) for 1-channel ones.
-  if (shape.in_channels == 1) {
-    shape.image_size = shape.resize_size = 28;
-    shape.mean = {0.2860f};
-    shape.std = {0.3530f};
-  } else if (shape.in_channels != 3) {
-    shape.mean.assign(size_t(shape.in_channels), 0.5f);
-    shape.std.assign(size_t(shape.in_channels), 0.5f);
-  }
+  const ModelInfo shape = infer_model_info(file.tensors, path);
   const bool described =
       file.metadata.count("format") && file.metadata.at("format") == kModelFormat;
   out.info = described ? read_model_metadata(file.metadata, path, shape, &absent) : shape;
+  if (described) check_metadata_matches_weights(out.info, shape, path);
   if (!described) {
     out.notes = "'" + path + "' has no kiln model metadata: " + out.info.arch +
                 " read off its weights; using image size " + std::to_string(out.info.image_size) +
-                ", " + (out.info.in_channels == 1 ? "Fashion-MNIST's" : "ImageNet's") +
+                ", " +
+                (out.info.in_channels == 1   ? "Fashion-MNIST's"
+                 : out.info.in_channels == 3 ? "ImageNet's"
+                                             : "mean 0.5, std 0.5") +
                 " normalisation, numbered classes";
   } else if (!absent.empty() && !(absent.size() == 1 && absent[0] == "class_names")) {
     std::string keys;

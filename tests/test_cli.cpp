@@ -1,7 +1,9 @@
 // The shared command-line parser (tools/cli/cli.h), kiln-train's main.py spelling and launch
 // mapping (tools/train/trainer.h), and every tool binary's message for a bad value: one line,
-// "<tool>: error: <flag> '<value>': expected ...", no source location, exit code 1.
+// "<tool>: error: <flag> '<value>': expected ...", no source location, exit code 1; output that
+// cannot be written is exit code 1 too.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -318,7 +320,7 @@ TEST_CASE("every tool: a bad value is one line naming flag, value and what is al
       {"kiln-bench", "--batches 8,0",
        "kiln-bench: error: --batches '8,0': expected comma-separated integers >= 1 (bad item '0')"},
       {"kiln-convert", "--num-classes abc",
-       "kiln-convert: error: --num-classes 'abc': expected an integer >= 1"},
+       "kiln-convert: error: --num-classes 'abc': expected an integer between 1 and 1000000"},
       {"kiln-export-images", "--split val",
        "kiln-export-images: error: --split 'val': expected one of train, test"},
       {"kiln-loader-bench", "--workers 1,x",
@@ -341,4 +343,33 @@ TEST_CASE("every tool: a bad value is one line naming flag, value and what is al
     CHECK(h.code == 0);
     CHECK(h.output.rfind(std::string("usage: ") + c.tool, 0) == 0);
   }
+}
+
+TEST_CASE("run_tool: output that cannot be written is exit code 1, whatever the body returned") {
+  REQUIRE(fs::exists("/dev/full"));
+  cli::check_stdout();  // stdout works: no error
+  std::fflush(stdout);
+  const int saved = ::dup(1);
+  const int full = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+  REQUIRE(full >= 0);
+  ::dup2(full, 1);
+  ::close(full);
+  // The body's line sits in stdout's buffer until run_tool flushes it (and prints its own
+  // error line on stderr, which the test log shows).
+  const int code = cli::run_tool("t", [] {
+    std::printf("lost\n");
+    return 0;
+  });
+  std::string what;
+  std::printf("lost too\n");
+  try {
+    cli::check_stdout();
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  std::clearerr(stdout);
+  ::dup2(saved, 1);
+  ::close(saved);
+  CHECK(code == 1);
+  CHECK(what == "cannot write to standard output: No space left on device");
 }

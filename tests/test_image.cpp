@@ -45,6 +45,9 @@ Image random_image(int64_t h, int64_t w, int64_t c, uint64_t seed) {
   return im;
 }
 
+// A kiln::Error's message without its " [file.cpp:12, ...]" suffix.
+std::string cli_message(const std::string& what) { return what.substr(0, what.rfind(" [")); }
+
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
@@ -105,6 +108,32 @@ TEST_CASE("dimension guard rejects forged headers before decoding") {
 
   const std::vector<uint8_t> wide = forged_png_header(20000, 10);
   CHECK_THROWS_AS(decode_image(wide.data(), wide.size(), "wide.png"), Error);
+}
+
+TEST_CASE("headers with sides stb will not read are named with their size, not 'unknown type'") {
+  // Over STBI_MAX_DIMENSIONS stb's probe fails with "unknown image type"; the size is read off
+  // the header instead, by probe_image and decode_image alike.
+  const std::string limit = " pixels, over the limit (16384 per side, 100000000 in all)";
+  const std::vector<uint8_t> png = forged_png_header(60000, 60000);
+  CHECK(cli_message(error_of([&] { decode_image(png.data(), png.size(), "huge.png"); })) ==
+        "image 'huge.png': header claims 60000x60000" + limit);
+  CHECK(cli_message(error_of([&] { probe_image(png.data(), png.size(), "huge.png"); })) ==
+        "image 'huge.png': header claims 60000x60000" + limit);
+  const std::vector<uint8_t> tall = forged_png_header(8, 4000000000u);
+  CHECK(cli_message(error_of([&] { decode_image(tall.data(), tall.size(), "tall.png"); })) ==
+        "image 'tall.png': header claims 8x4000000000" + limit);
+
+  // A JPEG: SOI, an APP0 segment to step over, then a baseline frame header of 60000 x 50000.
+  const std::vector<uint8_t> jpeg = {0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x04, 0x00, 0x00, 0xFF,
+                                     0xC0, 0x00, 0x11, 0x08, 0xC3, 0x50, 0xEA, 0x60, 0x03,
+                                     0x01, 0x22, 0x00, 0x02, 0x11, 0x01, 0x03, 0x11, 0x01};
+  CHECK(cli_message(error_of([&] { decode_image(jpeg.data(), jpeg.size(), "huge.jpg"); })) ==
+        "image 'huge.jpg': header claims 60000x50000" + limit);
+
+  // Within stb's sides, stb's own reason stays (here: no pixel data after the header).
+  const std::vector<uint8_t> small = forged_png_header(64, 64);
+  const std::string e = error_of([&] { decode_image(small.data(), small.size(), "s.png"); });
+  CHECK(e.find("image 's.png': decoding failed (") == 0);
 }
 
 TEST_CASE("unreadable files: errors name the file and stb's reason") {

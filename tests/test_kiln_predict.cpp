@@ -13,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -101,9 +103,11 @@ struct Run {
   std::string output;
 };
 
-Run run_command(const std::string& cmd) {
+// Runs `cmd` with sh; stdout (and stderr, unless `merge_stderr` is false and the command
+// redirects it itself) comes back in output.
+Run run_command(const std::string& cmd, bool merge_stderr = true) {
   Run r;
-  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  std::FILE* p = ::popen((merge_stderr ? cmd + " 2>&1" : cmd).c_str(), "r");
   REQUIRE(p != nullptr);
   std::array<char, 4096> buf;
   size_t n;
@@ -417,7 +421,7 @@ TEST_CASE(
   CHECK(same_values(state_dict(*ck.model)[0].second, state_dict(*m.model)[0].second));
 
   const std::string val = image_folder() + "/val";
-  const std::vector<std::string> images = predict::collect_images({val});
+  const std::vector<std::string> images = predict::collect_images({val}).images;
   REQUIRE(images.size() == 100);
   const std::vector<predict::Prediction> p = predict::predict(m, images, Device::cpu(), 5);
   REQUIRE(p.size() == 100);
@@ -463,6 +467,8 @@ TEST_CASE(
   r = run_command(tool + " --weights " + weights + " " + broken + " " + one);
   CHECK(r.code == 1);
   CHECK(r.output.find("kiln-predict: error: image '" + broken) != std::string::npos);
+  CHECK(r.output.find("kiln-predict: 1 error(s) above; 1 of 2 image(s) predicted\n") !=
+        std::string::npos);
   CHECK(r.output.find(one + "\n") != std::string::npos);  // the good image is still predicted
   CHECK(r.output.find(".cpp:") == std::string::npos);
 
@@ -554,4 +560,348 @@ TEST_CASE("kiln-train: classes.txt beside IDX files names the classes in the mod
   CHECK_THROWS_WITH_AS(train::TrainData{o},
                        doctest::Contains("classes.txt' names 2 classes, but the labels have 10"),
                        cli::UsageError);
+}
+
+TEST_CASE("kiln-train: classes.txt is checked line by line; class folders are checked too") {
+  const fs::path dir = tmp().dir / "idx_names";
+  fs::create_directories(dir);
+  for (const char* f : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                        "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"})
+    fs::create_symlink(fs::path(data::kFashionMnistDir) / f, dir / f);
+  train::DataOptions o;
+  o.data = dir.string();
+  o.batch_size = 64;
+  o.device = Device::cpu();
+  const std::string file = (dir / "classes.txt").string();
+  // Ten names "kind 0".."kind 9", then `tail`; `edit` changes them first.
+  auto write = [&](const std::function<void(std::vector<std::string>&)>& edit,
+                   const std::string& tail = "") {
+    std::vector<std::string> lines;
+    for (int k = 0; k < 10; ++k) lines.push_back("kind " + std::to_string(k));
+    edit(lines);
+    std::ofstream f(file, std::ios::binary | std::ios::trunc);
+    for (const std::string& l : lines) f << l << "\n";
+    f << tail;
+  };
+  auto error = [&]() -> std::string {
+    try {
+      train::TrainData d(o);
+    } catch (const cli::UsageError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+
+  // Blank lines at the end, CRLF endings and a byte-order mark are fine.
+  write([](auto& l) { l[0] = "\xEF\xBB\xBF" + l[0] + "\r"; }, "\n\r\n\n");
+  {
+    const train::TrainData d(o);
+    REQUIRE(d.class_names().size() == 10);
+    CHECK(d.class_names()[0] == "kind 0");
+    CHECK(d.class_names()[9] == "kind 9");
+  }
+  // A blank line in the middle no longer ends the list quietly.
+  write([](auto& l) { l.insert(l.begin() + 4, ""); });
+  CHECK(error() == "'" + file +
+                       "' line 5 is blank: one class name per line (blank lines may only end the "
+                       "file)");
+  write([](auto& l) { l[6] = "kind 2"; });
+  CHECK(error() == "'" + file + "' line 7: class name 'kind 2' repeats line 3");
+  write([](auto& l) { l[2] = "   "; });
+  CHECK(error() == "'" + file + "' line 3: class name '   ' is only whitespace");
+  write([](auto& l) { l[0] = "\x1b[2Jkind"; });
+  CHECK(error() ==
+        "'" + file + "' line 1: class name '\\x1b[2Jkind' holds control character U+001B");
+  write([](auto& l) { l[9] = "caf\xE9"; });
+  CHECK(error() ==
+        "'" + file + "' line 10: class name 'caf\\xe9' is not valid UTF-8 (byte 0xe9 at offset 3)");
+
+  // ImageFolder class names are folder names: checked before training starts.
+  const fs::path root = tmp().dir / "bad_folders";
+  const std::string png = predict::collect_images({image_folder() + "/val"}).images[0];
+  for (const char* split : {"train", "val"})
+    for (const char* cls : {"ok", "bad\x1b]0;x\x07"}) {
+      fs::create_directories(root / split / cls);
+      fs::copy_file(png, root / split / cls / "0.png");
+    }
+  o.data = root.string();
+  CHECK(error() == "--data '" + root.string() +
+                       "/train': class folders: class 0 'bad\\x1b]0;x\\x07' holds control "
+                       "character U+001B");
+
+  // kiln-train's size flags keep to what a model file may hold.
+  CHECK_THROWS_WITH_AS(train::parse_args({"--image-size", "5000"}),
+                       doctest::Contains("--image-size"), cli::UsageError);
+  CHECK_THROWS_WITH_AS(train::parse_args({"--image-size", "5000"}), doctest::Contains("4096"),
+                       cli::UsageError);
+}
+
+namespace {
+
+// A kiln::Error's message without its " [file.cpp:12, ...]" suffix.
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return cli::without_location(e.what());
+  }
+  return "(no error)";
+}
+
+// An untrained 3-channel resnet_small (width 4, 16x16 input) and its metadata, written to
+// `name` in the test folder with `meta` (model_metadata of small_info unless given).
+std::string write_model(const std::string& name, int64_t classes,
+                        const std::map<std::string, std::string>* meta = nullptr) {
+  const ModelInfo m = small_info(classes, 3, 4);
+  auto model = build_model(m, 1);
+  const std::string path = (tmp().dir / name).string();
+  save_weights(path, *model, WeightsDType::Float32, meta ? *meta : model_metadata(m));
+  return path;
+}
+
+// The lines of `text` that do not start with two spaces (the per-class lines).
+std::vector<std::string> headline_lines(const std::string& text) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  for (size_t e; (e = text.find('\n', b)) != std::string::npos; b = e + 1)
+    if (text.compare(b, 2, "  ") != 0) out.push_back(text.substr(b, e - b));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("model files: every metadata value is range-checked, naming the file, key and range") {
+  const ModelInfo m = small_info(4, 1, 4);
+  auto with = [&](const std::string& key, const std::string& value) {
+    auto meta = model_metadata(m);
+    meta[key] = value;
+    return meta;
+  };
+  auto error = [&](const std::string& key, const std::string& value) {
+    return message_of([&] { read_model_metadata(with(key, value), "f.safetensors"); });
+  };
+  const std::string f = "'f.safetensors': metadata ";
+  CHECK(error("image_size", "100000") ==
+        f + "'image_size' = '100000' is not an integer in 1..4096");
+  CHECK(error("image_size", "0") == f + "'image_size' = '0' is not an integer in 1..4096");
+  CHECK(error("resize_size", "10") ==
+        f + "'resize_size' = '10' is not an integer in 16..8192 (at least image_size)");
+  CHECK(error("resize_size", "9000") ==
+        f + "'resize_size' = '9000' is not an integer in 16..8192 (at least image_size)");
+  CHECK(error("num_classes", "0") == f + "'num_classes' = '0' is not an integer in 1..1000000");
+  CHECK(error("num_classes", "99999999999") ==
+        f + "'num_classes' = '99999999999' is not an integer in 1..1000000");
+  CHECK(error("in_channels", "65") == f + "'in_channels' = '65' is not an integer in 1..64");
+  CHECK(error("width", "100000") == f + "'width' = '100000' is not an integer in 1..1024");
+  CHECK(error("width", "-4") == f + "'width' = '-4' is not an integer in 1..1024");
+  CHECK(error("arch", "resnet9000") ==
+        f + "'arch' = 'resnet9000' is not one of resnet101, resnet152, resnet18, resnet34, "
+            "resnet50, resnet_small");
+  CHECK(error("arch", "\x1b[2J") == f + "'arch' = '\\x1b[2J' is not one of resnet101, resnet152, "
+                                        "resnet18, resnet34, resnet50, resnet_small");
+  CHECK(error("std", "[0]") == f + "'std' holds 0, outside 1e-06..1000");
+  CHECK(error("std", "[-1]") == f + "'std' holds -1, outside 1e-06..1000");
+  CHECK(error("mean", "[1e300]") == f + "'mean' holds 1e+300, outside -1000..1000");
+  CHECK(error("mean", "[nan]") == f + "'mean' holds nan, outside -1000..1000");
+  CHECK(error("mean", "[\"x\"]") == f + "'mean' holds a non-number");
+  CHECK(error("mean", "[0.1, 0.2]") == f + "'mean' has 2 values for 1 input channel(s)");
+  CHECK(error("in_channels", "3") == f + "'mean' has 1 values for 3 input channel(s)");
+  CHECK(error("class_names", "[\"a\"]") ==
+        "'f.safetensors': metadata has 1 class names for 4 classes");
+  // A long value is shown cut short.
+  CHECK(error("width", std::string(500, '9')) ==
+        f + "'width' = '" + std::string(80, '9') + "...' is not an integer in 1..1024");
+
+  // Without resize_size, at least image_size.
+  auto meta = with("image_size", "300");
+  meta.erase("resize_size");
+  CHECK(read_model_metadata(meta, "f").resize_size == 300);
+
+  // Class names from older files are taken as they are (printers escape them) ...
+  const ModelInfo old =
+      read_model_metadata(with("class_names", "[\"a\", \"a\", \"\\u001b[31mred\", \"\"]"), "f");
+  CHECK(old.class_names[2] == "\x1b[31mred");
+  // ... but never written.
+  ModelInfo bad = m;
+  bad.class_names = {"a", "b", "a", "c"};
+  CHECK(message_of([&] { model_metadata(bad); }) == "model metadata: class 2 'a' repeats class 0");
+  bad.class_names = {"a", "b", "\x1b[31mred", "c"};
+  CHECK(message_of([&] { model_metadata(bad); }) ==
+        "model metadata: class 2 '\\x1b[31mred' holds control character U+001B");
+  bad = m;
+  bad.image_size = 5000;
+  CHECK(message_of([&] { model_metadata(bad); }) ==
+        "model metadata: image_size 5000 is outside 1..4096");
+  bad = m;
+  bad.std = {0};
+  CHECK(message_of([&] { model_metadata(bad); }) ==
+        "model metadata: std holds 0, outside 1e-06..1000");
+
+  // Metadata that disagrees with the weights is refused before a model is built from it.
+  const ModelInfo m3 = small_info(4, 3, 4);
+  auto wide = model_metadata(m3);
+  wide["width"] = "1024";
+  const std::string p = write_model("wide_meta.safetensors", 4, &wide);
+  CHECK(message_of([&] { load_model_file(p); }) ==
+        "'" + p + "': metadata 'width' = '1024' but its weights hold 4");
+  auto classes = model_metadata(m3);
+  classes["num_classes"] = "1000000";
+  classes.erase("class_names");
+  const std::string p2 = write_model("classes_meta.safetensors", 4, &classes);
+  CHECK(message_of([&] { load_model_file(p2); }) ==
+        "'" + p2 + "': metadata 'num_classes' = '1000000' but its weights hold 4");
+}
+
+TEST_CASE("kiln-predict: a model file it cannot use is one line: ranges, NaN weights") {
+  const std::string tool = tool_path("kiln-predict");
+  const std::string img = predict::collect_images({image_folder() + "/val"}).images[0];
+
+  auto meta = model_metadata(small_info(3, 3, 4));
+  meta["image_size"] = "100000";
+  const std::string big = write_model("big_image.safetensors", 3, &meta);
+  Run r = run_command(tool + " --weights " + big + " " + img);
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-predict: error: --weights: '" + big +
+                        "': metadata 'image_size' = '100000' is not an integer in 1..4096\n");
+
+  // NaN and infinite weights: the file and the first such tensor are named.
+  auto model = build_model(small_info(3, 3, 4), 1);
+  for (auto& [name, t] : state_dict(*model))
+    if (name == "fc.bias") t.data<float>()[1] = std::nanf("");
+  const std::string nan_path = (tmp().dir / "nan.safetensors").string();
+  save_weights(nan_path, *model, WeightsDType::Float32, model_metadata(small_info(3, 3, 4)));
+  const std::string refusal = "model file '" + nan_path +
+                              "': tensor 'fc.bias' holds NaN or infinite values; refusing weights "
+                              "that cannot have come from a finished training run";
+  CHECK(message_of([&] { load_model_file(nan_path); }) == refusal);
+  r = run_command(tool + " --weights " + nan_path + " " + img);
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-predict: error: --weights: " + refusal + "\n");
+
+  for (auto& [name, t] : state_dict(*model))
+    if (name == "fc.bias") t.data<float>()[1] = 0;
+  for (auto& [name, t] : state_dict(*model))
+    if (name == "layer1.0.conv1.weight") t.data<float>()[0] = INFINITY;
+  save_weights(nan_path, *model, WeightsDType::Float32, model_metadata(small_info(3, 3, 4)));
+  r = run_command(tool + " --weights " + nan_path + " " + img);
+  CHECK(r.code == 1);
+  CHECK(r.output.find("tensor 'layer1.0.conv1.weight' holds NaN or infinite values") !=
+        std::string::npos);
+}
+
+TEST_CASE("kiln-predict: each bad input is one line naming it, the rest is predicted, exit 1") {
+  const std::string tool = tool_path("kiln-predict");
+  // Class names from an older file: escape sequences must not reach the terminal.
+  auto meta = model_metadata(small_info(3, 3, 4));
+  meta["class_names"] = "[\"plain\", \"\\u001b]0;pwned\\u0007\", \"rtl\\u202eabc\"]";
+  const std::string weights = write_model("named.safetensors", 3, &meta);
+  const std::vector<std::string> pngs = predict::collect_images({image_folder() + "/val"}).images;
+
+  const fs::path d = tmp().dir / "inputs";
+  fs::create_directories(d / "tree" / "a");
+  fs::create_directories(d / "tree" / "b" / "c");
+  fs::create_directories(d / "empty");
+  fs::copy_file(pngs[0], d / "tree" / "a" / "1.png");
+  fs::copy_file(pngs[1], d / "tree" / "b" / "c" / "2.png");
+  fs::copy_file(pngs[2], d / "good.png");
+  std::ofstream(d / "broken.png") << "not an image";
+  {
+    // A PNG signature and an IHDR chunk claiming 60000 x 60000 pixels.
+    const unsigned char huge[] = {0x89, 'P',  'N', 'G', '\r', '\n', 0x1A, '\n', 0,    0, 0,
+                                  13,   'I',  'H', 'D', 'R',  0,    0,    0xEA, 0x60, 0, 0,
+                                  0xEA, 0x60, 8,   2,   0,    0,    0,    0,    0,    0, 0};
+    std::ofstream(d / "huge.png", std::ios::binary)
+        .write(reinterpret_cast<const char*>(huge), sizeof huge);
+  }
+  // An unreadable sub-folder. Root reads any folder, so as root the tool runs without the
+  // capabilities that allow that (setpriv); without setpriv that part is left out.
+  std::string prefix;
+  bool locked = true;
+  if (::geteuid() == 0) {
+    if (fs::exists("/usr/bin/setpriv"))
+      prefix = "/usr/bin/setpriv --inh-caps=-all --bounding-set=-dac_override,-dac_read_search ";
+    else
+      locked = false;
+  }
+  if (locked) {
+    fs::create_directories(d / "tree" / "locked");
+    fs::copy_file(pngs[3], d / "tree" / "locked" / "3.png");
+    fs::permissions(d / "tree" / "locked", fs::perms::none);
+  } else {
+    MESSAGE("running as root without setpriv: the unreadable sub-folder is not tested");
+  }
+  const std::string D = d.string();
+  Run r = run_command(prefix + tool + " --weights " + weights + " --top 3 " + D + "/missing.png " +
+                      (locked ? D + "/tree/locked/3.png " : "") + D + "/tree " + D + "/empty " + D +
+                      "/huge.png " + D + "/broken.png " + D + "/good.png");
+  if (locked) fs::permissions(d / "tree" / "locked", fs::perms::owner_all);
+  CHECK(r.code == 1);
+  std::vector<std::string> expected = {"kiln-predict: error: no such image or folder: '" + D +
+                                       "/missing.png'"};
+  if (locked) {
+    expected.push_back("kiln-predict: error: cannot access '" + D +
+                       "/tree/locked/3.png': Permission denied");
+    expected.push_back("kiln-predict: error: cannot list folder '" + D +
+                       "/tree/locked': Permission denied (its images are not predicted)");
+  }
+  const std::vector<std::string> rest = {
+      "kiln-predict: error: folder '" + D + "/empty' holds no .jpg, .jpeg or .png file",
+      D + "/tree/a/1.png",
+      D + "/tree/b/c/2.png",
+      "kiln-predict: error: image '" + D +
+          "/huge.png': header claims 60000x60000 pixels, over the limit (16384 per side, "
+          "100000000 in all)",
+      "kiln-predict: error: image '" + D +
+          "/broken.png': not a readable JPEG/PNG (unknown image type)",
+      D + "/good.png",
+      "kiln-predict: " + std::to_string(locked ? 6 : 4) +
+          " error(s) above; 3 of 5 image(s) predicted"};
+  expected.insert(expected.end(), rest.begin(), rest.end());
+  CHECK(headline_lines(r.output) == expected);
+  // Three classes under each of the three images, the names escaped.
+  CHECK(std::count(r.output.begin(), r.output.end(), '%') == 9);
+  CHECK(r.output.find("%  plain\n") != std::string::npos);
+  CHECK(r.output.find("%  \\x1b]0;pwned\\x07\n") != std::string::npos);
+  CHECK(r.output.find("%  rtl\\u202eabc\n") != std::string::npos);
+  CHECK(r.output.find('\x1b') == std::string::npos);
+  CHECK(r.output.find("\xE2\x80\xAE") == std::string::npos);
+
+  // Only missing paths: their lines, no model loaded, exit 1.
+  r = run_command(tool + " --weights " + weights + " " + D + "/nope1 " + D + "/nope2");
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-predict: error: no such image or folder: '" + D +
+                        "/nope1'\nkiln-predict: error: no such image or folder: '" + D +
+                        "/nope2'\n");
+}
+
+TEST_CASE("kiln-predict: output that cannot be written is an error, never exit code 0") {
+  const std::string tool = tool_path("kiln-predict");
+  const std::string weights = write_model("thousand.safetensors", 1000);
+  const std::string img = predict::collect_images({image_folder() + "/val"}).images[0];
+  const std::string cmd = tool + " --weights " + weights + " " + img;
+  REQUIRE(fs::exists("/dev/full"));
+
+  // stderr to the pipe, stdout elsewhere.
+  Run r = run_command(cmd + " 2>&1 >/dev/full", false);
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-predict: error: cannot write to standard output: No space left on device\n");
+  r = run_command(tool + " --help 2>&1 >/dev/full", false);
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-predict: error: cannot write to standard output: No space left on device\n");
+  r = run_command(cmd + " 2>&1 >&-", false);
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-predict: error: standard output is closed: nowhere to print the predictions\n");
+
+  // A reader that goes away: 20 images of 1000 classes is far more than a pipe holds. By
+  // default SIGPIPE ends the tool quietly, as it does cat; with SIGPIPE ignored the write fails
+  // with EPIPE, and that is one line and exit code 1.
+  std::string many = tool + " --weights " + weights + " --top 1000";
+  for (int i = 0; i < 20; ++i) many += " " + img;
+  r = run_command("{ (" + many + "; echo \"rc=$?\" >&2) | head -c 1 >/dev/null; }");
+  CHECK(r.output == "rc=141\n");
+  r = run_command("{ trap '' PIPE; (" + many + "; echo \"rc=$?\" >&2) | head -c 1 >/dev/null; }");
+  CHECK(r.output == "kiln-predict: error: cannot write to standard output: Broken pipe\nrc=1\n");
 }

@@ -32,9 +32,11 @@ int main(int argc, char** argv) {
     p.value("--arch", "NAME", &arch,
             "resnet18|resnet34|resnet50|resnet101|resnet152|resnet_small\n"
             "(default: from the file's metadata, else from its weights)");
-    p.value("--num-classes", "N", &num_classes, "classifier width, with --arch", 1);
-    p.value("--in-channels", "C", &in_channels, "input channels, with --arch (1 for IDX data)", 1);
-    p.value("--width", "W", &width, "stem width, with --arch (default 64; resnet_small 32)", 1);
+    p.value("--num-classes", "N", &num_classes, "classifier width, with --arch", 1, kMaxClasses);
+    p.value("--in-channels", "C", &in_channels, "input channels, with --arch (1 for IDX data)", 1,
+            kMaxInChannels);
+    p.value("--width", "W", &width, "stem width, with --arch (default 64; resnet_small 32)", 1,
+            kMaxWidth);
     p.value("--eval-input", "X", &eval_in, "safetensors file with one input tensor (N, C, H, W)");
     p.value("--eval-output", "Y", &eval_out, "where the eval-mode logits go (tensor 'logits')");
     if (!p.parse(argc, argv)) {
@@ -54,6 +56,7 @@ int main(int argc, char** argv) {
       file = load_safetensors(in);
       if (file.metadata.count("format") && file.metadata.at("format") == "kiln-model-1") {
         info = read_model_metadata(file.metadata, in);
+        check_metadata_matches_weights(info, infer_model_info(file.tensors, in), in);
         how = "its metadata";
       } else if (!arch.empty()) {
         info.arch = arch;

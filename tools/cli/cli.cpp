@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <type_traits>
 
@@ -324,9 +325,20 @@ std::string without_location(const std::string& what) {
   return what.substr(0, open);
 }
 
+void check_stdout() {
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout)) return;
+  throw Error(std::string("cannot write to standard output") +
+              (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
+}
+
 int run_tool(const std::string& program, const std::function<int()>& body) {
   try {
-    return body();
+    const int code = body();
+    check_stdout();
+    return code;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());

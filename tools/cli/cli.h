@@ -128,8 +128,14 @@ class Parser {
   size_t pos_min_ = 0, pos_max_ = 0;
 };
 
-// Runs a tool's body: returns its exit code, or prints "<program>: error: <what>" on stderr
-// and returns 1 for any exception.
+// Flushes stdout; throws kiln::Error "cannot write to standard output: <reason>" (no source
+// location) when that or an earlier write to it failed (a full disk, a closed descriptor, a
+// closed pipe when SIGPIPE is ignored; by default SIGPIPE ends the process, as for cat).
+void check_stdout();
+
+// Runs a tool's body, then check_stdout(): returns the body's exit code, or prints
+// "<program>: error: <what>" on stderr and returns 1 for any exception (so output that was
+// lost is never an exit code 0).
 int run_tool(const std::string& program, const std::function<int()>& body);
 
 }  // namespace kiln::cli

@@ -4,6 +4,7 @@
 
 #include "core/version.h"
 #include "data/fashion_mnist.h"
+#include "optim/model_file.h"
 #include "tools/cli/cli.h"
 #include "tools/train/output_dir.h"
 #include "tools/train/trainer.h"
@@ -32,8 +33,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.flag("--dummy", &c.dummy, "synthetic data: random 3 x image-size² images, 1000 classes");
   p.value("--dummy-images", "N", &c.dummy_images, "synthetic training images per epoch", 1);
   p.value("--image-size", "N", &c.image_size,
-          "ImageFolder crop size (evaluation resizes to N*256/224)", 8);
-  p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1);
+          "ImageFolder crop size (evaluation resizes to N*256/224)", 8, kMaxImageSize);
+  p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1, kMaxWidth);
   p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
   p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},

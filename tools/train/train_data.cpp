@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
+#include "core/text.h"
 #include "data/device_loader.h"
 #include "data/distributed_sampler.h"
 #include "data/fashion_mnist.h"
@@ -16,6 +18,7 @@
 #include "data/loader.h"
 #include "data/transforms.h"
 #include "ops/ops.h"
+#include "optim/model_file.h"
 #include "tools/cli/cli.h"
 
 namespace kiln::train {
@@ -24,18 +27,40 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// classes.txt beside IDX files: one class name per line (blank lines end the list).
+// classes.txt beside IDX files: one class name per line, UTF-8 (a leading byte-order mark and
+// "\r\n" endings are accepted). Blank lines may end the file; anywhere else, and for a name
+// that class_name_problem refuses or that repeats, the error names the file and the line.
 std::vector<std::string> read_class_file(const fs::path& path, int64_t num_classes) {
   std::vector<std::string> names;
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) return names;
-  std::ifstream f(path);
+  std::ifstream f(path, std::ios::binary);
   if (!f.good()) cli::usage_error("cannot read '", path.string(), "'");
+  const std::string where = "'" + path.string() + "' line ";
+  std::map<std::string, size_t> seen;  // name -> its line
+  size_t blank_line = 0;               // the first blank line since the last name, or 0
+  size_t line_no = 0;
   for (std::string line; std::getline(f, line);) {
+    ++line_no;
+    if (line_no == 1 && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.empty()) break;
+    if (line.empty()) {
+      if (blank_line == 0) blank_line = line_no;
+      continue;
+    }
+    if (blank_line != 0)
+      cli::usage_error(where, blank_line,
+                       " is blank: one class name per line (blank lines may only end the file)");
+    const std::string problem = class_name_problem(line);
+    if (!problem.empty())
+      cli::usage_error(where, line_no, ": class name '", text::printable(line), "' ", problem);
+    const auto [it, fresh] = seen.emplace(line, line_no);
+    if (!fresh)
+      cli::usage_error(where, line_no, ": class name '", text::printable(line), "' repeats line ",
+                       it->second);
     names.push_back(line);
   }
+  if (f.bad()) cli::usage_error("error reading '", path.string(), "'");
   if (int64_t(names.size()) != num_classes)
     cli::usage_error("'", path.string(), "' names ", names.size(), " classes, but the labels have ",
                      num_classes, " (one name per line)");
@@ -176,6 +201,11 @@ TrainData::TrainData(const DataOptions& o)
                        "; both must hold the same class folders");
     num_classes_ = train.num_classes();
     class_names_ = train.classes();
+    try {
+      check_class_names(class_names_, "--data '" + o.data + "/train': class folders");
+    } catch (const Error& e) {
+      cli::usage_error(cli::without_location(e.what()));
+    }
     mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
     stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
     channels_ = 3;

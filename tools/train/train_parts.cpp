@@ -85,6 +85,12 @@ ModelInfo model_info(const Config& c, const TrainData& d) {
     m.std.assign(size_t(m.in_channels), m.std[0]);
   }
   m.class_names = d.class_names();
+  // Now, not when the first checkpoint is written: values model_metadata would refuse.
+  try {
+    check_model_info(m, "the model");
+  } catch (const Error& e) {
+    cli::usage_error(cli::without_location(e.what()));
+  }
   return m;
 }
 

@@ -20,6 +20,7 @@
 #include "core/device_query.h"
 #include "core/json.h"
 #include "core/serialization.h"
+#include "core/text.h"
 #include "core/version.h"
 #include "cuda/profiler.h"
 #include "data/fashion_mnist.h"
@@ -314,7 +315,11 @@ void Trainer::build_optimizer() {
   scaler_ = std::make_unique<optim::DynamicLossScaler>(dev_, so);
 
   meta_ = model_metadata(info_);
-  meta_["data"] = c_.dummy ? "dummy" : c_.data;
+  // A safetensors header is UTF-8 JSON: a path that is not UTF-8 is kept with its bad bytes
+  // written \xNN (save_safetensors would refuse it at the first checkpoint).
+  meta_["data"] = c_.dummy                          ? "dummy"
+                  : text::is_valid_utf8(c_.data) ? c_.data
+                                                 : text::printable(c_.data);
   meta_["batch_size"] = std::to_string(c_.batch_size * env_.world_size);
   meta_["optimizer"] = c_.optimizer;  // a resume must use the same (resume_or_start)
   meta_["freeze_backbone"] = c_.freeze_backbone ? "1" : "0";
