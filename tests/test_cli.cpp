@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -65,13 +66,14 @@ struct Run {
   std::string output;  // stdout and stderr
 };
 
-// Runs a tool built beside this test binary, e.g. tool("kiln-convert", "--num-classes abc").
-Run tool(const std::string& name, const std::string& args) {
+// Runs a tool built beside this test binary, e.g. tool("kiln-convert", "--num-classes abc"), with
+// `env` ("NAME=VALUE ...") added to its environment.
+Run tool(const std::string& name, const std::string& args, const std::string& env = "") {
   const fs::path dir = fs::read_symlink("/proc/self/exe").parent_path();
   const fs::path exe = dir / name;
   REQUIRE_MESSAGE(fs::exists(exe), exe.string(), " is missing: build the tools first");
   Run r;
-  std::FILE* p = ::popen((exe.string() + " " + args + " 2>&1").c_str(), "r");
+  std::FILE* p = ::popen(("env " + env + " " + exe.string() + " " + args + " 2>&1").c_str(), "r");
   REQUIRE(p != nullptr);
   std::array<char, 4096> buf;
   size_t n;
@@ -294,14 +296,87 @@ TEST_CASE("kiln-train: --world-size/--rank/--dist-url/--gpu map onto torchrun's 
   };
   CHECK(msg({"--world-size", "2", "--rank", "2", "--dist-url", "tcp://h:1"}) ==
         "--rank 2: must be below --world-size 2");
-  CHECK(msg({"--world-size", "2", "--dist-url", "udp://h:1"}) ==
-        "--dist-url 'udp://h:1': expected tcp://HOST:PORT (port 1..65535) or env://");
-  CHECK(msg({"--world-size", "2", "--dist-url", "tcp://h:99999"}) ==
-        "--dist-url 'tcp://h:99999': expected tcp://HOST:PORT (port 1..65535) or env://");
+  const std::string expected =
+      "': expected tcp://HOST:PORT (port 1..65535; IPv6: tcp://[::1]:PORT) or env://";
+  for (const char* url : {"udp://h:1", "tcp://h:99999", "tcp://h:0", "tcp://h:", "tcp://:1",
+                          "tcp://h:+1", "tcp://h: 1", "tcp://h:1x", "tcp://h", "tcp://[::1]",
+                          "tcp://[::1]29500", "tcp://[]:1", "tcp://[::1]:", "tcp://h/x:1"}) {
+    INFO(url);
+    CHECK(msg({"--world-size", "2", "--dist-url", url}) ==
+          std::string("--dist-url '") + url + expected);
+  }
+  // IPv6: in brackets, and MASTER_ADDR gets the address bare (as PyTorch's init_method).
+  CHECK(msg({"--world-size", "2", "--dist-url", "tcp://::1:29500"}) ==
+        "--dist-url 'tcp://::1:29500': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT");
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "2", "--rank", "0", "--dist-url", "tcp://[fd00::2]:29500"})) ==
+        Env{{"WORLD_SIZE", "2"},
+            {"RANK", "0"},
+            {"LOCAL_RANK", "0"},
+            {"MASTER_ADDR", "fd00::2"},
+            {"MASTER_PORT", "29500"}});
+  CHECK(train::launch_env(
+            train::parse_args({"--world-size", "2", "--dist-url", "tcp://[::1]:1"}))[3] ==
+        std::pair<std::string, std::string>{"MASTER_ADDR", "::1"});
   CHECK(msg({"--world-size", "2", "--multiprocessing-distributed", "--dist-url", "tcp://h:1"})
             .find("launches the processes of one node only") != std::string::npos);
   CHECK(msg({"--world-size", "2", "--nproc", "2", "--dist-url", "tcp://h:1"}).find("give one") !=
         std::string::npos);
+}
+
+TEST_CASE("kiln-train, kiln-bench: the launcher's variables, one line each; stray ones ignored") {
+  const fs::path out = fs::temp_directory_path() / ("kiln_test_cli_" + std::to_string(::getpid()));
+  const std::string no_data = "--data /nonexistent/kiln-data --device cpu --quiet";
+  const std::string data_error = "kiln-train: error: --data '/nonexistent/kiln-data'";
+  // One process: MASTER_ADDR/MASTER_PORT/KILN_RDZV_PORT are not read, whatever they hold, and
+  // the run goes on (to the missing data).
+  Run r = tool("kiln-train", no_data, "MASTER_ADDR= MASTER_PORT=garbage KILN_RDZV_PORT=-5");
+  CHECK(r.code == 1);
+  CHECK(r.output.rfind(data_error, 0) == 0);
+  CHECK(r.output.find('\n') == r.output.size() - 1);
+  r = tool("kiln-train", no_data, "WORLD_SIZE=1 RANK=0 MASTER_PORT=99999");
+  CHECK(r.output.rfind(data_error, 0) == 0);
+  // A stray WORLD_SIZE=1 in an 8-task Slurm job: one warning naming both (though kiln-train
+  // reads its place more than once), then the run as WORLD_SIZE says.
+  r = tool("kiln-train", no_data, "WORLD_SIZE=1 SLURM_NTASKS=8 SLURM_PROCID=3");
+  CHECK(r.output.rfind("kiln: warning: WORLD_SIZE=1 and SLURM_NTASKS=8 disagree; WORLD_SIZE takes "
+                       "precedence, so this process is rank 0 of 1\n" +
+                           data_error,
+                       0) == 0);
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 2);
+  // More than one process: a bad value is one line naming it, without a source location.
+  r = tool("kiln-train", no_data, "WORLD_SIZE=2 RANK=0 MASTER_ADDR=h MASTER_PORT=garbage");
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-train: error: environment variable MASTER_PORT='garbage': expected an integer "
+        "between 1 and 65535\n");
+  r = tool("kiln-train", no_data, "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 MASTER_PORT=1");
+  CHECK(r.output ==
+        "kiln-train: error: environment variable MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2 "
+        "(under mpirun: export it, then mpirun -x MASTER_ADDR -x MASTER_PORT ...)\n");
+  r = tool("kiln-train", "--world-size 2 --rank 1 --dist-url tcp://::1:29500 " + no_data);
+  CHECK(r.output ==
+        "kiln-train: error: --dist-url 'tcp://::1:29500': an IPv6 address goes in brackets, "
+        "tcp://[ADDRESS]:PORT\n");
+  r = tool("kiln-bench", "--ops", "WORLD_SIZE=4 RANK=4");
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-bench: error: environment variable RANK='4': expected an integer between 0 and 3 "
+        "(below WORLD_SIZE=4)\n");
+  // Without NCCL, a job of several processes stops at the data-parallel setup, in one line.
+  if (!train::data_parallel_available()) {
+    r = tool("kiln-train",
+             "--dummy --dummy-images 64 -a resnet_small --width 8 --image-size 16 -b 32 "
+             "--device cpu --quiet --output " +
+                 out.string(),
+             "WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1");
+    CHECK(r.code == 1);
+    CHECK(r.output ==
+          "kiln-train: error: this process is rank 0 of 2 (local rank 0), launched by RANK/"
+          "WORLD_SIZE variables: data-parallel training needs a kiln built with CUDA and NCCL\n");
+  }
+  std::error_code ec;
+  fs::remove_all(out, ec);
 }
 
 TEST_CASE("every tool: a bad value is one line naming flag, value and what is allowed; exit 1") {
