@@ -9,10 +9,13 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/device_query.h"
 #include "tools/cli/cli.h"
+#include "tools/train/output_dir.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/trainer.h"
 
@@ -81,6 +84,13 @@ Run tool(const std::string& name, const std::string& args, const std::string& en
   const int status = ::pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// Whether `output` ends with the line `last` (progress lines may come before it).
+bool lines_end_with(const std::string& output, const std::string& last) {
+  return output.size() >= last.size() &&
+         output.compare(output.size() - last.size(), last.size(), last) == 0 &&
+         (output.size() == last.size() || output[output.size() - last.size() - 1] == '\n');
 }
 
 }  // namespace
@@ -377,6 +387,76 @@ TEST_CASE("kiln-train, kiln-bench: the launcher's variables, one line each; stra
   }
   std::error_code ec;
   fs::remove_all(out, ec);
+}
+
+TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are one line") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_out_" + std::to_string(::getpid()));
+  fs::create_directories(root);
+  auto claim = [](const fs::path& dir, train::OutputReuse reuse) {
+    try {
+      train::OutputDir out(dir.string(), reuse);
+    } catch (const cli::UsageError& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("(not a UsageError) ") + e.what();
+    }
+    return std::string();
+  };
+  const fs::path file = root / "a-file";
+  std::ofstream(file) << "x";
+  CHECK(claim(file, train::OutputReuse::Refuse) ==
+        "--output '" + file.string() + "': cannot create the folder: Not a directory");
+  CHECK(claim(file / "sub", train::OutputReuse::Refuse) ==
+        "--output '" + (file / "sub").string() + "': cannot create the folder: Not a directory");
+  const std::string proc = claim("/proc/self", train::OutputReuse::Refuse);
+  CHECK(proc.rfind("--output '/proc/self' is not writable: cannot create '/proc/self/", 0) == 0);
+  CHECK(cli::without_location(proc) == proc);
+  const fs::path run = root / "run";
+  fs::create_directories(run);
+  std::ofstream(run / "log.jsonl") << "{}\n";
+  CHECK(claim(run, train::OutputReuse::Refuse) ==
+        "--output '" + run.string() + "' already holds a run (log.jsonl); pass --resume " +
+            (run / "checkpoint.safetensors").string() +
+            " to continue it, --overwrite to replace it, or choose another --output");
+  {
+    train::OutputDir running(run.string(), train::OutputReuse::Overwrite);
+    CHECK(claim(run, train::OutputReuse::Overwrite) ==
+          "--output '" + run.string() + "' is in use by a running kiln-train (pid " +
+              std::to_string(::getpid()) + "); choose another --output or wait for it to finish");
+  }
+  CHECK(claim(run, train::OutputReuse::Overwrite) == "");  // the lock went with its holder
+
+  if (!built_with_cuda()) {
+    Run r = tool("kiln-bench", "--model resnet50");
+    CHECK(r.code == 1);
+    CHECK(r.output ==
+          "kiln-bench: error: --model measures the GPU backend, and this kiln was built "
+          "without CUDA\n");
+    r = tool("kiln-bench", "--model resnet50 --verify-graph");
+    CHECK(r.output ==
+          "kiln-bench: error: --verify-graph compares CUDA graph replay with eager "
+          "steps on the GPU, and this kiln was built without CUDA\n");
+  }
+  fs::create_directories(root / "corpus" / "train");
+  Run r = tool("kiln-loader-bench", "--output-dir " + (root / "corpus").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-loader-bench: error: --output-dir '" + (root / "corpus").string() +
+                        "' already holds a corpus; remove it or pass it as --folder\n");
+  // A corpus of 2 images in 1 class: less than a batch of 8; with a batch of 2, rows, but
+  // nowhere to write them.
+  const std::string tiny = "--generate 2 --classes 1 --batches 1 --workers 1 --decoder stb ";
+  r = tool("kiln-loader-bench", tiny + "-b 8");
+  CHECK(r.code == 1);
+  CHECK(lines_end_with(r.output,
+                       "kiln-loader-bench: error: fewer images than one batch: lower "
+                       "--batch-size or add images\n"));
+  r = tool("kiln-loader-bench", tiny + "-b 2 --json " + (file / "x.json").string());
+  CHECK(r.code == 1);
+  CHECK(lines_end_with(r.output, "kiln-loader-bench: error: --json '" + (file / "x.json").string() +
+                                     "': cannot write it\n"));
+  std::error_code ec;
+  fs::remove_all(root, ec);
 }
 
 TEST_CASE("every tool: a bad value is one line naming flag, value and what is allowed; exit 1") {

@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "tools/cli/cli.h"
 
 namespace kiln::train {
 
@@ -37,34 +38,39 @@ bool process_alive(long pid) { return ::kill(pid_t(pid), 0) == 0 || errno == EPE
 OutputDir::OutputDir(const std::string& dir, OutputReuse reuse) : dir_(dir), reuse_(reuse) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  KILN_CHECK(!ec, "--output '", dir, "': cannot create the folder: ", ec.message());
-  KILN_CHECK(fs::is_directory(dir, ec), "--output '", dir, "' exists and is not a folder");
+  // Everything refused here is about the user's --output: cli::UsageErrors, one line each.
+  if (ec) cli::usage_error("--output '", dir, "': cannot create the folder: ", ec.message());
+  if (!fs::is_directory(dir, ec))
+    cli::usage_error("--output '", dir, "' exists and is not a folder");
 
   const std::string probe = file(".kiln-write-probe." + std::to_string(::getpid()));
   const int pfd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  KILN_CHECK(pfd >= 0, "--output '", dir, "' is not writable: cannot create '", probe,
-             "': ", std::strerror(errno));
+  if (pfd < 0)
+    cli::usage_error("--output '", dir, "' is not writable: cannot create '", probe,
+                     "': ", std::strerror(errno));
   const bool wrote = ::write(pfd, "k", 1) == 1 && ::fsync(pfd) == 0;
   const int werr = errno;
   ::close(pfd);
   ::unlink(probe.c_str());
-  KILN_CHECK(wrote, "--output '", dir, "' is not writable: writing '", probe,
-             "' failed: ", std::strerror(werr));
+  if (!wrote)
+    cli::usage_error("--output '", dir, "' is not writable: writing '", probe,
+                     "' failed: ", std::strerror(werr));
 
   const std::string lock = file(kLockName);
   lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  KILN_CHECK(lock_fd_ >= 0, "--output '", dir, "': cannot create '", lock,
-             "': ", std::strerror(errno));
+  if (lock_fd_ < 0)
+    cli::usage_error("--output '", dir, "': cannot create '", lock, "': ", std::strerror(errno));
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char pid[32] = {};
     const ssize_t n = ::pread(lock_fd_, pid, sizeof pid - 1, 0);
     ::close(lock_fd_);
     lock_fd_ = -1;
-    KILN_CHECK(err != EWOULDBLOCK, "--output '", dir, "' is in use by a running kiln-train",
-               n > 0 ? std::string(" (pid ") + std::string(pid, size_t(n)) + ")" : "",
-               "; choose another --output or wait for it to finish");
-    KILN_FAIL("--output '", dir, "': cannot lock '", lock, "': ", std::strerror(err));
+    if (err == EWOULDBLOCK)
+      cli::usage_error("--output '", dir, "' is in use by a running kiln-train",
+                       n > 0 ? std::string(" (pid ") + std::string(pid, size_t(n)) + ")" : "",
+                       "; choose another --output or wait for it to finish");
+    cli::usage_error("--output '", dir, "': cannot lock '", lock, "': ", std::strerror(err));
   }
   const std::string me = std::to_string(::getpid());
   if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) < 0) {
@@ -78,9 +84,9 @@ OutputDir::OutputDir(const std::string& dir, OutputReuse reuse) : dir_(dir), reu
     if (!found.empty()) {
       ::close(lock_fd_);
       lock_fd_ = -1;
-      KILN_FAIL("--output '", dir, "' already holds a run (", found, "); pass --resume ",
-                file("checkpoint.safetensors"),
-                " to continue it, --overwrite to replace it, or choose another --output");
+      cli::usage_error("--output '", dir, "' already holds a run (", found, "); pass --resume ",
+                       file("checkpoint.safetensors"),
+                       " to continue it, --overwrite to replace it, or choose another --output");
     }
   }
 
@@ -111,11 +117,11 @@ void OutputDir::append_log(const std::string& line) {
     fs::remove(file("model.safetensors"), ec);
   }
   std::FILE* f = std::fopen(path.c_str(), fresh ? "w" : "a");
-  KILN_CHECK(f != nullptr, "cannot write '", path, "': ", std::strerror(errno));
+  if (f == nullptr) cli::usage_error("cannot write '", path, "': ", std::strerror(errno));
   const bool ok = std::fputs((line + "\n").c_str(), f) >= 0 && std::fflush(f) == 0;
   const int err = errno;
   std::fclose(f);
-  KILN_CHECK(ok, "writing '", path, "' failed: ", std::strerror(err));
+  if (!ok) cli::usage_error("writing '", path, "' failed: ", std::strerror(err));
   log_started_ = true;
 }
 

@@ -15,7 +15,8 @@
 //      model.safetensors) unless the mode is Resume or Overwrite;
 //   5. removes temporary files left by killed atomic saves ("<name>.tmp.<pid>" whose process
 //      is gone; core/serialization.h).
-// The lock is held until the object is destroyed.
+// The lock is held until the object is destroyed. Refusals, and a log that cannot be written,
+// are cli::UsageErrors (tools/cli/cli.h): one line naming --output or the file, no location.
 //
 // Logs: a new run (not Resume) starts log.jsonl afresh at its first append_log, so a re-run that
 // fails before finishing an epoch leaves the old log in place; Overwrite also removes the old

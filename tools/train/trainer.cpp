@@ -2,9 +2,11 @@
 
 #include <stdlib.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <future>
@@ -277,7 +279,7 @@ Summary run(const Config& c) {
       }
     });
     if (dp) dp->sum_host(ev);
-    KILN_CHECK(ev[3] > 0, "--data '", c.data, "': the evaluation saw no test images");
+    if (ev[3] <= 0) cli::usage_error("--data '", c.data, "': the evaluation saw no test images");
     sum.test_loss = ev[0] / ev[3];
     sum.test_top1 = ev[1] / ev[3];
     sum.test_top5 = ev[2] / ev[3];
@@ -304,7 +306,7 @@ Summary run(const Config& c) {
       trim_jsonl(path, "step", double(step));
     }
     steps_log = std::fopen(path.c_str(), continues ? "a" : "w");
-    KILN_CHECK(steps_log != nullptr, "cannot write '", path, "'");
+    if (steps_log == nullptr) cli::usage_error("cannot write '", path, "': ", std::strerror(errno));
   }
   struct CloseFile {
     std::FILE*& f;
@@ -361,9 +363,11 @@ Summary run(const Config& c) {
   auto check_loss = [&](double loss, int64_t epoch, int64_t steps_in_window,
                         int64_t skipped_in_window) {
     if (std::isfinite(loss) || (mixed && skipped_in_window < steps_in_window)) return;
-    KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
-              epoch + 1, mixed ? " and the loss scaler skipped every step" : "", " (lr ",
-              opt->param_groups[0].lr, "); stopping: ", kept(epoch));
+    // What to change is the user's (--lr, --warmup-epochs): one line, no source location.
+    cli::usage_error("training diverged: the training loss is ", fmt_metric(loss, 1, 4),
+                     " in epoch ", epoch + 1,
+                     mixed ? " and the loss scaler skipped every step" : "", " (lr ",
+                     opt->param_groups[0].lr, "); stopping: ", kept(epoch));
   };
   auto skipped_steps = [&]() -> int64_t {
     return mixed ? int64_t(scaler.skipped_steps().to(DType::f64).item()) : 0;
@@ -480,9 +484,10 @@ Summary run(const Config& c) {
     const double train_top1 = std::isfinite(train_loss) ? m[1] / m[2] : NAN;
     // Every rank holds the same weights; all check, so all stop together.
     const std::string bad = first_non_finite(*model);
-    KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
-               "non-finite values (the first in '", bad,
-               "'); stopping without saving them: ", kept(epoch));
+    if (!bad.empty())
+      cli::usage_error("training diverged: after epoch ", epoch + 1,
+                       " the weights hold non-finite values (the first in '", bad,
+                       "'); stopping without saving them: ", kept(epoch));
     // The checkpoint before the evaluation: a failing evaluation loses no training.
     if (steps_log) std::fflush(steps_log);
     const auto save_start = Clock::now();
