@@ -1,6 +1,7 @@
 // The shared command-line parser (tools/cli/cli.h), kiln-train's main.py spelling and launch
-// mapping (tools/train/trainer.h), and every tool binary's message for a bad value: one line,
-// "<tool>: error: <flag> '<value>': expected ...", no source location, exit code 1.
+// mapping (tools/train/trainer.h), and every tool binary's message for a bad value, a bad
+// launcher variable or a file or folder the user named: one line ("<tool>: error: <flag>
+// '<value>': expected ..."), no source location, exit code 1.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -457,6 +458,76 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
                                      "': cannot write it\n"));
   std::error_code ec;
   fs::remove_all(root, ec);
+}
+
+TEST_CASE("every tool: a folder or file the user named that cannot be read is one line") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_in_" + std::to_string(::getpid()));
+  fs::create_directories(root / "noimg" / "train" / "a");
+  fs::create_directories(root / "noimg" / "val" / "a");
+  fs::create_directories(root / "idx");
+  std::ofstream(root / "idx" / "train-images-idx3-ubyte") << "junk";
+  const std::string cpu = " --device cpu --quiet --output " + (root / "out").string();
+  Run r = tool("kiln-train", "--data " + (root / "noimg").string() + cpu);
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-train: error: --data: ImageFolder: no image files (.jpg, .jpeg, .png) in "
+        "class folder '" +
+            (root / "noimg" / "train" / "a").string() + "'\n");
+  r = tool("kiln-train", "--data " + (root / "idx").string() + cpu);
+  CHECK(r.output == "kiln-train: error: --data: MNIST-style dataset file not found in '" +
+                        (root / "idx").string() +
+                        "' (tried train-labels-idx1-ubyte.gz, train-labels-idx1-ubyte, "
+                        "train-labels.idx1-ubyte.gz, train-labels.idx1-ubyte)\n");
+  r = tool("kiln-train",
+           "--dummy --dummy-images 64 -b 32 --image-size 16 -a resnet_small "
+           "--width 8 --resume " +
+               (root / "nope.safetensors").string() + cpu);
+  CHECK(r.output == "kiln-train: error: --resume: cannot open safetensors file '" +
+                        (root / "nope.safetensors").string() + "': No such file or directory\n");
+  r = tool("kiln-loader-bench", "--folder " + (root / "nope").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-loader-bench: error: --folder: ImageFolder: '" +
+                        (root / "nope").string() + "' does not exist\n");
+  r = tool("kiln-export-images", "--out " + (root / "noimg").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-export-images: error: --out '" + (root / "noimg").string() +
+                        "' is not an empty folder (--force writes into a folder)\n");
+  r = tool("kiln-export-images",
+           "--out " + (root / "new").string() + " --data " + (root / "idx").string());
+  CHECK(r.code == 1);
+  CHECK(
+      r.output.rfind("kiln-export-images: error: --data: MNIST-style dataset file not found in '" +
+                         (root / "idx").string() + "'",
+                     0) == 0);
+  CHECK(cli::without_location(r.output.substr(0, r.output.size() - 1)) ==
+        r.output.substr(0, r.output.size() - 1));
+  CHECK_FALSE(fs::exists(root / "new"));
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("cli::user_input: a library's error about the user's input, as a UsageError") {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const cli::UsageError& e) {
+      return std::string("usage: ") + e.what();
+    } catch (const Error& e) {
+      return std::string("other: ") + e.what();
+    }
+    return std::string();
+  };
+  CHECK(cli::user_input("--x: ", [] { return 7; }) == 7);
+  CHECK(message([] { cli::user_input("--x: ", [] { KILN_CHECK(1 == 2, "bad file 'f'"); }); }) ==
+        "usage: --x: bad file 'f'");
+  CHECK(message([] { cli::user_input("--x: ", [] { cli::usage_error("as is"); }); }) ==
+        "usage: as is");
+  // A device's failure is not the input's: it keeps its kind and its location.
+  const std::string cuda = message([] {
+    cli::user_input("--x: ", [] { throw CudaError("cudaMalloc failed [cuda/x.cpp:1]"); });
+  });
+  CHECK(cuda == "other: cudaMalloc failed [cuda/x.cpp:1]");
 }
 
 TEST_CASE("every tool: a bad value is one line naming flag, value and what is allowed; exit 1") {

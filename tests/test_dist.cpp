@@ -1,6 +1,7 @@
 // Data-parallel plumbing without GPUs: launcher environment parsing (torchrun, kiln --nproc,
-// mpirun, srun), DistributedSampler (and its DataLoader hook), the TCP rendezvous between forked
-// local processes under each launcher's variables, and the launcher.
+// mpirun, srun; one-line errors, contradictions, IPv6 addresses), DistributedSampler (and its
+// DataLoader hook), the TCP rendezvous between forked local processes under each launcher's
+// variables and over IPv6, and the launcher.
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>

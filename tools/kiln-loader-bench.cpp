@@ -267,7 +267,8 @@ int main(int argc, char** argv) {
       for (int w = 1; w < hw; w *= 2) workers.push_back(w);
       workers.push_back(hw);
     }
-    if (folder.empty()) {
+    const bool generated = folder.empty();
+    if (generated) {
       fs::path root;
       if (out_dir.empty()) {
         std::string tmpl = (fs::temp_directory_path() / "kiln-loader-bench-XXXXXX").string();
@@ -296,7 +297,9 @@ int main(int argc, char** argv) {
       folder = train.string();
     }
     if (batches == 0) return 0;
-    const data::ImageFolder images(folder);
+    const data::ImageFolder images =
+        cli::user_input(generated ? "the generated corpus: " : "--folder: ",
+                        [&] { return data::ImageFolder(folder); });
     std::printf(
         "%s: %lld images, %lld classes; batch %lld, %s\n", folder.c_str(),
         static_cast<long long>(images.size()), static_cast<long long>(images.num_classes()),

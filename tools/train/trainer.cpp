@@ -192,7 +192,7 @@ Summary run(const Config& c) {
     TrainingState st;
     st.model = model.get();
     st.optimizer = opt.get();
-    load_checkpoint(c.resume, st);
+    cli::user_input("--resume: ", [&] { load_checkpoint(c.resume, st); });
     auto arch = st.metadata.find("arch");
     if (arch != st.metadata.end() && arch->second != c.arch)
       cli::usage_error("--resume '", c.resume, "' holds a ", arch->second, ", but --arch is ",
