@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -16,8 +17,8 @@
 #include <vector>
 
 #include "core/json.h"
-#include "tools/train/trainer.h"
 #include "tests/train_test_util.h"
+#include "tools/train/trainer.h"
 
 using namespace kiln;
 using namespace std::string_literals;
@@ -128,8 +129,9 @@ bool has_line(const std::string& output, const std::string& line) {
 
 // A step line as kiln-train writes it, for step `s` of 8 per epoch.
 std::string step_line(int s) {
-  return "{\"step\": " + std::to_string(s) + ", \"epoch\": 1, \"epoch_frac\": " +
-         std::to_string(s / 8.0) + ", \"loss\": " + std::to_string(2.0 / s) +
+  return "{\"step\": " + std::to_string(s) +
+         ", \"epoch\": 1, \"epoch_frac\": " + std::to_string(s / 8.0) +
+         ", \"loss\": " + std::to_string(2.0 / s) +
          ", \"top1\": 0.5, \"lr\": 0.1, \"loss_scale\": 1, \"images_per_s\": 100, "
          "\"ms_compute\": 5, \"ms_data\": 1}\n";
 }
@@ -182,17 +184,15 @@ TEST_CASE("kiln-plot: draws a run's logs; an empty folder is one clear line") {
 
 TEST_CASE("kiln-plot: each kind of unusable line is skipped, counted and named; the rest drawn") {
   if (!have_matplotlib()) return;
-  std::string good;
-  for (int s = 1; s <= 3; ++s) good += step_line(s);
   struct Case {
     const char* name;
-    std::string line;  // appended to three good lines, so it is line 4
+    std::string line;
     const char* reason;
   };
   const Case cases[] = {
       {"byte_ff", "{\"step\": 4, \"loss\": 1.0\xff}\n", "not UTF-8"},
       {"latin1", "{\"step\": 4, \"note\": \"caf\xe9\"}\n", "not UTF-8"},
-      {"torn", "{\"step\": 4, \"loss\": 0.", "not JSON"},
+      {"torn", "{\"step\": 4, \"loss\": 0.\n", "not JSON"},
       {"nul", "{\"step\": 4,\0 \"loss\": 1}\n"s, "not JSON"},
       {"deep", std::string(100000, '[') + "\n", "not JSON"},
       {"array", "[4, 1.0]\n", "not a JSON object"},
@@ -210,20 +210,36 @@ TEST_CASE("kiln-plot: each kind of unusable line is skipped, counted and named; 
       {"bool_top1", "{\"step\": 4, \"top1\": false}\n", "with a non-numeric top1"},
       {"list_loss", "{\"step\": 4, \"loss\": [1]}\n", "with a non-numeric loss"},
   };
+  // One run (matplotlib takes a while to start): three good lines, then each case's line
+  // followed by a good one. The warning counts every reason, in the order first met.
+  std::string steps = step_line(1) + step_line(2) + step_line(3);
+  std::vector<std::pair<std::string, int>> reasons;
+  int good = 3, bad = 0;
   for (const Case& c : cases) {
-    INFO(c.name);
-    const fs::path d = logs(c.name, good + c.line);
-    const Run r = run_command(plot_command() + " " + d.string());
-    INFO(r.output);
-    CHECK(r.code == 0);
-    CHECK(is_png(d / "curves.png"));
-    CHECK(has_line(r.output, "kiln-plot: warning: " + (d / "steps.jsonl").string() +
-                                 ": skipped 1 of 4 lines (1 " + c.reason + "; first at line 4)"));
-    CHECK(has_line(r.output, "kiln-plot: wrote " + (d / "curves.png").string() +
-                                 " (3 steps, 0 epochs)"));
-    CHECK(lines_of(r.output).size() == 2);
-    CHECK(r.output.find("Traceback") == std::string::npos);
+    steps += c.line + step_line(++good);
+    ++bad;
+    auto it = std::find_if(reasons.begin(), reasons.end(),
+                           [&](const auto& r) { return r.first == c.reason; });
+    if (it == reasons.end())
+      reasons.emplace_back(c.reason, 1);
+    else
+      ++it->second;
   }
+  std::string summary;
+  for (const auto& [reason, count] : reasons)
+    summary += (summary.empty() ? "" : ", ") + std::to_string(count) + " " + reason;
+  const fs::path d = logs("kinds", steps);
+  const Run r = run_command(plot_command() + " " + d.string());
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(is_png(d / "curves.png"));
+  CHECK(has_line(r.output, "kiln-plot: warning: " + (d / "steps.jsonl").string() + ": skipped " +
+                               std::to_string(bad) + " of " + std::to_string(good + bad) +
+                               " lines (" + summary + "; first at line 4)"));
+  CHECK(has_line(r.output, "kiln-plot: wrote " + (d / "curves.png").string() + " (" +
+                               std::to_string(good) + " steps, 0 epochs)"));
+  CHECK(lines_of(r.output).size() == 2);
+  CHECK(r.output.find("Traceback") == std::string::npos);
 }
 
 TEST_CASE("kiln-plot: a real run's logs with hostile lines mixed in; null fields are gaps") {
@@ -233,7 +249,8 @@ TEST_CASE("kiln-plot: a real run's logs with hostile lines mixed in; null fields
   const size_t n_steps = read_jsonl(run / "steps.jsonl").size();
   REQUIRE(n_steps == 18);
   // The four of the issue, a blank line (ignored), a null loss (kiln-train's non-finite metric:
-  // drawn as a gap, not skipped), and in log.jsonl a byte-order mark and a string epoch.
+  // drawn as a gap, not skipped), a last line torn by a crash, and in log.jsonl a byte-order mark
+  // and a string epoch.
   {
     std::ofstream s(run / "steps.jsonl", std::ios::app | std::ios::binary);
     s << "{\"step\": 19, \"loss\": 1.0, \"bad\": \"\xff\xfe\"}\n"
@@ -242,7 +259,8 @@ TEST_CASE("kiln-plot: a real run's logs with hostile lines mixed in; null fields
       << "{\"step\": \"20\", \"epoch_frac\": 2.1}\n"
       << "{\"step\": 21, \"epoch_frac\": \"2.2\"}\n"
       << "{\"step\": 22, \"loss\": 1e308, \"images_per_s\": 1e308}\n"
-      << "{\"step\": 23, \"epoch\": 3, \"epoch_frac\": 2.5, \"loss\": null, \"top1\": null}\n";
+      << "{\"step\": 23, \"epoch\": 3, \"epoch_frac\": 2.5, \"loss\": null, \"top1\": null}\n"
+      << "{\"step\": 24, \"lo";  // torn by a crash: no newline
   }
   const std::string log = [&] {
     std::ifstream f(run / "log.jsonl", std::ios::binary);
@@ -256,9 +274,9 @@ TEST_CASE("kiln-plot: a real run's logs with hostile lines mixed in; null fields
   CHECK(r.code == 0);
   CHECK(is_png(png));
   CHECK(has_line(r.output, "kiln-plot: warning: " + (run / "steps.jsonl").string() +
-                               ": skipped 5 of 24 lines (1 not UTF-8, 2 without a numeric step, 1 "
-                               "with a non-numeric epoch_frac, 1 with loss out of range; first at "
-                               "line 19)"));
+                               ": skipped 6 of 25 lines (1 not UTF-8, 2 without a numeric step, 1 "
+                               "with a non-numeric epoch_frac, 1 with loss out of range, 1 not "
+                               "JSON; first at line 19)"));
   CHECK(has_line(r.output, "kiln-plot: warning: " + (run / "log.jsonl").string() +
                                ": skipped 1 of 3 lines (1 without a numeric epoch; first at line "
                                "3)"));
@@ -279,8 +297,9 @@ TEST_CASE("kiln-plot: nothing drawable is one error line after the warnings, and
             (d / "log.jsonl").string() +
             ": skipped 1 of 1 lines (1 without a numeric epoch; first at line 1)\n"
             "kiln-plot: error: '" +
-            d.string() + "': no line of steps.jsonl or log.jsonl can be drawn (the warnings "
-                         "above say why)\n");
+            d.string() +
+            "': no line of steps.jsonl or log.jsonl can be drawn (the warnings "
+            "above say why)\n");
   CHECK_FALSE(fs::exists(d / "curves.png"));
   size_t files = 0;
   for (const auto& e : fs::directory_iterator(d)) files += e.is_regular_file();
