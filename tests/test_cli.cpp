@@ -399,7 +399,7 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
   fs::create_directories(root);
   auto claim = [](const fs::path& dir, train::OutputReuse reuse) {
     try {
-      train::OutputDir out(dir.string(), reuse);
+      train::OutputDir out(train::plan_output(dir.string(), reuse, {}));
     } catch (const cli::UsageError& e) {
       return std::string(e.what());
     } catch (const std::exception& e) {
@@ -409,22 +409,24 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
   };
   const fs::path file = root / "a-file";
   std::ofstream(file) << "x";
-  CHECK(claim(file, train::OutputReuse::Refuse) ==
-        "--output '" + file.string() + "': cannot create the folder: Not a directory");
-  CHECK(claim(file / "sub", train::OutputReuse::Refuse) ==
+  CHECK(claim(file, train::OutputReuse::New) ==
+        "--output '" + file.string() + "' exists and is not a folder");
+  CHECK(claim(file / "sub", train::OutputReuse::New) ==
         "--output '" + (file / "sub").string() + "': cannot create the folder: Not a directory");
-  const std::string proc = claim("/proc/self", train::OutputReuse::Refuse);
+  CHECK(claim("/proc/self", train::OutputReuse::New).rfind(
+            "--output '/proc/self' is not empty (it holds ", 0) == 0);
+  const std::string proc = claim("/proc/self", train::OutputReuse::Overwrite);
   CHECK(proc.rfind("--output '/proc/self' is not writable: cannot create '/proc/self/", 0) == 0);
   CHECK(cli::without_location(proc) == proc);
   const fs::path run = root / "run";
   fs::create_directories(run);
   std::ofstream(run / "log.jsonl") << "{}\n";
-  CHECK(claim(run, train::OutputReuse::Refuse) ==
+  CHECK(claim(run, train::OutputReuse::New) ==
         "--output '" + run.string() + "' already holds a run (log.jsonl); pass --resume " +
             (run / "checkpoint.safetensors").string() +
             " to continue it, --overwrite to replace it, or choose another --output");
   {
-    train::OutputDir running(run.string(), train::OutputReuse::Overwrite);
+    train::OutputDir running(train::OutputPlan{run.string(), train::OutputReuse::Overwrite});
     CHECK(claim(run, train::OutputReuse::Overwrite) ==
           "--output '" + run.string() + "' is in use by a running kiln-train (pid " +
               std::to_string(::getpid()) + "); choose another --output or wait for it to finish");
