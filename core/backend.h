@@ -57,6 +57,8 @@ enum class FastPath : uint8_t {
   BatchNormReluMaxPool,
   // BatchNormStatsPaths::relu_max_pool_backward: x.
   BatchNormReluMaxPoolBackward,
+  // AttentionPaths: q, k, v (B, H, L, D), as F::scaled_dot_product_attention gets them.
+  Attention,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -139,6 +141,23 @@ struct BatchNormStatsPaths {
                                  TensorRef indices, TensorRef x, TensorRef weight,
                                  TensorRef save_mean, TensorRef save_invstd,
                                  TensorRef scale_shift, GradientMode mode) = nullptr;
+};
+
+// Fused scaled-dot-product attention that never materialises the L×L scores: both entries or
+// neither. q (B, H, Lq, D), k, v (B, H, Lk, D) and out, dout, dq, dk, dv (their shapes) with the
+// last dim dense and any other strides; lse (B, H, Lq) f32 contiguous. forward: out (=) =
+// softmax(scale·q·kᵀ + mask)·v, mask -inf above the diagonal offset Lk - Lq when causal, and
+// lse (=) = each row's log Σ exp of the masked scaled scores. backward: dq, dk, dv (=) from dout,
+// the forward's out and lse; deterministic (no float atomics).
+struct AttentionPaths {
+  using Forward = void (*)(TensorRef out, TensorRef lse, TensorRef q, TensorRef k, TensorRef v,
+                           double scale, bool causal);
+  using Backward = void (*)(TensorRef dq, TensorRef dk, TensorRef dv, TensorRef dout,
+                            TensorRef q, TensorRef k, TensorRef v, TensorRef out, TensorRef lse,
+                            double scale, bool causal);
+  constexpr AttentionPaths(Forward f, Backward b) : forward(f), backward(b) {}
+  const Forward forward;
+  const Backward backward;
 };
 
 struct Backend {
@@ -258,6 +277,38 @@ struct Backend {
                                       TensorRef mean, TensorRef invstd, TensorRef sums,
                                       TensorRef count) = nullptr;
 
+  // ---- layer norm, dropout, embedding, where (the transformer ops) ----
+  // Layer norm over the trailing `cols` elements of each row of contiguous x (rows, cols): y (=)
+  // of x's shape and dtype; mean, rstd (rows) (=) = the row's mean and 1/sqrt(biased variance +
+  // eps), f32 (f64 for f64 x); weight, bias (cols) contiguous, f32 for f16/bf16 x (else x's
+  // dtype), either may be undefined (1 and 0).
+  void (*layer_norm_forward)(TensorRef y, TensorRef mean, TensorRef rstd, TensorRef x,
+                             TensorRef weight, TensorRef bias, int64_t rows, int64_t cols,
+                             double eps) = nullptr;
+  // dx (=) when defined, contiguous; dweight = Σ_rows dy·x̂ and dbias = Σ_rows dy when defined,
+  // `=` or `+=` by `mode`, in a fixed order (bit-reproducible). dy contiguous, x's dtype.
+  void (*layer_norm_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy,
+                              TensorRef x, TensorRef weight, TensorRef mean, TensorRef rstd,
+                              int64_t rows, int64_t cols, GradientMode mode) = nullptr;
+  // Claims n elements of the device's Philox stream (core/philox.h): base (=) = *offset, then
+  // *offset += n rounded up to a whole block of 4; both i64 (1) on the device. Device work only,
+  // so a captured graph claims fresh elements on every replay.
+  void (*philox_advance)(TensorRef base, TensorRef offset, int64_t n) = nullptr;
+  // out (=) = in·keep/(1 - p), keep = (u ≥ p) with u element i's uniform of the stream (seed,
+  // *base + i); in and out contiguous, one shape and dtype. The backward is the same call on
+  // the gradient, with the same base.
+  void (*dropout)(TensorRef out, TensorRef in, double p, uint64_t seed, TensorRef base) = nullptr;
+  // out (N, D) (=) = weight[indices]; indices i64 (N) in [0, rows), weight (rows, D); all
+  // contiguous.
+  void (*embedding_forward)(TensorRef out, TensorRef weight, TensorRef indices) = nullptr;
+  // dweight (rows, D) `=` or `+=` (mode): row r gets Σ of dout's rows whose index is r, added in
+  // index order (bit-reproducible). All contiguous.
+  void (*embedding_backward)(TensorRef dweight, TensorRef dout, TensorRef indices,
+                             GradientMode mode) = nullptr;
+  // out (=) = cond ? a : b element by element; all contiguous, one shape; cond bool, a, b and out
+  // one dtype (any).
+  void (*where)(TensorRef out, TensorRef cond, TensorRef a, TensorRef b) = nullptr;
+
   // ---- fast paths (optional): the backend alone decides when they run ----
   // Whether `path` takes these operands, in the order its FastPath names (undefined tensors
   // where the op has none). ops/ states what an op means (training or not, which operands it
@@ -270,6 +321,8 @@ struct Backend {
   // Batch norm of an activation whose per-channel sums are known: FastPath::BatchNormStats and
   // the paths built on it.
   const BatchNormStatsPaths* batch_norm_stats = nullptr;
+  // Fused attention: FastPath::Attention.
+  const AttentionPaths* attention = nullptr;
 
   // ---- softmax and cross-entropy ----
   // Over the last dim of contiguous (rows, cols) tensors. y = softmax(x) or log_softmax(x).

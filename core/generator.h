@@ -4,8 +4,11 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/hash.h"
+#include "core/tensor.h"
 
 namespace kiln {
 
@@ -33,8 +36,25 @@ class Generator {
 // per-epoch and per-sample generators with it, which keeps them independent of thread timing.
 uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b);
 
-// The process-wide default generator used when none is passed.
+// The process-wide default generator used when none is passed. manual_seed also reseeds every
+// device's Philox stream (below) and rewinds it to its start.
 Generator& default_generator();
 void manual_seed(uint64_t seed);
+
+// A device's counter-based random stream (core/philox.h), which dropout draws from: a 64-bit
+// seed, and the offset of the next unclaimed element, kept in the device's own memory (i64, one
+// element) so that draws inside a captured CUDA graph claim fresh elements on every replay with
+// no host work (Backend::philox_advance). Created zeroed at a device's first draw, its seed
+// derived from manual_seed's (or the default) seed and the device. Not thread-safe against
+// manual_seed running at the same time.
+struct PhiloxStream {
+  uint64_t seed = 0;
+  Tensor offset;  // i64 (1) on the device
+};
+PhiloxStream& philox_stream(Device device);
+// "<seed> <offset>" of every device stream created so far (the offsets copied to the host), for
+// checkpoints; and back. A device named in `state` gets its stream created.
+std::vector<std::pair<Device, std::string>> philox_states();
+void set_philox_state(Device device, const std::string& state);
 
 }  // namespace kiln

@@ -17,6 +17,9 @@ const char* unary_name(UnaryOp op) {
     case UnaryOp::RsubScalar: return "rsub";
     case UnaryOp::RdivScalar: return "rdiv";
     case UnaryOp::GtScalar: return "gt";
+    case UnaryOp::Gelu: return "gelu";
+    case UnaryOp::GeluTanh: return "gelu_tanh";
+    case UnaryOp::Silu: return "silu";
   }
   return "?";
 }
@@ -29,6 +32,9 @@ const char* binary_name(BinaryOp op) {
     case BinaryOp::Pow: return "pow";
     case BinaryOp::ReluBackward: return "relu_backward";
     case BinaryOp::Eq: return "eq";
+    case BinaryOp::GeluBackward: return "gelu_backward";
+    case BinaryOp::GeluTanhBackward: return "gelu_tanh_backward";
+    case BinaryOp::SiluBackward: return "silu_backward";
   }
   return "?";
 }

@@ -9,10 +9,14 @@
 
 namespace kiln {
 
+// Gelu is x·Φ(x), GeluTanh its tanh approximation, Silu x·sigmoid(x) (core/elementwise_math.h
+// has every formula).
 enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Relu, Sigmoid, Tanh, PowScalar, AddScalar,
-                               MulScalar, RsubScalar, RdivScalar, GtScalar };
-// a (op) b. AddScaled is a + alpha*b. ReluBackward(g, x) = x > 0 ? g : 0.
-enum class BinaryOp : uint8_t { AddScaled, Mul, Div, Pow, ReluBackward, Eq };
+                               MulScalar, RsubScalar, RdivScalar, GtScalar, Gelu, GeluTanh, Silu };
+// a (op) b. AddScaled is a + alpha*b. The *Backward ops take (g, x): ReluBackward(g, x) =
+// x > 0 ? g : 0, GeluBackward(g, x) = g·gelu'(x), and so on.
+enum class BinaryOp : uint8_t { AddScaled, Mul, Div, Pow, ReluBackward, Eq, GeluBackward,
+                                GeluTanhBackward, SiluBackward };
 // Reductions: the backends' reduce_rows computes Sum and Max; collectives (cuda/nccl.h) take
 // all four (Avg needs a floating dtype).
 enum class ReduceOp : uint8_t { Sum, Max, Min, Avg };

@@ -262,6 +262,13 @@ Backend make_table() {
   b.supports = supports;
   b.batch_norm_relu = &kBatchNormRelu;
   b.batch_norm_stats = &kBatchNormStats;
+  b.layer_norm_forward = layer_norm_forward;
+  b.layer_norm_backward = layer_norm_backward;
+  b.philox_advance = philox_advance;
+  b.dropout = dropout;
+  b.embedding_forward = embedding_forward;
+  b.embedding_backward = embedding_backward;
+  b.where = where;
   b.softmax_forward = softmax_fwd;
   b.softmax_backward = softmax_bwd;
   b.cross_entropy = cross_entropy_fused;

@@ -158,6 +158,23 @@ void batch_norm_add_relu_backward(const Tensor& dx, const Tensor& dz, const Tens
                                   const Tensor& reserve, double eps,
                                   bool accumulate_params = false);
 
+// ---- layer norm (cuda/kernels/layer_norm.cu), dropout (cuda/kernels/random.cu), embedding and
+// where (cuda/kernels/index.cu): the table's contracts (core/backend.h). Layer norm computes in
+// f32 for f16/bf16/f32 data (f64 for f64) with f32 (f64) parameters and statistics. ----
+void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                        const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
+                        double eps);
+void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                         const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         const Tensor& mean, const Tensor& rstd, int64_t rows, int64_t cols,
+                         GradientMode mode);
+void philox_advance(const Tensor& base, const Tensor& offset, int64_t n);
+void dropout(const Tensor& out, const Tensor& in, double p, uint64_t seed, const Tensor& base);
+void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);
+void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices,
+                        GradientMode mode);
+void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
+
 // ---- softmax and cross-entropy (cuda/kernels/softmax.cu) ----
 // Over the last dim of contiguous (rows, cols).
 void softmax_forward(const Tensor& y, const Tensor& x, bool log);

@@ -102,6 +102,9 @@ class BinaryBackward final : public Node {
       }
       case BinaryOp::ReluBackward:
       case BinaryOp::Eq:
+      case BinaryOp::GeluBackward:
+      case BinaryOp::GeluTanhBackward:
+      case BinaryOp::SiluBackward:
         KILN_FAIL(binary_name(op_), " is not differentiable");
     }
     return {ga, gb};
@@ -129,6 +132,7 @@ class UnaryBackward final : public Node {
   UnaryBackward(UnaryOp op, const Tensor& a, const Tensor& out, double s) : op_(op), s_(s) {
     switch (op) {
       case UnaryOp::Log: case UnaryOp::Relu: case UnaryOp::PowScalar: case UnaryOp::RdivScalar:
+      case UnaryOp::Gelu: case UnaryOp::GeluTanh: case UnaryOp::Silu:
         saved_ = SavedTensor(a);
         break;
       case UnaryOp::Exp: case UnaryOp::Sqrt: case UnaryOp::Sigmoid: case UnaryOp::Tanh:
@@ -166,6 +170,12 @@ class UnaryBackward final : public Node {
         Tensor a = saved_.get(*this);
         return {mul(mul(g, pow(a, s_ - 1.0)), s_)};
       }
+      case UnaryOp::Gelu:
+        return {run_binary(BinaryOp::GeluBackward, g, saved_.get(*this), 1.0)};
+      case UnaryOp::GeluTanh:
+        return {run_binary(BinaryOp::GeluTanhBackward, g, saved_.get(*this), 1.0)};
+      case UnaryOp::Silu:
+        return {run_binary(BinaryOp::SiluBackward, g, saved_.get(*this), 1.0)};
       case UnaryOp::GtScalar: KILN_FAIL("gt is not differentiable");
     }
     return {Tensor()};
@@ -233,6 +243,10 @@ Tensor sqrt(const Tensor& a) { return unary_op(UnaryOp::Sqrt, a); }
 Tensor relu(const Tensor& a) { return unary_op(UnaryOp::Relu, a); }
 Tensor sigmoid(const Tensor& a) { return unary_op(UnaryOp::Sigmoid, a); }
 Tensor tanh(const Tensor& a) { return unary_op(UnaryOp::Tanh, a); }
+Tensor gelu(const Tensor& a, GeluApproximate approximate) {
+  return unary_op(approximate == GeluApproximate::Tanh ? UnaryOp::GeluTanh : UnaryOp::Gelu, a);
+}
+Tensor silu(const Tensor& a) { return unary_op(UnaryOp::Silu, a); }
 
 Tensor eq(const Tensor& a, const Tensor& b) {
   // Integer tensors (labels, argmax indices) compare exactly in f64 up to 2^53.

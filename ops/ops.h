@@ -35,6 +35,11 @@ Tensor sqrt(const Tensor& a);
 Tensor relu(const Tensor& a);  // gradient 0 at 0
 Tensor sigmoid(const Tensor& a);
 Tensor tanh(const Tensor& a);
+// GELU, x·Φ(x) with Φ the standard normal CDF, or PyTorch's tanh approximation
+// 0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))).
+enum class GeluApproximate { None, Tanh };
+Tensor gelu(const Tensor& a, GeluApproximate approximate = GeluApproximate::None);
+Tensor silu(const Tensor& a);  // x·sigmoid(x)
 // Reduces a broadcast gradient back to `shape` (sums over stretched dims). Differentiable.
 Tensor sum_to(const Tensor& g, const Shape& shape);
 // Shape of broadcasting a against b; error naming `op` when incompatible.

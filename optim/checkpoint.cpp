@@ -1,5 +1,8 @@
 #include "optim/checkpoint.h"
 
+#include "core/backend.h"
+#include "core/device_query.h"
+
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -169,6 +172,9 @@ SafetensorsHost checkpoint_host(const std::string& path, const TrainingState& st
                "non-null pointer");
     meta[kRngPrefix + name] = gen->state();
   }
+  // Every device's dropout stream (core/generator.h's philox_stream) that has drawn.
+  for (const auto& [dev, st] : philox_states())
+    meta[std::string(kRngPrefix) + "philox." + dev.str()] = st;
 
   NoGradGuard no_grad;
   NamedTensors tensors;
@@ -211,6 +217,18 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
     KILN_CHECK(gen != nullptr, "load_checkpoint '", path, "': generator '", name, "' is null");
     restore_rng(name, gen);
   }
+  std::vector<std::pair<Device, std::string>> philox;
+  const std::string philox_prefix = std::string(kRngPrefix) + "philox.";
+  for (const auto& [k, v] : meta) {
+    if (!starts_with(k, philox_prefix)) continue;
+    Device d;
+    try {
+      d = Device::parse(k.substr(philox_prefix.size()));
+    } catch (const Error&) {
+      KILN_FAIL("'", path, "': metadata '", k, "' names no device");
+    }
+    philox.emplace_back(d, v);
+  }
   LoadReport unused;
   std::vector<PlannedCopy> plan =
       plan_load(data.tensors, *state.model, KeyMatch::Strict, path, kModelPrefix, &unused);
@@ -235,6 +253,9 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   }
   apply_load(plan);
   for (auto& [target, g] : rng) *target = g;
+  for (const auto& [d, st] : philox)  // streams of devices this process has
+    if (d.is_cpu() || (has_backend(d.type) && d.index < cuda_device_count()))
+      set_philox_state(d, st);
   state.scaler = std::move(scaler);
   state.epoch = epoch;
   state.step = step;

@@ -77,6 +77,13 @@ Backend make_table() {
   b.sync_batch_norm_apply = sync_batch_norm_apply;
   b.sync_batch_norm_backward_sums = sync_batch_norm_backward_sums;
   b.sync_batch_norm_backward_dx = sync_batch_norm_backward_dx;
+  b.layer_norm_forward = layer_norm_forward;
+  b.layer_norm_backward = layer_norm_backward;
+  b.philox_advance = philox_advance;
+  b.dropout = dropout;
+  b.embedding_forward = embedding_forward;
+  b.embedding_backward = embedding_backward;
+  b.where = where;
   b.softmax_forward = softmax_forward;
   b.softmax_backward = softmax_backward;
   b.cross_entropy = cross_entropy_forward;

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/elementwise_math.h"
 #include "ops/cpu/kernels.h"
 
 namespace kiln::cpu {
@@ -11,35 +12,12 @@ constexpr int64_t kParallelGrain = 32768;  // below this, one thread is faster
 
 template <typename T>
 inline T unary_scalar(UnaryOp op, T x, T s) {
-  switch (op) {
-    case UnaryOp::Neg: return -x;
-    case UnaryOp::Exp: return std::exp(x);
-    case UnaryOp::Log: return std::log(x);
-    case UnaryOp::Sqrt: return std::sqrt(x);
-    case UnaryOp::Relu: return x > T(0) ? x : T(0);
-    case UnaryOp::Sigmoid: return T(1) / (T(1) + std::exp(-x));
-    case UnaryOp::Tanh: return std::tanh(x);
-    case UnaryOp::PowScalar: return std::pow(x, s);
-    case UnaryOp::AddScalar: return x + s;
-    case UnaryOp::MulScalar: return x * s;
-    case UnaryOp::RsubScalar: return s - x;
-    case UnaryOp::RdivScalar: return s / x;
-    case UnaryOp::GtScalar: return x > s ? T(1) : T(0);
-  }
-  return x;
+  return math::unary_apply(op, x, s);
 }
 
 template <typename T>
 inline T binary_scalar(BinaryOp op, T a, T b, T alpha) {
-  switch (op) {
-    case BinaryOp::AddScaled: return a + alpha * b;
-    case BinaryOp::Mul: return a * b;
-    case BinaryOp::Div: return a / b;
-    case BinaryOp::Pow: return std::pow(a, b);
-    case BinaryOp::ReluBackward: return b > T(0) ? a : T(0);
-    case BinaryOp::Eq: return a == b ? T(1) : T(0);
-  }
-  return a;
+  return math::binary_apply(op, a, b, alpha);
 }
 
 // Same shape and strides, dense in some order: the elements can be walked as a flat array.

@@ -127,3 +127,22 @@ void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p
 void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x);
 void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy);
 }  // namespace kiln::cpu
+
+// ---- layer norm (ops/cpu/layer_norm.cpp), dropout (ops/cpu/random.cpp), embedding and where
+// (ops/cpu/index.cpp): the table's contracts; parameters and statistics in x's dtype (f32 or
+// f64), statistics accumulated in double ----
+namespace kiln::cpu {
+void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                        const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
+                        double eps);
+void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                         const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         const Tensor& mean, const Tensor& rstd, int64_t rows, int64_t cols,
+                         GradientMode mode);
+void philox_advance(const Tensor& base, const Tensor& offset, int64_t n);
+void dropout(const Tensor& out, const Tensor& in, double p, uint64_t seed, const Tensor& base);
+void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);
+void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices,
+                        GradientMode mode);
+void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
+}  // namespace kiln::cpu

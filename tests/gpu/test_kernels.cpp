@@ -22,9 +22,11 @@ const DType kFloat[] = {DType::f32, DType::f16, DType::f64, DType::bf16};
 const UnaryOp kUnary[] = {UnaryOp::Neg, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt,
                           UnaryOp::Relu, UnaryOp::Sigmoid, UnaryOp::Tanh, UnaryOp::PowScalar,
                           UnaryOp::AddScalar, UnaryOp::MulScalar, UnaryOp::RsubScalar,
-                          UnaryOp::RdivScalar, UnaryOp::GtScalar};
+                          UnaryOp::RdivScalar, UnaryOp::GtScalar, UnaryOp::Gelu,
+                          UnaryOp::GeluTanh, UnaryOp::Silu};
 const BinaryOp kBinary[] = {BinaryOp::AddScaled, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Pow,
-                            BinaryOp::ReluBackward, BinaryOp::Eq};
+                            BinaryOp::ReluBackward, BinaryOp::Eq, BinaryOp::GeluBackward,
+                            BinaryOp::GeluTanhBackward, BinaryOp::SiluBackward};
 
 bool positive_domain(UnaryOp op) {
   return op == UnaryOp::Log || op == UnaryOp::Sqrt || op == UnaryOp::PowScalar ||

@@ -1,0 +1,88 @@
+// Layer norm over the trailing dims (transformers' LayerNorm): validation, forward, backward,
+// dispatch. Statistics are kept per row (f32 for f16/bf16/f32 data, f64 for f64), so the
+// backward needs x, the statistics and the weight, nothing recomputed from scratch.
+#include "ops/check.h"
+#include "ops/ops.h"
+
+namespace kiln::F {
+namespace {
+
+// f16/bf16 data keeps f32 parameters and statistics (mixed precision); other data its own dtype.
+DType param_dtype(DType x) { return x == DType::f16 || x == DType::bf16 ? DType::f32 : x; }
+
+class LayerNormBackward final : public Node {
+ public:
+  LayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                    Shape normalized_shape, int64_t rows, int64_t cols)
+      : x_(x), weight_(weight), mean_(mean), rstd_(rstd), shape_(std::move(normalized_shape)),
+        rows_(rows), cols_(cols) {}
+  std::string name() const override { return "LayerNormBackward"; }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &weight_, &mean_, &rstd_}) s->release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    const Tensor x = x_.get(*this), w = weight_.get(*this);
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor()};
+    if (dy.dtype() != x.dtype()) dy = dy.to(x.dtype());
+    dy = dy.contiguous();
+    const TensorOptions popts = TensorOptions(param_dtype(x.dtype())).with_device(x.device());
+    Tensor dx = needs_input_grad(0) ? empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()))
+                                    : Tensor();
+    Tensor dw = needs_input_grad(1) ? empty({cols_}, popts) : Tensor();
+    Tensor db = needs_input_grad(2) ? empty({cols_}, popts) : Tensor();
+    backend(x).layer_norm_backward(dx, dw, db, dy, x, w, mean_.get(*this), rstd_.get(*this),
+                                   rows_, cols_, GradientMode::Set);
+    return {dx, dw.defined() ? dw.view(shape_) : dw, db.defined() ? db.view(shape_) : db};
+  }
+
+ private:
+  SavedTensor x_, weight_, mean_, rstd_;
+  Shape shape_;
+  int64_t rows_, cols_;
+};
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
+                  const Tensor& bias, double eps) {
+  const char* op = "layer_norm";
+  check_defined(x, op, "x");
+  check_float(x, op);
+  const int64_t nd = int64_t(normalized_shape.size());
+  KILN_CHECK(nd >= 1 && nd <= x.dim(), op, ": normalized_shape ", shape_str(normalized_shape),
+             " must name 1..", x.dim(), " trailing dims of x ", x.desc());
+  for (int64_t i = 0; i < nd; ++i)
+    KILN_CHECK(x.size(x.dim() - nd + i) == normalized_shape[size_t(i)], op, ": normalized_shape ",
+               shape_str(normalized_shape), " does not match the trailing dims of x ", x.desc());
+  int64_t cols = 1;
+  for (int64_t d : normalized_shape) cols *= d;
+  KILN_CHECK(cols > 0, op, ": normalized_shape ", shape_str(normalized_shape), " is empty");
+  KILN_CHECK(eps >= 0, op, ": eps ", eps, " must be >= 0");
+  const DType pdtype = param_dtype(x.dtype());
+  for (const auto& [p, what] : {std::pair{&weight, "weight"}, std::pair{&bias, "bias"}}) {
+    if (!p->defined()) continue;
+    KILN_CHECK(p->shape() == normalized_shape, op, ": ", what, " must have shape ",
+               shape_str(normalized_shape), ", got ", p->desc());
+    KILN_CHECK(p->dtype() == pdtype && p->device() == x.device(), op, ": ", what, " must be ",
+               dtype_name(pdtype), " on ", x.device(), " for x ", x.desc(), ", got ", p->desc());
+  }
+  KILN_OP_SCOPE("layer_norm", x);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  const Tensor xc = x.detach().contiguous();
+  const Tensor wc = weight.defined() ? weight.detach().contiguous().view({cols}) : Tensor();
+  const Tensor bc = bias.defined() ? bias.detach().contiguous().view({cols}) : Tensor();
+  const TensorOptions sopts = TensorOptions(param_dtype(x.dtype())).with_device(x.device());
+  Tensor y = empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor mean = empty({rows}, sopts), rstd = empty({rows}, sopts);
+  backend(x).layer_norm_forward(y, mean, rstd, xc, wc, bc, rows, cols, eps);
+  if (autograd::any_requires_grad({x, weight, bias})) {
+    auto node = std::make_shared<LayerNormBackward>(xc, wc, mean, rstd, normalized_shape, rows,
+                                                    cols);
+    node->set_inputs({x, weight, bias});
+    autograd::set_history(y, node);
+  }
+  return y;
+}
+
+}  // namespace kiln::F
