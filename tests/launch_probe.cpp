@@ -22,8 +22,8 @@ int main() {
     ::gethostname(host, sizeof(host) - 1);
     kiln::Rendezvous rv(env, {.timeout = std::chrono::seconds(60)});
     const std::string me = std::string(host) + " pid " + std::to_string(::getpid()) + ": " +
-                           env.describe() + ", rendezvous " + env.master_addr + ":" +
-                           std::to_string(env.rdzv_port);
+                           env.describe() + ", rendezvous " +
+                           kiln::host_port(env.master_addr, env.rdzv_port);
     const auto all = rv.all_gather(kiln::Rendezvous::Blob(me.begin(), me.end()));
     rv.barrier();
     if (env.rank == 0) {

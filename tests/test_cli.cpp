@@ -1,19 +1,24 @@
 // The shared command-line parser (tools/cli/cli.h), kiln-train's main.py spelling and launch
-// mapping (tools/train/trainer.h), and every tool binary's message for a bad value: one line,
-// "<tool>: error: <flag> '<value>': expected ...", no source location, exit code 1; output that
-// cannot be written is exit code 1 too.
+// mapping (tools/train/trainer.h), and every tool binary's message for a bad value, a bad
+// launcher variable or a file or folder the user named: one line ("<tool>: error: <flag>
+// '<value>': expected ..."), no source location, exit code 1; output that cannot be written is
+// exit code 1 too.
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/device_query.h"
 #include "tools/cli/cli.h"
+#include "tools/train/output_dir.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/trainer.h"
 
@@ -67,13 +72,14 @@ struct Run {
   std::string output;  // stdout and stderr
 };
 
-// Runs a tool built beside this test binary, e.g. tool("kiln-convert", "--num-classes abc").
-Run tool(const std::string& name, const std::string& args) {
+// Runs a tool built beside this test binary, e.g. tool("kiln-convert", "--num-classes abc"), with
+// `env` ("NAME=VALUE ...") added to its environment.
+Run tool(const std::string& name, const std::string& args, const std::string& env = "") {
   const fs::path dir = fs::read_symlink("/proc/self/exe").parent_path();
   const fs::path exe = dir / name;
   REQUIRE_MESSAGE(fs::exists(exe), exe.string(), " is missing: build the tools first");
   Run r;
-  std::FILE* p = ::popen((exe.string() + " " + args + " 2>&1").c_str(), "r");
+  std::FILE* p = ::popen(("env " + env + " " + exe.string() + " " + args + " 2>&1").c_str(), "r");
   REQUIRE(p != nullptr);
   std::array<char, 4096> buf;
   size_t n;
@@ -81,6 +87,13 @@ Run tool(const std::string& name, const std::string& args) {
   const int status = ::pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// Whether `output` ends with the line `last` (progress lines may come before it).
+bool lines_end_with(const std::string& output, const std::string& last) {
+  return output.size() >= last.size() &&
+         output.compare(output.size() - last.size(), last.size(), last) == 0 &&
+         (output.size() == last.size() || output[output.size() - last.size() - 1] == '\n');
 }
 
 }  // namespace
@@ -297,14 +310,229 @@ TEST_CASE("kiln-train: --world-size/--rank/--dist-url/--gpu map onto torchrun's 
   };
   CHECK(msg({"--world-size", "2", "--rank", "2", "--dist-url", "tcp://h:1"}) ==
         "--rank 2: must be below --world-size 2");
-  CHECK(msg({"--world-size", "2", "--dist-url", "udp://h:1"}) ==
-        "--dist-url 'udp://h:1': expected tcp://HOST:PORT (port 1..65535) or env://");
-  CHECK(msg({"--world-size", "2", "--dist-url", "tcp://h:99999"}) ==
-        "--dist-url 'tcp://h:99999': expected tcp://HOST:PORT (port 1..65535) or env://");
+  const std::string expected =
+      "': expected tcp://HOST:PORT (port 1..65535; IPv6: tcp://[::1]:PORT) or env://";
+  for (const char* url : {"udp://h:1", "tcp://h:99999", "tcp://h:0", "tcp://h:", "tcp://:1",
+                          "tcp://h:+1", "tcp://h: 1", "tcp://h:1x", "tcp://h", "tcp://[::1]",
+                          "tcp://[::1]29500", "tcp://[]:1", "tcp://[::1]:", "tcp://h/x:1"}) {
+    INFO(url);
+    CHECK(msg({"--world-size", "2", "--dist-url", url}) ==
+          std::string("--dist-url '") + url + expected);
+  }
+  // IPv6: in brackets, and MASTER_ADDR gets the address bare (as PyTorch's init_method).
+  CHECK(msg({"--world-size", "2", "--dist-url", "tcp://::1:29500"}) ==
+        "--dist-url 'tcp://::1:29500': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT");
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "2", "--rank", "0", "--dist-url", "tcp://[fd00::2]:29500"})) ==
+        Env{{"WORLD_SIZE", "2"},
+            {"RANK", "0"},
+            {"LOCAL_RANK", "0"},
+            {"MASTER_ADDR", "fd00::2"},
+            {"MASTER_PORT", "29500"}});
+  CHECK(train::launch_env(
+            train::parse_args({"--world-size", "2", "--dist-url", "tcp://[::1]:1"}))[3] ==
+        std::pair<std::string, std::string>{"MASTER_ADDR", "::1"});
   CHECK(msg({"--world-size", "2", "--multiprocessing-distributed", "--dist-url", "tcp://h:1"})
             .find("launches the processes of one node only") != std::string::npos);
   CHECK(msg({"--world-size", "2", "--nproc", "2", "--dist-url", "tcp://h:1"}).find("give one") !=
         std::string::npos);
+}
+
+TEST_CASE("kiln-train, kiln-bench: the launcher's variables, one line each; stray ones ignored") {
+  const fs::path out = fs::temp_directory_path() / ("kiln_test_cli_" + std::to_string(::getpid()));
+  const std::string no_data = "--data /nonexistent/kiln-data --device cpu --quiet";
+  const std::string data_error = "kiln-train: error: --data '/nonexistent/kiln-data'";
+  // One process: MASTER_ADDR/MASTER_PORT/KILN_RDZV_PORT are not read, whatever they hold, and
+  // the run goes on (to the missing data).
+  Run r = tool("kiln-train", no_data, "MASTER_ADDR= MASTER_PORT=garbage KILN_RDZV_PORT=-5");
+  CHECK(r.code == 1);
+  CHECK(r.output.rfind(data_error, 0) == 0);
+  CHECK(r.output.find('\n') == r.output.size() - 1);
+  r = tool("kiln-train", no_data, "WORLD_SIZE=1 RANK=0 MASTER_PORT=99999");
+  CHECK(r.output.rfind(data_error, 0) == 0);
+  // A stray WORLD_SIZE=1 in an 8-task Slurm job: one warning naming both (though kiln-train
+  // reads its place more than once), then the run as WORLD_SIZE says.
+  r = tool("kiln-train", no_data, "WORLD_SIZE=1 SLURM_NTASKS=8 SLURM_PROCID=3");
+  CHECK(r.output.rfind("kiln: warning: WORLD_SIZE=1 and SLURM_NTASKS=8 disagree; WORLD_SIZE takes "
+                       "precedence, so this process is rank 0 of 1\n" +
+                           data_error,
+                       0) == 0);
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 2);
+  // More than one process: a bad value is one line naming it, without a source location.
+  r = tool("kiln-train", no_data, "WORLD_SIZE=2 RANK=0 MASTER_ADDR=h MASTER_PORT=garbage");
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-train: error: environment variable MASTER_PORT='garbage': expected an integer "
+        "between 1 and 65535\n");
+  r = tool("kiln-train", no_data, "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 MASTER_PORT=1");
+  CHECK(r.output ==
+        "kiln-train: error: environment variable MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2 "
+        "(under mpirun: export it, then mpirun -x MASTER_ADDR -x MASTER_PORT ...)\n");
+  r = tool("kiln-train", "--world-size 2 --rank 1 --dist-url tcp://::1:29500 " + no_data);
+  CHECK(r.output ==
+        "kiln-train: error: --dist-url 'tcp://::1:29500': an IPv6 address goes in brackets, "
+        "tcp://[ADDRESS]:PORT\n");
+  r = tool("kiln-bench", "--ops", "WORLD_SIZE=4 RANK=4");
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-bench: error: environment variable RANK='4': expected an integer between 0 and 3 "
+        "(below WORLD_SIZE=4)\n");
+  // Without NCCL, a job of several processes stops at the data-parallel setup, in one line.
+  if (!train::data_parallel_available()) {
+    r = tool("kiln-train",
+             "--dummy --dummy-images 64 -a resnet_small --width 8 --image-size 16 -b 32 "
+             "--device cpu --quiet --output " +
+                 out.string(),
+             "WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1");
+    CHECK(r.code == 1);
+    CHECK(r.output ==
+          "kiln-train: error: this process is rank 0 of 2 (local rank 0), launched by RANK/"
+          "WORLD_SIZE variables: data-parallel training needs a kiln built with CUDA and NCCL\n");
+  }
+  std::error_code ec;
+  fs::remove_all(out, ec);
+}
+
+TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are one line") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_out_" + std::to_string(::getpid()));
+  fs::create_directories(root);
+  auto claim = [](const fs::path& dir, train::OutputReuse reuse) {
+    try {
+      train::OutputDir out(train::plan_output(dir.string(), reuse, {}));
+    } catch (const cli::UsageError& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("(not a UsageError) ") + e.what();
+    }
+    return std::string();
+  };
+  const fs::path file = root / "a-file";
+  std::ofstream(file) << "x";
+  CHECK(claim(file, train::OutputReuse::New) ==
+        "--output '" + file.string() + "' exists and is not a folder");
+  CHECK(claim(file / "sub", train::OutputReuse::New) ==
+        "--output '" + (file / "sub").string() + "': cannot create the folder: Not a directory");
+  CHECK(claim("/proc/self", train::OutputReuse::New).rfind(
+            "--output '/proc/self' is not empty (it holds ", 0) == 0);
+  const std::string proc = claim("/proc/self", train::OutputReuse::Overwrite);
+  CHECK(proc.rfind("--output '/proc/self' is not writable: cannot create '/proc/self/", 0) == 0);
+  CHECK(cli::without_location(proc) == proc);
+  const fs::path run = root / "run";
+  fs::create_directories(run);
+  std::ofstream(run / "log.jsonl") << "{}\n";
+  CHECK(claim(run, train::OutputReuse::New) ==
+        "--output '" + run.string() + "' already holds a run (log.jsonl); pass --resume " +
+            (run / "checkpoint.safetensors").string() +
+            " to continue it, --overwrite to replace it, or choose another --output");
+  {
+    train::OutputDir running(train::OutputPlan{run.string(), train::OutputReuse::Overwrite});
+    CHECK(claim(run, train::OutputReuse::Overwrite) ==
+          "--output '" + run.string() + "' is in use by a running kiln-train (pid " +
+              std::to_string(::getpid()) + "); choose another --output or wait for it to finish");
+  }
+  CHECK(claim(run, train::OutputReuse::Overwrite) == "");  // the lock went with its holder
+
+  if (!built_with_cuda()) {
+    Run r = tool("kiln-bench", "--model resnet50");
+    CHECK(r.code == 1);
+    CHECK(r.output ==
+          "kiln-bench: error: --model measures the GPU backend, and this kiln was built "
+          "without CUDA\n");
+    r = tool("kiln-bench", "--model resnet50 --verify-graph");
+    CHECK(r.output ==
+          "kiln-bench: error: --verify-graph compares CUDA graph replay with eager "
+          "steps on the GPU, and this kiln was built without CUDA\n");
+  }
+  fs::create_directories(root / "corpus" / "train");
+  Run r = tool("kiln-loader-bench", "--output-dir " + (root / "corpus").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-loader-bench: error: --output-dir '" + (root / "corpus").string() +
+                        "' already holds a corpus; remove it or pass it as --folder\n");
+  // A corpus of 2 images in 1 class: less than a batch of 8; with a batch of 2, rows, but
+  // nowhere to write them.
+  const std::string tiny = "--generate 2 --classes 1 --batches 1 --workers 1 --decoder stb ";
+  r = tool("kiln-loader-bench", tiny + "-b 8");
+  CHECK(r.code == 1);
+  CHECK(lines_end_with(r.output,
+                       "kiln-loader-bench: error: fewer images than one batch: lower "
+                       "--batch-size or add images\n"));
+  r = tool("kiln-loader-bench", tiny + "-b 2 --json " + (file / "x.json").string());
+  CHECK(r.code == 1);
+  CHECK(lines_end_with(r.output, "kiln-loader-bench: error: --json '" + (file / "x.json").string() +
+                                     "': cannot write it\n"));
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("every tool: a folder or file the user named that cannot be read is one line") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_in_" + std::to_string(::getpid()));
+  fs::create_directories(root / "noimg" / "train" / "a");
+  fs::create_directories(root / "noimg" / "val" / "a");
+  fs::create_directories(root / "idx");
+  std::ofstream(root / "idx" / "train-images-idx3-ubyte") << "junk";
+  const std::string cpu = " --device cpu --quiet --output " + (root / "out").string();
+  Run r = tool("kiln-train", "--data " + (root / "noimg").string() + cpu);
+  CHECK(r.code == 1);
+  CHECK(r.output ==
+        "kiln-train: error: --data: ImageFolder: no image files (.jpg, .jpeg, .png) in "
+        "class folder '" +
+            (root / "noimg" / "train" / "a").string() + "'\n");
+  r = tool("kiln-train", "--data " + (root / "idx").string() + cpu);
+  CHECK(r.output == "kiln-train: error: --data: MNIST-style dataset file not found in '" +
+                        (root / "idx").string() +
+                        "' (tried train-labels-idx1-ubyte.gz, train-labels-idx1-ubyte, "
+                        "train-labels.idx1-ubyte.gz, train-labels.idx1-ubyte)\n");
+  r = tool("kiln-train",
+           "--dummy --dummy-images 64 -b 32 --image-size 16 -a resnet_small "
+           "--width 8 --resume " +
+               (root / "nope.safetensors").string() + cpu);
+  CHECK(r.output == "kiln-train: error: --resume: cannot open safetensors file '" +
+                        (root / "nope.safetensors").string() + "': No such file or directory\n");
+  r = tool("kiln-loader-bench", "--folder " + (root / "nope").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-loader-bench: error: --folder: ImageFolder: '" +
+                        (root / "nope").string() + "' does not exist\n");
+  r = tool("kiln-export-images", "--out " + (root / "noimg").string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-export-images: error: --out '" + (root / "noimg").string() +
+                        "' is not an empty folder (--force writes into a folder)\n");
+  r = tool("kiln-export-images",
+           "--out " + (root / "new").string() + " --data " + (root / "idx").string());
+  CHECK(r.code == 1);
+  CHECK(
+      r.output.rfind("kiln-export-images: error: --data: MNIST-style dataset file not found in '" +
+                         (root / "idx").string() + "'",
+                     0) == 0);
+  CHECK(cli::without_location(r.output.substr(0, r.output.size() - 1)) ==
+        r.output.substr(0, r.output.size() - 1));
+  CHECK_FALSE(fs::exists(root / "new"));
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("cli::user_input: a library's error about the user's input, as a UsageError") {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const cli::UsageError& e) {
+      return std::string("usage: ") + e.what();
+    } catch (const Error& e) {
+      return std::string("other: ") + e.what();
+    }
+    return std::string();
+  };
+  CHECK(cli::user_input("--x: ", [] { return 7; }) == 7);
+  CHECK(message([] { cli::user_input("--x: ", [] { KILN_CHECK(1 == 2, "bad file 'f'"); }); }) ==
+        "usage: --x: bad file 'f'");
+  CHECK(message([] { cli::user_input("--x: ", [] { cli::usage_error("as is"); }); }) ==
+        "usage: as is");
+  // A device's failure is not the input's: it keeps its kind and its location.
+  const std::string cuda = message([] {
+    cli::user_input("--x: ", [] { throw CudaError("cudaMalloc failed [cuda/x.cpp:1]"); });
+  });
+  CHECK(cuda == "other: cudaMalloc failed [cuda/x.cpp:1]");
 }
 
 TEST_CASE("every tool: a bad value is one line naming flag, value and what is allowed; exit 1") {

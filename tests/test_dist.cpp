@@ -1,6 +1,7 @@
 // Data-parallel plumbing without GPUs: launcher environment parsing (torchrun, kiln --nproc,
-// mpirun, srun), DistributedSampler (and its DataLoader hook), the TCP rendezvous between forked
-// local processes under each launcher's variables, and the launcher.
+// mpirun, srun; one-line errors, contradictions, IPv6 addresses), DistributedSampler (and its
+// DataLoader hook), the TCP rendezvous between forked local processes under each launcher's
+// variables and over IPv6, and the launcher.
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
@@ -53,6 +54,20 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
+// The message of the cli::UsageError that fn throws ("" when it throws nothing); any other
+// exception's message comes back marked, so that comparing it with the expected line fails.
+template <typename Fn>
+std::string usage_error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const cli::UsageError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("(not a UsageError) ") + e.what();
+  }
+  return "";
+}
+
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
@@ -91,30 +106,87 @@ TEST_CASE("DistEnv: defaults, valid values and errors that name the variable") {
   CHECK(parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "9"}})
             .local_rank == 1);
 
+  // Each mistake is one line naming the variable, its value and what was expected: a
+  // cli::UsageError without a source location.
   const Env ok = {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "80"}};
   auto with = [&](const std::string& k, const std::string& v) {
     Env x = ok;
     x[k] = v;
-    return error_of([&] { parse(x); });
+    return usage_error_of([&] { parse(x); });
   };
   auto without = [&](const std::string& k) {
     Env x = ok;
     x.erase(k);
-    return error_of([&] { parse(x); });
+    return usage_error_of([&] { parse(x); });
   };
-  CHECK(contains(with("RANK", "abc"), "RANK='abc'"));
-  CHECK(contains(with("RANK", "2"), "RANK=2 is out of range"));
-  CHECK(contains(with("RANK", "-1"), "RANK=-1 is out of range"));
-  CHECK(contains(with("WORLD_SIZE", "0"), "WORLD_SIZE=0"));
-  CHECK(contains(with("WORLD_SIZE", "2x"), "WORLD_SIZE='2x'"));
-  CHECK(contains(with("LOCAL_RANK", "5"), "LOCAL_RANK=5"));
-  CHECK(contains(with("MASTER_PORT", "70000"), "MASTER_PORT=70000"));
-  CHECK(contains(with("MASTER_PORT", ""), "MASTER_PORT is set but empty"));
-  CHECK(contains(with("MASTER_ADDR", ""), "MASTER_ADDR is set but empty"));
-  CHECK(contains(without("RANK"), "RANK is not set"));
-  CHECK(contains(without("MASTER_ADDR"), "MASTER_ADDR is not set"));
-  CHECK(contains(without("MASTER_PORT"), "MASTER_PORT is not set"));
+  const std::string rank_range = "': expected an integer between 0 and 1 (below WORLD_SIZE=2)";
+  CHECK(with("RANK", "abc") == "environment variable RANK='abc" + rank_range);
+  CHECK(with("RANK", "2") == "environment variable RANK='2" + rank_range);
+  CHECK(with("RANK", "-1") == "environment variable RANK='-1" + rank_range);
+  CHECK(with("RANK", "1 ") == "environment variable RANK='1 " + rank_range);
+  CHECK(with("LOCAL_RANK", "5") == "environment variable LOCAL_RANK='5" + rank_range);
+  CHECK(with("WORLD_SIZE", "0") ==
+        "environment variable WORLD_SIZE='0': expected an integer between 1 and 1048576");
+  CHECK(with("WORLD_SIZE", "2x") ==
+        "environment variable WORLD_SIZE='2x': expected an integer between 1 and 1048576");
+  CHECK(with("MASTER_PORT", "70000") ==
+        "environment variable MASTER_PORT='70000': expected an integer between 1 and 65535");
+  CHECK(with("MASTER_PORT", "") ==
+        "environment variable MASTER_PORT='': expected an integer between 1 and 65535");
+  CHECK(with("KILN_RDZV_PORT", "x") ==
+        "environment variable KILN_RDZV_PORT='x': expected an integer between 1 and 65535");
+  const std::string addr_expected =
+      "': expected a host name or address (an IPv6 address bare or in brackets: ::1 or [::1])";
+  CHECK(with("MASTER_ADDR", "") == "environment variable MASTER_ADDR='" + addr_expected);
+  CHECK(with("MASTER_ADDR", "[::1") == "environment variable MASTER_ADDR='[::1" + addr_expected);
+  CHECK(with("MASTER_ADDR", "[]") == "environment variable MASTER_ADDR='[]" + addr_expected);
+  CHECK(with("MASTER_ADDR", "a b") == "environment variable MASTER_ADDR='a b" + addr_expected);
+  CHECK(without("RANK") ==
+        "environment variable RANK is not set but WORLD_SIZE=2 (launch with kiln-train --nproc N, "
+        "torchrun, mpirun or srun)");
+  CHECK(without("MASTER_ADDR") ==
+        "environment variable MASTER_ADDR is not set but WORLD_SIZE=2 (kiln-train --nproc N and "
+        "torchrun set it)");
+  CHECK(without("MASTER_PORT") ==
+        "environment variable MASTER_PORT is not set but WORLD_SIZE=2 (kiln-train --nproc N and "
+        "torchrun set it)");
   CHECK(without("LOCAL_RANK").empty());
+  CHECK_FALSE(contains(with("RANK", "abc"), "dist_env.cpp"));
+  CHECK(cli::without_location(with("MASTER_ADDR", "")) == with("MASTER_ADDR", ""));
+}
+
+TEST_CASE("DistEnv: a single process never reads MASTER_ADDR, MASTER_PORT or KILN_RDZV_PORT") {
+  // Left over in a shell, or set for another job: whatever they hold, one process runs.
+  const Env stray = {{"MASTER_ADDR", ""}, {"MASTER_PORT", "garbage"}, {"KILN_RDZV_PORT", "-5"}};
+  auto single = [&](Env vars) {
+    vars.insert(stray.begin(), stray.end());
+    const std::string err = usage_error_of([&] { parse(vars); });
+    CHECK(err == "");
+    return err.empty() ? parse(vars) : DistEnv{};
+  };
+  for (const Env& place : {Env{}, Env{{"WORLD_SIZE", "1"}}, Env{{"WORLD_SIZE", "1"}, {"RANK", "0"}},
+                           Env{{"WORLD_SIZE", "1"}, {"TORCHELASTIC_RUN_ID", "r"}},
+                           Env{{"OMPI_COMM_WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "0"}},
+                           Env{{"SLURM_NTASKS", "1"}, {"SLURM_PROCID", "0"}}}) {
+    const DistEnv e = single(place);
+    CHECK_FALSE(e.distributed());
+    CHECK(e.rank == 0);
+    CHECK(e.master_addr == "127.0.0.1");  // the defaults, not the stray values
+    CHECK(e.master_port == 29500);
+    CHECK(e.rdzv_port == 29500);
+  }
+  // With more than one process the same values are refused, naming the first one read.
+  CHECK(usage_error_of([&] {
+          Env two = {{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"MASTER_ADDR", "h"}};
+          two.insert(stray.begin(), stray.end());
+          parse(two);
+        }) ==
+        "environment variable MASTER_PORT='garbage': expected an integer between 1 and 65535");
+  // The process's own place still has to make sense.
+  CHECK(usage_error_of([] {
+          parse({{"WORLD_SIZE", "1"}, {"RANK", "x"}});
+        }) ==
+        "environment variable RANK='x': expected an integer between 0 and 0 (below WORLD_SIZE=1)");
 }
 
 TEST_CASE("DistEnv: torchrun, kiln --nproc, Open MPI and Slurm variables") {
@@ -182,24 +254,98 @@ TEST_CASE("DistEnv: torchrun, kiln --nproc, Open MPI and Slurm variables") {
             .rdzv_port == 40001);
 
   // Errors name the launcher's variable, and say how to pass MASTER_ADDR under it.
-  auto err = [&](const Env& vars) { return error_of([&] { parse(vars); }); };
-  CHECK(contains(err(with_master({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}})),
-                 "OMPI_COMM_WORLD_RANK='x'"));
-  CHECK(contains(err(with_master({{"OMPI_COMM_WORLD_SIZE", "2"}})),
-                 "OMPI_COMM_WORLD_RANK is not set"));
-  CHECK(contains(err({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
-                 "mpirun -x MASTER_ADDR"));
-  CHECK(contains(err(with_master({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
-                                  {"SLURM_LOCALID", "7"}})),
-                 "SLURM_LOCALID=7 is out of range"));
-  CHECK(contains(err(with_master({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "2"}})),
-                 "SLURM_PROCID=2 is out of range"));
-  CHECK(contains(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_PORT", "1"}}),
-                 "MASTER_ADDR is not set but SLURM_NTASKS=2"));
-  CHECK(contains(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_PORT", "1"}}),
-                 "scontrol show hostnames"));
-  CHECK(contains(err(with_master({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"KILN_RDZV_PORT", "0"}})),
-                 "KILN_RDZV_PORT=0 is out of range"));
+  auto err = [&](const Env& vars) { return usage_error_of([&] { parse(vars); }); };
+  CHECK(err(with_master({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}})) ==
+        "environment variable OMPI_COMM_WORLD_RANK='x': expected an integer between 0 and 1 "
+        "(below OMPI_COMM_WORLD_SIZE=2)");
+  CHECK(err(with_master({{"OMPI_COMM_WORLD_SIZE", "2"}})) ==
+        "environment variable OMPI_COMM_WORLD_RANK is not set but OMPI_COMM_WORLD_SIZE=2 (launch "
+        "with kiln-train --nproc N, torchrun, mpirun or srun)");
+  CHECK(err({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}) ==
+        "environment variable MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2 (under mpirun: "
+        "export it, then mpirun -x MASTER_ADDR -x MASTER_PORT ...)");
+  CHECK(err(with_master({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "7"}})) ==
+        "environment variable SLURM_LOCALID='7': expected an integer between 0 and 1 (below "
+        "SLURM_NTASKS=2)");
+  CHECK(err(with_master({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "2"}})) ==
+        "environment variable SLURM_PROCID='2': expected an integer between 0 and 1 (below "
+        "SLURM_NTASKS=2)");
+  CHECK(err({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_PORT", "1"}}) ==
+        "environment variable MASTER_ADDR is not set but SLURM_NTASKS=2 (under Slurm: export "
+        "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and a "
+        "MASTER_PORT before srun)");
+  CHECK(err(with_master({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"KILN_RDZV_PORT", "0"}})) ==
+        "environment variable KILN_RDZV_PORT='0': expected an integer between 1 and 65535");
+}
+
+TEST_CASE("DistEnv: contradicting launchers' variables warn, naming both; precedence stands") {
+  const Env master = {{"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"}};
+  auto with_master = [&](Env vars) {
+    vars.insert(master.begin(), master.end());
+    return vars;
+  };
+  // A stray WORLD_SIZE=1 in an 8-task Slurm job: every task would train alone.
+  DistEnv lone = parse({{"WORLD_SIZE", "1"}, {"SLURM_NTASKS", "8"}, {"SLURM_PROCID", "3"}});
+  CHECK(lone.world_size == 1);
+  CHECK(lone.launcher == Launcher::Env);
+  CHECK(lone.warnings ==
+        std::vector<std::string>{"WORLD_SIZE=1 and SLURM_NTASKS=8 disagree; WORLD_SIZE takes "
+                                 "precedence, so this process is rank 0 of 1"});
+  // A hand-set RANK against mpirun's in a world of the same size.
+  DistEnv r = parse(with_master({{"RANK", "0"},
+                                 {"WORLD_SIZE", "4"},
+                                 {"OMPI_COMM_WORLD_RANK", "3"},
+                                 {"OMPI_COMM_WORLD_SIZE", "4"}}));
+  CHECK(r.rank == 0);
+  CHECK(r.warnings == std::vector<std::string>{"RANK=0 and OMPI_COMM_WORLD_RANK=3 disagree; RANK "
+                                               "takes precedence, so this process is rank 0 of 4"});
+  // Open MPI's variables against Slurm's: the world sizes.
+  DistEnv m = parse(with_master({{"OMPI_COMM_WORLD_RANK", "1"},
+                                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                                 {"SLURM_PROCID", "5"},
+                                 {"SLURM_NTASKS", "16"}}));
+  CHECK(m.launcher == Launcher::Mpi);
+  CHECK(m.warnings == std::vector<std::string>{"OMPI_COMM_WORLD_SIZE=2 and SLURM_NTASKS=16 "
+                                               "disagree; OMPI_COMM_WORLD_SIZE takes precedence, "
+                                               "so this process is rank 1 of 2"});
+  // Both outer launchers contradict: one line each.
+  CHECK(parse({{"WORLD_SIZE", "1"},
+               {"OMPI_COMM_WORLD_SIZE", "2"},
+               {"SLURM_NTASKS", "4"},
+               {"SLURM_PROCID", "0"}})
+            .warnings.size() == 2);
+
+  // Agreement, and launchers nested in a job (more processes inside than tasks outside, each
+  // numbered its own way), are silent.
+  CHECK(
+      parse(with_master(
+                {{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "8"}}))
+          .warnings.empty());
+  CHECK(parse(with_master({{"RANK", "9"},
+                           {"WORLD_SIZE", "16"},
+                           {"TORCHELASTIC_RUN_ID", "r"},
+                           {"SLURM_PROCID", "1"},
+                           {"SLURM_NTASKS", "2"}}))
+            .warnings.empty());
+  CHECK(parse(with_master({{"RANK", "1"},
+                           {"WORLD_SIZE", "2"},
+                           {"TORCHELASTIC_RUN_ID", "r"},
+                           {"SLURM_PROCID", "0"},
+                           {"SLURM_NTASKS", "2"}}))
+            .warnings.empty());  // torchrun's own numbering of as many processes
+  CHECK(parse(with_master({{"OMPI_COMM_WORLD_RANK", "5"},
+                           {"OMPI_COMM_WORLD_SIZE", "16"},
+                           {"SLURM_PROCID", "0"},
+                           {"SLURM_NTASKS", "2"}}))
+            .warnings.empty());  // mpirun's daemons started by srun, one per node
+  CHECK(parse({{"WORLD_SIZE", "1"}, {"SLURM_NTASKS", "8"}}).warnings.empty());  // batch script
+  CHECK(parse({{"WORLD_SIZE", "1"}, {"SLURM_NTASKS", "x"}, {"SLURM_PROCID", "0"}})
+            .warnings.empty());  // an outer value that is no number is not compared
+  CHECK(parse({{"SLURM_NTASKS", "8"},
+               {"SLURM_PROCID", "3"},
+               {"MASTER_ADDR", "a"},
+               {"MASTER_PORT", "1"}})
+            .warnings.empty());
 }
 
 TEST_CASE("plan_local_launch: --nproc is checked before anything is spawned") {
@@ -383,14 +529,44 @@ TEST_CASE("Rendezvous: a rank that never arrives fails rank 0 in time, naming it
 TEST_CASE("Rendezvous: an unreachable rank 0 fails in time, naming the address") {
   const int port = find_free_port();  // nobody listens there
   const auto t0 = Clock::now();
-  const std::string err =
-      error_of([&] { Rendezvous rv("127.0.0.1", port, 1, 2, {.timeout = milliseconds(400)}); });
+  const std::string err = usage_error_of(
+      [&] { Rendezvous rv("127.0.0.1", port, 1, 2, {.timeout = milliseconds(400)}); });
   CHECK(seconds_since(t0) < 3.0);
-  CHECK(contains(err, "could not reach rank 0 at 127.0.0.1:" + std::to_string(port)));
-  CHECK(contains(error_of([] { Rendezvous("no-such-host.invalid", 1234, 1, 2); }),
-                 "no-such-host.invalid"));
+  CHECK(err == "rendezvous: rank 1 could not reach rank 0 at 127.0.0.1:" + std::to_string(port) +
+                   " within 0.4 s (last error: Connection refused); is rank 0 running, and are "
+                   "MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) right?");
+  // The resolver's reason depends on the host (no DNS: a temporary failure).
+  const std::string unknown =
+      usage_error_of([] { Rendezvous("no-such-host.invalid", 1234, 1, 2); });
+  CHECK(unknown.rfind("rendezvous: rank 1 cannot resolve MASTER_ADDR 'no-such-host.invalid': ",
+                      0) == 0);
+  CHECK(cli::without_location(unknown) == unknown);
+  // Arguments DistEnv has already checked are internal errors.
   CHECK_THROWS_AS(Rendezvous("127.0.0.1", 1234, 2, 2), Error);
   CHECK_THROWS_AS(Rendezvous("127.0.0.1", 0, 1, 2), Error);
+  CHECK(contains(error_of([] { Rendezvous("127.0.0.1", 0, 1, 2); }), "rendezvous.cpp:"));
+}
+
+TEST_CASE("Rendezvous: processes given different world sizes are told, without a location") {
+  LaunchResult r = launch_functions(
+      [](const DistEnv& env) {
+        // Rank 1 was told of a world of 3, rank 0 of 2.
+        const int world = env.rank == 0 ? 2 : 3;
+        const std::string err = usage_error_of([&] {
+          Rendezvous rv(env.master_addr, env.rdzv_port, env.rank, world,
+                        {.timeout = milliseconds(3000)});
+        });
+        if (env.rank == 0)
+          return expect(err ==
+                            "rendezvous: rank 0 (world size 2) got a join from rank 1 with "
+                            "world size 3; every process needs the same world size and a "
+                            "rank of its own",
+                        "rank 0: '" + err + "'");
+        return expect(!err.empty(), "rank 1 joined a world it disagrees with");
+      },
+      {.nproc = 2});
+  INFO(r.message);
+  CHECK(r.ok());
 }
 
 TEST_CASE("Rendezvous: rank 0 listens on every interface unless MASTER_ADDR is the loopback") {
@@ -423,6 +599,122 @@ TEST_CASE("Rendezvous: rank 0 listens on every interface unless MASTER_ADDR is t
       {.nproc = 2});
   INFO("rank 0 given " << ip << ": " << r.message);
   CHECK(r.ok());
+}
+
+namespace {
+
+// Whether this host can listen on IPv6's loopback (a sandbox may have no IPv6 at all).
+bool have_ipv6_loopback() {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// An IPv6 address of this host other than the loopback and link-local ones, or "".
+std::string global_ipv6_address() {
+  std::string ip;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return ip;
+  for (ifaddrs* i = ifs; i && ip.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET6 || (i->ifa_flags & IFF_LOOPBACK))
+      continue;
+    const in6_addr& a = reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr;
+    if (IN6_IS_ADDR_LINKLOCAL(&a) || IN6_IS_ADDR_LOOPBACK(&a)) continue;
+    char buf[INET6_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET6, &a, buf, sizeof buf);
+    ip = buf;
+  }
+  ::freeifaddrs(ifs);
+  return ip;
+}
+
+}  // namespace
+
+TEST_CASE("IPv6 literals: bare for the resolver, in brackets in address:port") {
+  CHECK(bare_host("[::1]") == "::1");
+  CHECK(bare_host("::1") == "::1");
+  CHECK(bare_host("[fe80::1%eth0]") == "fe80::1%eth0");
+  CHECK(bare_host("node7") == "node7");
+  CHECK(bare_host("[") == "[");
+  CHECK(host_port("::1", 29500) == "[::1]:29500");
+  CHECK(host_port("[fd00::2]", 1) == "[fd00::2]:1");
+  CHECK(host_port("10.0.0.1", 80) == "10.0.0.1:80");
+  CHECK(host_port("node7", 80) == "node7:80");
+  // MASTER_ADDR in either spelling: DistEnv keeps it bare.
+  const Env v6 = {
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "[::1]"}, {"MASTER_PORT", "29500"}};
+  CHECK(parse(v6).master_addr == "::1");
+  Env bare = v6;
+  bare["MASTER_ADDR"] = "fd00::2";
+  CHECK(parse(bare).master_addr == "fd00::2");
+  // What --dist-url tcp://[::1]:29500 sets.
+  CHECK(train::launch_env(train::parse_args(
+            {"--world-size", "2", "--rank", "1", "--dist-url", "tcp://[::1]:29500"}))[3] ==
+        std::pair<std::string, std::string>{"MASTER_ADDR", "::1"});
+
+  if (!have_ipv6_loopback()) {
+    MESSAGE("SKIPPED: the rendezvous over IPv6 (this host cannot listen on ::1)");
+    return;
+  }
+  // Nobody listens: the message shows the address in brackets, however MASTER_ADDR spelt it.
+  const int free = find_free_port("[::1]");
+  for (const char* addr : {"::1", "[::1]"}) {
+    CHECK(usage_error_of([&] {
+            Rendezvous rv(addr, free, 1, 2, {.timeout = milliseconds(300)});
+          }) == "rendezvous: rank 1 could not reach rank 0 at [::1]:" + std::to_string(free) +
+                    " within 0.3 s (last error: Connection refused); is rank 0 running, and are "
+                    "MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) right?");
+  }
+  // End to end: --dist-url tcp://[::1]:PORT -> the variables -> DistEnv -> the rendezvous. The
+  // launcher itself was given "[::1]": its children see MASTER_ADDR bare.
+  const int port = find_free_port("::1");
+  LaunchResult r = launch_functions(
+      [&](const DistEnv& given) {
+        const char* from_launcher = std::getenv("MASTER_ADDR");
+        int bad = expect(from_launcher && std::string(from_launcher) == "::1",
+                         "the launcher's MASTER_ADDR");
+        ::unsetenv("KILN_LAUNCHER");
+        for (const auto& [k, v] : train::launch_env(
+                 train::parse_args({"--world-size", "2", "--rank", std::to_string(given.rank),
+                                    "--dist-url", "tcp://[::1]:" + std::to_string(port)})))
+          ::setenv(k.c_str(), v.c_str(), 1);
+        const DistEnv env = DistEnv::from_env();
+        bad |= expect(env.master_addr == "::1" && env.rdzv_port == port && env.rank == given.rank &&
+                          env.launcher == Launcher::Env,
+                      "place: " + env.describe() + " at " + env.master_addr);
+        Rendezvous rv(env, {.timeout = milliseconds(10000)});
+        auto all = rv.all_gather(Rendezvous::Blob(1, uint8_t(env.rank)));
+        bad |= expect(
+            all.size() == 2 && all[0] == Rendezvous::Blob{0} && all[1] == Rendezvous::Blob{1},
+            "all_gather");
+        return bad;
+      },
+      {.nproc = 2, .master_addr = "[::1]"});
+  INFO(r.message);
+  CHECK(r.ok());
+
+  // Rank 0 given this host's global IPv6 address listens on every interface, IPv4 and IPv6: one
+  // rank joins by that address, one by 127.0.0.1.
+  const std::string ip = global_ipv6_address();
+  if (ip.empty()) {
+    MESSAGE("SKIPPED: the rendezvous over a global IPv6 address (this host has none)");
+    return;
+  }
+  const int port2 = find_free_port();
+  LaunchResult g = launch_functions(
+      [&](const DistEnv& env) {
+        Rendezvous rv(env.rank == 2 ? "127.0.0.1" : ip, port2, env.rank, 3,
+                      {.timeout = milliseconds(5000)});
+        return expect(rv.all_gather({}).size() == 3, "all_gather");
+      },
+      {.nproc = 3});
+  INFO("rank 0 given " << ip << ": " << g.message);
+  CHECK(g.ok());
 }
 
 TEST_CASE("Rendezvous: ranks in different collectives are told so") {
@@ -535,11 +827,14 @@ TEST_CASE("Rendezvous of two processes under each launcher's variables") {
       [&](const DistEnv& given) {
         if (given.rank != 0) return 0;
         become("env", given);
-        const std::string err =
-            error_of([] { Rendezvous rv(DistEnv::from_env(), {.timeout = milliseconds(500)}); });
-        return expect(contains(err, "cannot listen on 127.0.0.1:" + std::to_string(port)) &&
-                          contains(err, "KILN_RDZV_PORT"),
-                      "rank 0: '" + err + "'");
+        const std::string err = usage_error_of(
+            [] { Rendezvous rv(DistEnv::from_env(), {.timeout = milliseconds(500)}); });
+        return expect(
+            err == "rendezvous: rank 0 cannot listen on 127.0.0.1:" + std::to_string(port) +
+                       ": Address already in use (the port is taken: another job, or a "
+                       "launcher's own store; set KILN_RDZV_PORT to a free port for "
+                       "every rank)",
+            "rank 0: '" + err + "'");
       },
       {.nproc = 2, .master_port = port});
   INFO(clash.message);

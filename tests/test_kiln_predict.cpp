@@ -491,40 +491,6 @@ TEST_CASE(
   CHECK(r.output.find("class ") != std::string::npos);  // numbered classes
 }
 
-TEST_CASE("kiln-plot: draws a run's logs; an empty folder is one clear line") {
-  const char* source = std::getenv("KILN_SOURCE_DIR");
-  const fs::path script =
-      fs::path(source ? source : fs::read_symlink("/proc/self/exe").parent_path().parent_path()) /
-      "tools" / "kiln-plot";
-  REQUIRE(fs::exists(script));
-  // Debian's python3 (where python3-matplotlib installs) when present.
-  const std::string python = fs::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3";
-  const fs::path out = tmp().dir / "plot_run";
-  train::run(train::parse_args(job(out, 1)));
-  const fs::path png = tmp().dir / "curves.png";
-  Run r = run_command(python + " " + script.string() + " " + out.string() + " -o " + png.string());
-  if (r.code == 0) {
-    std::ifstream f(png, std::ios::binary);
-    char sig[8] = {};
-    f.read(sig, 8);
-    CHECK(std::memcmp(sig, "\x89PNG\r\n\x1a\n", 8) == 0);
-    CHECK(r.output.find("wrote " + png.string()) != std::string::npos);
-  } else {
-    CHECK(r.output.find("kiln-plot: error: matplotlib is not installed") != std::string::npos);
-  }
-  const fs::path empty = tmp().dir / "no_logs";
-  fs::create_directories(empty);
-  r = run_command(python + " " + script.string() + " " + empty.string());
-  CHECK(r.code == 1);
-  CHECK(r.output == "kiln-plot: error: '" + empty.string() +
-                        "' holds no training logs (steps.jsonl, log.jsonl are missing or empty)\n");
-  CHECK_FALSE(fs::exists(empty / "curves.png"));
-  r = run_command(python + " " + script.string() + " " + out.string() + " -o " +
-                  (out / "log.jsonl").string());
-  CHECK(r.code == 1);
-  CHECK(read_jsonl(out / "log.jsonl").size() == 1);  // nothing overwritten
-}
-
 TEST_CASE("kiln-train: classes.txt beside IDX files names the classes in the model file") {
   const fs::path dir = tmp().dir / "idx";
   fs::create_directories(dir);

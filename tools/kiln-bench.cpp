@@ -305,7 +305,8 @@ int main(int argc, char** argv) {
       return 0;
     }
 #ifdef KILN_WITH_CUDA
-    KILN_CHECK(kiln::cuda::device_count() > 0, "no CUDA device found");
+    if (kiln::cuda::device_count() == 0)
+      kiln::cli::usage_error("--ops times CUDA kernels, and no CUDA device is visible");
     auto rows = bench_ops(batch, dtype == "f16" ? kiln::DType::f16 : kiln::DType::f32, repeat,
                           ops_filter);
     std::printf("%-20s %-28s %10s %10s %10s %8s\n", "op", "shape", "single ms", "b2b ms",

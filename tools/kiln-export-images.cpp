@@ -7,6 +7,7 @@
 // Layout: DIR/<k>_<class name>/<sample index>.png (data/export_images.h). A non-empty DIR is
 // refused unless --force.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,8 @@
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
 #include "tools/cli/cli.h"
+
+namespace fs = std::filesystem;
 
 int main(int argc, char** argv) {
   using namespace kiln;
@@ -35,11 +38,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (out.empty()) cli::usage_error("--out DIR is required (see kiln-export-images --help)");
-    const data::IdxPair d = data::load_fashion_mnist(
-        data_dir, split == "train" ? data::Split::Train : data::Split::Test);
+    std::error_code ec;
+    if (!opts.force && fs::exists(out, ec) && !(fs::is_directory(out, ec) && fs::is_empty(out, ec)))
+      cli::usage_error("--out '", out, "' is not an empty folder (--force writes into a folder)");
+    const data::IdxPair d = cli::user_input("--data: ", [&] {
+      return data::load_fashion_mnist(data_dir,
+                                      split == "train" ? data::Split::Train : data::Split::Test);
+    });
     const std::vector<std::string> classes(data::kFashionMnistClasses.begin(),
                                            data::kFashionMnistClasses.end());
-    const int64_t n = data::export_image_folder(d.images, d.labels, classes, out, opts);
+    const int64_t n = cli::user_input("--out: ", [&] {
+      return data::export_image_folder(d.images, d.labels, classes, out, opts);
+    });
     std::printf("wrote %lld PNG files (%s, %s) to %s\n", static_cast<long long>(n), split.c_str(),
                 opts.rgb ? "RGB" : "grayscale", out.c_str());
     return 0;

@@ -212,7 +212,7 @@ Row time_loader(Loader& loader, int64_t batches, Count count, Sync sync) {
     r.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.cpu += cpu_seconds() - c0;
     r.bad += ep.bad_count();
-    KILN_CHECK(any, "kiln-loader-bench: fewer images than one batch");
+    if (!any) cli::usage_error("fewer images than one batch: lower --batch-size or add images");
   }
   return r;
 }
@@ -267,7 +267,8 @@ int main(int argc, char** argv) {
       for (int w = 1; w < hw; w *= 2) workers.push_back(w);
       workers.push_back(hw);
     }
-    if (folder.empty()) {
+    const bool generated = folder.empty();
+    if (generated) {
       fs::path root;
       if (out_dir.empty()) {
         std::string tmpl = (fs::temp_directory_path() / "kiln-loader-bench-XXXXXX").string();
@@ -275,9 +276,9 @@ int main(int argc, char** argv) {
         root = temp_dir = tmpl;
       } else {
         root = out_dir;
-        KILN_CHECK(!fs::exists(root / "train") && !fs::exists(root / "class0"),
-                   "kiln-loader-bench: --output-dir '", out_dir,
-                   "' already holds a corpus; remove it or pass it as --folder");
+        if (fs::exists(root / "train") || fs::exists(root / "class0"))
+          cli::usage_error("--output-dir '", out_dir,
+                           "' already holds a corpus; remove it or pass it as --folder");
       }
       const fs::path train = val > 0 ? root / "train" : root;
       std::printf("generating %lld %s images in %lld classes under %s...\n",
@@ -296,7 +297,9 @@ int main(int argc, char** argv) {
       folder = train.string();
     }
     if (batches == 0) return 0;
-    const data::ImageFolder images(folder);
+    const data::ImageFolder images =
+        cli::user_input(generated ? "the generated corpus: " : "--folder: ",
+                        [&] { return data::ImageFolder(folder); });
     std::printf(
         "%s: %lld images, %lld classes; batch %lld, %s\n", folder.c_str(),
         static_cast<long long>(images.size()), static_cast<long long>(images.num_classes()),
@@ -341,7 +344,7 @@ int main(int argc, char** argv) {
       }
     if (!json_path.empty()) {
       std::ofstream f(json_path);
-      KILN_CHECK(f, "kiln-loader-bench: cannot write '", json_path, "'");
+      if (!f) cli::usage_error("--json '", json_path, "': cannot write it");
       f << "[\n";
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
@@ -358,7 +361,7 @@ int main(int argc, char** argv) {
         f << line;
       }
       f << "]\n";
-      KILN_CHECK(f, "kiln-loader-bench: error writing '", json_path, "'");
+      if (!f) cli::usage_error("--json '", json_path, "': writing it failed");
     }
     return 0;
   });

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/autograd.h"
+#include "cuda/backend.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 #include "ops/ops.h"

@@ -204,7 +204,7 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
 }
 #else
 std::vector<ModelRow> bench_model(const ModelBenchOptions&) {
-  KILN_FAIL("kiln-bench --model measures the GPU backend, and this kiln was built without CUDA");
+  cli::usage_error("--model measures the GPU backend, and this kiln was built without CUDA");
 }
 #endif
 

@@ -28,6 +28,7 @@
 #include "core/autograd.h"
 #include "core/generator.h"
 #include "tools/bench/model_bench.h"
+#include "tools/cli/cli.h"
 #ifdef KILN_WITH_CUDA
 #include "cuda/conv.h"
 #include "cuda/graph.h"
@@ -430,9 +431,11 @@ bool verify_batch(const ModelBenchOptions& o, int64_t batch) {
 }  // namespace
 
 bool verify_graph(const ModelBenchOptions& o) {
-  KILN_CHECK(cuda::device_count() > 0, "kiln-bench --verify-graph: no CUDA device found");
-  KILN_CHECK(o.verify_steps >= kWarmup + 2, "kiln-bench --verify-graph: --verify-steps must be at "
-             "least ", kWarmup + 2, " (", kWarmup, " warm-up steps, a capture, a replay)");
+  if (cuda::device_count() == 0)
+    cli::usage_error("--verify-graph runs on the GPU, and no CUDA device is visible");
+  if (o.verify_steps < kWarmup + 2)
+    cli::usage_error("--verify-steps ", o.verify_steps, ": expected an integer >= ", kWarmup + 2,
+                     " (", kWarmup, " warm-up steps, a capture, a replay)");
   DeterministicConvs deterministic(o.verify_deterministic);
   bool all = true;
   std::vector<int64_t> differs;
@@ -450,8 +453,9 @@ bool verify_graph(const ModelBenchOptions& o) {
 }
 #else
 bool verify_graph(const ModelBenchOptions&) {
-  KILN_FAIL("kiln-bench --verify-graph compares CUDA graph replay with eager steps on the GPU, "
-            "and this kiln was built without CUDA");
+  cli::usage_error(
+      "--verify-graph compares CUDA graph replay with eager steps on the GPU, and "
+      "this kiln was built without CUDA");
 }
 #endif
 

@@ -48,6 +48,31 @@ template <typename... Args>
 // a library's message about the user's own input (a file they named) inside a UsageError.
 std::string without_location(const std::string& what);
 
+// Returns fn(); a plain kiln::Error it throws becomes a UsageError "<prefix><its message without
+// the location>". For a library call that reads what the user named (a --data folder, a --resume
+// file), whose failures are the user's to fix. UsageErrors pass unchanged; CUDA, cuDNN, cuBLAS
+// and out-of-memory errors too (they are not about the input).
+//   const data::ImageFolder f = cli::user_input("--folder: ", [&] { return data::ImageFolder(d);
+//   });
+template <typename Fn>
+auto user_input(const std::string& prefix, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const UsageError&) {
+    throw;
+  } catch (const CudaError&) {
+    throw;
+  } catch (const CudnnError&) {
+    throw;
+  } catch (const CublasError&) {
+    throw;
+  } catch (const OutOfMemoryError&) {
+    throw;
+  } catch (const Error& e) {
+    usage_error(prefix, without_location(e.what()));
+  }
+}
+
 // Whether an upper bound is allowed itself (label smoothing < 1) or not.
 enum class Upper { Closed, Open };
 

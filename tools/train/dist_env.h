@@ -21,15 +21,26 @@
 //   DistEnv env = DistEnv::from_env();   // single process (rank 0 of 1) when nothing is set
 //   if (env.distributed()) { Rendezvous rv(env); ... }
 //
-// Validation: every value read must parse completely (no trailing characters) and lie in range
-// (0 <= rank < world size, 0 <= local rank < world size, ports in [1, 65535], MASTER_ADDR
-// non-empty). With a world size > 1 the rank, MASTER_ADDR and MASTER_PORT are required and the
-// local rank defaults to the rank. Errors are kiln::Errors that name the variable and its value
-// (and, for a missing one, how that launcher is told to set it).
+// Only what the place needs is read: MASTER_ADDR, MASTER_PORT and KILN_RDZV_PORT only when the
+// world size is > 1 (a single process is never refused for a stray or malformed one of them).
+// Every value read must parse completely (no trailing characters) and lie in range (0 <= rank <
+// world size, 0 <= local rank < world size, ports in [1, 65535], MASTER_ADDR non-empty, an IPv6
+// literal either bare or in brackets: "::1" or "[::1]"). With a world size > 1 the rank,
+// MASTER_ADDR and MASTER_PORT are required and the local rank defaults to the rank. Errors are
+// cli::UsageErrors (tools/cli/cli.h): one line naming the variable, its value and what was
+// expected (for a missing one, how that launcher is told to set it), no source location.
+//
+// Variables of a launcher further down the table that contradict the one that decides give a
+// warning (DistEnv::warnings), and the table's order still decides. A launcher started inside
+// another's job (torchrun in an srun task) runs at least as many processes as the outer job has,
+// so an outer world size larger than the deciding one contradicts it ("WORLD_SIZE=1 and
+// SLURM_NTASKS=8 disagree"); and with equal world sizes, a hand-set RANK other than the outer
+// rank does (torchrun, kiln and mpirun number their processes their own way).
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace kiln {
 
@@ -42,19 +53,31 @@ struct DistEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;  // selects the GPU on a node
+  // As getaddrinfo takes it: an IPv6 literal bare ("::1").
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   int rdzv_port = 29500;  // where rank 0's rendezvous listens (see the table above)
   Launcher launcher = Launcher::None;
+  // One line per contradiction between launchers' variables (see above), without a prefix:
+  // "WORLD_SIZE=1 and SLURM_NTASKS=8 disagree; WORLD_SIZE takes precedence, so this process is
+  // rank 0 of 1".
+  std::vector<std::string> warnings;
 
   bool distributed() const { return world_size > 1; }
   // "rank 1 of 4 (local rank 1), launched by torchrun"
   std::string describe() const;
 
-  // Reads the real environment.
+  // Reads the real environment, and prints each warning on stderr as "kiln: warning: ..." the
+  // first time this process meets it (tools read their place more than once).
   static DistEnv from_env();
-  // Reads through `getenv` (returns nullopt for an unset variable); for tests.
+  // Reads through `getenv` (returns nullopt for an unset variable) and prints nothing; for tests.
   static DistEnv from_lookup(const std::function<std::optional<std::string>(const char*)>& getenv);
 };
+
+// An address as getaddrinfo takes it: an IPv6 literal's brackets removed ("[::1]" -> "::1"),
+// anything else unchanged.
+std::string bare_host(const std::string& addr);
+// "host:port" for messages and URLs, an IPv6 literal in brackets ("[::1]:29500").
+std::string host_port(const std::string& addr, int port);
 
 }  // namespace kiln

@@ -64,7 +64,7 @@ std::vector<DistEnv> rank_envs(const LaunchOptions& opts) {
   KILN_CHECK(opts.nproc >= 1, "launcher: nproc must be >= 1, got ", opts.nproc);
   DistEnv base;
   base.world_size = opts.nproc;
-  base.master_addr = opts.master_addr;
+  base.master_addr = bare_host(opts.master_addr);
   base.master_port = opts.master_port > 0 ? opts.master_port : find_free_port(opts.master_addr);
   base.rdzv_port = base.master_port;
   base.launcher = Launcher::Kiln;
@@ -210,7 +210,7 @@ int find_free_port(const std::string& addr) {
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(addr.c_str(), "0", &hints, &res);
+  const int rc = ::getaddrinfo(bare_host(addr).c_str(), "0", &hints, &res);
   KILN_CHECK(rc == 0 && res, "find_free_port: cannot resolve '", addr, "': ", ::gai_strerror(rc));
   int port = 0;
   for (addrinfo* a = res; a && port == 0; a = a->ai_next) {

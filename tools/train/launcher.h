@@ -23,7 +23,7 @@ namespace kiln {
 
 struct LaunchOptions {
   int nproc = 1;
-  std::string master_addr = "127.0.0.1";
+  std::string master_addr = "127.0.0.1";  // an IPv6 literal bare or in brackets
   int master_port = 0;  // 0: a free port of master_addr, chosen by the launcher
   std::chrono::milliseconds kill_grace{std::chrono::seconds(5)};
 };
@@ -52,7 +52,8 @@ LaunchResult launch_functions(const std::function<int(const DistEnv&)>& fn,
 // kiln::cuda_device_count(); one rank per GPU), naming both numbers and CUDA_VISIBLE_DEVICES.
 bool plan_local_launch(int nproc, const DistEnv& env, int visible_gpus);
 
-// A TCP port on `addr` that is free now (bind to port 0, read it back, close).
+// A TCP port on `addr` (an IPv6 literal bare or in brackets) that is free now (bind to port 0,
+// read it back, close).
 int find_free_port(const std::string& addr = "127.0.0.1");
 
 }  // namespace kiln

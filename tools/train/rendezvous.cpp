@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "tools/cli/cli.h"
 
 namespace kiln {
 
@@ -119,8 +120,9 @@ bool recv_all(int fd, void* data, size_t n, Clock::time_point deadline, const st
 
 std::string rank_name(int r) { return "rank " + std::to_string(r); }
 
-// addr "" with passive: the wildcard address (every interface).
-addrinfo* resolve(const std::string& addr, int port, bool passive) {
+// The addresses of addr:port; addr "" with passive: the wildcard addresses (every interface).
+// Null when addr does not resolve, with the reason in *error.
+addrinfo* resolve(const std::string& addr, int port, bool passive, std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -128,9 +130,9 @@ addrinfo* resolve(const std::string& addr, int port, bool passive) {
   addrinfo* res = nullptr;
   const int rc = ::getaddrinfo(addr.empty() ? nullptr : addr.c_str(),
                                std::to_string(port).c_str(), &hints, &res);
-  KILN_CHECK(rc == 0 && res, "rendezvous: cannot resolve MASTER_ADDR '", addr,
-             "': ", ::gai_strerror(rc));
-  return res;
+  if (rc == 0 && res) return res;
+  *error = ::gai_strerror(rc);
+  return nullptr;
 }
 
 }  // namespace
@@ -144,7 +146,8 @@ Rendezvous::Rendezvous(const std::string& master_addr, int master_port, int rank
   KILN_CHECK(master_port >= 1 && master_port <= 65535, "rendezvous: port ", master_port,
              " is out of range [1, 65535]");
   KILN_CHECK(opts.timeout.count() > 0, "rendezvous: timeout must be positive");
-  where_ = addr_ + ":" + std::to_string(port_);
+  addr_ = bare_host(addr_);
+  where_ = host_port(addr_, port_);
   peers_.assign(size_t(rank == 0 ? world_size : 1), -1);
   if (world_size == 1) return;
   try {
@@ -170,9 +173,11 @@ Clock::time_point Rendezvous::deadline() const { return Clock::now() + opts_.tim
 
 namespace {
 
-// "localhost", "::1", "127.x.y.z": the job stays on this host.
+// "localhost", "127.x.y.z", "::1" (in any spelling): the job stays on this host.
 bool names_loopback(const std::string& addr) {
-  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, addr.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return addr == "localhost" || addr.rfind("127.", 0) == 0;
 }
 
 }  // namespace
@@ -181,14 +186,27 @@ void Rendezvous::join_as_root() {
   // Rank 0 listens on every interface unless MASTER_ADDR names the loopback: the others reach it
   // by MASTER_ADDR as they resolve it, which can differ from what this host resolves (a host
   // name that /etc/hosts maps to 127.0.1.1 here and DNS to the real address elsewhere).
-  addrinfo* res = resolve(names_loopback(addr_) ? addr_ : "", port_, true);
+  const bool loopback = names_loopback(addr_);
   std::string last_error = "no address";
+  addrinfo* res = resolve(loopback ? addr_ : "", port_, true, &last_error);
+  if (!res)
+    cli::usage_error("rendezvous: rank 0 cannot resolve MASTER_ADDR '", addr_, "': ", last_error);
+  // Of the wildcard addresses, IPv6's "::" first, made dual-stack: it takes IPv4 peers too, where
+  // "0.0.0.0" would leave out the peers that reach rank 0 by an IPv6 address.
+  std::vector<addrinfo*> order;
+  for (addrinfo* a = res; a; a = a->ai_next)
+    if (loopback || a->ai_family == AF_INET6) order.push_back(a);
+  for (addrinfo* a = res; a; a = a->ai_next)
+    if (!loopback && a->ai_family != AF_INET6) order.push_back(a);
   int last_error_code = 0;
-  for (addrinfo* a = res; a && listen_fd_ < 0; a = a->ai_next) {
+  for (addrinfo* a : order) {
+    if (listen_fd_ >= 0) break;
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
-    int one = 1;
+    int one = 1, zero = 0;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (!loopback && a->ai_family == AF_INET6)
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, world_size_) == 0) {
       listen_fd_ = fd;
     } else {
@@ -204,8 +222,8 @@ void Rendezvous::join_as_root() {
                      : last_error_code == EADDRNOTAVAIL
                          ? " (MASTER_ADDR is not an address of this host: rank 0 must run there)"
                          : "";
-  KILN_CHECK(listen_fd_ >= 0, "rendezvous: rank 0 cannot listen on ", where_, ": ", last_error,
-             hint);
+  if (listen_fd_ < 0)
+    cli::usage_error("rendezvous: rank 0 cannot listen on ", where_, ": ", last_error, hint);
   set_nonblocking(listen_fd_);
 
   const Clock::time_point until = deadline();
@@ -242,10 +260,12 @@ void Rendezvous::join_as_root() {
     const int r = int(who[0]);
     if (int(who[1]) != world_size_ || r < 1 || r >= world_size_ || peers_[size_t(r)] >= 0) {
       ::close(fd);
-      KILN_FAIL(
+      // Processes given different world sizes, or the same rank: the launcher's variables.
+      cli::usage_error(
           "rendezvous: rank 0 (world size ", world_size_, ") got a join from rank ", who[0],
           " with world size ", who[1],
-          (r >= 1 && r < world_size_ && peers_[size_t(r)] >= 0) ? " (rank already joined)" : "");
+          (r >= 1 && r < world_size_ && peers_[size_t(r)] >= 0) ? " (rank already joined)" : "",
+          "; every process needs the same world size and a rank of its own");
     }
     peers_[size_t(r)] = fd;
     ++arrived;
@@ -259,12 +279,11 @@ void Rendezvous::join_as_peer() {
   std::string last_error;
   int fd = -1;
   while (fd < 0) {
-    addrinfo* res = nullptr;
-    try {
-      res = resolve(addr_, port_, false);
-    } catch (const Error& e) {
-      KILN_FAIL("rendezvous: rank ", rank_, " ", e.what());
-    }
+    std::string why;
+    addrinfo* res = resolve(addr_, port_, false, &why);
+    if (!res)
+      cli::usage_error("rendezvous: rank ", rank_, " cannot resolve MASTER_ADDR '", addr_,
+                       "': ", why);
     for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
       const int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (s < 0) continue;
@@ -290,9 +309,11 @@ void Rendezvous::join_as_peer() {
     }
     ::freeaddrinfo(res);
     if (fd >= 0) break;
-    KILN_CHECK(Clock::now() < until, "rendezvous: rank ", rank_, " could not reach rank 0 at ",
-               where_, " within ", seconds(opts_.timeout), " s (last error: ", last_error,
-               "); is rank 0 running, and are MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) right?");
+    if (Clock::now() >= until)
+      cli::usage_error("rendezvous: rank ", rank_, " could not reach rank 0 at ", where_,
+                       " within ", seconds(opts_.timeout), " s (last error: ", last_error,
+                       "); is rank 0 running, and are MASTER_ADDR/MASTER_PORT (KILN_RDZV_PORT) "
+                       "right?");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   set_nodelay(fd);

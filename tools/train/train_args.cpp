@@ -211,17 +211,32 @@ std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {
       {"RANK", std::to_string(rank)},
       {"LOCAL_RANK", std::to_string(c.gpu >= 0 ? c.gpu : rank)}};
   if (c.dist_url != "env://") {
+    // tcp://HOST:PORT, an IPv6 HOST in brackets (tcp://[::1]:29500); MASTER_ADDR gets it bare,
+    // as getaddrinfo takes it (PyTorch's init_method does the same).
     const std::string prefix = "tcp://";
-    const size_t colon = c.dist_url.rfind(':');
-    const std::string host =
-        colon > prefix.size() ? c.dist_url.substr(prefix.size(), colon - prefix.size()) : "";
-    const std::string port = colon != std::string::npos ? c.dist_url.substr(colon + 1) : "";
-    char* end = nullptr;
-    const long p = port.empty() ? 0 : std::strtol(port.c_str(), &end, 10);
-    if (c.dist_url.rfind(prefix, 0) != 0 || host.empty() || port.empty() || *end != '\0' || p < 1 ||
-        p > 65535)
+    const std::string rest =
+        c.dist_url.rfind(prefix, 0) == 0 ? c.dist_url.substr(prefix.size()) : std::string();
+    std::string host, port;
+    if (!rest.empty() && rest[0] == '[') {
+      const size_t close = rest.find(']');
+      if (close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':') {
+        host = rest.substr(1, close - 1);
+        port = rest.substr(close + 2);
+      }
+    } else if (const size_t colon = rest.rfind(':'); colon != std::string::npos) {
+      host = rest.substr(0, colon);
+      port = rest.substr(colon + 1);
+      if (host.find(':') != std::string::npos)
+        cli::usage_error("--dist-url '", c.dist_url,
+                         "': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT");
+    }
+    const bool digits = !port.empty() && port.size() <= 5 &&
+                        port.find_first_not_of("0123456789") == std::string::npos;
+    const long p = digits ? std::strtol(port.c_str(), nullptr, 10) : 0;
+    if (host.empty() || host.find_first_of("[]/") != std::string::npos || p < 1 || p > 65535)
       cli::usage_error("--dist-url '", c.dist_url,
-                       "': expected tcp://HOST:PORT (port 1..65535) or env://");
+                       "': expected tcp://HOST:PORT (port 1..65535; IPv6: tcp://[::1]:PORT) or "
+                       "env://");
     env.emplace_back("MASTER_ADDR", host);
     env.emplace_back("MASTER_PORT", port);
   } else if (c.world_size > 1 && (!std::getenv("MASTER_ADDR") || !std::getenv("MASTER_PORT"))) {

@@ -194,7 +194,11 @@ TrainData::TrainData(const DataOptions& o)
     return;
   }
   if (kind_ == DataKind::ImageFolder) {
-    data::ImageFolder train(o.data + "/train"), val(o.data + "/val");
+    // A folder without images, or one that cannot be listed: the user's --data to fix.
+    const data::ImageFolder train =
+        cli::user_input("--data: ", [&] { return data::ImageFolder(o.data + "/train"); });
+    const data::ImageFolder val =
+        cli::user_input("--data: ", [&] { return data::ImageFolder(o.data + "/val"); });
     if (train.classes() != val.classes())
       cli::usage_error("--data '", o.data, "': train/ has ", train.num_classes(),
                        " class folders and val/ ", val.num_classes(),
@@ -272,8 +276,10 @@ TrainData::TrainData(const DataOptions& o)
   }
   const bool fmnist = kind_ == DataKind::FashionMnist;
   const std::string dir = fmnist ? data::kFashionMnistDir : o.data;
-  auto load = [&](data::Split s) {
-    return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
+  auto load = [&](data::Split s) {  // a missing or malformed IDX file: the user's to fix
+    return cli::user_input(fmnist ? "fashion-mnist: " : "--data: ", [&] {
+      return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
+    });
   };
   data::IdxPair train = load(data::Split::Train), test = load(data::Split::Test);
   // Fashion-MNIST has 10 classes; other IDX data as many as its training labels imply. Test

@@ -2,6 +2,7 @@
 
 #include "models/nn.h"
 #include "ops/ops.h"
+#include "tools/cli/cli.h"
 #ifdef KILN_WITH_NCCL
 #include "tools/train/rendezvous.h"
 #include "cuda/nccl.h"
@@ -125,9 +126,9 @@ bool data_parallel_available() { return false; }
 struct DataParallel::Impl {};
 
 DataParallel::DataParallel(const DistEnv& env, nn::Module&) {
-  KILN_FAIL("WORLD_SIZE=", env.world_size,
-            ": data-parallel training needs a kiln built with "
-            "CUDA and NCCL");
+  // The launcher's variables asked for it (RANK/WORLD_SIZE, mpirun's or srun's).
+  cli::usage_error("this process is ", env.describe(),
+                   ": data-parallel training needs a kiln built with CUDA and NCCL");
 }
 
 DataParallel::~DataParallel() = default;

@@ -34,13 +34,12 @@ Device parse_device(const std::string& s) {
 Device pick_device(const std::string& s, const DistEnv& env) {
 #ifdef KILN_WITH_CUDA
   if (env.distributed()) {
-    KILN_CHECK(s == "auto" || s == "cuda" || s == "cuda:" + std::to_string(env.local_rank),
-               "--device ", s,
-               ": data-parallel ranks use GPU "
-               "LOCAL_RANK; leave --device at auto");
-    KILN_CHECK(env.local_rank < cuda::device_count(), "this process is ", env.describe(),
-               ", so it uses GPU ", env.local_rank, ", but only ", cuda::device_count(),
-               " CUDA device(s) are visible to it");
+    if (s != "auto" && s != "cuda" && s != "cuda:" + std::to_string(env.local_rank))
+      cli::usage_error("--device ", s,
+                       ": data-parallel ranks use GPU LOCAL_RANK; leave --device at auto");
+    if (env.local_rank >= cuda::device_count())
+      cli::usage_error("this process is ", env.describe(), ", so it uses GPU ", env.local_rank,
+                       ", but only ", cuda::device_count(), " CUDA device(s) are visible to it");
     cuda::set_device(env.local_rank);
     return Device::cuda(env.local_rank);
   }

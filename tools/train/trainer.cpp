@@ -586,9 +586,10 @@ EpochResult Trainer::train_epoch(int64_t epoch) {
   r.train_top1 = std::isfinite(r.train_loss) ? m[1] / m[2] : NAN;
   // Every rank holds the same weights; all check, so all stop together.
   const std::string bad = first_non_finite(*model_);
-  KILN_CHECK(bad.empty(), "training diverged: after epoch ", epoch + 1, " the weights hold ",
-             "non-finite values (the first in '", bad,
-             "'); stopping without saving them: ", what_is_kept(epoch));
+  if (!bad.empty())
+    cli::usage_error("training diverged: after epoch ", epoch + 1,
+                     " the weights hold non-finite values (the first in '", bad,
+                     "'); stopping without saving them: ", what_is_kept(epoch));
   return r;
 }
 
@@ -639,9 +640,10 @@ void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
 // the scaler skips such steps, so stop only when it skipped every step of the window.
 void Trainer::check_loss(double loss, int64_t epoch, int64_t steps, int64_t skipped) const {
   if (std::isfinite(loss) || (mixed_ && skipped < steps)) return;
-  KILN_FAIL("training diverged: the training loss is ", fmt_metric(loss, 1, 4), " in epoch ",
-            epoch + 1, mixed_ ? " and the loss scaler skipped every step" : "", " (lr ",
-            opt_->param_groups[0].lr, "); stopping: ", what_is_kept(epoch));
+  cli::usage_error("training diverged: the training loss is ", fmt_metric(loss, 1, 4),
+                   " in epoch ", epoch + 1,
+                   mixed_ ? " and the loss scaler skipped every step" : "", " (lr ",
+                   opt_->param_groups[0].lr, "); stopping: ", what_is_kept(epoch));
 }
 
 std::string Trainer::what_is_kept(int64_t epoch) const {
@@ -683,7 +685,7 @@ void Trainer::evaluate() {
     }
   });
   if (dp_) dp_->sum_host(ev);
-  KILN_CHECK(ev[3] > 0, "--data '", c_.data, "': the evaluation saw no test images");
+  if (ev[3] <= 0) cli::usage_error("--data '", c_.data, "': the evaluation saw no test images");
   sum_.test_loss = ev[0] / ev[3];
   sum_.test_top1 = ev[1] / ev[3];
   sum_.test_top5 = ev[2] / ev[3];

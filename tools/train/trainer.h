@@ -99,7 +99,8 @@ struct Config {
   bool overwrite = false;      // --overwrite: replace a previous run in --output
   bool sync_bn = false;  // BatchNorm statistics over all ranks' batches (no-op with one rank)
   // main.py's process-group flags, mapped onto torchrun's variables by launch_env: this process
-  // is rank `rank` of `world_size`, rendezvous at dist_url (tcp://HOST:PORT or env://).
+  // is rank `rank` of `world_size`, rendezvous at dist_url (tcp://HOST:PORT, tcp://[IPv6]:PORT
+  // or env://).
   int world_size = -1, rank = -1;
   std::string dist_url = "env://";
   std::string dist_backend = "nccl";
@@ -127,6 +128,7 @@ std::string usage();
 // (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); empty when --world-size is not given
 // or is 1 (main.py's single-node spelling: the processes, if any, come from --nproc or
 // --multiprocessing-distributed).
+// MASTER_ADDR is the host bare, an IPv6 one without its brackets (as PyTorch's init_method).
 // Throws cli::UsageError for an inconsistent set (rank outside the world, a bad URL, --nproc).
 std::vector<std::pair<std::string, std::string>> launch_env(const Config& c);
 
