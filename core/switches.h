@@ -2,7 +2,8 @@
 // kiln's environment switches, for measurements and bisecting: the one place that reads KILN_*
 // variables. They are read once, on first use, and never change afterwards (programs and tests
 // that flip a behaviour at run time use the setters beside it: cuda::set_conv_backend,
-// set_accumulate_into_enabled, ...).
+// set_accumulate_into_enabled, ...). vN below: the ResNet-50 step's version a default arrived in
+// (docs/performance.md has the versions and their measurements).
 //
 // | variable                 | values              | effect                                          |
 // |--------------------------|---------------------|-------------------------------------------------|
@@ -10,36 +11,36 @@
 // | KILN_CONV_STATS          | 0                   | BN statistics from the BN kernels, not from the |
 // |                          |                     | convolution's epilogue                          |
 // | KILN_BN_STATS_PASS       | 0                   | where the convolution gives no statistics, BN   |
-// |                          |                     | runs on cuDNN's fused kernels (before session 9)|
+// |                          |                     | runs on cuDNN's fused kernels (before v12)      |
 // | KILN_FUSED_STEM          | 0, forward          | the stem's batch norm, ReLU and max pool as     |
-// |                          |                     | separate passes (before session 10) / fused in  |
+// |                          |                     | separate passes (before v13) / fused in         |
 // |                          |                     | the forward only                                |
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
-// |                          |                     | own GEMM (before session 11)                    |
+// |                          |                     | own GEMM (before v14)                           |
 // | KILN_BN_SUMS_BLOCKS      | N in 1..64          | the BN sums kernels split rows over N blocks    |
-// |                          |                     | per SM (8 before session 12), not over the      |
+// |                          |                     | per SM (8 before v14), not over the             |
 // |                          |                     | blocks an SM holds at once                      |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
-// |                          |                     | before session 12)                              |
+// |                          |                     | before v14)                                     |
 // | KILN_TAIL_GEMM           | mma, mixed          | a block tail's fused data-gradient GEMM: the    |
 // |                          |                     | mma.sync kernel only (K 64 and 128) / the wgmma |
-// |                          |                     | kernel for K 256 and 512 only (sessions 14–15)  |
+// |                          |                     | kernel for K 256 and 512 only (v15–v16)         |
 // |                          |                     | (default: the wgmma kernel wherever it fits, on |
-// |                          |                     | sm_90; session 16)                              |
+// |                          |                     | sm_90; v17)                                     |
 // | KILN_TAIL_TMA_EPI        | 0                   | the wgmma tail GEMM reads r, x and the mask     |
 // |                          |                     | from global memory after its MMAs, not by TMA   |
-// |                          |                     | during them (before session 15)                 |
+// |                          |                     | during them (before v17)                        |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
-// |                          |                     | before session 16) / kiln's kernel for the      |
+// |                          |                     | before v18) / kiln's kernel for the             |
 // |                          |                     | forward only, its weight gradient on cuDNN      |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
-// |                          |                     | zero_grad just zeroed (before session 15)       |
+// |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
 // | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
-// |                          |                     | the tuner's choice (before session 10)          |
+// |                          |                     | the tuner's choice (before v13)                 |
 // | KILN_CUDNN_BACKEND       | 0, force            | convolutions on cuDNN's legacy API only / on    |
 // |                          |                     | the backend API's plans whenever one runs       |
 // | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |

@@ -70,8 +70,8 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // fused BN runs. Its semi-persistent kernels keep part of a small-channel tensor on chip between
 // their two phases and beat kiln's two passes there (layer 1's BN+ReLU backward: 126 vs 147 µs);
 // from 256 channels up kiln's kernels are faster per kernel (layers 3-4, in-situ profile: BN
-// 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (session 9 in
-// NOTES.md). KILN_BN_STATS_PASS=0: the epilogue or cuDNN's BN only, as before session 9.
+// 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (v12 in
+// docs/lab/batch-norm.md). KILN_BN_STATS_PASS=0: the epilogue or cuDNN's BN only, as before v12.
 constexpr int64_t kStatsPassMinChannels = 256;
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,

@@ -406,10 +406,10 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
 
 // A weight gradient added into .grad (beta = 1) reaches other engines than the same problem
 // with beta = 0, sometimes much slower ones (ResNet-50's layer-1 3x3: 0.29 ms against 0.13 ms,
-// NOTES.md session 10); the weights are small, so beta = 0 into a fresh buffer plus one add
-// can win. On the accumulating plan's first run the beta = 0 problem is tuned too (on a scratch
-// output) and the faster way is kept: the add is counted as 3 µs plus three passes over the
-// weights at 2 TB/s.
+// docs/lab/accumulate-into.md, v13); the weights are small, so beta = 0 into a fresh buffer
+// plus one add can win. On the accumulating plan's first run the beta = 0 problem is tuned too
+// (on a scratch output) and the faster way is kept: the add is counted as 3 µs plus three passes
+// over the weights at 2 TB/s.
 template <class Op>
 bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Tensor& x,
                             const Tensor& w, const Tensor& y, const ConvParams& cp,
@@ -565,7 +565,7 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
 // ---- stem channel padding ----
 // A first layer with 1-3 input channels (RGB; grayscale such as Fashion-MNIST's) runs as 4
 // channels, the last ones zero: cuDNN's NHWC FP16 engines want 4 or a multiple of 8, and 4 is
-// what ResNet-50's stem runs on (padding to 8 was measured slower end to end, NOTES.md, v4).
+// what ResNet-50's stem runs on (padding to 8 was measured slower end to end: docs/lab/stem.md).
 constexpr int64_t kStemChannels = 4;
 bool pad_stem(DType t, int64_t c_in, int64_t groups) {
   return t == DType::f16 && c_in < kStemChannels && groups == 1;

@@ -5,8 +5,8 @@
 //
 // Why: for NHWC FP16 problems, the legacy cudnnFind* API offers a handful of algorithms, and for
 // the 1x1 convolutions of ResNet-50 its best is 2-3x slower than the engines the backend API's
-// heuristics offer (NOTES.md). Each problem is tuned once: the top-ranked execution plans run on
-// the real operands, timed with CUDA events, and the fastest is kept.
+// heuristics offer (docs/lab/convolution.md). Each problem is tuned once: the top-ranked
+// execution plans run on the real operands, timed with CUDA events, and the fastest is kept.
 #include <cudnn.h>
 
 #include <memory>

@@ -258,8 +258,8 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 // (cuda/kernels/gemm_bn.cu), then one pass for dx. g (=) = G masked by `mask` (the forward's
 // ReLU bits) — the gradient of z, and of the block's input through the shortcut; dx (=),
 // dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported (K 64 or 128, C % 64 ==
-// 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; NOTES.md, session 11;
-// on sm_90 also K 256 and 512 with C % 128 == 0, on the wgmma kernel: session 14);
+// 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; docs/lab/tail-gemm.md;
+// on sm_90 also K 256 and 512 with C % 128 == 0, on the wgmma kernel, since v15);
 // the result equals cuDNN's dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds
 // in another order).
 bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);

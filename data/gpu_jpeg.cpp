@@ -96,7 +96,7 @@ double since(TraceClock::time_point t) {
 
 // An nvJPEG handle: the hardware backend when the GPU has one (sets *hardware), else the default
 // one. (Caching allocators for nvJPEG's buffers were tried and changed nothing under a running
-// step, NOTES.md session 5, so nvJPEG allocates with cudaMalloc as by default.)
+// step, docs/lab/input-pipeline.md, so nvJPEG allocates with cudaMalloc as by default.)
 nvjpegHandle_t create_handle(bool* hardware) {
   nvjpegHandle_t h = nullptr;
   *hardware =
@@ -189,11 +189,12 @@ struct GpuJpegLoader::Impl {
     handle = create_handle(&hardware);
     KILN_NVJPEG_CHECK(nvjpegJpegStateCreate(handle, &state));
     KILN_NVJPEG_CHECK(nvjpegJpegStreamCreate(handle, &parse_stream));
-    // The decode stream has the default priority. Sessions 4-6 gave it the device's highest,
+    // The decode stream has the default priority. Earlier code gave it the device's highest,
     // so that nvJPEG's kernels would not queue behind a step's; it did not make the decode
     // faster (under a running step the hardware decoder's batched call waits for SM slots many
-    // times per batch and takes about a step, NOTES.md session 5, which is why the CPU workers
-    // take a share), and the trainings that hung inside nvjpegDecodeBatched all ran with it.
+    // times per batch and takes about a step, docs/lab/input-pipeline.md, which is why the CPU
+    // workers take a share), and the trainings that hung inside nvjpegDecodeBatched all ran with
+    // it.
     CUDA_CHECK(cudaStreamCreateWithFlags(&decode, cudaStreamNonBlocking));
     const unsigned timing = trace ? cudaEventDefault : cudaEventDisableTiming;
     for (Slot& sl : slots) {
@@ -311,7 +312,7 @@ struct GpuJpegLoader::Impl {
       // The previous batch's work on the decode stream (what nvJPEG left queued when its call
       // returned, then the uploads) is complete before nvJPEG is called again. Without this
       // the decode stream stopped draining mid-epoch, under a running step, in 7 of 8 nine-epoch
-      // trainings; with it in none of 4 (session 7, NOTES.md). Why is not known; a guess:
+      // trainings; with it in none of 4 (docs/lab/input-pipeline.md). Why is not known; a guess:
       // nvJPEG's hardware path has been reported (torchcodec PR 1634) not to order its writes
       // against the caller's stream, so a call that starts while the last one's work is still
       // queued may disturb it.

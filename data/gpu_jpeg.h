@@ -17,7 +17,7 @@
 // into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
 // batch k; the decode thread waits for the device only for buffers two batches old and, before
 // each nvJPEG call, for the previous batch's decode-stream work (without that wait the decode
-// stream hung, NOTES.md session 7). The decode stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
+// stream hung: docs/lab/input-pipeline.md, 2026-12-01). The decode stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
 // copies them); reading them into pinned buffers is not done. Under a running step nvJPEG's
 // batched call takes about a step whatever it decodes, so a share of the JPEGs is decoded by the
 // workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where
@@ -70,7 +70,7 @@ class GpuJpegLoader {
 
   // The adaptive share. Why it exists: the hardware decoder alone outruns a ResNet-50 step on an
   // idle GPU, but under a running step nvJPEG's batched call takes about 22 ms plus 0.1 ms per
-  // image (measured on the H200, NOTES.md session 5), where the step takes 30: nvJPEG alone
+  // image (measured on the H200, docs/lab/input-pipeline.md), where the step takes 30: nvJPEG alone
   // feeds ~6,100 images/s, and the 16 CPU workers alone ~7,000. Together they keep up when each
   // gets the share it finishes within a step, and the decode thread's cycle (wait for the
   // workers' batch, then nvJPEG's call) is shortest at the share where the workers just keep up:
@@ -78,7 +78,7 @@ class GpuJpegLoader {
   // So after each batch that made next() wait (kBlockedS), the share moves by kShareStep: up when
   // the workers had that batch ready (waited at most kWorkersBehindS), down when they did not;
   // when next() did not wait it stays. It starts at 0 and lives as long as the loader (epochs
-  // continue where the last one ended), within [0, kMaxAdaptiveShare]. (Session 5's rule, up
+  // continue where the last one ended), within [0, kMaxAdaptiveShare]. (The first rule, up
   // while nvJPEG's call took longer than the workers' wait, settled where the CPU was already
   // behind: 89-90% of synthetic.)
   static constexpr double kAdaptiveHostShare = -1.0;
@@ -95,7 +95,7 @@ class GpuJpegLoader {
   ~GpuJpegLoader();
 
   // The stall guard. nvJPEG's batched decode on the H200's hardware decoder has hung (never
-  // returned) in some trainings (NOTES.md, sessions 5-6). When a decode thread has been inside
+  // returned) in some trainings (docs/lab/input-pipeline.md). When a decode thread has been inside
   // one device call (nvJPEG, or a CUDA synchronisation) for `seconds`, next() throws kiln::Error
   // saying so and the loader is wedged: every later next() throws, and the loader and its epoch
   // are leaked rather than destroyed, since the stuck thread still points into them. Waiting for

@@ -506,7 +506,8 @@ TEST_CASE("GPU JPEG path's adaptive share: one step per waiting batch, to where 
   CHECK(L::steer_share(0.0, blocked, behind) == 0.0);                   // clamped below
   CHECK(L::steer_share(L::kMaxAdaptiveShare, blocked, ready) == L::kMaxAdaptiveShare);
 
-  // A toy of the measured situation (NOTES.md, session 5): nvJPEG's call costs 10 ms whatever
+  // A toy of the measured situation (docs/lab/input-pipeline.md, nvJPEG under a running step,
+  // 2026-12-01): nvJPEG's call costs 10 ms whatever
   // it gets plus its images' share; the workers build the next batch meanwhile, so the decode
   // thread waits for them only for what the CPU's share costs beyond the call; the step hides
   // what fits in it. The decode thread's cycle (call + wait) is shortest, 22.5 ms, at share 0.5,

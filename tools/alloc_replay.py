@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Replays a KILN_ALLOC_TRACE log (cuda/allocator.cpp) through allocator policies and prints
-the device memory each would reserve: the measurement behind the allocator's policy (NOTES.md).
+the device memory each would reserve: the measurement behind the allocator's policy
+(docs/lab/allocator.md).
 
     KILN_ALLOC_TRACE=/tmp/a.txt kiln-bench --model resnet50 --batches 256 --graph-only
     python3 tools/alloc_replay.py /tmp/a.txt[.gz]
 
-Policies: "whole" (kiln before session 6: size buckets, a cached block reused whole when it is at
-most twice the request), "split" (blocks carved from cudaMalloc'd segments and split, best fit,
-free neighbours merged) and "split+release" (split, and before growing outside a capture, the
-stream's wholly free segments are returned when they add up to the new segment: what
-cuda/allocator.cpp does since session 6, less its cross-stream take-over). All keep kiln's
-stream and private-pool rules: a block is reused on its own stream only; during a capture on a
-stream its allocations come from the pool, then from the stream's general cache, and blocks it
-frees join the pool. (Here a split pool block's rest goes to the general cache; the allocator
-keeps it in the pool.)
+Policies: "whole" (kiln before the split/merge allocator of 2026-12-01: size buckets, a cached
+block reused whole when it is at most twice the request), "split" (blocks carved from
+cudaMalloc'd segments and split, best fit, free neighbours merged) and "split+release" (split,
+and before growing outside a capture, the stream's wholly free segments are returned when they
+add up to the new segment: what cuda/allocator.cpp does since 2026-12-01, less its cross-stream
+take-over). All keep kiln's stream and private-pool rules: a block is reused on its own stream
+only; during a capture on a stream its allocations come from the pool, then from the stream's
+general cache, and blocks it frees join the pool. (Here a split pool block's rest goes to the
+general cache; the allocator keeps it in the pool.)
 """
 import bisect
 import gzip

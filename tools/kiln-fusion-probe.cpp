@@ -4,10 +4,11 @@
 //
 //   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm]
 //
-// A developer's tool for deciding what cuda/ can fuse (NOTES.md records its output); it exercises
-// ResNet-50 bottleneck shapes: conv + statistics epilogue, scale-bias-ReLU prologue + conv +
-// statistics, the same prologue on the weight gradient, and the data gradient with the ReLU
-// backward (mask recomputed from the saved pre-BN tensor) and per-channel reductions.
+// A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
+// docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
+// statistics epilogue, scale-bias-ReLU prologue + conv + statistics, the same prologue on the
+// weight gradient, and the data gradient with the ReLU backward (mask recomputed from the saved
+// pre-BN tensor) and per-channel reductions.
 // --half-scale gives the prologue f16 scale and bias (and f16 intermediates), the form cuDNN's
 // precompiled ConvBNfprop / ConvBNwgrad engines are documented for, instead of f32.
 // --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Summarises an Nsight Compute CSV of one training step: the table behind NOTES.md's
-"Where the step goes now" (session 9).
+"""Summarises an Nsight Compute CSV of one training step: the table behind the step profiles in
+docs/performance.md and docs/lab/step-profiles.md (first for v12).
 
     ncu --clock-control none --cache-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,dram__bytes.sum --csv \\
@@ -10,7 +10,7 @@
 
 kiln-bench --profile runs one eager step between cudaProfilerStart/Stop, so the CSV holds that
 step's kernels only. Keep --cache-control none: ncu's default empties L2 before every kernel and
-inflates the kernels that read what the previous one wrote (NOTES.md, session 9).
+inflates the kernels that read what the previous one wrote (docs/lab/step-profiles.md, v12).
 
 Prints the step's kernels by phase (forward up to the loss kernel, backward, optimizer) and kind
 (convolution or GEMM, kiln's BN, cuDNN's BN, pooling, rest), then the N kernels that take the
@@ -18,7 +18,7 @@ most time summed over their calls, with the DRAM bandwidth each reached; --seque
 every kernel in launch order. --compare puts two profiles side by side (say, a switch off and
 on, each from its own process): per phase and kind, then the N kernels whose summed time moved
 most. In-situ kernel sums are the steadier A/B: the whole graph step moves by about ±0.3 ms
-between processes as the convolution tuner picks other plans (NOTES.md, sessions 9 and 10).
+between processes as the convolution tuner picks other plans (docs/lab/convolution.md, v12-v13).
 """
 import argparse
 import collections

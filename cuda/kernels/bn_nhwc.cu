@@ -227,7 +227,7 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
 // channel 32·blockIdx.x + tx (neighbouring threads read neighbouring channels), then the rows
 // of the block are added in order — a fixed order, so bit-reproducible. The totals are valid in
 // the threads with ty == 0 and a channel below C, for which finish_sums returns true. (Eight
-// running sums per thread, taken in turn, made these kernels 3–4× slower: NOTES.md, session 11.)
+// running sums per thread, taken in turn, made these kernels 3–4× slower: docs/lab/batch-norm.md.)
 constexpr int kFinishRows = 8;
 const dim3 kFinishBlock{32, kFinishRows};
 
@@ -483,7 +483,7 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
 // (ceil(OH·OW·G / kBlock), N) keeps the index arithmetic in 32 bits; the 9 loads are issued
 // before any is used. The kernel is bound by its instructions (72 normalise-round-compare steps
 // per thread), not by memory: comparing f16 keys instead of floats and 3 blocks per SM (80
-// registers) took it from 406 to 310 µs on the ResNet-50 stem at batch 256 (NOTES.md).
+// registers) took it from 406 to 310 µs on the ResNet-50 stem at batch 256 (docs/lab/stem.md, v13).
 __global__ void __launch_bounds__(kBlock, 3)
     relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
                               const uint4* __restrict__ x, const float* __restrict__ scale_shift,
@@ -706,7 +706,7 @@ int resident_blocks(const void* kernel) {
 // block row, ty rows, and as many parts (row splits) as the device holds blocks of `kernel` at
 // once: one wave, so every resident block streams rows until the end and the finishing kernel
 // adds as few partials as keep the memory busy (8 blocks per SM, 1,024 partials per channel at
-// 64 channels, before session 12). Depends only on the shape, the kernel and the device, which
+// 64 channels, before v14). Depends only on the shape, the kernel and the device, which
 // keeps the sums bit-reproducible.
 struct SumsLaunch {
   dim3 grid, block;
@@ -804,7 +804,7 @@ Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op
 
 // f finalized (when it has statistics); its scale_shift is then the apply kernels' input.
 // Finalizing inside the apply kernels, each block into shared memory, made them 11 µs slower
-// per call (NOTES.md, session 11): their 4 waves of blocks each paid the double-precision
+// per call (docs/lab/batch-norm.md): their 4 waves of blocks each paid the double-precision
 // arithmetic's latency.
 const float* finalized(const Finalize& f, int64_t C) {
   if (f.sum != nullptr) {

@@ -171,7 +171,7 @@ void check_nhwc_f16(const Tensor& t, const Shape& shape, const Device& dev, cons
 constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_GEMM
 
 // The wgmma kernel (gemm_bn_wgmma.cu) for K and C: wherever it fits in mode 2 (the default; with
-// its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too: NOTES.md, session 16), only
+// its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too, docs/lab/tail-gemm.md), only
 // where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
 // mode 0 (KILN_TAIL_GEMM=mma).
 bool use_wgmma(int64_t K, int64_t C) {

@@ -3,12 +3,13 @@
 // the tails this one does not (C not a multiple of 128, GPUs other than sm_90), is
 // cuda/kernels/gemm_bn.cu, whose header explains what the epilogue computes).
 //
-// Measured (NOTES.md): in session 14, for K 256/512, correct against the unfused composition and
-// the CPU, compute-sanitizer clean, the step 0.13-0.16 ms faster than those seven tails on
-// cuDNN's dgrad + kiln's two passes; in session 16, with the TMA epilogue below, −0.22 ms more,
+// Measured (docs/lab/tail-gemm.md): in v15, for K 256/512, correct against the unfused composition
+// and the CPU, compute-sanitizer clean, the step 0.13-0.16 ms faster than those seven tails on
+// cuDNN's dgrad + kiln's two passes; in v17, with the TMA epilogue below, −0.22 ms more,
 // and faster than the mma.sync kernel at K 64/128 too (−0.19 ms), so it takes every tail it fits.
-// Its GEMM is tools/probes/wgmma_gemm.cu's v4 on branch wip/wgmma, level with cuBLASLt on
-// ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4: 0.053).
+// Its GEMM is tools/probes/wgmma_gemm.cu's v4 on branch wip/wgmma (neither is in this
+// repository), level with cuBLASLt on ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4:
+// 0.053).
 //
 // G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC); B = w transposed to wt (C × K)
 // by a small kernel first, so that both operands are K-major for wgmma's descriptors. CTA: 3
@@ -164,8 +165,8 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // issues them while the tile's MMAs run, into the buffer the staging used), the accumulators
 // add r there in their fragment layout, and the epilogue reads everything from shared memory —
 // instead of staging the accumulators and reading r, x and the mask from global memory after the
-// MMAs (latency-bound: ncu in NOTES.md session 15). Same arithmetic in the same order: the
-// results are bit-identical between the two.
+// MMAs (latency-bound: ncu in docs/lab/tail-gemm.md, the v16 round). Same arithmetic in the
+// same order: the results are bit-identical between the two.
 template <bool kTmaEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,

@@ -19,7 +19,7 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                             const Tensor& mean, int parts);
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
 // KILN_TAIL_TMA_EPI=0 or set_tail_tma_epilogue_enabled(false): read from global memory after
-// them, as before session 15). Bit-identical results either way.
+// them, as before v17). Bit-identical results either way.
 bool tail_tma_epilogue_enabled();
 void set_tail_tma_epilogue_enabled(bool on);
 

@@ -1,7 +1,7 @@
 // The ResNet stem's convolution, 3 → 64 channels, 7x7, stride 2, padding 3, f16 NHWC, with the
 // batch norm's statistics (Σy, Σy² per channel) in its epilogue — one kernel where cuDNN ran a
 // channel pad of x (3 → 4), its image_first_layer kernel at ~1.2 TB/s and kiln a statistics pass
-// over y (NOTES.md, sessions 9–12: 75 + 410 + ~130 µs at batch 256).
+// over y (docs/lab/stem.md, the v12–v14 profiles: 75 + 410 + ~130 µs at batch 256).
 //
 // An implicit GEMM on mma.sync: M = output pixels, N = 64 channels, K = 7 rows × 8 columns × 4
 // channels = 224 (the 8th column and the 4th channel are zero weights, so that each k8 chunk of

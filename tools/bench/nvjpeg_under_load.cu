@@ -1,5 +1,5 @@
 // nvjpeg_under_load: how long nvJPEG's batched decode takes while another stream keeps the SMs
-// busy, the situation of a training step beside the GPU JPEG path (NOTES.md, session 5).
+// busy, the situation of a training step beside the GPU JPEG path (docs/lab/input-pipeline.md).
 // A second thread fills a stream with kernels whose blocks each spin for a fixed time; the
 // decode stream has the device's highest priority, as in data/gpu_jpeg.cpp.
 //

@@ -227,8 +227,8 @@ TrainData::TrainData(const DataOptions& o)
     lo.rank = o.rank;
     lo.world_size = o.world_size;
     // --decoder (issue 15): the GPU path only when asked. auto means the CPU path: nvJPEG's
-    // batched decode hangs now and then under a running step (NOTES.md, sessions 5 and 6: 5 of
-    // 16 trainings that called nvJPEG), and a default must not hang.
+    // batched decode hung now and then under a running step (docs/lab/input-pipeline.md,
+    // 2026-12-01: 5 of 16 trainings that called nvJPEG), and a default must not hang.
     if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
         o.decoder != "turbo")
       cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");

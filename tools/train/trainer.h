@@ -60,7 +60,7 @@ struct Config {
   std::string data = "fashion-mnist";
   int64_t epochs = 1;
   // Defaults chosen for the built-in job: one epoch of Fashion-MNIST on 2 CPU cores reaches
-  // 88.4% with batch 32 / lr 0.05 (87.1% with batch 128 / lr 0.1); see NOTES.md.
+  // 88.4% with batch 32 / lr 0.05 (87.1% with batch 128 / lr 0.1); see docs/lab/fashion-mnist.md.
   int64_t batch_size = 32;
   double lr = 0.05;
   double momentum = 0.9;
