@@ -200,6 +200,43 @@ Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias
                        const Tensor& running_mean, const Tensor& running_var, double momentum,
                        double eps, const StatsAllReduce& all_reduce);
 
+// ---------------- transformer ops (ops/layer_norm.cpp, ops/dropout.cpp, ops/join.cpp,
+// ops/index.cpp, ops/attention.cpp) ----------------
+// Layer norm over the trailing dims `normalized_shape` of x, with affine weight and bias of that
+// shape (either may be undefined): y = (x - mean)/sqrt(var + eps)·weight + bias, statistics per
+// row, the variance biased (PyTorch's F.layer_norm). For f16/bf16 x the parameters are f32 and
+// the statistics f32; otherwise x's dtype.
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
+                  const Tensor& bias, double eps = 1e-5);
+// Training: each element zeroed with probability p, the rest scaled by 1/(1-p); eval or p = 0: x
+// itself. Draws from the device's counter-based stream (core/generator.h's philox_stream), so
+// the mask is never stored (the backward draws it again) and a replayed CUDA graph draws fresh
+// masks each step, equal bit for bit to the eager steps it recorded.
+Tensor dropout(const Tensor& x, double p, bool training = true);
+// Joins tensors of one shape but `dim` along `dim` (cat) or along a new dim (stack).
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
+// Views of x along `dim`: pieces of `size` (the last may be smaller), or `chunks` pieces of
+// ceil(size/chunks) (PyTorch's split and chunk).
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim = 0);
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
+// weight (rows, D)[indices] -> (indices..., D); indices i64. The backward adds each index's row
+// in index order (bit-reproducible). Out-of-range indices are an error on the CPU; on a GPU
+// (where checking would synchronise) they read as zero rows and get no gradient.
+Tensor embedding(const Tensor& indices, const Tensor& weight);
+// cond ? a : b with broadcasting (cond bool); differentiable in a and b.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+// x with `value` where mask (bool, broadcast to x) is true.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+// softmax(scale·q·kᵀ [+ causal mask])·v, dropout_p applied to the attention weights in training;
+// q (B, H, Lq, D), k and v (B, H, Lk, D); scale defaults to 1/sqrt(D); causal: query i sees keys
+// j <= i + Lk - Lq. On a backend with FastPath::Attention (CUDA: f16/bf16, head_dim 64 or 128,
+// no dropout) one fused kernel each way that never materialises the Lq×Lk scores; otherwise the
+// composition of matmul, softmax and matmul. Returns (B, H, Lq, D), laid out as (B, Lq, H, D).
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    bool causal = false, double dropout_p = 0.0,
+                                    std::optional<double> scale = std::nullopt);
+
 // ---------------- softmax and losses (ops/softmax.cpp, ops/loss.cpp) ----------------
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);

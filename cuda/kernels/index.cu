@@ -12,12 +12,13 @@ namespace kiln::cuda {
 namespace {
 
 template <typename T>
-__global__ void embedding_fwd(T* out, const T* w, const int64_t* idx, int64_t n, int64_t d) {
+__global__ void embedding_fwd(T* out, const T* w, const int64_t* idx, int64_t n, int64_t d,
+                              int64_t rows) {
   pdl_start();
   const int64_t total = n * d, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += step) {
-    const int64_t i = e / d, j = e - i * d;
-    out[e] = w[idx[i] * d + j];
+    const int64_t i = e / d, j = e - i * d, r = idx[i];
+    out[e] = r >= 0 && r < rows ? w[r * d + j] : T{};  // out of range: a zero row
   }
 }
 
@@ -31,6 +32,7 @@ __global__ void embedding_bwd(T* dw, const T* g, const int64_t* idx, int64_t n, 
   if (!add)
     for (int64_t r = 0; r < rows; ++r) dw[r * d + j] = cvt<T>(C(0));
   for (int64_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= rows) continue;  // the forward gave it a zero row
     T* p = dw + idx[i] * d + j;
     *p = cvt<T>(cvt<C>(*p) + cvt<C>(g[i * d + j]));
   }
@@ -52,7 +54,7 @@ void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& in
   dispatch_device_all(weight.dtype(), [&]<typename T>() {
     launch(embedding_fwd<T>, grid_for(n * d), kBlock, 0, current_stream(),
            static_cast<T*>(out.raw_data()), static_cast<const T*>(weight.raw_data()),
-           static_cast<const int64_t*>(indices.raw_data()), n, d);
+           static_cast<const int64_t*>(indices.raw_data()), n, d, weight.size(0));
   });
 }
 
