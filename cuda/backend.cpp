@@ -209,11 +209,15 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::BatchNormReluMaxPoolBackward:
       expect(1);
       return switches().fused_stem > 1 && bn_nhwc_supported(*t[0]);
+    case FastPath::Attention:
+      expect(3);
+      return attention_supported(*t[0], *t[1], *t[2]);
   }
   return false;
 }
 
 constexpr BatchNormReluPaths kBatchNormRelu{bn_relu_forward, bn_relu_backward};
+constexpr AttentionPaths kAttention{attention_forward, attention_backward};
 
 constexpr BatchNormStatsPaths make_bn_stats() {
   BatchNormStatsPaths p{bn_nhwc_finalize, bn_stats_apply, bn_stats_backward, bn_nhwc_dual_apply,
@@ -262,6 +266,7 @@ Backend make_table() {
   b.supports = supports;
   b.batch_norm_relu = &kBatchNormRelu;
   b.batch_norm_stats = &kBatchNormStats;
+  b.attention = &kAttention;
   b.layer_norm_forward = layer_norm_forward;
   b.layer_norm_backward = layer_norm_backward;
   b.philox_advance = philox_advance;

@@ -175,6 +175,16 @@ void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor&
                         GradientMode mode);
 void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
 
+// ---- fused attention (cuda/kernels/attention.cu): AttentionPaths' contracts (core/backend.h).
+// attention_supported: f16 or bf16, head_dim 64 or 128, the last dim dense and every other
+// stride a multiple of 8 elements with 16-byte aligned data, on an sm_80+ GPU. ----
+bool attention_supported(const Tensor& q, const Tensor& k, const Tensor& v);
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, bool causal);
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                        const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, double scale, bool causal);
+
 // ---- softmax and cross-entropy (cuda/kernels/softmax.cu) ----
 // Over the last dim of contiguous (rows, cols).
 void softmax_forward(const Tensor& y, const Tensor& x, bool log);

@@ -36,6 +36,10 @@ class Module {
   virtual std::string type_name() const = 0;
   // One line describing this module's configuration, e.g. "Conv2d(3, 64, kernel=7, ...)".
   virtual std::string describe() const { return type_name(); }
+  // The names of this module's own parameters that mixed precision (optim/amp.h) stores in its
+  // 16-bit compute dtype; the rest stay f32 (normalisation parameters, statistics). Conv2d,
+  // Linear: all of theirs.
+  virtual std::vector<std::string> half_parameters() const { return {}; }
 
   // ---- registration (names must be unique within a module and contain no '.') ----
   // Sets requires_grad on `t` (which must be a floating leaf) and returns it.

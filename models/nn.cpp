@@ -270,7 +270,22 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator* 
 
 void Linear::reset_parameters(Generator* gen) { default_init(weight_, bias_, gen); }
 
-Tensor Linear::forward(const Tensor& x) { return F::linear(x, weight_, bias_); }
+Tensor Linear::forward(const Tensor& x) {
+  if (x.dim() <= 2) return F::linear(x, weight_, bias_);
+  Shape out = x.shape();
+  out.back() = out_;
+  return F::linear(x.reshape({-1, x.size(-1)}), weight_, bias_).view(out);
+}
+
+std::vector<std::string> Linear::half_parameters() const {
+  return bias_.defined() ? std::vector<std::string>{"weight", "bias"}
+                         : std::vector<std::string>{"weight"};
+}
+
+std::vector<std::string> Conv2d::half_parameters() const {
+  return bias_.defined() ? std::vector<std::string>{"weight", "bias"}
+                         : std::vector<std::string>{"weight"};
+}
 
 std::string Linear::describe() const {
   std::ostringstream os;

@@ -47,6 +47,7 @@ class Conv2d : public Module {
   Tensor forward(const Tensor& x, F::ChannelStats* stats);
   std::string type_name() const override { return "Conv2d"; }
   std::string describe() const override;
+  std::vector<std::string> half_parameters() const override;
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }  // undefined without bias
   // Re-draws weight (and bias) with PyTorch's default init.
@@ -140,13 +141,14 @@ class ConvBn : public Module {
 // `root`'s tree (root included). Returns how many modules it set. `reduce` must not be empty.
 int64_t enable_sync_batch_norm(Module& root, const StatsAllReduce& reduce);
 
-// x (N, in) -> (N, out). weight (out, in), bias (out) when `bias`.
+// x (..., in) -> (..., out). weight (out, in), bias (out) when `bias`.
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true, Generator* gen = nullptr);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Linear"; }
   std::string describe() const override;
+  std::vector<std::string> half_parameters() const override;
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
   void reset_parameters(Generator* gen = nullptr);

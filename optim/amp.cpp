@@ -1,5 +1,7 @@
 #include "optim/amp.h"
 
+#include <algorithm>
+
 #include <cstring>
 #include <set>
 
@@ -19,6 +21,15 @@ Precision default_precision(Device device) {
   return device.is_cuda() ? Precision::Mixed16 : Precision::FP32;
 }
 
+DType compute_dtype(Precision p) {
+  switch (p) {
+    case Precision::FP32: return DType::f32;
+    case Precision::Mixed16: return DType::f16;
+    case Precision::MixedBF16: return DType::bf16;
+  }
+  KILN_FAIL("amp: bad precision ", int(p));
+}
+
 void prepare_model(nn::Module& model, Device device, Precision precision) {
   KILN_CHECK(precision == Precision::FP32 || device.is_cuda(),
              "amp::prepare_model: mixed precision needs a CUDA device (the CPU backend computes "
@@ -26,17 +37,22 @@ void prepare_model(nn::Module& model, Device device, Precision precision) {
   model.to(device);
   model.to(DType::f32);
   if (precision == Precision::FP32) return;
-  // Only Conv2d and Linear compute in f16; BN keeps f32 parameters and statistics.
+  // What each module names (Module::half_parameters: Conv2d, Linear, the attention's
+  // projections, ...) computes in 16 bits; normalisation parameters and statistics stay f32.
   std::vector<std::pair<std::string, bool>> half;  // name, channels-last
   for (const auto& [prefix, m] : model.named_modules()) {
     const bool conv = dynamic_cast<const nn::Conv2d*>(m) != nullptr;
-    if (!conv && dynamic_cast<const nn::Linear*>(m) == nullptr) continue;
-    for (const auto& [n, t] : m->own_parameters())
-      half.emplace_back(prefix.empty() ? n : prefix + "." + n, conv && t.dim() == 4);
+    for (const std::string& n : m->half_parameters()) {
+      const auto& own = m->own_parameters();
+      auto it = std::find_if(own.begin(), own.end(), [&](const auto& p) { return p.first == n; });
+      KILN_CHECK(it != own.end(), "amp::prepare_model: ", m->type_name(), " '", prefix,
+                 "' names no parameter '", n, "' among its own");
+      half.emplace_back(prefix.empty() ? n : prefix + "." + n, conv && it->second.dim() == 4);
+    }
   }
+  const DType low = compute_dtype(precision);
   for (const auto& [name, nhwc] : half)
-    model.convert(name, DType::f16, device,
-                  nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+    model.convert(name, low, device, nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
 }
 
 Tensor prepare_input(const Tensor& x, Device device, Precision precision) {
@@ -44,7 +60,7 @@ Tensor prepare_input(const Tensor& x, Device device, Precision precision) {
   Tensor y = x.detach().to(device);
   if (precision == Precision::FP32) return y.to(DType::f32).contiguous();
   KILN_CHECK(device.is_cuda(), "amp::prepare_input: mixed precision needs a CUDA device");
-  y = y.to(DType::f16);
+  y = y.to(compute_dtype(precision));
   if (y.dim() != 4) return y.contiguous();
   // contiguous(ChannelsLast) keeps plain strides that address NHWC too (one channel); the
   // network's layers follow what their input suggests, so such a batch gets NHWC strides.

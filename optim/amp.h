@@ -28,20 +28,26 @@
 
 namespace kiln::amp {
 
-enum class Precision { FP32, Mixed16 };
+// Mixed16: f16 storage and compute with f32 master weights and the loss scaler (the default);
+// MixedBF16: the same in bf16, whose range needs no loss scaling.
+enum class Precision { FP32, Mixed16, MixedBF16 };
+// f32, f16 or bf16: the dtype the model's 16-bit parameters and activations take.
+DType compute_dtype(Precision p);
 // Mixed16 on CUDA, FP32 on the CPU (whose backend computes in f32/f64).
 Precision default_precision(Device device);
 
 // Moves `model` to `device` and sets its dtypes, in place (handles stay valid; uses
-// nn::Module::convert). Mixed16 (CUDA only): Conv2d and Linear weights and biases f16, 4-D conv
-// weights channels-last; BN parameters and running statistics and every other floating tensor
-// f32; integer buffers kept. FP32: every floating tensor f32, contiguous.
+// nn::Module::convert). Mixed16/MixedBF16 (CUDA only): the parameters each module names in
+// Module::half_parameters (Conv2d and Linear weights and biases, attention projections, ...) in
+// compute_dtype, 4-D conv weights channels-last; normalisation parameters, running statistics
+// and every other floating tensor f32; integer buffers kept. FP32: every floating tensor f32,
+// contiguous.
 void prepare_model(nn::Module& model, Device device, Precision precision);
 inline void prepare_model(nn::Module& model, Device device) {
   prepare_model(model, device, default_precision(device));
 }
-// An input batch as the prepared model wants it: on `device`, f16 channels-last (4-D) for
-// Mixed16, f32 otherwise. Not differentiable (inputs are data).
+// An input batch as the prepared model wants it: on `device`, compute_dtype channels-last (4-D)
+// for the mixed precisions, f32 otherwise. Not differentiable (inputs are data).
 Tensor prepare_input(const Tensor& x, Device device, Precision precision);
 inline Tensor prepare_input(const Tensor& x, Device device) {
   return prepare_input(x, device, default_precision(device));

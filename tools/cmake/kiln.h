@@ -24,6 +24,8 @@
 #include "models/module.h"
 #include "models/nn.h"
 #include "models/resnet.h"
+#include "models/transformer.h"
+#include "models/vit.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "optim/amp.h"
