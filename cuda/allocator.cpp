@@ -16,7 +16,7 @@
 // Before it grows (outside a capture) the allocator synchronises the device once, then takes a
 // fitting block cached by another stream, or else returns every wholly free segment to the
 // driver when together they are at least the new segment's size. Measured on ResNet-50 b256's
-// trace (tools/alloc_replay.py, docs/lab/allocator.md): whole blocks without splitting reserved
+// trace (tools/bench/alloc_replay.py, docs/lab/allocator.md): whole blocks without splitting reserved
 // 13.3 GiB for 10.65 GiB of peak requests, splitting 12.3, splitting with this release 11.2.
 // Growing happens in the first steps only, so the syncs cost warm-up time, not step time.
 //
@@ -32,7 +32,7 @@
 // a thread-local capture would otherwise refuse it.
 //
 // KILN_ALLOC_TRACE=PATH (core/switches.h) logs every event, one per line, for replaying the
-// policy offline (tools/alloc_replay.py): `a PTR BYTES STREAM` allocate (STREAM: 0, 1, ... in
+// policy offline (tools/bench/alloc_replay.py): `a PTR BYTES STREAM` allocate (STREAM: 0, 1, ... in
 // order of first use), `f PTR` free, `o POOL STREAM` / `c POOL` / `r POOL` a private pool
 // opened / closed / released, `e` empty_cache, `m BYTES` a cudaMalloc.
 #include "cuda/allocator.h"

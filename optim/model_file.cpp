@@ -7,6 +7,8 @@
 
 #include "core/json.h"
 #include "core/text.h"
+#include "models/vit.h"
+#include "models/zoo.h"
 #include "optim/checkpoint.h"
 
 namespace kiln {
@@ -48,9 +50,16 @@ std::string shown(const std::string& text) {
 
 std::string arch_list() {
   std::string list;
-  for (const auto& [name, spec] : specs()) list += (list.empty() ? "" : ", ") + name;
+  for (const auto& name : models::all_model_names()) list += (list.empty() ? "" : ", ") + name;
   return list;
 }
+
+bool known_arch(const std::string& arch) {
+  const auto names = models::all_model_names();
+  return std::find(names.begin(), names.end(), arch) != names.end();
+}
+
+bool is_vit(const std::string& arch) { return arch == "vit_b_16" || arch == "vit_s_16"; }
 
 int64_t meta_int(const std::string& text, const std::string& key, const std::string& source,
                  int64_t lo, int64_t hi, const char* range = nullptr) {
@@ -119,8 +128,10 @@ void check_class_names(const std::vector<std::string>& names, const std::string&
 }
 
 void check_model_info(const ModelInfo& m, const std::string& source) {
-  KILN_CHECK(specs().count(m.arch), source, ": arch '", shown(m.arch), "' is not one of ",
+  KILN_CHECK(known_arch(m.arch), source, ": arch '", shown(m.arch), "' is not one of ",
              arch_list());
+  KILN_CHECK(!is_vit(m.arch) || m.image_size % 16 == 0, source, ": image_size ", m.image_size,
+             " of a ", m.arch, " must be a multiple of its patch size 16");
   auto in = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
     KILN_CHECK(v >= lo && v <= hi, source, ": ", field, " ", v, " is outside ", lo, "..", hi);
   };
@@ -172,7 +183,7 @@ ModelInfo read_model_metadata(const std::map<std::string, std::string>& meta,
     return nullptr;
   };
   if (const std::string* v = get("arch")) {
-    KILN_CHECK(specs().count(*v), "'", source, "': metadata 'arch' = '", shown(*v),
+    KILN_CHECK(known_arch(*v), "'", source, "': metadata 'arch' = '", shown(*v),
                "' is not one of ", arch_list());
     m.arch = *v;
   }
@@ -238,9 +249,21 @@ void check_metadata_matches_weights(const ModelInfo& meta, const ModelInfo& weig
         weights.imagenet_stem ? "imagenet" : "small");
 }
 
-std::shared_ptr<models::ResNet> build_model(const ModelInfo& info, uint64_t seed) {
+std::string classifier_prefix(const std::string& arch) {
+  return is_vit(arch) ? "heads.head." : "fc.";
+}
+
+std::shared_ptr<nn::Module> build_model(const ModelInfo& info, uint64_t seed) {
+  if (is_vit(info.arch)) {
+    models::ViTOptions o = info.arch == "vit_b_16"
+                               ? models::vit_b_16_options(info.num_classes, info.image_size)
+                               : models::vit_s_16_options(info.num_classes, info.image_size);
+    o.in_channels = info.in_channels;
+    Generator g(seed);
+    return std::make_shared<models::VisionTransformer>(o, &g);
+  }
   auto it = specs().find(info.arch);
-  if (it == specs().end()) models::make_model(info.arch, 1);  // throws, listing valid names
+  if (it == specs().end()) models::family_of(info.arch);  // throws, listing valid names
   models::ResNetOptions o;
   o.num_classes = info.num_classes;
   o.in_channels = info.in_channels;
@@ -257,10 +280,39 @@ ModelInfo infer_model_info(const NamedTensors& weights, const std::string& sourc
       if (n == name) return &t;
     return nullptr;
   };
+  if (const Tensor* token = find("class_token")) {  // a vision transformer
+    const Tensor* proj = find("conv_proj.weight");
+    const Tensor* head = find("heads.head.weight");
+    const Tensor* pos = find("encoder.pos_embedding");
+    KILN_CHECK(token->dim() == 3 && proj && proj->dim() == 4 && head && head->dim() == 2 && pos &&
+                   pos->dim() == 3,
+               "'", source, "' holds a class_token but not torchvision's ViT names (conv_proj, "
+               "encoder.pos_embedding, heads.head)");
+    ModelInfo m = defaults;
+    const int64_t hidden = token->size(2);
+    KILN_CHECK(hidden == 768 || hidden == 384, "'", source, "': a ViT of width ", hidden,
+               " is neither vit_b_16 (768) nor vit_s_16 (384)");
+    m.arch = hidden == 768 ? "vit_b_16" : "vit_s_16";
+    m.width = hidden;
+    m.imagenet_stem = true;
+    m.num_classes = head->size(0);
+    m.in_channels = proj->size(1);
+    const int64_t grid = int64_t(std::llround(std::sqrt(double(pos->size(1) - 1))));
+    KILN_CHECK(grid * grid + 1 == pos->size(1), "'", source, "': encoder.pos_embedding holds ",
+               pos->size(1), " positions, not a square grid plus the class token");
+    m.image_size = grid * proj->size(2);
+    m.resize_size = std::max(m.resize_size, m.image_size);
+    if (m.mean.size() != size_t(m.in_channels)) {
+      m.mean.assign(size_t(m.in_channels), 0.5f);
+      m.std.assign(size_t(m.in_channels), 0.5f);
+    }
+    return m;
+  }
   const Tensor* conv1 = find("conv1.weight");
   const Tensor* fc = find("fc.weight");
   KILN_CHECK(conv1 && fc && conv1->dim() == 4 && fc->dim() == 2, "'", source,
-             "' does not hold a ResNet with torchvision's names (conv1.weight, fc.weight)");
+             "' does not hold a ResNet or ViT with torchvision's names (conv1.weight, fc.weight; "
+             "class_token, conv_proj.weight)");
   ModelInfo m = defaults;
   m.num_classes = fc->size(0);
   m.width = conv1->size(0);

@@ -5,8 +5,9 @@
 //
 // Metadata keys (all strings; lists are JSON arrays):
 //   "format" = "kiln-model-1"
-//   "arch" resnet_small|resnet18|...|resnet152   "num_classes" "in_channels" "width"
-//   "stem" imagenet (7x7/2 conv + max pool) | small (3x3/1 conv, no pool)
+//   "arch" resnet_small|resnet18|...|resnet152|vit_s_16|vit_b_16   "num_classes" "in_channels"
+//   "width" (a ViT's: its hidden size)
+//   "stem" imagenet (7x7/2 conv + max pool) | small (3x3/1 conv, no pool) (a ViT's: imagenet)
 //   "image_size"  model input side;  "resize_size"  evaluation resizes the shorter side to this,
 //                 then centre-crops image_size (torchvision's Resize + CenterCrop)
 //   "mean", "std" per input channel, on the 0..1 pixel scale: x = (pixel/255 - mean) / std
@@ -84,7 +85,9 @@ void check_metadata_matches_weights(const ModelInfo& meta, const ModelInfo& weig
 
 // The network described by `info` (arch, classes, channels, width, stem), initial weights from
 // Generator(seed). Unknown archs throw, listing the valid ones.
-std::shared_ptr<models::ResNet> build_model(const ModelInfo& info, uint64_t seed = 0);
+std::shared_ptr<nn::Module> build_model(const ModelInfo& info, uint64_t seed = 0);
+// The classifier's parameter-name prefix of an arch: "fc." (ResNets) or "heads.head." (ViTs).
+std::string classifier_prefix(const std::string& arch);
 
 // The model's shape read off torchvision-named weights (for files without metadata): classes
 // and width from fc.weight / conv1.weight, channels and stem from conv1.weight's shape, and the
@@ -100,7 +103,7 @@ ModelInfo infer_model_info(const NamedTensors& weights, const std::string& sourc
 // hold a NaN or an infinity is refused (check_finite: "model file '<path>': tensor '<name>'
 // holds NaN or infinite values; ...", no source location).
 struct LoadedModel {
-  std::shared_ptr<models::ResNet> model;
+  std::shared_ptr<nn::Module> model;
   ModelInfo info;
   std::string notes;
 };

@@ -14,8 +14,11 @@ bool grad_overwrite_enabled() { return g_overwrite.get(); }
 void set_grad_overwrite_enabled(bool on) { g_overwrite.set(on); }
 
 ClassifierStep::ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLossScaler& scaler,
-                               double label_smoothing)
-    : model_(model), opt_(opt), scaler_(scaler), label_smoothing_(label_smoothing) {
+                               double label_smoothing, double clip_grad_norm)
+    : model_(model), opt_(opt), scaler_(scaler), label_smoothing_(label_smoothing),
+      max_grad_norm_(clip_grad_norm) {
+  KILN_CHECK(clip_grad_norm >= 0, "ClassifierStep: clip_grad_norm ", clip_grad_norm,
+             " must be >= 0 (0: no clipping)");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
   loss_sum_ = zeros({}, f32);
   correct_sum_ = zeros({}, f32);
@@ -31,6 +34,10 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
   // (KILN_GRAD_OVERWRITE=0: always add).
   autograd::backward({scaler_.scale(loss)}, {Tensor()}, /*retain_graph=*/false,
                      g_overwrite.get() ? opt_.grad_arena() : Tensor());
+  if (max_grad_norm_ > 0) {
+    scaler_.unscale_(opt_);
+    clip_grad_norm_(opt_, max_grad_norm_);
+  }
   scaler_.step(opt_);
   scaler_.update();
   NoGradGuard no_grad;

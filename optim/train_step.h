@@ -3,7 +3,8 @@
 // can be run eagerly or captured once and replayed as a CUDA graph (cuda/graph.h):
 //
 //   zero_grad (one memset) -> logits = model(x) -> loss = cross_entropy(logits, y)
-//   -> scaler.scale(loss).backward() -> scaler.step(opt) (skip on inf/NaN) -> scaler.update()
+//   -> scaler.scale(loss).backward() [-> unscale_, clip_grad_norm_] -> scaler.step(opt) (skip on
+//   inf/NaN) -> scaler.update()
 //   -> loss_sum += loss, correct_sum += #(argmax(logits) == y)      (device accumulators)
 //
 // x and y are the caller's static input tensors (fill them before each run); the accumulated
@@ -27,8 +28,10 @@ class ClassifierStep {
  public:
   // `model`, `opt` and `scaler` must outlive the step. x: (N, C, H, W) as amp::prepare_input
   // makes it; y: i64 (N) on the same device.
+  // clip_grad_norm > 0: after backward, the scaler's unscale_ and clip_grad_norm_ (the
+  // gradients' total L2 norm capped at it, torch.nn.utils.clip_grad_norm_), before the step.
   ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLossScaler& scaler,
-                 double label_smoothing = 0.0);
+                 double label_smoothing = 0.0, double clip_grad_norm = 0.0);
 
   // One step on the current stream.
   void run(const Tensor& x, const Tensor& y);
@@ -43,7 +46,7 @@ class ClassifierStep {
   nn::Module& model_;
   FusedOptimizer& opt_;
   DynamicLossScaler& scaler_;
-  double label_smoothing_;
+  double label_smoothing_, max_grad_norm_;
   Tensor loss_sum_, correct_sum_;
 };
 

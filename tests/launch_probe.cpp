@@ -5,7 +5,7 @@
 // sizes that disagree). Exit status 0 on success, 1 with the error on stderr.
 //   torchrun --standalone --nproc_per_node=2 --no-python build/launch_probe
 //   srun -n 2 build/launch_probe   (with MASTER_ADDR/MASTER_PORT exported)
-// tools/device-launch-check.sh runs it under each launcher.
+// tools/device/launch-check.sh runs it under each launcher.
 #include <unistd.h>
 
 #include <chrono>

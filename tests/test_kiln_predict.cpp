@@ -331,8 +331,8 @@ TEST_CASE("kiln-train: --pretrained fine-tunes a model of another class count; s
     text = cap.text();
   }
   CHECK(text.find("--pretrained " + pre +
-                  ": loaded all but the classifier (4 classes in the file, 10 here); fc "
-                  "re-initialised for fine-tuning\n") == 0);
+                  ": loaded all but the classifier (4 classes in the file, 10 here); the "
+                  "classifier re-initialised for fine-tuning\n") == 0);
   const SafetensorsData tuned = load_safetensors((out / "model.safetensors").string());
   const SafetensorsData orig = load_safetensors(pre);
   for (const char* frozen : {"conv1.weight", "bn1.weight", "layer1.0.conv2.weight",
@@ -662,9 +662,10 @@ TEST_CASE("model files: every metadata value is range-checked, naming the file, 
   CHECK(error("width", "-4") == f + "'width' = '-4' is not an integer in 1..1024");
   CHECK(error("arch", "resnet9000") ==
         f + "'arch' = 'resnet9000' is not one of resnet101, resnet152, resnet18, resnet34, "
-            "resnet50, resnet_small");
+            "resnet50, resnet_small, vit_b_16, vit_s_16");
   CHECK(error("arch", "\x1b[2J") == f + "'arch' = '\\x1b[2J' is not one of resnet101, resnet152, "
-                                        "resnet18, resnet34, resnet50, resnet_small");
+                                        "resnet18, resnet34, resnet50, resnet_small, vit_b_16, "
+                                        "vit_s_16");
   CHECK(error("std", "[0]") == f + "'std' holds 0, outside 1e-06..1000");
   CHECK(error("std", "[-1]") == f + "'std' holds -1, outside 1e-06..1000");
   CHECK(error("mean", "[1e300]") == f + "'mean' holds 1e+300, outside -1000..1000");

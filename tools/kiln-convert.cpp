@@ -14,6 +14,7 @@
 
 #include "core/autograd.h"
 #include "core/error.h"
+#include "core/device_query.h"
 #include "core/version.h"
 #include "optim/checkpoint.h"
 #include "optim/model_file.h"
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
             kMaxWidth);
     p.value("--eval-input", "X", &eval_in, "safetensors file with one input tensor (N, C, H, W)");
     p.value("--eval-output", "Y", &eval_out, "where the eval-mode logits go (tensor 'logits')");
+    std::string eval_device = "cpu";
+    p.value("--eval-device", "DEV", &eval_device, "where --eval-input runs: cpu, cuda, cuda:N (f32)");
     if (!p.parse(argc, argv)) {
       std::fputs(p.info().c_str(), stdout);
       return 0;
@@ -62,8 +65,10 @@ int main(int argc, char** argv) {
         info.arch = arch;
         info.num_classes = num_classes;
         info.in_channels = in_channels;
+        const bool vit = arch == "vit_b_16" || arch == "vit_s_16";
         info.imagenet_stem = arch != "resnet_small";
-        info.width = width > 0 ? width : (arch == "resnet_small" ? 32 : 64);
+        info.width = vit ? (arch == "vit_b_16" ? 768 : 384)
+                         : width > 0 ? width : (arch == "resnet_small" ? 32 : 64);
         if (in_channels != 3) {
           info.mean.assign(size_t(in_channels), 0.5f);
           info.std.assign(size_t(in_channels), 0.5f);
@@ -110,9 +115,19 @@ int main(int argc, char** argv) {
       if (t.dim() != 4 || t.size(1) != info.in_channels)
         cli::usage_error("--eval-input '", eval_in, "': expected (N, ", info.in_channels,
                          ", H, W), got ", t.shape_str());
+      Device dev;
+      try {
+        dev = Device::parse(eval_device);
+      } catch (const Error&) {
+        cli::usage_error("--eval-device '", eval_device, "': expected cpu, cuda or cuda:N");
+      }
+      if (dev.is_cuda() && dev.index >= cuda_device_count())
+        cli::usage_error("--eval-device ", eval_device, ": no such CUDA device (",
+                         cuda_device_count(), " present)");
       NoGradGuard no_grad;
+      model->to(dev);
       model->eval();
-      Tensor logits = (*model)(t.to(DType::f32));
+      Tensor logits = (*model)(t.to(DType::f32).to(dev)).to(Device::cpu());
       save_safetensors(eval_out, {{"logits", logits}});
       std::printf("wrote %s: logits %s\n", eval_out.c_str(), logits.shape_str().c_str());
     }

@@ -17,7 +17,7 @@
 
 #include "tools/train/dist_env.h"
 #include "core/json.h"
-#include "models/resnet.h"
+#include "models/zoo.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "optim/fused.h"
@@ -36,16 +36,25 @@
 
 namespace kiln::bench {
 
-TrainSetup make_train_setup(const std::string& model, Device device) {
+TrainSetup make_train_setup(const std::string& model, Device device, amp::Precision precision,
+                            double dropout) {
   TrainSetup s;
-  s.model = models::make_model(model, 1000);
-  amp::prepare_model(*s.model, device);
+  s.model = models::create_model(model, 1000, nullptr, dropout);
+  amp::prepare_model(*s.model, device, precision);
   optim::ParamGroup proto;
-  proto.lr = 0.1;
-  proto.momentum = 0.9;
-  proto.weight_decay = 5e-5;
-  s.opt = std::make_unique<optim::FusedSGD>(optim::split_weight_decay(*s.model, proto));
-  s.scaler = std::make_unique<optim::DynamicLossScaler>(device);
+  if (models::family_of(model) == models::Family::ViT) {  // the transformer recipe's optimizer
+    proto.lr = 1e-3;
+    proto.weight_decay = 0.05;
+    s.opt = std::make_unique<optim::FusedAdamW>(optim::split_weight_decay(*s.model, proto));
+  } else {
+    proto.lr = 0.1;
+    proto.momentum = 0.9;
+    proto.weight_decay = 5e-5;
+    s.opt = std::make_unique<optim::FusedSGD>(optim::split_weight_decay(*s.model, proto));
+  }
+  optim::LossScalerOptions so;
+  so.enabled = precision == amp::Precision::Mixed16;  // bf16 needs no loss scaling
+  s.scaler = std::make_unique<optim::DynamicLossScaler>(device, so);
   s.step = std::make_unique<optim::ClassifierStep>(*s.model, *s.opt, *s.scaler);
   return s;
 }
@@ -123,8 +132,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
     for (bool graph : {false, true}) {
       if (graph ? !o.graph : !o.eager) continue;
       // A fresh model, optimizer and scaler per row: rows do not share warm-up or state.
-      TrainSetup setup = make_train_setup(o.model, dev);
-      optim::FusedSGD& opt = *setup.opt;
+      TrainSetup setup = make_train_setup(o.model, dev, o.precision, o.dropout);
+      optim::FusedOptimizer& opt = *setup.opt;
       optim::DynamicLossScaler& scaler = *setup.scaler;
       optim::ClassifierStep& step = *setup.step;
       // The first row's model is rank 0's start for every rank; later rows' models differ per

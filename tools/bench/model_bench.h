@@ -20,7 +20,9 @@ struct ModelBenchOptions {
   bool eager = true, graph = true;
   bool profile = false;  // after the eager rows: a per-op table of a few eager steps
   int warmup = 8, windows = 5, steps_per_window = 10;
-  double gflop_per_image = 24.3;  // ResNet-50 forward + backward at 224x224
+  double gflop_per_image = 24.3;  // forward + backward at 224x224 (models::train_gflop_per_image)
+  amp::Precision precision = amp::Precision::Mixed16;  // or MixedBF16 (no loss scaler)
+  double dropout = 0.0;  // the ViTs' (torchvision's default 0); verify_graph turns it on
   double peak_tflops = 765.0;     // measured FP16 dense matmul on the H200
   bool verify_graph = false;      // run verify_graph instead of the benchmark
   int verify_steps = 12;          // steps of each side in verify_graph
@@ -38,17 +40,20 @@ struct ModelRow {
   int gpus = 1;  // data-parallel ranks; batch is per GPU, images_per_s over all of them
 };
 
-// One training setup as bench_model measures it: `model` (models::make_model, 1000 classes)
-// prepared for mixed precision on `device`, FusedSGD (lr 0.1, momentum 0.9, weight decay 5e-5,
-// split_weight_decay groups), a DynamicLossScaler with default options, and the ClassifierStep
-// over them. Members are declared so that destruction runs step, scaler, opt, model.
+// One training setup as bench_model measures it: `model` (models::create_model, 1000 classes)
+// prepared for `precision` on `device`; ResNets FusedSGD (lr 0.1, momentum 0.9, weight decay
+// 5e-5), ViTs FusedAdamW (lr 1e-3, weight decay 0.05), split_weight_decay groups; a
+// DynamicLossScaler (enabled for f16 only) and the ClassifierStep over them. Members are
+// declared so that destruction runs step, scaler, opt, model.
 struct TrainSetup {
   std::shared_ptr<nn::Module> model;
-  std::unique_ptr<optim::FusedSGD> opt;
+  std::unique_ptr<optim::FusedOptimizer> opt;
   std::unique_ptr<optim::DynamicLossScaler> scaler;
   std::unique_ptr<optim::ClassifierStep> step;
 };
-TrainSetup make_train_setup(const std::string& model, Device device);
+TrainSetup make_train_setup(const std::string& model, Device device,
+                            amp::Precision precision = amp::Precision::Mixed16,
+                            double dropout = 0.0);
 
 std::vector<ModelRow> bench_model(const ModelBenchOptions& opts);
 
@@ -60,7 +65,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& opts);
 // loss-scaler state and the step's loss are snapshotted on the device (no host synchronisation
 // between steps, like bench_model) and compared bitwise afterwards. Prints a per-step table,
 // the tensors that differ at the first differing step and after the last, and one verdict line
-// per batch. Returns true when every batch matched bitwise. CUDA only (KILN_FAIL otherwise).
+// per batch. A ViT runs with dropout 0.1, so the check covers fresh masks drawn inside the
+// graph. Returns true when every batch matched bitwise. CUDA only (KILN_FAIL otherwise).
 bool verify_graph(const ModelBenchOptions& opts);
 std::string rows_json(const std::vector<ModelRow>& rows);
 

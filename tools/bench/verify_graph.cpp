@@ -37,6 +37,9 @@
 
 namespace kiln::bench {
 
+// ViTs are verified with dropout on: masks drawn inside the graph must replay as eager draws.
+constexpr double kVerifyDropout = 0.1;
+
 #ifdef KILN_WITH_CUDA
 namespace {
 
@@ -334,7 +337,7 @@ bool verify_batch(const ModelBenchOptions& o, int64_t batch) {
   {
     manual_seed(kSeed);
     seeded = default_generator().state();
-    TrainSetup s = make_train_setup(o.model, dev);
+    TrainSetup s = make_train_setup(o.model, dev, o.precision, kVerifyDropout);
     gen_a = default_generator().state();
     a = run_eager(s, x, y, K);
   }
@@ -343,7 +346,7 @@ bool verify_batch(const ModelBenchOptions& o, int64_t batch) {
   t0 = std::chrono::steady_clock::now();
   {
     manual_seed(kSeed);
-    TrainSetup s = make_train_setup(o.model, dev);
+    TrainSetup s = make_train_setup(o.model, dev, o.precision, kVerifyDropout);
     gen_b = default_generator().state();
     b = run_graph(s, x, y, K, modes);
   }

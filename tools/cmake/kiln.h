@@ -26,6 +26,7 @@
 #include "models/resnet.h"
 #include "models/transformer.h"
 #include "models/vit.h"
+#include "models/zoo.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "optim/amp.h"

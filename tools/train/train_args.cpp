@@ -1,5 +1,6 @@
 // kiln-train's flags (tools/train/trainer.h) on the shared parser (tools/cli/cli.h): PyTorch's
 // ImageNet example's spelling (examples/imagenet/main.py) plus kiln's own flags.
+#include <algorithm>
 #include <cstdlib>
 
 #include "core/version.h"
@@ -27,8 +28,10 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
                0, 1);
   p.section("Model and data:");
   p.value("-a, --arch", "NAME", &c.arch,
-          "resnet_small, resnet18, resnet34, resnet50, resnet101, resnet152\n"
-          "(28x28 IDX inputs use a 3x3 stem, no max pool)");
+          "resnet_small, resnet18, resnet34, resnet50, resnet101, resnet152,\n"
+          "vit_s_16, vit_b_16 (28x28 IDX inputs use a 3x3 stem, no max pool;\n"
+          "a ViT takes the transformer recipe: AdamW lr 1e-3, wd 0.05, 5\n"
+          "warm-up epochs, label smoothing 0.1, --clip-grad 1, unless given)");
   p.value("--data", "PATH", &c.data, "the data set, as DATA");
   p.flag("--dummy", &c.dummy, "synthetic data: random 3 x image-size² images, 1000 classes");
   p.value("--dummy-images", "N", &c.dummy_images, "synthetic training images per epoch", 1);
@@ -67,6 +70,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
            "learning-rate schedule (step: x0.1 at 50% and 75%)");
   p.value("--label-smoothing", "E", &c.label_smoothing, "cross-entropy label smoothing", 0.0, 1.0,
           cli::Upper::Open);
+  p.value("--clip-grad", "N", &c.clip_grad,
+          "cap the gradients' total L2 norm at N (0: off)", 0.0);
   p.value("--seed", "N", &c.seed, "seed for initial weights, shuffling and augmentation");
   p.section("Weights and checkpoints:");
   p.value("--output", "DIR", &c.output,
@@ -85,7 +90,9 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("--device", "DEV", &c.device, "auto (cuda if present, else cpu), cpu, cuda, cuda:N");
   p.value("--gpu", "N", &c.gpu, "GPU to use, as --device cuda:N (default auto)", 0);
   p.choice("--amp", &c.amp, {"auto", "on", "off"},
-           "FP16 storage with FP32 master weights and loss scaling\n(auto: on for cuda)");
+           "16-bit storage with FP32 master weights (auto: on for cuda)");
+  p.choice("--precision", &c.precision, {"f16", "bf16"},
+           "with --amp: f16 with dynamic loss scaling, or bf16 (no scaling)");
   p.choice("--graph", &c.graph, {"auto", "on", "off"},
            "whole training step as one CUDA graph (auto: on for cuda)");
   p.value("--nproc", "N", &c.nproc,
@@ -163,6 +170,15 @@ Config parse_args(const std::vector<std::string>& args, bool* help, std::string*
     cli::usage_error(
         "--multiprocessing-distributed and --nproc both set the process count; "
         "give one");
+  // The transformer recipe (DeiT's, torchvision's ViT reference): whatever the user did not set.
+  if (c.arch == "vit_b_16" || c.arch == "vit_s_16") {
+    if (!p.given("--optimizer")) c.optimizer = "adamw";
+    if (!p.given("--lr")) c.lr = 1e-3;
+    if (!p.given("--wd")) c.wd = 0.05;
+    if (!p.given("--warmup-epochs")) c.warmup_epochs = std::min(5.0, 0.1 * double(c.epochs));
+    if (!p.given("--label-smoothing")) c.label_smoothing = 0.1;
+    if (!p.given("--clip-grad")) c.clip_grad = 1.0;
+  }
   if (run) validate(c);
   return c;
 }

@@ -31,12 +31,13 @@ namespace {
 class BucketedStep final : public StepRunner {
  public:
   BucketedStep(cuda::Communicator& comm, nn::Module& model, optim::FusedOptimizer& opt,
-               optim::DynamicLossScaler& scaler, double label_smoothing)
+               optim::DynamicLossScaler& scaler, double label_smoothing, double max_grad_norm)
       : comm_(comm),
         model_(model),
         opt_(opt),
         scaler_(scaler),
         label_smoothing_(label_smoothing),
+        max_grad_norm_(max_grad_norm),
         buckets_(comm, model.parameters()) {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
     loss_sum_ = zeros({}, f32);
@@ -49,10 +50,10 @@ class BucketedStep final : public StepRunner {
     Tensor loss = F::cross_entropy(logits, y, label_smoothing_);
     scaler_.scale(loss).backward();  // buckets launch as their gradients complete
     buckets_.finish();               // .grad = average over ranks
-    if (scaler_.enabled()) {
-      scaler_.unscale_(opt_);
-      comm_.agree_found_inf(scaler_.found_inf());
-    }
+    if (scaler_.enabled() || max_grad_norm_ > 0) scaler_.unscale_(opt_);
+    if (scaler_.enabled()) comm_.agree_found_inf(scaler_.found_inf());
+    // Every rank holds the same averaged gradients, so the same norm and coefficient.
+    if (max_grad_norm_ > 0) optim::clip_grad_norm_(opt_, max_grad_norm_);
     scaler_.step(opt_);
     scaler_.update();
     NoGradGuard no_grad;
@@ -71,7 +72,7 @@ class BucketedStep final : public StepRunner {
   nn::Module& model_;
   optim::FusedOptimizer& opt_;
   optim::DynamicLossScaler& scaler_;
-  double label_smoothing_;
+  double label_smoothing_, max_grad_norm_;
   cuda::GradBucketer buckets_;
   Tensor loss_sum_, correct_sum_;
 };
@@ -91,8 +92,10 @@ DataParallel::~DataParallel() = default;
 
 std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module& model, optim::FusedOptimizer& opt,
                                                     optim::DynamicLossScaler& scaler,
-                                                    double label_smoothing) {
-  return std::make_unique<BucketedStep>(*impl_->comm, model, opt, scaler, label_smoothing);
+                                                    double label_smoothing,
+                                                    double max_grad_norm) {
+  return std::make_unique<BucketedStep>(*impl_->comm, model, opt, scaler, label_smoothing,
+                                        max_grad_norm);
 }
 
 int64_t DataParallel::enable_sync_batch_norm(nn::Module& model) {
@@ -134,7 +137,7 @@ DataParallel::DataParallel(const DistEnv& env, nn::Module&) {
 DataParallel::~DataParallel() = default;
 
 std::unique_ptr<StepRunner> DataParallel::make_step(nn::Module&, optim::FusedOptimizer&,
-                                                    optim::DynamicLossScaler&, double) {
+                                                    optim::DynamicLossScaler&, double, double) {
   return nullptr;
 }
 int64_t DataParallel::enable_sync_batch_norm(nn::Module&) { return 0; }

@@ -44,9 +44,11 @@ class DataParallel {
 
   // ClassifierStep's work plus: gradients averaged across ranks in buckets overlapping backward
   // (cuda::GradBucketer), and the loss scaler's found-inf flag max-reduced before the step, so
-  // every rank skips (and backs off) together. Capturable in a CUDA graph.
+  // every rank skips (and backs off) together; max_grad_norm > 0 clips the averaged gradients.
+  // Capturable in a CUDA graph.
   std::unique_ptr<StepRunner> make_step(nn::Module& model, optim::FusedOptimizer& opt,
-                                        optim::DynamicLossScaler& scaler, double label_smoothing);
+                                        optim::DynamicLossScaler& scaler, double label_smoothing,
+                                        double max_grad_norm = 0.0);
   // SyncBN: every BatchNorm2d of `model` normalises training batches with the statistics of
   // all ranks' batches, reduced by an NCCL all-reduce (Sum) on the current stream. Returns how
   // many BatchNorm2d it set. This DataParallel must outlive the model's training steps.

@@ -60,7 +60,7 @@ Device pick_device(const std::string& s, const DistEnv& env) {
 }
 
 ModelInfo model_info(const Config& c, const TrainData& d) {
-  const std::vector<std::string> archs = models::model_names();
+  const std::vector<std::string> archs = models::all_model_names();
   if (std::find(archs.begin(), archs.end(), c.arch) == archs.end()) {
     std::string list;
     for (const std::string& a : archs) list += (list.empty() ? "" : ", ") + a;
@@ -68,13 +68,19 @@ ModelInfo model_info(const Config& c, const TrainData& d) {
   }
   if (c.width != 0 && c.arch != "resnet_small")
     cli::usage_error("--width applies to resnet_small only (--arch is ", c.arch, ")");
+  const bool vit = models::family_of(c.arch) == models::Family::ViT;
+  if (vit && d.height() % 16 != 0)
+    cli::usage_error("--arch ", c.arch, " cuts images into 16x16 patches: the input size ",
+                     d.height(), " is not a multiple of 16 (give ImageFolder data an --image-size "
+                     "like 224 or 32)");
   ModelInfo m;
   m.arch = c.arch;
   m.num_classes = d.num_classes();
   m.in_channels = d.channels();
-  m.imagenet_stem =
-      d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist && c.arch != "resnet_small";
-  m.width = c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
+  m.imagenet_stem = vit || (d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist &&
+                            c.arch != "resnet_small");
+  m.width = vit ? (c.arch == "vit_b_16" ? 768 : 384)
+                : c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
   m.image_size = d.height();
   m.resize_size = d.resize_size();
   m.mean = d.mean();
@@ -93,11 +99,11 @@ ModelInfo model_info(const Config& c, const TrainData& d) {
   return m;
 }
 
-std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& d) {
+std::shared_ptr<nn::Module> build_model(const Config& c, const TrainData& d) {
   return kiln::build_model(model_info(c, d), c.seed);
 }
 
-std::string load_pretrained(const std::string& path, models::ResNet& model,
+std::string load_pretrained(const std::string& path, nn::Module& model, const ModelInfo& info,
                             Classifier classifier) {
   SafetensorsData file;
   try {
@@ -107,8 +113,10 @@ std::string load_pretrained(const std::string& path, models::ResNet& model,
   }
   check_finite(file, "--pretrained");
   auto arch = file.metadata.find("arch");
-  const Tensor* fc = file.contains("fc.weight") ? &file.at("fc.weight") : nullptr;
-  const int64_t classes = model.options().num_classes;
+  const std::string head = classifier_prefix(info.arch);  // "fc." or "heads.head."
+  const std::string head_w = head + "weight", head_b = head + "bias";
+  const Tensor* fc = file.contains(head_w) ? &file.at(head_w) : nullptr;
+  const int64_t classes = info.num_classes;
   if (classifier == Classifier::MustMatch && fc != nullptr && fc->dim() == 2 &&
       fc->size(0) != classes)
     cli::usage_error("--pretrained '", path, "' classifies ", fc->size(0), " classes, the data has ",
@@ -125,10 +133,10 @@ std::string load_pretrained(const std::string& path, models::ResNet& model,
   }
   NamedTensors body;
   for (auto& [name, t] : file.tensors)
-    if (name != "fc.weight" && name != "fc.bias") body.emplace_back(name, t);
+    if (name != head_w && name != head_b) body.emplace_back(name, t);
   try {
     LoadReport r = load_state(body, model, KeyMatch::Lenient, path);
-    const std::vector<std::string> classifier = {"fc.weight", "fc.bias"};
+    const std::vector<std::string> classifier = {head_w, head_b};
     if (r.missing_keys != classifier || !r.unexpected_keys.empty()) {
       std::string keys;
       for (const auto& k : r.missing_keys) keys += (keys.empty() ? "" : ", ") + k;
@@ -142,13 +150,14 @@ std::string load_pretrained(const std::string& path, models::ResNet& model,
   }
   return "--pretrained " + path + ": loaded all but the classifier (" +
          std::to_string(fc->size(0)) + " classes in the file, " + std::to_string(classes) +
-         " here); fc re-initialised for fine-tuning";
+         " here); the classifier re-initialised for fine-tuning";
 }
 
-std::vector<Tensor> freeze_backbone(models::ResNet& model) {
+std::vector<Tensor> freeze_backbone(nn::Module& model, const std::string& arch) {
+  const std::string head = classifier_prefix(arch);
   std::vector<Tensor> trained;
   for (auto& [name, p] : model.named_parameters()) {
-    const bool classifier = name.rfind("fc.", 0) == 0;
+    const bool classifier = name.rfind(head, 0) == 0;
     p.set_requires_grad(classifier);
     if (classifier) trained.push_back(p);
   }

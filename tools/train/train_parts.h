@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "models/resnet.h"
+#include "models/zoo.h"
 #include "optim/model_file.h"
 #include "tools/train/dist_env.h"
 #include "tools/train/train_data.h"
@@ -25,7 +25,7 @@ Device pick_device(const std::string& device, const DistEnv& env);
 ModelInfo model_info(const Config& c, const TrainData& data);
 
 // The network of model_info(c, data), initial weights from c.seed.
-std::shared_ptr<models::ResNet> build_model(const Config& c, const TrainData& data);
+std::shared_ptr<nn::Module> build_model(const Config& c, const TrainData& data);
 
 // What --pretrained does with a classifier (fc.weight, fc.bias) of another class count.
 enum class Classifier {
@@ -36,12 +36,13 @@ enum class Classifier {
 // --pretrained PATH: loads every tensor strictly, the classifier as `classifier` says. Returns
 // the one line that says what happened. Throws cli::UsageError naming the file: a mismatch (the
 // key), a NaN or infinity (the tensor), a classifier of another size under MustMatch.
-std::string load_pretrained(const std::string& path, models::ResNet& model,
+// `info` is the model's (model_info): its arch names the classifier (fc or heads.head).
+std::string load_pretrained(const std::string& path, nn::Module& model, const ModelInfo& info,
                             Classifier classifier = Classifier::ResetWhenDifferent);
 
-// --freeze-backbone: every parameter but the classifier's stops requiring grad. Returns the
-// parameters still trained (fc.weight, fc.bias).
-std::vector<Tensor> freeze_backbone(models::ResNet& model);
+// --freeze-backbone: every parameter but the classifier's (fc., or a ViT's heads.head.) stops
+// requiring grad. Returns the parameters still trained.
+std::vector<Tensor> freeze_backbone(nn::Module& model, const std::string& arch);
 
 // {Σ loss, top-1 hits, top-5 hits, samples, unreadable files skipped} over this rank's share of
 // the test set, the model

@@ -151,12 +151,13 @@ class Trainer {
   DistEnv env_;
   Device dev_;
   bool lead_ = true, talk_ = true, mixed_ = false, use_graph_ = false;
+  bool scaled_ = false;  // f16 mixed precision: the dynamic loss scaler runs (and may skip)
   amp::Precision precision_ = amp::Precision::FP32;
 
   std::unique_ptr<TrainData> data_;
   std::unique_ptr<OutputDir> out_;  // rank 0 of a training run only
   ModelInfo info_;
-  std::shared_ptr<models::ResNet> model_;
+  std::shared_ptr<nn::Module> model_;
   std::string pretrained_note_;
   std::vector<Tensor> trained_;  // --freeze-backbone: the classifier's parameters
   std::unique_ptr<DataParallel> dp_;
@@ -237,7 +238,12 @@ void Trainer::choose_device() {
     cli::usage_error("--profile times ops one by one; use it with --graph off");
   if (c_.nesterov && (c_.optimizer != "sgd" || c_.momentum <= 0.0))
     cli::usage_error("--nesterov needs --optimizer sgd and --momentum > 0");
-  precision_ = mixed_ ? amp::Precision::Mixed16 : amp::Precision::FP32;
+  precision_ = !mixed_ ? amp::Precision::FP32
+               : c_.precision == "bf16" ? amp::Precision::MixedBF16
+                                        : amp::Precision::Mixed16;
+  if (c_.precision == "bf16" && !mixed_)
+    cli::usage_error("--precision bf16 is a mixed precision: it needs --amp on (a CUDA device)");
+  scaled_ = precision_ == amp::Precision::Mixed16;
 }
 
 void Trainer::open_data() {
@@ -270,9 +276,9 @@ void Trainer::build_model() {
     } catch (const Error& e) {
       cli::usage_error("--weights: ", cli::without_location(e.what()));
     }
-    if (w.contains("fc.weight") && w.at("fc.weight").dim() == 2 &&
-        w.at("fc.weight").size(0) != info_.num_classes)
-      cli::usage_error("--weights '", c_.weights, "' has ", w.at("fc.weight").size(0),
+    const std::string head = classifier_prefix(info_.arch) + "weight";
+    if (w.contains(head) && w.at(head).dim() == 2 && w.at(head).size(0) != info_.num_classes)
+      cli::usage_error("--weights '", c_.weights, "' has ", w.at(head).size(0),
                        " classes, the data ", info_.num_classes,
                        c_.evaluate ? "" : " (--pretrained loads all but the classifier, for "
                                           "fine-tuning)");
@@ -285,10 +291,10 @@ void Trainer::build_model() {
   }
   if (!c_.pretrained.empty())
     pretrained_note_ = load_pretrained(
-        c_.pretrained, *model_,
+        c_.pretrained, *model_, info_,
         c_.evaluate ? Classifier::MustMatch : Classifier::ResetWhenDifferent);
   amp::prepare_model(*model_, dev_, precision_);
-  if (c_.freeze_backbone) trained_ = freeze_backbone(*model_);
+  if (c_.freeze_backbone) trained_ = freeze_backbone(*model_, info_.arch);
   if (env_.distributed())
     dp_ = std::make_unique<DataParallel>(env_, *model_);  // every rank gets rank 0's weights
   if (c_.sync_bn && dp_) sync_bn_layers_ = dp_->enable_sync_batch_norm(*model_);
@@ -311,7 +317,7 @@ void Trainer::build_optimizer() {
   else
     opt_ = std::make_unique<optim::FusedAdamW>(groups);
   optim::LossScalerOptions so;
-  so.enabled = mixed_;
+  so.enabled = precision_ == amp::Precision::Mixed16;  // bf16's range needs no loss scaling
   scaler_ = std::make_unique<optim::DynamicLossScaler>(dev_, so);
 
   meta_ = model_metadata(info_);
@@ -422,7 +428,9 @@ void Trainer::print_plan() const {
       c_.arch.c_str(), data_->description().c_str(), long(data_->train_size()),
       long(data_->test_size()), long(data_->num_classes()), dev_.str().c_str(),
       world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
-      long(model_->num_parameters()), mixed_ ? "mixed precision (fp16/fp32 masters)" : "fp32",
+      long(model_->num_parameters()),
+      !mixed_ ? "fp32" : scaled_ ? "mixed precision (fp16/fp32 masters)"
+                                 : "mixed precision (bf16/fp32 masters)",
       use_graph_ ? ", whole-step CUDA graph" : "");
   std::printf(
       "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
@@ -435,7 +443,7 @@ void Trainer::print_plan() const {
   if (c_.freeze_backbone) {
     int64_t n = 0;
     for (const Tensor& p : trained_) n += p.numel();
-    std::printf("  --freeze-backbone: training fc only (%ld of %ld parameters)\n", long(n),
+    std::printf("  --freeze-backbone: training the classifier only (%ld of %ld parameters)\n", long(n),
                 long(model_->num_parameters()));
   }
   if (c_.sync_bn && dp_)
@@ -491,10 +499,10 @@ void Trainer::prepare_steps() {
       precision_);
   y_static_ = zeros({c_.batch_size}, TensorOptions(DType::i64).with_device(dev_));
   if (dp_)
-    dp_step_ = dp_->make_step(*model_, *opt_, *scaler_, c_.label_smoothing);
+    dp_step_ = dp_->make_step(*model_, *opt_, *scaler_, c_.label_smoothing, c_.clip_grad);
   else
-    plain_step_ =
-        std::make_unique<optim::ClassifierStep>(*model_, *opt_, *scaler_, c_.label_smoothing);
+    plain_step_ = std::make_unique<optim::ClassifierStep>(*model_, *opt_, *scaler_,
+                                                          c_.label_smoothing, c_.clip_grad);
   step_fn_ = [this] {
     if (dp_step_)
       dp_step_->run(x_static_, y_static_);
@@ -608,7 +616,7 @@ void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
       .number("loss", loss)
       .number("top1", top1)
       .number("lr", p.lr)
-      .number("loss_scale", mixed_ ? m[2] : 1.0)
+      .number("loss_scale", scaled_ ? m[2] : 1.0)
       .number("images_per_s", double(p.batch * world) / p.period_s)
       .number("ms_compute", 1e3 * (p.period_s - p.data_s))
       .number("ms_data", 1e3 * p.data_s);
@@ -616,7 +624,7 @@ void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
   ep.window_images += p.batch;
   ep.window_s += p.period_s;
   ep.window_data_s += p.data_s;
-  if (!mixed_ && !dp_) check_loss(m[0], ep.epoch, 1, 0);  // ranks stop together at epoch ends
+  if (!scaled_ && !dp_) check_loss(m[0], ep.epoch, 1, 0);  // ranks stop together at epoch ends
   if (talk_ && (p.index % c_.print_freq == 0 || p.index == steps_per_epoch_)) {
     const double eta = seconds_since(start_) / double(p.step - first_step_) *
                        double(total_steps_ - p.step);
@@ -626,7 +634,7 @@ void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
         long(ep.epoch + 1), long(c_.epochs), long(p.index), long(steps_per_epoch_),
         fmt_metric(m[0] / double(p.seen), 1, 4).c_str(),
         fmt_metric(std::isfinite(m[0]) ? m[1] / double(p.seen) : NAN, 100, 2).c_str(), p.lr,
-        mixed_ ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
+        scaled_ ? (" scale " + std::to_string(int64_t(m[2]))).c_str() : "",
         double(ep.window_images * world) / ep.window_s, 100.0 * ep.window_data_s / ep.window_s,
         fmt_time(eta).c_str());
     std::fflush(stdout);
@@ -639,10 +647,10 @@ void Trainer::log_step(const PendingStep& p, EpochProgress& ep) {
 // A non-finite training loss: FP32 weights are already poisoned, so stop; with mixed precision
 // the scaler skips such steps, so stop only when it skipped every step of the window.
 void Trainer::check_loss(double loss, int64_t epoch, int64_t steps, int64_t skipped) const {
-  if (std::isfinite(loss) || (mixed_ && skipped < steps)) return;
+  if (std::isfinite(loss) || (scaled_ && skipped < steps)) return;
   cli::usage_error("training diverged: the training loss is ", fmt_metric(loss, 1, 4),
                    " in epoch ", epoch + 1,
-                   mixed_ ? " and the loss scaler skipped every step" : "", " (lr ",
+                   scaled_ ? " and the loss scaler skipped every step" : "", " (lr ",
                    opt_->param_groups[0].lr, "); stopping: ", what_is_kept(epoch));
 }
 
@@ -655,7 +663,7 @@ std::string Trainer::what_is_kept(int64_t epoch) const {
 }
 
 int64_t Trainer::skipped_steps() const {
-  return mixed_ ? int64_t(scaler_->skipped_steps().to(DType::f64).item()) : 0;
+  return scaled_ ? int64_t(scaler_->skipped_steps().to(DType::f64).item()) : 0;
 }
 
 void Trainer::save_checkpoint(int64_t epoch) {

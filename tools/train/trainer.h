@@ -84,6 +84,8 @@ struct Config {
   std::string output = "kiln-output";
   bool profile = false;
   std::string amp = "auto";    // auto | on | off
+  std::string precision = "f16";  // with amp: f16 (and the loss scaler) | bf16 (no scaler)
+  double clip_grad = 0.0;         // > 0: the gradients' total L2 norm is capped at this
   std::string graph = "auto";  // auto | on | off
   std::string resume;          // checkpoint path
   std::string weights;         // safetensors weights (torchvision names), strict

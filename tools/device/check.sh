@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kiln on the GPU machine and runs the GPU suites (and optionally more), logging to $OUT.
-# Used through the device tool:  bash tools/device-check.sh [ctest regex] [extra command...]
+# Used through the device tool:  bash tools/device/check.sh [ctest regex] [extra command...]
 # Header-only dependencies travel in .deps/include (see ../shared/GPU.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}

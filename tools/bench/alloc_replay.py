@@ -4,7 +4,7 @@ the device memory each would reserve: the measurement behind the allocator's pol
 (docs/lab/allocator.md).
 
     KILN_ALLOC_TRACE=/tmp/a.txt kiln-bench --model resnet50 --batches 256 --graph-only
-    python3 tools/alloc_replay.py /tmp/a.txt[.gz]
+    python3 tools/bench/alloc_replay.py /tmp/a.txt[.gz]
 
 Policies: "whole" (kiln before the split/merge allocator of 2026-12-01: size buckets, a cached
 block reused whole when it is at most twice the request), "split" (blocks carved from

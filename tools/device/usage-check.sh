@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks of what kiln-train's users see (issue 18), run after tools/device-check.sh has built
+# GPU checks of what kiln-train's users see (issue 18), run after tools/device/check.sh has built
 # build-gpu, with .deps/fashion-mnist carried:
-#   bash tools/device-check.sh '^(test_cli|test_kiln_predict|test_kiln_train)$' \
-#     bash tools/device-usage-check.sh
+#   bash tools/device/check.sh '^(test_cli|test_kiln_predict|test_kiln_train)$' \
+#     bash tools/device/usage-check.sh
 # 1. the per-step log costs no throughput: compare epoch 2's img/s with docs/lab/fashion-mnist.md
 #    (resnet_small, 2 epochs: 62,000 img/s in epoch 2; ResNet-18 recipe: 29,270 img/s);
 # 2. kiln-predict on the GPU names the same classes as on the CPU;

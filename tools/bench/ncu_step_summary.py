@@ -5,8 +5,8 @@ docs/performance.md and docs/lab/step-profiles.md (first for v12).
     ncu --clock-control none --cache-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,dram__bytes.sum --csv \\
         kiln-bench --model resnet50 --batches 256 --eager-only --profile > step.csv
-    python3 tools/ncu_step_summary.py step.csv [--kernels N] [--sequence]
-    python3 tools/ncu_step_summary.py a.csv --compare b.csv [--kernels N]
+    python3 tools/bench/ncu_step_summary.py step.csv [--kernels N] [--sequence]
+    python3 tools/bench/ncu_step_summary.py a.csv --compare b.csv [--kernels N]
 
 kiln-bench --profile runs one eager step between cudaProfilerStart/Stop, so the CSV holds that
 step's kernels only. Keep --cache-control none: ncu's default empties L2 before every kernel and

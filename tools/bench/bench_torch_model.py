@@ -4,7 +4,7 @@ configuration ../shared/bench/torch_resnet50.py calls eager_amp16_cl, timed the 
 (warm-up steps, then CUDA events around a run of steps). Run it in the same device call as
 kiln-bench and report the ratio.
 
-    python3 tools/bench_torch_model.py [--batches 64,128,256] [--iters 40] [--warmup 15]
+    python3 tools/bench/bench_torch_model.py [--batches 64,128,256] [--iters 40] [--warmup 15]
 """
 import argparse
 import json

@@ -7,8 +7,8 @@
 #   kiln-bench --model resnet18 under torchrun, with 1 rank and with 2 ranks on one GPU (NCCL may
 #     refuse two ranks on one device: reported as such, not as a launch failure);
 #   kiln-bench rebuilt for sm_80 only, which must stop with one line saying what to rebuild with.
-# Usage (device tool, .deps carried as for tools/device-check.sh):
-#   bash tools/device-launch-check.sh
+# Usage (device tool, .deps carried as for tools/device/check.sh):
+#   bash tools/device/launch-check.sh
 # Logs go to $OUT; each check prints PASS, FAIL or NOTE with its log's name. Exit status: the
 # number of FAILs.
 set -uo pipefail

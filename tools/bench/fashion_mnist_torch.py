@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch side of the Fashion-MNIST seed study (issue 16): kiln-train's ResNet-18 recipe.
 
-    python3 tools/fashion_mnist_torch.py /usr/share/datasets/fashion-mnist --seed 0
+    python3 tools/bench/fashion_mnist_torch.py /usr/share/datasets/fashion-mnist --seed 0
 
 Recipe (as `kiln-train --arch resnet18 --data fashion-mnist --epochs 30 -b 128 --lr 0.1
 --wd 5e-4 --warmup-epochs 1 --augment`):

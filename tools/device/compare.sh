@@ -3,7 +3,7 @@
 # only) side by side, run the GPU suites of this tree, compute-sanitizer memcheck on the named
 # suites, then kiln-bench --model resnet50 for both trees (alternating, same GPU) and the
 # bitwise graph-vs-eager check. Logs go to $OUT.
-#   bash tools/device-compare.sh BEFORE_DIR "BATCHES" "MEMCHECK_SUITES..."
+#   bash tools/device/compare.sh BEFORE_DIR "BATCHES" "MEMCHECK_SUITES..."
 # BEFORE_DIR holds the older tree's sources (e.g. `git archive REV | tar -x -C .before`);
 # header-only dependencies travel in .deps/include (../shared/GPU.md).
 set -uo pipefail

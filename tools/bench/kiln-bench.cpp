@@ -19,7 +19,7 @@
 //           (descriptor set-up, look-ups, allocation) shows as idle GPU time;
 //   b2b:    CUDA events around N calls back to back, divided by N: the host runs ahead of the
 //           GPU, so this is (close to) the GPU time alone.
-// Rates and % peak use the b2b time. tools/bench_torch_ops.py prints the same columns.
+// Rates and % peak use the b2b time. tools/bench/bench_torch_ops.py prints the same columns.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -35,6 +35,7 @@
 #include "core/tensor.h"
 #include "core/version.h"
 #include "ops/ops.h"
+#include "models/zoo.h"
 #include "tools/bench/model_bench.h"
 #include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
@@ -235,8 +236,12 @@ int main(int argc, char** argv) {
         "Speed of kiln on the GPU, as a table and JSON.");
     p.version(kiln::version_line("kiln-bench"));
     p.value("--model", "NAME", &model,
-            "per-step training throughput of a model (resnet18 ... resnet152)\n"
-            "on synthetic data, mixed precision, eager and whole-step CUDA graph");
+            "per-step training throughput of a model (resnet18 ... resnet152,\n"
+            "vit_s_16, vit_b_16) on synthetic data, mixed precision, eager and\n"
+            "whole-step CUDA graph (ResNets: SGD; ViTs: AdamW)");
+    std::string precision = "f16";
+    p.choice("--precision", &precision, {"f16", "bf16"},
+             "with --model: f16 with the loss scaler, or bf16 without");
     p.list("--batches", "B1,B2,...", &mo.batches, "batch sizes for --model", 1);
     p.flag("--eager-only", &eager_only, "with --model: eager rows only");
     p.flag("--graph-only", &graph_only, "with --model: CUDA-graph rows only");
@@ -295,7 +300,12 @@ int main(int argc, char** argv) {
     if (mo.verify_graph && model.empty())
       kiln::cli::usage_error("--verify-graph needs --model NAME");
     if (!model.empty()) {
+      kiln::cli::user_input("--model: ", [&] { return kiln::models::family_of(model); });
       mo.model = model;
+      mo.precision = precision == "bf16" ? kiln::amp::Precision::MixedBF16
+                                         : kiln::amp::Precision::Mixed16;
+      if (kiln::models::train_gflop_per_image(model) > 0)
+        mo.gflop_per_image = kiln::models::train_gflop_per_image(model);
       if (mo.verify_graph) return kiln::bench::verify_graph(mo) ? 0 : 1;
       auto rows = kiln::bench::bench_model(mo);
       if (!json_path.empty() && kiln::DistEnv::from_env().rank == 0) {

@@ -5,12 +5,12 @@
 # the same call. Logs under $OUT (at most 8 files come back: build.log, tests.log, bench.log,
 # bench.json, train.log, synth.log).
 #
-#   bash tools/device-jpeg-check.sh check            # build, tests, loader bench (~5 min)
-#   bash tools/device-jpeg-check.sh train            # build, tests, end to end: kiln-bench
+#   bash tools/device/jpeg-check.sh check            # build, tests, loader bench (~5 min)
+#   bash tools/device/jpeg-check.sh train            # build, tests, end to end: kiln-bench
 #                                                    #   synthetic, then kiln-train on 20,000
 #                                                    #   train / 2,000 val JPEGs, 3 epochs,
 #                                                    #   b256, 16 workers (~6 min)
-#   bash tools/device-jpeg-check.sh all              # train, then check's loader bench
+#   bash tools/device/jpeg-check.sh all              # train, then check's loader bench
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
 # TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
 # DECODER[:HOST_FRACTION]: default "nvjpeg" (share auto); e.g. "nvjpeg nvjpeg:0 nvjpeg:0.5 cpu"), TRAIN_TIMEOUT (600 s),

@@ -4,7 +4,7 @@ divided by B ("b2b"); rates from b2b). Prints the same columns and JSON fields; 
 device call as kiln-bench and compare the two tables row by row. Byte counts are kiln's (max
 pooling: u8 indices), so GB/s compare as inverse times.
 
-    python3 tools/bench_torch_ops.py [-b 256] [--dtype f16|f32] [--repeat 20] [--back-to-back 10]
+    python3 tools/bench/bench_torch_ops.py [-b 256] [--dtype f16|f32] [--repeat 20] [--back-to-back 10]
                                      [--json out.json]
 """
 import argparse

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the GPU suites (after tools/device-check.sh built build-gpu).
+# compute-sanitizer over the GPU suites (after tools/device/check.sh built build-gpu).
 # API errors are not reported: kiln turns every failed CUDA call into an exception, and the
 # allocator suite provokes out-of-memory on purpose.
-# Usage: bash tools/device-sanitize.sh TOOL SUITE [doctest args...]
+# Usage: bash tools/device/sanitize.sh TOOL SUITE [doctest args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 tool=$1; suite=$2; shift 2

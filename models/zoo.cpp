@@ -1,0 +1,40 @@
+#include "models/zoo.h"
+
+#include "models/resnet.h"
+#include "models/vit.h"
+
+namespace kiln::models {
+
+std::vector<std::string> all_model_names() {
+  std::vector<std::string> names = model_names();
+  names.push_back("vit_b_16");
+  names.push_back("vit_s_16");
+  return names;
+}
+
+Family family_of(const std::string& name) {
+  if (name == "vit_b_16" || name == "vit_s_16") return Family::ViT;
+  for (const std::string& n : model_names())
+    if (n == name) return Family::ResNet;
+  std::string valid;
+  for (const auto& n : all_model_names()) valid += (valid.empty() ? "" : ", ") + n;
+  KILN_FAIL("unknown model '", name, "'; valid names: ", valid);
+}
+
+std::shared_ptr<nn::Module> create_model(const std::string& name, int64_t num_classes,
+                                         Generator* gen, double dropout) {
+  if (family_of(name) == Family::ResNet) return make_model(name, num_classes);
+  ViTOptions o = name == "vit_b_16" ? vit_b_16_options(num_classes)
+                                    : vit_s_16_options(num_classes);
+  o.dropout = dropout;
+  return std::make_shared<VisionTransformer>(o, gen);
+}
+
+double train_gflop_per_image(const std::string& name) {
+  if (name == "resnet50") return 24.3;
+  if (name == "vit_b_16") return 105.9;
+  if (name == "vit_s_16") return 27.6;
+  return 0.0;
+}
+
+}  // namespace kiln::models
