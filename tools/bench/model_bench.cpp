@@ -144,7 +144,7 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       auto step_once = [&](const Tensor& xs, const Tensor& ys) {
         if (dp_step) dp_step->run(xs, ys); else step.run(xs, ys);
       };
-      Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev);
+      Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev, o.precision);
       Tensor y = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(dev));
       cuda::synchronize();
       cuda::reset_peak_stats();

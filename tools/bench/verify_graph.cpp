@@ -325,7 +325,7 @@ bool verify_batch(const ModelBenchOptions& o, int64_t batch) {
   std::fflush(stdout);
 
   manual_seed(kSeed);
-  const Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev);
+  const Tensor x = amp::prepare_input(randn({batch, 3, o.image_size, o.image_size}), dev, o.precision);
   const Tensor y = randint(0, 1000, {batch}, TensorOptions(DType::i64).with_device(dev));
 
   // Both setups are built from the same global generator state; the states after the builds
