@@ -96,15 +96,12 @@ Tensor MultiheadAttention::forward(const Tensor& x, bool causal) {
   KILN_CHECK(x.dim() == 3 && x.size(2) == embed_, "MultiheadAttention: x must be (batch, length, ",
              embed_, "), got ", x.desc());
   const int64_t B = x.size(0), L = x.size(1), D = embed_ / heads_;
-  // (B·L, 3E) -> (B, L, 3, H, D): q, k, v are strided (B, H, L, D) views, no copies.
+  // (B·L, 3E) -> (B, L, 3, H, D): the attention reads q, k, v in place and its backward writes
+  // their gradients into one tensor of this shape.
   const Tensor qkv = F::linear(x.reshape({B * L, embed_}), in_proj_weight_, in_proj_bias_)
                          .view({B, L, 3, heads_, D});
-  auto part = [&](int64_t i) { return qkv.select(2, i).transpose(1, 2); };
-  const Tensor o = F::scaled_dot_product_attention(part(0), part(1), part(2), causal,
-                                                   is_training() ? dropout_ : 0.0);
-  // (B, H, L, D) -> (B, L, H·D): a view when the attention wrote (B, L, H, D) memory.
-  const Tensor merged = o.transpose(1, 2).reshape({B * L, embed_});
-  return (*out_proj_)(merged).view({B, L, embed_});
+  const Tensor o = F::packed_attention(qkv, causal, is_training() ? dropout_ : 0.0);
+  return (*out_proj_)(o.view({B * L, embed_})).view({B, L, embed_});  // (B, L, H, D) dense
 }
 
 std::string MultiheadAttention::describe() const {

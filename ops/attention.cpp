@@ -42,6 +42,40 @@ class AttentionBackward final : public Node {
   bool causal_;
 };
 
+// Backward of packed_attention's fused path: dq, dk, dv written straight into one gradient of
+// the packed qkv (B, L, 3, H, D) (the kernel takes strided outputs), so no per-part gradient is
+// scattered into a zero tensor and summed.
+class PackedAttentionBackward final : public Node {
+ public:
+  PackedAttentionBackward(const Tensor& qkv, const Tensor& out, const Tensor& lse, double scale,
+                          bool causal)
+      : qkv_(qkv), out_(out), lse_(lse), scale_(scale), causal_(causal) {}
+  std::string name() const override { return "PackedAttentionBackward"; }
+  void release_saved() override {
+    for (SavedTensor* s : {&qkv_, &out_, &lse_}) s->release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor dout = grads[0];  // (B, L, H, D)
+    if (!dout.defined()) return {Tensor()};
+    const Tensor qkv = qkv_.get(*this);
+    if (dout.dtype() != qkv.dtype()) dout = dout.to(qkv.dtype());
+    if (dout.stride(-1) != 1) dout = dout.contiguous();
+    Tensor dqkv = empty(qkv.shape(), TensorOptions(qkv.dtype()).with_device(qkv.device()));
+    auto part = [](const Tensor& t, int64_t i) { return t.select(2, i).transpose(1, 2); };
+    NoGradGuard ng;
+    backend(qkv).attention->backward(part(dqkv, 0), part(dqkv, 1), part(dqkv, 2),
+                                     dout.transpose(1, 2), part(qkv, 0), part(qkv, 1),
+                                     part(qkv, 2), out_.get(*this).transpose(1, 2),
+                                     lse_.get(*this), scale_, causal_);
+    return {dqkv};
+  }
+
+ private:
+  SavedTensor qkv_, out_, lse_;
+  double scale_;
+  bool causal_;
+};
+
 // The composition: the definition of the op.
 Tensor attention_composed(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                           double dropout_p, double scale) {
@@ -101,6 +135,37 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     return out;
   }
   return attention_composed(q, k, v, causal, dropout_p, sc);
+}
+
+Tensor packed_attention(const Tensor& qkv, bool causal, double dropout_p,
+                        std::optional<double> scale) {
+  const char* op = "packed_attention";
+  check_defined(qkv, op, "qkv");
+  check_float(qkv, op);
+  KILN_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, op,
+             ": qkv must be (batch, length, 3, heads, head_dim), got ", qkv.desc());
+  KILN_CHECK(dropout_p >= 0 && dropout_p < 1, op, ": dropout_p ", dropout_p, " must be in [0, 1)");
+  const int64_t B = qkv.size(0), L = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
+  const double sc = scale.value_or(1.0 / std::sqrt(double(D)));
+  auto part = [](const Tensor& t, int64_t i) { return t.select(2, i).transpose(1, 2); };
+  const Backend& be = backend(qkv);
+  const Tensor flat = qkv.detach();
+  const Tensor q = part(flat, 0), k = part(flat, 1), v = part(flat, 2);
+  if (dropout_p == 0 && be.attention && supports(be, FastPath::Attention, {&q, &k, &v})) {
+    KILN_OP_SCOPE("packed_attention", qkv);
+    Tensor out = empty({B, L, H, D}, TensorOptions(qkv.dtype()).with_device(qkv.device()));
+    Tensor lse = empty({B, H, L}, TensorOptions(DType::f32).with_device(qkv.device()));
+    be.attention->forward(out.transpose(1, 2), lse, q, k, v, sc, causal);
+    if (autograd::any_requires_grad({qkv})) {
+      auto node = std::make_shared<PackedAttentionBackward>(flat, out, lse, sc, causal);
+      node->set_inputs({qkv});
+      autograd::set_history(out, node);
+    }
+    return out;
+  }
+  return attention_composed(part(qkv, 0), part(qkv, 1), part(qkv, 2), causal, dropout_p, sc)
+      .transpose(1, 2)
+      .contiguous();
 }
 
 }  // namespace kiln::F

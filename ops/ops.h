@@ -236,6 +236,12 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     bool causal = false, double dropout_p = 0.0,
                                     std::optional<double> scale = std::nullopt);
+// Self-attention over a packed projection: qkv (B, L, 3, H, D), the in-projection's output
+// viewed, gives (B, L, H, D) contiguous — scaled_dot_product_attention of its three parts,
+// transposed. On the fused path the backward writes one gradient of qkv directly (no per-part
+// gradients scattered into zeros and summed).
+Tensor packed_attention(const Tensor& qkv, bool causal = false, double dropout_p = 0.0,
+                        std::optional<double> scale = std::nullopt);
 
 // ---------------- softmax and losses (ops/softmax.cpp, ops/loss.cpp) ----------------
 Tensor softmax(const Tensor& x, int64_t dim);

@@ -241,3 +241,22 @@ TEST_CASE("scaled_dot_product_attention: the formula, causal masks, gradients") 
   CHECK_THROWS_AS(F::scaled_dot_product_attention(randn({1, 1, 3, 4}, DType::f64, &g), q, q, true),
                   Error);  // causal with Lq > Lk
 }
+
+TEST_CASE("packed_attention: the packed projection's attention, values and gradients") {
+  Generator g(13);
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    const Tensor qkv = randn({2, 5, 3, 2, 4}, DType::f64, &g);
+    auto part = [&](int64_t i) { return qkv.select(2, i).transpose(1, 2); };
+    const Tensor want =
+        F::scaled_dot_product_attention(part(0), part(1), part(2), causal).transpose(1, 2);
+    const Tensor got = F::packed_attention(qkv, causal);
+    CHECK(got.shape() == Shape{2, 5, 2, 4});
+    CHECK(got.is_contiguous());
+    KILN_CHECK_OK(compare(got, want, 1e-14, 1e-14));
+    Tensor leaf5 = leaf({1, 4, 3, 2, 3});
+    KILN_CHECK_OK(
+        gradcheck([&](auto& in) { return F::packed_attention(in[0], causal); }, {leaf5}));
+  }
+  CHECK_THROWS_AS(F::packed_attention(randn({2, 5, 2, 2, 4}, DType::f64, &g)), Error);
+}

@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kLd = Smem<D>::kLd;
   T* sq = reinterpret_cast<T*>(smem_raw);
-  T* sk = sq + kTile * kLd;
-  T* sv = sk + kTile * kLd;
+  T* skb[2] = {sq + kTile * kLd, sq + 3 * kTile * kLd};  // K and V tiles, double-buffered
+  T* svb[2] = {sq + 2 * kTile * kLd, sq + 4 * kTile * kLd};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, q0 = int64_t(blockIdx.x) * kTile;
   const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
@@ -151,6 +151,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   const float sl2 = a.scale * kLog2e;  // scores in log2 units
 
   load_tile<T, D>(sq, Q, a.qs[2], q0, a.lq);
+  load_tile<T, D>(skb[0], K, a.ks[2], 0, a.lk);
+  load_tile<T, D>(svb[0], V, a.vs[2], 0, a.lk);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -165,13 +167,18 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   // Keys past the block's last row are masked for every row when causal.
   const int64_t kend = a.causal ? min(a.lk, q0 + kTile + off) : a.lk;
-  for (int64_t k0 = 0; k0 < kend; k0 += kTile) {
-    __syncthreads();  // the previous tile's readers are done
-    load_tile<T, D>(sk, K, a.ks[2], k0, a.lk);
-    load_tile<T, D>(sv, V, a.vs[2], k0, a.lk);
-    cp_async_commit();
+  for (int64_t k0 = 0, it = 0; k0 < kend; k0 += kTile, ++it) {
+    // This tile's loads have landed (the prologue's, or the previous iteration's prefetch), and
+    // every warp is done with the buffer the next prefetch overwrites (the tile before this).
     cp_async_wait_all();
     __syncthreads();
+    if (k0 + kTile < kend) {  // prefetch the next tile while this one is computed
+      load_tile<T, D>(skb[(it + 1) & 1], K, a.ks[2], k0 + kTile, a.lk);
+      load_tile<T, D>(svb[(it + 1) & 1], V, a.vs[2], k0 + kTile, a.lk);
+      cp_async_commit();
+    }
+    const T* sk = skb[it & 1];
+    const T* sv = svb[it & 1];
     float s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -393,8 +400,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
   constexpr int kLd = Smem<D>::kLd;
   T* sq = reinterpret_cast<T*>(smem_raw);
   T* sg = sq + kTile * kLd;
-  T* sk = sg + kTile * kLd;
-  T* sv = sk + kTile * kLd;
+  T* skb[2] = {sg + kTile * kLd, sg + 3 * kTile * kLd};  // K and V tiles, double-buffered
+  T* svb[2] = {sg + 2 * kTile * kLd, sg + 4 * kTile * kLd};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t bh = blockIdx.y, b = bh / a.heads, h = bh % a.heads;
   const int64_t q0 = int64_t(blockIdx.x) * kTile, off = a.lk - a.lq;
@@ -406,6 +413,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
 
   load_tile<T, D>(sq, Q, a.qs[2], q0, a.lq);
   load_tile<T, D>(sg, G, a.dos[2], q0, a.lq);
+  load_tile<T, D>(skb[0], K, a.ks[2], 0, a.lk);
+  load_tile<T, D>(svb[0], V, a.vs[2], 0, a.lk);
   cp_async_commit();
   const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   float lse2[2], dl[2];
@@ -419,13 +428,16 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
   const int64_t kend = a.causal ? min(a.lk, q0 + kTile + off) : a.lk;
-  for (int64_t k0 = 0; k0 < kend; k0 += kTile) {
+  for (int64_t k0 = 0, it = 0; k0 < kend; k0 += kTile, ++it) {
+    cp_async_wait_all();  // as in the forward: this tile landed, the other buffer is free
     __syncthreads();
-    load_tile<T, D>(sk, K, a.ks[2], k0, a.lk);
-    load_tile<T, D>(sv, V, a.vs[2], k0, a.lk);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
+    if (k0 + kTile < kend) {
+      load_tile<T, D>(skb[(it + 1) & 1], K, a.ks[2], k0 + kTile, a.lk);
+      load_tile<T, D>(svb[(it + 1) & 1], V, a.vs[2], k0 + kTile, a.lk);
+      cp_async_commit();
+    }
+    const T* sk = skb[it & 1];
+    const T* sv = svb[it & 1];
     float s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -543,7 +555,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   strides_of(a.os, out);
   a.lse = static_cast<float*>(lse.raw_data());
   dispatch_attention(q, "attention_forward", [&]<typename T, int D>() {
-    const int smem = 3 * kTile * Smem<D>::kLd * int(sizeof(T));
+    const int smem = 5 * kTile * Smem<D>::kLd * int(sizeof(T));  // Q, K and V twice
     allow_smem_once<attn_fwd<T, D>>(smem, "attention_forward");
     const dim3 grid(unsigned((a.lq + kTile - 1) / kTile), unsigned(q.size(0) * q.size(1)));
     launch(attn_fwd<T, D>, grid, kThreads, size_t(smem), current_stream(), a);
@@ -580,7 +592,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     allow_smem_once<attn_bwd_dkdv<T, D>>(smem_kv, "attention_backward");
     launch(attn_bwd_dkdv<T, D>, dim3(unsigned((a.lk + kTile - 1) / kTile), bh), kThreads,
            size_t(smem_kv), stream, a);
-    const int smem_q = 4 * kTile * Smem<D>::kLd * int(sizeof(T));
+    const int smem_q = 6 * kTile * Smem<D>::kLd * int(sizeof(T));  // Q, dO, K and V twice
     allow_smem_once<attn_bwd_dq<T, D>>(smem_q, "attention_backward");
     launch(attn_bwd_dq<T, D>, dim3(unsigned((a.lq + kTile - 1) / kTile), bh), kThreads,
            size_t(smem_q), stream, a);

@@ -11,7 +11,8 @@ namespace kiln::cuda {
 namespace {
 
 constexpr int kRowsPerBlock = kBlock / 32;
-constexpr int kColTile = 32;     // columns per thread of the parameter-gradient pass
+constexpr int kColTile = 32;     // columns per block of the parameter-gradient pass
+constexpr int kRowLanes = 8;     // ... and threads along its rows
 constexpr int64_t kRowChunk = 256;  // rows per partial sum of the parameter gradients
 
 unsigned warp_rows_grid(int64_t rows) {
@@ -79,21 +80,32 @@ __global__ void ln_bwd_dx(T* dx, const T* dy, const T* x, const P* w, const P* m
 }
 
 // partial[chunk][col] = Σ over the chunk's rows of dy·x̂ (first half) and dy (second half).
-// Grid (column tiles, row chunks); a thread owns one column of its tile.
+// Grid (column tiles, row chunks), block (kColTile, kRowLanes): thread (x, y) sums column x of
+// the tile over rows y, y + kRowLanes, ... of the chunk, so a warp reads 32 adjacent columns of
+// one row; the kRowLanes partial sums are then added in y order (a fixed order).
 template <typename T, typename P>
 __global__ void ln_bwd_partials(P* partial, const T* dy, const T* x, const P* mean,
                                 const P* rstd, int64_t rows, int64_t cols) {
   pdl_start();
   using C = acc_t<T>;
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  __shared__ C sw_s[kRowLanes][kColTile], sb_s[kRowLanes][kColTile];
+  const int64_t j = int64_t(blockIdx.x) * kColTile + threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.y) * kRowChunk;
   const int64_t r1 = r0 + kRowChunk < rows ? r0 + kRowChunk : rows;
-  if (j >= cols) return;
   C sw = 0, sb = 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const C g = cvt<C>(dy[r * cols + j]);
-    sw += g * (cvt<C>(x[r * cols + j]) - C(mean[r])) * C(rstd[r]);
-    sb += g;
+  if (j < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowLanes) {
+      const C g = cvt<C>(dy[r * cols + j]);
+      sw += g * (cvt<C>(x[r * cols + j]) - C(mean[r])) * C(rstd[r]);
+      sb += g;
+    }
+  sw_s[threadIdx.y][threadIdx.x] = sw;
+  sb_s[threadIdx.y][threadIdx.x] = sb;
+  __syncthreads();
+  if (threadIdx.y != 0 || j >= cols) return;
+  for (int y = 1; y < kRowLanes; ++y) {
+    sw += sw_s[y][threadIdx.x];
+    sb += sb_s[y][threadIdx.x];
   }
   const int64_t chunk = blockIdx.y;
   partial[chunk * 2 * cols + j] = P(sw);
@@ -170,7 +182,7 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
       CUDA_CHECK(cudaMemsetAsync(pp, 0, size_t(partial.nbytes()), stream));
     } else {
       const dim3 grid(unsigned((cols + kColTile - 1) / kColTile), unsigned(chunks));
-      launch(ln_bwd_partials<T, P>, grid, kColTile, 0, stream, pp,
+      launch(ln_bwd_partials<T, P>, grid, dim3(kColTile, kRowLanes), 0, stream, pp,
              static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
              static_cast<const P*>(mean.raw_data()), static_cast<const P*>(rstd.raw_data()),
              rows, cols);

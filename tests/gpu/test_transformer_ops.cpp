@@ -185,6 +185,27 @@ TEST_CASE("scaled_dot_product_attention: the fused kernels against the compositi
     }
 }
 
+TEST_CASE("packed_attention: fused forward and the one-tensor backward equal the composition") {
+  Generator gen(8);
+  for (DType dt : {DType::f16, DType::bf16})
+    for (bool causal : {false, true}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(causal);
+      const int64_t B = 2, L = 197, H = 3, D = 64;
+      Tensor qkv = randn({B, L, 3, H, D}, DType::f32, &gen).to(dt).to(kGpu).set_requires_grad(true);
+      Tensor out = F::packed_attention(qkv, causal);
+      CHECK(out.shape() == Shape{B, L, H, D});
+      Tensor q32 = qkv.detach().to(DType::f32).set_requires_grad(true);
+      Tensor ref = F::packed_attention(q32, causal);  // f32: the composition
+      const double f = dt == DType::bf16 ? 4.0 : 1.0;
+      CHECK(rel_error(out, ref) < 2e-3 * f);
+      const Tensor dout = randn(out.shape(), DType::f32, &gen).to(dt).to(kGpu);
+      F::sum(F::mul(out, dout)).backward();
+      F::sum(F::mul(ref, dout.to(DType::f32))).backward();
+      CHECK(rel_error(qkv.grad(), q32.grad()) < 2e-2 * f);
+    }
+}
+
 TEST_CASE("attention reading strided q, k, v from one projection; unsupported shapes compose") {
   // (B, L, 3, H, D) as the in-projection writes it: q, k, v are strided views, no copies.
   Generator gen(5);
