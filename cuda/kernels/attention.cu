@@ -140,8 +140,10 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kLd = Smem<D>::kLd;
   T* sq = reinterpret_cast<T*>(smem_raw);
-  T* skb[2] = {sq + kTile * kLd, sq + 3 * kTile * kLd};  // K and V tiles, double-buffered
-  T* svb[2] = {sq + 2 * kTile * kLd, sq + 4 * kTile * kLd};
+  // K and V tiles, double-buffered: buffer i's K at kv + 2i tiles, its V one tile further.
+  T* kv = sq + kTile * kLd;
+  auto kbuf = [&](int64_t i) { return kv + (2 * (i & 1)) * kTile * kLd; };
+  auto vbuf = [&](int64_t i) { return kv + (2 * (i & 1) + 1) * kTile * kLd; };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, q0 = int64_t(blockIdx.x) * kTile;
   const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
@@ -151,8 +153,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   const float sl2 = a.scale * kLog2e;  // scores in log2 units
 
   load_tile<T, D>(sq, Q, a.qs[2], q0, a.lq);
-  load_tile<T, D>(skb[0], K, a.ks[2], 0, a.lk);
-  load_tile<T, D>(svb[0], V, a.vs[2], 0, a.lk);
+  load_tile<T, D>(kbuf(0), K, a.ks[2], 0, a.lk);
+  load_tile<T, D>(vbuf(0), V, a.vs[2], 0, a.lk);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -173,12 +175,12 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
     cp_async_wait_all();
     __syncthreads();
     if (k0 + kTile < kend) {  // prefetch the next tile while this one is computed
-      load_tile<T, D>(skb[(it + 1) & 1], K, a.ks[2], k0 + kTile, a.lk);
-      load_tile<T, D>(svb[(it + 1) & 1], V, a.vs[2], k0 + kTile, a.lk);
+      load_tile<T, D>(kbuf(it + 1), K, a.ks[2], k0 + kTile, a.lk);
+      load_tile<T, D>(vbuf(it + 1), V, a.vs[2], k0 + kTile, a.lk);
       cp_async_commit();
     }
-    const T* sk = skb[it & 1];
-    const T* sv = svb[it & 1];
+    const T* sk = kbuf(it);
+    const T* sv = vbuf(it);
     float s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -400,8 +402,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
   constexpr int kLd = Smem<D>::kLd;
   T* sq = reinterpret_cast<T*>(smem_raw);
   T* sg = sq + kTile * kLd;
-  T* skb[2] = {sg + kTile * kLd, sg + 3 * kTile * kLd};  // K and V tiles, double-buffered
-  T* svb[2] = {sg + 2 * kTile * kLd, sg + 4 * kTile * kLd};
+  T* kv = sg + kTile * kLd;  // K and V tiles, double-buffered as in the forward
+  auto kbuf = [&](int64_t i) { return kv + (2 * (i & 1)) * kTile * kLd; };
+  auto vbuf = [&](int64_t i) { return kv + (2 * (i & 1) + 1) * kTile * kLd; };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t bh = blockIdx.y, b = bh / a.heads, h = bh % a.heads;
   const int64_t q0 = int64_t(blockIdx.x) * kTile, off = a.lk - a.lq;
@@ -413,8 +416,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
 
   load_tile<T, D>(sq, Q, a.qs[2], q0, a.lq);
   load_tile<T, D>(sg, G, a.dos[2], q0, a.lq);
-  load_tile<T, D>(skb[0], K, a.ks[2], 0, a.lk);
-  load_tile<T, D>(svb[0], V, a.vs[2], 0, a.lk);
+  load_tile<T, D>(kbuf(0), K, a.ks[2], 0, a.lk);
+  load_tile<T, D>(vbuf(0), V, a.vs[2], 0, a.lk);
   cp_async_commit();
   const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   float lse2[2], dl[2];
@@ -432,12 +435,12 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
     cp_async_wait_all();  // as in the forward: this tile landed, the other buffer is free
     __syncthreads();
     if (k0 + kTile < kend) {
-      load_tile<T, D>(skb[(it + 1) & 1], K, a.ks[2], k0 + kTile, a.lk);
-      load_tile<T, D>(svb[(it + 1) & 1], V, a.vs[2], k0 + kTile, a.lk);
+      load_tile<T, D>(kbuf(it + 1), K, a.ks[2], k0 + kTile, a.lk);
+      load_tile<T, D>(vbuf(it + 1), V, a.vs[2], k0 + kTile, a.lk);
       cp_async_commit();
     }
-    const T* sk = skb[it & 1];
-    const T* sv = svb[it & 1];
+    const T* sk = kbuf(it);
+    const T* sv = vbuf(it);
     float s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
