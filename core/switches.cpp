@@ -11,10 +11,6 @@ bool is(const char* v, const char* s) { return v && std::strcmp(v, s) == 0; }
 Switches read_switches() {
   Switches s;
   s.fused_bn = !is(std::getenv("KILN_FUSED_BN"), "0");
-  s.conv_stats = !is(std::getenv("KILN_CONV_STATS"), "0");
-  s.bn_stats_pass = !is(std::getenv("KILN_BN_STATS_PASS"), "0");
-  const char* stem = std::getenv("KILN_FUSED_STEM");
-  s.fused_stem = is(stem, "0") ? 0 : is(stem, "forward") ? 1 : 2;
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   const char* tg = std::getenv("KILN_TAIL_GEMM");
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
@@ -27,7 +23,6 @@ Switches read_switches() {
   if (blocks > 0 && blocks <= 64) s.bn_sums_blocks = int(blocks);
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.grad_overwrite = !is(std::getenv("KILN_GRAD_OVERWRITE"), "0");
-  s.wgrad_fresh = !is(std::getenv("KILN_WGRAD_FRESH"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");
   s.cudnn_backend = is(b, "0") ? 0 : is(b, "force") ? 2 : 1;
   const char* log = std::getenv("KILN_CUDNN_FIND_LOG");

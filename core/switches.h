@@ -8,13 +8,6 @@
 // | variable                 | values              | effect                                          |
 // |--------------------------|---------------------|-------------------------------------------------|
 // | KILN_FUSED_BN            | 0                   | unfused batch norm, ReLU and add                |
-// | KILN_CONV_STATS          | 0                   | BN statistics from the BN kernels, not from the |
-// |                          |                     | convolution's epilogue                          |
-// | KILN_BN_STATS_PASS       | 0                   | where the convolution gives no statistics, BN   |
-// |                          |                     | runs on cuDNN's fused kernels (before v12)      |
-// | KILN_FUSED_STEM          | 0, forward          | the stem's batch norm, ReLU and max pool as     |
-// |                          |                     | separate passes (before v13) / fused in         |
-// |                          |                     | the forward only                                |
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
 // |                          |                     | own GEMM (before v14)                           |
@@ -39,8 +32,6 @@
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
-// | KILN_WGRAD_FRESH         | 0                   | weight gradients always add with beta = 1, not  |
-// |                          |                     | the tuner's choice (before v13)                 |
 // | KILN_CUDNN_BACKEND       | 0, force            | convolutions on cuDNN's legacy API only / on    |
 // |                          |                     | the backend API's plans whenever one runs       |
 // | KILN_CUDNN_FIND_LOG      | 1                   | print every convolution's tuning                |
@@ -53,6 +44,10 @@
 // | KILN_JPEG_STALL_S        | seconds > 0         | the GPU JPEG path's stall timeout (default 120; |
 // |                          |                     | GpuJpegLoader::set_stall_timeout)               |
 //
+// Retired with their closed experiments (the old paths they kept are gone or are the general
+// fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH; their
+// measurements stay in docs/lab/ and docs/performance.md.
+//
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
 #include <atomic>
@@ -64,9 +59,6 @@ namespace kiln {
 
 struct Switches {
   bool fused_bn = true;
-  bool conv_stats = true;
-  bool bn_stats_pass = true;
-  int fused_stem = 2;  // 0 off, 1 forward only, 2 forward and backward
   bool fused_dgrad = true;
   int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
@@ -75,7 +67,6 @@ struct Switches {
   int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
   bool grad_overwrite = true;
-  bool wgrad_fresh = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;

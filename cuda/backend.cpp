@@ -71,7 +71,7 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // their two phases and beat kiln's two passes there (layer 1's BN+ReLU backward: 126 vs 147 µs);
 // from 256 channels up kiln's kernels are faster per kernel (layers 3-4, in-situ profile: BN
 // 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (v12 in
-// docs/lab/batch-norm.md). KILN_BN_STATS_PASS=0: the epilogue or cuDNN's BN only, as before v12.
+// docs/lab/batch-norm.md).
 constexpr int64_t kStatsPassMinChannels = 256;
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
@@ -79,7 +79,7 @@ bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const T
   const bool deterministic = conv_deterministic();
   if (!deterministic && conv2d_forward_stats(y, sum, sqsum, x, w, p)) return true;
   if (!bn_nhwc_supported(y) || y.numel() == 0) return false;
-  if (!deterministic && (!switches().bn_stats_pass || y.size(1) < kStatsPassMinChannels))
+  if (!deterministic && y.size(1) < kStatsPassMinChannels)
     return false;
   conv2d_forward(y, x, w, Tensor(), p);
   bn_nhwc_stats(sum, sqsum, y);
@@ -205,10 +205,10 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
       return g_dgrad_fusion.get() && dgrad1x1_bn_supported(*t[0], *t[1], *t[2]);
     case FastPath::BatchNormReluMaxPool:
       expect(1);
-      return switches().fused_stem > 0 && bn_nhwc_supported(*t[0]);
+      return switches().fused_bn && bn_nhwc_supported(*t[0]);
     case FastPath::BatchNormReluMaxPoolBackward:
       expect(1);
-      return switches().fused_stem > 1 && bn_nhwc_supported(*t[0]);
+      return switches().fused_bn && bn_nhwc_supported(*t[0]);
     case FastPath::Attention:
       expect(3);
       return attention_supported(*t[0], *t[1], *t[2]);

@@ -415,10 +415,9 @@ bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Ten
                             const Tensor& w, const Tensor& y, const ConvParams& cp,
                             const Key& acc_key) {
   int m = plan_cache().wgrad_accumulate.load();
-  if (m < 0) {  // KILN_WGRAD_FRESH=0: beta = 1 always
+  if (m < 0) {  // not set by set_wgrad_accumulate: tuned
     int expected = -1;
-    plan_cache().wgrad_accumulate.compare_exchange_strong(
-        expected, int(switches().wgrad_fresh ? WgradAccumulate::Tuned : WgradAccumulate::BetaOne));
+    plan_cache().wgrad_accumulate.compare_exchange_strong(expected, int(WgradAccumulate::Tuned));
     m = plan_cache().wgrad_accumulate.load();
   }
   const auto mode = WgradAccumulate(m);
@@ -605,14 +604,12 @@ void add_bias(const Tensor& y, const Tensor& bias, MemoryFormat fmt) {
 
 MemoryFormat layout_of(const Tensor& t) { return t.suggest_memory_format(); }
 
-// KILN_CONV_STATS=0 turns the statistics epilogue off (A/B measurements).
-bool stats_enabled() { return switches().conv_stats; }
 
 }  // namespace
 
 bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                           const Tensor& x, const Tensor& w, const ConvParams& p) {
-  if (!stats_enabled() || backend_mode() == ConvBackend::Off || x.dtype() != DType::f16 ||
+  if (backend_mode() == ConvBackend::Off || x.dtype() != DType::f16 ||
       p.groups != 1 || y.numel() == 0 || x.numel() == 0 || w.numel() == 0 ||
       !y.is_contiguous(MemoryFormat::ChannelsLast))
     return false;

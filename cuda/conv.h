@@ -37,7 +37,7 @@ ConvBackend conv_backend();
 
 // How a weight gradient added into an existing one (accumulate) runs: Tuned (the default)
 // times beta = 1 against beta = 0 into a fresh buffer plus an add and keeps the faster; the
-// other two force one way (tests; KILN_WGRAD_FRESH=0 sets BetaOne). Not part of the cache key:
+// other two force one way (tests). Not part of the cache key:
 // a Tuned plan decides once.
 enum class WgradAccumulate : int { Tuned = 0, FreshAndAdd = 1, BetaOne = 2 };
 void set_wgrad_accumulate(WgradAccumulate mode);

@@ -57,8 +57,8 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 // before their rounding to f16, and across thread blocks in no fixed order: not bit-
 // reproducible). Returns false when that is not available — f16 channels-last only, backend API
 // on, a plan found for the problem that beats the plain convolution plus a statistics pass
-// (tuned on first sight, like conv2d_forward; ConvBackend::Force takes any plan that runs),
-// KILN_CONV_STATS not 0 — and then y, sum and sqsum hold no result. The ResNet stem's
+// (tuned on first sight, like conv2d_forward; ConvBackend::Force takes any plan that runs) —
+// and then y, sum and sqsum hold no result. The ResNet stem's
 // convolution goes to kiln's own kernel instead (stem_conv_forward_stats below), whose statistics
 // are those of y as rounded to f16 and bit-reproducible.
 bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
