@@ -354,12 +354,11 @@ void TrainData::open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder
                                       const data::ImageLoaderOptions& lo) {
   const DataOptions& o = opts_;
   const DType dt = image_dtype(o);
-  gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt,
-                                                     data::NormalizeStats{},
-                                                     o.host_decode_fraction);
-  gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), image_eval_options(lo),
-                                                    o.device, dt, data::NormalizeStats{},
-                                                    o.host_decode_fraction);
+  gpu_train_ = std::make_unique<data::GpuJpegLoader>(
+      std::move(train), lo, o.device, dt, data::NormalizeStats{}, o.host_decode_fraction);
+  gpu_test_ =
+      std::make_unique<data::GpuJpegLoader>(std::move(val), image_eval_options(lo), o.device, dt,
+                                            data::NormalizeStats{}, o.host_decode_fraction);
   gpu_train_->set_stall_handler(exit_on_stall);
   gpu_test_->set_stall_handler(exit_on_stall);
   description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
