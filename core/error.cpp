@@ -26,6 +26,7 @@ namespace kiln::detail {
     case ErrorKind::Cuda: throw CudaError(what);
     case ErrorKind::Cudnn: throw CudnnError(what);
     case ErrorKind::Cublas: throw CublasError(what);
+    case ErrorKind::Nccl: throw NcclError(what);
     case ErrorKind::OutOfMemory: throw OutOfMemoryError(what);
   }
   throw Error(what);

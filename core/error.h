@@ -18,9 +18,12 @@ class Error : public std::runtime_error {
 class CudaError : public Error { using Error::Error; };
 class CudnnError : public Error { using Error::Error; };
 class CublasError : public Error { using Error::Error; };
+class NcclError : public Error { using Error::Error; };
 class OutOfMemoryError : public Error { using Error::Error; };
 
-enum class ErrorKind { Generic, Cuda, Cudnn, Cublas, OutOfMemory };
+// Which class detail::fail throws: Error, CudaError, CudnnError, CublasError, NcclError,
+// OutOfMemoryError.
+enum class ErrorKind { Generic, Cuda, Cudnn, Cublas, Nccl, OutOfMemory };
 
 namespace detail {
 

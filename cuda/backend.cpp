@@ -192,7 +192,7 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
              per_channel(*t[2], x) && per_channel(*t[3], x) && per_channel(*t[4], x) &&
              per_channel(*t[5], x);
     }
-    case FastPath::BatchNormStats: {  // kiln's NHWC kernels (bn_nhwc.cu)
+    case FastPath::BatchNormStats: {  // kiln's NHWC kernels (cuda/kernels/bn_nhwc_*.cu)
       expect(8);
       const Tensor& x = *t[0];
       const bool sums = !t[6]->defined() || (per_channel(*t[6], x) && per_channel(*t[7], x));

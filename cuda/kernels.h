@@ -111,7 +111,7 @@ void avg_pool2d_backward(const Tensor& dx, const Tensor& dy, const PoolParams& p
 void adaptive_avg_pool2d_forward(const Tensor& y, const Tensor& x);
 void adaptive_avg_pool2d_backward(const Tensor& dx, const Tensor& dy);
 
-// ---- batch norm (cuda/batchnorm.cpp, cuda/kernels/batchnorm.cu) ----
+// ---- batch norm on cuDNN (cuda/batchnorm.cpp) ----
 // x, y: (N, C, H, W) or (N, C); weight, bias, running stats: f32 (C).
 // Training: writes y, save_mean (C) and save_invstd (C) = 1/sqrt(var_biased + eps), and updates
 // running_mean/var in place (when defined) with momentum and the unbiased variance.
@@ -214,6 +214,8 @@ void sync_batch_norm_backward_dx(const Tensor& dx, const Tensor& dy, const Tenso
                                  const Tensor& weight, const Tensor& mean, const Tensor& invstd,
                                  const Tensor& sums, const Tensor& count);
 
+// ---- batch norm on f16 NHWC activations with known statistics (cuda/kernels/bn_nhwc_stats.cu,
+// bn_nhwc_apply.cu, bn_nhwc_backward.cu; the tail GEMM: gemm_bn.cu, gemm_bn_wgmma.cu) ----
 
 // Whether the kernels take x: f16, 4-D, channels-last dense, C % 8 == 0, on a CUDA device.
 bool bn_nhwc_supported(const Tensor& x);
@@ -306,7 +308,7 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
                            const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
                            const Tensor& invstd_r, bool accumulate_params = false);
 
-
+// ---- fused optimizer, gradient checks and loss scaler (cuda/kernels/optim.cu) ----
 // One launch over all chunks: found_inf (|=) and partial_sumsq (=, one per chunk).
 void fused_check_grads(const fused::CheckArgs& a);
 // <<<1, 256>>>: total norm and clip coefficient from the partial sums (fixed summation order,

@@ -9,13 +9,14 @@
 #include "cuda/check.h"
 #include "cuda/runtime.h"
 
+// As CUDA_CHECK (cuda/check.h), for NCCL: throws NcclError with NCCL's last error message.
 #define NCCL_CHECK(expr)                                                            \
   do {                                                                              \
     ncclResult_t _r = (expr);                                                       \
     if (_r != ncclSuccess) [[unlikely]] {                                           \
       const char* _last = ncclGetLastError(nullptr);                                \
       ::kiln::detail::fail(                                                         \
-          ::kiln::ErrorKind::Generic, __FILE__, __LINE__, #expr,                    \
+          ::kiln::ErrorKind::Nccl, __FILE__, __LINE__, #expr,                       \
           ::kiln::detail::str_cat("NCCL error ", ncclGetErrorString(_r),            \
                                   _last&&* _last ? ": " : "", _last ? _last : "")); \
     }                                                                               \

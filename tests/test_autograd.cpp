@@ -6,25 +6,17 @@
 
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using kiln::testing::compare;
+using kiln::testing::error_of;
 using kiln::testing::gradcheck;
 using kiln::testing::leaf;
 
 namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// The message of the kiln::Error that `f` throws ("" if it throws none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 Tensor vec(std::vector<double> v) {
   int64_t n = int64_t(v.size());

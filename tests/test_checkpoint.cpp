@@ -19,9 +19,11 @@
 #include "optim/adamw.h"
 #include "optim/sgd.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 namespace fs = std::filesystem;
+using kiln::testing::error_of;
 
 namespace {
 
@@ -69,15 +71,6 @@ void randomize_buffers(nn::Module& m, uint64_t seed) {
     if (is_floating(b.dtype())) b.copy_(uniform(b.shape(), 0.5, 1.5, {}, &g));
     else b.fill_(double(g.below(1000)));
   }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 bool contains(const std::string& s, const std::string& part) {

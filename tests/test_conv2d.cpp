@@ -11,9 +11,11 @@
 
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using kiln::testing::compare;
+using kiln::testing::error_of;
 using kiln::testing::gradcheck;
 using kiln::testing::leaf;
 
@@ -180,16 +182,6 @@ TEST_CASE("conv2d backward: f32 agrees with f64, NHWC agrees with NCHW, multi-im
 }
 
 namespace {
-// The message of the kiln::Error thrown by f, or "" when nothing was thrown.
-template <typename Fn>
-std::string error_of(Fn&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }

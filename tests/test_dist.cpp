@@ -25,11 +25,13 @@
 #include "tools/train/trainer.h"
 #include "data/distributed_sampler.h"
 #include "ops/ops.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using namespace kiln::data;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+using kiln::testing::error_of;
 
 namespace {
 
@@ -41,17 +43,6 @@ DistEnv parse(const Env& vars) {
     if (it == vars.end()) return std::nullopt;
     return it->second;
   });
-}
-
-// The message of the kiln::Error that fn throws ("" when it throws nothing).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // The message of the cli::UsageError that fn throws ("" when it throws nothing); any other

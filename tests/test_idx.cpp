@@ -10,10 +10,12 @@
 
 #include "data/fashion_mnist.h"
 #include "data/idx.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using namespace kiln::data;
 namespace fs = std::filesystem;
+using kiln::testing::error_of;
 
 namespace {
 
@@ -69,16 +71,6 @@ Bytes read_raw(const std::string& path) {
   return Bytes(std::istreambuf_iterator<char>(f), {});
 }
 
-// The message of the kiln::Error that f throws ("" when it does not throw one).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }

@@ -10,10 +10,12 @@
 #include "data/image.h"
 #include "data/transforms.h"
 #include "image_test_util.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using namespace kiln::data;
 using kiln::testing::TempDir;
+using kiln::testing::error_of;
 
 namespace {
 
@@ -47,15 +49,6 @@ Image random_image(int64_t h, int64_t w, int64_t c, uint64_t seed) {
 
 // A kiln::Error's message without its " [file.cpp:12, ...]" suffix.
 std::string cli_message(const std::string& what) { return what.substr(0, what.rfind(" [")); }
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

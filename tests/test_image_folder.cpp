@@ -16,22 +16,15 @@
 #include "data/image_loader.h"
 #include "data/prefetch.h"
 #include "image_test_util.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using namespace kiln::data;
 using kiln::testing::TempDir;
 namespace fs = std::filesystem;
+using kiln::testing::error_of;
 
 namespace {
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // Files of `n` solid images: red = 40 * class + 10 identifies the class, green the file id.
 // Class c gets files id with id % classes == c; sizes vary so the transforms resample.

@@ -23,26 +23,19 @@
 #include "image_test_util.h"
 
 #include "jpeg_test_util.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using namespace kiln::data;
 using kiln::testing::TempDir;
 namespace fs = std::filesystem;
+using kiln::testing::error_of;
 
 namespace {
 
 constexpr int kMaxFullDiff = 6;
 constexpr double kMeanFullDiff = 1.0;
 constexpr double kMeanDctDiff = 4.0;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A photo-like test image: smooth gradients, a few hard edges and mild noise.
 Image textured(int64_t h, int64_t w, uint64_t seed) {

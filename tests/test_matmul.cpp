@@ -6,9 +6,11 @@
 
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using kiln::testing::compare;
+using kiln::testing::error_of;
 using kiln::testing::gradcheck;
 using kiln::testing::leaf;
 
@@ -41,15 +43,6 @@ Tensor naive_matmul(const Tensor& a, const Tensor& b) {
 }
 
 double tol_for(DType dt) { return dt == DType::f32 ? 1e-4 : 1e-11; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

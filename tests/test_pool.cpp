@@ -9,10 +9,12 @@
 #include "core/generator.h"
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using kiln::F::Pair;
 using kiln::testing::compare;
+using kiln::testing::error_of;
 using kiln::testing::gradcheck;
 
 namespace {
@@ -216,15 +218,6 @@ TEST_CASE("flatten") {
 }
 
 namespace {
-template <typename Fn>
-std::string error_of(Fn&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }

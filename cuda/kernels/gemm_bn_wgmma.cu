@@ -7,9 +7,9 @@
 // and the CPU, compute-sanitizer clean, the step 0.13-0.16 ms faster than those seven tails on
 // cuDNN's dgrad + kiln's two passes; in v17, with the TMA epilogue below, −0.22 ms more,
 // and faster than the mma.sync kernel at K 64/128 too (−0.19 ms), so it takes every tail it fits.
-// Its GEMM is tools/probes/wgmma_gemm.cu's v4 on branch wip/wgmma (neither is in this
-// repository), level with cuBLASLt on ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4:
-// 0.053).
+// Its GEMM is the wgmma probe's v4 (docs/lab/tail-gemm.md, "The v14 remeasure round": the
+// variants and their times; the probe's code was never committed), level with cuBLASLt on
+// ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4: 0.053).
 //
 // G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC); B = w transposed to wt (C × K)
 // by a small kernel first, so that both operands are K-major for wgmma's descriptors. CTA: 3

@@ -257,7 +257,7 @@ def main():
     for path in sys.argv[1:]:
         print(path)
         w = replay(path, Whole())
-        print("  whole (before session 6)      reserved %.2f GiB" % (w.reserved / GiB))
+        print("  whole (before 2026-12-01)     reserved %.2f GiB" % (w.reserved / GiB))
         for mid_seg in (20 * MiB,):
             for min_rest in (MiB, 2 * MiB, 8 * MiB):
                 s = replay(path, Split(mid_seg=mid_seg, min_rest=min_rest))

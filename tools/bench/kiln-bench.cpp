@@ -49,8 +49,9 @@
 namespace {
 int g_back_to_back = 10;
 
-constexpr double kPeakTflops = 765.0;  // measured FP16 dense matmul on the H200 (GPU.md)
-constexpr double kPeakGBps = 4200.0;   // measured device-to-device copy, read + write
+// Measured on the H200 (the project's shared/GPU.md, outside this repository).
+constexpr double kPeakTflops = 765.0;  // FP16 dense matmul
+constexpr double kPeakGBps = 4200.0;   // device-to-device copy, read + write
 
 struct Timing {
   double single = 0, b2b = 0;  // median ms per call: one call alone, N calls back to back

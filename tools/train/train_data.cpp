@@ -171,119 +171,224 @@ std::pair<float, float> pixel_stats(const Tensor& images) {
   return {float(mean), float(std::sqrt(std::max(sq - mean * mean, 1e-12)))};
 }
 
+// The dtype decoded images reach the model in: f16 for Mixed16 on a CUDA device, else f32.
+DType image_dtype(const DataOptions& o) {
+  return o.device.is_cuda() && o.precision == amp::Precision::Mixed16 ? DType::f16 : DType::f32;
+}
+
+// One ImageFolder split; a folder without images, or one that cannot be listed, is the user's
+// --data to fix.
+data::ImageFolder list_image_folder(const std::string& path) {
+  return cli::user_input("--data: ", [&] { return data::ImageFolder(path); });
+}
+
+// Whether --decoder asks for nvJPEG (issue 15): the GPU path only when asked. auto means the CPU
+// path: nvJPEG's batched decode hung now and then under a running step
+// (docs/lab/input-pipeline.md, 2026-12-01: 5 of 16 trainings that called nvJPEG), and a default
+// must not hang.
+bool decoder_is_nvjpeg(const DataOptions& o) {
+  if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
+      o.decoder != "turbo")
+    cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
+  const bool gpu = o.decoder == "nvjpeg";
+  if (gpu && !o.device.is_cuda())
+    cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
+  return gpu;
+}
+
+// The ImageFolder training loader: this rank's shard, augmented, the last partial batch dropped.
+data::ImageLoaderOptions image_train_options(const DataOptions& o, int64_t resize_size) {
+  data::ImageLoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.image_size = o.image_size;
+  lo.resize_size = resize_size;
+  lo.drop_last = true;
+  lo.seed = o.seed;
+  lo.workers = o.workers;
+  lo.rank = o.rank;
+  lo.world_size = o.world_size;
+  if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
+  return lo;
+}
+
+// The evaluation loader: as the training one, in order, every image, the evaluation transform.
+data::ImageLoaderOptions image_eval_options(data::ImageLoaderOptions eo) {
+  eo.augment = data::Augment::Eval;
+  eo.shuffle = false;
+  eo.drop_last = false;
+  return eo;
+}
+
+// --decoder nvjpeg's stall guard. A hung nvJPEG call can leave the device's queues stuck, and
+// unwinding would then block on them: say why and leave at once (the last epoch's checkpoint is
+// already on disk).
+void exit_on_stall(const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "kiln-train: error: %s\n", message.c_str());
+  std::fflush(nullptr);
+  std::_Exit(kStallExitCode);
+}
+
+// One IDX split, Fashion-MNIST's or --data's; a missing or malformed file is the user's to fix.
+data::IdxPair load_idx(bool fmnist, const std::string& dir, data::Split s) {
+  return cli::user_input(fmnist ? "fashion-mnist: " : "--data: ", [&] {
+    return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
+  });
+}
+
+// The IDX training loader: shuffled, the last partial batch dropped, normalised by the training
+// set's pixel mean and std (Fashion-MNIST's are known), crop (padding 4) + flip with --augment.
+data::LoaderOptions idx_train_options(const DataOptions& o, bool fmnist, const Tensor& images) {
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.seed = o.seed;
+  lo.workers = o.workers;
+  if (fmnist) {  // the training set's pixel mean and std
+    lo.mean = {0.2860f};
+    lo.stddev = {0.3530f};
+  } else {
+    auto [m, s] = pixel_stats(images);
+    lo.mean = {m};
+    lo.stddev = {s};
+  }
+  if (o.augment) {
+    lo.crop_padding = 4;
+    lo.horizontal_flip = true;
+  }
+  return lo;
+}
+
+// The IDX evaluation loader: as the training one, in order, every image, no augmentation, in
+// batches of eval_batch_size.
+data::LoaderOptions idx_eval_options(data::LoaderOptions eo, int64_t eval_batch_size) {
+  eo.shuffle = false;
+  eo.drop_last = false;
+  eo.crop_padding = 0;
+  eo.horizontal_flip = false;
+  eo.batch_size = eval_batch_size;
+  return eo;
+}
+
 }  // namespace
 
 TrainData::TrainData(const DataOptions& o)
     : opts_(o), kind_(o.dummy ? DataKind::Synthetic : detect_data(o.data)) {
-  if (kind_ == DataKind::Synthetic) {
-    if (o.dummy_images < o.batch_size * o.world_size)
-      cli::usage_error("--dummy-images ", o.dummy_images, ": fewer than one batch of ",
-                       o.batch_size, " per process");
-    num_classes_ = 1000;
-    channels_ = 3;
-    height_ = width_ = resize_size_ = o.image_size;
-    train_size_ = o.dummy_images;
-    test_size_ =
-        std::max(o.batch_size * o.world_size, int64_t(std::llround(double(o.dummy_images) / 25.6)));
-    mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
-    stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
-    description_ = "synthetic data (--dummy)";
-    Generator g(o.seed);
-    dummy_x_ = amp::prepare_input(randn({o.batch_size, 3, o.image_size, o.image_size}, {}, &g),
-                                  o.device, o.precision);
-    return;
-  }
-  if (kind_ == DataKind::ImageFolder) {
-    // A folder without images, or one that cannot be listed: the user's --data to fix.
-    const data::ImageFolder train =
-        cli::user_input("--data: ", [&] { return data::ImageFolder(o.data + "/train"); });
-    const data::ImageFolder val =
-        cli::user_input("--data: ", [&] { return data::ImageFolder(o.data + "/val"); });
-    if (train.classes() != val.classes())
-      cli::usage_error("--data '", o.data, "': train/ has ", train.num_classes(),
-                       " class folders and val/ ", val.num_classes(),
-                       "; both must hold the same class folders");
-    num_classes_ = train.num_classes();
-    class_names_ = train.classes();
-    try {
-      check_class_names(class_names_, "--data '" + o.data + "/train': class folders");
-    } catch (const Error& e) {
-      cli::usage_error(cli::without_location(e.what()));
-    }
-    mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
-    stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
-    channels_ = 3;
-    height_ = width_ = o.image_size;
-    train_size_ = train.size();
-    test_size_ = val.size();
-    description_ = "ImageFolder " + o.data;
-    data::ImageLoaderOptions lo;
-    lo.batch_size = o.batch_size;
-    lo.image_size = o.image_size;
-    lo.resize_size = resize_size_ = int64_t(std::llround(double(o.image_size) * 256.0 / 224.0));
-    lo.drop_last = true;
-    lo.seed = o.seed;
-    lo.workers = o.workers;
-    lo.rank = o.rank;
-    lo.world_size = o.world_size;
-    // --decoder (issue 15): the GPU path only when asked. auto means the CPU path: nvJPEG's
-    // batched decode hung now and then under a running step (docs/lab/input-pipeline.md,
-    // 2026-12-01: 5 of 16 trainings that called nvJPEG), and a default must not hang.
-    if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
-        o.decoder != "turbo")
-      cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
-    const bool gpu = o.decoder == "nvjpeg";
-    if (gpu && !o.device.is_cuda())
-      cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
-    if (o.decoder == "stb" || o.decoder == "turbo") lo.decoder = data::parse_jpeg_decoder(o.decoder);
-    const DType dt = o.device.is_cuda() && o.precision == amp::Precision::Mixed16 ? DType::f16
-                                                                                : DType::f32;
-    data::ImageLoaderOptions eo = lo;
-    eo.augment = data::Augment::Eval;
-    eo.shuffle = false;
-    eo.drop_last = false;
-    if (gpu) {
-      gpu_train_ = std::make_unique<data::GpuJpegLoader>(std::move(train), lo, o.device, dt,
-                                                         data::NormalizeStats{},
-                                                         o.host_decode_fraction);
-      gpu_test_ = std::make_unique<data::GpuJpegLoader>(std::move(val), eo, o.device, dt,
-                                                        data::NormalizeStats{},
-                                                        o.host_decode_fraction);
-      // A hung nvJPEG call can leave the device's queues stuck, and unwinding would then block
-      // on them: say why and leave at once (the last epoch's checkpoint is already on disk).
-      const auto on_stall = [](const std::string& message) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "kiln-train: error: %s\n", message.c_str());
-        std::fflush(nullptr);
-        std::_Exit(kStallExitCode);
-      };
-      gpu_train_->set_stall_handler(on_stall);
-      gpu_test_->set_stall_handler(on_stall);
-      description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
-      if (gpu_train_->num_batches() == 0)
-        cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),
-                         " training images per process, fewer than one batch of ", o.batch_size);
+  switch (kind_) {
+    case DataKind::Synthetic:
+      open_synthetic();
       return;
-    }
-    img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
-    img_test_ = std::make_unique<data::ImageLoader>(std::move(val), eo);
-    if (img_train_->num_batches() == 0)
-      cli::usage_error("--data '", o.data, "': ", img_train_->samples_per_epoch(),
-                       " training images per process, fewer than one "
-                       "batch of ",
-                       o.batch_size);
-    return;
+    case DataKind::ImageFolder:
+      open_image_folder();
+      return;
+    case DataKind::FashionMnist:
+    case DataKind::Idx:
+      open_idx();
+      return;
   }
+}
+
+// --dummy: ImageNet's shape and normalisation, one device batch of random images reused by every
+// step (labels are drawn per step: SyntheticStream).
+void TrainData::open_synthetic() {
+  const DataOptions& o = opts_;
+  if (o.dummy_images < o.batch_size * o.world_size)
+    cli::usage_error("--dummy-images ", o.dummy_images, ": fewer than one batch of ", o.batch_size,
+                     " per process");
+  num_classes_ = 1000;
+  channels_ = 3;
+  height_ = width_ = resize_size_ = o.image_size;
+  train_size_ = o.dummy_images;
+  test_size_ =
+      std::max(o.batch_size * o.world_size, int64_t(std::llround(double(o.dummy_images) / 25.6)));
+  mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
+  stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
+  description_ = "synthetic data (--dummy)";
+  Generator g(o.seed);
+  dummy_x_ = amp::prepare_input(randn({o.batch_size, 3, o.image_size, o.image_size}, {}, &g),
+                                o.device, o.precision);
+}
+
+// ImageFolder: --data/train and --data/val holding the same class folders, ImageNet's
+// normalisation, decoded by the CPU workers or, with --decoder nvjpeg, on the GPU.
+void TrainData::open_image_folder() {
+  const DataOptions& o = opts_;
+  data::ImageFolder train = list_image_folder(o.data + "/train");
+  data::ImageFolder val = list_image_folder(o.data + "/val");
+  take_folder_classes(train, val);
+  mean_.assign(std::begin(data::kImageNetMean), std::end(data::kImageNetMean));
+  stddev_.assign(std::begin(data::kImageNetStd), std::end(data::kImageNetStd));
+  channels_ = 3;
+  height_ = width_ = o.image_size;
+  resize_size_ = int64_t(std::llround(double(o.image_size) * 256.0 / 224.0));
+  train_size_ = train.size();
+  test_size_ = val.size();
+  description_ = "ImageFolder " + o.data;
+  const bool gpu = decoder_is_nvjpeg(o);
+  const data::ImageLoaderOptions lo = image_train_options(o, resize_size_);
+  if (gpu)
+    open_gpu_jpeg_loaders(std::move(train), std::move(val), lo);
+  else
+    open_image_loaders(std::move(train), std::move(val), lo);
+}
+
+// The classes: train/'s class folders, which val/ must match, each a valid class name.
+void TrainData::take_folder_classes(const data::ImageFolder& train, const data::ImageFolder& val) {
+  const DataOptions& o = opts_;
+  if (train.classes() != val.classes())
+    cli::usage_error("--data '", o.data, "': train/ has ", train.num_classes(),
+                     " class folders and val/ ", val.num_classes(),
+                     "; both must hold the same class folders");
+  num_classes_ = train.num_classes();
+  class_names_ = train.classes();
+  try {
+    check_class_names(class_names_, "--data '" + o.data + "/train': class folders");
+  } catch (const Error& e) {
+    cli::usage_error(cli::without_location(e.what()));
+  }
+}
+
+// ImageFolder decoded by nvJPEG on the GPU (data/gpu_jpeg.h), with the stall guard.
+void TrainData::open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder val,
+                                      const data::ImageLoaderOptions& lo) {
+  const DataOptions& o = opts_;
+  const DType dt = image_dtype(o);
+  gpu_train_ = std::make_unique<data::GpuJpegLoader>(
+      std::move(train), lo, o.device, dt, data::NormalizeStats{}, o.host_decode_fraction);
+  gpu_test_ =
+      std::make_unique<data::GpuJpegLoader>(std::move(val), image_eval_options(lo), o.device, dt,
+                                            data::NormalizeStats{}, o.host_decode_fraction);
+  gpu_train_->set_stall_handler(exit_on_stall);
+  gpu_test_->set_stall_handler(exit_on_stall);
+  description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
+  if (gpu_train_->num_batches() == 0)
+    cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),
+                     " training images per process, fewer than one batch of ", o.batch_size);
+}
+
+// ImageFolder decoded by the CPU workers (data/image_loader.h).
+void TrainData::open_image_loaders(data::ImageFolder train, data::ImageFolder val,
+                                   const data::ImageLoaderOptions& lo) {
+  const DataOptions& o = opts_;
+  img_train_ = std::make_unique<data::ImageLoader>(std::move(train), lo);
+  img_test_ = std::make_unique<data::ImageLoader>(std::move(val), image_eval_options(lo));
+  if (img_train_->num_batches() == 0)
+    cli::usage_error("--data '", o.data, "': ", img_train_->samples_per_epoch(),
+                     " training images per process, fewer than one batch of ", o.batch_size);
+}
+
+// IDX: Fashion-MNIST (10 classes, its class names) or a folder of MNIST-style files (as many
+// classes as the training labels imply, names from classes.txt beside them when present); the
+// model's input is the images' own size, one channel.
+void TrainData::open_idx() {
+  const DataOptions& o = opts_;
   const bool fmnist = kind_ == DataKind::FashionMnist;
   const std::string dir = fmnist ? data::kFashionMnistDir : o.data;
-  auto load = [&](data::Split s) {  // a missing or malformed IDX file: the user's to fix
-    return cli::user_input(fmnist ? "fashion-mnist: " : "--data: ", [&] {
-      return fmnist ? data::load_fashion_mnist(dir, s) : data::load_mnist(dir, s);
-    });
-  };
-  data::IdxPair train = load(data::Split::Train), test = load(data::Split::Test);
-  // Fashion-MNIST has 10 classes; other IDX data as many as its training labels imply. Test
-  // labels outside them would be read past the logits: refused here, when the data is opened.
+  const data::IdxPair train = load_idx(fmnist, dir, data::Split::Train);
+  const data::IdxPair test = load_idx(fmnist, dir, data::Split::Test);
+  // Test labels outside the training labels' classes would be read past the logits: refused
+  // here, when the data is opened.
   num_classes_ = fmnist ? 10 : data::infer_num_classes(train);
   data::check_labels(train, num_classes_);
   data::check_labels(test, num_classes_);
@@ -298,33 +403,18 @@ TrainData::TrainData(const DataOptions& o)
   train_size_ = train.images.size(0);
   test_size_ = test.images.size(0);
   description_ = (fmnist ? "Fashion-MNIST " : "IDX ") + dir;
-
-  data::LoaderOptions lo;
-  lo.batch_size = o.batch_size;
-  lo.shuffle = true;
-  lo.drop_last = true;
-  lo.seed = o.seed;
-  lo.workers = o.workers;
-  if (fmnist) {  // the training set's pixel mean and std
-    lo.mean = {0.2860f};
-    lo.stddev = {0.3530f};
-  } else {
-    auto [m, s] = pixel_stats(train.images);
-    lo.mean = {m};
-    lo.stddev = {s};
-  }
-  if (o.augment) {
-    lo.crop_padding = 4;
-    lo.horizontal_flip = true;
-  }
+  const data::LoaderOptions lo = idx_train_options(o, fmnist, train.images);
   mean_ = lo.mean;
   stddev_ = lo.stddev;
-  data::LoaderOptions eo = lo;
-  eo.shuffle = false;
-  eo.drop_last = false;
-  eo.crop_padding = 0;
-  eo.horizontal_flip = false;
-  eo.batch_size = o.eval_batch_size;
+  open_idx_loaders(train, test, lo);
+  if (o.device.is_cuda()) open_idx_device_loaders();
+}
+
+// The IDX loaders over this rank's shard (DistributedSampler when world_size > 1).
+void TrainData::open_idx_loaders(const data::IdxPair& train, const data::IdxPair& test,
+                                 data::LoaderOptions lo) {
+  const DataOptions& o = opts_;
+  data::LoaderOptions eo = idx_eval_options(lo, o.eval_batch_size);
   if (o.world_size > 1) {
     lo.shuffle = false;
     lo.sampler = std::make_shared<data::DistributedSampler>(
@@ -338,19 +428,18 @@ TrainData::TrainData(const DataOptions& o)
   if (test_size_ == 0)
     cli::usage_error("--data '", o.data, "': the test set ", test.images_path, " holds no images");
   if (idx_train_->num_batches() == 0)
-    cli::usage_error("--data '", o.data,
-                     "': fewer training images per "
-                     "process than one batch of ",
+    cli::usage_error("--data '", o.data, "': fewer training images per process than one batch of ",
                      o.batch_size);
-  if (o.device.is_cuda()) {
-    // The whole dataset lives on the GPU and batches are made there (issue 19): in the form
-    // amp::prepare_input gives a CPU batch, f16 channels-last or f32 contiguous.
-    const bool half = o.precision == amp::Precision::Mixed16;
-    const DType dt = half ? DType::f16 : DType::f32;
-    const MemoryFormat fmt = half ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-    dev_train_ = std::make_unique<data::DeviceLoader>(*idx_train_, o.device, dt, fmt);
-    dev_test_ = std::make_unique<data::DeviceLoader>(*idx_test_, o.device, dt, fmt);
-  }
+}
+
+// On a CUDA device the whole IDX dataset lives on the GPU and batches are made there (issue 19):
+// in the form amp::prepare_input gives a CPU batch, f16 channels-last or f32 contiguous.
+void TrainData::open_idx_device_loaders() {
+  const bool half = opts_.precision == amp::Precision::Mixed16;
+  const DType dt = half ? DType::f16 : DType::f32;
+  const MemoryFormat fmt = half ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  dev_train_ = std::make_unique<data::DeviceLoader>(*idx_train_, opts_.device, dt, fmt);
+  dev_test_ = std::make_unique<data::DeviceLoader>(*idx_test_, opts_.device, dt, fmt);
 }
 
 TrainData::~TrainData() = default;
@@ -376,10 +465,7 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
   if (dev_train_) return std::make_unique<DeviceIdxStream>(dev_train_->epoch(e));
   if (idx_train_)
     return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
-  const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
-                       ? DType::f16
-                       : DType::f32;
-  return std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, dt);
+  return std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, image_dtype(opts_));
 }
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {
@@ -390,10 +476,7 @@ std::unique_ptr<BatchStream> TrainData::test_epoch() const {
   if (dev_test_) return std::make_unique<DeviceIdxStream>(dev_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);
-  const DType dt = opts_.device.is_cuda() && opts_.precision == amp::Precision::Mixed16
-                       ? DType::f16
-                       : DType::f32;
-  return std::make_unique<ImageStream>(img_test_->epoch(0), opts_.device, dt);
+  return std::make_unique<ImageStream>(img_test_->epoch(0), opts_.device, image_dtype(opts_));
 }
 
 }  // namespace kiln::train

@@ -14,8 +14,12 @@
 namespace kiln::data {
 class DataLoader;
 class DeviceLoader;
+class ImageFolder;
 class ImageLoader;
 class GpuJpegLoader;
+struct IdxPair;
+struct ImageLoaderOptions;
+struct LoaderOptions;
 }  // namespace kiln::data
 
 namespace kiln::train {
@@ -96,6 +100,19 @@ class TrainData {
   std::unique_ptr<BatchStream> test_epoch() const;  // this rank's shard, in order
 
  private:
+  // The constructor's steps, by kind of data (train_data.cpp says what each one sets).
+  void open_synthetic();
+  void open_image_folder();
+  void take_folder_classes(const data::ImageFolder& train, const data::ImageFolder& val);
+  void open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder val,
+                             const data::ImageLoaderOptions& lo);
+  void open_image_loaders(data::ImageFolder train, data::ImageFolder val,
+                          const data::ImageLoaderOptions& lo);
+  void open_idx();
+  void open_idx_loaders(const data::IdxPair& train, const data::IdxPair& test,
+                        data::LoaderOptions lo);
+  void open_idx_device_loaders();
+
   DataOptions opts_;
   DataKind kind_;
   std::string description_;

@@ -1,0 +1,323 @@
+// Batch norm on f16 NHWC activations, the forward passes (contract in cuda/kernels.h): the
+// statistics finalized into scale and shift, then y = x·scale + shift (+ z) (ReLU), the two batch
+// norms meeting at the residual add, and the ResNet stem's batch norm + ReLU + max pool. Shared
+// helpers in bn_nhwc.cuh.
+#include "cuda/kernels/bn_nhwc.cuh"
+
+namespace kiln::cuda {
+namespace {
+
+// ---- forward ----
+
+// BnStatsFinalize as raw pointers (null: undefined); sum == nullptr: nothing to finalize, the
+// scale_shift is an input.
+struct Finalize {
+  float *mean = nullptr, *invstd = nullptr, *scale_shift = nullptr, *rm = nullptr, *rv = nullptr;
+  const float *sum = nullptr, *sqsum = nullptr, *w = nullptr, *b = nullptr;
+  int64_t* counter = nullptr;
+  double n = 0, momentum = 0, eps = 0;
+};
+
+// One thread per channel, in double; thread 0 also counts.
+__global__ void finalize_kernel(Finalize f, int64_t C) {
+  pdl_start();
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t == 0 && f.counter != nullptr) ++*f.counter;
+  for (int64_t c = t; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+    const double mu = double(f.sum[c]) / f.n;
+    const double var = fmax(double(f.sqsum[c]) / f.n - mu * mu, 0.0);
+    const double k = 1.0 / sqrt(var + f.eps);
+    const double scale = (f.w != nullptr ? double(f.w[c]) : 1.0) * k;
+    f.mean[c] = float(mu);
+    f.invstd[c] = float(k);
+    f.scale_shift[c] = float(scale);
+    f.scale_shift[C + c] = float((f.b != nullptr ? double(f.b[c]) : 0.0) - mu * scale);
+    if (f.rm != nullptr) {
+      f.rm[c] = float((1.0 - f.momentum) * double(f.rm[c]) + f.momentum * mu);
+      f.rv[c] = float((1.0 - f.momentum) * double(f.rv[c]) + f.momentum * var * f.n / (f.n - 1.0));
+    }
+  }
+}
+
+// The scale and shift of vector i's 8 channels.
+__device__ inline void factors8(const float* ss, int64_t i, int64_t G, int64_t C, Vec8& sc,
+                                Vec8& sh) {
+  const int64_t c0 = (i % G) * kVec;
+  sc = load8f(ss + c0);
+  sh = load8f(ss + C + c0);
+}
+
+// NaN stays NaN through the ReLU (a comparison with NaN is false).
+__device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
+
+// A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
+// the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
+// per-channel factors are loaded once, not per vector.
+template <bool kRelu, bool kAdd>
+__global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
+                             const uint4* __restrict__ z, const float* __restrict__ ss,
+                             uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
+  pdl_start();
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  Vec8 sc, sh;
+  factors8(ss, i, G, C, sc, sh);
+  for (; i < vecs; i += stride) {
+    if (!fixed) factors8(ss, i, G, C, sc, sh);
+    Vec8 v = load8(x, i);
+    Vec8 r;
+    if constexpr (kAdd) r = load8(z, i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float a = fmaf(v.v[j], sc.v[j], sh.v[j]);
+      if constexpr (kAdd) a += r.v[j];
+      if constexpr (kRelu) a = relu_keep_nan(a);
+      v.v[j] = a;
+    }
+    store8(y, i, v);
+    if constexpr (kRelu && kAdd) {
+      unsigned bits = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) bits |= unsigned(v.v[j] > 0.f) << j;
+      mask[i] = uint8_t(bits);
+    }
+  }
+}
+
+// ---- two batch norms meeting at the residual add ----
+
+__global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
+                                  const float* __restrict__ ssx, const uint4* __restrict__ r,
+                                  const float* __restrict__ ssr, uint8_t* __restrict__ mask,
+                                  int64_t vecs, int64_t G, int64_t C) {
+  pdl_start();
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const bool fixed = stride % G == 0;  // as in apply_kernel
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  Vec8 a1, b1, a2, b2;
+  auto load_factors = [&](int64_t v) {
+    factors8(ssx, v, G, C, a1, b1);
+    factors8(ssr, v, G, C, a2, b2);
+  };
+  load_factors(i);
+  for (; i < vecs; i += stride) {
+    if (!fixed) load_factors(i);
+    Vec8 v = load8(x, i);
+    const Vec8 u = load8(r, i);
+    unsigned bits = 0;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float a = relu_keep_nan(fmaf(v.v[j], a1.v[j], b1.v[j]) + fmaf(u.v[j], a2.v[j], b2.v[j]));
+      bits |= unsigned(a > 0.f) << j;
+      v.v[j] = a;
+    }
+    store8(y, i, v);
+    mask[i] = uint8_t(bits);
+  }
+}
+
+// ---- batch norm + ReLU + 3x3/2 max pool (the ResNet stem) ----
+
+// y = max_pool2d(relu(x·scale + shift), 3x3, stride 2, pad 1) and the window position (0-8) of
+// each maximum, bit for bit what apply_kernel<true, false> followed by max_pool_fwd_nhwc give:
+// each normalised value is rounded to f16 before the comparison, positions are visited in the
+// same order with the same rule (first valid, then NaN over a number, then strictly greater).
+// The normalised tensor itself is never written. Thread: one output pixel's 8 channels; grid
+// (ceil(OH·OW·G / kBlock), N) keeps the index arithmetic in 32 bits; the 9 loads are issued
+// before any is used. The kernel is bound by its instructions (72 normalise-round-compare steps
+// per thread), not by memory: comparing f16 keys instead of floats and 3 blocks per SM (80
+// registers) took it from 406 to 310 µs on the ResNet-50 stem at batch 256 (docs/lab/stem.md, v13).
+__global__ void __launch_bounds__(kBlock, 3)
+    relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
+                              const uint4* __restrict__ x, const float* __restrict__ scale_shift,
+                              int H, int W, int OH, int OW, int G) {
+  pdl_start();
+  const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= OH * OW * G) return;
+  const int g = t % G, pix = t / G, ow = pix % OW, oh = pix / OW;
+  const int64_t n = blockIdx.y, C = int64_t(G) * kVec;
+  const Vec8 sc = load8f(scale_shift + g * kVec), sh = load8f(scale_shift + C + g * kVec);
+  uint4 raw[9];
+  bool valid[9];
+#pragma unroll
+  for (int k = 0; k < 9; ++k) {
+    const int h = 2 * oh - 1 + k / 3, w = 2 * ow - 1 + k % 3;
+    valid[k] = h >= 0 && h < H && w >= 0 && w < W;
+    if (valid[k]) raw[k] = x[((n * H + h) * W + w) * G + g];
+  }
+  // The comparison runs on the f16 bits with the sign cleared: after the ReLU a value is +0,
+  // -0 (kept, as relu_keep_nan keeps it), positive or NaN (one bit pattern once rounded to f16),
+  // so this key orders them as max_pool_fwd_nhwc's float comparison does — ±0 tie, NaN above
+  // every number, NaNs tie — and a strictly greater key takes over: first position wins ties.
+  // (A NaN is stored as rounded; the unfused pool passes it through float and back, which may
+  // change its sign or payload bits. Numbers are identical.)
+  int key[kVec];
+  unsigned bits[kVec], arg[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    key[j] = -1;  // below every key: the first valid position always takes over
+    bits[j] = 0xfc00u;  // -inf, as max_pool_fwd_nhwc for a window without input (not reached)
+    arg[j] = 0xffu;
+  }
+#pragma unroll
+  for (int k = 0; k < 9; ++k) {
+    if (!valid[k]) continue;
+    const __half2* hv = reinterpret_cast<const __half2*>(&raw[k]);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float2 f2 = __half22float2(hv[j / 2]);
+      const float a = relu_keep_nan(fmaf(j % 2 ? f2.y : f2.x, sc.v[j], sh.v[j]));
+      const unsigned h = __half_as_ushort(__float2half_rn(a));
+      const int kk = int(h & 0x7fffu);
+      if (kk > key[j]) {
+        key[j] = kk;
+        bits[j] = h;
+        arg[j] = unsigned(k);
+      }
+    }
+  }
+  uint4 out;
+  uint2 packed{0u, 0u};
+  unsigned* ow32 = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+  for (int j = 0; j < kVec / 2; ++j) ow32[j] = bits[2 * j] | (bits[2 * j + 1] << 16);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) (j < 4 ? packed.x : packed.y) |= arg[j] << (8 * (j % 4));
+  const int64_t o = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g;
+  y[o] = out;
+  idx[o] = packed;
+}
+
+// ---- host side ----
+
+// f's pointers, checked against x's channels.
+Finalize finalize_args(const BnStatsFinalize& f, const Tensor& x, const char* op) {
+  const int64_t C = x.size(1);
+  Finalize d;
+  d.scale_shift =
+      required(f32_ptr(f.scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  if (!f.sum.defined()) return d;
+  KILN_CHECK(f.count > 1, op, " (cuda): needs more than one value per channel, got ", f.count);
+  d.mean = required(f32_ptr(f.save_mean, C, x, op, "save_mean"), op, "save_mean");
+  d.invstd = required(f32_ptr(f.save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
+  d.sum = required(f32_ptr(f.sum, C, x, op, "sum"), op, "sum");
+  d.sqsum = required(f32_ptr(f.sqsum, C, x, op, "sqsum"), op, "sqsum");
+  d.w = f32_ptr(f.weight, C, x, op, "weight");
+  d.b = f32_ptr(f.bias, C, x, op, "bias");
+  d.rm = f32_ptr(f.running_mean, C, x, op, "running_mean");
+  d.rv = f32_ptr(f.running_var, C, x, op, "running_var");
+  KILN_CHECK((d.rm == nullptr) == (d.rv == nullptr), op,
+             " (cuda): running_mean and running_var must be given together");
+  if (f.counter.defined()) {
+    KILN_CHECK(f.counter.dtype() == DType::i64 && f.counter.numel() == 1 &&
+                   f.counter.device() == x.device(),
+               op, " (cuda): counter must be one i64 value on ", x.device(), ", got ",
+               f.counter.desc());
+    d.counter = static_cast<int64_t*>(f.counter.raw_data());
+  }
+  d.n = double(f.count);
+  d.momentum = f.momentum;
+  d.eps = f.eps;
+  return d;
+}
+
+// f finalized (when it has statistics); its scale_shift is then the apply kernels' input.
+// Finalizing inside the apply kernels, each block into shared memory, made them 11 µs slower
+// per call (docs/lab/batch-norm.md): their 4 waves of blocks each paid the double-precision
+// arithmetic's latency.
+const float* finalized(const Finalize& f, int64_t C) {
+  if (f.sum != nullptr) {
+    launch(finalize_kernel, grid_for(C), kBlock, 0, current_stream(), f, C);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  return f.scale_shift;
+}
+
+}  // namespace
+
+void bn_nhwc_finalize(const BnStatsFinalize& f) {
+  const char* op = "bn_nhwc_finalize";
+  KILN_CHECK(f.sum.defined() && f.sum.is_cuda() && f.sum.dim() == 1, op,
+             " (cuda): sum must be a CUDA vector, got ", f.sum.defined() ? f.sum.desc() : "undefined");
+  const int64_t C = f.sum.numel();
+  // finalize_args checks the channel count against x's dimension 1: a (1, C) view of sum.
+  const Finalize d = finalize_args(f, f.sum.reshape({1, C}), op);
+  launch(finalize_kernel, grid_for(C), kBlock, 0, current_stream(), d, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
+                   bool relu, const Tensor& mask) {
+  const char* op = "bn_nhwc_apply";
+  check_x(x, op);
+  check_act(y, x, op, "y");
+  if (z.defined()) check_act(z, x, op, "z");
+  const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
+  uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
+  if (vecs == 0) return;
+  const float* ss = finalized(finalize_args(f, x, op), C);
+  const unsigned grid = grid_for(vecs);
+  cudaStream_t s = current_stream();
+  const uint4* zp = z.defined() ? vec_in(z) : nullptr;
+  auto apply = [&](auto kernel) {
+    launch(kernel, grid, kBlock, 0, s, vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
+  };
+  if (relu && z.defined())
+    apply(apply_kernel<true, true>);
+  else if (relu)
+    apply(apply_kernel<true, false>);
+  else if (z.defined())
+    apply(apply_kernel<false, true>);
+  else
+    apply(apply_kernel<false, false>);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize& f_x,
+                        const Tensor& r, const BnStatsFinalize& f_r, const Tensor& mask) {
+  const char* op = "bn_nhwc_dual_apply";
+  check_x(x, op);
+  check_act(y, x, op, "y");
+  check_act(r, x, op, "r");
+  const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
+  uint8_t* mp = mask_ptr(mask, vecs, x, op);
+  if (vecs == 0) return;
+  const float* ssx = finalized(finalize_args(f_x, x, op), C);
+  const float* ssr = finalized(finalize_args(f_r, x, op), C);
+  launch(dual_apply_kernel, grid_for(vecs), kBlock, 0, current_stream(), vec_out(y), vec_in(x), ssx,
+         vec_in(r), ssr, mp, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
+                           const Tensor& scale_shift) {
+  const char* op = "bn_nhwc_relu_max_pool";
+  check_x(x, op);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1;  // 3x3, stride 2, pad 1
+  const Shape out{N, C, OH, OW};
+  KILN_CHECK(y.defined() && y.dtype() == DType::f16 && y.shape() == out &&
+                 y.device() == x.device() && y.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): y must be f16 channels-last ", shape_str(out), " for x ", x.desc(),
+             ", got ", y.defined() ? y.desc() : "undefined");
+  KILN_CHECK(indices.defined() && indices.dtype() == DType::u8 && indices.shape() == out &&
+                 indices.device() == x.device() &&
+                 indices.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): indices must be u8 channels-last ", shape_str(out), ", got ",
+             indices.defined() ? indices.desc() : "undefined");
+  KILN_CHECK(N <= 65535 && OH * OW * (C / kVec) < (int64_t(1) << 31), op,
+             " (cuda): x ", x.desc(), " is too large for this kernel");
+  const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
+  if (y.numel() == 0) return;
+  const int G = int(C / kVec);
+  const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
+  launch(relu_max_pool_k3s2_kernel, grid, kBlock, 0, current_stream(), vec_out(y),
+         static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH), int(OW),
+         G);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,47 @@
+// kiln's one error family (core/error.h): detail::fail throws the class its ErrorKind names,
+// every one of them a kiln::Error, with the message, file:line and the failed expression.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <typeindex>
+#include <typeinfo>
+
+#include "core/error.h"
+#include "tests/test_util.h"
+
+using namespace kiln;
+using kiln::testing::error_of;
+
+namespace {
+
+[[noreturn]] void fail_as(ErrorKind kind) {
+  detail::fail(kind, "/checkout/cuda/nccl.cpp", 42, "ncclAllReduce(...)", "NCCL error unhandled");
+}
+
+// The dynamic class of the kiln::Error that fail_as(kind) throws.
+std::type_index thrown_class(ErrorKind kind) {
+  try {
+    fail_as(kind);
+  } catch (const Error& e) {
+    return typeid(e);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ErrorKind::Nccl throws NcclError, a kiln::Error") {
+  CHECK_THROWS_AS(fail_as(ErrorKind::Nccl), NcclError);
+  CHECK_THROWS_AS(fail_as(ErrorKind::Nccl), Error);
+  CHECK(thrown_class(ErrorKind::Nccl) == typeid(NcclError));
+  CHECK(error_of([] { fail_as(ErrorKind::Nccl); }) ==
+        "NCCL error unhandled [cuda/nccl.cpp:42, check failed: ncclAllReduce(...)]");
+}
+
+TEST_CASE("every ErrorKind throws its own class") {
+  CHECK(thrown_class(ErrorKind::Generic) == typeid(Error));
+  CHECK(thrown_class(ErrorKind::Cuda) == typeid(CudaError));
+  CHECK(thrown_class(ErrorKind::Cudnn) == typeid(CudnnError));
+  CHECK(thrown_class(ErrorKind::Cublas) == typeid(CublasError));
+  CHECK(thrown_class(ErrorKind::Nccl) == typeid(NcclError));
+  CHECK(thrown_class(ErrorKind::OutOfMemory) == typeid(OutOfMemoryError));
+}
