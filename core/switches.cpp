@@ -18,9 +18,6 @@ Switches read_switches() {
   const char* sc = std::getenv("KILN_STEM_CONV");
   s.stem_conv = is(sc, "0") ? 0 : is(sc, "forward") ? 1 : 2;
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
-  const char* sb = std::getenv("KILN_BN_SUMS_BLOCKS");
-  const long blocks = sb ? std::strtol(sb, nullptr, 10) : 0;
-  if (blocks > 0 && blocks <= 64) s.bn_sums_blocks = int(blocks);
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.grad_overwrite = !is(std::getenv("KILN_GRAD_OVERWRITE"), "0");
   const char* b = std::getenv("KILN_CUDNN_BACKEND");

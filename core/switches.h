@@ -11,9 +11,6 @@
 // | KILN_FUSED_DGRAD         | 0                   | a block tail's BN backward does not take the    |
 // |                          |                     | next 1x1 convolution's data gradient into its   |
 // |                          |                     | own GEMM (before v14)                           |
-// | KILN_BN_SUMS_BLOCKS      | N in 1..64          | the BN sums kernels split rows over N blocks    |
-// |                          |                     | per SM (8 before v14), not over the             |
-// |                          |                     | blocks an SM holds at once                      |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before v14)                                     |
@@ -45,7 +42,8 @@
 // |                          |                     | GpuJpegLoader::set_stall_timeout)               |
 //
 // Retired with their closed experiments (the old paths they kept are gone or are the general
-// fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH; their
+// fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH,
+// KILN_BN_SUMS_BLOCKS (the one-wave sums of v14 are the only sizing now); their
 // measurements stay in docs/lab/ and docs/performance.md.
 //
 // Launch settings are not switches: KILN_RDZV_PORT and KILN_LAUNCHER are read with the
@@ -64,7 +62,6 @@ struct Switches {
   bool tail_tma_epi = true;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
-  int bn_sums_blocks = 0;  // 0: the kernel's resident blocks per SM
   bool accumulate_grads = true;
   bool grad_overwrite = true;
   int cudnn_backend = 1;  // 0 off, 1 auto, 2 force (cuda::ConvBackend)

@@ -200,9 +200,8 @@ inline void check_act(const Tensor& t, const Tensor& x, const char* op, const ch
 }
 
 // Blocks of `kernel` (kBlock threads, no dynamic shared memory) resident on one SM of the
-// current device. KILN_BN_SUMS_BLOCKS=N says N instead.
+// current device.
 inline int resident_blocks(const void* kernel) {
-  if (switches().bn_sums_blocks > 0) return switches().bn_sums_blocks;
   return resident_blocks_per_sm(kernel, kBlock, 0);
 }
 
