@@ -52,9 +52,19 @@ std::string dir_of(const std::string& path) {
 }  // namespace
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
+  // What is there already must be a regular file (or nothing): renaming over a device node, a
+  // FIFO or a folder would replace something that is not a file this write produced.
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    KILN_IO_FAIL("'", path, "' exists and is not a regular file (",
+                 S_ISDIR(st.st_mode) ? "a folder" : "a device, FIFO or socket",
+                 "); refusing to replace it: choose another file name");
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  KILN_CHECK(fd >= 0, "cannot create '", tmp, "': ", std::strerror(errno));
+  // O_EXCL | O_NOFOLLOW: never through a link or into a file someone left under that name.
+  ::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  KILN_IO_CHECK(fd >= 0, "cannot create '", tmp, "' (to be renamed to '", path,
+                "'): ", std::strerror(errno));
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
@@ -63,19 +73,20 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
       int err = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      KILN_FAIL("writing '", tmp, "' failed: ", std::strerror(err));
+      KILN_IO_FAIL("writing '", path, "' failed: ", std::strerror(err), " (", done, " of ",
+                   bytes.size(), " bytes written; the temporary file is removed)");
     }
     done += size_t(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     int err = errno;
     ::unlink(tmp.c_str());
-    KILN_FAIL("flushing '", tmp, "' failed: ", std::strerror(err));
+    KILN_IO_FAIL("flushing '", path, "' failed: ", std::strerror(err));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int err = errno;
     ::unlink(tmp.c_str());
-    KILN_FAIL("renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err));
+    KILN_IO_FAIL("renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err));
   }
   // Make the rename itself durable.
   int dfd = ::open(dir_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -233,10 +244,10 @@ SafetensorsData load_safetensors(const std::string& path) {
   Fd f;
   // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  KILN_CHECK(f.fd >= 0, "cannot open safetensors file '", path, "': ", std::strerror(errno));
+  KILN_IO_CHECK(f.fd >= 0, "cannot open safetensors file '", path, "': ", std::strerror(errno));
   struct stat st;
-  KILN_CHECK(::fstat(f.fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
-  KILN_CHECK(S_ISREG(st.st_mode), "'", path,
+  KILN_IO_CHECK(::fstat(f.fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+  KILN_IO_CHECK(S_ISREG(st.st_mode), "'", path,
              "' is not a regular file (a folder, FIFO or device); expected a safetensors file");
   const uint64_t size = uint64_t(st.st_size);
   KILN_CHECK(size >= 8, "'", path, "' is not a safetensors file (", size,
@@ -257,7 +268,7 @@ SafetensorsData load_safetensors(const std::string& path) {
   try {
     header = json::parse(text);
   } catch (const Error& e) {
-    KILN_FAIL("'", path, "': malformed safetensors header: ", e.what());
+    KILN_FAIL("'", path, "': malformed safetensors header: ", strip_location(e.what()));
   }
   KILN_CHECK(header.is_object(), "'", path, "': safetensors header is not a JSON object");
   const uint64_t data_start = 8 + hl, data_size = size - data_start;

@@ -426,11 +426,7 @@ struct GpuJpegLoader::Impl {
     const Image im = decode_image(e.bytes.data(), e.bytes.size(), name);
     resample_box(im.pixels.data(), im.height, im.width, 3, e.box, e.limit, dst, S, S, e.flip);
   }
-  static std::string reason_of(const std::exception& e) {
-    std::string s = e.what();
-    const size_t at = s.rfind(" [");
-    return at == std::string::npos ? s : s.substr(0, at);
-  }
+  static std::string reason_of(const std::exception& e) { return strip_location(e.what()); }
 };
 
 struct GpuJpegEpoch::State {

@@ -52,11 +52,12 @@ void check_writable(const Image& im, const char* what) {
 }
 
 void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  errno = 0;
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  KILN_CHECK(f, "cannot open '", path, "' for writing");
+  KILN_IO_CHECK(f, "cannot open '", path, "' for writing: ", std::strerror(errno));
   f.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
   f.close();
-  KILN_CHECK(f, "error writing '", path, "'");
+  KILN_IO_CHECK(f, "writing '", path, "' failed: ", std::strerror(errno));
 }
 
 // The width and height a PNG's IHDR or a JPEG's frame header (SOFn) claims, read without stb:

@@ -42,6 +42,12 @@ ImageFolder::ImageFolder(const std::string& root) : root_(root) {
     auto [d, q] = std::mismatch(dir.begin(), dir.end(), p.begin(), p.end());
     return d == dir.end();
   };
+  const fs::path real_root = fs::canonical(root, ec);
+  auto system_folder = [&](const fs::path& p) {
+    for (const char* sys : {"/proc", "/sys", "/dev"})
+      if (inside(p, sys)) return true;
+    return false;
+  };
   std::set<fs::path> visited;  // canonical folders already walked
   std::vector<std::string> empty_classes;
   for (size_t c = 0; c < classes_.size(); ++c) {
@@ -65,11 +71,21 @@ ImageFolder::ImageFolder(const std::string& root) : root_(root) {
           bool other_class = false;
           for (size_t k = 0; k < class_roots.size(); ++k)
             other_class |= k != c && inside(real, class_roots[k]);
-          if (other_class || !visited.insert(real).second) {
-            ++skipped_links_;
-            std::fprintf(stderr, "kiln: warning: ImageFolder: not following '%s' -> '%s' (%s)\n",
-                         p.c_str(), real.c_str(),
-                         other_class ? "inside another class folder" : "already visited: a loop?");
+          // A link to a folder holding the data itself (/, a parent) would walk the data again
+          // and everything around it; /proc, /sys and /dev hold no photographs.
+          const char* why = other_class                     ? "inside another class folder"
+                            : inside(real_root, real)       ? "it holds the data folder itself"
+                            : system_folder(real)           ? "a system folder"
+                            : !visited.insert(real).second ? "already visited: a loop?"
+                                                            : nullptr;
+          if (why != nullptr) {
+            // Named for the first ten; the rest counted (skipped_links()).
+            if (++skipped_links_ <= 10)
+              std::fprintf(stderr,
+                           "kiln: warning: ImageFolder: not following '%s' -> '%s' (%s)%s\n",
+                           p.c_str(), real.c_str(), why,
+                           skipped_links_ == 10 ? "; further links not followed are only counted"
+                                                : "");
             continue;
           }
           stack.push_back(p);

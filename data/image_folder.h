@@ -8,8 +8,9 @@
 // .jpeg or .png (any case); samples are sorted by path within a class, classes in class order.
 // The constructor only lists files: nothing is decoded, and nothing under root is ever written.
 // Symbolic links to folders are followed (as os.walk(followlinks=True)) unless the target was
-// already visited (a loop, or the same folder twice) or lies inside another class folder (its
-// images would get this class's label); such links are skipped, counted (skipped_links()) and
+// already visited (a loop, or the same folder twice), lies inside another class folder (its
+// images would get this class's label), holds root itself (a link to / or to a parent) or lies
+// in /proc, /sys or /dev; such links are skipped, counted (skipped_links()) and, the first ten,
 // named in a warning on stderr.
 // Errors (kiln::Error, naming the path): root missing or not a folder, no class folders, a
 // class folder without any image file.

@@ -25,11 +25,7 @@ uint64_t sample_seed(uint64_t seed, int64_t e, int64_t p) {
 }
 
 // kiln::Error texts end in " [file:line, check failed: ...]": drop that for user warnings.
-std::string reason_of(const std::exception& e) {
-  std::string s = e.what();
-  const size_t at = s.rfind(" [");
-  return at == std::string::npos ? s : s.substr(0, at);
-}
+std::string reason_of(const std::exception& e) { return strip_location(e.what()); }
 
 // Batch buffers recycled by size. Pinned buffers are costly to allocate (and cudaHostAlloc
 // synchronises the device), so they are kept for reuse rather than freed after each batch.
@@ -116,9 +112,14 @@ struct ImageLoader::Shared {
     std::lock_guard lk(mu);
     if (!bad.emplace(idx, reason).second) return;
     bad_log.push_back(reason);
-    // `reason` names the file (every read/decode error does).
-    if (warn)
-      std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s\n", reason.c_str());
+    // `reason` names the file (every read/decode error does). A folder of thousands of broken
+    // files gets ten lines, not thousands: the rest are counted (bad_files(), the epoch's log).
+    constexpr size_t kNamedWarnings = 10;
+    if (warn && bad_log.size() <= kNamedWarnings)
+      std::fprintf(stderr, "kiln: warning: skipping unreadable sample: %s%s\n", reason.c_str(),
+                   bad_log.size() == kNamedWarnings
+                       ? " (further unreadable samples are skipped and counted without a warning)"
+                       : "");
   }
 };
 
@@ -148,7 +149,8 @@ struct ImageEpoch::State {
       }
       list += (list.empty() ? "'" : ", '") + shared->folder[i].path + "'";
     }
-    KILN_FAIL("ImageLoader: ", bad.size(), " unreadable images in epoch ", epoch, " of '",
+    // The data's fault, not kiln's: an IoError (no source location), naming the files.
+    KILN_IO_FAIL("ImageLoader: ", bad.size(), " unreadable images in epoch ", epoch, " of '",
               shared->folder.root(), "', more than max(max_bad_fraction = ", opts.max_bad_fraction,
               " of its ", samples, " samples, min_bad_files = ", opts.min_bad_files, "): ", list);
   }

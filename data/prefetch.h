@@ -14,8 +14,12 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include "core/error.h"
 
 namespace kiln::data {
 
@@ -44,7 +48,17 @@ class PartedPrefetch {
         make_(std::move(make)),
         fill_(std::move(fill)) {
     slots_.resize(size_t(capacity_));
-    for (int i = 0; i < workers && n_ > 0; ++i) threads_.emplace_back([this] { work(); });
+    try {
+      for (int i = 0; i < workers && n_ > 0; ++i) threads_.emplace_back([this] { work(); });
+    } catch (const std::system_error& e) {
+      // Out of threads (ulimit -u, memory for stacks): the ones started are stopped and joined,
+      // and the error says how many could start.
+      const size_t started = threads_.size();
+      stop();
+      throw Error("cannot start " + std::to_string(workers) + " data-loading threads (" +
+                  std::to_string(started) + " started, then: " + e.what() +
+                  "); use fewer workers");
+    }
   }
   ~PartedPrefetch() { stop(); }
   PartedPrefetch(const PartedPrefetch&) = delete;

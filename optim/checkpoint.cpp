@@ -208,7 +208,7 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
     try {
       g.set_state(int_meta(meta, kRngPrefix + name, path));
     } catch (const Error& e) {
-      KILN_FAIL("'", path, "': RNG state '", kRngPrefix, name, "': ", e.what());
+      KILN_FAIL("'", path, "': RNG state '", kRngPrefix, name, "': ", strip_location(e.what()));
     }
     rng.emplace_back(target, g);
   };
@@ -248,7 +248,7 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
       state.optimizer->load_state_dict(optim);
     } catch (const Error& e) {
       state.optimizer->load_state_dict(previous);
-      KILN_FAIL("'", path, "': optimizer state: ", e.what());
+      KILN_FAIL("'", path, "': optimizer state: ", strip_location(e.what()));
     }
   }
   apply_load(plan);

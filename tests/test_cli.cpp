@@ -185,12 +185,18 @@ TEST_CASE("cli::Parser: --version and --help end the run with info()") {
   CHECK_THROWS_AS(q.parse({"--version", "--count", "0"}), cli::UsageError);  // still checked
 }
 
-TEST_CASE("cli::without_location drops kiln::Error's suffix only") {
+TEST_CASE("cli::without_location drops kiln::Error's locations, wherever they stand") {
   CHECK(cli::without_location("bad file 'x' [core/serialization.cpp:12, check failed: ok]") ==
         "bad file 'x'");
   CHECK(cli::without_location("bad [tools/a.cpp:7]") == "bad");
   CHECK(cli::without_location("list [1, 2]") == "list [1, 2]");
   CHECK(cli::without_location("plain") == "plain");
+  CHECK(cli::without_location("shape [2, 3] at [x.cpp:]") == "shape [2, 3] at [x.cpp:]");
+  // A message wrapping another's what(): the inner location goes too, nested brackets and all.
+  CHECK(cli::without_location("'f': optimizer state: unexpected key 'a' [optim/fused.cpp:180, "
+                              "check failed: live.count(key[0])]: resume elsewhere "
+                              "[tools/train/trainer.cpp:9]") ==
+        "'f': optimizer state: unexpected key 'a': resume elsewhere");
 }
 
 TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
@@ -267,7 +273,10 @@ TEST_CASE("kiln-train: PyTorch ImageNet example's spelling") {
   CHECK(msg({"--epochs", "2", "--start-epoch", "2"}) ==
         "--start-epoch 2: must be below --epochs 2");
   CHECK(msg({"--rank", "1"}) == "--rank 1 needs --world-size");
-  CHECK(msg({"-b", "0"}) == "-b '0': expected an integer >= 1");
+  CHECK(msg({"-b", "0"}) == "-b '0': expected an integer between 1 and 1048576");
+  // A batch whose element count would overflow (it crashed --dummy) is refused by its flag.
+  CHECK(msg({"-b", "4611686018427387904"}) ==
+        "-b '4611686018427387904': expected an integer between 1 and 1048576");
   CHECK(msg({"--gpu", "-1"}) == "--gpu '-1': expected an integer >= 0");
   // The multi-GPU command of main.py's README.
   train::Config m = train::parse_args({"-a", "resnet50", "--dist-url", "tcp://127.0.0.1:29501",
@@ -448,7 +457,8 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
   Run r = tool("kiln-loader-bench", "--output-dir " + (root / "corpus").string());
   CHECK(r.code == 1);
   CHECK(r.output == "kiln-loader-bench: error: --output-dir '" + (root / "corpus").string() +
-                        "' already holds a corpus; remove it or pass it as --folder\n");
+                        "' exists and is not an empty folder (a corpus it holds can be read with "
+                        "--folder); the generator writes into an empty or new folder only\n");
   // A corpus of 2 images in 1 class: less than a batch of 8; with a batch of 2, rows, but
   // nowhere to write them.
   const std::string tiny = "--generate 2 --classes 1 --batches 1 --workers 1 --decoder stb ";
@@ -459,8 +469,13 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
                        "--batch-size or add images\n"));
   r = tool("kiln-loader-bench", tiny + "-b 2 --json " + (file / "x.json").string());
   CHECK(r.code == 1);
-  CHECK(lines_end_with(r.output, "kiln-loader-bench: error: --json '" + (file / "x.json").string() +
-                                     "': cannot write it\n"));
+  // The rows go through write_file_atomic: its temporary file cannot be made under a file.
+  const std::string json_tail =
+      "' (to be renamed to '" + (file / "x.json").string() + "'): Not a directory\n";
+  CHECK(r.output.find("kiln-loader-bench: error: --json: cannot create '" +
+                      (file / "x.json").string() + ".tmp.") != std::string::npos);
+  CHECK(r.output.size() > json_tail.size());
+  CHECK(r.output.compare(r.output.size() - json_tail.size(), json_tail.size(), json_tail) == 0);
   std::error_code ec;
   fs::remove_all(root, ec);
 }

@@ -44,4 +44,14 @@ TEST_CASE("every ErrorKind throws its own class") {
   CHECK(thrown_class(ErrorKind::Cublas) == typeid(CublasError));
   CHECK(thrown_class(ErrorKind::Nccl) == typeid(NcclError));
   CHECK(thrown_class(ErrorKind::OutOfMemory) == typeid(OutOfMemoryError));
+  CHECK(thrown_class(ErrorKind::Io) == typeid(IoError));
+}
+
+TEST_CASE("IoError's message is complete: no location, no expression") {
+  CHECK(error_of([] {
+          detail::fail(ErrorKind::Io, "/checkout/core/serialization.cpp", 57, "fd >= 0",
+                       "cannot create 'x': Read-only file system");
+        }) == "cannot create 'x': Read-only file system");
+  const bool disk_full = true;
+  CHECK_THROWS_AS([&] { KILN_IO_CHECK(!disk_full, "writing 'y' failed"); }(), IoError);
 }

@@ -395,7 +395,11 @@ TEST_CASE("kiln-train: temporary files of killed saves are removed at start") {
   const fs::path stale = out / ("checkpoint.safetensors.tmp." + std::to_string(child));
   const fs::path live = out / ("checkpoint.safetensors.tmp." + std::to_string(::getppid()));
   std::ofstream(stale) << "partial";
-  // A folder holding only a killed save's temporary file counts as empty.
+  // Without an earlier kiln-train's lock file the name proves nothing: it may be the user's.
+  CHECK(run_error(job(out.string(), 1)).find("is not empty") != std::string::npos);
+  CHECK(fs::exists(stale));
+  // A folder a killed kiln-train left (its lock file, a save's temporary file) counts as empty.
+  std::ofstream(out / ".kiln-train.lock") << "12345";
   CHECK(train::plan_output(out.string(), train::OutputReuse::New, {}).dir == out.string());
   std::ofstream(live) << "someone else's";
   // One whose writer is alive does not: it may be another program's file.

@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
     std::string how;
     try {
       file = load_safetensors(in);
+      check_finite(file, "--in");
       if (file.metadata.count("format") && file.metadata.at("format") == "kiln-model-1") {
         info = read_model_metadata(file.metadata, in);
         check_metadata_matches_weights(info, infer_model_info(file.tensors, in), in);
@@ -91,7 +92,7 @@ int main(int argc, char** argv) {
     agree("--in-channels", std::to_string(in_channels), std::to_string(info.in_channels));
     agree("--width", std::to_string(width), std::to_string(info.width));
 
-    auto model = build_model(info);
+    auto model = cli::user_input("--arch: ", [&] { return build_model(info); });
     try {
       load_state(file.tensors, *model, KeyMatch::Strict, in);
     } catch (const Error& e) {
@@ -101,13 +102,17 @@ int main(int argc, char** argv) {
                 in.c_str(), info.arch.c_str(), state_dict(*model).size(), long(info.num_classes),
                 long(info.in_channels), how.c_str());
     if (!out.empty()) {
-      std::map<std::string, std::string> meta = file.metadata;
-      for (const auto& [k, v] : model_metadata(info)) meta[k] = v;
-      save_weights(out, *model, WeightsDType::Float32, meta);
+      // An older file's class names are read as they are, but never written when blank,
+      // repeated or holding control characters (optim/model_file.h).
+      std::map<std::string, std::string> meta = cli::user_input(
+          "--in '" + in + "' cannot be written back with its metadata: ",
+          [&] { return model_metadata(info); });
+      for (const auto& [k, v] : file.metadata) meta.emplace(k, v);
+      cli::user_input("--out: ", [&] { save_weights(out, *model, WeightsDType::Float32, meta); });
       std::printf("wrote %s\n", out.c_str());
     }
     if (!eval_in.empty()) {
-      SafetensorsData x = load_safetensors(eval_in);
+      SafetensorsData x = cli::user_input("--eval-input: ", [&] { return load_safetensors(eval_in); });
       if (x.tensors.size() != 1)
         cli::usage_error("--eval-input '", eval_in, "' must hold one tensor, has ",
                          x.tensors.size());
@@ -128,7 +133,8 @@ int main(int argc, char** argv) {
       model->to(dev);
       model->eval();
       Tensor logits = (*model)(t.to(DType::f32).to(dev)).to(Device::cpu());
-      save_safetensors(eval_out, {{"logits", logits}});
+      cli::user_input("--eval-output: ",
+                      [&] { save_safetensors(eval_out, {{"logits", logits}}); });
       std::printf("wrote %s: logits %s\n", eval_out.c_str(), logits.shape_str().c_str());
     }
     return 0;

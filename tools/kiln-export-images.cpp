@@ -5,7 +5,8 @@
 //                      [--data FASHION_MNIST_DIR]
 //
 // Layout: DIR/<k>_<class name>/<sample index>.png (data/export_images.h). A non-empty DIR is
-// refused unless --force.
+// refused unless --force; a DIR inside the --data folder always.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -39,6 +40,16 @@ int main(int argc, char** argv) {
     }
     if (out.empty()) cli::usage_error("--out DIR is required (see kiln-export-images --help)");
     std::error_code ec;
+    // Never into the data it reads (not even with --force): --out inside --data is refused.
+    const fs::path data_abs = fs::canonical(data_dir, ec);
+    const fs::path out_abs = fs::weakly_canonical(fs::absolute(out), ec);
+    if (!data_abs.empty()) {
+      const auto [d_end, o_end] = std::mismatch(data_abs.begin(), data_abs.end(), out_abs.begin(),
+                                                out_abs.end());
+      if (d_end == data_abs.end())
+        cli::usage_error("--out '", out, "' lies inside --data '", data_dir,
+                         "'; kiln-export-images never writes into the data it reads");
+    }
     if (!opts.force && fs::exists(out, ec) && !(fs::is_directory(out, ec) && fs::is_empty(out, ec)))
       cli::usage_error("--out '", out, "' is not an empty folder (--force writes into a folder)");
     const data::IdxPair d = cli::user_input("--data: ", [&] {

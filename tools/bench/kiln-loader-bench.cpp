@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "core/version.h"
 #include "core/generator.h"
+#include "core/serialization.h"
 #include "data/gpu_jpeg.h"
 #include "data/image.h"
 #include "data/image_loader.h"
@@ -258,9 +259,15 @@ int main(int argc, char** argv) {
       if (data::jpeg_turbo_available()) decoders.push_back("turbo");
       if (data::gpu_jpeg_available()) decoders.push_back("nvjpeg");
     }
-    for (const std::string& d : decoders)
+    for (const std::string& d : decoders) {
       if (d != "stb" && d != "turbo" && d != "nvjpeg")
         cli::usage_error("--decoder '", d, "': expected stb, turbo or nvjpeg");
+      if (d == "turbo" && !data::jpeg_turbo_available())
+        cli::usage_error("--decoder turbo: this kiln was built without libjpeg-turbo");
+      if (d == "nvjpeg" && !data::gpu_jpeg_available())
+        cli::usage_error("--decoder nvjpeg: this kiln was built without nvJPEG, or no GPU is "
+                         "present");
+    }
     std::vector<int> workers(worker_list.begin(), worker_list.end());
     if (workers.empty()) {
       const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -276,9 +283,11 @@ int main(int argc, char** argv) {
         root = temp_dir = tmpl;
       } else {
         root = out_dir;
-        if (fs::exists(root / "train") || fs::exists(root / "class0"))
+        std::error_code ec;
+        if (fs::exists(root, ec) && !(fs::is_directory(root, ec) && fs::is_empty(root, ec)))
           cli::usage_error("--output-dir '", out_dir,
-                           "' already holds a corpus; remove it or pass it as --folder");
+                           "' exists and is not an empty folder (a corpus it holds can be read "
+                           "with --folder); the generator writes into an empty or new folder only");
       }
       const fs::path train = val > 0 ? root / "train" : root;
       std::printf("generating %lld %s images in %lld classes under %s...\n",
@@ -343,9 +352,7 @@ int main(int argc, char** argv) {
         rows.push_back(r);
       }
     if (!json_path.empty()) {
-      std::ofstream f(json_path);
-      if (!f) cli::usage_error("--json '", json_path, "': cannot write it");
-      f << "[\n";
+      std::string f = "[\n";
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
         char line[512];
@@ -358,10 +365,10 @@ int main(int argc, char** argv) {
                       static_cast<long long>(r.images), static_cast<long long>(batch),
                       eval ? "eval" : "train", static_cast<long long>(r.bad),
                       i + 1 < rows.size() ? "," : "");
-        f << line;
+        f += line;
       }
-      f << "]\n";
-      if (!f) cli::usage_error("--json '", json_path, "': writing it failed");
+      f += "]\n";
+      cli::user_input("--json: ", [&] { write_file_atomic(json_path, f); });
     }
     return 0;
   });

@@ -1,5 +1,6 @@
 #include "tools/cli/cli.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -8,7 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 #include <type_traits>
+
+#include "core/text.h"
 
 namespace kiln::cli {
 
@@ -313,17 +317,7 @@ std::string Parser::help() const {
   return s;
 }
 
-std::string without_location(const std::string& what) {
-  const size_t open = what.rfind(" [");
-  if (open == std::string::npos || what.empty() || what.back() != ']') return what;
-  const std::string tail = what.substr(open + 2);
-  const size_t colon = tail.find(':');
-  // "[dir/file.ext:123" or "[dir/file.ext:123, check failed: ...]"
-  if (colon == std::string::npos || tail.find('.') > colon || colon + 1 >= tail.size() ||
-      !std::isdigit(static_cast<unsigned char>(tail[colon + 1])))
-    return what;
-  return what.substr(0, open);
-}
+std::string without_location(const std::string& what) { return strip_location(what); }
 
 void check_stdout() {
   errno = 0;
@@ -334,14 +328,38 @@ void check_stdout() {
               (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
 }
 
+void check_thread_variables() {
+  // libgomp starts OMP_NUM_THREADS threads at the first parallel region and crashes when it
+  // cannot (each takes a stack): refuse a count no machine of this size could serve.
+  const char* v = std::getenv("OMP_NUM_THREADS");
+  if (v == nullptr) return;
+  const std::string value(v);
+  const std::string first = value.substr(0, value.find(','));  // "outer,inner" for nested regions
+  const size_t digits = first.find_first_not_of(" \t");
+  if (digits == std::string::npos) return;
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(first.c_str() + digits, &end, 10);
+  if (end == first.c_str() + digits) return;  // not a number: libgomp ignores it
+  const unsigned long long hw = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned long long limit = std::max(256ull, 16 * hw);
+  if (errno == ERANGE || n > limit)
+    throw UsageError("OMP_NUM_THREADS=" + text::printable(value) + ": more threads than this " +
+                     "machine can start (it has " + std::to_string(hw) +
+                     " hardware threads); set it to at most " + std::to_string(limit) +
+                     ", or unset it");
+}
+
 int run_tool(const std::string& program, const std::function<int()>& body) {
   try {
+    check_thread_variables();
     const int code = body();
     check_stdout();
     return code;
   } catch (const std::exception& e) {
     std::fflush(stdout);
-    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
+    // One line, whatever the message quotes (a flag value or a path with a newline in it).
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), text::printable(e.what()).c_str());
     return 1;
   }
 }

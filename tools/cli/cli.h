@@ -44,8 +44,9 @@ template <typename... Args>
   throw UsageError(detail::str_cat(args...));
 }
 
-// `what` without the " [file.cpp:12, check failed: ...]" suffix kiln::Error adds: for passing on
-// a library's message about the user's own input (a file they named) inside a UsageError.
+// `what` without the " [file.cpp:12, check failed: ...]" parts kiln::Error adds (core/error.h's
+// strip_location): for passing on a library's message about the user's own input (a file they
+// named) inside a UsageError.
 std::string without_location(const std::string& what);
 
 // Returns fn(); a plain kiln::Error it throws becomes a UsageError "<prefix><its message without
@@ -159,8 +160,10 @@ class Parser {
 void check_stdout();
 
 // Runs a tool's body, then check_stdout(): returns the body's exit code, or prints
-// "<program>: error: <what>" on stderr and returns 1 for any exception (so output that was
-// lost is never an exit code 0).
+// "<program>: error: <what>" on stderr, on one line (text::printable: a newline a value held is
+// shown as \n), and returns 1 for any exception (so output that was lost is never an exit code
+// 0). Before the body, an OMP_NUM_THREADS larger than the machine could start (libgomp crashes
+// on it at the first parallel region) is refused.
 int run_tool(const std::string& program, const std::function<int()>& body);
 
 }  // namespace kiln::cli

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,10 +60,12 @@ bool inside(const fs::path& inner, const fs::path& outer) {
 // from an earlier kiln-train's lock file and stale temporary files.
 std::string why_not_empty(const std::string& dir) {
   std::error_code ec;
+  // Stale temporaries are kiln-train's only in a folder an earlier kiln-train locked.
+  const bool locked_before = fs::is_regular_file(fs::symlink_status(fs::path(dir) / kLockName, ec));
   std::vector<std::string> run, other;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name == kLockName || stale_temp(name)) continue;
+    if (name == kLockName || (locked_before && stale_temp(name))) continue;
     (is_run_file(name) ? run : other).push_back(name);
   }
   if (ec) cli::usage_error("--output '", dir, "': cannot list the folder: ", ec.message());
@@ -121,8 +124,9 @@ OutputDir::OutputDir(const OutputPlan& plan) : dir_(plan.dir), reuse_(plan.reuse
   if (ec) cli::usage_error("--output '", dir_, "': cannot create the folder: ", ec.message());
   if (!fs::is_directory(dir_, ec)) cli::usage_error("--output '", dir_, "' exists and is not a folder");
 
-  const std::string probe = file(".kiln-write-probe." + std::to_string(::getpid()));
-  const int pfd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // mkstemp: a name of its own (O_EXCL), never a file or link someone left there.
+  std::string probe = file(".kiln-write-probe.XXXXXX");
+  const int pfd = ::mkstemp(probe.data());
   if (pfd < 0) {
     const int err = errno;
     release();
@@ -140,11 +144,23 @@ OutputDir::OutputDir(const OutputPlan& plan) : dir_(plan.dir), reuse_(plan.reuse
   }
 
   const std::string lock = file(kLockName);
-  created_lock_ = !fs::exists(lock, ec);
-  lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  created_lock_ = !fs::exists(fs::symlink_status(lock, ec));
+  // O_NOFOLLOW: a link planted in the folder must not make kiln-train write somewhere else.
+  lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  struct stat lst;
+  if (lock_fd_ >= 0 && (::fstat(lock_fd_, &lst) != 0 || !S_ISREG(lst.st_mode))) {
+    ::close(lock_fd_);
+    lock_fd_ = -1;
+    errno = EINVAL;
+  }
   if (lock_fd_ < 0) {
     const int err = errno;
+    created_lock_ = false;  // not ours to remove
     release();
+    if (err == ELOOP || err == EINVAL)
+      cli::usage_error("--output '", dir_, "': '", lock,
+                       "' is not a regular file (a link, FIFO or device); remove it or choose "
+                       "another --output");
     cli::usage_error("--output '", dir_, "': cannot create '", lock, "': ", std::strerror(err));
   }
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -161,10 +177,15 @@ OutputDir::OutputDir(const OutputPlan& plan) : dir_(plan.dir), reuse_(plan.reuse
                        "; choose another --output or wait for it to finish");
     cli::usage_error("--output '", dir_, "': cannot lock '", lock, "': ", std::strerror(err));
   }
-  const std::string me = std::to_string(::getpid());
-  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) < 0) {
-    // The pid is only for the message above; the lock itself holds.
+  // The pid is only for the message above (the flock is the lock). An existing lock file's
+  // earlier contents come back should set-up fail, so a refused run leaves the folder as it was.
+  if (!created_lock_) {
+    char old[64];
+    const ssize_t n = ::pread(lock_fd_, old, sizeof old, 0);
+    if (n >= 0 && size_t(n) < sizeof old) lock_before_ = std::string(old, size_t(n));
+    else keep_lock_contents_ = true;  // not a pid we wrote: leave it
   }
+  if (!keep_lock_contents_) write_lock(std::to_string(::getpid()));
   if (reuse_ == OutputReuse::New) {  // again, under the lock: another run may have started
     const std::string why = why_not_empty(dir_);
     if (!why.empty()) {
@@ -173,16 +194,20 @@ OutputDir::OutputDir(const OutputPlan& plan) : dir_(plan.dir), reuse_(plan.reuse
     }
   }
 
-  // Temporary files of saves killed mid-write: their writer is gone (and, under our lock, no
-  // other kiln-train writes here).
-  for (const auto& e : fs::directory_iterator(dir_, ec)) {
-    const std::string name = e.path().filename().string();
-    if (!stale_temp(name) || !e.is_regular_file(ec)) continue;
-    if (fs::remove(e.path(), ec)) ++stale_removed_;
-  }
 }
 
 void OutputDir::begin() {
+  // Temporary files of saves killed mid-write, in a folder an earlier kiln-train locked: their
+  // writer is gone (and, under our lock, no other kiln-train writes here). Only now, at the
+  // commit point: a run refused during set-up leaves them.
+  std::error_code ec;
+  if (!created_lock_) {
+    for (const auto& e : fs::directory_iterator(dir_, ec)) {
+      const std::string name = e.path().filename().string();
+      if (!stale_temp(name) || !e.is_regular_file(ec) || e.is_symlink(ec)) continue;
+      if (fs::remove(e.path(), ec)) ++stale_removed_;
+    }
+  }
   if (reuse_ == OutputReuse::Overwrite) {
     for (const char* f : kRunFiles) {
       std::error_code ec;
@@ -195,9 +220,16 @@ void OutputDir::begin() {
   begun_ = true;
 }
 
+void OutputDir::write_lock(const std::string& text) {
+  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, text.data(), text.size(), 0) < 0) {
+    // Best effort: the contents are a message, not the lock.
+  }
+}
+
 void OutputDir::release() {
   std::error_code ec;
   if (created_lock_) fs::remove(file(kLockName), ec);
+  else if (lock_fd_ >= 0 && !keep_lock_contents_) write_lock(lock_before_);
   if (lock_fd_ >= 0) ::close(lock_fd_);
   lock_fd_ = -1;
   if (created_dir_ && fs::is_empty(dir_, ec)) fs::remove(dir_, ec);

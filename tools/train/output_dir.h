@@ -21,12 +21,14 @@
 // write access by creating, writing and removing a file; takes an exclusive lock on
 // DIR/.kiln-train.lock (flock, released by the kernel when the process dies, even by kill -9), so
 // a folder in use by a running kiln-train is refused in every mode, naming its pid; checks New's
-// emptiness again under the lock; removes temporary files of saves whose process is gone
-// ("<name>.tmp.<pid>", core/serialization.h).
-// begin(): Overwrite removes the previous run's files (kRunFiles) so the folder never mixes two
-// runs; New and Resume change nothing (RunLog trims a resumed run's logs).
+// emptiness again under the lock. It never follows a link planted in the folder.
+// begin(): removes temporary files of saves whose process is gone ("<name>.tmp.<pid>",
+// core/serialization.h), in a folder an earlier kiln-train locked; Overwrite removes the previous
+// run's files (kRunFiles) so the folder never mixes two runs; New and Resume change nothing else
+// (RunLog trims a resumed run's logs).
 // An OutputDir destroyed before begin() removes what its constructor created (the lock file, and
-// the folder when it made it), so a run that fails during set-up leaves no trace.
+// the folder when it made it) and puts back an existing lock file's contents, so a run that fails
+// during set-up leaves the folder byte for byte as it was.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -72,10 +74,13 @@ class OutputDir {
 
  private:
   void release();
+  void write_lock(const std::string& text);
   std::string dir_;
   OutputReuse reuse_;
   int lock_fd_ = -1;
   bool created_dir_ = false, created_lock_ = false, begun_ = false;
+  std::string lock_before_;          // an existing lock file's contents, restored by release()
+  bool keep_lock_contents_ = false;  // ... unless they were not a pid kiln-train wrote
   int64_t stale_removed_ = 0;
 };
 

@@ -1,6 +1,11 @@
 #include "tools/train/run_log.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,10 +20,36 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The lines of `path` whose number `key` is <= max; `dropped` says whether any went.
+// Opens `path` for appending, never through a link or into a FIFO or device: the run's own file.
+std::FILE* open_append(const std::string& path) {
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  KILN_IO_CHECK(fd >= 0, "cannot write '", path, "': ",
+                errno == ELOOP ? "it is a symbolic link (kiln-train writes its own files only)"
+                               : std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    KILN_IO_FAIL("cannot write '", path, "': it is not a regular file (a FIFO, device or socket)");
+  }
+  std::FILE* f = ::fdopen(fd, "a");
+  if (f == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    KILN_IO_FAIL("cannot write '", path, "': ", std::strerror(err));
+  }
+  return f;
+}
+
+// The lines of `path` whose number `key` is <= max; `dropped` says whether any went. `path` must
+// be a regular file: a FIFO or a link to a device would never end.
 std::string lines_up_to(const std::string& path, const std::string& key, double max,
                         bool* dropped) {
+  std::error_code ec;
+  KILN_IO_CHECK(fs::is_regular_file(path, ec), "cannot read '", path,
+                "': it is not a regular file (a folder, FIFO or device)");
   std::ifstream f(path);
+  KILN_IO_CHECK(f.good(), "cannot read '", path, "': ", std::strerror(errno));
   std::string kept;
   for (std::string line; std::getline(f, line);) {
     bool keep = false;
@@ -36,19 +67,18 @@ std::string lines_up_to(const std::string& path, const std::string& key, double 
 }
 
 void append(const std::string& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "a");
-  KILN_CHECK(f != nullptr, "cannot write '", path, "': ", std::strerror(errno));
+  std::FILE* f = open_append(path);
   const bool ok = std::fputs(text.c_str(), f) >= 0 && std::fflush(f) == 0;
   const int err = errno;
   const bool closed = std::fclose(f) == 0;
-  KILN_CHECK(ok && closed, "writing '", path, "' failed: ", std::strerror(err));
+  KILN_IO_CHECK(ok && closed, "writing '", path, "' failed: ", std::strerror(err));
 }
 
 }  // namespace
 
 void trim_jsonl(const std::string& path, const std::string& key, double max) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) return;
+  if (!fs::exists(fs::symlink_status(path, ec))) return;
   bool dropped = false;
   const std::string kept = lines_up_to(path, key, max, &dropped);
   if (dropped) write_file_atomic(path, kept);
@@ -72,8 +102,7 @@ RunLog::RunLog(const OutputDir& out, int64_t start_epoch, int64_t start_step,
       write_file_atomic(steps_path_, lines_up_to((from / "steps.jsonl").string(), "step", step,
                                                  nullptr));
   }
-  steps_ = std::fopen(steps_path_.c_str(), "a");
-  KILN_CHECK(steps_ != nullptr, "cannot write '", steps_path_, "': ", std::strerror(errno));
+  steps_ = open_append(steps_path_);
 }
 
 RunLog::~RunLog() {
@@ -82,8 +111,8 @@ RunLog::~RunLog() {
 
 void RunLog::step(const json::ObjectWriter& line) {
   const std::string text = line.str() + "\n";
-  KILN_CHECK(std::fputs(text.c_str(), steps_) >= 0, "writing '", steps_path_,
-             "' failed: ", std::strerror(errno));
+  KILN_IO_CHECK(std::fputs(text.c_str(), steps_) >= 0, "writing '", steps_path_,
+                "' failed: ", std::strerror(errno));
 }
 
 void RunLog::epoch(const json::ObjectWriter& line) {
@@ -92,8 +121,8 @@ void RunLog::epoch(const json::ObjectWriter& line) {
 }
 
 void RunLog::flush() {
-  KILN_CHECK(std::fflush(steps_) == 0, "writing '", steps_path_, "' failed: ",
-             std::strerror(errno));
+  KILN_IO_CHECK(std::fflush(steps_) == 0, "writing '", steps_path_, "' failed: ",
+                std::strerror(errno));
 }
 
 }  // namespace kiln::train

@@ -57,7 +57,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("-b, --batch-size", "N", &c.batch_size,
           "batch size PER PROCESS (main.py's -b is per node: with --nproc N\n"
           "the global batch is N times this)",
-          1);
+          1, kMaxBatchSize);
   p.value("--lr, --learning-rate", "LR", &c.lr, "peak learning rate", 0.0);
   p.value("--momentum", "M", &c.momentum, "SGD momentum", 0.0);
   p.flag("--nesterov", &c.nesterov, "SGD with Nesterov momentum");
@@ -190,8 +190,9 @@ void validate(const Config& a) {
   if (a.nproc < 1 || a.nproc > kMaxProcesses)
     cli::usage_error("--nproc ", a.nproc, ": expected an integer between 1 and ", kMaxProcesses);
   if (a.epochs < 1) cli::usage_error("--epochs ", a.epochs, ": expected an integer >= 1");
-  if (a.batch_size < 1)
-    cli::usage_error("--batch-size ", a.batch_size, ": expected an integer >= 1");
+  if (a.batch_size < 1 || a.batch_size > kMaxBatchSize)
+    cli::usage_error("--batch-size ", a.batch_size, ": expected an integer between 1 and ",
+                     kMaxBatchSize);
   if (a.print_freq < 1)
     cli::usage_error("--print-freq ", a.print_freq, ": expected an integer >= 1");
   if (a.evaluate && a.weights.empty() && a.pretrained.empty() && a.resume.empty())

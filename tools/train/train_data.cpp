@@ -193,6 +193,9 @@ bool decoder_is_nvjpeg(const DataOptions& o) {
   const bool gpu = o.decoder == "nvjpeg";
   if (gpu && !o.device.is_cuda())
     cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
+  if (gpu && !data::gpu_jpeg_available())
+    cli::usage_error("--decoder nvjpeg: this kiln was built without nvJPEG (CUDA builds find it "
+                     "in the toolkit); use --decoder cpu");
   return gpu;
 }
 
@@ -389,9 +392,19 @@ void TrainData::open_idx() {
   const data::IdxPair test = load_idx(fmnist, dir, data::Split::Test);
   // Test labels outside the training labels' classes would be read past the logits: refused
   // here, when the data is opened.
-  num_classes_ = fmnist ? 10 : data::infer_num_classes(train);
-  data::check_labels(train, num_classes_);
-  data::check_labels(test, num_classes_);
+  const std::string what = fmnist ? "fashion-mnist: " : "--data: ";
+  // Before the pixel statistics and the labels' checks, which need an image of a pixel or more.
+  for (const auto& [split, pair] : {std::pair{"training", &train}, std::pair{"test", &test}})
+    if (pair->images.numel() == 0)
+      cli::usage_error(what, "'", dir, "': the ", split, " set ", pair->images_path,
+                       " holds no images (its shape is ", pair->images.shape_str(),
+                       "; at least one image of 1x1 pixels or more is needed)");
+  num_classes_ = cli::user_input(what, [&] {
+    const int64_t k = fmnist ? 10 : data::infer_num_classes(train);
+    data::check_labels(train, k);
+    data::check_labels(test, k);
+    return k;
+  });
   channels_ = 1;
   height_ = train.images.size(1);
   width_ = train.images.size(2);

@@ -213,9 +213,6 @@ Trainer::Trainer(const Config& config) : c_(config) {
   open_data();
   if (writes) {
     out_ = std::make_unique<OutputDir>(plan);
-    if (talk_ && out_->stale_temp_files_removed() > 0)
-      std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
-                  long(out_->stale_temp_files_removed()), c_.output.c_str());
   }
   build_model();
   build_optimizer();
@@ -404,7 +401,9 @@ void Trainer::resume_or_start() {
 
 void Trainer::build_schedule() {
   total_steps_ = steps_per_epoch_ * c_.epochs;
-  warmup_steps_ = int64_t(std::llround(c_.warmup_epochs * double(steps_per_epoch_)));
+  // Clamped below 2^53: a warm-up of 1e308 epochs is "never ends", not an overflow.
+  warmup_steps_ =
+      int64_t(std::llround(std::min(c_.warmup_epochs * double(steps_per_epoch_), 0x1p53)));
   const optim::Warmup warm{warmup_steps_, 0.0};
   if (c_.schedule == "cosine")
     sched_ = std::make_unique<optim::CosineLR>(std::max(total_steps_, warm.steps + 1), 0.0, warm);
@@ -462,6 +461,9 @@ Summary Trainer::run() {
   if (c_.evaluate) return evaluate_only();
   if (out_) {
     out_->begin();  // the commit point: --overwrite's old run goes now, not before
+    if (talk_ && out_->stale_temp_files_removed() > 0)
+      std::printf("kiln-train: removed %ld temporary file(s) of interrupted saves in %s\n",
+                  long(out_->stale_temp_files_removed()), c_.output.c_str());
     log_ = std::make_unique<RunLog>(*out_, start_epoch_, step_,
                                     out_->reuse() == OutputReuse::Resume ? "" : resumed_from_);
   }
@@ -713,10 +715,11 @@ void Trainer::log_epoch(int64_t epoch, const EpochResult& r, double save_s, doub
       std::printf("epoch %ld/%ld: the CPU workers decoded %.0f%% of the training JPEGs, nvJPEG "
                   "the rest\n",
                   long(epoch + 1), long(c_.epochs), 100.0 * r.host_decode_share);
-    // The epoch's unreadable files, each named in a warning when first met.
+    // The epoch's unreadable files, the first ten named in a warning when first met.
     if (r.bad_files > 0 || sum_.test_bad_files > 0)
       std::printf("epoch %ld/%ld: skipped %ld unreadable training file(s) and %ld test file(s), "
-                  "each replaced by the next readable one (named in the warnings above)\n",
+                  "each replaced by the next readable one (the first named in the warnings "
+                  "above)\n",
                   long(epoch + 1), long(c_.epochs), long(r.bad_files),
                   long(sum_.test_bad_files));
     std::fflush(stdout);

@@ -111,6 +111,9 @@ struct Config {
 };
 
 inline constexpr int64_t kMaxWorkers = 1024;
+// Per process: far beyond any memory (a batch of 2^20 images of 3x8x8 is already 800 MB), and
+// small enough that a batch's element count cannot overflow.
+inline constexpr int64_t kMaxBatchSize = int64_t(1) << 20;
 inline constexpr int64_t kMaxProcesses = 1024;
 
 // Strict parsing (tools/cli/cli.h): unknown flags, missing or malformed values throw
@@ -121,8 +124,9 @@ inline constexpr int64_t kMaxProcesses = 1024;
 Config parse_args(const std::vector<std::string>& args, bool* help = nullptr,
                   std::string* info = nullptr);
 // Range and consistency checks of a Config (also run by run()): kiln::Error naming the flag and
-// the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs and
-// --batch-size >= 1, --evaluate needs --weights or --resume, --resume with --overwrite, ...).
+// the accepted range (--workers 0..kMaxWorkers, --nproc 1..kMaxProcesses, --epochs >= 1,
+// --batch-size 1..kMaxBatchSize, --evaluate needs --weights or --resume, --resume with
+// --overwrite, ...).
 void validate(const Config& config);
 std::string usage();
 
