@@ -10,13 +10,17 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/device_query.h"
+#include "core/serialization.h"
 #include "tools/cli/cli.h"
 #include "tools/train/output_dir.h"
 #include "tools/train/train_dist.h"
@@ -615,4 +619,166 @@ TEST_CASE("run_tool: output that cannot be written is exit code 1, whatever the 
   ::close(saved);
   CHECK(code == 1);
   CHECK(what == "cannot write to standard output: No space left on device");
+}
+
+// ---------------- hostile input: environment, control characters, files, folders ----------------
+
+namespace {
+
+std::string bytes_of(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Every entry under `dir` (relative name -> bytes, "" for a folder): what "wrote nothing" compares.
+std::map<std::string, std::string> tree(const fs::path& dir) {
+  std::map<std::string, std::string> t;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    t[fs::relative(e.path(), dir).string()] = e.is_regular_file() ? bytes_of(e.path()) : "";
+  return t;
+}
+
+// An MNIST-style IDX folder: `n` train and `n` test images of 28x28 (zeros), labels 0..n-1.
+void write_idx(const fs::path& dir, int n) {
+  auto u32 = [](std::string& b, uint32_t v) {
+    for (int s = 24; s >= 0; s -= 8) b.push_back(char(v >> s));
+  };
+  fs::create_directories(dir);
+  for (const char* prefix : {"train", "t10k"}) {
+    std::string im, lb;
+    u32(im, 0x803);
+    u32(im, uint32_t(n));
+    u32(im, 28);
+    u32(im, 28);
+    im.append(size_t(n) * 28 * 28, '\0');
+    u32(lb, 0x801);
+    u32(lb, uint32_t(n));
+    for (int i = 0; i < n; ++i) lb.push_back(char(i % 10));
+    std::ofstream(dir / (std::string(prefix) + "-images-idx3-ubyte"), std::ios::binary) << im;
+    std::ofstream(dir / (std::string(prefix) + "-labels-idx1-ubyte"), std::ios::binary) << lb;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every tool: OMP_NUM_THREADS no machine could start is refused before the body") {
+  // libgomp would crash starting them at the first parallel region.
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned limit = std::max(256u, 16 * hw);
+  const std::string tail = ": more threads than this machine can start (it has " +
+                           std::to_string(hw) + " hardware threads); set it to at most " +
+                           std::to_string(limit) + ", or unset it\n";
+  Run r = tool("kiln-convert", "--in x", "OMP_NUM_THREADS=100000");
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-convert: error: OMP_NUM_THREADS=100000" + tail);
+  // The outer level of a nested setting counts; a count the machine can start, or text libgomp
+  // ignores, lets the tool go on to its own message.
+  r = tool("kiln-convert", "--in x", "OMP_NUM_THREADS=100000,2");
+  CHECK(r.output == "kiln-convert: error: OMP_NUM_THREADS=100000,2" + tail);
+  // A value libgomp cannot parse makes libgomp itself print "libgomp: Invalid value ..." while the
+  // program loads, before kiln runs; kiln's line is the last one either way.
+  auto last_line = [](const std::string& s) {
+    const size_t cut = s.size() > 1 ? s.rfind('\n', s.size() - 2) : std::string::npos;
+    return cut == std::string::npos ? s : s.substr(cut + 1);
+  };
+  r = tool("kiln-convert", "--in x", "OMP_NUM_THREADS=99999999999999999999999");
+  CHECK(last_line(r.output) == "kiln-convert: error: OMP_NUM_THREADS=99999999999999999999999" + tail);
+  for (const std::string ok : {std::to_string(limit), std::string("many")}) {
+    INFO(ok);
+    r = tool("kiln-convert", "--in x", "OMP_NUM_THREADS=" + ok);
+    CHECK(r.code == 1);
+    CHECK(last_line(r.output) ==
+          "kiln-convert: error: nothing to do (give --out and/or --eval-input)\n");
+  }
+}
+
+TEST_CASE("every tool: a value holding a newline is still one error line, the newline escaped") {
+  // The shell's single quotes pass the newline through as part of the value.
+  Run r = tool("kiln-train", "--lr 'a\nb'");
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-train: error: --lr 'a\\x0ab': expected a number >= 0\n");
+  r = tool("kiln-convert", "--in '/no/such\n/file' --out x.safetensors");
+  CHECK(r.code == 1);
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+  CHECK(r.output.find("'/no/such\\x0a/file'") != std::string::npos);
+}
+
+TEST_CASE("kiln-convert: --in holding a NaN or an infinity is refused, naming the tensor") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_nan_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root);
+  Tensor bad = ones({4, 3});
+  bad.narrow(0, 2, 1).fill_(std::nan(""));
+  const fs::path in = root / "nan.safetensors", out = root / "out.safetensors";
+  save_safetensors(in.string(), {{"conv1.weight", ones({2, 2})}, {"fc.weight", bad}});
+  Run r = tool("kiln-convert", "--in " + in.string() + " --out " + out.string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-convert: error: --in '" + in.string() +
+                        "': tensor 'fc.weight' holds NaN or infinite values; refusing weights "
+                        "that cannot have come from a finished training run\n");
+  bad.fill_(-INFINITY);
+  save_safetensors(in.string(), {{"fc.bias", bad}});
+  r = tool("kiln-convert", "--in " + in.string() + " --out " + out.string());
+  CHECK(r.code == 1);
+  CHECK(r.output.find("tensor 'fc.bias' holds NaN or infinite values") != std::string::npos);
+  CHECK_FALSE(fs::exists(out));
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("kiln-export-images: --out inside --data is refused, even with --force; nothing written") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_export_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const fs::path data = root / "data";
+  write_idx(data, 3);
+  fs::create_directory_symlink(data, root / "link");
+  const auto before = tree(data);
+  struct Case {
+    fs::path out;
+    const char* more;
+  };
+  for (const Case& c : {Case{data / "out", ""}, Case{data, " --force"},
+                        Case{data / "x" / ".." / "y", ""}, Case{root / "link" / "out", " --force"}}) {
+    INFO(c.out.string(), c.more);
+    const Run r = tool("kiln-export-images",
+                       "--out " + c.out.string() + " --data " + data.string() + c.more);
+    CHECK(r.code == 1);
+    CHECK(r.output == "kiln-export-images: error: --out '" + c.out.string() + "' lies inside --data '" +
+                          data.string() + "'; kiln-export-images never writes into the data it reads\n");
+    CHECK(tree(data) == before);
+  }
+  // The same data exported outside it: the refusals above are about where, not what.
+  const Run r = tool("kiln-export-images",
+                     "--out " + (root / "png").string() + " --data " + data.string());
+  CHECK(r.code == 0);
+  CHECK(r.output.rfind("wrote 3 PNG files", 0) == 0);
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("kiln-loader-bench: --output-dir holding a user's file is refused and left as it was") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_gen_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const fs::path dir = root / "mine";
+  fs::create_directories(dir);
+  std::ofstream(dir / "notes.txt") << "the user's notes";
+  const std::string gen = "--generate 2 --classes 1 --batches 0 --decoder stb --output-dir ";
+  for (const fs::path& target : {dir, dir / "notes.txt"}) {
+    INFO(target.string());
+    const Run r = tool("kiln-loader-bench", gen + target.string());
+    CHECK(r.code == 1);
+    CHECK(r.output == "kiln-loader-bench: error: --output-dir '" + target.string() +
+                          "' exists and is not an empty folder (a corpus it holds can be read "
+                          "with --folder); the generator writes into an empty or new folder only\n");
+    CHECK(tree(dir) == std::map<std::string, std::string>{{"notes.txt", "the user's notes"}});
+  }
+  // A new folder is written (so the refusals above are the folder's doing).
+  const Run r = tool("kiln-loader-bench", gen + (root / "new").string());
+  CHECK(r.code == 0);
+  CHECK(tree(root / "new").size() >= 2);
+  std::error_code ec;
+  fs::remove_all(root, ec);
 }

@@ -5,6 +5,7 @@
 #include <string>
 #include <typeindex>
 #include <typeinfo>
+#include <vector>
 
 #include "core/error.h"
 #include "tests/test_util.h"
@@ -54,4 +55,22 @@ TEST_CASE("IoError's message is complete: no location, no expression") {
         }) == "cannot create 'x': Read-only file system");
   const bool disk_full = true;
   CHECK_THROWS_AS([&] { KILN_IO_CHECK(!disk_full, "writing 'y' failed"); }(), IoError);
+}
+
+TEST_CASE("strip_location drops every location detail::fail adds, and nothing else") {
+  // A real one: the message comes back as it was, brackets of its own included.
+  const std::vector<int> v{1, 2};
+  const std::string what = error_of([&] { KILN_CHECK(v[0] == 2, "values [1, 2] of 'a.b:3'"); });
+  CHECK(what.rfind("values [1, 2] of 'a.b:3' [", 0) == 0);
+  CHECK(what.find(", check failed: v[0] == 2]") != std::string::npos);
+  CHECK(strip_location(what) == "values [1, 2] of 'a.b:3'");
+  // A message that wraps another's what(): both locations go, wherever they stand; brackets
+  // nested inside a failed expression go with it.
+  CHECK(strip_location("outer [tools/a-b.cpp:12]: inner [ops/index.cpp:7, check failed: "
+                       "p[i[0]] >= 0 && p[i[0]] < n]; the end") == "outer: inner; the end");
+  // Brackets that are not a location stay (one is a file name with a dot, ':', digits, then ']'
+  // or ", check failed: ...]").
+  for (const char* kept : {"shape [2, 3]", "time [12:30]", "version [v1.2]", "file [a.cpp:] empty",
+                           "line [a.cpp:12x]", "open [a.cpp:1, unclosed", "", "plain"})
+    CHECK(strip_location(kept) == kept);
 }

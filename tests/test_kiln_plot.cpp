@@ -3,6 +3,7 @@
 // skipped and counted in one warning per log, the rest is drawn; with nothing left, one error
 // line; never a Python traceback. Without matplotlib the suite checks the one line that says so.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -350,4 +351,54 @@ TEST_CASE("kiln-plot: an unexpected failure is one line, not a traceback") {
   CHECK(r.code == 1);
   CHECK(r.output == "kiln-plot: error: unexpected RuntimeError: broken install\n");
   CHECK_FALSE(fs::exists(d / "curves.png"));
+}
+
+TEST_CASE("kiln-plot: a FIFO, a bad argument, an -o that is not a file: one line, no hang") {
+  // `timeout`: a regression that waits on the FIFO ends with 124 instead of hanging ctest.
+  const std::string plot = "timeout -k 5 60 " + plot_command();
+  // A log.jsonl that is a FIFO without a writer: reading it would never end. Refused before
+  // matplotlib is needed.
+  const fs::path d = logs("fifo", step_line(1) + step_line(2));
+  REQUIRE(::mkfifo((d / "log.jsonl").c_str(), 0600) == 0);
+  Run r = run_command(plot + " " + d.string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-plot: error: cannot read '" + (d / "log.jsonl").string() +
+                        "': it is not a regular file (a FIFO or device)\n");
+  CHECK(fs::is_fifo(fs::symlink_status(d / "log.jsonl")));
+  CHECK_FALSE(fs::exists(d / "curves.png"));
+
+  // A value argparse cannot read, and no OUTPUT_DIR: kiln's one line, exit 2, no usage block.
+  for (const std::string& args : {" --smooth abc " + d.string(), std::string()}) {
+    INFO(args);
+    r = run_command(plot + args);
+    CHECK(r.code == 2);
+    CHECK(r.output.rfind("kiln-plot: error: ", 0) == 0);
+    CHECK(lines_of(r.output).size() == 1);
+    CHECK(r.output.find("(see kiln-plot --help)\n") != std::string::npos);
+  }
+  CHECK(run_command(plot + " --smooth abc " + d.string()).output.find("'abc'") !=
+        std::string::npos);
+
+  // -o naming a folder: refused, the folder as it was.
+  const fs::path good = logs("o_not_a_file", step_line(1) + step_line(2));
+  const fs::path folder = good / "folder.png";
+  fs::create_directories(folder);
+  r = run_command(plot + " " + good.string() + " -o " + folder.string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-plot: error: -o '" + folder.string() + "' is a folder\n");
+  CHECK(fs::is_directory(folder));
+  CHECK(fs::is_empty(folder));
+  if (!have_matplotlib()) return;
+  // -o naming a FIFO: refused (after drawing), never replaced; no temporary image left.
+  const fs::path fifo = good / "fifo.png";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  r = run_command(plot + " " + good.string() + " -o " + fifo.string());
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-plot: error: cannot write '" + fifo.string() +
+                        "': it exists and is not a regular file (a folder, FIFO or device); "
+                        "choose another -o\n");
+  CHECK(fs::is_fifo(fs::symlink_status(fifo)));
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(good)) files += e.is_regular_file();
+  CHECK(files == 1);  // steps.jsonl alone
 }

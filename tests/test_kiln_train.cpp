@@ -2,6 +2,7 @@
 // Fashion-MNIST PNGs trains end to end, writes its log, checkpoint and weights, resumes bit for
 // bit; bad flags fail. And the fused optimizers' checkpoint state (optim/fused.h).
 #include <doctest/doctest.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -810,4 +811,153 @@ TEST_CASE("kiln-train: --resume names what does not fit: optimizer, --freeze-bac
                      {"--resume", old.string(), "--freeze-backbone"}));
   CHECK(m.find("does not fit this run's") != std::string::npos);
   CHECK(m.find("--freeze-backbone") != std::string::npos);
+}
+
+// ---------------- hostile files in --output: planted links, FIFOs, what a refusal leaves ----------------
+
+namespace {
+
+// Ends this test process with a message should a run hang (reading a FIFO that has no writer
+// waits forever), so that ctest fails instead of waiting: armed for `seconds` while in scope.
+class Watchdog {
+ public:
+  explicit Watchdog(unsigned seconds) {
+    ::signal(SIGALRM, [](int) {
+      const char msg[] = "test_kiln_train: watchdog: a run hung (a FIFO opened for reading?)\n";
+      [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
+      ::_exit(124);
+    });
+    ::alarm(seconds);
+  }
+  ~Watchdog() { ::alarm(0); }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+};
+
+// A pid whose process is gone (a child that exited and was reaped).
+pid_t dead_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  REQUIRE(child > 0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return child;
+}
+
+size_t entries(const fs::path& dir) {
+  size_t n = 0;
+  for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("kiln-train: a .kiln-train.lock that is a link or a FIFO is refused, never written") {
+  Watchdog dog(120);
+  // The link points at a file of a (fake) data set: the pid written through it would damage it.
+  const fs::path data = tmp().dir / "lock-data";
+  fs::remove_all(data);
+  fs::create_directories(data);
+  const fs::path victim = data / "train-labels-idx1-ubyte";
+  std::ofstream(victim, std::ios::binary) << "labels, not a pid";
+  const fs::path out = tmp().dir / "lock-link";
+  fs::remove_all(out);
+  fs::create_directories(out);
+  fs::create_symlink(victim, out / ".kiln-train.lock");
+  std::string m = run_error(job(out.string(), 1));
+  CHECK(m == "--output '" + out.string() + "': '" + (out / ".kiln-train.lock").string() +
+                 "' is not a regular file (a link, FIFO or device); remove it or choose another "
+                 "--output");
+  CHECK(file_bytes(victim) == "labels, not a pid");
+  CHECK(fs::is_symlink(out / ".kiln-train.lock"));
+  CHECK(entries(out) == 1);  // no probe, no log
+
+  // The same link beside a finished run, with --overwrite: refused, the run left as it was.
+  const fs::path a = finished_run("lock-link-run");
+  const fs::path lock = a / ".kiln-train.lock";
+  fs::remove(lock);
+  fs::create_symlink(victim, lock);
+  auto before = snapshot(a);
+  m = run_error(with(job(a.string(), 1), {"--overwrite"}));
+  CHECK(m.find("'" + lock.string() + "' is not a regular file") != std::string::npos);
+  CHECK(snapshot(a) == before);
+  CHECK(fs::is_symlink(lock));
+  CHECK(file_bytes(victim) == "labels, not a pid");
+  // A FIFO in its place is refused at once: opening it does not wait for a writer.
+  fs::remove(lock);
+  REQUIRE(::mkfifo(lock.c_str(), 0600) == 0);
+  before = snapshot(a);
+  m = run_error(with(job(a.string(), 1), {"--overwrite"}));
+  CHECK(m.find("'" + lock.string() + "' is not a regular file") != std::string::npos);
+  CHECK(fs::is_fifo(fs::symlink_status(lock)));
+  CHECK(snapshot(a) == before);
+}
+
+TEST_CASE("kiln-train: an --overwrite refused during set-up leaves the folder byte for byte") {
+  const fs::path a = finished_run("setup-fails");
+  // What earlier kiln-trains left: the lock file, holding a pid that is not this process's (the
+  // refused run writes its own there, then must put this back), and a killed save's temporary
+  // file (removed only once a run begins).
+  std::ofstream(a / ".kiln-train.lock", std::ios::trunc) << "4242";
+  const fs::path stale = a / ("checkpoint.safetensors.tmp." + std::to_string(dead_pid()));
+  std::ofstream(stale) << "partial";
+  const auto before = snapshot(a);
+  REQUIRE(before.count(".kiln-train.lock") == 1);
+  REQUIRE(before.count(stale.filename().string()) == 1);
+  // Weights holding a NaN: refused while the model is built, after --output was claimed.
+  auto model = job_model();
+  {
+    NoGradGuard ng;
+    for (auto& [name, t] : model->named_parameters())
+      if (name == "fc.weight") t.narrow(0, 2, 1).fill_(std::nan(""));
+  }
+  const fs::path nan = tmp().dir / "setup-fails-nan.safetensors";
+  save_weights(nan.string(), *model);
+  std::string m = run_error(with(job(a.string(), 1), {"--overwrite", "--weights", nan.string()}));
+  CHECK(m.find("'fc.weight' holds NaN or infinite values") != std::string::npos);
+  CHECK(snapshot(a) == before);
+  // An architecture kiln does not have: refused at the same point.
+  m = run_error(with(job(a.string(), 1), {"--overwrite", "-a", "resnet9"}));
+  CHECK(m.find("resnet9") != std::string::npos);
+  CHECK(snapshot(a) == before);
+  // A lock file holding text kiln-train did not write (64 bytes or more) is not touched at all.
+  const std::string note(100, 'n');
+  std::ofstream(a / ".kiln-train.lock", std::ios::trunc) << note;
+  m = run_error(with(job(a.string(), 1), {"--overwrite", "--weights", nan.string()}));
+  CHECK(m.find("'fc.weight' holds NaN or infinite values") != std::string::npos);
+  CHECK(file_bytes(a / ".kiln-train.lock") == note);
+  CHECK(file_bytes(stale) == "partial");
+}
+
+TEST_CASE("kiln-train: --resume of a run whose log.jsonl is a FIFO fails at once, naming it") {
+  const fs::path a = finished_run("fifo-log");
+  const fs::path log = a / "log.jsonl";
+  fs::remove(log);
+  REQUIRE(::mkfifo(log.c_str(), 0600) == 0);
+  Watchdog dog(120);  // a regression would block in the read
+  const std::string m =
+      run_error(with(job(a.string(), 2), {"--resume", (a / "checkpoint.safetensors").string()}));
+  CHECK(m.rfind("cannot read '" + log.string() + "': it is not a regular file", 0) == 0);
+  CHECK(m.find(" [") == std::string::npos);  // the user's file: no source location
+  CHECK(fs::is_fifo(fs::symlink_status(log)));
+}
+
+TEST_CASE("kiln-train: --resume never writes through a link planted as its steps.jsonl") {
+  const fs::path a = finished_run("linked-steps");
+  // The run's steps moved elsewhere, a link left in their place.
+  const fs::path elsewhere = tmp().dir / "linked-steps-elsewhere.jsonl";
+  fs::remove(elsewhere);
+  fs::rename(a / "steps.jsonl", elsewhere);
+  fs::create_symlink(elsewhere, a / "steps.jsonl");
+  const std::string target = file_bytes(elsewhere);
+  REQUIRE(read_log(elsewhere).size() == 9);
+  const std::string log = file_bytes(a / "log.jsonl");
+  Watchdog dog(120);
+  const std::string m =
+      run_error(with(job(a.string(), 2), {"--resume", (a / "checkpoint.safetensors").string()}));
+  CHECK(m == "cannot write '" + (a / "steps.jsonl").string() +
+                 "': it is a symbolic link (kiln-train writes its own files only)");
+  CHECK(file_bytes(elsewhere) == target);
+  CHECK(fs::is_symlink(a / "steps.jsonl"));
+  CHECK(file_bytes(a / "log.jsonl") == log);  // refused before the first step
 }

@@ -1,10 +1,12 @@
 // safetensors round trips, atomic writes, and errors on damaged files.
 #include <doctest/doctest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "core/json.h"
 #include "core/serialization.h"
@@ -219,6 +221,83 @@ TEST_CASE("load_safetensors refuses a FIFO and a folder without blocking") {
   fs::remove(fifo);
   msg = load_error(fs::path(fifo).parent_path().string());
   CHECK(msg.find("not a regular file") != std::string::npos);
+}
+
+// The message of write_file_atomic's IoError (FAIL when it writes; another class of error fails
+// the test case).
+static std::string write_error(const std::string& path, const std::string& bytes) {
+  try {
+    write_file_atomic(path, bytes);
+  } catch (const IoError& e) {
+    return e.what();
+  }
+  FAIL("no IoError");
+  return "";
+}
+
+static std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST_CASE("write_file_atomic replaces a regular file only; refusals are IoErrors naming the path") {
+  const fs::path dir = temp_path("atomic");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // No "<name>.tmp.<pid>" is left behind by a refusal.
+  auto temporaries = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir))
+      n += e.path().filename().string().find(".tmp.") != std::string::npos;
+    return n;
+  };
+  // A FIFO: renaming over it would replace a pipe some other program reads. The message is about
+  // the user's file (IoError): no " [file.cpp:N" location.
+  const fs::path fifo = dir / "out.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::string m = write_error(fifo.string(), "bytes");
+  CHECK(m.rfind("'" + fifo.string() + "' exists and is not a regular file (a device, FIFO or "
+                "socket); refusing to replace it", 0) == 0);
+  CHECK(m.find(" [") == std::string::npos);
+  CHECK(fs::is_fifo(fs::symlink_status(fifo)));
+  // A folder, with what it holds.
+  const fs::path folder = dir / "out.d";
+  fs::create_directories(folder);
+  std::ofstream(folder / "keep") << "kept";
+  m = write_error(folder.string(), "bytes");
+  CHECK(m.rfind("'" + folder.string() + "' exists and is not a regular file (a folder)", 0) == 0);
+  CHECK(m.find(" [") == std::string::npos);
+  CHECK(fs::is_directory(fs::symlink_status(folder)));
+  CHECK(read_bytes(folder / "keep") == "kept");
+  // A link to the FIFO is judged by what it points to: refused, the link left as it was.
+  const fs::path fifo_link = dir / "fifo-link";
+  fs::create_symlink(fifo, fifo_link);
+  CHECK(write_error(fifo_link.string(), "bytes").find("is not a regular file") !=
+        std::string::npos);
+  CHECK(fs::is_symlink(fifo_link));
+  CHECK(fs::is_fifo(fs::symlink_status(fifo)));
+  CHECK(temporaries() == 0);
+
+  // A link to a regular file: the link is replaced by a regular file; what it pointed to keeps
+  // its bytes (never written through the link).
+  const fs::path target = dir / "target.bin", link = dir / "link.bin";
+  std::ofstream(target, std::ios::binary) << "the user's bytes";
+  fs::create_symlink(target, link);
+  write_file_atomic(link.string(), "new bytes");
+  CHECK_FALSE(fs::is_symlink(link));
+  CHECK(fs::is_regular_file(fs::symlink_status(link)));
+  CHECK(read_bytes(link) == "new bytes");
+  CHECK(read_bytes(target) == "the user's bytes");
+  CHECK(temporaries() == 0);
+
+  // A missing parent folder: the OS's refusal, naming the path and errno's text; nothing made.
+  const fs::path lost = dir / "missing" / "out.bin";
+  m = write_error(lost.string(), "bytes");
+  CHECK(m.find("'" + lost.string() + "'") != std::string::npos);
+  CHECK(m.find("No such file or directory") != std::string::npos);
+  CHECK(m.find(" [") == std::string::npos);
+  CHECK_FALSE(fs::exists(dir / "missing"));
+  fs::remove_all(dir);
 }
 
 TEST_CASE("json: duplicate keys rejected, integer literals exact") {
