@@ -1,9 +1,11 @@
 // ImageFolder and ImageLoader: class discovery and errors, batches and labels, determinism
 // across worker counts, sharding, bad-file handling, the CPU feeder and synthetic source,
-// and Fashion-MNIST exported as PNG files loaded end to end.
+// and Fashion-MNIST exported as PNG files loaded end to end. decode_image_folder (small photos
+// decoded once into memory), small_image_side and channel_stats.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -11,6 +13,7 @@
 #include "data/device_batches.h"
 #include "data/export_images.h"
 #include "data/fashion_mnist.h"
+#include "data/folder_tensors.h"
 #include "data/gpu_jpeg.h"
 #include "data/image_folder.h"
 #include "data/image_loader.h"
@@ -531,4 +534,146 @@ TEST_CASE("GPU JPEG path's adaptive share: one step per waiting batch, to where 
   auto [lo30, hi30] = run(0.030);
   CHECK(lo30 >= 0.2 - 0.02);
   CHECK(hi30 <= 0.2 + 0.02);
+}
+
+// ---------------- small photos decoded once (data/folder_tensors.h) ----------------
+
+namespace {
+
+// An 8x8 RGB image whose pixel (y, x) channel c is (seed * 31 + y * 8 + x + 64 * c) mod 256.
+Image pattern_image(int64_t side, int seed) {
+  Image im;
+  im.height = im.width = side;
+  im.pixels.resize(size_t(side * side * 3));
+  for (int64_t y = 0; y < side; ++y)
+    for (int64_t x = 0; x < side; ++x)
+      for (int64_t c = 0; c < 3; ++c)
+        im.pixels[size_t((y * side + x) * 3 + c)] = uint8_t((seed * 31 + y * 8 + x + 64 * c) % 256);
+  return im;
+}
+
+}  // namespace
+
+TEST_CASE("decode_image_folder: CHW u8 in folder order, labels, the same for any thread count") {
+  TempDir dir;
+  // Two classes of 8x8 PNGs (kept exactly), and a few larger and smaller JPEGs (resized and
+  // centre-cropped to 8x8 as the evaluation transform does).
+  for (int i = 0; i < 12; ++i)
+    testing::write_png_at(dir / ("c" + std::to_string(i % 2) + "/p" + std::to_string(10 + i) + ".png"),
+                          pattern_image(8, i));
+  Generator g(3);
+  for (int i = 0; i < 5; ++i) {
+    Image im;
+    im.height = 5 + int64_t(g.below(20));
+    im.width = 5 + int64_t(g.below(20));
+    im.pixels.resize(size_t(im.height * im.width * 3));
+    for (auto& p : im.pixels) p = uint8_t(g.below(256));
+    fs::create_directories(dir.path() / "c1");
+    write_jpeg(dir / ("c1/j" + std::to_string(i) + ".jpg"), im, 90);
+  }
+  const ImageFolder folder(dir.path().string());
+  REQUIRE(folder.size() == 17);
+  FolderTensorsOptions o;
+  o.size = 8;
+  const FolderTensors one = decode_image_folder(folder, o);
+  CHECK(one.images.shape() == Shape{17, 3, 8, 8});
+  CHECK(one.images.dtype() == DType::u8);
+  CHECK(one.labels.shape() == Shape{17});
+  CHECK(one.unreadable.empty());
+  for (int64_t i = 0; i < folder.size(); ++i) {
+    INFO(folder[i].path);
+    CHECK(one.labels.data<int64_t>()[i] == folder[i].label);
+    // An 8x8 PNG comes back exactly, channel-major.
+    const std::string name = fs::path(folder[i].path).filename().string();
+    if (name[0] != 'p') continue;
+    const Image want = pattern_image(8, std::stoi(name.substr(1)) - 10);
+    const uint8_t* got = one.images.data<uint8_t>() + i * 3 * 64;
+    bool same = true;
+    for (int64_t c = 0; c < 3; ++c)
+      for (int64_t p = 0; p < 64; ++p) same &= got[c * 64 + p] == want.pixels[size_t(p * 3 + c)];
+    CHECK(same);
+  }
+  // Threads decode into their own slots: bit for bit the same for 1, 3 and 40 threads (more than
+  // files).
+  for (int threads : {3, 40}) {
+    o.threads = threads;
+    const FolderTensors many = decode_image_folder(folder, o);
+    CHECK(std::memcmp(many.images.raw_data(), one.images.raw_data(), one.images.nbytes()) == 0);
+    CHECK(std::memcmp(many.labels.raw_data(), one.labels.raw_data(), one.labels.nbytes()) == 0);
+  }
+  // Bad options are kiln::Errors, not crashes.
+  o.size = 0;
+  CHECK_THROWS_AS(decode_image_folder(folder, o), Error);
+  o.size = 8;
+  o.threads = 0;
+  CHECK_THROWS_AS(decode_image_folder(folder, o), Error);
+}
+
+TEST_CASE("decode_image_folder: unreadable files are skipped and counted; past the limit an IoError") {
+  TempDir dir;
+  for (int i = 0; i < 10; ++i)
+    testing::write_png_at(dir / ("c" + std::to_string(i % 2) + "/p" + std::to_string(10 + i) + ".png"),
+                          pattern_image(6, i));
+  testing::write_raw(dir / "c0/p11_bad.png", {'n', 'o', 't', 0, 1});
+  testing::write_raw(dir / "c1/p99_empty.jpg", {});
+  const ImageFolder folder(dir.path().string());
+  REQUIRE(folder.size() == 12);
+  FolderTensorsOptions o;
+  o.size = 6;
+  o.threads = 2;
+  o.warn = false;
+  const FolderTensors t = decode_image_folder(folder, o);
+  CHECK(t.images.shape() == Shape{10, 3, 6, 6});
+  REQUIRE(t.unreadable.size() == 2);
+  CHECK(t.unreadable[0].find("p11_bad.png") != std::string::npos);
+  CHECK(t.unreadable[1].find("p99_empty.jpg") != std::string::npos);
+  CHECK(t.unreadable[0].find(" [") == std::string::npos);  // the file's fault: no source location
+  // The kept images keep their labels: five of each class.
+  int64_t ones = 0;
+  for (int64_t i = 0; i < 10; ++i) ones += t.labels.data<int64_t>()[i];
+  CHECK(ones == 5);
+  // The same folder with a limit of one bad file: an IoError naming the folder and the files.
+  o.min_bad_files = 1;
+  o.max_bad_fraction = 0.0;
+  try {
+    decode_image_folder(folder, o);
+    FAIL("no IoError");
+  } catch (const IoError& e) {
+    const std::string m = e.what();
+    CHECK(m.rfind("'" + dir.path().string() + "': 2 of its 12 image files cannot be read", 0) == 0);
+    CHECK(m.find("p11_bad.png") != std::string::npos);
+  }
+}
+
+TEST_CASE("small_image_side: the largest probed side up to the limit, 0 above it") {
+  TempDir dir;
+  testing::write_png_at(dir / "a/1.png", testing::solid_image(32, 32, 1, 2, 3));
+  testing::write_png_at(dir / "a/2.png", testing::solid_image(30, 40, 1, 2, 3));
+  testing::write_raw(dir / "b/3.png", {'x'});  // unreadable: says nothing
+  {
+    const ImageFolder f(dir.path().string());
+    CHECK(small_image_side(f) == 40);
+    CHECK(small_image_side(f, 39) == 0);
+  }
+  testing::write_png_at(dir / "b/4.png", testing::solid_image(65, 20, 1, 2, 3));
+  const ImageFolder f(dir.path().string());
+  CHECK(small_image_side(f) == 0);
+  // Probing 1 file looks at the first one only.
+  CHECK(small_image_side(f, 64, 1) == 32);
+}
+
+TEST_CASE("channel_stats: exact per-channel mean and standard deviation on the 0..1 scale") {
+  // Channel 0 holds 0 and 255 equally (mean 0.5, std 0.5), channel 1 is constant 51 (0.2, 0).
+  Tensor x = zeros({2, 2, 1, 2}, DType::u8);
+  uint8_t* p = x.data<uint8_t>();
+  const uint8_t v[8] = {0, 255, 51, 51, 255, 0, 51, 51};
+  std::memcpy(p, v, 8);
+  std::vector<float> mean, sd;
+  channel_stats(x, &mean, &sd);
+  REQUIRE(mean.size() == 2);
+  CHECK(mean[0] == doctest::Approx(0.5));
+  CHECK(sd[0] == doctest::Approx(0.5));
+  CHECK(mean[1] == doctest::Approx(0.2));
+  CHECK(sd[1] == doctest::Approx(0.0).epsilon(1e-5));
+  CHECK_THROWS_AS(channel_stats(zeros({2, 2}, DType::u8), &mean, &sd), Error);
 }

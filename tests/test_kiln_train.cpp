@@ -961,3 +961,55 @@ TEST_CASE("kiln-train: --resume never writes through a link planted as its steps
   CHECK(fs::is_symlink(a / "steps.jsonl"));
   CHECK(file_bytes(a / "log.jsonl") == log);  // refused before the first step
 }
+
+// ---------------- small photos (CIFAR-10's layout): decoded once, the small stem ----------------
+
+TEST_CASE("kiln-train: an ImageFolder of small photos with train/ and test/ trains as CIFAR-10") {
+  // 12x12 RGB PNGs: class 0 reddish, class 1 bluish, with noise; 48 to train, 16 to test.
+  const fs::path data = tmp().dir / "small-photos";
+  fs::remove_all(data);
+  Generator g(11);
+  for (const auto& [split, n] : {std::pair<std::string, int>{"train", 48}, {"test", 16}})
+    for (int i = 0; i < n; ++i) {
+      const int c = i % 2;
+      data::Image im;
+      im.height = im.width = 12;
+      im.pixels.resize(12 * 12 * 3);
+      for (size_t p = 0; p < im.pixels.size(); ++p)
+        im.pixels[p] = uint8_t((p % 3 == size_t(2 * c) ? 150 : 40) + g.below(80));
+      const fs::path f = data / split / (c ? "b_blue" : "a_red") / (std::to_string(i) + ".png");
+      fs::create_directories(f.parent_path());
+      data::write_png(f.string(), im);
+    }
+  const auto before = snapshot(data);
+  const fs::path out = tmp().dir / "small-photos-run";
+  fs::remove_all(out);
+  // No --image-size: the photos' own size, the small stem, per-channel statistics of the data.
+  const train::Summary s = train::run(train::parse_args(
+      {"--data", data.string(), "-a", "resnet18", "-b", "16", "--epochs", "2", "--workers", "1",
+       "--device", "cpu", "--lr", "0.02", "--output", out.string(), "--quiet"}));
+  CHECK(s.epochs_done == 2);
+  CHECK(std::isfinite(s.test_loss));
+  CHECK(s.test_top1 >= 0.75);  // the colours separate the classes: it learns
+  const SafetensorsData m = load_safetensors((out / "model.safetensors").string());
+  CHECK(m.at("conv1.weight").shape() == Shape{64, 3, 3, 3});
+  CHECK(m.metadata.at("stem") == "small");
+  CHECK(m.metadata.at("image_size") == "12");
+  CHECK(m.metadata.at("resize_size") == "12");
+  CHECK(m.metadata.at("class_names") == R"(["a_red", "b_blue"])");
+  const json::Value mean = json::parse(m.metadata.at("mean"));
+  REQUIRE(mean.array().size() == 3);
+  // Red is high in class 0 and low in class 1: the mean of red is about (190 + 80) / 2 / 255.
+  CHECK(mean.array()[0].number() == doctest::Approx(135.0 / 255).epsilon(0.05));
+  CHECK(snapshot(data) == before);  // nothing written into the data
+
+  // With --image-size the same folder takes ImageNet's recipe: the 7x7 stem.
+  const fs::path big = tmp().dir / "small-photos-224";
+  fs::remove_all(big);
+  train::run(train::parse_args({"--data", data.string(), "-a", "resnet18", "--image-size", "16",
+                                "-b", "16", "--epochs", "1", "--workers", "1", "--device", "cpu",
+                                "--output", big.string(), "--quiet"}));
+  const SafetensorsData b = load_safetensors((big / "model.safetensors").string());
+  CHECK(b.at("conv1.weight").shape() == Shape{64, 3, 7, 7});
+  CHECK(b.metadata.at("stem") == "imagenet");
+}

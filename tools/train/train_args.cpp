@@ -36,7 +36,10 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.flag("--dummy", &c.dummy, "synthetic data: random 3 x image-size² images, 1000 classes");
   p.value("--dummy-images", "N", &c.dummy_images, "synthetic training images per epoch", 1);
   p.value("--image-size", "N", &c.image_size,
-          "ImageFolder crop size (evaluation resizes to N*256/224)", 8, kMaxImageSize);
+          "ImageFolder crop size (evaluation resizes to N*256/224); by default 224,\n"
+          "or for small photos (at most 64 px a side, as CIFAR-10's 32x32) their own\n"
+          "size: decoded once into memory, pad-4 crop + flip, the small stem",
+          8, kMaxImageSize);
   p.value("--width", "N", &c.width, "resnet_small's base width (default 32)", 1, kMaxWidth);
   p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);

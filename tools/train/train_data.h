@@ -27,8 +27,11 @@ namespace kiln::train {
 enum class DataKind { FashionMnist, Idx, ImageFolder, Synthetic };
 
 // "fashion-mnist", a folder with train-images-idx3-ubyte[.gz] (IDX), or a folder with train/
-// and val/ sub-folders (ImageFolder). Anything else throws kiln::Error saying what was expected.
+// and val/ (or test/, CIFAR-10's ImageFolder layout) sub-folders (ImageFolder). Anything else
+// throws kiln::Error saying what was expected.
 DataKind detect_data(const std::string& data);
+// An ImageFolder's evaluation folder: DATA/val, else DATA/test.
+std::string eval_folder(const std::string& data);
 
 // One epoch's batches: x as the model takes it (on the device, f16 channels-last for Mixed16),
 // y i64 on the device.
@@ -53,8 +56,11 @@ struct DataOptions {
   int64_t dummy_images = 1281167;
   int64_t batch_size = 128;
   int64_t eval_batch_size = 1000;  // IDX; ImageFolder evaluates with batch_size
-  int64_t image_size = 224;        // ImageFolder
-  bool augment = false;            // IDX: crop (padding 4) + flip; ImageFolder always augments
+  // ImageFolder: the crop size; 0 (auto): 224, or for small photos (data/folder_tensors.h's
+  // small_image_side: at most 64 px a side) their own size, decoded once, trained as IDX data.
+  // --dummy: 224 when 0.
+  int64_t image_size = 0;
+  bool augment = false;  // IDX: crop (padding 4) + flip; ImageFolder and small photos always
   uint64_t seed = 0;
   int workers = 2;
   // ImageFolder decoding (issue 15): auto (= cpu), cpu (libjpeg-turbo, or stb without it),
@@ -79,6 +85,8 @@ class TrainData {
   ~TrainData();
 
   DataKind kind() const { return kind_; }
+  // Small images that take the small 3x3 stem: IDX data, and an ImageFolder of small photos.
+  bool small_images() const { return small_images_; }
   const std::string& description() const { return description_; }
   int64_t num_classes() const { return num_classes_; }
   int64_t channels() const { return channels_; }
@@ -103,26 +111,32 @@ class TrainData {
   // The constructor's steps, by kind of data (train_data.cpp says what each one sets).
   void open_synthetic();
   void open_image_folder();
+  void open_small_photos(const data::ImageFolder& train, const data::ImageFolder& val,
+                         int64_t side);
   void take_folder_classes(const data::ImageFolder& train, const data::ImageFolder& val);
   void open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder val,
                              const data::ImageLoaderOptions& lo);
   void open_image_loaders(data::ImageFolder train, data::ImageFolder val,
                           const data::ImageLoaderOptions& lo);
   void open_idx();
-  void open_idx_loaders(const data::IdxPair& train, const data::IdxPair& test,
-                        data::LoaderOptions lo);
+  void open_tensor_loaders(const Tensor& train_x, const Tensor& train_y, const Tensor& test_x,
+                           const Tensor& test_y, const std::string& test_name,
+                           data::LoaderOptions lo);
   void open_idx_device_loaders();
 
   DataOptions opts_;
   DataKind kind_;
+  bool small_images_ = false;
   std::string description_;
   int64_t num_classes_ = 0, channels_ = 0, height_ = 0, width_ = 0;
   int64_t train_size_ = 0, test_size_ = 0, resize_size_ = 0;
   std::vector<std::string> class_names_;
   std::vector<float> mean_, stddev_;
   Tensor dummy_x_;  // Synthetic: one device batch reused by every step
+  // IDX data and small photos: in memory, batches made by a DataLoader, or by a DeviceLoader
+  // from a copy on the GPU when training on a CUDA device.
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
-  std::unique_ptr<data::DeviceLoader> dev_train_, dev_test_;  // IDX on a CUDA device
+  std::unique_ptr<data::DeviceLoader> dev_train_, dev_test_;
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
   std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg
 };

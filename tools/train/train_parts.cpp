@@ -77,8 +77,7 @@ ModelInfo model_info(const Config& c, const TrainData& d) {
   m.arch = c.arch;
   m.num_classes = d.num_classes();
   m.in_channels = d.channels();
-  m.imagenet_stem = vit || (d.kind() != DataKind::Idx && d.kind() != DataKind::FashionMnist &&
-                            c.arch != "resnet_small");
+  m.imagenet_stem = vit || (!d.small_images() && c.arch != "resnet_small");
   m.width = vit ? (c.arch == "vit_b_16" ? 768 : 384)
                 : c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
   m.image_size = d.height();

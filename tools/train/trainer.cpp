@@ -436,7 +436,9 @@ void Trainer::print_plan() const {
       "schedule%s%s\n",
       long(c_.epochs), long(c_.batch_size), world > 1 ? " per process" : "",
       c_.optimizer.c_str(), c_.lr, c_.momentum, c_.wd, long(warmup_steps_), c_.schedule.c_str(),
-      c_.augment ? ", crop+flip augmentation" : "",
+      c_.augment || (data_->small_images() && data_->kind() == DataKind::ImageFolder)
+          ? ", crop+flip augmentation"
+          : "",
       start_epoch_ > 0 ? (", starting after epoch " + std::to_string(start_epoch_)).c_str() : "");
   if (!pretrained_note_.empty()) std::printf("  %s\n", pretrained_note_.c_str());
   if (c_.freeze_backbone) {

@@ -8,12 +8,19 @@
 // Data (--data), detected from the folder's contents:
 //   "fashion-mnist"   Debian's dataset-fashion-mnist (data/fashion_mnist.h);
 //   IDX folder        MNIST-style train-/t10k-images-idx3-ubyte[.gz] and labels (data/idx.h);
-//   ImageFolder root  holding train/ and val/ class folders (data/image_folder.h): decoded by
-//                     data/image_loader.h, RandomResizedCrop(image_size) + flip for training,
-//                     Resize(image_size·256/224) + CenterCrop(image_size) for evaluation,
-//                     normalised with ImageNet statistics on the device (data/device_batches.h).
-// 28x28 IDX data trains 1-channel models with the small 3x3 stem; ImageFolder data 3-channel
-// models with torchvision's stem (resnet_small keeps its small stem).
+//   ImageFolder root  holding train/ and val/ (or test/) class folders (data/image_folder.h):
+//                     decoded by data/image_loader.h, RandomResizedCrop(image_size) + flip for
+//                     training, Resize(image_size·256/224) + CenterCrop(image_size) for
+//                     evaluation, normalised with ImageNet statistics on the device
+//                     (data/device_batches.h);
+//   small photos      an ImageFolder whose images are at most 64 px a side (CIFAR-10), when
+//                     --image-size is not given: decoded once into memory at their own size
+//                     (data/folder_tensors.h), then as IDX data: random crop with padding 4 +
+//                     flip, normalised with the training set's per-channel statistics, held on
+//                     the GPU when training there.
+// 28x28 IDX data trains 1-channel models with the small 3x3 stem, small photos 3-channel models
+// with it; ImageFolder data 3-channel models with torchvision's stem (resnet_small keeps its
+// small stem).
 //
 // Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
 // (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
@@ -70,7 +77,7 @@ struct Config {
   std::string schedule = "cosine";  // cosine | step | constant
   double label_smoothing = 0.0;
   bool augment = false;      // IDX data: random crop (padding 4) + flip
-  int64_t image_size = 224;  // ImageFolder data
+  int64_t image_size = 0;  // ImageFolder data (0: auto, train_data.h); --dummy: 224 when 0
   int64_t width = 0;         // resnet_small's width (0: 32)
   uint64_t seed = 0;
   int64_t workers = 2;  // 0..kMaxWorkers
