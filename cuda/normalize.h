@@ -26,14 +26,14 @@ static_assert(sizeof(GatherJob) == 4 * sizeof(int32_t), "GatherJob is read as i3
 
 // x (B, C, H, W), f32 or f16, contiguous (NCHW) or channels-last (NHWC), = lut[c * 256 + p] of
 // p, the pixel (c, h, w) of job b's padded, cropped, maybe mirrored image; padding reads as
-// p = 0. Rounded once to x's dtype, so f32 output equals data::crop_flip_normalize's bit for
+// p = 0, or with `reflect` as the pixel mirrored about the edge (pad < H, W). Rounded once to x's dtype, so f32 output equals data::crop_flip_normalize's bit for
 // bit. y i64 (B) = labels[jobs[b].index]; pass y undefined to skip the labels.
 // images u8 (N, C, H, W) contiguous, labels i64 (N), jobs i32 (B, 4) contiguous (GatherJob
 // rows), lut f32 (C * 256), all on x's device. Indices and offsets are trusted (the caller
 // draws them); everything else is validated. Sets x and y.
 void gather_crop_flip_normalize(const Tensor& x, const Tensor& y, const Tensor& images,
                                 const Tensor& labels, const Tensor& jobs, int64_t pad,
-                                const Tensor& lut);
+                                const Tensor& lut, bool reflect = false);
 
 // Every byte i of the contiguous u8 tensor `out` = data::synthetic_byte(seed, i)
 // (core/hash.h), as the CPU generator writes it.

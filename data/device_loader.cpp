@@ -96,7 +96,8 @@ struct DeviceLoader::Gpu {
                   TensorOptions(dtype).with_device(device).with_memory_format(format));
     out.y = empty({B}, TensorOptions(DType::i64).with_device(device));
     cuda::gather_crop_flip_normalize(out.x, out.y, images, labels, slot_jobs,
-                                     host.options().crop_padding, lut);
+                                     host.options().crop_padding, lut,
+                                     host.options().padding == Padding::Reflect);
     CUDA_CHECK(cudaEventRecord(done[s].e, stream));
     used[s] = true;
   }

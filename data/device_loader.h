@@ -13,9 +13,10 @@
 //   }
 //
 // Batches: batch k of epoch e holds the samples and augmentation of the DataLoader's batch k of
-// epoch e (same options: shuffle, sampler, drop_last, crop_padding, horizontal_flip, seed, mean
-// and stddev through its lut()). x (B, C, H, W) in the dtype and memory format asked for (its exact strides,
-// also for C = 1, so that suggest_memory_format() says so and the network follows): f32
+// epoch e (same options: shuffle, sampler, drop_last, crop_padding, padding, horizontal_flip,
+// alternating_flip, fixed_transform, seed, mean and stddev through its lut()). x (B, C, H, W)
+// in the dtype and memory format asked for (its exact strides, also for C = 1, so that
+// suggest_memory_format() says so and the network follows): f32
 // is bit-identical to the DataLoader's batch, f16 is that value rounded once; so f32 Contiguous
 // and f16 ChannelsLast are exactly what amp::prepare_input makes of the CPU batch for FP32 and
 // Mixed16. y i64 (B). Both are fresh tensors on the device.

@@ -21,40 +21,63 @@ void plan_batch(const LoaderOptions& opts, int64_t epoch, int64_t k,
   const int64_t end = std::min<int64_t>(begin + opts.batch_size, int64_t(order.size()));
   const int64_t pad = opts.crop_padding;
   plan.indices.assign(order.begin() + begin, order.begin() + end);
+  if (opts.fixed_transform) {
+    plan.transforms.assign(size_t(end - begin), *opts.fixed_transform);
+    return;
+  }
   plan.transforms.assign(size_t(end - begin), SampleTransform{pad, pad, false});
   if (pad == 0 && !opts.horizontal_flip) return;
   Generator gen(batch_seed(opts.seed, epoch, k));
-  for (SampleTransform& t : plan.transforms) {
+  const bool alternate = opts.horizontal_flip && opts.alternating_flip;
+  for (size_t i = 0; i < plan.transforms.size(); ++i) {
+    SampleTransform& t = plan.transforms[i];
     if (pad > 0) {
       t.top = int64_t(gen.below(uint64_t(2 * pad + 1)));
       t.left = int64_t(gen.below(uint64_t(2 * pad + 1)));
     }
-    if (opts.horizontal_flip) t.flip = gen.uniform() < 0.5;
+    if (alternate)  // epoch 0's coin for this sample, inverted every other epoch
+      t.flip = ((derive_seed(opts.seed, ~uint64_t(0), uint64_t(plan.indices[i])) >> 63) != 0) !=
+               (epoch % 2 == 1);
+    else if (opts.horizontal_flip)
+      t.flip = gen.uniform() < 0.5;
   }
 }
 
 }  // namespace
 
 void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
-                         int64_t pad, SampleTransform t, const float* lut, float* dst) {
+                         int64_t pad, SampleTransform t, const float* lut, float* dst,
+                         Padding padding) {
   const int64_t dy = t.top - pad, dx = t.left - pad;  // output (h, w) reads src (h+dy, w'+dx)
+  const bool reflect = padding == Padding::Reflect;
   for (int64_t c = 0; c < channels; ++c) {
     const float* lc = lut + c * 256;
     const uint8_t* sc = src + c * height * width;
     for (int64_t h = 0; h < height; ++h) {
       float* row = dst + (c * height + h) * width;
-      const int64_t sh = h + dy;
-      if (sh < 0 || sh >= height) {
+      int64_t sh = h + dy;
+      if (reflect) {
+        sh = reflect_index(sh, height);
+      } else if (sh < 0 || sh >= height) {
         std::fill(row, row + width, lc[0]);
         continue;
       }
       const uint8_t* srow = sc + sh * width;
       for (int64_t w = 0; w < width; ++w) {
-        const int64_t sw = (t.flip ? width - 1 - w : w) + dx;
+        int64_t sw = (t.flip ? width - 1 - w : w) + dx;
+        if (reflect) sw = reflect_index(sw, width);
         row[w] = (sw >= 0 && sw < width) ? lc[srow[sw]] : lc[0];
       }
     }
   }
+}
+
+std::vector<TtaView> tta_views(int level) {
+  KILN_CHECK(level >= 0 && level <= 2, "tta_views: level must be 0, 1 or 2, got ", level);
+  if (level == 0) return {{{1, 1, false}, 1.0}};
+  if (level == 1) return {{{1, 1, false}, 0.5}, {{1, 1, true}, 0.5}};
+  return {{{1, 1, false}, 0.25}, {{1, 1, true}, 0.25},  {{0, 0, false}, 0.125},
+          {{0, 0, true}, 0.125}, {{2, 2, false}, 0.125}, {{2, 2, true}, 0.125}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -87,7 +110,7 @@ struct Epoch::State {
     for (int64_t i = 0; i < b_count; ++i) {
       const int64_t idx = plan.indices[size_t(i)];
       crop_flip_normalize(ds.image(idx), C, H, W, opts.crop_padding, plan.transforms[size_t(i)],
-                          lut->data(), x + i * C * H * W);
+                          lut->data(), x + i * C * H * W, opts.padding);
       y[i] = ds.label(idx);
     }
     if (opts.on_batch) opts.on_batch(b);
@@ -127,6 +150,16 @@ DataLoader::DataLoader(TensorDataset dataset, LoaderOptions opts)
   KILN_CHECK(opts_.prefetch >= 0, "DataLoader: prefetch must be >= 0, got ", opts_.prefetch);
   KILN_CHECK(opts_.crop_padding >= 0, "DataLoader: crop_padding must be >= 0, got ",
              opts_.crop_padding);
+  KILN_CHECK(opts_.padding == Padding::Zero ||
+                 (opts_.crop_padding < dataset_->height() && opts_.crop_padding < dataset_->width()),
+             "DataLoader: reflect padding of ", opts_.crop_padding, " needs images larger than it, got ",
+             dataset_->height(), "x", dataset_->width());
+  if (const auto& f = opts_.fixed_transform) {
+    const int64_t hi = 2 * opts_.crop_padding;
+    KILN_CHECK(f->top >= 0 && f->top <= hi && f->left >= 0 && f->left <= hi,
+               "DataLoader: fixed_transform's crop (", f->top, ", ", f->left, ") must lie in [0, ",
+               hi, "] (2 x crop_padding)");
+  }
   auto per_channel = [&](const std::vector<float>& v, const char* name) {
     KILN_CHECK(v.size() == 1 || int64_t(v.size()) == C, "DataLoader: ", name, " has ", v.size(),
                " values; the images have ", C, " channels (give 1 or ", C, ")");

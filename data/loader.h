@@ -15,9 +15,15 @@
 // for any number of workers (0, 1, 3 ...) and any thread timing.
 //
 // Per sample, in order (torchvision's RandomCrop(padding) + RandomHorizontalFlip + ToTensor +
-// Normalize): zero-pad each side by `crop_padding` and crop back to H x W at a uniformly
-// drawn offset; mirror left-right with p = 0.5; x = (pixel / 255 - mean[c]) / stddev[c].
-// Padded pixels are 0 before normalisation, so they come out as -mean[c] / stddev[c].
+// Normalize): pad each side by `crop_padding` and crop back to H x W at a uniformly drawn
+// offset; mirror left-right with p = 0.5; x = (pixel / 255 - mean[c]) / stddev[c]. Zero padding
+// reads pixel 0 (it comes out as -mean[c] / stddev[c]); reflect padding mirrors the image about
+// its edge pixels (torch's 'reflect': padded column -1 is column 1).
+// Alternating flip (the CIFAR-10 speedruns' variant of the random flip): sample i is mirrored
+// in epoch 0 with p = 0.5 (a hash of seed and its dataset index), and in every later epoch
+// exactly when it was not in the epoch before, so each pair of epochs sees both views.
+// A fixed transform gives every sample the same crop and flip and draws nothing: the views of
+// test-time augmentation (tta_views below) are loaders that differ only in it.
 //
 // Threads: with workers > 0, an Epoch starts `workers` threads that build batches in order of
 // their index into a bounded queue of `prefetch` batches, and the consumer receives them in
@@ -53,6 +59,17 @@ class Sampler {
   virtual std::vector<int64_t> indices(int64_t epoch) const = 0;
 };
 
+// One sample's augmentation: the crop's top-left corner in padded coordinates, each in
+// [0, 2 * crop_padding] (crop_padding, crop_padding is the identity), and the flip.
+struct SampleTransform {
+  int64_t top = 0;
+  int64_t left = 0;
+  bool flip = false;
+  bool operator==(const SampleTransform&) const = default;
+};
+
+enum class Padding { Zero, Reflect };
+
 struct LoaderOptions {
   int64_t batch_size = 64;
   bool shuffle = false;     // must stay false with a sampler (the sampler orders)
@@ -63,25 +80,38 @@ struct LoaderOptions {
   int prefetch = 0;        // batches built ahead; 0: min(2 * workers, kMaxDefaultPrefetch)
   std::vector<float> mean = {0.0f};    // one value, or one per channel
   std::vector<float> stddev = {1.0f};  // one value, or one per channel; all > 0
-  int64_t crop_padding = 0;            // random crop with this much zero padding (0: no crop)
+  int64_t crop_padding = 0;            // random crop with this much padding (0: no crop)
+  Padding padding = Padding::Zero;     // Reflect needs crop_padding < H and < W
   bool horizontal_flip = false;        // random horizontal flip, p = 0.5
+  bool alternating_flip = false;       // with horizontal_flip: alternating (see above)
+  // Every sample gets this crop (top, left in [0, 2 * crop_padding]) and flip; nothing drawn.
+  std::optional<SampleTransform> fixed_transform;
   // Called on the building thread with each finished batch (extra transforms, checks); must be
   // thread-safe when workers > 0. What it throws reaches the consumer like any worker error.
   std::function<void(Batch&)> on_batch;
 };
 
-// One sample's augmentation: the crop's top-left corner in padded coordinates, each in
-// [0, 2 * crop_padding] (crop_padding, crop_padding is the identity), and the flip.
-struct SampleTransform {
-  int64_t top = 0;
-  int64_t left = 0;
-  bool flip = false;
-};
-
 // dst (C, H, W) f32 = lut[c][pixel] of the padded, cropped, maybe mirrored src (C, H, W) u8.
-// `lut` holds C x 256 values; padding reads as pixel 0. Used by the loader; public for tests.
+// `lut` holds C x 256 values; zero padding reads as pixel 0, reflect padding as the pixel
+// mirrored about the edge. Used by the loader; public for tests.
 void crop_flip_normalize(const uint8_t* src, int64_t channels, int64_t height, int64_t width,
-                         int64_t crop_padding, SampleTransform t, const float* lut, float* dst);
+                         int64_t crop_padding, SampleTransform t, const float* lut, float* dst,
+                         Padding padding = Padding::Zero);
+
+// The source row (or column) that padded coordinate `i` (image coordinates, -pad..n-1+pad)
+// reads under reflect padding: -1 reads 1, n reads n - 2. Needs pad < n.
+inline int64_t reflect_index(int64_t i, int64_t n) { return i < 0 ? -i : (i >= n ? 2 * n - 2 - i : i); }
+
+// Test-time augmentation: the views of a test image and the weight of each view's logits (the
+// weights sum to 1), with crop_padding 1 and reflect padding (the CIFAR-10 speedruns' levels).
+// Level 0: the image. Level 1: the image and its mirror, 1/2 each. Level 2: those two at 1/4
+// each, and the image shifted one pixel up-left and one down-right, each with its mirror, at
+// 1/8 each.
+struct TtaView {
+  SampleTransform transform;
+  double weight = 1.0;
+};
+std::vector<TtaView> tta_views(int level);
 
 // What batch k of an epoch is made of: the dataset index of each sample, in batch order, and
 // its augmentation. The CPU batches and DeviceLoader (data/device_loader.h) both build from it,

@@ -224,6 +224,108 @@ TEST_CASE("crop_flip_normalize on a hand-made image") {
   CHECK(run(1, {0, 1, false}) == std::vector<float>{-7, -7, -7, 1, 2, 3});
 }
 
+TEST_CASE("crop_flip_normalize with reflect padding mirrors about the edge pixels") {
+  // 1 channel, 3 x 3:   1 2 3
+  //                     4 5 6
+  //                     7 8 9
+  const uint8_t img[] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<float> lut(256);
+  for (int v = 0; v < 256; ++v) lut[size_t(v)] = float(v);
+  std::vector<float> out(9);
+  auto run = [&](int64_t pad, SampleTransform t) {
+    crop_flip_normalize(img, 1, 3, 3, pad, t, lut.data(), out.data(), Padding::Reflect);
+    return out;
+  };
+  CHECK(run(1, {1, 1, false}) == std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8, 9});
+  // Crop at (0, 0): row -1 reads row 1, column -1 reads column 1 (torch's 'reflect').
+  CHECK(run(1, {0, 0, false}) == std::vector<float>{5, 4, 5, 2, 1, 2, 5, 4, 5});
+  // Crop at (2, 2): row 3 reads row 1, column 3 reads column 1.
+  CHECK(run(1, {2, 2, false}) == std::vector<float>{5, 6, 5, 8, 9, 8, 5, 6, 5});
+  // Pad 2 (the largest below the side 3): -2 reads 2, 4 reads 0.
+  CHECK(run(2, {0, 0, false}) == std::vector<float>{9, 8, 7, 6, 5, 4, 3, 2, 1});
+  // Flip before the shift, as with zero padding.
+  CHECK(run(1, {1, 2, true}) == std::vector<float>{2, 3, 2, 5, 6, 5, 8, 9, 8});
+  CHECK(reflect_index(-1, 5) == 1);
+  CHECK(reflect_index(5, 5) == 3);
+  CHECK(reflect_index(2, 5) == 2);
+}
+
+TEST_CASE("alternating flip: a coin per sample in epoch 0, then each epoch the other view") {
+  const int64_t n = 64;
+  LoaderOptions o;
+  o.batch_size = 10;
+  o.shuffle = true;
+  o.horizontal_flip = true;
+  o.alternating_flip = true;
+  o.crop_padding = 1;
+  o.padding = Padding::Reflect;
+  o.seed = 5;
+  const DataLoader loader(make_dataset(n, 1, 4, 4), o);
+  // flips[e][i]: whether dataset sample i was mirrored in epoch e.
+  std::vector<std::map<int64_t, bool>> flips(4);
+  BatchPlan plan;
+  for (int64_t e = 0; e < 4; ++e) {
+    const std::vector<int64_t> order = loader.order(e);
+    for (int64_t k = 0; k < loader.num_batches(); ++k) {
+      loader.batch_plan(e, k, order, plan);
+      for (size_t i = 0; i < plan.indices.size(); ++i) flips[size_t(e)][plan.indices[i]] = plan.transforms[i].flip;
+    }
+  }
+  int first = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    first += flips[0].at(i);
+    CHECK(flips[1].at(i) == !flips[0].at(i));
+    CHECK(flips[2].at(i) == flips[0].at(i));
+    CHECK(flips[3].at(i) == !flips[0].at(i));
+  }
+  CHECK(first > 16);  // a fair coin over 64 samples
+  CHECK(first < 48);
+  // The crops are still drawn at random: epochs 0 and 2 differ somewhere.
+  bool differ = false;
+  for (int64_t k = 0; k < loader.num_batches(); ++k) {
+    BatchPlan a, b;
+    loader.batch_plan(0, k, loader.order(0), a);
+    loader.batch_plan(2, k, loader.order(2), b);
+    for (size_t i = 0; i < a.transforms.size(); ++i)
+      differ |= a.transforms[i].top != b.transforms[i].top || a.transforms[i].left != b.transforms[i].left;
+  }
+  CHECK(differ);
+}
+
+TEST_CASE("fixed_transform and tta_views: every sample one view; the views' weights sum to 1") {
+  const TensorDataset ds = make_dataset(7, 2, 4, 4);
+  for (int level : {0, 1, 2}) {
+    CAPTURE(level);
+    const std::vector<TtaView> views = tta_views(level);
+    CHECK(views.size() == (level == 0 ? 1u : level == 1 ? 2u : 6u));
+    double total = 0;
+    for (const TtaView& v : views) {
+      total += v.weight;
+      LoaderOptions o;
+      o.batch_size = 3;
+      o.crop_padding = 1;
+      o.padding = Padding::Reflect;
+      o.fixed_transform = v.transform;
+      const DataLoader loader(ds, o);
+      const std::vector<float>& lut = loader.lut();
+      for (Batch& b : loader.epoch(0)) {
+        const std::vector<float> x = b.x.to_vector<float>();
+        for (int64_t i = 0; i < b.y.numel(); ++i) {
+          const int64_t idx = b.y.to_vector<int64_t>()[size_t(i)];
+          std::vector<float> want(2 * 16);
+          crop_flip_normalize(ds.image(idx), 2, 4, 4, 1, v.transform, lut.data(), want.data(),
+                              Padding::Reflect);
+          CHECK(std::memcmp(x.data() + i * 32, want.data(), 32 * sizeof(float)) == 0);
+        }
+      }
+    }
+    CHECK(total == doctest::Approx(1.0));
+  }
+  CHECK(tta_views(1)[1].transform == SampleTransform{1, 1, true});
+  CHECK_THROWS_AS(tta_views(3), Error);
+}
+
 TEST_CASE("loader augmentation: every sample is one valid crop/flip, and all of them occur") {
   const int64_t n = 64, c = 2, h = 3, w = 4, pad = 1;
   TensorDataset ds = make_dataset(n, c, h, w);
@@ -425,6 +527,21 @@ TEST_CASE("dataset and option validation") {
   CHECK_THROWS_AS(bad([](LoaderOptions& o) { o.batch_size = 0; }), Error);
   CHECK_THROWS_AS(bad([](LoaderOptions& o) { o.workers = -1; }), Error);
   CHECK_THROWS_AS(bad([](LoaderOptions& o) { o.crop_padding = -1; }), Error);
+  // Reflect padding reaches at most side - 1 pixels out (the images are 2 x 2).
+  CHECK_THROWS_AS(bad([](LoaderOptions& o) {
+                    o.crop_padding = 2;
+                    o.padding = Padding::Reflect;
+                  }),
+                  Error);
+  CHECK_NOTHROW(bad([](LoaderOptions& o) {
+    o.crop_padding = 1;
+    o.padding = Padding::Reflect;
+  }));
+  CHECK_THROWS_AS(bad([](LoaderOptions& o) {
+                    o.crop_padding = 1;
+                    o.fixed_transform = SampleTransform{3, 0, false};
+                  }),
+                  Error);
   CHECK_THROWS_AS(bad([](LoaderOptions& o) { o.mean = {0.1f, 0.2f}; }), Error);
   CHECK_THROWS_AS(bad([](LoaderOptions& o) { o.stddev = {1.0f, 0.0f, 1.0f}; }), Error);
   CHECK_NOTHROW(bad([](LoaderOptions& o) { o.mean = {0.1f, 0.2f, 0.3f}; }));

@@ -27,14 +27,16 @@ __global__ void normalize_kernel(T* __restrict__ out, const uint8_t* __restrict_
 
 // One thread per output element, in x's memory order. The arithmetic mirrors
 // data::crop_flip_normalize: output (h, w) reads source (h + top - pad, w' + left - pad) with
-// w' = W - 1 - w when flipped; outside the image it reads pixel 0.
+// w' = W - 1 - w when flipped; outside the image it reads pixel 0, or with `reflect` the pixel
+// mirrored about the edge (data::reflect_index).
 template <typename T, bool kChannelsLast>
 __global__ void gather_crop_flip_normalize_kernel(T* __restrict__ x, int64_t* __restrict__ y,
                                                   const uint8_t* __restrict__ images,
                                                   const int64_t* __restrict__ labels,
                                                   const GatherJob* __restrict__ jobs,
                                                   const float* __restrict__ lut, int64_t B,
-                                                  int64_t C, int64_t H, int64_t W, int64_t pad) {
+                                                  int64_t C, int64_t H, int64_t W, int64_t pad,
+                                                  bool reflect) {
   const int64_t n = B * C * H * W;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
@@ -50,8 +52,12 @@ __global__ void gather_crop_flip_normalize_kernel(T* __restrict__ x, int64_t* __
       c = r % C, b = r / C;
     }
     const GatherJob j = jobs[b];
-    const int64_t sh = h + j.top - pad;
-    const int64_t sw = (j.flip ? W - 1 - w : w) + j.left - pad;
+    int64_t sh = h + j.top - pad;
+    int64_t sw = (j.flip ? W - 1 - w : w) + j.left - pad;
+    if (reflect) {
+      sh = sh < 0 ? -sh : (sh >= H ? 2 * H - 2 - sh : sh);
+      sw = sw < 0 ? -sw : (sw >= W ? 2 * W - 2 - sw : sw);
+    }
     const bool inside = sh >= 0 && sh < H && sw >= 0 && sw < W;
     const uint8_t p = inside ? images[((int64_t(j.index) * C + c) * H + sh) * W + sw] : 0;
     x[i] = cvt<T>(lut[c * 256 + p]);
@@ -111,7 +117,7 @@ void normalize_images(const Tensor& out, const Tensor& in, const float mean[3],
 
 void gather_crop_flip_normalize(const Tensor& x, const Tensor& y, const Tensor& images,
                                 const Tensor& labels, const Tensor& jobs, int64_t pad,
-                                const Tensor& lut) {
+                                const Tensor& lut, bool reflect) {
   const char* op = "gather_crop_flip_normalize";
   KILN_CHECK(x.defined() && images.defined() && labels.defined() && jobs.defined() && lut.defined(),
              op, ": undefined tensor");
@@ -145,6 +151,8 @@ void gather_crop_flip_normalize(const Tensor& x, const Tensor& y, const Tensor& 
       op, ": lut must be f32 (", C * 256, ") contiguous (C x 256 for images ", images.desc(),
       "), got ", lut.desc());
   KILN_CHECK(pad >= 0, op, ": pad must be >= 0, got ", pad);
+  KILN_CHECK(!reflect || (pad < H && pad < W), op, ": reflect padding of ", pad,
+             " needs images larger than it, got ", images.desc());
   for (const Tensor* t : {&x, &y, &labels, &jobs, &lut})
     KILN_CHECK(!t->defined() || t->device() == images.device(), op,
                ": all tensors must be on images' device ", images.device().str(), ", got ",
@@ -159,7 +167,7 @@ void gather_crop_flip_normalize(const Tensor& x, const Tensor& y, const Tensor& 
             static_cast<const uint8_t*>(images.raw_data()),
             static_cast<const int64_t*>(labels.raw_data()),
             static_cast<const GatherJob*>(jobs.raw_data()),
-            static_cast<const float*>(lut.raw_data()), B, C, H, W, pad);
+            static_cast<const float*>(lut.raw_data()), B, C, H, W, pad, reflect);
   };
   if (x.dtype() == DType::f32)
     channels_last ? launch.operator()<float, true>() : launch.operator()<float, false>();

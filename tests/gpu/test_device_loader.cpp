@@ -71,6 +71,15 @@ std::vector<Case> cases() {
   add("C=1 3x3, pad 4 (crops reach past the image)", 10, 1, 3, 3, 4, 4, false)->shuffle = true;
   o = add("C=3 6x9, DistributedSampler rank 1 of 3, pad 4 + flip", 29, 3, 6, 9, 3, 4, true);
   o->sampler = std::make_shared<DistributedSampler>(29, 3, 1, DistributedSamplerOptions{true, 9});
+  o = add("C=3 8x8, reflect pad 2 + alternating flip (the speedrun's)", 21, 3, 8, 8, 5, 2, true);
+  o->padding = Padding::Reflect;
+  o->alternating_flip = true;
+  o->shuffle = true;
+  o = add("C=3 5x6, reflect pad 4 (the largest below the side)", 11, 3, 5, 6, 4, 4, false);
+  o->padding = Padding::Reflect;
+  o = add("C=3 7x7, a fixed view (test-time augmentation)", 9, 3, 7, 7, 4, 1, false);
+  o->padding = Padding::Reflect;
+  o->fixed_transform = SampleTransform{2, 0, true};
   return out;
 }
 
