@@ -56,4 +56,17 @@ double CosineLR::main_factor(int64_t t) const {
   return min_factor_ + (1.0 - min_factor_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
+LinearLR::LinearLR(int64_t total_steps, double end_factor, Warmup warmup)
+    : LRSchedule(warmup), total_(total_steps), end_factor_(end_factor) {
+  KILN_CHECK(total_steps > warmup.steps, "LinearLR: total_steps (", total_steps,
+             ") must exceed the warmup steps (", warmup.steps, ")");
+  KILN_CHECK(end_factor >= 0.0, "LinearLR: end_factor must be >= 0, got ", end_factor);
+}
+
+double LinearLR::main_factor(int64_t t) const {
+  if (t >= total_) return end_factor_;
+  const int64_t w = warmup().steps;
+  return 1.0 + (end_factor_ - 1.0) * double(t - w) / double(total_ - w);
+}
+
 }  // namespace kiln::optim

@@ -11,6 +11,8 @@
 //   MultiStepLR: gamma^(number of milestones <= t)
 //   CosineLR:    min_factor + (1 - min_factor)·(1 + cos(π·(t - W)/(T - W)))/2 for W <= t < T,
 //                min_factor for t >= T
+//   LinearLR:    1 + (end_factor - 1)·(t - W)/(T - W) for W <= t < T, end_factor for t >= T
+//                (with warmup, the triangle of one-cycle schedules: up, then straight down)
 // Step and multi-step milestones count from t = 0 (warmup included), as in Goyal et al.'s
 // "warmup 5 epochs, decay at 30, 60, 80"; the cosine anneals over the steps after warmup.
 #include <cstdint>
@@ -79,6 +81,19 @@ class CosineLR : public LRSchedule {
  private:
   int64_t total_;
   double min_factor_;
+};
+
+class LinearLR : public LRSchedule {
+ public:
+  // total_steps T > W, end_factor >= 0.
+  LinearLR(int64_t total_steps, double end_factor = 0.0, Warmup warmup = {});
+
+ protected:
+  double main_factor(int64_t t) const override;
+
+ private:
+  int64_t total_;
+  double end_factor_;
 };
 
 }  // namespace kiln::optim

@@ -285,6 +285,20 @@ TEST_CASE("CosineLR with warmup anneals over the steps after warmup") {
   CHECK_THROWS_AS(CosineLR(5, 0.0, Warmup{.steps = 5}), Error);
 }
 
+TEST_CASE("LinearLR with warmup is a triangle: up from start_factor, straight down to end_factor") {
+  // The CIFAR-10 speedrun's shape: 0.2 -> 1 over the first 23 of 100 steps, then -> 0.07.
+  LinearLR tri(100, 0.07, Warmup{.steps = 23, .start_factor = 0.2});
+  CHECK(tri.factor(0) == doctest::Approx(0.2));
+  CHECK(tri.factor(23) == doctest::Approx(1.0));
+  CHECK(tri.factor(11) == doctest::Approx(0.2 + 0.8 * 11 / 23.0));
+  CHECK(tri.factor(50) == doctest::Approx(1.0 - 0.93 * 27 / 77.0));
+  CHECK(tri.factor(100) == doctest::Approx(0.07));
+  CHECK(tri.factor(150) == doctest::Approx(0.07));
+  CHECK(LinearLR(4).factor(2) == doctest::Approx(0.5));
+  CHECK_THROWS_AS(LinearLR(5, 0.0, Warmup{.steps = 5}), Error);
+  CHECK_THROWS_AS(LinearLR(5, -0.1), Error);
+}
+
 TEST_CASE("a schedule sets every group's lr from its initial lr") {
   Tensor a = param({1.0}), b = param({2.0});
   auto ga = SGDOptions{.lr = 0.1}.group({a}), gb = SGDOptions{.lr = 0.01}.group({b});
