@@ -1,5 +1,8 @@
 #include "models/nn.h"
 
+#include <Eigen/Eigenvalues>
+
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <unordered_set>
@@ -76,6 +79,65 @@ const Tensor& kaiming_uniform_(const Tensor& t, double a, FanMode mode, Nonlinea
                                Generator* gen) {
   double bound = std::sqrt(3.0) * kaiming_std(t, a, mode, nl);
   return uniform_(t, -bound, bound, gen);
+}
+
+const Tensor& dirac_(const Tensor& t) {
+  KILN_CHECK(t.defined() && t.dim() == 4 && is_floating(t.dtype()),
+             "dirac_: expected a floating (out, in, kH, kW) conv weight, got ", t.desc());
+  const int64_t O = t.size(0), I = t.size(1), kh = t.size(2), kw = t.size(3);
+  std::vector<float> w(size_t(O * I * kh * kw), 0.0f);
+  for (int64_t i = 0; i < std::min(O, I); ++i) w[size_t(((i * I + i) * kh + kh / 2) * kw + kw / 2)] = 1;
+  NoGradGuard no_grad;
+  t.copy_(from_vector(w, t.shape()));
+  return t;
+}
+
+const Tensor& whitening_(const Tensor& weight, const Tensor& images, double eps) {
+  KILN_CHECK(weight.defined() && weight.dim() == 4 && images.defined() && images.dim() == 4 &&
+                 is_floating(images.dtype()) && is_floating(weight.dtype()),
+             "whitening_: expected a floating conv weight (2·C·kH·kW, C, kH, kW) and floating "
+             "images (N, C, H, W), got ",
+             weight.desc(), " and ", images.desc());
+  const int64_t C = weight.size(1), kh = weight.size(2), kw = weight.size(3), D = C * kh * kw;
+  KILN_CHECK(weight.size(0) == 2 * D && images.size(1) == C, "whitening_: a weight ",
+             weight.desc(), " whitens ", C, "-channel images into 2 x ", D,
+             " filters (out = 2·C·kH·kW); got images ", images.desc());
+  KILN_CHECK(eps > 0, "whitening_: eps must be > 0, got ", eps);
+  const int64_t Ho = images.size(2) - kh + 1, Wo = images.size(3) - kw + 1;
+  KILN_CHECK(Ho >= 1 && Wo >= 1 && images.size(0) * Ho * Wo >= D, "whitening_: images ",
+             images.desc(), " hold fewer than ", D, " patches of ", kh, "x", kw);
+  NoGradGuard no_grad;
+  const int64_t M = images.size(0) * Ho * Wo;
+  // X (D, M): row (c, dy, dx) holds pixel (c, y + dy, x + dx) of every patch, in weight order.
+  std::vector<Tensor> rows;
+  rows.reserve(size_t(D));
+  const Tensor x = images.to(DType::f32);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t dy = 0; dy < kh; ++dy)
+      for (int64_t dx = 0; dx < kw; ++dx)
+        rows.push_back(x.select(1, c).narrow(1, dy, Ho).narrow(2, dx, Wo).contiguous().reshape({M}));
+  const Tensor X = F::stack(rows, 0);
+  const std::vector<float> cov = F::matmul(X, X.transpose(0, 1).contiguous())
+                                     .to(Device::cpu())
+                                     .to_vector<float>();
+  Eigen::MatrixXd sigma(D, D);
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t j = 0; j < D; ++j)  // symmetrised: the f32 sums may differ in the last bit
+      sigma(i, j) = 0.5 * (double(cov[size_t(i * D + j)]) + double(cov[size_t(j * D + i)])) / double(M);
+  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> eig(sigma);
+  KILN_CHECK(eig.info() == Eigen::Success, "whitening_: the eigensolver did not converge");
+  std::vector<float> w(size_t(2 * D * D));
+  for (int64_t k = 0; k < D; ++k) {
+    const int64_t src = D - 1 - k;  // Eigen sorts eigenvalues ascending
+    const double scale = 1.0 / std::sqrt(std::max(eig.eigenvalues()(src), 0.0) + eps);
+    for (int64_t j = 0; j < D; ++j) {
+      const double v = eig.eigenvectors()(j, src) * scale;
+      w[size_t(k * D + j)] = float(v);
+      w[size_t((D + k) * D + j)] = float(-v);
+    }
+  }
+  weight.copy_(from_vector(w, weight.shape()));
+  return weight;
 }
 
 }  // namespace init

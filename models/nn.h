@@ -34,6 +34,18 @@ const Tensor& kaiming_normal_(const Tensor& t, double a = 0.0, FanMode mode = Fa
 // bound = gain · √(3 / fan).
 const Tensor& kaiming_uniform_(const Tensor& t, double a = 0.0, FanMode mode = FanMode::FanIn,
                                Nonlinearity nl = Nonlinearity::LeakyReLU, Generator* gen = nullptr);
+// A conv weight (out, in, kH, kW) that passes its input through: filter i < min(out, in) is 1
+// at the centre of input channel i and 0 elsewhere, the other filters 0 (torch.nn.init.dirac_).
+const Tensor& dirac_(const Tensor& t);
+// A whitening filter bank learned from data (the CIFAR-10 speedruns' first layer): for a conv
+// weight (2·D, C, kH, kW) with D = C·kH·kW, the kH x kW patches of `images` (N, C, H, W, any
+// float dtype and device; every position, stride 1, no padding) give the D x D second-moment
+// matrix Σ = E[p pᵀ] (no mean removed: normalised images are centred already), computed on the
+// images' device in f32. With its eigen-decomposition Σ = Σ_k λ_k v_k v_kᵀ, largest λ first,
+// filter k is v_k / √(λ_k + eps) and filter D + k is its negative, so the first D output
+// channels have second moments λ_k / (λ_k + eps): near 1, uncorrelated. The eigensolver runs on
+// the CPU in f64 (Eigen). Throws for a weight of another shape or fewer than D patches.
+const Tensor& whitening_(const Tensor& weight, const Tensor& images, double eps = 5e-4);
 }  // namespace init
 
 // x (N, in_channels, H, W) -> (N, out_channels, H', W').

@@ -240,3 +240,50 @@ TEST_CASE("init helpers: kaiming_normal fan_out/relu and kaiming_uniform statist
   CHECK(p.to_vector<double>() == std::vector<double>{0.25, 0.25, 0.25});
   CHECK(p.is_leaf());
 }
+
+// The largest |x|.
+static double max_abs(const Tensor& x) { return std::sqrt(F::max(F::mul(x, x)).item()); }
+
+TEST_CASE("init::dirac_ passes the input through; init::whitening_ decorrelates patches") {
+  // dirac_: conv(x, w) == x on the first min(out, in) channels, 0 on the others.
+  Conv2d conv(3, 5, 3, 1, 1, 1, 1, false);
+  init::dirac_(conv.weight());
+  Generator g(1);
+  const Tensor x = randn({2, 3, 6, 7}, {}, &g);
+  const Tensor y = conv.forward(x);
+  CHECK(max_abs(F::sub(y.narrow(1, 0, 3), x)) < 1e-6);
+  CHECK(max_abs(y.narrow(1, 3, 2)) == 0.0);
+
+  // whitening_: images whose channels are strongly correlated (c1 = c0 + small noise, c2 a
+  // shifted copy of c0); the 2x2 filters it makes give outputs whose second moments are
+  // diag(λ / (λ + eps)) over the first 12 channels: uncorrelated, near 1 where λ >> eps.
+  const Tensor base = randn({64, 1, 10, 10}, {}, &g);
+  const Tensor img = F::cat({base, F::add(base, F::mul(randn({64, 1, 10, 10}, {}, &g), 0.1)),
+                             F::mul(base, -0.5)},
+                            1);
+  Conv2d white(3, 24, 2, 1, 0, 1, 1, false);
+  const double eps = 1e-4;
+  init::whitening_(white.weight(), img, eps);
+  const Tensor out = white.forward(img);  // (64, 24, 9, 9)
+  const int64_t M = 64 * 81;
+  const Tensor z = out.narrow(1, 0, 12).permute({1, 0, 2, 3}).contiguous().reshape({12, M});
+  const std::vector<float> m =
+      F::mul(F::matmul(z, z.transpose(0, 1).contiguous()), 1.0 / double(M)).template to_vector<float>();
+  int nearly_one = 0;
+  for (int64_t i = 0; i < 12; ++i) {
+    CAPTURE(i);
+    for (int64_t j = 0; j < 12; ++j)
+      if (i != j) CHECK(std::abs(m[size_t(i * 12 + j)]) < 1e-3);
+    CHECK(m[size_t(i * 13)] <= 1.0 + 1e-4);
+    if (i > 0) CHECK(m[size_t(i * 13)] <= m[size_t((i - 1) * 13)] + 1e-4);  // largest λ first
+    nearly_one += m[size_t(i * 13)] > 0.99;
+  }
+  CHECK(nearly_one >= 4);  // the directions the data spans (the rest are tiny: c2 = -c0 / 2)
+  // The second half is the first's negative.
+  const Tensor w = white.weight();
+  CHECK(max_abs(F::add(w.narrow(0, 0, 12), w.narrow(0, 12, 12))) == 0.0);
+  // Shapes that cannot whiten are errors naming them.
+  Conv2d wrong(3, 12, 2, 1, 0, 1, 1, false);
+  CHECK_THROWS_AS(init::whitening_(wrong.weight(), img, eps), Error);
+  CHECK_THROWS_AS(init::whitening_(white.weight(), img.narrow(1, 0, 2), eps), Error);
+}
