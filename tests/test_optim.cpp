@@ -4,11 +4,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <map>
 
 #include "models/nn.h"
 #include "optim/adamw.h"
 #include "optim/schedule.h"
+#include "optim/fused.h"
 #include "optim/sgd.h"
+#include "optim/weight_average.h"
 
 using namespace kiln;
 using namespace kiln::optim;
@@ -317,4 +320,49 @@ TEST_CASE("a schedule sets every group's lr from its initial lr") {
   opt.step();
   CHECK(a.item() == doctest::Approx(1.0 - 0.01));
   CHECK(b.item() == doctest::Approx(2.0 - 0.001));
+}
+
+TEST_CASE("WeightAverage: update mixes, pull writes parameters, masters and buffers") {
+  Generator g(3);
+  auto conv = std::make_shared<nn::Conv2d>(2, 3, 1, 1, 0, 1, 1, true, &g);
+  nn::Sequential model{conv, std::make_shared<nn::BatchNorm2d>(3)};
+  FusedSGD opt(model.parameters(), SGDOptions{.lr = 0.1});
+  WeightAverage avg(model, &opt);
+  auto snapshot = [&] {
+    std::map<std::string, std::vector<float>> m;
+    for (const auto& [name, t] : model.named_parameters()) m[name] = t.to_vector<float>();
+    for (const auto& [name, t] : model.named_buffers())
+      if (is_floating(t.dtype())) m[name] = t.to_vector<float>();
+    return m;
+  };
+  const auto w0 = snapshot();
+  // One step: the parameters move, and the forward moves the running statistics.
+  const Tensor x = randn({4, 2, 3, 3}, {}, &g);
+  opt.zero_grad();
+  F::sum(F::mul(model.forward(x), model.forward(x))).backward();
+  opt.step();
+  const auto w1 = snapshot();
+  REQUIRE(w1.at("0.weight") != w0.at("0.weight"));
+  REQUIRE(w1.at("1.running_mean") != w0.at("1.running_mean"));
+  avg.update(0.75);
+  const auto a = avg.averages();
+  CHECK(a.size() == w0.size());  // num_batches_tracked (i64) is not averaged
+  for (const auto& [name, t] : a) {
+    CAPTURE(name);
+    const std::vector<float> got = t.to_vector<float>();
+    for (size_t i = 0; i < got.size(); ++i)
+      CHECK(got[i] == doctest::Approx(0.75 * w0.at(name)[i] + 0.25 * w1.at(name)[i]));
+  }
+  // Nothing moved yet; pull() moves parameters, buffers and masters to the average.
+  CHECK(snapshot() == w1);
+  avg.pull();
+  for (const auto& [name, t] : a) CHECK(snapshot().at(name) == t.to_vector<float>());
+  CHECK(opt.master(0).to_vector<float>() == a[0].second.to_vector<float>());
+  // A step with zero gradients (no momentum, no weight decay) keeps the average: it continues
+  // from the master the pull wrote, not from the weights before it.
+  opt.zero_grad();
+  opt.step();
+  CHECK(conv->weight().to_vector<float>() == a[0].second.to_vector<float>());
+  CHECK_THROWS_AS(avg.update(1.5), Error);
+  CHECK_THROWS_AS(avg.update(-0.1), Error);
 }

@@ -36,3 +36,4 @@
 #include "optim/schedule.h"
 #include "optim/sgd.h"
 #include "optim/train_step.h"
+#include "optim/weight_average.h"
