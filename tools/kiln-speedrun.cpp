@@ -47,6 +47,7 @@
 #include "cuda/graph.h"
 #include "cuda/runtime.h"
 #endif
+#include "cuda/profiler.h"
 
 namespace {
 
@@ -151,10 +152,12 @@ struct Options {
   std::string device = "auto";
   std::string json;
   bool graph = true;
+  bool profile = false;
 };
 
 struct RunResult {
   double top1 = 0, seconds = 0;
+  double whiten_s = 0, train_s = 0, eval_s = 0;  // the parts of `seconds`
 };
 
 class Speedrun {
@@ -176,7 +179,7 @@ class Speedrun {
     });
     for (const data::TtaView& v : data::tta_views(o.tta)) {
       data::LoaderOptions eo;
-      eo.batch_size = 2000;
+      eo.batch_size = 10000;  // one batch per view: the fewest launches
       eo.mean = mean_;
       eo.stddev = std_;
       eo.crop_padding = 1;
@@ -254,6 +257,8 @@ class Speedrun {
       NoGradGuard ng;
       nn::init::whitening_(whiten_->weight(), whiten_x_);
     }
+    sync(dev_);
+    const double whiten_s = seconds_since(start);
     optim::WeightAverage lookahead(*model_, opt_.get());
     int64_t t = 0;
     model_->train();
@@ -281,8 +286,11 @@ class Speedrun {
         }
       });
     lookahead.pull();  // evaluate the average (the speedruns' final decay of 1)
+    sync(dev_);
+    const double train_s = seconds_since(start) - whiten_s;
     const double top1 = evaluate();
-    return {top1, seconds_since(start)};
+    const double total_s = seconds_since(start);
+    return {top1, total_s, whiten_s, train_s, total_s - whiten_s - train_s};
   }
 
  private:
@@ -403,12 +411,14 @@ int main(int argc, char** argv) {
     p.value("--json", "FILE", &o.json, "also write the runs and the summary as JSON");
     bool no_graph = false;
     p.flag("--no-graph", &no_graph, "CUDA: run every step eagerly instead of one CUDA graph");
+    p.flag("--profile", &o.profile,
+           "CUDA: print the GPU time of each op over run 1 (steps run eagerly)");
     if (!p.parse(argc, argv)) {
       std::fputs(p.info().c_str(), stdout);
       return 0;
     }
     o.data = positional.at(0);
-    o.graph = !no_graph;
+    o.graph = !no_graph && !o.profile;
     const Device dev = o.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
                                           : cli::user_input("--device: ", [&] {
                                               return Device::parse(o.device);
@@ -445,12 +455,19 @@ int main(int argc, char** argv) {
                 long(train.images.size(0)), long(test.images.size(0)), dev.str().c_str(),
                 decode_s, warmup_s, 100 * warm.top1);
     std::vector<double> acc, secs;
+    if (o.profile) cuda::enable_profiler(true);  // run 1's ops, eager (--profile turns the graph off)
     for (int64_t r = 0; r < o.runs; ++r) {
       const RunResult res = sr.run(o.seed + uint64_t(r));
       acc.push_back(res.top1);
       secs.push_back(res.seconds);
-      std::printf("run %ld: test top-1 %.2f%% (tta %d) in %.3f s\n", long(r + 1), 100 * res.top1,
-                  o.tta, res.seconds);
+      std::printf("run %ld: test top-1 %.2f%% (tta %d) in %.3f s (whitening %.3f, training %.3f, "
+                  "evaluation %.3f)\n",
+                  long(r + 1), 100 * res.top1, o.tta, res.seconds, res.whiten_s, res.train_s,
+                  res.eval_s);
+      if (o.profile && r == 0) {
+        std::fputs(cuda::profiler_report().c_str(), stdout);
+        cuda::enable_profiler(false);
+      }
       std::fflush(stdout);
     }
     std::printf("%ld runs: accuracy %.2f%% ± %.2f (mean ± std), time %.3f s mean, median %.3f, "

@@ -2,9 +2,10 @@
 """PyTorch side of kiln-train on small photos (CIFAR-10 as an ImageFolder): the same recipe.
 
     python3 tools/bench/cifar10_torch.py cifar10/ --seed 0 --epochs 15 --batch-size 256 \
-        --lr 0.2 --label-smoothing 0.1
+        --lr 0.1 --warmup-epochs 1 --label-smoothing 0.1
 
-is `kiln-train cifar10/ -a resnet18 --epochs 15 -b 256 --lr 0.2 --label-smoothing 0.1 --seed 0`:
+is `kiln-train cifar10/ -a resnet18 --epochs 15 -b 256 --lr 0.1 --warmup-epochs 1
+--label-smoothing 0.1 --seed 0`:
 - torchvision's ResNet-18 with a 3x3/1 stem and no max pool, 3 input channels, one class per
   folder of train/ (sorted names, as kiln's ImageFolder);
 - every image decoded once (PIL, all cores) into memory at its own size, then kept on the GPU;

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/kiln-out}
 B=${B:-build-gpu}
 SEEDS=${SEEDS:-0 1 2}
 EPOCHS=${EPOCHS:-15}
-RECIPE=(--epochs "$EPOCHS" --lr 0.2 --label-smoothing 0.1)
+RECIPE=(--epochs "$EPOCHS" --lr 0.1 --warmup-epochs 1 --label-smoothing 0.1)
 DATA=/tmp/cifar10
 mkdir -p "$OUT" "$DATA"
 [ -d $DATA/train ] || tar -xzf .data/cifar10.tar.gz -C $DATA || exit 1
