@@ -20,7 +20,10 @@
 #include <vector>
 
 #include "core/device_query.h"
+#include "core/generator.h"
+#include "core/json.h"
 #include "core/serialization.h"
+#include "data/image.h"
 #include "tools/cli/cli.h"
 #include "tools/train/output_dir.h"
 #include "tools/train/train_dist.h"
@@ -779,6 +782,54 @@ TEST_CASE("kiln-loader-bench: --output-dir holding a user's file is refused and 
   const Run r = tool("kiln-loader-bench", gen + (root / "new").string());
   CHECK(r.code == 0);
   CHECK(tree(root / "new").size() >= 2);
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+// ---------------- kiln-speedrun ----------------
+
+TEST_CASE("kiln-speedrun: trains and reports on a small CIFAR-like folder (CPU); bad data in one line") {
+  const fs::path root =
+      fs::temp_directory_path() / ("kiln_test_cli_speedrun_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  // 10 classes of 32x32 RGB PNGs, the class in the colour: 6 to train and 2 to test per class.
+  Generator g(4);
+  for (const auto& [split, n] : {std::pair<std::string, int>{"train", 6}, {"test", 2}})
+    for (int c = 0; c < 10; ++c)
+      for (int i = 0; i < n; ++i) {
+        data::Image im;
+        im.height = im.width = 32;
+        im.pixels.resize(32 * 32 * 3);
+        for (size_t p = 0; p < im.pixels.size(); ++p)
+          im.pixels[p] = uint8_t(25 * c * (p % 3 == 0) + g.below(40));
+        const fs::path f = root / split / ("class" + std::to_string(c)) / (std::to_string(i) + ".png");
+        fs::create_directories(f.parent_path());
+        data::write_png(f.string(), im);
+      }
+  const fs::path js = root / "runs.json";
+  Run r = tool("kiln-speedrun", root.string() + " --device cpu -b 20 --epochs 1 --runs 2 --tta 1 "
+                                "--json " + js.string());
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.rfind("kiln-speedrun: 60 training and 20 test images (cpu)", 0) == 0);
+  CHECK(r.output.find("run 2: test top-1 ") != std::string::npos);
+  CHECK(r.output.find("2 runs: accuracy ") != std::string::npos);
+  const json::Value v = json::parse(bytes_of(js));
+  CHECK(v.at("runs").array().size() == 2);
+  CHECK(v.at("accuracy_mean").number() >= 0.0);
+  CHECK(v.at("accuracy_mean").number() <= 1.0);
+  CHECK(v.at("seconds_mean").number() > 0.0);
+  // Data it cannot train on: one line naming what is wrong.
+  r = tool("kiln-speedrun", (root / "nowhere").string() + " --device cpu");
+  CHECK(r.code == 1);
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+  CHECK(r.output.find("kiln-speedrun: error: DATA: ") == 0);
+  fs::remove_all(root / "train" / "class9");
+  fs::remove_all(root / "test" / "class9");
+  r = tool("kiln-speedrun", root.string() + " --device cpu");
+  CHECK(r.code == 1);
+  CHECK(r.output == "kiln-speedrun: error: DATA '" + root.string() +
+                        "': 9 class folders; the speedrun's network has 10 outputs (CIFAR-10)\n");
   std::error_code ec;
   fs::remove_all(root, ec);
 }
