@@ -460,6 +460,15 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
           "kiln-bench: error: --verify-graph compares CUDA graph replay with eager "
           "steps on the GPU, and this kiln was built without CUDA\n");
   }
+  if (built_with_cuda() && !cuda_available()) {  // CUDA built in, no GPU: one line, no location
+    for (const char* what : {"--model", "--verify-graph"}) {
+      const Run r = tool("kiln-bench", std::string("--model resnet18") +
+                                           (std::string(what) == "--model" ? "" : " --verify-graph"));
+      CHECK(r.code == 1);
+      CHECK(r.output == "kiln-bench: error: " + std::string(what) +
+                            " runs on a CUDA device, and no CUDA device is visible\n");
+    }
+  }
   fs::create_directories(root / "corpus" / "train");
   Run r = tool("kiln-loader-bench", "--output-dir " + (root / "corpus").string());
   CHECK(r.code == 1);

@@ -32,6 +32,7 @@
 #include "core/device_query.h"
 #include "core/error.h"
 #include "core/json.h"
+#include "core/serialization.h"
 #include "core/tensor.h"
 #include "core/version.h"
 #include "ops/ops.h"
@@ -307,10 +308,15 @@ int main(int argc, char** argv) {
                                          : kiln::amp::Precision::Mixed16;
       if (kiln::models::train_gflop_per_image(model) > 0)
         mo.gflop_per_image = kiln::models::train_gflop_per_image(model);
+#ifdef KILN_WITH_CUDA
+      if (kiln::cuda::device_count() == 0)
+        kiln::cli::usage_error(mo.verify_graph ? "--verify-graph" : "--model",
+                               " runs on a CUDA device, and no CUDA device is visible");
+#endif
       if (mo.verify_graph) return kiln::bench::verify_graph(mo) ? 0 : 1;
       auto rows = kiln::bench::bench_model(mo);
       if (!json_path.empty() && kiln::DistEnv::from_env().rank == 0) {
-        std::ofstream(json_path) << kiln::bench::rows_json(rows);
+        kiln::write_file_atomic(json_path, kiln::bench::rows_json(rows));
         std::printf("wrote %s\n", json_path.c_str());
       }
       return 0;
