@@ -192,6 +192,11 @@ struct Backend {
   // viewed (rows, inner); out contiguous.
   void (*reduce_rows)(ReduceOp op, TensorRef out, TensorRef x, int64_t rows,
                       int64_t inner) = nullptr;
+  // Optional: out (cols) = Sum over the `outer` rows of contiguous x viewed (outer, cols), out
+  // contiguous: a sum over a tensor's leading dims in memory order (a channels-last gradient
+  // summed over N, H, W) without transposing it first. Deterministic: the same bits on every
+  // call for the same shape. Null: the caller transposes x and calls reduce_rows.
+  void (*reduce_cols)(TensorRef out, TensorRef x, int64_t outer, int64_t cols) = nullptr;
   // Over contiguous x (rows, inner), inner > 0: values (rows) = row maxima, indices (rows, i64)
   // = position of the first maximal element (NaN counts as maximal). Both contiguous.
   void (*max_rows)(TensorRef values, TensorRef indices, TensorRef x, int64_t rows,

@@ -29,6 +29,9 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar);
 void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b, double alpha);
 // x contiguous viewed as (rows, inner); out (rows) contiguous.
 void reduce_rows(ReduceOp op, const Tensor& out, const Tensor& x, int64_t rows, int64_t inner);
+// out (cols) = Σ over the rows of contiguous x (outer, cols): two passes, f32 partial sums of
+// row chunks then their sum in chunk order (deterministic for a given shape).
+void reduce_cols(const Tensor& out, const Tensor& x, int64_t outer, int64_t cols);
 // max over the inner dim of contiguous x (rows, inner): values and i64 indices (first max).
 void max_rows(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t rows,
               int64_t inner);

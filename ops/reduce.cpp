@@ -23,6 +23,7 @@ ReducePlan plan_reduction(const Tensor& x, const std::vector<int64_t>& dims, boo
   }
   for (int64_t i = 0; i < nd; ++i)
     if (!reduce[size_t(i)]) p.perm.push_back(i);
+  p.kept = int64_t(p.perm.size());
   for (int64_t i = 0; i < nd; ++i)
     if (reduce[size_t(i)]) p.perm.push_back(i);
   p.rows = 1;
@@ -42,11 +43,23 @@ ReducePlan plan_reduction(const Tensor& x, const std::vector<int64_t>& dims, boo
 
 Tensor reduce_rows_raw(ReduceOp op, const Tensor& x, const ReducePlan& p) {
   KILN_OP_SCOPE("reduce", x);
+  KILN_CHECK(op == ReduceOp::Sum || op == ReduceOp::Max, "reduce: only Sum and Max reduce rows");
+  Tensor out = empty(p.out_shape, TensorOptions(x.dtype()).with_device(x.device()));
+  const Backend& be = backend(x);
+  if (op == ReduceOp::Sum && be.reduce_cols && p.rows > 1 && p.inner > 1) {
+    // When x's memory holds the reduced dims outside the kept ones (a channels-last tensor
+    // summed over N, H, W), it already is (inner, rows): sum its columns where they lie.
+    std::vector<int64_t> order(p.perm.begin() + std::ptrdiff_t(p.kept), p.perm.end());
+    order.insert(order.end(), p.perm.begin(), p.perm.begin() + std::ptrdiff_t(p.kept));
+    const Tensor xc = x.detach().permute(order);
+    if (xc.is_contiguous()) {
+      be.reduce_cols(out, xc, p.inner, p.rows);
+      return out;
+    }
+  }
   // (kept dims..., reduced dims...) contiguous, viewed as (rows, inner).
   Tensor xp = x.detach().permute(p.perm).contiguous();
-  Tensor out = empty(p.out_shape, TensorOptions(x.dtype()).with_device(x.device()));
-  KILN_CHECK(op == ReduceOp::Sum || op == ReduceOp::Max, "reduce: only Sum and Max reduce rows");
-  backend(x).reduce_rows(op, out, xp, p.rows, p.inner);
+  be.reduce_rows(op, out, xp, p.rows, p.inner);
   return out;
 }
 

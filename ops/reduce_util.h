@@ -10,6 +10,7 @@ namespace kiln::F {
 
 struct ReducePlan {
   std::vector<int64_t> perm;  // kept dims, then reduced dims
+  int64_t kept = 0;           // how many of perm's dims are kept
   int64_t rows = 1;           // product of kept sizes
   int64_t inner = 1;          // product of reduced sizes
   Shape out_shape;            // result shape (honours keepdim)

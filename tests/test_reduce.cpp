@@ -268,3 +268,22 @@ TEST_CASE("reduction errors") {
   CHECK(F::max(empty({0, 3}), 1).shape() == Shape{0});
   CHECK(F::sum(empty({0, 3}), {0}).to_vector<float>() == std::vector<float>{0, 0, 0});
 }
+
+TEST_CASE("sums over the leading dims in memory order (reduce_cols) equal the transposing path") {
+  // A channels-last tensor summed over N, H, W, and a matrix over its rows: the backend sums
+  // columns where they lie; the result is the same bits as summing a contiguous copy.
+  Generator g(9);
+  const Tensor x = randn({3, 5, 4, 6}, {}, &g);
+  const Tensor cl = x.contiguous(MemoryFormat::ChannelsLast);
+  const Tensor a = F::sum(cl, {0, 2, 3}), b = F::sum(x, {0, 2, 3});
+  CHECK(a.to_vector<float>() == b.to_vector<float>());
+  const Tensor m = randn({37, 70}, {}, &g);  // 70 columns: two of the CPU's column blocks
+  const std::vector<float> cols = F::sum(m, {0}).to_vector<float>();
+  const std::vector<float> rows = F::sum(m.transpose(0, 1).contiguous(), {1}).to_vector<float>();
+  CHECK(cols == rows);
+  for (int64_t c : {0, 69}) {
+    double want = 0;
+    for (int64_t r = 0; r < 37; ++r) want += double(m.to_vector<float>()[size_t(r * 70 + c)]);
+    CHECK(cols[size_t(c)] == float(want));
+  }
+}

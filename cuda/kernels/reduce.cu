@@ -105,6 +105,54 @@ __global__ void scatter_rows_kernel(T* dx, const T* g, const int64_t* indices, i
   }
 }
 
+// Column sums of contiguous x (outer, cols), pass 1: block (chunk, tile) sums rows
+// [chunk·rows_per_chunk, ...) of the tile's `width` columns into partial[chunk, col], f32. The
+// block's threads are `groups` row groups of `width` lanes (one column each); group g takes rows
+// g, g + groups, ... of the chunk, so each step reads groups·width consecutive elements; the
+// groups' sums are then added in group order.
+template <typename T>
+__global__ void col_partials_kernel(float* __restrict__ partial, const T* __restrict__ x,
+                                    int64_t outer, int64_t cols, int64_t rows_per_chunk,
+                                    int width) {
+  pdl_start();
+  __shared__ float part[kBlock];
+  const int groups = kBlock / width;
+  const int lane = threadIdx.x % width, group = threadIdx.x / width;
+  const int64_t col = int64_t(blockIdx.y) * width + lane;
+  const int64_t r0 = int64_t(blockIdx.x) * rows_per_chunk;
+  const int64_t r1 = min(outer, r0 + rows_per_chunk);
+  float acc = 0.f;
+  if (group < groups && col < cols)
+    for (int64_t r = r0 + group; r < r1; r += groups) acc += cvt<float>(x[r * cols + col]);
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < width && col < cols) {
+    float s = 0.f;
+    for (int g = 0; g < groups; ++g) s += part[g * width + threadIdx.x];
+    partial[int64_t(blockIdx.x) * cols + col] = s;
+  }
+}
+
+// Pass 2: out[col] = Σ over chunks of partial[chunk, col], one block per column: each thread
+// sums a strided share of the chunks, then the warps' sums are combined in a fixed order.
+template <typename T>
+__global__ void col_finish_kernel(T* __restrict__ out, const float* __restrict__ partial,
+                                  int64_t chunks, int64_t cols) {
+  pdl_start();
+  __shared__ float warps[kWarps];
+  const int64_t col = blockIdx.x;
+  float acc = 0.f;
+  for (int64_t k = threadIdx.x; k < chunks; k += kBlock) acc += partial[k * cols + col];
+  acc = warp_sum(acc);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < kWarps; ++w) s += warps[w];
+    out[col] = cvt<T>(s);
+  }
+}
+
 // Grid for a row kernel with TPR threads per row.
 unsigned row_grid(int64_t rows, int tpr) {
   const int64_t rows_per_block = kBlock / tpr;
@@ -124,6 +172,29 @@ void reduce_rows(ReduceOp op, const Tensor& out, const Tensor& x, int64_t rows, 
              inner);
     else
       launch(reduce_rows_kernel<32, T>, row_grid(rows, 32), kBlock, 0, s, op, o, p, rows, inner);
+    KILN_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void reduce_cols(const Tensor& out, const Tensor& x, int64_t outer, int64_t cols) {
+  if (cols == 0) return;
+  // Chunks of rows: enough blocks to fill the GPU several times over, each reading at least a
+  // few thousand elements; at most 4096 partial rows.
+  const int width = int(std::min<int64_t>(cols, kBlock));
+  const int64_t tiles = (cols + width - 1) / width;
+  const int64_t want_chunks = std::max<int64_t>(1, std::min<int64_t>(4096 / tiles + 1, 1024));
+  const int64_t rows_per_chunk =
+      std::max<int64_t>((outer + want_chunks - 1) / want_chunks, std::max<int64_t>(1, 4096 / cols));
+  const int64_t chunks = std::max<int64_t>(1, (outer + rows_per_chunk - 1) / rows_per_chunk);
+  Tensor partial = empty({chunks, cols}, TensorOptions(DType::f32).with_device(x.device()));
+  dispatch_device_float(x.dtype(), "reduce", [&]<typename T>() {
+    cudaStream_t s = current_stream();
+    launch(col_partials_kernel<T>, dim3(unsigned(chunks), unsigned(tiles)), kBlock, 0, s,
+           static_cast<float*>(partial.raw_data()), static_cast<const T*>(x.raw_data()), outer,
+           cols, rows_per_chunk, width);
+    KILN_CUDA_CHECK_LAUNCH();
+    launch(col_finish_kernel<T>, unsigned(cols), kBlock, 0, s, static_cast<T*>(out.raw_data()),
+           static_cast<const float*>(partial.raw_data()), chunks, cols);
     KILN_CUDA_CHECK_LAUNCH();
   });
 }

@@ -56,6 +56,7 @@ Backend make_table() {
   b.unary = unary;
   b.binary = binary;
   b.reduce_rows = reduce_rows;
+  b.reduce_cols = reduce_cols;
   b.max_rows = max_rows;
   b.scatter_rows = scatter_rows;
   b.matmul = matmul;

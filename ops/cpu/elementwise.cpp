@@ -1,4 +1,5 @@
 // CPU elementwise and row-reduction kernels.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -124,6 +125,27 @@ void reduce_rows(ReduceOp op, const Tensor& out, const Tensor& x, int64_t rows, 
           if (row[i] > m || std::isnan(row[i])) m = row[i];
         o[r] = m;
       }
+    }
+  });
+}
+
+void reduce_cols(const Tensor& out, const Tensor& x, int64_t outer, int64_t cols) {
+  dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
+    const T* p = x.data<T>();
+    T* o = out.data<T>();
+    // Each column summed in double, row by row in order: the same bits as reduce_rows over the
+    // transposed tensor.
+    constexpr int64_t kCols = 64;  // columns per thread's block
+    const int64_t blocks = (cols + kCols - 1) / kCols;
+#pragma omp parallel for if (outer * cols > kParallelGrain) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c0 = b * kCols, c1 = std::min(cols, c0 + kCols);
+      double acc[kCols] = {};
+      for (int64_t r = 0; r < outer; ++r) {
+        const T* row = p + r * cols;
+        for (int64_t c = c0; c < c1; ++c) acc[c - c0] += double(row[c]);
+      }
+      for (int64_t c = c0; c < c1; ++c) o[c] = T(acc[c - c0]);
     }
   });
 }

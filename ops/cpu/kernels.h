@@ -14,6 +14,7 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar);
 void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b, double alpha);
 // out[i] = reduce over the trailing `inner` elements of row i of contiguous x viewed (rows, inner).
 void reduce_rows(ReduceOp op, const Tensor& out, const Tensor& x, int64_t rows, int64_t inner);
+void reduce_cols(const Tensor& out, const Tensor& x, int64_t outer, int64_t cols);
 
 }  // namespace kiln::cpu
 

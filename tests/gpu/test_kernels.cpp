@@ -176,6 +176,39 @@ TEST_CASE("reduce_rows: sum and max, warp and block paths, NaN propagation") {
   }
 }
 
+TEST_CASE("reduce_cols: column sums of (outer, cols), against the CPU; the same bits every call") {
+  // Few wide rows, many narrow ones (a channels-last bias gradient: N·H·W x 24), more columns
+  // than a block (several tiles), a single row, a single column.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {3, 5}, {200003, 24}, {1000, 300}, {1, 7}, {4097, 1}, {64, 1000}};
+  for (DType t : kFloat) {
+    for (auto [outer, cols] : shapes) {
+      const std::string name =
+          std::string(dtype_name(t)) + " " + std::to_string(outer) + "x" + std::to_string(cols);
+      CAPTURE(name);
+      const Tensor x = gpu_tensor(uniform_values(outer * cols, -1, 1, 11), {outer, cols}, t);
+      Tensor out = nan_output({cols}, t);
+      cuda::reduce_cols(out, x, outer, cols);
+      Tensor want = empty({cols}, TensorOptions(DType::f64));
+      cpu::reduce_cols(want, host_f64(x), outer, cols);
+      Tol tol = tol_for(t);
+      tol.atol += 1e-6 * double(outer);  // f32 partial sums of values in [-1, 1]
+      check_close(out, want, tol, name);
+      Tensor again = nan_output({cols}, t);
+      cuda::reduce_cols(again, x, outer, cols);
+      CHECK(out.to(Device::cpu()).to_vector<double>() == again.to(Device::cpu()).to_vector<double>());
+    }
+  }
+  // Through F::sum: a channels-last tensor summed over N, H, W takes this path and agrees with
+  // the same values laid out NCHW (the transposing path).
+  const Tensor cl = gpu_tensor(uniform_values(8 * 24 * 31 * 31, -1, 1, 5), {8, 24, 31, 31},
+                               DType::f16)
+                        .contiguous(MemoryFormat::ChannelsLast);
+  const Tensor nchw = cl.contiguous();
+  check_close(F::sum(cl, {0, 2, 3}), F::sum(nchw, {0, 2, 3}), tol_for(DType::f16),
+              "channels-last sum over N, H, W");
+}
+
 TEST_CASE("max_rows: values and first maximal index; scatter_rows routes gradients") {
   for (DType t : kFloat) {
     for (auto [rows, inner] : std::vector<std::pair<int64_t, int64_t>>{
