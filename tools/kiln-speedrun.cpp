@@ -164,7 +164,7 @@ class Speedrun {
  public:
   Speedrun(const Options& o, const data::FolderTensors& train, const data::FolderTensors& test,
            Device dev)
-      : o_(o), dev_(dev), train_(train), test_(test) {
+      : o_(o), dev_(dev) {
     precision_ = dev.is_cuda() ? amp::Precision::Mixed16 : amp::Precision::FP32;
     dt_ = dev.is_cuda() ? DType::f16 : DType::f32;
     data::channel_stats(train.images, &mean_, &std_);
@@ -353,8 +353,6 @@ class Speedrun {
 
   Options o_;
   Device dev_;
-  const data::FolderTensors& train_;
-  const data::FolderTensors& test_;
   amp::Precision precision_;
   DType dt_;
   std::vector<float> mean_, std_;
