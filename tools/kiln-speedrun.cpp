@@ -112,34 +112,28 @@ std::shared_ptr<nn::Sequential> make_net(uint64_t seed) {
 class Batches {
  public:
   Batches(const data::TensorDataset& ds, const data::LoaderOptions& o, Device dev, DType dt)
-      : host_(ds, o), dev_(dev) {
-#ifdef KILN_WITH_CUDA
+      : host_(ds, o) {
     if (dev.is_cuda())
       gpu_ = std::make_unique<data::DeviceLoader>(
           host_, dev, dt, dt == DType::f16 ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
-#endif
-    (void)dt;
   }
   int64_t num_batches() const { return host_.num_batches(); }
-  // Calls f(x, y) for each batch of epoch e.
+  // Calls f(x, y) for each batch of epoch e while f returns true.
   template <typename Fn>
   void each(int64_t e, Fn&& f) const {
-#ifdef KILN_WITH_CUDA
     if (gpu_) {
       data::DeviceEpoch ep = gpu_->epoch(e);
-      while (std::optional<data::DeviceBatch> b = ep.next()) f(b->x, b->y);
+      while (std::optional<data::DeviceBatch> b = ep.next())
+        if (!f(b->x, b->y)) return;
       return;
     }
-#endif
-    for (data::Batch& b : host_.epoch(e)) f(b.x, b.y);
+    for (data::Batch& b : host_.epoch(e))
+      if (!f(b.x, b.y)) return;
   }
 
  private:
   data::DataLoader host_;
-  Device dev_;
-#ifdef KILN_WITH_CUDA
   std::unique_ptr<data::DeviceLoader> gpu_;
-#endif
 };
 
 struct Options {
@@ -175,7 +169,8 @@ class Speedrun {
     wo.mean = mean_;
     wo.stddev = std_;
     Batches(tr, wo, dev, DType::f32).each(0, [&](const Tensor& x, const Tensor&) {
-      if (!whiten_x_.defined()) whiten_x_ = x.clone();
+      whiten_x_ = x;  // a fresh tensor (DeviceLoader and DataLoader batches are)
+      return false;  // the first batch is all it needs
     });
     for (const data::TtaView& v : data::tta_views(o.tta)) {
       data::LoaderOptions eo;
@@ -264,7 +259,6 @@ class Speedrun {
     model_->train();
     for (int64_t e = 0; t < total; ++e)
       train.each(e, [&](const Tensor& x, const Tensor& y) {
-        if (t >= total) return;
         schedule.apply(*opt_, t);
         if (t >= whiten_bias_steps) opt_->param_groups[2].lr = 0.0;
         x_.copy_(x);
@@ -284,6 +278,7 @@ class Speedrun {
           lookahead.update(std::pow(0.95, 5) * std::pow(double(t) / double(total), 3));
           lookahead.pull();
         }
+        return t < total;  // a fractional last epoch stops part-way
       });
     lookahead.pull();  // evaluate the average (the speedruns' final decay of 1)
     sync(dev_);
@@ -333,6 +328,7 @@ class Speedrun {
         else
           sums[k] = F::add(sums[k], logits);
         ++k;
+        return true;
       });
     }
     Tensor hits = zeros({}, TensorOptions(DType::f32).with_device(dev_));

@@ -24,15 +24,16 @@ for side in $sides; do
       kiln) rm -rf /tmp/cifar-run
             $B/kiln-train $DATA -a resnet18 -b 256 "${RECIPE[@]}" --seed "$seed" --workers 16 \
               --output /tmp/cifar-run > "$log" 2>&1
+            rc=$?
             cp /tmp/cifar-run/log.jsonl "$OUT/cifar10-kiln-$seed.jsonl" 2>/dev/null
-            top1=$(tail -1 /tmp/cifar-run/log.jsonl | python3 -c "import json,sys; print(json.load(sys.stdin)['test_top1'])") ;;
+            top1=$(tail -1 /tmp/cifar-run/log.jsonl 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['test_top1'])") ;;
       torch|compile)
             extra=(); [ $side = compile ] && extra=(--compile)
             python3 tools/bench/cifar10_torch.py $DATA --batch-size 256 "${RECIPE[@]}" \
               --seed "$seed" "${extra[@]}" > "$log" 2>&1
+            rc=$?
             top1=$(tail -1 "$log" | python3 -c "import json,sys; print(json.load(sys.stdin)['final_test_top1'])") ;;
     esac
-    rc=$?
     wall=$(python3 -c "print(round($(now) - $t0, 2))")
     line="{\"side\": \"$side\", \"seed\": $seed, \"epochs\": $EPOCHS, \"top1\": ${top1:-null}, \"wall_s\": $wall}"
     echo "$line" | tee -a "$OUT/cifar10.jsonl"
