@@ -88,17 +88,18 @@ struct BatchNormReluPaths {
 struct BatchNormStatsPaths {
   // BnStatsFinalize's outputs from its inputs.
   using Finalize = void (*)(const BnStatsFinalize& f);
-  // y = act(x·scale + shift [+ z]), act = ReLU when relu, scale and shift = f.scale_shift: f
-  // finalized first, in the same launch sequence. With relu and z, `mask` (u8, numel/8) gets the
-  // ReLU's mask (bit j of byte i: element 8i + j of y is positive).
+  // y = act(x·scale + shift [+ z]), scale and shift = f.scale_shift: f finalized first, in the
+  // same launch sequence. With Relu and z, `mask` (u8, numel/8) gets the ReLU's mask (bit j of
+  // byte i: element 8i + j of y is positive). Gelu is only asked for without z.
   using Apply = void (*)(TensorRef y, TensorRef x, TensorRef z, const BnStatsFinalize& f,
-                         bool relu, TensorRef mask);
-  // g = dy masked by the ReLU (the forward's mask when z was given, else recomputed); dx (=),
-  // dz (=) = g when defined; dweight = Σ g·x̂, dbias = Σ g when defined, `=` or `+=` by `mode`.
+                         Activation act, TensorRef mask);
+  // g = dy through the activation's derivative (Relu: the forward's mask when z was given, else
+  // recomputed from x; Gelu: gelu'(x·scale + shift) recomputed from x); dx (=), dz (=) = g when
+  // defined; dweight = Σ g·x̂, dbias = Σ g when defined, `=` or `+=` by `mode`.
   using Backward = void (*)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
                             TensorRef dy, TensorRef x, TensorRef mask, TensorRef weight,
                             TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
-                            bool relu, GradientMode mode);
+                            Activation act, GradientMode mode);
   // Two batch norms meeting at a residual add: y = relu(x·ss_x + r·ss_r), mask as above, ss_x
   // and ss_r the scale_shift of f_x and f_r, each finalized first as in apply.
   using DualApply = void (*)(TensorRef y, TensorRef x, const BnStatsFinalize& f_x, TensorRef r,

@@ -29,6 +29,10 @@ enum class ReduceOp : uint8_t { Sum, Max, Min, Avg };
 // cuDNN's weight gradient, whose beta = 1 plan may differ from its beta = 0 one).
 enum class GradientMode : uint8_t { Set, Accumulate, AddToZeros };
 
+// The activation a fused normalisation applies to its output: none, ReLU, or the exact GELU
+// (x·Φ(x), UnaryOp::Gelu's formula).
+enum class Activation : uint8_t { None, Relu, Gelu };
+
 const char* unary_name(UnaryOp op);
 const char* binary_name(BinaryOp op);
 

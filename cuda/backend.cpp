@@ -120,16 +120,16 @@ void bn_relu_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
 }
 
 void bn_stats_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
-                    bool relu, const Tensor& mask) {
-  bn_nhwc_apply(y, x, z, f, relu, mask);
+                    Activation act, const Tensor& mask) {
+  bn_nhwc_apply(y, x, z, f, act, mask);
 }
 
 void bn_stats_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                        const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                        const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
-                       const Tensor& scale_shift, bool relu, GradientMode mode) {
+                       const Tensor& scale_shift, Activation act, GradientMode mode) {
   bn_nhwc_backward(dx, dz, dweight, dbias, dy, x, mask, weight, save_mean, save_invstd,
-                   scale_shift, relu, mode == GradientMode::Accumulate);
+                   scale_shift, act, mode == GradientMode::Accumulate);
 }
 
 void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwx,

@@ -231,22 +231,24 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x);
 // BnStatsFinalize's outputs from its inputs (core/backend.h has the arithmetic's contract).
 void bn_nhwc_finalize(const BnStatsFinalize& f);
 
-// y (=) = act(x·scale + shift [+ z]) per channel; act = ReLU when relu, else identity; scale and
+// y (=) = act(x·scale + shift [+ z]) per channel (act: identity, ReLU or GELU); scale and
 // shift are f's scale_shift, f finalized first when it has statistics (f.sum defined; otherwise
-// its scale_shift is the input). z may be undefined. With relu and z, `mask` (u8, numel/8, contiguous) (=) gets the ReLU's
-// mask, bit j of byte i set when y's element 8i + j is positive: the backward reads it instead
-// of y (1/16 of the bytes).
+// its scale_shift is the input). z may be undefined (and must be for GELU). With ReLU and z,
+// `mask` (u8, numel/8, contiguous) (=) gets the ReLU's mask, bit j of byte i set when y's
+// element 8i + j is positive: the backward reads it instead of y (1/16 of the bytes). GELU is
+// evaluated on the f32 value before rounding (the unfused pair rounds it to f16 in between).
 void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
-                   bool relu, const Tensor& mask = Tensor());
+                   Activation act, const Tensor& mask = Tensor());
 
-// Backward of bn_nhwc_apply. g = dy masked by the ReLU (when relu): the forward's `mask` when z
-// was given, else recomputed as x·scale + shift > 0. Writes dx (=), dz (=) = g when defined,
-// dweight (=) = Σ g·x̂ and dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd — or `+=`
-// with accumulate_params (autograd's accumulate-into: they are the parameters' .grad).
+// Backward of bn_nhwc_apply. g = dy through the activation: for ReLU masked by the forward's
+// `mask` when z was given, else by x·scale + shift > 0 recomputed; for GELU dy·gelu'(x·scale +
+// shift) recomputed from x. Writes dx (=), dz (=) = g when defined, dweight (=) = Σ g·x̂ and
+// dbias (=) = Σ g when defined, x̂ = (x - mean)·invstd — or `+=` with accumulate_params
+// (autograd's accumulate-into: they are the parameters' .grad).
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, bool relu, bool accumulate_params = false);
+                      const Tensor& scale_shift, Activation act, bool accumulate_params = false);
 
 // The ResNet stem's batch norm + ReLU + max pool in one pass: y (=) = max_pool2d(relu(x·scale +
 // shift), 3x3, stride 2, padding 1) and indices (=) (u8, y's shape, channels-last: the window

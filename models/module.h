@@ -40,6 +40,10 @@ class Module {
   // 16-bit compute dtype; the rest stay f32 (normalisation parameters, statistics). Conv2d,
   // Linear: all of theirs.
   virtual std::vector<std::string> half_parameters() const { return {}; }
+  // The names of this module's own parameters of more than one dimension that training recipes
+  // keep out of weight decay (optim::split_weight_decay; those of dim <= 1 are out anyway): a
+  // ViT's class token and position embedding.
+  virtual std::vector<std::string> no_weight_decay() const { return {}; }
 
   // ---- registration (names must be unique within a module and contain no '.') ----
   // Sets requires_grad on `t` (which must be a floating leaf) and returns it.

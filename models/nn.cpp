@@ -230,6 +230,28 @@ Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
                             is_training(), momentum_, eps_);
 }
 
+Tensor BatchNorm2d::forward_act(const Tensor& x, Activation act, const F::ChannelStats& stats) {
+  if (act == Activation::Relu && !stats.defined()) return forward_relu(x);
+  if (!is_training() || sync_) {
+    Tensor y = BatchNorm2d::forward(x);  // not a subclass's forward (BatchNormAct2d's is this)
+    return act == Activation::Gelu ? F::gelu(y) : act == Activation::Relu ? F::relu(y) : y;
+  }
+  check(x);  // F counts the batch (in its kernel when fused)
+  return F::batch_norm_from_stats(x, stats, Tensor(), act, weight_, bias_, running_mean_,
+                                  running_var_, /*training=*/true, momentum_, eps_,
+                                  num_batches_tracked_);
+}
+
+BatchNormAct2d::BatchNormAct2d(int64_t channels, Activation act, double eps, double momentum)
+    : BatchNorm2d(channels, eps, momentum), act_(act) {}
+
+std::string BatchNormAct2d::describe() const {
+  const char* names[] = {"none", "relu", "gelu"};
+  std::string d = BatchNorm2d::describe();
+  d.insert(d.size() - 1, std::string(", act=") + names[static_cast<int>(act_)]);
+  return "BatchNormAct2d" + d.substr(std::string("BatchNorm2d").size());
+}
+
 F::BatchNormParams BatchNorm2d::params() const {
   return F::BatchNormParams{weight_,   bias_, running_mean_,       running_var_,
                             momentum_, eps_,  num_batches_tracked_};
@@ -265,6 +287,13 @@ Tensor ConvBnRef::forward(const Tensor& x, bool relu, const Tensor& residual) co
   return bn_tail(bn, y, stats, residual, relu);
 }
 
+Tensor ConvBnRef::forward(const Tensor& x, Activation act) const {
+  if (act != Activation::Gelu) return forward(x, act == Activation::Relu);
+  F::ChannelStats stats;
+  Tensor y = conv.forward(x, wants_stats(bn) ? &stats : nullptr);
+  return bn.forward_act(y, act, stats);
+}
+
 Tensor ConvBnRef::forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const {
   const bool want = wants_stats(bn) && wants_stats(shortcut.bn);
   F::ChannelStats sx, sr;
@@ -285,13 +314,14 @@ Tensor ConvBnRef::forward_max_pool(const Tensor& x, MaxPool2d& pool) const {
   return pool.forward_bn_relu(y, stats, bn);
 }
 
-ConvBn::ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn) {
+ConvBn::ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn, Activation act)
+    : act_(act) {
   KILN_CHECK(conv && bn, "ConvBn: conv and bn must be non-null");
   conv_ = register_module("0", std::move(conv));
   bn_ = register_module("1", std::move(bn));
 }
 
-Tensor ConvBn::forward(const Tensor& x) { return parts().forward(x, /*relu=*/false); }
+Tensor ConvBn::forward(const Tensor& x) { return parts().forward(x, act_); }
 
 std::string BatchNorm2d::describe() const {
   std::ostringstream os;

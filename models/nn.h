@@ -86,6 +86,11 @@ class BatchNorm2d : public Module {
   // (fused where the backend can). Counts a batch like forward(). Synchronised:
   // sync_batch_norm, then add and relu (not fused).
   Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
+  // act(bn(x)), `stats` x's statistics when the op that made x produced them (F::conv2d's):
+  // F::batch_norm_from_stats with this module's state — for GELU one fused pass each way where
+  // the backend can (the statistics computed here when not given). Counts a batch like
+  // forward(). Synchronised: sync_batch_norm, then the activation.
+  Tensor forward_act(const Tensor& x, Activation act, const F::ChannelStats& stats = {});
   // This module's parameters and running statistics as the F:: batch-norm ops take them.
   F::BatchNormParams params() const;
   // Validates x (N, C, H, W) and, in training, counts a batch (num_batches_tracked += 1): what
@@ -121,11 +126,28 @@ class MaxPool2d;
 // F::batch_norm_add_batch_norm_relu). Otherwise each module runs on its own; the results are
 // the same up to rounding. The modules are registered elsewhere (a ResNet block's conv1/bn1,
 // or ConvBn below); this only refers to them.
+// A BatchNorm2d followed by an activation, act(bn(x)), as one module (F::batch_norm_from_stats:
+// for GELU one fused pass each way on CUDA f16 channels-last). Its state is BatchNorm2d's, under
+// the same names.
+class BatchNormAct2d : public BatchNorm2d {
+ public:
+  BatchNormAct2d(int64_t channels, Activation act, double eps = 1e-5, double momentum = 0.1);
+  Tensor forward(const Tensor& x) override { return forward_act(x, act_); }
+  Activation activation() const { return act_; }
+  std::string type_name() const override { return "BatchNormAct2d"; }
+  std::string describe() const override;
+
+ private:
+  Activation act_;
+};
+
 struct ConvBnRef {
   Conv2d& conv;
   BatchNorm2d& bn;
   // act(bn(conv(x)) [+ residual]), act = ReLU when `relu`.
   Tensor forward(const Tensor& x, bool relu, const Tensor& residual = Tensor()) const;
+  // act(bn(conv(x))) for any Activation: the statistics from the convolution where it can.
+  Tensor forward(const Tensor& x, Activation act) const;
   // relu(bn(conv(x)) + shortcut.bn(shortcut.conv(r))): a ResNet block's tail with a
   // convolution shortcut, one fused pass when both convolutions produce their statistics.
   Tensor forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const;
@@ -139,14 +161,17 @@ struct ConvBnRef {
 // ConvBnRef.
 class ConvBn : public Module {
  public:
-  ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn);
-  Tensor forward(const Tensor& x) override;  // bn(conv(x))
+  // act(bn(conv(x))); act None: a ResNet downsample.
+  ConvBn(std::shared_ptr<Conv2d> conv, std::shared_ptr<BatchNorm2d> bn,
+         Activation act = Activation::None);
+  Tensor forward(const Tensor& x) override;  // act(bn(conv(x)))
   ConvBnRef parts() const { return {*conv_, *bn_}; }
   std::string type_name() const override { return "Sequential"; }
 
  private:
   std::shared_ptr<Conv2d> conv_;
   std::shared_ptr<BatchNorm2d> bn_;
+  Activation act_;
 };
 
 // Synchronised batch norm for data-parallel training: set_sync(reduce) on every BatchNorm2d in

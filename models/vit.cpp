@@ -27,6 +27,7 @@ class VisionTransformer::Encoder : public nn::Module {
   }
   std::string type_name() const override { return "Encoder"; }
   std::vector<std::string> half_parameters() const override { return {"pos_embedding"}; }
+  std::vector<std::string> no_weight_decay() const override { return {"pos_embedding"}; }
 
  private:
   Tensor pos_embedding_;
@@ -94,6 +95,23 @@ ViTOptions vit_s_16_options(int64_t num_classes, int64_t image_size) {
   o.hidden_dim = 384;
   o.mlp_dim = 1536;
   return o;
+}
+
+ViTOptions vit_t_4_options(int64_t num_classes, int64_t image_size) {
+  ViTOptions o = vit_b_16_options(num_classes, image_size);
+  o.patch_size = 4;
+  o.num_heads = 3;
+  o.hidden_dim = 192;
+  o.mlp_dim = 768;
+  return o;
+}
+
+ViTOptions vit_options(const std::string& name, int64_t num_classes, int64_t image_size) {
+  if (name == "vit_b_16") return vit_b_16_options(num_classes, image_size);
+  if (name == "vit_s_16") return vit_s_16_options(num_classes, image_size);
+  KILN_CHECK(name == "vit_t_4", "unknown vision transformer '", name,
+             "'; valid names: vit_b_16, vit_s_16, vit_t_4");
+  return vit_t_4_options(num_classes, image_size);
 }
 
 std::shared_ptr<VisionTransformer> vit_b_16(int64_t num_classes, Generator* gen) {

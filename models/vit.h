@@ -39,6 +39,7 @@ class VisionTransformer : public nn::Module {
   std::string describe() const override;
   const ViTOptions& options() const { return o_; }
   std::vector<std::string> half_parameters() const override { return {"class_token"}; }
+  std::vector<std::string> no_weight_decay() const override { return {"class_token"}; }
 
  private:
   class Encoder;
@@ -50,9 +51,14 @@ class VisionTransformer : public nn::Module {
 };
 
 // torchvision's configurations: vit_b_16 (12 layers, 12 heads, 768, MLP 3072) and vit_s_16
-// (12 layers, 6 heads, 384, MLP 1536; DeiT-S's shape).
+// (12 layers, 6 heads, 384, MLP 1536; DeiT-S's shape); and vit_t_4 for small photos: DeiT-Ti's
+// shape (12 layers, 3 heads, 192, MLP 768) on 4x4 patches (a 32x32 image: 64 patches + the
+// class token).
 ViTOptions vit_b_16_options(int64_t num_classes = 1000, int64_t image_size = 224);
 ViTOptions vit_s_16_options(int64_t num_classes = 1000, int64_t image_size = 224);
+ViTOptions vit_t_4_options(int64_t num_classes = 10, int64_t image_size = 32);
+// One of the above by name ("vit_b_16", "vit_s_16", "vit_t_4"); throws for another name.
+ViTOptions vit_options(const std::string& name, int64_t num_classes, int64_t image_size);
 std::shared_ptr<VisionTransformer> vit_b_16(int64_t num_classes = 1000, Generator* gen = nullptr);
 std::shared_ptr<VisionTransformer> vit_s_16(int64_t num_classes = 1000, Generator* gen = nullptr);
 

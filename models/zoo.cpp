@@ -9,11 +9,12 @@ std::vector<std::string> all_model_names() {
   std::vector<std::string> names = model_names();
   names.push_back("vit_b_16");
   names.push_back("vit_s_16");
+  names.push_back("vit_t_4");
   return names;
 }
 
 Family family_of(const std::string& name) {
-  if (name == "vit_b_16" || name == "vit_s_16") return Family::ViT;
+  if (is_vit_name(name)) return Family::ViT;
   for (const std::string& n : model_names())
     if (n == name) return Family::ResNet;
   std::string valid;
@@ -21,11 +22,15 @@ Family family_of(const std::string& name) {
   KILN_FAIL("unknown model '", name, "'; valid names: ", valid);
 }
 
+bool is_vit_name(const std::string& name) {
+  return name == "vit_b_16" || name == "vit_s_16" || name == "vit_t_4";
+}
+
 std::shared_ptr<nn::Module> create_model(const std::string& name, int64_t num_classes,
                                          Generator* gen, double dropout) {
   if (family_of(name) == Family::ResNet) return make_model(name, num_classes);
-  ViTOptions o = name == "vit_b_16" ? vit_b_16_options(num_classes)
-                                    : vit_s_16_options(num_classes);
+  ViTOptions o = name == "vit_t_4" ? vit_t_4_options(num_classes)
+                                   : vit_options(name, num_classes, 224);
   o.dropout = dropout;
   return std::make_shared<VisionTransformer>(o, gen);
 }

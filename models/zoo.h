@@ -14,11 +14,15 @@ namespace kiln::models {
 
 enum class Family { ResNet, ViT };
 
-// "resnet18" ... "resnet152", "resnet_small", "vit_b_16", "vit_s_16".
+// "resnet18" ... "resnet152", "resnet_small", "vit_b_16", "vit_s_16", "vit_t_4" (for 32x32
+// photos: 4x4 patches).
 std::vector<std::string> all_model_names();
 // The family of a name from all_model_names(); kiln::Error listing the valid names otherwise.
 Family family_of(const std::string& name);
-// The network `name` for `num_classes` classes (224x224 inputs for the ViTs), weights drawn from
+// Whether `name` is one of the vision transformers (false for an unknown name).
+bool is_vit_name(const std::string& name);
+// The network `name` for `num_classes` classes (224x224 inputs for vit_b_16 and vit_s_16, 32x32
+// for vit_t_4), weights drawn from
 // `gen` (the default generator when null); `dropout` is the ViTs' (their blocks' and the
 // embeddings'; ResNets have none).
 std::shared_ptr<nn::Module> create_model(const std::string& name, int64_t num_classes,

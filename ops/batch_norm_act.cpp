@@ -106,12 +106,14 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
  public:
   BatchNormStatsBackward(const Tensor& x, const Tensor& mask, const Tensor& weight,
                          const Tensor& save_mean, const Tensor& save_invstd,
-                         const Tensor& scale_shift, bool relu, bool add)
+                         const Tensor& scale_shift, Activation act, bool add)
       : x_(x), mask_(mask), weight_(weight), save_mean_(save_mean), save_invstd_(save_invstd),
-        scale_shift_(scale_shift), relu_(relu), add_(add) {}
+        scale_shift_(scale_shift), act_(act), add_(add) {}
   std::string name() const override {
-    return add_ ? (relu_ ? "BatchNormAddReluBackward" : "BatchNormAddBackward")
-                : (relu_ ? "BatchNormReluBackward" : "BatchNormBackward");
+    if (act_ == Activation::Gelu) return "BatchNormGeluBackward";
+    const bool relu = act_ == Activation::Relu;
+    return add_ ? (relu ? "BatchNormAddReluBackward" : "BatchNormAddBackward")
+                : (relu ? "BatchNormReluBackward" : "BatchNormBackward");
   }
   void release_saved() override {
     for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
@@ -121,7 +123,8 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
   bool accept_dgrad1x1(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
-    if (output_nr != 0 || !relu_ || !add_ || dy1_.defined() || !x_.defined() || !mask_.defined())
+    if (output_nr != 0 || act_ != Activation::Relu || !add_ || dy1_.defined() || !x_.defined() ||
+        !mask_.defined())
       return false;
     const Tensor x = x_.get(*this);
     const Backend& be = backend(x);
@@ -155,17 +158,18 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
                                                      save_invstd_.get(*this), mode);
     } else {
       // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
-      Tensor mask = relu_ && add_ ? mask_.get(*this) : Tensor();
+      Tensor mask = act_ == Activation::Relu && add_ ? mask_.get(*this) : Tensor();
       backend(x).batch_norm_stats->backward(dx, dz, dw, db, dy, x, mask, w, save_mean_.get(*this),
                                             save_invstd_.get(*this), scale_shift_.get(*this),
-                                            relu_, mode);
+                                            act_, mode);
     }
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dz : Tensor(), dw, db};
   }
 
  private:
   SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
-  bool relu_, add_;
+  Activation act_;
+  bool add_;
   Tensor dy1_, w1_;  // a 1x1 convolution's data gradient operands, taken in (accept_dgrad1x1)
 };
 
@@ -297,7 +301,7 @@ class BatchNormReluMaxPoolBackward final : public Node {
       be.max_pool2d_backward(dact, dy, indices_.get(*this), p_);
       bn.backward(dx, Tensor(), dw, db, dact, x, Tensor(), weight_.get(*this),
                   save_mean_.get(*this), save_invstd_.get(*this), scale_shift_.get(*this),
-                  /*relu=*/true, mode);
+                  Activation::Relu, mode);
     }
     return {needs_input_grad(0) ? dx : Tensor(), dw, db};
   }
@@ -323,25 +327,44 @@ void count_batch(const Tensor& counter) {
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
-                             bool relu, const Tensor& weight, const Tensor& bias,
+                             Activation act, const Tensor& weight, const Tensor& bias,
                              const Tensor& running_mean, const Tensor& running_var, bool training,
                              double momentum, double eps, const Tensor& num_batches_tracked) {
   check_defined(x, "batch_norm_from_stats", "x");
-  if (stats_fusable(x, stats, residual, weight, bias, running_mean, running_var, training)) {
-    KILN_OP_SCOPE(residual.defined() ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", x);
+  const bool gelu = act == Activation::Gelu, relu = act == Activation::Relu;
+  ChannelStats st = stats;
+  // GELU has no other fused path: without the convolution's statistics they are one more pass
+  // over x here (the unfused batch norm reads x for them too).
+  if (gelu && !residual.defined() &&
+      !stats_fusable(x, st, residual, weight, bias, running_mean, running_var, training) &&
+      backend(x).batch_norm_stats && backend(x).batch_norm_stats->compute &&
+      stats_path(x, residual, weight, bias, running_mean, running_var, Tensor(), Tensor(),
+                 training)) {
+    KILN_OP_SCOPE("batch_norm_stats", x);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    st = ChannelStats{empty({x.size(1)}, f32), empty({x.size(1)}, f32), x.version()};
+    backend(x).batch_norm_stats->compute(st.sum, st.sqsum, x.detach());
+  }
+  if (!(gelu && residual.defined()) &&
+      stats_fusable(x, st, residual, weight, bias, running_mean, running_var, training)) {
+    KILN_OP_SCOPE(gelu                 ? "batch_norm_gelu"
+                  : residual.defined() ? "batch_norm_add_relu"
+                  : relu               ? "batch_norm_relu"
+                                       : "batch_norm",
+                  x);
     const BnStatsFinalize f = finalize_stats(
-        x, stats, {weight, bias, running_mean, running_var, momentum, eps, num_batches_tracked},
+        x, st, {weight, bias, running_mean, running_var, momentum, eps, num_batches_tracked},
         "batch_norm_from_stats (running statistics update)");
     Tensor y = empty_like(x);
     Tensor mask = relu && residual.defined()
                       ? empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(x.device()))
                       : Tensor();
     backend(x).batch_norm_stats->apply(y, x.detach(),
-                                       residual.defined() ? residual.detach() : Tensor(), f, relu,
+                                       residual.defined() ? residual.detach() : Tensor(), f, act,
                                        mask);
     if (autograd::any_requires_grad({x, residual, weight, bias})) {
       auto node = std::make_shared<BatchNormStatsBackward>(
-          x.detach(), mask, weight.detach(), f.save_mean, f.save_invstd, f.scale_shift, relu,
+          x.detach(), mask, weight.detach(), f.save_mean, f.save_invstd, f.scale_shift, act,
           residual.defined());
       node->set_inputs({x, residual, weight, bias});
       autograd::set_history(y, node);
@@ -352,7 +375,17 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
   if (relu) return batch_norm_relu(x, residual, weight, bias, running_mean, running_var, training,
                                    momentum, eps);
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps);
-  return residual.defined() ? add(y, residual) : y;
+  if (residual.defined()) y = add(y, residual);
+  return gelu ? F::gelu(y) : y;
+}
+
+Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                             bool relu, const Tensor& weight, const Tensor& bias,
+                             const Tensor& running_mean, const Tensor& running_var, bool training,
+                             double momentum, double eps, const Tensor& num_batches_tracked) {
+  return batch_norm_from_stats(x, stats, residual, relu ? Activation::Relu : Activation::None,
+                               weight, bias, running_mean, running_var, training, momentum, eps,
+                               num_batches_tracked);
 }
 
 Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/kinds.h"
 #include "core/tensor.h"
 
 namespace kiln::F {
@@ -130,6 +131,16 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& we
 // fused kernel when that runs.
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              bool relu, const Tensor& weight, const Tensor& bias,
+                             const Tensor& running_mean, const Tensor& running_var, bool training,
+                             double momentum = 0.1, double eps = 1e-5,
+                             const Tensor& num_batches_tracked = Tensor());
+// The same with any Activation: Relu and None as above (relu = true / false); Gelu is
+// gelu(batch_norm(x) [+ residual]) (the exact GELU), fused on the same operands without a
+// residual — and, where the backend can compute x's statistics itself, also when `stats` are
+// not current (a batch norm after a pool): one pass for the sums, one elementwise pass forward;
+// two passes backward, GELU's derivative recomputed from x. Elsewhere the composition.
+Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
+                             Activation act, const Tensor& weight, const Tensor& bias,
                              const Tensor& running_mean, const Tensor& running_var, bool training,
                              double momentum = 0.1, double eps = 1e-5,
                              const Tensor& num_batches_tracked = Tensor());

@@ -59,7 +59,7 @@ bool known_arch(const std::string& arch) {
   return std::find(names.begin(), names.end(), arch) != names.end();
 }
 
-bool is_vit(const std::string& arch) { return arch == "vit_b_16" || arch == "vit_s_16"; }
+bool is_vit(const std::string& arch) { return models::is_vit_name(arch); }
 
 int64_t meta_int(const std::string& text, const std::string& key, const std::string& source,
                  int64_t lo, int64_t hi, const char* range = nullptr) {
@@ -130,8 +130,9 @@ void check_class_names(const std::vector<std::string>& names, const std::string&
 void check_model_info(const ModelInfo& m, const std::string& source) {
   KILN_CHECK(known_arch(m.arch), source, ": arch '", shown(m.arch), "' is not one of ",
              arch_list());
-  KILN_CHECK(!is_vit(m.arch) || m.image_size % 16 == 0, source, ": image_size ", m.image_size,
-             " of a ", m.arch, " must be a multiple of its patch size 16");
+  const int64_t patch = is_vit(m.arch) ? models::vit_options(m.arch, 1, 224).patch_size : 1;
+  KILN_CHECK(m.image_size % patch == 0, source, ": image_size ", m.image_size, " of a ", m.arch,
+             " must be a multiple of its patch size ", patch);
   auto in = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
     KILN_CHECK(v >= lo && v <= hi, source, ": ", field, " ", v, " is outside ", lo, "..", hi);
   };
@@ -255,9 +256,7 @@ std::string classifier_prefix(const std::string& arch) {
 
 std::shared_ptr<nn::Module> build_model(const ModelInfo& info, uint64_t seed) {
   if (is_vit(info.arch)) {
-    models::ViTOptions o = info.arch == "vit_b_16"
-                               ? models::vit_b_16_options(info.num_classes, info.image_size)
-                               : models::vit_s_16_options(info.num_classes, info.image_size);
+    models::ViTOptions o = models::vit_options(info.arch, info.num_classes, info.image_size);
     o.in_channels = info.in_channels;
     Generator g(seed);
     return std::make_shared<models::VisionTransformer>(o, &g);
@@ -290,9 +289,13 @@ ModelInfo infer_model_info(const NamedTensors& weights, const std::string& sourc
                "encoder.pos_embedding, heads.head)");
     ModelInfo m = defaults;
     const int64_t hidden = token->size(2);
-    KILN_CHECK(hidden == 768 || hidden == 384, "'", source, "': a ViT of width ", hidden,
-               " is neither vit_b_16 (768) nor vit_s_16 (384)");
-    m.arch = hidden == 768 ? "vit_b_16" : "vit_s_16";
+    KILN_CHECK(hidden == 768 || hidden == 384 || hidden == 192, "'", source, "': a ViT of width ",
+               hidden, " is none of vit_b_16 (768), vit_s_16 (384), vit_t_4 (192)");
+    m.arch = hidden == 768 ? "vit_b_16" : hidden == 384 ? "vit_s_16" : "vit_t_4";
+    const int64_t patch = models::vit_options(m.arch, 1, 224).patch_size;
+    KILN_CHECK(proj->size(2) == patch && proj->size(3) == patch, "'", source, "': ", m.arch,
+               "'s conv_proj cuts ", patch, "x", patch, " patches, this one ", proj->size(2), "x",
+               proj->size(3));
     m.width = hidden;
     m.imagenet_stem = true;
     m.num_classes = head->size(0);

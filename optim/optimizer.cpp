@@ -1,5 +1,6 @@
 #include "optim/optimizer.h"
 
+#include <algorithm>
 #include <set>
 
 #include "core/autograd.h"
@@ -11,7 +12,20 @@ std::vector<ParamGroup> split_weight_decay(const nn::Module& module, const Param
   decay.params.clear();
   no_decay.params.clear();
   no_decay.weight_decay = 0.0;
-  for (const Tensor& p : module.parameters()) (p.dim() <= 1 ? no_decay : decay).params.push_back(p);
+  std::vector<Tensor> exempt;  // what the modules name (Module::no_weight_decay)
+  for (const auto& [prefix, m] : module.named_modules())
+    for (const std::string& n : m->no_weight_decay()) {
+      const auto& own = m->own_parameters();
+      auto it = std::find_if(own.begin(), own.end(), [&](const auto& p) { return p.first == n; });
+      KILN_CHECK(it != own.end(), "split_weight_decay: ", m->type_name(), " '", prefix,
+                 "' names no parameter '", n, "' among its own");
+      exempt.push_back(it->second);
+    }
+  auto is_exempt = [&](const Tensor& p) {
+    return std::any_of(exempt.begin(), exempt.end(), [&](const Tensor& e) { return e.is_same(p); });
+  };
+  for (const Tensor& p : module.parameters())
+    (p.dim() <= 1 || is_exempt(p) ? no_decay : decay).params.push_back(p);
   std::vector<ParamGroup> out;
   if (!decay.params.empty()) out.push_back(std::move(decay));
   if (!no_decay.params.empty()) out.push_back(std::move(no_decay));

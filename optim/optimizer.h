@@ -36,7 +36,8 @@ struct ParamGroup {
 };
 
 // Splits a module's parameters into {decay, no_decay}: parameters with dim <= 1 (biases, BN
-// weights and biases) get weight_decay 0. Both groups copy `proto`'s other options; an empty
+// weights and biases) and those a module names in no_weight_decay() (a ViT's class token and
+// position embedding) get weight_decay 0. Both groups copy `proto`'s other options; an empty
 // group is dropped.
 std::vector<ParamGroup> split_weight_decay(const nn::Module& module, const ParamGroup& proto);
 

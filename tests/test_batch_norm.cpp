@@ -276,6 +276,44 @@ TEST_CASE("batch_norm_relu_max_pool is max_pool2d(relu(batch_norm(x))), differen
   }
 }
 
+TEST_CASE("batch_norm_from_stats with GELU is gelu(batch_norm(x) [+ residual]), differentiable") {
+  for (bool with_residual : {false, true}) {
+    CAPTURE(with_residual);
+    Tensor x = leaf({3, 4, 3, 2}, -2, 2), z = leaf({3, 4, 3, 2}, -1, 1);
+    Tensor w = leaf({4}, 0.5, 1.5), b = leaf({4}, -0.3, 0.3);
+    Tensor rm = zeros({4}, DType::f64), rv = ones({4}, DType::f64);
+    Tensor rm2 = zeros({4}, DType::f64), rv2 = ones({4}, DType::f64);
+    Tensor counter = zeros({}, DType::i64);
+    Tensor residual = with_residual ? z : Tensor();
+    Tensor got = F::batch_norm_from_stats(x, F::ChannelStats{}, residual, Activation::Gelu, w, b,
+                                          rm, rv, true, 0.1, 1e-5, counter);
+    Tensor want = F::batch_norm(x, w, b, rm2, rv2, true, 0.1, 1e-5);
+    if (with_residual) want = F::add(want, z);
+    want = F::gelu(want);
+    KILN_CHECK_OK(compare(got, want, 0, 0));
+    KILN_CHECK_OK(compare(rm, rm2, 0, 0));
+    KILN_CHECK_OK(compare(rv, rv2, 0, 0));
+    CHECK(counter.item() == 1.0);
+    std::vector<Tensor> inputs = {x, w, b};
+    if (with_residual) inputs.push_back(z);
+    KILN_CHECK_OK(gradcheck(
+        [&](const std::vector<Tensor>& in) {
+          Tensor r = in.size() > 3 ? in[3] : Tensor();
+          return F::batch_norm_from_stats(in[0], F::ChannelStats{}, r, Activation::Gelu, in[1],
+                                          in[2], Tensor(), Tensor(), true);
+        },
+        inputs));
+    // Activation::None and Relu are the bool forms.
+    for (Activation act : {Activation::None, Activation::Relu}) {
+      Tensor a = F::batch_norm_from_stats(x, F::ChannelStats{}, residual, act, w, b, Tensor(),
+                                          Tensor(), true);
+      Tensor c = F::batch_norm_from_stats(x, F::ChannelStats{}, residual, act == Activation::Relu,
+                                          w, b, Tensor(), Tensor(), true);
+      KILN_CHECK_OK(compare(a, c, 0, 0));
+    }
+  }
+}
+
 // A BatchNorm2d's num_batches_tracked handed to the F ops (nn::ConvBnRef does): +1 per training
 // call, none in eval — here through the compositions the CPU runs.
 TEST_CASE("the F batch-norm ops count num_batches_tracked once per training call") {

@@ -662,10 +662,10 @@ TEST_CASE("model files: every metadata value is range-checked, naming the file, 
   CHECK(error("width", "-4") == f + "'width' = '-4' is not an integer in 1..1024");
   CHECK(error("arch", "resnet9000") ==
         f + "'arch' = 'resnet9000' is not one of resnet101, resnet152, resnet18, resnet34, "
-            "resnet50, resnet_small, vit_b_16, vit_s_16");
+            "resnet50, resnet_small, vit_b_16, vit_s_16, vit_t_4");
   CHECK(error("arch", "\x1b[2J") == f + "'arch' = '\\x1b[2J' is not one of resnet101, resnet152, "
                                         "resnet18, resnet34, resnet50, resnet_small, vit_b_16, "
-                                        "vit_s_16");
+                                        "vit_s_16, vit_t_4");
   CHECK(error("std", "[0]") == f + "'std' holds 0, outside 1e-06..1000");
   CHECK(error("std", "[-1]") == f + "'std' holds -1, outside 1e-06..1000");
   CHECK(error("mean", "[1e300]") == f + "'mean' holds 1e+300, outside -1000..1000");

@@ -1012,4 +1012,22 @@ TEST_CASE("kiln-train: an ImageFolder of small photos with train/ and test/ trai
   const SafetensorsData b = load_safetensors((big / "model.safetensors").string());
   CHECK(b.at("conv1.weight").shape() == Shape{64, 3, 7, 7});
   CHECK(b.metadata.at("stem") == "imagenet");
+
+  // A vision transformer on 4x4 patches of the 12x12 photos (9 patches + the class token), the
+  // transformer recipe by default; a 16x16 patch ViT refuses the size, naming it.
+  const fs::path vit = tmp().dir / "small-photos-vit";
+  fs::remove_all(vit);
+  const train::Summary sv = train::run(train::parse_args(
+      {"--data", data.string(), "-a", "vit_t_4", "-b", "16", "--epochs", "1", "--workers", "1",
+       "--device", "cpu", "--output", vit.string(), "--quiet"}));
+  CHECK(sv.epochs_done == 1);
+  CHECK(std::isfinite(sv.test_loss));
+  const SafetensorsData v = load_safetensors((vit / "model.safetensors").string());
+  CHECK(v.metadata.at("arch") == "vit_t_4");
+  CHECK(v.at("encoder.pos_embedding").shape() == Shape{1, 10, 192});
+  CHECK(v.at("conv_proj.weight").shape() == Shape{192, 3, 4, 4});
+  CHECK_THROWS_WITH(train::run(train::parse_args({"--data", data.string(), "-a", "vit_s_16",
+                                                  "--epochs", "1", "--device", "cpu", "--output",
+                                                  (tmp().dir / "vit-s-12px").string(), "--quiet"})),
+                    doctest::Contains("16x16 patches: the input size 12"));
 }

@@ -65,6 +65,35 @@ TEST_CASE("BatchNorm2d: training updates running stats and the counter; eval doe
   CHECK(bn.running_mean().to_vector<double>() == before.to_vector<double>());
 }
 
+TEST_CASE("BatchNormAct2d and ConvBn with an activation: the composition, BatchNorm2d's state") {
+  Generator gen(9);
+  auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, 1, 1, 1, 1, false, &gen);
+  auto bn = std::make_shared<nn::BatchNorm2d>(4);
+  nn::ConvBn conv_bn(conv, bn, Activation::Gelu);
+  nn::BatchNormAct2d bna(4, Activation::Gelu, 1e-3, 0.3);
+  CHECK(bna.describe() == "BatchNormAct2d(4, eps=0.001, momentum=0.3, act=gelu)");
+  nn::BatchNorm2d plain(4, 1e-3, 0.3), plain2(4);
+  CHECK(bna.state().size() == plain.state().size());
+  Tensor x = randn({2, 3, 5, 5});
+  Tensor y = conv_bn.forward(x);
+  Tensor want = F::gelu(plain2.forward(conv->forward(x)));
+  CHECK(y.to_vector<double>() == want.to_vector<double>());
+  Tensor z = bna.forward(y);
+  Tensor zw = F::gelu(plain.forward(y));
+  CHECK(z.to_vector<double>() == zw.to_vector<double>());
+  CHECK(bna.running_var().to_vector<double>() == plain.running_var().to_vector<double>());
+  CHECK(bna.num_batches_tracked().item() == 1.0);
+  CHECK(bn->num_batches_tracked().item() == 1.0);
+  // Eval: the running statistics, counters unchanged.
+  bna.eval();
+  plain.eval();
+  CHECK(bna.forward(y).to_vector<double>() == F::gelu(plain.forward(y)).to_vector<double>());
+  CHECK(bna.num_batches_tracked().item() == 1.0);
+  // Relu and None through ConvBn.
+  nn::ConvBn relu_bn(conv, std::make_shared<nn::BatchNorm2d>(4), Activation::Relu);
+  for (double v : relu_bn.forward(x).to_vector<double>()) CHECK(v >= 0.0);
+}
+
 TEST_CASE("resnet_small: (2, 1, 28, 28) -> (2, 10)") {
   auto m = resnet_small();
   Generator gen(1);

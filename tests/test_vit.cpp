@@ -6,6 +6,8 @@
 #include <set>
 
 #include "models/vit.h"
+#include "models/zoo.h"
+#include "optim/model_file.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "tests/gradcheck.h"
@@ -39,6 +41,48 @@ TEST_CASE("vit_b_16 and vit_s_16: torchvision's names, shapes and parameter coun
   CHECK(logits.shape() == Shape{3, 10});
   CHECK(F::max(F::mul(logits, logits)).item() == 0.0);
   CHECK_THROWS_AS((*tiny)(randn({3, 3, 24, 24})), Error);
+}
+
+TEST_CASE("vit_t_4: DeiT-Ti's shape on 4x4 patches of 32x32 photos; its weight-decay exemptions") {
+  const models::ViTOptions o = models::vit_options("vit_t_4", 10, 32);
+  CHECK(o.patch_size == 4);
+  CHECK(o.hidden_dim == 192);
+  CHECK(o.num_heads == 3);
+  CHECK(o.mlp_dim == 768);
+  CHECK(o.num_layers == 12);
+  CHECK_THROWS_AS(models::vit_options("vit_x_9", 10, 32), Error);
+  Generator g(1);
+  auto t = models::create_model("vit_t_4", 10, &g);
+  // 192·48 + 192 (conv_proj), 192 (token), 65·192 (positions), 12 blocks of 444,864, 2·192 (the
+  // final norm), 1,930 (the head)
+  CHECK(t->num_parameters() == 9408 + 192 + 12480 + 12 * 444864 + 384 + 1930);
+  CHECK((*t)(randn({2, 3, 32, 32})).shape() == Shape{2, 10});
+  CHECK(models::is_vit_name("vit_t_4"));
+  CHECK_FALSE(models::is_vit_name("resnet18"));
+  CHECK_FALSE(models::is_vit_name("nonsense"));
+  // split_weight_decay: biases, norms, the class token and the position embedding decay-free.
+  optim::ParamGroup proto;
+  proto.weight_decay = 0.05;
+  const auto groups = optim::split_weight_decay(*t, proto);
+  REQUIRE(groups.size() == 2);
+  CHECK(groups[0].weight_decay == 0.05);
+  CHECK(groups[1].weight_decay == 0.0);
+  std::set<std::string> free;
+  for (const auto& [n, p] : t->named_parameters())
+    for (const Tensor& q : groups[1].params)
+      if (q.is_same(p)) free.insert(n);
+  CHECK(free.count("class_token") == 1);
+  CHECK(free.count("encoder.pos_embedding") == 1);
+  CHECK(free.count("encoder.layers.encoder_layer_0.ln_1.weight") == 1);
+  CHECK(free.count("conv_proj.bias") == 1);
+  CHECK(free.count("conv_proj.weight") == 0);
+  CHECK(free.count("encoder.layers.encoder_layer_0.mlp.0.weight") == 0);
+  CHECK(groups[0].params.size() + groups[1].params.size() == t->parameters().size());
+  // A model file without metadata: the arch from the width, the image size from the positions.
+  const ModelInfo info = infer_model_info(t->named_parameters(), "t4");
+  CHECK(info.arch == "vit_t_4");
+  CHECK(info.image_size == 32);
+  CHECK(info.num_classes == 10);
 }
 
 TEST_CASE("MultiheadAttention equals its definition; an encoder block's gradients") {

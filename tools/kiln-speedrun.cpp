@@ -76,9 +76,11 @@ class Scale : public nn::Module {
   double s_;
 };
 
-std::shared_ptr<nn::BatchNorm2d> frozen_scale_bn(int64_t channels) {
-  auto bn = std::make_shared<nn::BatchNorm2d>(channels, 1e-12, 0.4);
-  bn->weight().set_requires_grad(false);  // stays 1: only the bias learns
+// A batch norm (eps 1e-12, momentum 0.4) whose scale stays 1: only the bias learns. With GELU
+// after it (nn::BatchNormAct2d): one fused pass each way on the GPU.
+std::shared_ptr<nn::BatchNormAct2d> frozen_scale_bn(int64_t channels) {
+  auto bn = std::make_shared<nn::BatchNormAct2d>(channels, Activation::Gelu, 1e-12, 0.4);
+  bn->weight().set_requires_grad(false);
   return bn;
 }
 
@@ -89,12 +91,13 @@ std::shared_ptr<nn::Conv2d> dirac_conv(int64_t in, int64_t out, Generator* g) {
   return c;
 }
 
-// conv -> pool -> bn -> gelu -> conv -> bn -> gelu
+// conv -> pool -> bn -> gelu -> conv -> bn -> gelu (the second batch norm takes its statistics
+// from the convolution where it can: nn::ConvBn)
 std::shared_ptr<nn::Sequential> block(int64_t in, int64_t out, Generator* g) {
   return std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
       dirac_conv(in, out, g), std::make_shared<nn::MaxPool2d>(2), frozen_scale_bn(out),
-      std::make_shared<nn::GELU>(), dirac_conv(out, out, g), frozen_scale_bn(out),
-      std::make_shared<nn::GELU>()});
+      std::make_shared<nn::ConvBn>(dirac_conv(out, out, g), frozen_scale_bn(out),
+                                   Activation::Gelu)});
 }
 
 // The network; element 0 is the whitening conv.

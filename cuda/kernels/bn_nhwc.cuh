@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/elementwise_math.h"
 #include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
@@ -61,8 +62,12 @@ __device__ inline Vec8 load8f(const float* p) {
 // ---- the per-channel sums ----
 
 // Where the ReLU mask comes from; kStatsOfX: no gradient at all, the sums kernel's terms are x
-// itself (the forward statistics Σx and Σx²).
-enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskBits = 2, kStatsOfX = 3 };
+// itself (the forward statistics Σx and Σx²); kGeluFromX: no mask, dy times GELU's derivative at
+// x·scale + shift, recomputed from x.
+enum MaskMode : int { kNoMask = 0, kMaskFromX = 1, kMaskBits = 2, kStatsOfX = 3, kGeluFromX = 4 };
+
+// Whether a mode reads the forward's scale and shift (it recomputes the activation's input).
+constexpr bool reads_scale_shift(int mode) { return mode == kMaskFromX || mode == kGeluFromX; }
 
 // g = dy·mask for the 8 channels of vector i (x itself for kStatsOfX).
 template <int kMode>
@@ -70,7 +75,12 @@ __device__ inline Vec8 masked_grad(const uint4* dy, const uint8_t* mask, const V
                                    const Vec8& sc, const Vec8& sh, int64_t i) {
   if constexpr (kMode == kStatsOfX) return xv;
   Vec8 g = load8(dy, i);
-  if constexpr (kMode == kMaskFromX) {
+  if constexpr (kMode == kGeluFromX) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      g.v[j] = math::binary_apply(BinaryOp::GeluBackward, g.v[j], fmaf(xv.v[j], sc.v[j], sh.v[j]),
+                                  1.f);
+  } else if constexpr (kMode == kMaskFromX) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
       if (!(fmaf(xv.v[j], sc.v[j], sh.v[j]) > 0.f)) g.v[j] = 0.f;
@@ -102,7 +112,7 @@ __global__ void backward_sums_kernel(const uint4* __restrict__ dy, const uint4* 
     Vec8 m{};
     if constexpr (kMode != kStatsOfX) m = load8f(mean + c0);
     Vec8 sc{}, shf{};
-    if constexpr (kMode == kMaskFromX) {
+    if constexpr (reads_scale_shift(kMode)) {
       sc = load8f(scale_shift + c0);
       shf = load8f(scale_shift + C + c0);
     }

@@ -53,7 +53,7 @@ __device__ inline float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 // A grid-stride loop over 16-byte vectors keeps each thread on one group of 8 channels when
 // the stride is a multiple of G (vectors per row) — always for ResNet's channel counts — so the
 // per-channel factors are loaded once, not per vector.
-template <bool kRelu, bool kAdd>
+template <Activation kAct, bool kAdd>
 __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
                              const uint4* __restrict__ z, const float* __restrict__ ss,
                              uint8_t* __restrict__ mask, int64_t vecs, int64_t G, int64_t C) {
@@ -73,11 +73,12 @@ __global__ void apply_kernel(uint4* __restrict__ y, const uint4* __restrict__ x,
     for (int j = 0; j < kVec; ++j) {
       float a = fmaf(v.v[j], sc.v[j], sh.v[j]);
       if constexpr (kAdd) a += r.v[j];
-      if constexpr (kRelu) a = relu_keep_nan(a);
+      if constexpr (kAct == Activation::Relu) a = relu_keep_nan(a);
+      if constexpr (kAct == Activation::Gelu) a = math::unary_apply(UnaryOp::Gelu, a, 0.f);
       v.v[j] = a;
     }
     store8(y, i, v);
-    if constexpr (kRelu && kAdd) {
+    if constexpr (kAct == Activation::Relu && kAdd) {
       unsigned bits = 0;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) bits |= unsigned(v.v[j] > 0.f) << j;
@@ -250,11 +251,14 @@ void bn_nhwc_finalize(const BnStatsFinalize& f) {
 }
 
 void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnStatsFinalize& f,
-                   bool relu, const Tensor& mask) {
+                   Activation act, const Tensor& mask) {
   const char* op = "bn_nhwc_apply";
   check_x(x, op);
   check_act(y, x, op, "y");
   if (z.defined()) check_act(z, x, op, "z");
+  KILN_CHECK(!(act == Activation::Gelu && z.defined()), op,
+             " (cuda): GELU with a residual is not a fused case");
+  const bool relu = act == Activation::Relu;
   const int64_t C = x.size(1), G = C / kVec, vecs = x.numel() / kVec;
   uint8_t* mp = relu && z.defined() ? mask_ptr(mask, vecs, x, op) : nullptr;
   if (vecs == 0) return;
@@ -266,13 +270,15 @@ void bn_nhwc_apply(const Tensor& y, const Tensor& x, const Tensor& z, const BnSt
     launch(kernel, grid, kBlock, 0, s, vec_out(y), vec_in(x), zp, ss, mp, vecs, G, C);
   };
   if (relu && z.defined())
-    apply(apply_kernel<true, true>);
+    apply(apply_kernel<Activation::Relu, true>);
   else if (relu)
-    apply(apply_kernel<true, false>);
+    apply(apply_kernel<Activation::Relu, false>);
+  else if (act == Activation::Gelu)
+    apply(apply_kernel<Activation::Gelu, false>);
   else if (z.defined())
-    apply(apply_kernel<false, true>);
+    apply(apply_kernel<Activation::None, true>);
   else
-    apply(apply_kernel<false, false>);
+    apply(apply_kernel<Activation::None, false>);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

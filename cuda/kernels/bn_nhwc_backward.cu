@@ -50,7 +50,7 @@ __global__ void backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict_
   Vec8 sc{}, shf{}, a, b, c;
   auto load_factors = [&](int64_t v) {
     const int64_t c0 = (v % G) * kVec;
-    if constexpr (kMode == kMaskFromX) {
+    if constexpr (reads_scale_shift(kMode)) {
       sc = load8f(scale_shift + c0);
       shf = load8f(scale_shift + C + c0);
     }
@@ -330,20 +330,23 @@ __global__ void __launch_bounds__(kBlock, 2)
 void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                       const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& mask,
                       const Tensor& weight, const Tensor& save_mean, const Tensor& save_invstd,
-                      const Tensor& scale_shift, bool relu, bool accumulate_params) {
+                      const Tensor& scale_shift, Activation act, bool accumulate_params) {
   const char* op = "bn_nhwc_backward";
   check_x(x, op);
   check_act(dx, x, op, "dx");
   check_act(dy, x, op, "dy");
   if (dz.defined()) check_act(dz, x, op, "dz");
   const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
-  const int mode = !relu ? kNoMask : (mask.defined() ? kMaskBits : kMaskFromX);
+  const int mode = act == Activation::Gelu   ? kGeluFromX
+                   : act == Activation::None ? kNoMask
+                   : mask.defined()          ? kMaskBits
+                                             : kMaskFromX;
   const uint8_t* yp = mode == kMaskBits ? mask_ptr(mask, vecs, x, op) : nullptr;
   const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
   const float* invstd =
       required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
   const float* ss = f32_ptr(scale_shift, 2 * C, x, op, "scale_shift");
-  if (mode == kMaskFromX) required(const_cast<float*>(ss), op, "scale_shift");
+  if (reads_scale_shift(mode)) required(const_cast<float*>(ss), op, "scale_shift");
   const float* w = f32_ptr(weight, C, x, op, "weight");
   float* dw = f32_ptr(dweight, C, x, op, "dweight");
   float* db = f32_ptr(dbias, C, x, op, "dbias");
@@ -352,6 +355,7 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   const void* sums_kernel =
       mode == kNoMask      ? reinterpret_cast<const void*>(backward_sums_kernel<kNoMask>)
       : mode == kMaskFromX ? reinterpret_cast<const void*>(backward_sums_kernel<kMaskFromX>)
+      : mode == kGeluFromX ? reinterpret_cast<const void*>(backward_sums_kernel<kGeluFromX>)
                            : reinterpret_cast<const void*>(backward_sums_kernel<kMaskBits>);
   const SumsLaunch L = sums_launch(rows, G, sums_kernel);
   const int parts = L.parts;
@@ -369,6 +373,10 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
       break;
     case kMaskFromX:
       launch(backward_sums_kernel<kMaskFromX>, grid, block, 0, s, vec_in(dy), vec_in(x), yp, mean,
+             ss, pp, rows, G, C, parts);
+      break;
+    case kGeluFromX:
+      launch(backward_sums_kernel<kGeluFromX>, grid, block, 0, s, vec_in(dy), vec_in(x), yp, mean,
              ss, pp, rows, G, C, parts);
       break;
     default:
@@ -395,6 +403,9 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
       break;
     case kMaskFromX:
       run.template operator()<kMaskFromX>();
+      break;
+    case kGeluFromX:
+      run.template operator()<kGeluFromX>();
       break;
     default:
       run.template operator()<kMaskBits>();
@@ -503,7 +514,7 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
     p.pad_h = p.pad_w = 1;
     max_pool2d_backward(dact, dy, indices, p);
     bn_nhwc_backward(dx, Tensor(), dweight, dbias, dact, x, Tensor(), weight, save_mean,
-                     save_invstd, scale_shift, /*relu=*/true, accumulate_params);
+                     save_invstd, scale_shift, Activation::Relu, accumulate_params);
     return;
   }
   const int64_t rows = N * H * W;

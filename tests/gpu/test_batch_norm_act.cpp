@@ -9,7 +9,9 @@
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
+#include "models/nn.h"
 #include "ops/ops.h"
+#include "optim/amp.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gradcheck.h"
 
@@ -583,8 +585,8 @@ TEST_CASE("the apply entries finalize first: the finalize kernel's floats, one c
     Tensor ya = empty_like(x), yb = empty_like(x);
     Tensor ma = empty({x.numel() / 8}, u8), mb = empty({x.numel() / 8}, u8);
     cuda::bn_nhwc_finalize(fa);
-    cuda::bn_nhwc_apply(ya, x, z, given(fa), /*relu=*/true, ma);
-    cuda::bn_nhwc_apply(yb, x, z, fb, /*relu=*/true, mb);
+    cuda::bn_nhwc_apply(ya, x, z, given(fa), Activation::Relu, ma);
+    cuda::bn_nhwc_apply(yb, x, z, fb, Activation::Relu, mb);
     check_same_finalize(fa, fb);
     KILN_CHECK_OK(testing::compare(ya, yb, 0, 0));
     KILN_CHECK_OK(testing::compare(ma, mb, 0, 0));
@@ -677,4 +679,126 @@ TEST_CASE("the fused batch norms give the same bits with programmatic dependent 
   CHECK(bitwise_equal(on.rm, off.rm));
   CHECK(on.count.to(kCPU).data<int64_t>()[0] == 2);
   CHECK(bitwise_equal(on.count, off.count));
+}
+
+// ---- batch norm + GELU (F::batch_norm_from_stats with Activation::Gelu) ----
+
+// The fused GELU path against gelu(batch_norm(x)) computed unfused in f32 on the same f16 input:
+// forward, running statistics, dx and dbias (dweight too when the scale trains), with the
+// statistics given (a convolution's) and computed by the op itself (a batch norm after a pool);
+// a second run gives the same bits.
+TEST_CASE("batch_norm_from_stats with GELU equals the unfused ops, forward and gradients") {
+  for (bool given : {true, false}) {
+    for (bool frozen_scale : {false, true}) {
+      CAPTURE(given);
+      CAPTURE(frozen_scale);
+      ConvOut o = conv_with_stats(91);
+      Tensor x = o.y.detach();
+      x.set_requires_grad(true);
+      F::ChannelStats st;
+      if (given) {
+        Tensor x32 = x.detach().to(DType::f32);
+        st = F::ChannelStats{F::sum(x32, {0, 2, 3}), F::sum(F::mul(x32, x32), {0, 2, 3}),
+                             x.version()};
+      }
+      const Shape shape = x.shape();
+      Tensor hdy = randn(shape), hw = uniform({64}, 0.5, 1.5), hb = uniform({64}, -0.5, 0.5);
+      const TensorOptions opt = TensorOptions().with_device(kGpu);
+      auto run = [&](Tensor& w, Tensor& b, Tensor& rm, Tensor& rv, Tensor& counter) {
+        w = gpu_leaf(hw, DType::f32, false);
+        if (frozen_scale) w.set_requires_grad(false);
+        b = gpu_leaf(hb, DType::f32, false);
+        rm = zeros({64}, opt);
+        rv = ones({64}, opt);
+        counter = zeros({}, TensorOptions(DType::i64).with_device(kGpu));
+        x.set_grad(Tensor());
+        Tensor y = F::batch_norm_from_stats(x, st, Tensor(), Activation::Gelu, w, b, rm, rv, true,
+                                            0.1, 1e-5, counter);
+        y.backward(hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast));
+        cuda::synchronize();
+        return y;
+      };
+      Tensor w, b, rm, rv, counter;
+      Tensor y = run(w, b, rm, rv, counter);
+      CHECK(y.dtype() == DType::f16);
+      CHECK(y.is_contiguous(MemoryFormat::ChannelsLast));
+      REQUIRE(y.grad_fn());
+      CHECK(y.grad_fn()->name() == "BatchNormGeluBackward");
+      CHECK(counter.to(kCPU).data<int64_t>()[0] == 1);
+      CHECK(frozen_scale == !w.grad().defined());
+      // Reference: the same f16 input in f32, unfused.
+      Tensor rx = gpu_leaf(x.detach().to(kCPU), DType::f32, false);
+      Tensor rw = gpu_leaf(hw, DType::f32, false), rb = gpu_leaf(hb, DType::f32, false);
+      Tensor rrm = zeros({64}, opt), rrv = ones({64}, opt);
+      Tensor ry = F::gelu(F::batch_norm(rx, rw, rb, rrm, rrv, true));
+      ry.backward(hdy.to(DType::f16).to(DType::f32).to(kGpu));
+      KILN_CHECK_OK(testing::compare(y.to(DType::f32), ry, 2e-2, 1e-2));
+      KILN_CHECK_OK(testing::compare(rm, rrm, 1e-4, 1e-3));
+      KILN_CHECK_OK(testing::compare(rv, rrv, 1e-4, 1e-3));
+      KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), rx.grad(), 3e-2, 2e-2));
+      KILN_CHECK_OK(testing::compare(b.grad(), rb.grad(), 5e-2, 1e-2));
+      if (!frozen_scale) KILN_CHECK_OK(testing::compare(w.grad(), rw.grad(), 5e-2, 1e-2));
+      // Bit-reproducible: the statistics and the gradient sums in a fixed order.
+      const Tensor dx1 = x.grad().clone(), db1 = b.grad().clone();
+      Tensor w2, b2, rm2, rv2, counter2;
+      Tensor y2 = run(w2, b2, rm2, rv2, counter2);
+      CHECK(bitwise_equal(y, y2));
+      CHECK(bitwise_equal(dx1, x.grad()));
+      CHECK(bitwise_equal(db1, b2.grad()));
+      CHECK(bitwise_equal(rv, rv2));
+    }
+  }
+}
+
+TEST_CASE("batch_norm_from_stats with GELU: a residual, eval mode and f32 take the composition") {
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  manual_seed(93);
+  Tensor hx = randn({4, 16, 6, 6}), hr = randn({4, 16, 6, 6});
+  Tensor w = uniform({16}, 0.5, 1.5).to(kGpu), b = uniform({16}, -0.5, 0.5).to(kGpu);
+  auto check_case = [&](const Tensor& x, const Tensor& r, bool training) {
+    Tensor rm = zeros({16}, opt), rv = ones({16}, opt), rm2 = zeros({16}, opt), rv2 = ones({16}, opt);
+    Tensor y = F::batch_norm_from_stats(x, F::ChannelStats{}, r, Activation::Gelu, w, b, rm, rv,
+                                        training);
+    Tensor want = F::batch_norm(x, w, b, rm2, rv2, training);
+    if (r.defined()) want = F::add(want, r);
+    want = F::gelu(want);
+    KILN_CHECK_OK(testing::compare(y.to(DType::f32), want.to(DType::f32), 1e-3, 1e-3));
+    KILN_CHECK_OK(testing::compare(rm, rm2, 1e-6, 1e-6));
+  };
+  Tensor x16 = hx.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  Tensor r16 = hr.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  check_case(x16, r16, true);
+  check_case(x16, Tensor(), false);
+  check_case(hx.to(kGpu), Tensor(), true);
+}
+
+// The modules: nn::BatchNormAct2d after a pool and nn::ConvBn(…, Gelu) take the fused path and
+// agree with BatchNorm2d then GELU.
+TEST_CASE("nn::BatchNormAct2d and nn::ConvBn with GELU equal BatchNorm2d then GELU") {
+  manual_seed(95);
+  Generator g(7);
+  auto conv = std::make_shared<nn::Conv2d>(32, 64, 3, 1, 1, 1, 1, false, &g);
+  auto bn = std::make_shared<nn::BatchNorm2d>(64);
+  nn::ConvBn fused(conv, bn, Activation::Gelu);
+  nn::BatchNormAct2d bna(64, Activation::Gelu);
+  for (nn::Module* m : {static_cast<nn::Module*>(&fused), static_cast<nn::Module*>(&bna)})
+    amp::prepare_model(*m, kGpu, amp::Precision::Mixed16);
+  Tensor x = randn({8, 32, 14, 12}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  Tensor y = fused.forward(x);
+  REQUIRE(y.grad_fn());
+  CHECK(y.grad_fn()->name() == "BatchNormGeluBackward");
+  Tensor z = bna.forward(F::max_pool2d(y, 2));
+  REQUIRE(z.grad_fn());
+  CHECK(z.grad_fn()->name() == "BatchNormGeluBackward");
+  CHECK(bna.num_batches_tracked().to(kCPU).data<int64_t>()[0] == 1);
+  CHECK(bn->num_batches_tracked().to(kCPU).data<int64_t>()[0] == 1);
+  // The unfused modules on the same weights.
+  nn::BatchNorm2d bn_ref(64), bna_ref(64);
+  for (nn::Module* m : {static_cast<nn::Module*>(&bn_ref), static_cast<nn::Module*>(&bna_ref)})
+    amp::prepare_model(*m, kGpu, amp::Precision::Mixed16);
+  Tensor yr = F::gelu(bn_ref.forward(F::conv2d(x, conv->weight(), Tensor(), 1, 1)));
+  Tensor zr = F::gelu(bna_ref.forward(F::max_pool2d(yr, 2)));
+  KILN_CHECK_OK(testing::compare(z.to(DType::f32), zr.to(DType::f32), 3e-2, 2e-2));
+  KILN_CHECK_OK(testing::compare(bna.running_var(), bna_ref.running_var(), 1e-3, 1e-3));
+  CHECK(bna.describe() == "BatchNormAct2d(64, eps=1e-05, momentum=0.1, act=gelu)");
 }

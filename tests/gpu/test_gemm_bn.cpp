@@ -46,7 +46,7 @@ Tail make_tail(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, uint64_t s
   BnStatsFinalize f = gputest::bn_finalize_of(t.y3);
   t.mask = empty({t.y3.numel() / 8}, TensorOptions(DType::u8).with_device(kGpu));
   Tensor out = empty_like(t.y3);
-  cuda::bn_nhwc_apply(out, t.y3, z, f, /*relu=*/true, t.mask);
+  cuda::bn_nhwc_apply(out, t.y3, z, f, Activation::Relu, t.mask);
   t.weight = f.weight;
   t.mean = f.save_mean;
   t.invstd = f.save_invstd;
@@ -75,7 +75,7 @@ Grads run_unfused(const Tail& t) {
   cuda::conv2d_backward_data(grad, t.dy1, t.w1, ConvParams{}, /*accumulate=*/true);
   Grads o{empty_like(t.y3), empty_like(t.y3), empty({c}, f32), empty({c}, f32)};
   cuda::bn_nhwc_backward(o.dx, o.g, o.dw, o.db, grad, t.y3, t.mask, t.weight, t.mean, t.invstd,
-                         t.scale_shift, /*relu=*/true);
+                         t.scale_shift, Activation::Relu);
   return o;
 }
 

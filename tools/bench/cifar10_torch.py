@@ -7,12 +7,17 @@
 is `kiln-train cifar10/ -a resnet18 --epochs 15 -b 256 --lr 0.1 --warmup-epochs 1
 --label-smoothing 0.1 --seed 0`:
 - torchvision's ResNet-18 with a 3x3/1 stem and no max pool, 3 input channels, one class per
-  folder of train/ (sorted names, as kiln's ImageFolder);
+  folder of train/ (sorted names, as kiln's ImageFolder); or with --arch vit_t_4 torchvision's
+  VisionTransformer in kiln's vit_t_4 shape (32x32 images, 4x4 patches, 12 layers, 3 heads,
+  hidden 192, MLP 768), which kiln-train -a vit_t_4 trains with AdamW (--optimizer adamw) and
+  gradient clipping (--clip-grad);
 - every image decoded once (PIL, all cores) into memory at its own size, then kept on the GPU;
 - normalised by the training set's per-channel mean and standard deviation (kiln's
   channel_stats);
 - per step: random crop of the image zero-padded by 4, horizontal flip with p = 0.5 (on the GPU);
-- SGD momentum 0.9 (no nesterov), weight decay on conv/linear weights only, linear warm-up from 0
+- SGD momentum 0.9 (no nesterov) or AdamW (betas 0.9, 0.999, eps 1e-8), weight decay on
+  weights of more than one dimension only (not on biases, norms, a ViT's class token and
+  position embedding), gradient clipping by global norm when --clip-grad > 0, linear warm-up from 0
   over --warmup-epochs (kiln-train's default 0.05), then cosine to 0, per step;
 - cross-entropy with --label-smoothing; batch shuffled each epoch, last partial batch dropped;
 - mixed precision (autocast fp16 + GradScaler, channels_last); --compile for torch.compile;
@@ -78,6 +83,12 @@ def resnet18_small_stem(num_classes):
     return m
 
 
+def vit_t_4(num_classes, image_size):
+    return torchvision.models.VisionTransformer(image_size=image_size, patch_size=4, num_layers=12,
+                                                num_heads=3, hidden_dim=192, mlp_dim=768,
+                                                num_classes=num_classes)
+
+
 def main():
     start = time.time()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -90,6 +101,9 @@ def main():
     ap.add_argument("--wd", type=float, default=5e-4)
     ap.add_argument("--warmup-epochs", type=float, default=0.05)
     ap.add_argument("--label-smoothing", type=float, default=0.0)
+    ap.add_argument("--arch", choices=("resnet18", "vit_t_4"), default="resnet18")
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--clip-grad", type=float, default=0.0)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     args = ap.parse_args()
@@ -129,12 +143,20 @@ def main():
         ch = torch.arange(3, device=dev)[None, :, None, None]
         return normalise(padded[idx, ch, rows[:, None, :, None], cols[:, None, None, :]])
 
-    model = resnet18_small_stem(len(classes)).to(dev).to(memory_format=torch.channels_last)
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": args.wd},
-                           {"params": no_decay, "weight_decay": 0.0}],
-                          lr=args.lr, momentum=args.momentum, nesterov=False)
+    if args.arch == "vit_t_4":
+        model = vit_t_4(len(classes), xtr.shape[-1]).to(dev)
+    else:
+        model = resnet18_small_stem(len(classes)).to(dev).to(memory_format=torch.channels_last)
+    exempt = {"class_token", "encoder.pos_embedding"}
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() > 1 and n not in exempt]
+    no_decay = [p for n, p in named if p.dim() <= 1 or n in exempt]
+    groups = [{"params": decay, "weight_decay": args.wd},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    else:
+        opt = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, nesterov=False)
     scaler = torch.amp.GradScaler("cuda")
     net = torch.compile(model) if args.compile else model
 
@@ -167,6 +189,9 @@ def main():
                 loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            if args.clip_grad > 0:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             scaler.step(opt)
             scaler.update()
             t += 1
@@ -185,7 +210,8 @@ def main():
         history.append(row["test_top1"])
         print(json.dumps(row), flush=True)
 
-    print(json.dumps({"seed": args.seed, "epochs": args.epochs, "compile": args.compile,
+    print(json.dumps({"seed": args.seed, "epochs": args.epochs, "arch": args.arch,
+                      "optimizer": args.optimizer, "compile": args.compile,
                       "final_test_top1": history[-1], "setup_seconds": setup_seconds,
                       "total_seconds": time.time() - start, "torch": torch.__version__}),
           flush=True)

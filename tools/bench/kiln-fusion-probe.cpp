@@ -620,7 +620,7 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   f.count = n * hw * hw;
   Tensor mask = empty({y3.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
   Tensor out = empty_like(y3);
-  cuda::bn_nhwc_apply(out, y3, z, f, /*relu=*/true, mask);
+  cuda::bn_nhwc_apply(out, y3, z, f, Activation::Relu, mask);
   out = Tensor();
   z = Tensor();
   Tensor grad = r.clone(), dx = empty_like(y3), g = empty_like(y3);
@@ -631,7 +631,7 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   const double t_unfused = median_ms([&] {
     cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, true);
     cuda::bn_nhwc_backward(dx, g, dw, db, grad, y3, mask, f.weight, f.save_mean, f.save_invstd,
-                           f.scale_shift, /*relu=*/true);
+                           f.scale_shift, Activation::Relu);
   });
   const double gb = double(y3.nbytes()) / 1e9;
   const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) / 1e9;

@@ -5,6 +5,7 @@
 
 #include "core/version.h"
 #include "data/fashion_mnist.h"
+#include "models/zoo.h"
 #include "optim/model_file.h"
 #include "tools/cli/cli.h"
 #include "tools/train/output_dir.h"
@@ -29,7 +30,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.section("Model and data:");
   p.value("-a, --arch", "NAME", &c.arch,
           "resnet_small, resnet18, resnet34, resnet50, resnet101, resnet152,\n"
-          "vit_s_16, vit_b_16 (28x28 IDX inputs use a 3x3 stem, no max pool;\n"
+          "vit_s_16, vit_b_16, vit_t_4 (4x4 patches, for 32x32 photos)\n"
+          "(28x28 IDX inputs use a 3x3 stem, no max pool;\n"
           "a ViT takes the transformer recipe: AdamW lr 1e-3, wd 0.05, 5\n"
           "warm-up epochs, label smoothing 0.1, --clip-grad 1, unless given)");
   p.value("--data", "PATH", &c.data, "the data set, as DATA");
@@ -174,7 +176,7 @@ Config parse_args(const std::vector<std::string>& args, bool* help, std::string*
         "--multiprocessing-distributed and --nproc both set the process count; "
         "give one");
   // The transformer recipe (DeiT's, torchvision's ViT reference): whatever the user did not set.
-  if (c.arch == "vit_b_16" || c.arch == "vit_s_16") {
+  if (models::is_vit_name(c.arch)) {
     if (!p.given("--optimizer")) c.optimizer = "adamw";
     if (!p.given("--lr")) c.lr = 1e-3;
     if (!p.given("--wd")) c.wd = 0.05;

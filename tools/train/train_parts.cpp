@@ -10,6 +10,7 @@
 
 #include "core/json.h"
 #include "core/serialization.h"
+#include "models/vit.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
 #include "tools/cli/cli.h"
@@ -69,16 +70,17 @@ ModelInfo model_info(const Config& c, const TrainData& d) {
   if (c.width != 0 && c.arch != "resnet_small")
     cli::usage_error("--width applies to resnet_small only (--arch is ", c.arch, ")");
   const bool vit = models::family_of(c.arch) == models::Family::ViT;
-  if (vit && d.height() % 16 != 0)
-    cli::usage_error("--arch ", c.arch, " cuts images into 16x16 patches: the input size ",
-                     d.height(), " is not a multiple of 16 (give ImageFolder data an --image-size "
-                     "like 224 or 32)");
+  const int64_t patch = vit ? models::vit_options(c.arch, 1, 224).patch_size : 1;
+  if (vit && d.height() % patch != 0)
+    cli::usage_error("--arch ", c.arch, " cuts images into ", patch, "x", patch,
+                     " patches: the input size ", d.height(), " is not a multiple of ", patch,
+                     " (give ImageFolder data an --image-size like 224 or 32)");
   ModelInfo m;
   m.arch = c.arch;
   m.num_classes = d.num_classes();
   m.in_channels = d.channels();
   m.imagenet_stem = vit || (!d.small_images() && c.arch != "resnet_small");
-  m.width = vit ? (c.arch == "vit_b_16" ? 768 : 384)
+  m.width = vit ? models::vit_options(c.arch, 1, 224).hidden_dim
                 : c.arch == "resnet_small" ? (c.width > 0 ? c.width : 32) : 64;
   m.image_size = d.height();
   m.resize_size = d.resize_size();
