@@ -304,6 +304,7 @@ int main(int argc, char** argv) {
     if (!model.empty()) {
       kiln::cli::user_input("--model: ", [&] { return kiln::models::family_of(model); });
       mo.model = model;
+      mo.image_size = kiln::models::default_image_size(model);
       mo.precision = precision == "bf16" ? kiln::amp::Precision::MixedBF16
                                          : kiln::amp::Precision::Mixed16;
       if (kiln::models::train_gflop_per_image(model) > 0)
