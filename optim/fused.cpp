@@ -4,6 +4,7 @@
 
 #include "core/autograd.h"
 #include "optim/amp.h"
+#include "optim/host_stager.h"
 #include "core/backend.h"
 
 #ifdef KILN_WITH_CUDA
@@ -37,34 +38,10 @@ bool is_capturing() {
 
 }  // namespace
 
-// Pinned host slots the lr array is copied from. Uploads (eager steps, and stage_lr() before a
-// replay) rotate through kSlots slots, each reused only after its previous copy completed (an
-// event, practically always already done). A captured step copies nothing: its kernels read the
-// device lr array, which stage_lr() refreshes on the caller's stream before each replay (a host
-// slot read by the replay itself could be rewritten by the host before the replay ran).
-struct FusedOptimizer::PinnedRing {
-  static constexpr int kSlots = 8;
-  size_t groups = 0;
-  double* host = nullptr;  // kSlots x groups
-#ifdef KILN_WITH_CUDA
-  cudaEvent_t events[kSlots] = {};
-  bool recorded[kSlots] = {};
-#endif
-  int next = 0;
-  explicit PinnedRing(size_t g) : groups(g) {
-#ifdef KILN_WITH_CUDA
-    host = static_cast<double*>(cuda::alloc_pinned(kSlots * g * sizeof(double)));
-    for (auto& e : events) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-#endif
-  }
-  ~PinnedRing() {
-#ifdef KILN_WITH_CUDA
-    for (auto& e : events) cudaEventDestroy(e);  // no throw from a destructor
-    cuda::free_pinned(host);
-#endif
-  }
-};
-
+// Uploads (eager steps, and stage_lr() before a replay) go through a HostStager. A captured
+// step copies nothing: its kernels read the device lr array, which stage_lr() refreshes on the
+// caller's stream before each replay (a host slot read by the replay itself could be rewritten by
+// the host before the replay ran).
 FusedOptimizer::FusedOptimizer(std::vector<ParamGroup> groups) : Optimizer(std::move(groups)) {}
 
 FusedOptimizer::~FusedOptimizer() = default;
@@ -134,7 +111,7 @@ void FusedOptimizer::build() {
   step_count_ = zeros({1}, TensorOptions(DType::i32).with_device(device_));
   partials_ = zeros({std::max<int64_t>(num_chunks(), 1)}, f32);
   norm_ = zeros({3}, f32);
-  if (device_.is_cuda()) ring_ = std::make_unique<PinnedRing>(param_groups.size());
+  if (device_.is_cuda()) ring_ = std::make_unique<HostStager>(param_groups.size());
 }
 
 Tensor FusedOptimizer::master(size_t i) const {
@@ -249,16 +226,9 @@ void FusedOptimizer::upload_lr() {
   }
 #ifdef KILN_WITH_CUDA
   if (is_capturing()) return;  // replays read lr_ as stage_lr() left it
-  PinnedRing& r = *ring_;
-  const int slot = r.next;
-  r.next = (r.next + 1) % PinnedRing::kSlots;
-  if (r.recorded[slot]) CUDA_CHECK(cudaEventSynchronize(r.events[slot]));
-  double* src = r.host + size_t(slot) * G;
-  for (size_t g = 0; g < G; ++g) src[g] = param_groups[g].lr;
-  CUDA_CHECK(cudaMemcpyAsync(lr_.raw_data(), src, G * sizeof(double), cudaMemcpyHostToDevice,
-                             cuda::current_stream()));
-  CUDA_CHECK(cudaEventRecord(r.events[slot], cuda::current_stream()));
-  r.recorded[slot] = true;
+  std::vector<double> v(G);
+  for (size_t g = 0; g < G; ++g) v[g] = param_groups[g].lr;
+  ring_->stage(v.data(), lr_);
 #endif
 }
 

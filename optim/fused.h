@@ -40,6 +40,7 @@
 namespace kiln::optim {
 
 class DynamicLossScaler;
+class HostStager;
 
 class FusedOptimizer : public Optimizer {
  public:
@@ -126,8 +127,7 @@ class FusedOptimizer : public Optimizer {
   fused::GradScaling pending_;
   bool norm_ready_ = false;
   Tensor pending_scale_, pending_found_inf_;  // keep the scaler's tensors alive
-  struct PinnedRing;
-  std::unique_ptr<PinnedRing> ring_;  // CUDA: pinned lr staging slots and their events
+  std::unique_ptr<HostStager> ring_;  // CUDA: stages lr_ (optim/host_stager.h)
 };
 
 // torch.optim.SGD's update (optim/sgd.h) over the arenas.

@@ -39,6 +39,7 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
     clip_grad_norm_(opt_, max_grad_norm_);
   }
   scaler_.step(opt_);
+  if (after_step_) after_step_();
   scaler_.update();
   NoGradGuard no_grad;
   const double n = double(y.size(0));

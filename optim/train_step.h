@@ -11,6 +11,8 @@
 // loss and top-1 count are device tensors read asynchronously (amp::AsyncScalars) when the
 // caller wants to log, then reset with reset_metrics(). Nothing in run() reads device memory on
 // the host. On the CPU the same code runs in FP32 (the scaler may be disabled).
+#include <functional>
+
 #include "models/module.h"
 #include "core/tensor.h"
 #include "optim/amp.h"
@@ -35,6 +37,10 @@ class ClassifierStep {
 
   // One step on the current stream.
   void run(const Tensor& x, const Tensor& y);
+  // Called in run() after the optimizer's step and before the scaler's update: a second update
+  // rule over some of the parameters (optim::Muon over a group of `opt`). Device work only, as
+  // the rest of run().
+  void set_after_step(std::function<void()> f) { after_step_ = std::move(f); }
   // Device accumulators since the last reset: Σ loss·N and Σ correct (f32 0-d each). The
   // caller counts samples on the host (a replayed graph runs no host code).
   const Tensor& loss_sum() const { return loss_sum_; }
@@ -48,6 +54,7 @@ class ClassifierStep {
   DynamicLossScaler& scaler_;
   double label_smoothing_, max_grad_norm_;
   Tensor loss_sum_, correct_sum_;
+  std::function<void()> after_step_;
 };
 
 }  // namespace kiln::optim

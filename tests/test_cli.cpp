@@ -828,6 +828,17 @@ TEST_CASE("kiln-speedrun: trains and reports on a small CIFAR-like folder (CPU);
   CHECK(v.at("accuracy_mean").number() >= 0.0);
   CHECK(v.at("accuracy_mean").number() <= 1.0);
   CHECK(v.at("seconds_mean").number() > 0.0);
+  CHECK(v.at("recipe").str() == "legacy");
+  // The muon recipe (Muon on the conv filters, no lookahead), its defaults overridden.
+  r = tool("kiln-speedrun", root.string() + " --device cpu --recipe muon -b 20 --epochs 2 "
+                            "--runs 1 --tta 0 --json " + js.string());
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.find("1 runs: accuracy ") != std::string::npos);
+  const json::Value m = json::parse(bytes_of(js));
+  CHECK(m.at("recipe").str() == "muon");
+  CHECK(m.at("batch_size").number() == 20);
+  CHECK(m.at("accuracy_mean").number() >= 0.0);
   // Data it cannot train on: one line naming what is wrong.
   r = tool("kiln-speedrun", (root / "nowhere").string() + " --device cpu");
   CHECK(r.code == 1);

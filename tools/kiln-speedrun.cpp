@@ -100,15 +100,24 @@ std::shared_ptr<nn::Sequential> block(int64_t in, int64_t out, Generator* g) {
                                    Activation::Gelu)});
 }
 
-// The network; element 0 is the whitening conv.
-std::shared_ptr<nn::Sequential> make_net(uint64_t seed) {
+// The network; element 0 is the whitening conv. The head: legacy ×1/9; muon a weight of
+// standard deviation 1 and ×1/256 (its width).
+std::shared_ptr<nn::Sequential> make_net(uint64_t seed, bool muon) {
   Generator g(seed);
   auto whiten = std::make_shared<nn::Conv2d>(3, 24, 2, 1, 0, 1, 1, true, &g);
   whiten->weight().set_requires_grad(false);
+  auto head = std::make_shared<nn::Linear>(256, 10, false, &g);
+  if (muon) {
+    NoGradGuard ng;
+    const Tensor w = head->weight();
+    const Tensor centred = F::add(w, F::mean(w), -1.0);
+    const double sd = std::sqrt(F::sum(F::mul(centred, centred)).item() / double(w.numel() - 1));
+    w.mul_(1.0 / sd);
+  }
   return std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
       whiten, std::make_shared<nn::GELU>(), block(24, 64, &g), block(64, 256, &g),
       block(256, 256, &g), std::make_shared<nn::MaxPool2d>(3), std::make_shared<nn::Flatten>(),
-      std::make_shared<nn::Linear>(256, 10, false, &g), std::make_shared<Scale>(1.0 / 9.0)});
+      head, std::make_shared<Scale>(muon ? 1.0 / 256.0 : 1.0 / 9.0)});
 }
 
 // A loader's batches on the device: DeviceLoader on CUDA, the DataLoader's on the CPU.
@@ -141,6 +150,7 @@ class Batches {
 
 struct Options {
   std::string data;
+  std::string recipe = "legacy";
   int64_t runs = 20;
   double epochs = 10;
   int64_t batch_size = 1024;
@@ -188,36 +198,66 @@ class Speedrun {
     test_y_ = test.labels.to(dev);
     // One model, optimizer and captured step for every run: a run re-initialises their values
     // in place (the graph keeps its addresses).
-    model_ = make_net(0);
+    muon_recipe_ = o.recipe == "muon";
+    model_ = make_net(0, muon_recipe_);
     amp::prepare_model(*model_, dev, precision_);
     whiten_ = std::static_pointer_cast<nn::Conv2d>((*model_)[0]);
-    // Groups: 0 weights (and the head), 1 batch-norm biases, 2 the whitening bias.
-    const double momentum = 0.85, kilostep = 1024.0 * (1.0 + 1.0 / (1.0 - momentum));
-    const double lr = 11.5 / kilostep * double(o.batch_size);  // per mean-loss step
-    const double decay = 0.0153 * double(o.batch_size) / kilostep;  // lr · wd per step
-    optim::ParamGroup weights, biases, whiten_bias;
+    // Groups: 0 weights (legacy: the head too; muon: the conv filters, Muon's), 1 batch-norm
+    // biases, 2 the whitening bias, 3 (muon) the head.
+    optim::ParamGroup weights, biases, whiten_bias, head;
     for (const auto& [name, p] : model_->named_parameters()) {
       if (!p.requires_grad()) continue;
       if (p.is_same(whiten_->bias()))
         whiten_bias.params.push_back(p);
       else if (p.dim() == 1)
         biases.params.push_back(p);
+      else if (muon_recipe_ && p.dim() == 2)
+        head.params.push_back(p);
       else
         weights.params.push_back(p);
     }
-    for (optim::ParamGroup* g : {&weights, &biases, &whiten_bias}) {
+    const double momentum = 0.85;
+    for (optim::ParamGroup* g : {&weights, &biases, &whiten_bias, &head}) {
       g->momentum = momentum;
       g->nesterov = true;
-      g->lr = g == &biases ? lr * 64 : lr;
-      g->weight_decay = decay / g->lr;
     }
-    opt_ = std::make_unique<optim::FusedSGD>(
-        std::vector<optim::ParamGroup>{weights, biases, whiten_bias});
+    std::vector<optim::ParamGroup> groups;
+    if (muon_recipe_) {
+      // The published muon recipe's sum-loss learning rates times the batch (kiln's loss is the
+      // batch mean); weight decay 2e-6 per example of the batch per step, as lr · wd.
+      const double batch = double(o.batch_size), decay = 2e-6 * batch;
+      weights.lr = 0.0;  // Muon's
+      biases.lr = whiten_bias.lr = 0.053 * batch;
+      head.lr = 0.67 * batch;
+      for (optim::ParamGroup* g : {&biases, &whiten_bias, &head}) g->weight_decay = decay / g->lr;
+      groups = {weights, biases, whiten_bias, head};
+    } else {
+      const double kilostep = 1024.0 * (1.0 + 1.0 / (1.0 - momentum));
+      const double lr = 11.5 / kilostep * double(o.batch_size);  // per mean-loss step
+      const double decay = 0.0153 * double(o.batch_size) / kilostep;  // lr · wd per step
+      for (optim::ParamGroup* g : {&weights, &biases, &whiten_bias}) {
+        g->lr = g == &biases ? lr * 64 : lr;
+        g->weight_decay = decay / g->lr;
+      }
+      groups = {weights, biases, whiten_bias};
+    }
+    opt_ = std::make_unique<optim::FusedSGD>(groups);
+    for (const optim::ParamGroup& g : opt_->param_groups) initial_lr_.push_back(g.lr);
+    if (muon_recipe_) {
+      optim::MuonOptions mo;
+      mo.lr = 0.24;
+      mo.momentum = 0.6;
+      mo.nesterov = true;
+      mo.ns_steps = 3;
+      mo.normalize_weights = true;
+      muon_ = std::make_unique<optim::Muon>(*opt_, 0, mo);
+    }
     optim::LossScalerOptions so;
     so.enabled = precision_ == amp::Precision::Mixed16;
     scaler_ = std::make_unique<optim::DynamicLossScaler>(dev, so);
     initial_scaler_ = clone_state(scaler_->state_dict());
     step_ = std::make_unique<optim::ClassifierStep>(*model_, *opt_, *scaler_, 0.2);
+    if (muon_) step_->set_after_step([this] { muon_->step(scaler_.get()); });
     x_ = amp::prepare_input(zeros({o.batch_size, 3, 32, 32}), dev, precision_);
     y_ = zeros({o.batch_size}, TensorOptions(DType::i64).with_device(dev));
     data::LoaderOptions lo;
@@ -249,6 +289,15 @@ class Speedrun {
     const int64_t whiten_bias_steps = 3 * per_epoch;
     const optim::LinearLR schedule(total + 1, 0.07,
                                    optim::Warmup{int64_t(0.23 * double(total)), 0.2});
+    // muon: every lr falls linearly from its initial value to 0 over the run; the whitening
+    // bias's over its 3 epochs.
+    auto muon_schedule = [&](int64_t t) {
+      const double f = 1.0 - double(t) / double(total);
+      for (size_t g = 0; g < opt_->param_groups.size(); ++g) opt_->param_groups[g].lr = initial_lr_[g] * f;
+      opt_->param_groups[2].lr =
+          initial_lr_[2] * std::max(0.0, 1.0 - double(t) / double(whiten_bias_steps));
+      muon_->lr = muon_->options().lr * f;
+    };
     sync(dev_);
     const auto start = Clock::now();
     {
@@ -262,13 +311,18 @@ class Speedrun {
     model_->train();
     for (int64_t e = 0; t < total; ++e)
       train.each(e, [&](const Tensor& x, const Tensor& y) {
-        schedule.apply(*opt_, t);
-        if (t >= whiten_bias_steps) opt_->param_groups[2].lr = 0.0;
+        if (muon_) {
+          muon_schedule(t);
+        } else {
+          schedule.apply(*opt_, t);
+          if (t >= whiten_bias_steps) opt_->param_groups[2].lr = 0.0;
+        }
         x_.copy_(x);
         y_.copy_(y);
 #ifdef KILN_WITH_CUDA
         if (graph_) {
           opt_->stage_lr();
+          if (muon_) muon_->stage_lr();
           graph_->run();
         } else {
           step_->run(x_, y_);
@@ -277,13 +331,13 @@ class Speedrun {
         step_->run(x_, y_);
 #endif
         ++t;
-        if (t % 5 == 0) {
+        if (!muon_ && t % 5 == 0) {
           lookahead.update(std::pow(0.95, 5) * std::pow(double(t) / double(total), 3));
           lookahead.pull();
         }
         return t < total;  // a fractional last epoch stops part-way
       });
-    lookahead.pull();  // evaluate the average (the speedruns' final decay of 1)
+    if (!muon_) lookahead.pull();  // evaluate the average (the speedruns' final decay of 1)
     sync(dev_);
     const double train_s = seconds_since(start) - whiten_s;
     const double top1 = evaluate();
@@ -301,7 +355,7 @@ class Speedrun {
   // Fresh weights from `seed` into the live tensors; optimizer and scaler state back to start.
   void reset(uint64_t seed) {
     NoGradGuard ng;
-    const auto fresh = make_net(seed);
+    const auto fresh = make_net(seed, muon_recipe_);
     auto live_p = model_->named_parameters(), new_p = fresh->named_parameters();
     for (size_t i = 0; i < live_p.size(); ++i) live_p[i].second.copy_(new_p[i].second);
     auto live_b = model_->named_buffers(), new_b = fresh->named_buffers();
@@ -314,6 +368,7 @@ class Speedrun {
         ++i;
       }
     opt_->step_count().zero_();
+    if (muon_) muon_->reset_state();
     scaler_->load_state_dict(initial_scaler_);
   }
 
@@ -360,6 +415,9 @@ class Speedrun {
   std::shared_ptr<nn::Sequential> model_;
   std::shared_ptr<nn::Conv2d> whiten_;
   std::unique_ptr<optim::FusedSGD> opt_;
+  std::vector<double> initial_lr_;  // per group
+  bool muon_recipe_ = false;
+  std::unique_ptr<optim::Muon> muon_;
   std::unique_ptr<optim::DynamicLossScaler> scaler_;
   std::map<std::string, Tensor> initial_scaler_;
   std::unique_ptr<optim::ClassifierStep> step_;
@@ -398,6 +456,9 @@ int main(int argc, char** argv) {
                   "speedrun accuracy, --runs times, and reports accuracy and time.");
     p.version(version_line("kiln-speedrun"));
     p.positional("DATA", &positional, "ImageFolder root with train/ and test/ (or val/)", 1, 1);
+    p.choice("--recipe", &o.recipe, {"legacy", "muon"},
+             "legacy: airbench94's (batch 1024, 10 epochs, Nesterov SGD, lookahead);\n"
+             "muon: airbench94_muon's (batch 2000, 8 epochs, Muon on the conv filters)");
     p.value("--runs", "N", &o.runs, "timed runs, after one untimed warm-up run", 1, 10000);
     p.value("--epochs", "E", &o.epochs, "epochs per run (fractions allowed)", 0.01, 1000);
     p.value("-b, --batch-size", "N", &o.batch_size, "training batch", 1, 1 << 16);
@@ -416,6 +477,10 @@ int main(int argc, char** argv) {
     }
     o.data = positional.at(0);
     o.graph = !no_graph && !o.profile;
+    if (o.recipe == "muon") {
+      if (!p.given("--epochs")) o.epochs = 8;
+      if (!p.given("--batch-size")) o.batch_size = 2000;
+    }
     const Device dev = o.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
                                           : cli::user_input("--device: ", [&] {
                                               return Device::parse(o.device);
@@ -476,6 +541,7 @@ int main(int argc, char** argv) {
       json::ObjectWriter w;
       w.string("data", o.data)
           .string("device", dev.str())
+          .string("recipe", o.recipe)
           .number("epochs", o.epochs)
           .integer("batch_size", o.batch_size)
           .integer("tta", o.tta)

@@ -34,6 +34,7 @@
 #include "optim/amp.h"
 #include "optim/checkpoint.h"
 #include "optim/fused.h"
+#include "optim/muon.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "optim/sgd.h"
