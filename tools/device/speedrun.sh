@@ -4,12 +4,13 @@
 # airbench94_muon.py (an ignored copy in .bench/airbench/, never committed) over ANCHOR_RUNS
 # runs on the same JPEGs, converted by tools/bench/cifar10_to_pt.py. The anchor's own run count
 # is its loop's; the copy run here is edited to ANCHOR_RUNS (it writes into /tmp only).
-#   RUNS=20 ANCHOR_RUNS=10 ANCHOR_TIMEOUT=300 bash tools/device/speedrun.sh [kiln] [anchor]
-# Output: $OUT/speedrun.json (kiln), $OUT/airbench.log and $OUT/airbench.json (the anchor).
+#   RUNS=20 ANCHOR_RUNS=10 ANCHOR_TIMEOUT=300 RECIPE=legacy|muon bash tools/device/speedrun.sh [kiln] [anchor]
+# Output: $OUT/speedrun-<recipe>.json (kiln), $OUT/airbench.log and $OUT/airbench.json (the anchor).
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 B=${B:-build-gpu}
 RUNS=${RUNS:-20}
+RECIPE=${RECIPE:-legacy}
 ANCHOR_RUNS=${ANCHOR_RUNS:-10}
 ANCHOR_TIMEOUT=${ANCHOR_TIMEOUT:-300}
 DATA=/tmp/cifar10
@@ -18,8 +19,8 @@ mkdir -p "$OUT" "$DATA"
 for side in ${*:-kiln anchor}; do
   case $side in
     kiln)
-      $B/kiln-speedrun $DATA --runs "$RUNS" --json "$OUT/speedrun.json" 2>&1 |
-        tee "$OUT/speedrun.log" | grep -v "^run " ;;
+      $B/kiln-speedrun $DATA --recipe "$RECIPE" --runs "$RUNS" --json "$OUT/speedrun-$RECIPE.json" 2>&1 |
+        tee "$OUT/speedrun-$RECIPE.log" | grep -v "^run " ;;
     anchor)
       [ -f .bench/airbench/airbench94_muon.py ] || { echo "no .bench/airbench/airbench94_muon.py"; continue; }
       A=/tmp/airbench
