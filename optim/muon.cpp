@@ -32,8 +32,11 @@ Muon::Muon(FusedOptimizer& base, size_t group, const MuonOptions& opts)
   KILN_CHECK(opts.lr >= 0.0 && opts.momentum >= 0.0 && opts.momentum < 1.0 && opts.ns_steps >= 1,
              "Muon: lr ", opts.lr, ", momentum ", opts.momentum, ", ns_steps ", opts.ns_steps,
              " (expected lr >= 0, 0 <= momentum < 1, ns_steps >= 1)");
-  if (opts_.ns_dtype == DType::f64)
-    opts_.ns_dtype = base.device().is_cuda() ? DType::bf16 : DType::f32;
+  KILN_CHECK(opts.ns_dtype == DType::f32 ||
+                 (base.device().is_cuda() && (opts.ns_dtype == DType::bf16 ||
+                                              opts.ns_dtype == DType::f16)),
+             "Muon: ns_dtype ", dtype_name(opts.ns_dtype), " on ", base.device(),
+             " (f32, or bf16 / f16 on CUDA)");
   size_t first = 0;
   for (size_t k = 0; k < group; ++k) first += base.param_groups[k].params.size();
   NoGradGuard no_grad;
