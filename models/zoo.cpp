@@ -42,6 +42,12 @@ double train_gflop_per_image(const std::string& name) {
   if (name == "vit_b_16") return 105.9;
   if (name == "vit_s_16") return 27.6;
   if (name == "vit_t_4") return 2.19;  // at 32x32: 365 M multiply-adds forward, counted by layer
+  // torchvision's published forward multiply-adds at 224x224, x 6 (two FLOPs each, forward and
+  // twice as much backward).
+  if (name == "resnet18") return 6 * 1.814;
+  if (name == "resnet34") return 6 * 3.664;
+  if (name == "resnet101") return 6 * 7.801;
+  if (name == "resnet152") return 6 * 11.514;
   return 0.0;
 }
 

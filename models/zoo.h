@@ -30,7 +30,8 @@ std::shared_ptr<nn::Module> create_model(const std::string& name, int64_t num_cl
 // Forward + backward FLOPs of one 224x224 image's training step (3x the forward's multiply-adds
 // x 2), for MFU: 24.3 G for ResNet-50 (measured in docs/performance.md), 105.9 G for vit_b_16
 // (PyTorch's FlopCounterMode), 27.6 G for vit_s_16 (counted from its layers), 2.19 G for vit_t_4
-// at 32x32; 0 when unknown.
+// at 32x32, six times torchvision's published multiply-adds for the other ResNets; 0 when
+// unknown (resnet_small: its width varies).
 double train_gflop_per_image(const std::string& name);
 // The input side create_model's network is built for: 32 for vit_t_4, 224 for the others (a
 // ResNet takes any size).

@@ -60,6 +60,11 @@ TEST_CASE("vit_t_4: DeiT-Ti's shape on 4x4 patches of 32x32 photos; its weight-d
   CHECK(models::is_vit_name("vit_t_4"));
   CHECK_FALSE(models::is_vit_name("resnet18"));
   CHECK_FALSE(models::is_vit_name("nonsense"));
+  CHECK(models::default_image_size("vit_t_4") == 32);
+  CHECK(models::default_image_size("vit_b_16") == 224);
+  CHECK(models::train_gflop_per_image("vit_t_4") == 2.19);
+  CHECK(models::train_gflop_per_image("resnet18") == doctest::Approx(10.884));
+  CHECK(models::train_gflop_per_image("resnet_small") == 0.0);  // unknown: its width varies
   // split_weight_decay: biases, norms, the class token and the position embedding decay-free.
   optim::ParamGroup proto;
   proto.weight_decay = 0.05;

@@ -307,8 +307,8 @@ int main(int argc, char** argv) {
       mo.image_size = kiln::models::default_image_size(model);
       mo.precision = precision == "bf16" ? kiln::amp::Precision::MixedBF16
                                          : kiln::amp::Precision::Mixed16;
-      if (kiln::models::train_gflop_per_image(model) > 0)
-        mo.gflop_per_image = kiln::models::train_gflop_per_image(model);
+      // 0 when unknown: the rows then report MFU 0 rather than ResNet-50's count.
+      mo.gflop_per_image = kiln::models::train_gflop_per_image(model);
 #ifdef KILN_WITH_CUDA
       if (kiln::cuda::device_count() == 0)
         kiln::cli::usage_error(mo.verify_graph ? "--verify-graph" : "--model",
