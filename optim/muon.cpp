@@ -21,7 +21,7 @@ constexpr double kNormEps = 1e-7;
 }  // namespace
 
 Muon::Muon(FusedOptimizer& base, size_t group, const MuonOptions& opts)
-    : base_(base), opts_(opts), lr(opts.lr) {
+    : lr(opts.lr), base_(base), opts_(opts) {
   KILN_CHECK(group < base.param_groups.size(), "Muon: group ", group, " of ", base.name(),
              ", which has ", base.param_groups.size(), " groups");
   const ParamGroup& g = base.param_groups[group];
@@ -50,6 +50,7 @@ Muon::Muon(FusedOptimizer& base, size_t group, const MuonOptions& opts)
     momentum_.push_back(zeros(p.shape(), f32));
   }
   lr_ = full({1}, opts.lr, TensorOptions(DType::f64).with_device(base.device()));
+  zero_ = zeros({1}, f32);
   if (base.device().is_cuda()) stager_ = std::make_unique<HostStager>(1);
 }
 
@@ -90,8 +91,6 @@ Tensor Muon::newton_schulz(const Tensor& d, int steps, DType dtype) {
 void Muon::step(const DynamicLossScaler* scaler) {
   NoGradGuard no_grad;
   if (!capturing()) stage_lr();  // a replay reads lr_ as stage_lr() left it
-  const Device dev = base_.device();
-  const TensorOptions f32 = TensorOptions(DType::f32).with_device(dev);
   // Unscaling and skipping, read on the device: inv = 1/scale, keep = 1 - found_inf.
   Tensor inv, keep, found;
   if (scaler != nullptr && scaler->enabled()) {
@@ -101,12 +100,11 @@ void Muon::step(const DynamicLossScaler* scaler) {
   }
   Tensor step_lr = lr_.to(DType::f32);
   if (keep.defined()) step_lr = F::mul(step_lr, keep);
-  const Tensor zero = zeros({1}, f32);
   const double mu = opts_.momentum;
   for (size_t i = 0; i < index_.size(); ++i) {
     const size_t k = index_[i];
     Tensor grad = base_.grad(k).to(DType::f32);
-    if (inv.defined()) grad = F::where(found, zero, F::mul(grad, inv));  // finite when skipped
+    if (inv.defined()) grad = F::where(found, zero_, F::mul(grad, inv));  // finite when skipped
     Tensor& buf = momentum_[i];
     const Tensor next = F::add(F::mul(buf, mu), grad);
     if (keep.defined())
@@ -131,7 +129,6 @@ void Muon::step(const DynamicLossScaler* scaler) {
     params_[i].copy_(master);
   }
 }
-
 
 void Muon::reset_state() {
   NoGradGuard no_grad;

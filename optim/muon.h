@@ -85,6 +85,7 @@ class Muon {
   std::vector<Tensor> params_;   // the group's parameters
   std::vector<Tensor> momentum_;  // f32, shaped like each parameter
   Tensor lr_;                     // f64 (1) on the device
+  Tensor zero_;                   // f32 (1): a skipped step's gradient
   std::unique_ptr<HostStager> stager_;
   bool capturing() const;
 };

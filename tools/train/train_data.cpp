@@ -255,15 +255,22 @@ data::IdxPair load_idx(bool fmnist, const std::string& dir, data::Split s) {
   });
 }
 
-// The IDX training loader: shuffled, the last partial batch dropped, normalised by the training
-// set's pixel mean and std (Fashion-MNIST's are known), crop (padding 4) + flip with --augment.
-data::LoaderOptions idx_train_options(const DataOptions& o, bool fmnist, const Tensor& images) {
+// An in-memory training loader's base (IDX data, small photos): --batch-size, shuffled with
+// --seed, the last partial batch dropped, --workers threads.
+data::LoaderOptions tensor_train_options(const DataOptions& o) {
   data::LoaderOptions lo;
   lo.batch_size = o.batch_size;
   lo.shuffle = true;
   lo.drop_last = true;
   lo.seed = o.seed;
   lo.workers = o.workers;
+  return lo;
+}
+
+// The IDX training loader: tensor_train_options, normalised by the training set's pixel mean and
+// std (Fashion-MNIST's are known), crop (padding 4) + flip with --augment.
+data::LoaderOptions idx_train_options(const DataOptions& o, bool fmnist, const Tensor& images) {
+  data::LoaderOptions lo = tensor_train_options(o);
   if (fmnist) {  // the training set's pixel mean and std
     lo.mean = {0.2860f};
     lo.stddev = {0.3530f};
@@ -479,12 +486,7 @@ void TrainData::open_small_photos(const data::ImageFolder& train, const data::Im
                  std::to_string(side) + " photos, decoded once into memory" +
                  (skipped > 0 ? ", " + std::to_string(skipped) + " unreadable files skipped" : "") +
                  ")";
-  data::LoaderOptions lo;
-  lo.batch_size = o.batch_size;
-  lo.shuffle = true;
-  lo.drop_last = true;
-  lo.seed = o.seed;
-  lo.workers = o.workers;
+  data::LoaderOptions lo = tensor_train_options(o);
   data::channel_stats(tr.images, &lo.mean, &lo.stddev);
   lo.crop_padding = 4;
   lo.horizontal_flip = true;
