@@ -173,3 +173,42 @@ TEST_CASE("Newton–Schulz op by op in bf16 and f16 on the GPU tracks f32 on the
     }
   }
 }
+
+// The whole optimizer with the bf16 (and f16) iteration against the f32 CPU optimizer: the
+// parameters stay finite and each one's total update points the same way.
+TEST_CASE("Muon with the bf16 or f16 iteration follows the f32 one") {
+  for (DType dt : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dt));
+    manual_seed(3);
+    const std::vector<Tensor> host = {F::mul(randn({64, 72}), 0.1),
+                                      F::mul(randn({32, 16, 3, 3}), 0.1)};
+    MuonOptions o;
+    o.lr = 0.02;
+    o.momentum = 0.6;
+    o.ns_steps = 3;
+    o.normalize_weights = true;
+    o.ns_dtype = DType::f32;
+    MuonOptions ol = o;
+    ol.ns_dtype = dt;
+    Side cpu(host, Device::cpu(), DType::f32, o), low(host, kGpu, DType::f32, ol);
+    for (int s = 0; s < 3; ++s) {
+      std::vector<Tensor> grads = {randn({64, 72}), randn({32, 16, 3, 3})};
+      const double lr = 0.02 * (1.0 - s / 3.0);
+      cpu.step(grads, lr);
+      low.step(grads, lr);
+    }
+    cuda::synchronize();
+    for (size_t i = 0; i < host.size(); ++i) {
+      CAPTURE(i);
+      const Tensor got = low.params[i].to(Device::cpu()).to(DType::f64);
+      const Tensor du = F::sub(got, host[i].to(DType::f64));
+      const Tensor dc = F::sub(cpu.params[i].to(DType::f64), host[i].to(DType::f64));
+      const double dot = F::sum(F::mul(du, dc)).item();
+      const double cosine =
+          dot / std::sqrt(F::sum(F::mul(du, du)).item() * F::sum(F::mul(dc, dc)).item());
+      INFO("cosine of the updates ", cosine);
+      CHECK(std::isfinite(cosine));
+      CHECK(cosine > 0.99);
+    }
+  }
+}
