@@ -11,13 +11,7 @@
 // walks the query tiles for dK and dV (S and dP recomputed transposed: Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ),
 // and one kernel per query tile walks the key tiles for dQ. Recomputing S and dP in both costs
 // two more GEMMs than FlashAttention-2's atomics, in exchange for bit-reproducible gradients
-// (graph replay must equal eager execution). The dK/dV kernel loads the next query tile while
-// it computes on this one, as the forward and the dQ kernel do with key tiles.
-//
-// Work past a sequence's end is skipped in groups of 16 rows: a warp whose rows are all padding
-// computes nothing, and a tile's groups of 16 keys (or queries) that hold none are left out of
-// the products (their P is exactly 0, so the sums are unchanged). At ViT's 197 tokens the last
-// tile of 64 holds 5, and this is about a third of the padded work.
+// (graph replay must equal eager execution).
 //
 // Fragment layouts and the ldmatrix addressing follow cuda/kernels/mma.cuh. Shared-memory rows
 // are padded by 8 elements (16 bytes) so that ldmatrix's eight 16-byte row reads hit eight
@@ -130,11 +124,6 @@ __device__ inline void c_to_a(unsigned (&a)[4], const float (&c0)[4], const floa
   a[3] = pack2<T>(c1[2], c1[3]);
 }
 
-// How many of a tile's four groups of 16 rows hold at least one of the `left` rows still to come.
-__device__ inline int groups_of(int64_t left) {
-  return left >= kTile ? 4 : int((left + 15) / 16);
-}
-
 __device__ inline float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -178,8 +167,6 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int64_t row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-  // A warp whose 16 rows all lie past the last query only takes part in the loads.
-  const bool live = q0 + warp * 16 < a.lq;
   // Keys past the block's last row are masked for every row when causal.
   const int64_t kend = a.causal ? min(a.lk, q0 + kTile + off) : a.lk;
   for (int64_t k0 = 0, it = 0; k0 < kend; k0 += kTile, ++it) {
@@ -192,11 +179,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
       load_tile<T, D>(vbuf(it + 1), V, a.vs[2], k0 + kTile, a.lk);
       cp_async_commit();
     }
-    if (!live) continue;
     const T* sk = kbuf(it);
     const T* sv = vbuf(it);
-    // Groups of 16 keys that hold at least one key (the rest are masked: S unused, P zero).
-    const int groups = groups_of(a.lk - k0);
     float s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -204,7 +188,6 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
     for (int k = 0; k < D / 16; ++k)
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
-        if (np >= groups) continue;
         unsigned kb[4];
         load_b_nk<D>(kb, sk, np * 16, k * 16);
         mma<T>(s[2 * np], qf[k], kb[0], kb[1]);
@@ -248,7 +231,6 @@ __global__ void __launch_bounds__(kThreads) attn_fwd(AttnArgs a) {
     // O += P·V, P (16 × 64) from s's registers.
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      if (kk >= groups) continue;
       unsigned pa[4];
       c_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
@@ -296,8 +278,7 @@ __global__ void attn_bwd_delta(AttnArgs a) {
   if (lane == 0) a.delta[bh * a.lq + r] = s;
 }
 
-// dK and dV of one key tile: each warp owns 16 keys and walks the query tiles, the next tile's
-// Q, dO, log-sum-exp and delta loaded while this one is computed.
+// dK and dV of one key tile: each warp owns 16 keys and walks the query tiles.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
   pdl_start();
@@ -305,14 +286,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
   constexpr int kLd = Smem<D>::kLd;
   T* sk = reinterpret_cast<T*>(smem_raw);
   T* sv = sk + kTile * kLd;
-  // Q and dO tiles, double-buffered: buffer i's Q at qg + 2i tiles, its dO one tile further.
-  T* qg = sv + kTile * kLd;
-  auto qbuf = [&](int64_t i) { return qg + (2 * (i & 1)) * kTile * kLd; };
-  auto gbuf = [&](int64_t i) { return qg + (2 * (i & 1) + 1) * kTile * kLd; };
-  // log-sum-exp (log2 units) and delta of each buffer's queries: buffer i at rows 2i and 2i + 1.
-  float* stats = reinterpret_cast<float*>(qg + 4 * kTile * kLd);
-  auto slse = [&](int64_t i) { return stats + (2 * (i & 1)) * kTile; };
-  auto sdelta = [&](int64_t i) { return stats + (2 * (i & 1) + 1) * kTile; };
+  T* sq = sv + kTile * kLd;
+  T* sg = sq + kTile * kLd;  // dO
+  float* slse = reinterpret_cast<float*>(sg + kTile * kLd);
+  float* sdelta = slse + kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t bh = blockIdx.y, b = bh / a.heads, h = bh % a.heads;
   const int64_t k0 = int64_t(blockIdx.x) * kTile, off = a.lk - a.lq;
@@ -323,23 +300,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
   const float* lse = a.lse + bh * a.lq;
   const float* delta = a.delta + bh * a.lq;
   const float sl2 = a.scale * kLog2e;
-  // The query tile's Q, dO and statistics into buffer i (the caller commits).
-  auto load_queries = [&](int64_t i, int64_t q0) {
-    load_tile<T, D>(qbuf(i), Q, a.qs[2], q0, a.lq);
-    load_tile<T, D>(gbuf(i), G, a.dos[2], q0, a.lq);
-    for (int r = threadIdx.x; r < kTile; r += kThreads) {
-      const bool valid = q0 + r < a.lq;
-      slse(i)[r] = valid ? lse[q0 + r] * kLog2e : INFINITY;  // a padding row's P is 0
-      sdelta(i)[r] = valid ? delta[q0 + r] : 0.f;
-    }
-  };
 
-  // Causal: query i sees key j when i >= j - off; the tile's first key needs i >= k0 - off.
-  const int64_t first = (k0 - off) / kTile * kTile;
-  const int64_t qstart = a.causal && first > 0 ? first : 0;
   load_tile<T, D>(sk, K, a.ks[2], k0, a.lk);
   load_tile<T, D>(sv, V, a.vs[2], k0, a.lk);
-  if (qstart < a.lq) load_queries(0, qstart);
   cp_async_commit();
   float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
@@ -347,21 +310,21 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
   const int64_t key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
-  const bool live = k0 + warp * 16 < a.lk;  // else the warp only takes part in the loads
-  for (int64_t q0 = qstart, it = 0; q0 < a.lq; q0 += kTile, ++it) {
-    // This tile has landed; every warp is done with the buffer the prefetch overwrites.
+  // Causal: query i sees key j when i >= j - off; the tile's first key needs i >= k0 - off.
+  const int64_t first = (k0 - off) / kTile * kTile;
+  const int64_t qstart = a.causal && first > 0 ? first : 0;
+  for (int64_t q0 = qstart; q0 < a.lq; q0 += kTile) {
+    __syncthreads();
+    load_tile<T, D>(sq, Q, a.qs[2], q0, a.lq);
+    load_tile<T, D>(sg, G, a.dos[2], q0, a.lq);
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      const bool valid = q0 + i < a.lq;
+      slse[i] = valid ? lse[q0 + i] * kLog2e : INFINITY;  // a padding row's P is 0
+      sdelta[i] = valid ? delta[q0 + i] : 0.f;
+    }
+    cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    if (q0 + kTile < a.lq) {
-      load_queries(it + 1, q0 + kTile);
-      cp_async_commit();
-    }
-    if (!live) continue;
-    const T* sq = qbuf(it);
-    const T* sg = gbuf(it);
-    const float* sl = slse(it);
-    const float* sd = sdelta(it);
-    const int groups = groups_of(a.lq - q0);  // groups of 16 queries holding a query
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys × the tile's 64 queries.
     float st[8][4], dpt[8][4];
 #pragma unroll
@@ -375,7 +338,6 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
       load_a<D>(va, sv, warp * 16, k * 16);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
-        if (np >= groups) continue;
         unsigned qb[4], gb[4];
         load_b_nk<D>(qb, sq, np * 16, k * 16);
         load_b_nk<D>(gb, sg, np * 16, k * 16);
@@ -393,14 +355,13 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv(AttnArgs a) {
         const int qi = n * 8 + 2 * t + (e & 1);
         const int64_t j = key[e >> 1];
         const bool masked = j >= a.lk || (a.causal && j > q0 + qi + off);
-        const float p = masked ? 0.f : exp2f(st[n][e] * sl2 - sl[qi]);
+        const float p = masked ? 0.f : exp2f(st[n][e] * sl2 - slse[qi]);
         st[n][e] = p;
-        dpt[n][e] = p * (dpt[n][e] - sd[qi]);
+        dpt[n][e] = p * (dpt[n][e] - sdelta[qi]);
       }
     // dV += Pᵀ·dO and dK += dSᵀ·Q (k = the tile's queries).
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      if (kk >= groups) continue;
       unsigned pa[4], sa[4];
       c_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
       c_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
@@ -470,7 +431,6 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
   const int64_t kend = a.causal ? min(a.lk, q0 + kTile + off) : a.lk;
-  const bool live = q0 + warp * 16 < a.lq;  // else the warp only takes part in the loads
   for (int64_t k0 = 0, it = 0; k0 < kend; k0 += kTile, ++it) {
     cp_async_wait_all();  // as in the forward: this tile landed, the other buffer is free
     __syncthreads();
@@ -479,10 +439,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
       load_tile<T, D>(vbuf(it + 1), V, a.vs[2], k0 + kTile, a.lk);
       cp_async_commit();
     }
-    if (!live) continue;
     const T* sk = kbuf(it);
     const T* sv = vbuf(it);
-    const int groups = groups_of(a.lk - k0);  // groups of 16 keys holding a key
     float s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -495,7 +453,6 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
       load_a<D>(ga, sg, warp * 16, k * 16);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
-        if (np >= groups) continue;
         unsigned kb[4], vb[4];
         load_b_nk<D>(kb, sk, np * 16, k * 16);
         load_b_nk<D>(vb, sv, np * 16, k * 16);
@@ -517,7 +474,6 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq(AttnArgs a) {
     // dQ += dS·K (k = the tile's keys).
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      if (kk >= groups) continue;
       unsigned sa[4];
       c_to_a<T>(sa, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
@@ -635,8 +591,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   dispatch_attention(q, "attention_backward", [&]<typename T, int D>() {
     launch(attn_bwd_delta<T, D>, dim3(unsigned((a.lq + kWarps - 1) / kWarps), bh), kThreads, 0,
            stream, a);
-    // K, V, then Q and dO twice; log-sum-exp and delta twice.
-    const int smem_kv = 6 * kTile * Smem<D>::kLd * int(sizeof(T)) + 4 * kTile * int(sizeof(float));
+    const int smem_kv = 4 * kTile * Smem<D>::kLd * int(sizeof(T)) + 2 * kTile * int(sizeof(float));
     allow_smem_once<attn_bwd_dkdv<T, D>>(smem_kv, "attention_backward");
     launch(attn_bwd_dkdv<T, D>, dim3(unsigned((a.lk + kTile - 1) / kTile), bh), kThreads,
            size_t(smem_kv), stream, a);
