@@ -30,7 +30,9 @@ struct Side {
   Side(const std::vector<Tensor>& host, Device dev, DType dt, const MuonOptions& o) {
     ParamGroup g;
     for (const Tensor& h : host) {
-      Tensor p = h.to(dt).to(dev).detach();
+      // A copy even where dtype and device already match: the CPU side must not update `host`
+      // in place (the tests below measure each side's update from it).
+      Tensor p = h.to(dt).to(dev).clone().detach();
       p.set_requires_grad(true);
       g.params.push_back(p);
       params.push_back(p);

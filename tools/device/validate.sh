@@ -9,7 +9,8 @@
 #   bash tools/device/validate.sh bench      kiln-bench ResNet-50 and the ViTs, then PyTorch's
 #                                            anchors (.bench/torch_vit.py, torch_resnet50_quick.py)
 # Steps may be combined: validate.sh build test. Logs and JSON go to $OUT; header-only
-# dependencies travel in .deps/include, the PyTorch scripts in .bench/ (carry both).
+# dependencies travel in .deps/include, the Fashion-MNIST files in .deps/fashion-mnist, the
+# PyTorch scripts in .bench/ (carry both).
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -30,6 +31,13 @@ for step in "$@"; do
         { grep -E "error|FAILED|undefined" -A5 "$OUT/build.log" | head -80; exit 1; }
       ;;
     test)
+      # The kiln-train, kiln-predict and kiln-plot suites read Fashion-MNIST from the Debian
+      # package's folder; the GPU machine has no such package, so a carried copy goes there.
+      fm=/usr/share/datasets/fashion-mnist
+      if [ ! -d $fm ] && [ -d .deps/fashion-mnist ]; then
+        mkdir -p $fm 2>/dev/null && cp .deps/fashion-mnist/* $fm/ 2>/dev/null ||
+          echo "could not install Fashion-MNIST in $fm: the kiln-train suites will fail"
+      fi
       ctest --test-dir $B -j 6 --output-on-failure --timeout 500 > "$OUT/ctest.log" 2>&1 || rc=1
       grep -E "tests passed|\*\*\*|Failed|Passed" "$OUT/ctest.log" | grep -v " Passed " | tail -30
       grep -E "tests passed" "$OUT/ctest.log"
