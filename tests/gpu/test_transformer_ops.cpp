@@ -42,9 +42,17 @@ double rel_error(const Tensor& got, const Tensor& want) {
 
 }  // namespace
 
+// Shapes for both paths of cuda/kernels/layer_norm.cu: rows in registers (f32/f16/bf16, cols a
+// multiple of 8 up to 1024: one to four 16-byte vectors per lane, lanes holding fewer vectors
+// than others at 384 and 520, one vector in all at 8 cols; 5000 and 9000 rows are more than one
+// wave of warps on an H200, so warps sum several rows) and the generic kernels (33, 1032, 100
+// in f16/bf16 — a register row in f32 —, and every f64 shape).
 TEST_CASE("layer_norm: CUDA equals the CPU reference, forward and all three gradients") {
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {7, 33},    {300, 768}, {3, 1024},  {1000, 768}, {257, 384}, {64, 1024},
+      {5, 8},     {130, 520}, {5000, 768}, {9000, 64}, {40, 1032}, {50, 100}};
   for (DType dt : {DType::f32, DType::f16, DType::bf16, DType::f64})
-    for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{7, 33}, {300, 768}, {3, 1024}}) {
+    for (auto [rows, cols] : shapes) {
       CAPTURE(dtype_name(dt));
       CAPTURE(rows);
       CAPTURE(cols);
