@@ -34,6 +34,7 @@ Switches read_switches() {
   const char* st = std::getenv("KILN_JPEG_STALL_S");
   const double stall = st ? std::strtod(st, nullptr) : 0.0;
   if (stall > 0) s.jpeg_stall_s = stall;
+  s.row_kernels = !is(std::getenv("KILN_ROW_KERNELS"), "0");
   return s;
 }
 

@@ -40,6 +40,10 @@
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
 // | KILN_JPEG_STALL_S        | seconds > 0         | the GPU JPEG path's stall timeout (default 120; |
 // |                          |                     | GpuJpegLoader::set_stall_timeout)               |
+// | KILN_ROW_KERNELS         | 0                   | layer norm on its generic kernels and GELU      |
+// |                          |                     | through the run-time-op elementwise kernel      |
+// |                          |                     | (before 2026-12-03's register-row layer norm    |
+// |                          |                     | and fixed-op GELU)                              |
 //
 // Retired with their closed experiments (the old paths they kept are gone or are the general
 // fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH,
@@ -71,6 +75,7 @@ struct Switches {
   bool jpeg_trace = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
   double jpeg_stall_s = 0;  // 0: GpuJpegLoader's default
+  bool row_kernels = true;
 };
 
 // The process's switches, read from the environment on the first call.

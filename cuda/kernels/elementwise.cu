@@ -6,6 +6,7 @@
 // MLP's widest tensors), the op fixed at compile time: the same formula (math::unary_apply /
 // binary_apply with a constant op), so the same bits, as straight-line code with two vectors in
 // flight per thread.
+#include "core/switches.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/elementwise.cuh"
 #include "cuda/kernels.h"
@@ -186,6 +187,8 @@ void unary(UnaryOp op, const Tensor& out, const Tensor& a, double scalar) {
       };
       if constexpr (std::is_same_v<T, double>) {
         run(AnyUnary<C>{op, C(scalar)});
+      } else if (!switches().row_kernels) {  // KILN_ROW_KERNELS=0: the run-time-op kernel
+        run(AnyUnary<C>{op, C(scalar)});
       } else {
         switch (op) {
           case UnaryOp::Gelu: run(FixedUnary<UnaryOp::Gelu, C>{C(scalar)}); break;
@@ -217,6 +220,8 @@ void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b, do
         launch(binary_flat<T, Fn>, flat_grid<T, Fn>(n), kBlock, 0, stream, fn, o, x, y, n);
       };
       if constexpr (std::is_same_v<T, double>) {
+        run(AnyBinary<C>{op, C(alpha)});
+      } else if (!switches().row_kernels) {
         run(AnyBinary<C>{op, C(alpha)});
       } else {
         switch (op) {

@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <limits>
 
+#include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/reduce.cuh"
@@ -354,6 +355,7 @@ bool use_register_rows(int64_t cols, std::initializer_list<const Tensor*> tensor
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
+    if (!switches().row_kernels) return false;  // KILN_ROW_KERNELS=0: the generic kernels
     if (cols % RowVec<T>::kN != 0 || cols > kRegisterMaxCols) return false;
     for (const Tensor* t : tensors)
       if (t->defined() && !aligned16(t->raw_data())) return false;
