@@ -8,6 +8,9 @@
 #                                            transformer suite
 #   bash tools/device/validate.sh bench      kiln-bench ResNet-50 and the ViTs, then PyTorch's
 #                                            anchors (.bench/torch_vit.py, torch_resnet50_quick.py)
+# The device's copy of the tree is a git repository whose HEAD is older than this tree: do not
+# run git commands that rewrite its working tree there (git stash, checkout, reset), or the
+# build sees old sources.
 # Steps may be combined: validate.sh build test. Logs and JSON go to $OUT; header-only
 # dependencies travel in .deps/include, the Fashion-MNIST files in .deps/fashion-mnist, the
 # PyTorch scripts in .bench/ (carry both).
@@ -24,11 +27,19 @@ for step in "$@"; do
         lscpu | grep -E "^Model name"
         grep -o -w -E "avx512f|avx2|fma" /proc/cpuinfo | sort | uniq -c; } > "$OUT/machine.txt"
       cat "$OUT/machine.txt"
+      # The copy's files keep this machine's mtimes, which can be older than the objects a kept
+      # build folder holds from an earlier call: ninja would then skip changed sources. When the
+      # sources' contents differ from the last build's, every source is touched (a full build).
+      sum=$(git ls-files -co --exclude-standard -z | xargs -0 sha1sum 2>/dev/null | sha1sum)
+      if [ -d $B ] && [ "$(cat $B/.sources.sha1 2>/dev/null)" != "$sum" ]; then
+        git ls-files -co --exclude-standard -z | xargs -0 touch -c
+      fi
       cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
       ninja -C $B -j 16 > "$OUT/build.log" 2>&1 ||
         { grep -E "error|FAILED|undefined" -A5 "$OUT/build.log" | head -80; exit 1; }
+      echo "$sum" > $B/.sources.sha1
       ;;
     test)
       # The kiln-train, kiln-predict and kiln-plot suites read Fashion-MNIST from the Debian
