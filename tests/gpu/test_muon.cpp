@@ -1,11 +1,13 @@
 // optim::Muon on the GPU against the CPU: the same weights, gradients and schedule give the same
 // weights after several steps (Newton–Schulz in f32 on both); through the loss scaler with f16
-// parameters (mixed precision); and the bf16 / f16 iteration op by op against f32.
+// parameters (mixed precision); the bf16 / f16 iteration op by op against f32, and the whole
+// optimizer with it against the f32 one.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "core/autograd.h"
 #include "core/generator.h"
@@ -114,7 +116,6 @@ TEST_CASE("Muon with f16 parameters through the loss scaler: the scale divides o
   KILN_CHECK_OK(testing::compare(scaled.params[0].to(DType::f32), before.to(DType::f32), 0, 0));
 }
 
-
 // The Newton–Schulz iteration op by op in bf16 and f16 on the GPU against the same ops in f32
 // on the CPU, from the same input (rounded to the low precision first): each product and sum
 // must be finite and within the low precision's rounding of the f32 value (relative to the
@@ -124,7 +125,8 @@ TEST_CASE("Newton–Schulz op by op in bf16 and f16 on the GPU tracks f32 on the
   constexpr double kA = 3.4445, kB = -4.7750, kC = 2.0315;
   for (DType dt : {DType::bf16, DType::f16}) {
     for (const Shape& shape : {Shape{64, 72}, Shape{32, 144}, Shape{144, 32}}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
       CAPTURE(shape_str(shape));
       manual_seed(7);
       NoGradGuard ng;
@@ -180,7 +182,8 @@ TEST_CASE("Newton–Schulz op by op in bf16 and f16 on the GPU tracks f32 on the
 // parameters stay finite and each one's total update points the same way.
 TEST_CASE("Muon with the bf16 or f16 iteration follows the f32 one") {
   for (DType dt : {DType::bf16, DType::f16}) {
-    CAPTURE(dtype_name(dt));
+    const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
     manual_seed(3);
     const std::vector<Tensor> host = {F::mul(randn({64, 72}), 0.1),
                                       F::mul(randn({32, 16, 3, 3}), 0.1)};
