@@ -183,7 +183,7 @@ TEST_CASE("Newton–Schulz op by op in bf16 and f16 on the GPU tracks f32 on the
 TEST_CASE("Muon with the bf16 or f16 iteration follows the f32 one") {
   for (DType dt : {DType::bf16, DType::f16}) {
     const std::string dtype = dtype_name(dt);
-      CAPTURE(dtype);
+    CAPTURE(dtype);
     manual_seed(3);
     const std::vector<Tensor> host = {F::mul(randn({64, 72}), 0.1),
                                       F::mul(randn({32, 16, 3, 3}), 0.1)};
