@@ -63,28 +63,42 @@ struct Side {
   }
 };
 
+// Three steps of Muon with f32 parameters, from the same weights and gradients (seed 3): a
+// (64, 72) matrix and a (32, 16, 3, 3) filter, on the CPU with the f32 iteration and on the GPU
+// with the iteration in `gpu_ns_dtype`.
+struct ThreeSteps {
+  std::vector<Tensor> host;  // the starting weights
+  std::unique_ptr<Side> cpu, gpu;
+  explicit ThreeSteps(DType gpu_ns_dtype) {
+    manual_seed(3);
+    host = {F::mul(randn({64, 72}), 0.1), F::mul(randn({32, 16, 3, 3}), 0.1)};
+    MuonOptions o;
+    o.lr = 0.02;
+    o.momentum = 0.6;
+    o.ns_steps = 3;
+    o.normalize_weights = true;
+    o.ns_dtype = DType::f32;
+    cpu = std::make_unique<Side>(host, Device::cpu(), DType::f32, o);
+    o.ns_dtype = gpu_ns_dtype;
+    gpu = std::make_unique<Side>(host, kGpu, DType::f32, o);
+    for (int s = 0; s < 3; ++s) {
+      std::vector<Tensor> grads = {randn({64, 72}), randn({32, 16, 3, 3})};
+      const double lr = 0.02 * (1.0 - s / 3.0);
+      cpu->step(grads, lr);
+      gpu->step(grads, lr);
+    }
+    cuda::synchronize();
+  }
+};
+
 }  // namespace
 
 TEST_CASE("Muon on the GPU equals the CPU (f32 iteration)") {
-  manual_seed(3);
-  const std::vector<Tensor> host = {F::mul(randn({64, 72}), 0.1), F::mul(randn({32, 16, 3, 3}), 0.1)};
-  MuonOptions o;
-  o.lr = 0.02;
-  o.momentum = 0.6;
-  o.ns_steps = 3;
-  o.normalize_weights = true;
-  o.ns_dtype = DType::f32;
-  Side cpu(host, Device::cpu(), DType::f32, o), gpu(host, kGpu, DType::f32, o);
-  for (int s = 0; s < 3; ++s) {
-    std::vector<Tensor> grads = {randn({64, 72}), randn({32, 16, 3, 3})};
-    const double lr = 0.02 * (1.0 - s / 3.0);
-    cpu.step(grads, lr);
-    gpu.step(grads, lr);
-  }
-  cuda::synchronize();
-  for (size_t i = 0; i < host.size(); ++i) {
+  const ThreeSteps run(DType::f32);
+  for (size_t i = 0; i < run.host.size(); ++i) {
     CAPTURE(i);
-    KILN_CHECK_OK(testing::compare(gpu.params[i].to(Device::cpu()), cpu.params[i], 1e-5, 1e-4));
+    KILN_CHECK_OK(testing::compare(run.gpu->params[i].to(Device::cpu()), run.cpu->params[i], 1e-5,
+                                   1e-4));
   }
 }
 
@@ -184,30 +198,13 @@ TEST_CASE("Muon with the bf16 or f16 iteration follows the f32 one") {
   for (DType dt : {DType::bf16, DType::f16}) {
     const std::string dtype = dtype_name(dt);
     CAPTURE(dtype);
-    manual_seed(3);
-    const std::vector<Tensor> host = {F::mul(randn({64, 72}), 0.1),
-                                      F::mul(randn({32, 16, 3, 3}), 0.1)};
-    MuonOptions o;
-    o.lr = 0.02;
-    o.momentum = 0.6;
-    o.ns_steps = 3;
-    o.normalize_weights = true;
-    o.ns_dtype = DType::f32;
-    MuonOptions ol = o;
-    ol.ns_dtype = dt;
-    Side cpu(host, Device::cpu(), DType::f32, o), low(host, kGpu, DType::f32, ol);
-    for (int s = 0; s < 3; ++s) {
-      std::vector<Tensor> grads = {randn({64, 72}), randn({32, 16, 3, 3})};
-      const double lr = 0.02 * (1.0 - s / 3.0);
-      cpu.step(grads, lr);
-      low.step(grads, lr);
-    }
-    cuda::synchronize();
+    const ThreeSteps run(dt);
+    const std::vector<Tensor>& host = run.host;
     for (size_t i = 0; i < host.size(); ++i) {
       CAPTURE(i);
-      const Tensor got = low.params[i].to(Device::cpu()).to(DType::f64);
+      const Tensor got = run.gpu->params[i].to(Device::cpu()).to(DType::f64);
       const Tensor du = F::sub(got, host[i].to(DType::f64));
-      const Tensor dc = F::sub(cpu.params[i].to(DType::f64), host[i].to(DType::f64));
+      const Tensor dc = F::sub(run.cpu->params[i].to(DType::f64), host[i].to(DType::f64));
       const double dot = F::sum(F::mul(du, dc)).item();
       const double cosine =
           dot / std::sqrt(F::sum(F::mul(du, du)).item() * F::sum(F::mul(dc, dc)).item());
