@@ -34,6 +34,16 @@ Switches read_switches() {
   const char* st = std::getenv("KILN_JPEG_STALL_S");
   const double stall = st ? std::strtod(st, nullptr) : 0.0;
   if (stall > 0) s.jpeg_stall_s = stall;
+  // KILN_JPEG_TEST_STALL=CALL:SECONDS; anything else leaves the test stall off.
+  if (const char* ts = std::getenv("KILN_JPEG_TEST_STALL")) {
+    char* end = nullptr;
+    const long call = std::strtol(ts, &end, 10);
+    const double secs = end && *end == ':' ? std::strtod(end + 1, nullptr) : 0.0;
+    if (end != ts && call >= 0 && secs > 0) {
+      s.jpeg_test_stall_call = call;
+      s.jpeg_test_stall_s = secs;
+    }
+  }
   s.row_kernels = !is(std::getenv("KILN_ROW_KERNELS"), "0");
   return s;
 }

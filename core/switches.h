@@ -40,6 +40,10 @@
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
 // | KILN_JPEG_STALL_S        | seconds > 0         | the GPU JPEG path's stall timeout (default 120; |
 // |                          |                     | GpuJpegLoader::set_stall_timeout)               |
+// | KILN_JPEG_TEST_STALL     | CALL:SECONDS        | a test of the GPU JPEG path's failover: the     |
+// |                          |                     | decode stream of every GPU JPEG loader stops    |
+// |                          |                     | draining for SECONDS at its CALL-th nvJPEG      |
+// |                          |                     | call (from 0; GpuJpegLoader::set_test_stall)    |
 // | KILN_ROW_KERNELS         | 0                   | layer norm on its generic kernels and GELU      |
 // |                          |                     | through the run-time-op elementwise kernel      |
 // |                          |                     | (before 2026-12-03's register-row layer norm    |
@@ -54,6 +58,7 @@
 // launchers' own variables (RANK, SLURM_PROCID, ...) in tools/train/dist_env.h.
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -75,6 +80,8 @@ struct Switches {
   bool jpeg_trace = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
   double jpeg_stall_s = 0;  // 0: GpuJpegLoader's default
+  int64_t jpeg_test_stall_call = -1;  // -1: no test stall
+  double jpeg_test_stall_s = 0;
   bool row_kernels = true;
 };
 

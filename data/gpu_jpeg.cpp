@@ -108,9 +108,21 @@ nvjpegHandle_t create_handle(bool* hardware) {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Set when any GPU JPEG loader of the process has failed over: every loader's later epochs
+// decode on the CPU, and no loader frees device or pinned memory any more (freeing waits for the
+// whole device, stuck decode stream included), so destroying them cannot block.
+std::atomic<bool> g_failed_over{false};
+
+// The OnStream test stall: a host function on the decode stream that sleeps.
+void CUDART_CB sleep_on_stream(void* seconds) {
+  std::unique_ptr<double> s(static_cast<double*>(seconds));
+  std::this_thread::sleep_for(std::chrono::duration<double>(*s));
+}
+
 }  // namespace
 
 bool gpu_jpeg_available() { return cuda::is_available(); }
+bool gpu_jpeg_failed_over() { return g_failed_over; }
 
 struct GpuJpegLoader::Impl {
   int device = 0;
@@ -132,15 +144,26 @@ struct GpuJpegLoader::Impl {
   nvjpegJpegStream_t parse_stream = nullptr;
 
   // The stall guard (GpuJpegLoader::set_stall_timeout): a decode thread inside a device call for
-  // longer than this has hung; next() then gives up on the loader ("wedged").
+  // longer than this has hung; next() then fails over to the CPU (`failed_over`) or, with
+  // failover off, gives up on the loader (`wedged`).
   double stall_timeout_s =
       switches().jpeg_stall_s > 0 ? switches().jpeg_stall_s : GpuJpegLoader::kStallTimeoutS;
+  bool failover = true;
   std::atomic<bool> wedged{false};
+  std::atomic<bool> failed_over{false};
   GpuJpegLoader::StallHandler on_stall;
-  // Tests: the decode thread's test_stall_batch-th call (from 0) sleeps test_stall_s in the
-  // nvjpegDecodeBatched stage first, as a hang would hold it there.
-  int64_t test_stall_batch = -1;
-  double test_stall_s = 0;
+  // The hand-over between the decode thread and a failover: the decode thread holds `handoff`
+  // whenever it touches a batch, a slot or nvJPEG's state outside a device call (`outside`
+  // releases it around each wait); the consumer takes it to set `abandoned`, after which the
+  // thread, should its call ever return, touches nothing more.
+  std::mutex handoff;
+  bool abandoned = false;
+  int host_slot = 0;  // after a failover: the slot whose buffers the CPU-path uploads use
+  // Tests: the decode thread's test_stall_batch-th call (from 0) stalls for test_stall_s first,
+  // as a hang would (GpuJpegLoader::set_test_stall; KILN_JPEG_TEST_STALL sets the OnStream kind).
+  int64_t test_stall_batch = switches().jpeg_test_stall_call;
+  double test_stall_s = switches().jpeg_test_stall_s;
+  GpuJpegLoader::TestStall test_stall_where = GpuJpegLoader::TestStall::OnStream;
   int64_t decode_calls = 0;
 
   // One of two alternating batches in flight.
@@ -151,11 +174,13 @@ struct GpuJpegLoader::Impl {
     DeviceBuffer labels;   // i64[B]
     cuda::CropResizeJob* jobs_host = nullptr;  // pinned, B entries
     int64_t jobs_cap = 0;
-    ImageBatch host;                 // kept until its uploads are complete
-    cudaEvent_t ready = nullptr;     // decode stream: decode + uploads done
+    std::shared_ptr<ImageBatch> host;  // kept until its uploads are complete
+    cudaEvent_t ready = nullptr;     // decode stream: decode + uploads done (after a failover:
+                                     // the consumer's stream, the CPU-path uploads done)
     cudaEvent_t consumed = nullptr;  // current stream: the fused kernel has read this slot
     cudaEvent_t started = nullptr;   // decode stream, KILN_JPEG_TRACE only: submit began
     bool used = false;               // `ready` has been recorded at least once
+    bool identity_jobs = false;      // after a failover: `jobs` holds identity jobs over staging
     int64_t count = 0, gpu = 0, cpu = 0;
     double workers_s = 0, decode_s = 0;  // decode thread: waiting for the workers, nvJPEG's call
   };
@@ -183,6 +208,30 @@ struct GpuJpegLoader::Impl {
     return 1e-9 * double(TraceClock::now().time_since_epoch().count() -
                          stage_since.load(std::memory_order_relaxed));
   }
+  // On the decode thread, holding `lk` (handoff): runs `wait` (a call that waits for nvJPEG or the
+  // decode stream when on_device, else for the consumer's stream) as stage `what` with `lk`
+  // released. False when the loader failed over meanwhile: the thread then returns at once.
+  template <typename F>
+  bool outside(std::unique_lock<std::mutex>& lk, const char* what, bool on_device, F&& wait) {
+    enter(what, on_device);
+    lk.unlock();
+    wait();
+    lk.lock();
+    return !abandoned;
+  }
+  // Every slot's buffers at their full size for `batch` samples, so that the CPU path after a
+  // failover never allocates (an allocation could wait for the whole device).
+  void reserve(int64_t batch) {
+    const int64_t img = S * S * 3;
+    for (Slot& sl : slots) {
+      sl.staging.ensure(size_t(batch * img));
+      sl.jobs.ensure(size_t(batch) * sizeof(cuda::CropResizeJob));
+      sl.labels.ensure(size_t(batch) * sizeof(int64_t));
+      sl.jobs_host = static_cast<cuda::CropResizeJob*>(
+          cuda::alloc_pinned(size_t(batch) * sizeof(cuda::CropResizeJob)));
+      sl.jobs_cap = batch;
+    }
+  }
 
   Impl(int dev, DType dt, NormalizeStats st, int64_t size) : device(dev), dtype(dt), stats(st), S(size) {
     // The hardware decoder when the GPU has one, else the default backend.
@@ -203,6 +252,7 @@ struct GpuJpegLoader::Impl {
       if (trace) CUDA_CHECK(cudaEventCreate(&sl.started));
     }
   }
+  // Never runs after a failover in the process (GpuJpegLoader's destructor leaks the Impl).
   ~Impl() {
     if (decode) cudaStreamSynchronize(decode);
     for (Slot& sl : slots) {
@@ -242,30 +292,26 @@ struct GpuJpegLoader::Impl {
     return unsupported == 0;
   }
 
-  // On the decode thread: decode + upload host batch `b` into `sl`, record sl.ready.
-  void submit(Slot& sl, ImageBatch b, ImageEpoch& ep) {
+  // On the decode thread, holding `lk` (handoff): decode + upload `batch` into `sl` and wait until
+  // that device work is complete. False when the loader failed over meanwhile (nothing touched
+  // after that).
+  bool submit(Slot& sl, const std::shared_ptr<ImageBatch>& batch, ImageEpoch& ep,
+              std::unique_lock<std::mutex>& lk) {
     CUDA_CHECK(cudaSetDevice(device));
-    // The slot's previous batch: its uploads (from pinned host memory) and the kernel that
-    // read its device buffers must be complete before they are reused.
+    // The kernel that read the slot's previous batch must be complete before its buffers are
+    // reused (that batch's decode and uploads are: it was handed over only then).
     auto t = TraceClock::now();
-    if (sl.used) {
-      enter("cudaEventSynchronize on the slot's previous uploads");
-      CUDA_CHECK(cudaEventSynchronize(sl.ready));
-      enter("cudaEventSynchronize on the step's read of the slot's previous batch");
-      CUDA_CHECK(cudaEventSynchronize(sl.consumed));
-      if (trace) {
-        float ms = 0;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, sl.started, sl.ready));
-        times.gpu_span += 1e-3 * ms;
-        ++times.gpu_spans;
-      }
-    }
+    if (sl.used &&
+        !outside(lk, "cudaEventSynchronize on the step's read of the slot's previous batch", false,
+                 [&] { CUDA_CHECK(cudaEventSynchronize(sl.consumed)); }))
+      return false;
     if (trace) {
       times.slot_wait += since(t);
       CUDA_CHECK(cudaEventRecord(sl.started, decode));
     }
-    sl.host = ImageBatch{};
+    sl.host.reset();
     sl.decode_s = 0;
+    ImageBatch& b = *batch;
     const int64_t B = b.images.size(0), img = S * S * 3;
     std::vector<EncodedSample>& enc = *b.encoded;
     uint8_t* host_px = b.images.data<uint8_t>();
@@ -278,19 +324,18 @@ struct GpuJpegLoader::Impl {
       }
     std::lock_guard nv(nv_mu);
     sl.decoded.ensure(std::max<size_t>(total, 1));
-    sl.staging.ensure(size_t(B * img));
-    sl.jobs.ensure(size_t(B) * sizeof(cuda::CropResizeJob));
-    sl.labels.ensure(size_t(B) * sizeof(int64_t));
-    if (sl.jobs_cap < B) {
-      if (sl.jobs_host) cuda::free_pinned(sl.jobs_host);
-      sl.jobs_host = static_cast<cuda::CropResizeJob*>(
-          cuda::alloc_pinned(size_t(B) * sizeof(cuda::CropResizeJob)));
-      sl.jobs_cap = B;
-    }
+    KILN_CHECK(B <= sl.jobs_cap, "GpuJpegLoader: a batch of ", B, " samples, over the ",
+               sl.jobs_cap, " its buffers were sized for");
     auto* staging = static_cast<uint8_t*>(sl.staging.ptr);
     auto* decoded = static_cast<uint8_t*>(sl.decoded.ptr);
     std::vector<bool> on_host(size_t(B), true);
-    // nvJPEG's batched decode of the encoded samples.
+    // nvJPEG's batched decode of the encoded samples. The decode stream is idle here: the last
+    // batch's work on it was complete before that batch was handed over. (Without this order the
+    // decode stream stopped draining mid-epoch, under a running step, in 7 of 8 nine-epoch
+    // trainings; with it in none of 4, docs/lab/input-pipeline.md. Why is not known; a guess:
+    // nvJPEG's hardware path has been reported (torchcodec PR 1634) not to order its writes
+    // against the caller's stream, so a call that starts while the last one's work is still
+    // queued may disturb it.)
     bool gpu_ok = false;
     if (!gpu_idx.empty()) {
       std::vector<const unsigned char*> data;
@@ -309,25 +354,22 @@ struct GpuJpegLoader::Impl {
       const int n = int(gpu_idx.size());
       const auto call = TraceClock::now();
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
-      // The previous batch's work on the decode stream (what nvJPEG left queued when its call
-      // returned, then the uploads) is complete before nvJPEG is called again. Without this
-      // the decode stream stopped draining mid-epoch, under a running step, in 7 of 8 nine-epoch
-      // trainings; with it in none of 4 (docs/lab/input-pipeline.md). Why is not known; a guess:
-      // nvJPEG's hardware path has been reported (torchcodec PR 1634) not to order its writes
-      // against the caller's stream, so a call that starts while the last one's work is still
-      // queued may disturb it.
-      enter("cudaStreamSynchronize before nvjpegDecodeBatched");
-      CUDA_CHECK(cudaStreamSynchronize(decode));
-      if (initialized_for != n) {
-        enter("nvjpegDecodeBatchedInitialize");
-        st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
-        initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
-      }
-      enter("nvjpegDecodeBatched");
-      if (decode_calls++ == test_stall_batch)
-        std::this_thread::sleep_for(std::chrono::duration<double>(test_stall_s));
-      if (st == NVJPEG_STATUS_SUCCESS)
-        st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(), decode);
+      const bool stall = decode_calls++ == test_stall_batch;
+      if (!outside(lk, "nvjpegDecodeBatchedInitialize", true, [&] {
+            if (stall && test_stall_where == GpuJpegLoader::TestStall::OnStream)
+              CUDA_CHECK(cudaLaunchHostFunc(decode, sleep_on_stream, new double(test_stall_s)));
+            if (initialized_for != n) {
+              st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
+              initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
+            }
+            enter("nvjpegDecodeBatched");
+            if (stall && test_stall_where == GpuJpegLoader::TestStall::InCall)
+              std::this_thread::sleep_for(std::chrono::duration<double>(test_stall_s));
+            if (st == NVJPEG_STATUS_SUCCESS)
+              st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(),
+                                       decode);
+          }))
+        return false;
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
       sl.decode_s = since(call);
       if (trace) times.decode_call += sl.decode_s;
@@ -340,8 +382,9 @@ struct GpuJpegLoader::Impl {
       }
       if (!gpu_ok) {
         initialized_for = -1;  // reset the state before the next batch
-        enter("cudaStreamSynchronize after a failed batched decode");
-        CUDA_CHECK(cudaStreamSynchronize(decode));
+        if (!outside(lk, "cudaStreamSynchronize after a failed batched decode", true,
+                     [&] { CUDA_CHECK(cudaStreamSynchronize(decode)); }))
+          return false;
         enter("decoding a failed batch on the host", false);
       }
       off = 0;
@@ -383,12 +426,7 @@ struct GpuJpegLoader::Impl {
     for (int64_t i = 0; i < B; ++i) {
       if (!on_host[size_t(i)]) continue;
       ++n_host;
-      cuda::CropResizeJob& job = sl.jobs_host[i];
-      job = cuda::CropResizeJob{};
-      job.src = staging + i * img;
-      job.pitch = S * 3;
-      job.box_height = job.box_width = float(S);
-      job.lim_height = job.lim_width = int32_t(S);
+      set_identity_job(sl.jobs_host[i], staging + i * img);
     }
     if (n_host * 4 > B) {
       CUDA_CHECK(cudaMemcpyAsync(staging, host_px, size_t(B * img), cudaMemcpyHostToDevice, decode));
@@ -403,16 +441,90 @@ struct GpuJpegLoader::Impl {
     CUDA_CHECK(cudaMemcpyAsync(sl.labels.ptr, b.labels.data<int64_t>(), size_t(B) * sizeof(int64_t),
                                cudaMemcpyHostToDevice, decode));
     CUDA_CHECK(cudaEventRecord(sl.ready, decode));
+    if (trace) times.enqueue += since(enq);
+    // The batch is handed over only once its device work is complete: the consumer's stream
+    // never waits for the decode stream.
+    if (!outside(lk, "cudaEventSynchronize on the batch's decode and uploads", true,
+                 [&] { CUDA_CHECK(cudaEventSynchronize(sl.ready)); }))
+      return false;
     if (trace) {
-      times.enqueue += since(enq);
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, sl.started, sl.ready));
+      times.gpu_span += 1e-3 * ms;
+      ++times.gpu_spans;
       ++times.batches;
     }
     sl.used = true;
+    sl.identity_jobs = false;
     sl.count = B;
     sl.gpu = B - n_host;
     sl.cpu = n_host;
-    sl.host = std::move(b);  // pinned pixels and labels stay alive until the copies ran
+    sl.host = batch;  // pinned pixels and labels stay alive until the slot is reused
     enter("idle", false);
+    return true;
+  }
+
+  // A crop job that copies the (S, S, 3) pixels at src as they are.
+  void set_identity_job(cuda::CropResizeJob& job, const uint8_t* src) const {
+    job = cuda::CropResizeJob{};
+    job.src = src;
+    job.pitch = S * 3;
+    job.box_height = job.box_width = float(S);
+    job.lim_height = job.lim_width = int32_t(S);
+  }
+
+  // After a failover, on the consumer's thread: the samples of `b` left encoded for nvJPEG are
+  // decoded by the CPU path into its pixels (a file that fails is replaced as the workers would).
+  void decode_deferred(ImageBatch& b, ImageEpoch& ep) const {
+    if (!b.encoded) return;
+    const int64_t img = S * S * 3;
+    uint8_t* px = b.images.data<uint8_t>();
+    for (size_t i = 0; i < b.encoded->size(); ++i) {
+      const EncodedSample& e = (*b.encoded)[i];
+      if (e.bytes.empty()) continue;
+      uint8_t* dst = px + int64_t(i) * img;
+      try {
+        decode_on_host(e, dst);
+      } catch (const Error& err) {
+        b.labels.data<int64_t>()[i] = ep.redo(e, reason_of(err), dst);
+      }
+    }
+  }
+
+  // After a failover, on the consumer's thread: `b`'s host pixels (all decoded) uploaded through
+  // the host slot's buffers and normalised, all on the current stream, which therefore orders
+  // each batch's upload after the previous batch's kernel; the pinned pixels live until the
+  // next batch's turn. No allocation but x and y, which the step's allocator serves from its
+  // cache as for every batch.
+  DeviceBatch upload_host(std::shared_ptr<ImageBatch> b) {
+    Slot& sl = slots[host_slot];
+    cudaStream_t stream = cuda::current_stream();
+    if (sl.host) CUDA_CHECK(cudaEventSynchronize(sl.ready));  // the previous batch's uploads ran
+    sl.host.reset();
+    const int64_t B = b->images.size(0), img = S * S * 3;
+    auto* staging = static_cast<uint8_t*>(sl.staging.ptr);
+    if (!sl.identity_jobs) {
+      for (int64_t i = 0; i < sl.jobs_cap; ++i) set_identity_job(sl.jobs_host[i], staging + i * img);
+      CUDA_CHECK(cudaMemcpyAsync(sl.jobs.ptr, sl.jobs_host,
+                                 size_t(sl.jobs_cap) * sizeof(cuda::CropResizeJob),
+                                 cudaMemcpyHostToDevice, stream));
+      sl.identity_jobs = true;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(staging, b->images.data<uint8_t>(), size_t(B * img),
+                               cudaMemcpyHostToDevice, stream));
+    DeviceBatch out;
+    out.index = b->index;
+    const Device dev = Device::cuda(device);
+    out.x = empty({B, 3, S, S}, TensorOptions(dtype).with_device(dev).with_memory_format(
+                                    MemoryFormat::ChannelsLast));
+    cuda::crop_resize_normalize(out.x, static_cast<const cuda::CropResizeJob*>(sl.jobs.ptr), B,
+                                stats.mean, stats.stddev);
+    out.y = empty({B}, TensorOptions(DType::i64).with_device(dev));
+    CUDA_CHECK(cudaMemcpyAsync(out.y.raw_data(), b->labels.data<int64_t>(),
+                               size_t(B) * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaEventRecord(sl.ready, stream));
+    sl.host = std::move(b);
+    return out;
   }
 
   // The CPU path's pixels for an encoded sample: same box, limit and flip.
@@ -438,13 +550,22 @@ struct GpuJpegEpoch::State {
   // From the decode threads (detached: a future of std::async would block in its destructor
   // on a decode thread that never returns); true: the slot holds a batch.
   std::future<bool> submitted[2];
+  // The batch each decode thread took from the workers (under impl->handoff): a failover takes
+  // the stuck one's from here.
+  std::shared_ptr<ImageBatch> inflight[2];
+  // After a failover (or in an epoch begun after one): batches come from the workers through the
+  // CPU path on the consumer's thread; `pending` is the batch the stuck thread held.
+  bool host_mode = false;
+  std::shared_ptr<ImageBatch> pending;
+  // A decode thread of this epoch was left behind (stuck) by a failover or a wedge: the State is
+  // leaked, not destroyed (GpuJpegEpoch's destructor), since that thread still points into it.
+  bool left_behind = false;
   int64_t gpu = 0, cpu = 0;
   std::atomic<int64_t> fetched{0};  // batches the decode thread took from the workers
   TraceClock::time_point returned{};  // when next() last returned a batch (trace)
 
   State(std::shared_ptr<GpuJpegLoader::Impl> i, ImageEpoch h) : impl(std::move(i)), host(std::move(h)) {}
-  // A decode thread uses this State until it has set its promise, so the State waits for it;
-  // after a wedge it is never destroyed (GpuJpegEpoch's destructor leaks it).
+  // A decode thread uses this State until it has set its promise, so the State waits for it.
   ~State() {
     for (auto& f : submitted)
       if (f.valid()) {
@@ -473,11 +594,12 @@ struct GpuJpegEpoch::State {
     t = Trace{};
   }
 
-  // Waits for the decode thread's batch. Every kStallReportS it is late, says on stderr where the
-  // decode thread is (a hang then names the call it hangs in). When the decode thread has been
-  // inside one device call for the loader's stall timeout, the loader is wedged: throws.
+  // Waits for the decode thread's batch; true when it came. Every kStallReportS it is late, says
+  // on stderr where the decode thread is (a hang then names the call it hangs in). When the
+  // decode thread has been inside one device call for the loader's stall timeout, the guard
+  // fires: a failover (returns false) or, with failover off, a wedge (throws).
   static constexpr double kStallReportS = 60;
-  void await(std::future<bool>& f) {
+  bool await(std::future<bool>& f) {
     const auto t0 = TraceClock::now();
     double next_report = kStallReportS;
     while (f.wait_for(std::chrono::milliseconds(250)) != std::future_status::ready) {
@@ -485,6 +607,11 @@ struct GpuJpegEpoch::State {
       const char* stage = impl->stage.load(std::memory_order_relaxed);
       if (impl->stage_on_device.load(std::memory_order_relaxed) &&
           in_stage >= impl->stall_timeout_s) {
+        left_behind = true;
+        if (impl->failover) {
+          fail_over(stage, in_stage);
+          return false;
+        }
         impl->wedged = true;
         const std::string msg = detail::str_cat(
             "GPU JPEG loader: its decode thread has been in \"", stage, "\" for ",
@@ -505,6 +632,31 @@ struct GpuJpegEpoch::State {
                      late, stage, in_stage, long(fetched.load()), long(host.size()));
       }
     }
+    return true;
+  }
+
+  // The guard fired with failover on: the stuck thread is abandoned (should its call return, it
+  // touches nothing more), the batch it held and every later one go through the CPU path, and
+  // the workers decode every JPEG from now on (epochs begun later too, in every loader).
+  void fail_over(const char* stage, double in_stage) {
+    {
+      std::lock_guard lk(impl->handoff);
+      impl->abandoned = true;
+      pending = inflight[cur];
+    }
+    impl->host_slot = cur ^ 1;
+    impl->host_share.store(1.0);
+    impl->adaptive = false;
+    impl->failed_over = true;
+    host_mode = true;
+    if (!g_failed_over.exchange(true))
+      std::fprintf(stderr,
+                   "kiln: warning: GPU JPEG loader: nvJPEG's decode thread has been in \"%s\" for "
+                   "%.0f s (stall timeout %g s), so it has hung; it is left behind, and from batch "
+                   "%ld of this epoch on every JPEG is decoded on the CPU (every GPU JPEG loader "
+                   "of this process), so the run goes on\n",
+                   stage, in_stage, impl->stall_timeout_s,
+                   long(pending ? pending->index : fetched.load()));
   }
 
   // Fetches the next host batch and submits it into slot s, on a decode thread of its own.
@@ -519,20 +671,40 @@ struct GpuJpegEpoch::State {
         if (b) ++fetched;
         const double waited = since(t);
         if (impl->trace) impl->times.host_next += waited;
+        bool delivered = false;
         if (b) {
+          auto batch = std::make_shared<ImageBatch>(std::move(*b));
+          std::unique_lock lk(impl->handoff);
+          inflight[s] = batch;
           impl->slots[s].workers_s = waited;
-          impl->submit(impl->slots[s], std::move(*b), host);
+          delivered = !impl->abandoned && impl->submit(impl->slots[s], batch, host, lk);
+          if (delivered) inflight[s].reset();
         }
-        done->set_value(b.has_value());  // the last use of this State
+        done->set_value(delivered);  // the last use of this State
       } catch (...) {
         done->set_exception(std::current_exception());
       }
     }).detach();
   }
 
+  // After a failover: the next batch through the CPU path, on this thread.
+  std::optional<DeviceBatch> next_on_host() {
+    std::shared_ptr<ImageBatch> b = std::move(pending);
+    if (!b) {
+      std::optional<ImageBatch> nb = host.next();
+      if (!nb) return std::nullopt;
+      ++fetched;
+      b = std::make_shared<ImageBatch>(std::move(*nb));
+    }
+    impl->decode_deferred(*b, host);
+    cpu += b->images.size(0);
+    return impl->upload_host(std::move(b));
+  }
+
   std::optional<DeviceBatch> next() {
     KILN_CHECK(cuda::current_device() == impl->device, "GpuJpegEpoch::next: the loader's device ",
                impl->device, " is not the current device (", cuda::current_device(), ")");
+    if (host_mode) return next_on_host();
     if (!primed) {
       primed = true;
       schedule(0);
@@ -541,7 +713,7 @@ struct GpuJpegEpoch::State {
     const auto t = TraceClock::now();
     if (impl->trace && returned != TraceClock::time_point{})
       impl->times.between += std::chrono::duration<double>(t - returned).count();
-    await(submitted[cur]);
+    if (!await(submitted[cur])) return next_on_host();  // failed over
     const bool has = submitted[cur].get();  // rethrows the decode thread's error
     const double blocked = since(t);
     if (impl->trace) impl->times.next_wait += blocked;
@@ -556,11 +728,12 @@ struct GpuJpegEpoch::State {
     // Batch k + 1 starts reading, decoding and uploading while k is consumed.
     schedule(cur ^ 1);
     GpuJpegLoader::Impl::Slot& sl = impl->slots[cur];
+    // sl's decode and uploads are complete (the decode thread waited for them): the current
+    // stream does not wait for the decode stream.
     cudaStream_t stream = cuda::current_stream();
-    CUDA_CHECK(cudaStreamWaitEvent(stream, sl.ready, 0));
     const int64_t B = sl.count, S = impl->S;
     DeviceBatch out;
-    out.index = sl.host.index;
+    out.index = sl.host->index;
     const Device dev = Device::cuda(impl->device);
     out.x = empty({B, 3, S, S}, TensorOptions(impl->dtype).with_device(dev).with_memory_format(
                                     MemoryFormat::ChannelsLast));
@@ -605,6 +778,7 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
   cuda::set_device(device.index);
   try {
     impl_ = std::make_shared<Impl>(device.index, dtype, stats, opts.image_size);
+    impl_->reserve(std::max<int64_t>(opts.batch_size, 1));
   } catch (...) {
     cuda::set_device(prev);
     throw;
@@ -622,11 +796,13 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder folder, ImageLoaderOptions opts, Device
   impl_->folder = &host_->folder();
 }
 
-// After a wedge a decode thread is stuck inside nvJPEG with pointers into the loader's state
-// (the host loader's folder and epoch, the Impl's buffers); if it ever returns it must find them
-// alive, so the loader and its epoch are leaked instead of destroyed.
+// After a wedge or a failover a decode thread is stuck inside nvJPEG with pointers into the
+// loader's state (the host loader's folder and epoch, the Impl's buffers); if it ever returns it
+// must find them alive, so the loader and its epoch are leaked instead of destroyed. After a
+// failover anywhere in the process every loader is leaked: freeing device or pinned memory waits
+// for the whole device, stuck decode stream included.
 GpuJpegLoader::~GpuJpegLoader() {
-  if (impl_ && impl_->wedged) {
+  if (impl_ && (impl_->wedged || g_failed_over)) {
     (void)host_.release();
     new std::shared_ptr<Impl>(std::move(impl_));
   }
@@ -636,11 +812,14 @@ void GpuJpegLoader::set_stall_timeout(double seconds) {
   KILN_CHECK(seconds > 0, "GpuJpegLoader::set_stall_timeout: seconds must be > 0, got ", seconds);
   impl_->stall_timeout_s = seconds;
 }
-void GpuJpegLoader::set_test_stall(int64_t call, double seconds) {
+void GpuJpegLoader::set_failover(bool on) { impl_->failover = on; }
+void GpuJpegLoader::set_test_stall(int64_t call, double seconds, TestStall where) {
   impl_->test_stall_batch = call;
   impl_->test_stall_s = seconds;
+  impl_->test_stall_where = where;
 }
 bool GpuJpegLoader::wedged() const { return impl_->wedged; }
+bool GpuJpegLoader::failed_over() const { return impl_->failed_over; }
 void GpuJpegLoader::set_stall_handler(StallHandler h) { impl_->on_stall = std::move(h); }
 
 const char* GpuJpegLoader::backend() const { return impl_->hardware ? "hardware" : "default"; }
@@ -651,13 +830,21 @@ bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
   if (!looks_like_jpeg(bytes.data(), bytes.size())) return false;
   const JpegInfo info = read_jpeg_info(bytes.data(), bytes.size(), path);
   KILN_CHECK(!impl_->wedged, "GpuJpegLoader::decodes_on_gpu: the loader is wedged");
+  if (g_failed_over) return false;  // and the stuck thread may hold nv_mu for ever
   std::lock_guard nv(impl_->nv_mu);
   return impl_->takes_header(info) && impl_->supported(bytes.data(), bytes.size());
 }
 
 GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
+  // After a failover in the process: the workers decode every JPEG (set before they start).
+  const bool on_host = g_failed_over;
+  if (on_host) {
+    impl_->host_share.store(1.0);
+    impl_->adaptive = false;
+  }
   auto s = std::make_unique<GpuJpegEpoch::State>(impl_, host_->epoch(e));
   s->host_loader = host_.get();
+  s->host_mode = on_host;
   return GpuJpegEpoch(std::move(s));
 }
 
@@ -665,13 +852,13 @@ GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
 GpuJpegEpoch::GpuJpegEpoch(GpuJpegEpoch&&) noexcept = default;
 GpuJpegEpoch& GpuJpegEpoch::operator=(GpuJpegEpoch&& other) noexcept {
   if (this != &other) {
-    if (state_ && state_->impl->wedged) (void)state_.release();  // see ~GpuJpegLoader
+    if (state_ && state_->left_behind) (void)state_.release();  // see ~GpuJpegLoader
     state_ = std::move(other.state_);
   }
   return *this;
 }
 GpuJpegEpoch::~GpuJpegEpoch() {
-  if (state_ && state_->impl->wedged) (void)state_.release();  // see ~GpuJpegLoader
+  if (state_ && state_->left_behind) (void)state_.release();  // see ~GpuJpegLoader
 }
 
 std::optional<DeviceBatch> GpuJpegEpoch::next() {
@@ -689,6 +876,7 @@ double GpuJpegEpoch::host_share() const { return state_ ? state_->impl->host_sha
 #else  // built without nvJPEG
 
 bool gpu_jpeg_available() { return false; }
+bool gpu_jpeg_failed_over() { return false; }
 
 struct GpuJpegLoader::Impl {};
 struct GpuJpegEpoch::State {};
@@ -699,8 +887,10 @@ GpuJpegLoader::GpuJpegLoader(ImageFolder, ImageLoaderOptions, Device, DType, Nor
 }
 GpuJpegLoader::~GpuJpegLoader() = default;
 void GpuJpegLoader::set_stall_timeout(double) {}
-void GpuJpegLoader::set_test_stall(int64_t, double) {}
+void GpuJpegLoader::set_failover(bool) {}
+void GpuJpegLoader::set_test_stall(int64_t, double, TestStall) {}
 bool GpuJpegLoader::wedged() const { return false; }
+bool GpuJpegLoader::failed_over() const { return false; }
 void GpuJpegLoader::set_stall_handler(StallHandler) {}
 const char* GpuJpegLoader::backend() const { return "none"; }
 double GpuJpegLoader::host_share() const { return 0.0; }

@@ -12,12 +12,14 @@
 // (PNG, progressive JPEGs on the hardware decoder, CMYK, ...) is decoded and resampled on the
 // worker by the CPU path. A decode thread then runs nvjpegDecodeBatched for the encoded samples
 // (full-size RGB, interleaved) into a device buffer on the loader's decode stream, uploads the
-// host-decoded samples and the per-sample crop jobs, and records an event; next() makes the
-// current stream wait for that event and runs cuda::crop_resize_normalize (cuda/crop_resize.h)
-// into a fresh x. So batch k + 1's file reading, decoding and uploads overlap the step of
-// batch k; the decode thread waits for the device only for buffers two batches old and, before
-// each nvJPEG call, for the previous batch's decode-stream work (without that wait the decode
-// stream hung: docs/lab/input-pipeline.md, 2026-12-01). The decode stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
+// host-decoded samples and the per-sample crop jobs, records an event and waits for it: a batch
+// is handed to next() only once its device work is complete. next() then runs
+// cuda::crop_resize_normalize (cuda/crop_resize.h) into a fresh x on the current stream, which
+// never waits for the decode stream (so a decode stream that stops draining cannot stop the
+// step: the stall guard below). So batch k + 1's file reading, decoding and uploads overlap the
+// step of batch k, and consecutive nvJPEG calls never overlap one another's device work
+// (without that the decode stream hung: docs/lab/input-pipeline.md, 2026-12-01). The decode
+// stream has the default priority. Bitstreams stay in pageable host memory (nvJPEG
 // copies them); reading them into pinned buffers is not done. Under a running step nvJPEG's
 // batched call takes about a step whatever it decodes, so a share of the JPEGs is decoded by the
 // workers instead (host_fraction, or the adaptive share below). KILN_JPEG_TRACE=1 prints where
@@ -51,6 +53,11 @@ namespace kiln::data {
 
 // Built with nvJPEG and a CUDA device present.
 bool gpu_jpeg_available();
+// Whether a GPU JPEG loader of this process has failed over (GpuJpegLoader::set_failover). Its
+// decode stream may still hold work that never runs, so anything that waits for the whole device
+// would wait for ever: freeing device or pinned memory, allocating pinned memory, the CUDA
+// context's teardown at exit. A program then leaks what it would free and leaves with _Exit.
+bool gpu_jpeg_failed_over();
 
 class GpuJpegEpoch;
 
@@ -95,23 +102,39 @@ class GpuJpegLoader {
   ~GpuJpegLoader();
 
   // The stall guard. nvJPEG's batched decode on the H200's hardware decoder has hung (never
-  // returned) in some trainings (docs/lab/input-pipeline.md). When a decode thread has been inside
-  // one device call (nvJPEG, or a CUDA synchronisation) for `seconds`, next() throws kiln::Error
-  // saying so and the loader is wedged: every later next() throws, and the loader and its epoch
-  // are leaked rather than destroyed, since the stuck thread still points into them. Waiting for
-  // the workers never counts. A stall report goes to stderr every 60 s before that.
+  // returned, or left work on the decode stream that never ran) in some trainings
+  // (docs/lab/input-pipeline.md). When a decode thread has been inside one call that waits for
+  // nvJPEG or the decode stream for `seconds`, the guard fires. Waiting for the workers or for
+  // the consumer's stream never counts. A stall report goes to stderr every 60 s before that.
+  //
+  // Then, with failover on (the default), the loader fails over to the CPU: the stuck thread is
+  // left behind (with the state it points into, leaked rather than destroyed), one warning on
+  // stderr says so, and the batch it held and every later batch of every epoch are decoded by
+  // the CPU path (libjpeg-turbo or stb, the ImageLoader's boxes and flips) and uploaded on the
+  // consumer's stream, so the run goes on. This works because the consumer's stream never waits
+  // for the decode stream: the decode thread hands a batch over only once its device work is
+  // complete, so a decode stream that stops draining stops only the decode thread. The batches
+  // already prefetched by the workers with JPEGs left for nvJPEG are decoded on the consumer's
+  // thread (a few slow batches). Every GPU JPEG loader of the process starts its later epochs
+  // on the CPU path too. With failover off, next() throws kiln::Error instead and the loader is
+  // wedged: every later next() throws.
   static constexpr double kStallTimeoutS = 120;
   void set_stall_timeout(double seconds);
-  bool wedged() const;
-  // Called with the message on the consuming thread when the guard fires, before next() throws
-  // it. A stuck decode can leave the device's queues stuck too, and then unwinding (which frees
-  // pinned and device memory, and so synchronises) blocks; a program can print and leave from
-  // here (kiln-train: std::_Exit).
+  void set_failover(bool on);
+  bool failed_over() const;  // the guard fired with failover on
+  bool wedged() const;       // the guard fired with failover off
+  // Failover off: called with the message on the consuming thread when the guard fires, before
+  // next() throws it. A stuck decode can leave the device's queues stuck too, and then unwinding
+  // (which frees pinned and device memory, and so synchronises) blocks; a program can print and
+  // leave from here.
   using StallHandler = std::function<void(const std::string& message)>;
   void set_stall_handler(StallHandler handler);
-  // Tests of the guard: the decode thread's call-th nvJPEG batch (from 0) first sleeps `seconds`
-  // inside the nvjpegDecodeBatched stage.
-  void set_test_stall(int64_t call, double seconds);
+  // Tests of the guard: the decode thread's call-th nvJPEG batch (from 0) stalls for `seconds`.
+  // InCall: the thread sleeps inside the nvjpegDecodeBatched stage. OnStream: a host function
+  // that sleeps is queued on the decode stream before the call, so the stream stops draining
+  // (what the hangs did) and anything that waits for the whole device would wait with it.
+  enum class TestStall { InCall, OnStream };
+  void set_test_stall(int64_t call, double seconds, TestStall where = TestStall::InCall);
 
   const ImageLoader& host() const { return *host_; }
   int64_t num_batches() const { return host_->num_batches(); }

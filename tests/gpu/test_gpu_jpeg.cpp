@@ -1,7 +1,8 @@
 // The GPU input path (data/gpu_jpeg.h) against the CPU path on the same folder: same labels and
 // order, pixels within a measured tolerance (nvJPEG vs libjpeg-turbo decoding, the CPU path's DCT
 // scaling and u8 rounding), identical batches for 1 and 4 workers, files nvJPEG does not take
-// (PNG, progressive, CMYK, grayscale) and bad files (skipped and counted, never a crash).
+// (PNG, progressive, CMYK, grayscale) and bad files (skipped and counted, never a crash); the
+// stall guard with failover off (a wedge) and on (the CPU path takes over, bit for bit).
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -13,6 +14,7 @@
 #include "cuda/runtime.h"
 #include "data/gpu_jpeg.h"
 #include "data/image_loader.h"
+#include "data/jpeg_turbo.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/image_test_util.h"
 #include "tests/jpeg_test_util.h"
@@ -261,8 +263,8 @@ TEST_CASE("GPU JPEG path: host_fraction sends a fixed share of the files to the 
                   Error);
 }
 
-// Last in this file: it leaves a decode thread running for 4 s.
-TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader with a clear error") {
+// Next to last in this file: it leaves a decode thread running for 4 s.
+TEST_CASE("GPU JPEG path: with failover off, a decode call that never returns wedges the loader") {
   if (!gpu_jpeg_available()) {
     MESSAGE("kiln built without nvJPEG: skipped");
     return;
@@ -277,6 +279,7 @@ TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader wit
   auto loader = std::make_unique<GpuJpegLoader>(ImageFolder(dir.path().string()), o,
                                                 gputest::kGpu, DType::f32);
   // The second batch's nvJPEG call "hangs" for 4 s; the guard gives up after 1 s.
+  loader->set_failover(false);
   loader->set_stall_timeout(1.0);
   loader->set_test_stall(1, 4.0);
   std::string handled;
@@ -299,6 +302,7 @@ TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader wit
   CHECK(what.find(handled) != std::string::npos);  // the handler saw the same message first
   CHECK_FALSE(handled.empty());
   CHECK(loader->wedged());
+  CHECK_FALSE(loader->failed_over());
   CHECK_THROWS_AS(ep->next(), Error);
   CHECK_THROWS_AS(loader->decodes_on_gpu((dir.path() / "c0/10.jpg").string()), Error);
   // Destroying them neither blocks on the stuck thread nor frees what it still uses: when the
@@ -309,4 +313,90 @@ TEST_CASE("GPU JPEG path: a decode call that never returns wedges the loader wit
   CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 1.0);
   std::this_thread::sleep_for(std::chrono::seconds(4));
   CHECK_NOTHROW(cuda::synchronize());
+}
+
+// Last in this file: after it every GPU JPEG loader of the process decodes on the CPU.
+TEST_CASE("GPU JPEG path: a decode stream that stops draining fails over to the CPU path") {
+  if (!gpu_jpeg_available()) {
+    MESSAGE("kiln built without nvJPEG: skipped");
+    return;
+  }
+  TempDir dir;
+  two_classes(dir, 44, 90, 2, 120);
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 8;
+  o.image_size = 32;
+  o.workers = 2;
+  o.seed = 3;
+  o.warn = false;
+  // What the failover must give from the stuck batch on: every JPEG on the CPU path.
+  std::vector<std::vector<double>> ref_x[2], ref_y[2];
+  {
+    GpuJpegLoader ref(folder, o, gputest::kGpu, DType::f32, NormalizeStats{}, 1.0);
+    for (int e : {0, 1}) {
+      GpuJpegEpoch ep = ref.epoch(e);
+      while (std::optional<DeviceBatch> b = ep.next()) {
+        ref_x[e].push_back(values(b->x));
+        ref_y[e].push_back(values(b->y));
+      }
+    }
+  }
+  REQUIRE(ref_x[0].size() == 6);  // 44 / 8: five full batches and one of 4
+  // The pixels agree bit for bit when the workers and the failover use the same decoder.
+  const bool same_decoder = jpeg_turbo_available();
+  auto check_batch = [&](int e, size_t k, const DeviceBatch& b) {
+    REQUIRE(k < ref_x[e].size());
+    CHECK(b.index == int64_t(k));
+    CHECK(values(b.y) == ref_y[e][k]);
+    if (same_decoder) CHECK(values(b.x) == ref_x[e][k]);
+  };
+
+  auto loader = std::make_unique<GpuJpegLoader>(folder, o, gputest::kGpu, DType::f32);
+  // The third batch's work on the decode stream does not run for kStall s (a host function
+  // sleeps on the stream, as the decode stream stopped draining in the hangs); the guard gives up
+  // after 1 s. kiln's step stream and this thread never wait for the decode stream.
+  constexpr double kStall = 12;
+  loader->set_stall_timeout(1.0);
+  loader->set_test_stall(2, kStall, GpuJpegLoader::TestStall::OnStream);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto since_t0 = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto ep = std::make_unique<GpuJpegEpoch>(loader->epoch(0));
+  size_t k = 0;
+  while (std::optional<DeviceBatch> b = ep->next()) {
+    if (k >= 2) check_batch(0, k, *b);  // batches 0 and 1 came from nvJPEG
+    CHECK(values(b->y) == ref_y[0][k]);
+    ++k;
+  }
+  CHECK(k == 6);
+  CHECK(loader->failed_over());
+  CHECK_FALSE(loader->wedged());
+  CHECK(ep->gpu_decoded() == 16);
+  CHECK(ep->host_decoded() == 44 - 16);
+  // Later epochs start on the CPU path.
+  {
+    GpuJpegEpoch e1 = loader->epoch(1);
+    size_t n = 0;
+    while (std::optional<DeviceBatch> b = e1.next()) check_batch(1, n++, *b);
+    CHECK(n == 6);
+    CHECK(e1.gpu_decoded() == 0);
+  }
+  CHECK_FALSE(loader->decodes_on_gpu((dir.path() / "c0/10.jpg").string()));
+  // All of that while the decode stream was still stuck, and destroying the loader and its epoch
+  // (leaked: the stuck thread points into them) does not wait for it either.
+  ep.reset();
+  loader.reset();
+  CHECK(since_t0() < kStall - 4);
+  // The stall ends, the abandoned thread finishes on live state, and the device drains.
+  std::this_thread::sleep_for(std::chrono::duration<double>(kStall + 1 - since_t0()));
+  CHECK_NOTHROW(cuda::synchronize());
+  // A loader made after the failover decodes on the CPU path from its first epoch.
+  GpuJpegLoader late(folder, o, gputest::kGpu, DType::f32);
+  GpuJpegEpoch e0 = late.epoch(0);
+  size_t n = 0;
+  while (std::optional<DeviceBatch> b = e0.next()) check_batch(0, n++, *b);
+  CHECK(n == 6);
+  CHECK(e0.gpu_decoded() == 0);
 }

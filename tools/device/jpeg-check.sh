@@ -11,10 +11,13 @@
 #                                                    #   train / 2,000 val JPEGs, 3 epochs,
 #                                                    #   b256, 16 workers (~6 min)
 #   bash tools/device/jpeg-check.sh all              # train, then check's loader bench
+#   bash tools/device/jpeg-check.sh failover         # build, tests, kiln-train with a decode
+#                                                    #   stream that stops draining (below)
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
 # TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
 # DECODER[:HOST_FRACTION]: default "nvjpeg" (share auto); e.g. "nvjpeg nvjpeg:0 nvjpeg:0.5 cpu"), TRAIN_TIMEOUT (600 s),
-# SKIP_TESTS=1.
+# SKIP_TESTS=1, EXTRA_TARGETS (more build targets), STALL_AT (20 100),
+# STALL_S (120).
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
 set -uo pipefail
@@ -33,6 +36,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 t0=$(date +%s)
 targets="kiln-loader-bench gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder"
 [ "$mode" != check ] && targets="$targets kiln-train kiln-bench"
+[ -n "${EXTRA_TARGETS:-}" ] && targets="$targets $EXTRA_TARGETS"
 { cmake -S . -B build-jpeg -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" &&
   ninja -C build-jpeg -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
@@ -79,11 +83,32 @@ end_to_end() {
       --print-freq 20 --output /tmp/kiln-jpeg-out --overwrite 2>&1 | tee -a "$OUT/train.log"
   done
   grep -E "images/s|img/s" "$OUT/synth.log" | tail -3
-  grep -E "^==|ImageFolder|done in" "$OUT/train.log"
+  grep -E "^==|ImageFolder|done in|auto:|decoded" "$OUT/train.log"
+}
+# nvJPEG's failover (data/gpu_jpeg.h) in a real training: the decode stream stops draining for
+# STALL_S s at the training loader's nvJPEG call N for each N in STALL_AT (20: epoch 1, before
+# the first evaluation; 100: epoch 2), the guard gives up after 5 s, and the run must go on at
+# its pace and end long before the stall does. Logs: stall-N.log; the wall time is printed.
+failover() {
+  data=/tmp/kiln-jpeg-train
+  [ -d "$data/train" ] || timeout 300 "$B/kiln-loader-bench" --generate "$TRAIN_N" \
+    --val "$VAL_N" --classes 100 --output-dir "$data" --batches 0 > "$OUT/corpus.log" 2>&1
+  for at in ${STALL_AT:-20 100}; do
+    echo "== kiln-train --decoder nvjpeg, decode stream stalled ${STALL_S:-120} s at call $at"
+    t0=$(date +%s%N)
+    KILN_JPEG_TEST_STALL="$at:${STALL_S:-120}" KILN_JPEG_STALL_S=5 timeout 400 \
+      "$B/kiln-train" --arch resnet50 --data "$data" -b 256 --workers 16 --epochs "$EPOCHS" \
+      --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite \
+      > "$OUT/stall-$at.log" 2>&1
+    rc=$?
+    echo "rc $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+    grep -E "warning: GPU JPEG|done in|decoded|error|auto" "$OUT/stall-$at.log" | head -20
+  done
 }
 case "$mode" in
   check) loader_bench ;;
   train) end_to_end ;;
+  failover) failover ;;
   all) end_to_end; loader_bench ;;
 esac
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -47,8 +47,9 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
   p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
            "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
-           "auto: cpu (nvjpeg is opt-in; should nvJPEG stop responding, kiln-train\n"
-           "says so and exits with status 75 after 120 s, see docs/lab/input-pipeline.md)");
+           "auto: the CPU first, then nvJPEG for as long as the step waits less for it\n"
+           "(with nvJPEG and a CUDA device; else cpu). Should nvJPEG stop responding, the\n"
+           "CPU takes over after 120 s and the run goes on (docs/lab/input-pipeline.md)");
   p.value("--host-decode-fraction", "F|auto", &c.host_decode_share,
           "with nvjpeg: that share (0..1) of the JPEGs is decoded by the CPU workers\n"
           "instead; auto steers it so that neither side keeps the step waiting\n"

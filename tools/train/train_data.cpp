@@ -1,6 +1,7 @@
 #include "tools/train/train_data.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -103,7 +104,84 @@ std::string eval_folder(const std::string& data) {
       .string();
 }
 
+// --decoder auto: the JPEG decoder the step waits for least, measured while training. Each
+// training epoch reports the share of its second half (steady state, past the first epoch's
+// tuning and graph capture) that the step spent waiting for batches (MeasuredStream). The CPU
+// decoder runs first; after an epoch in which the step waited more than kTryGpuAbove for it, the
+// next epoch runs nvJPEG (with the adaptive share, so the CPU workers keep decoding what they
+// can); from then on each epoch runs the decoder with the smaller wait (the other one's last
+// figure; a switch needs kMargin), and the CPU after a failover. Evaluation follows the training
+// epochs' decoder.
+struct DecoderChoice {
+  static constexpr double kTryGpuAbove = 0.02;
+  static constexpr double kMargin = 0.01;
+  bool announce = false;      // rank 0 prints each switch
+  double wait[2] = {-1, -1};  // the last measured share: [0] CPU, [1] nvJPEG; -1 not yet
+  bool gpu = false;           // the decoder of the next epoch
+
+  void report(int64_t epoch, bool on_gpu, double share) {
+    wait[on_gpu ? 1 : 0] = share;
+    bool next = gpu;
+    if (data::gpu_jpeg_failed_over())
+      next = false;
+    else if (wait[1] < 0)
+      next = wait[0] > kTryGpuAbove;
+    else if (wait[0] >= 0)
+      next = gpu ? wait[1] < wait[0] + kMargin : wait[1] + kMargin < wait[0];
+    if (next != gpu && announce) {
+      std::printf("kiln-train: --decoder auto: in epoch %ld the step waited %.1f%% of the time for "
+                  "the %s decoder; epoch %ld runs %s",
+                  long(epoch + 1), 100.0 * share, on_gpu ? "nvJPEG" : "CPU", long(epoch + 2),
+                  next ? "nvJPEG" : "the CPU decoder");
+      if (wait[next ? 1 : 0] >= 0) std::printf(" (%.1f%% when last measured)", 100.0 * wait[next ? 1 : 0]);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    gpu = next;
+  }
+};
+
 namespace {
+
+// Times next() over the second half of a training epoch and, when the epoch ran to its end,
+// reports the share of that time spent waiting to `choice` (--decoder auto).
+class MeasuredStream final : public BatchStream {
+ public:
+  using Clock = std::chrono::steady_clock;
+  MeasuredStream(std::unique_ptr<BatchStream> in, bool gpu, int64_t epoch, int64_t batches,
+                 std::shared_ptr<DecoderChoice> choice)
+      : in_(std::move(in)), gpu_(gpu), epoch_(epoch), from_(batches / 2),
+        choice_(std::move(choice)) {}
+  ~MeasuredStream() override {
+    const double span = std::chrono::duration<double>(end_ - start_).count();
+    if (ended_ && span > 0) choice_->report(epoch_, gpu_, wait_ / span);
+  }
+  std::optional<data::DeviceBatch> next() override {
+    const auto t = Clock::now();
+    if (k_ == from_) start_ = t;
+    std::optional<data::DeviceBatch> b = in_->next();
+    const auto done = Clock::now();
+    if (k_ >= from_) wait_ += std::chrono::duration<double>(done - t).count();
+    if (b) {
+      ++k_;
+    } else {
+      ended_ = k_ > from_;
+      end_ = done;
+    }
+    return b;
+  }
+  int64_t bad_files() const override { return in_->bad_files(); }
+  double host_decode_share() const override { return in_->host_decode_share(); }
+
+ private:
+  std::unique_ptr<BatchStream> in_;
+  bool gpu_;
+  int64_t epoch_, from_, k_ = 0;
+  std::shared_ptr<DecoderChoice> choice_;
+  Clock::time_point start_{}, end_{};
+  double wait_ = 0;
+  bool ended_ = false;
+};
 
 // CPU batches of an IDX epoch, moved to the device as the model wants them.
 class IdxStream final : public BatchStream {
@@ -197,21 +275,27 @@ data::ImageFolder list_image_folder(const std::string& path) {
   return cli::user_input("--data: ", [&] { return data::ImageFolder(path); });
 }
 
-// Whether --decoder asks for nvJPEG (issue 15): the GPU path only when asked. auto means the CPU
-// path: nvJPEG's batched decode hung now and then under a running step
-// (docs/lab/input-pipeline.md, 2026-12-01: 5 of 16 trainings that called nvJPEG), and a default
-// must not hang.
-bool decoder_is_nvjpeg(const DataOptions& o) {
+// Which decoder takes an ImageFolder's JPEGs (--decoder, issue 15). nvjpeg: the GPU path
+// (data/gpu_jpeg.h), an error where it cannot run. auto: DecoderChoice's measured choice where
+// kiln has nvJPEG and trains on a CUDA device, else the CPU. Should nvJPEG stall (it hung in some
+// trainings before its calls were serialised, docs/lab/input-pipeline.md), the loader fails over
+// to the CPU decoder and the run goes on.
+enum class JpegPath { Cpu, Gpu, Auto };
+JpegPath jpeg_path(const DataOptions& o) {
   if (o.decoder != "auto" && o.decoder != "cpu" && o.decoder != "nvjpeg" && o.decoder != "stb" &&
       o.decoder != "turbo")
     cli::usage_error("--decoder '", o.decoder, "': expected auto, cpu, nvjpeg, stb or turbo");
-  const bool gpu = o.decoder == "nvjpeg";
-  if (gpu && !o.device.is_cuda())
-    cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
-  if (gpu && !data::gpu_jpeg_available())
-    cli::usage_error("--decoder nvjpeg: this kiln was built without nvJPEG (CUDA builds find it "
-                     "in the toolkit); use --decoder cpu");
-  return gpu;
+  if (o.decoder == "nvjpeg") {
+    if (!o.device.is_cuda())
+      cli::usage_error("--decoder nvjpeg needs a CUDA device; the device is ", o.device.str());
+    if (!data::gpu_jpeg_available())
+      cli::usage_error("--decoder nvjpeg: this kiln was built without nvJPEG (CUDA builds find "
+                       "it in the toolkit); use --decoder cpu");
+    return JpegPath::Gpu;
+  }
+  if (o.decoder == "auto" && o.device.is_cuda() && data::gpu_jpeg_available())
+    return JpegPath::Auto;
+  return JpegPath::Cpu;
 }
 
 // The ImageFolder training loader: this rank's shard, augmented, the last partial batch dropped.
@@ -236,16 +320,6 @@ data::ImageLoaderOptions image_eval_options(data::ImageLoaderOptions eo) {
   eo.shuffle = false;
   eo.drop_last = false;
   return eo;
-}
-
-// --decoder nvjpeg's stall guard. A hung nvJPEG call can leave the device's queues stuck, and
-// unwinding would then block on them: say why and leave at once (the last epoch's checkpoint is
-// already on disk).
-void exit_on_stall(const std::string& message) {
-  std::fflush(stdout);
-  std::fprintf(stderr, "kiln-train: error: %s\n", message.c_str());
-  std::fflush(nullptr);
-  std::_Exit(kStallExitCode);
 }
 
 // One IDX split, Fashion-MNIST's or --data's; a missing or malformed file is the user's to fix.
@@ -360,12 +434,16 @@ void TrainData::open_image_folder() {
   train_size_ = train.size();
   test_size_ = val.size();
   description_ = "ImageFolder " + o.data;
-  const bool gpu = decoder_is_nvjpeg(o);
+  const JpegPath path = jpeg_path(o);
   const data::ImageLoaderOptions lo = image_train_options(o, S, resize_size_);
-  if (gpu)
-    open_gpu_jpeg_loaders(std::move(train), std::move(val), lo);
-  else
-    open_image_loaders(std::move(train), std::move(val), lo);
+  if (path != JpegPath::Cpu) open_gpu_jpeg_loaders(train, val, lo);
+  if (path != JpegPath::Gpu) open_image_loaders(std::move(train), std::move(val), lo);
+  if (path == JpegPath::Auto) {
+    auto_ = std::make_shared<DecoderChoice>();
+    auto_->announce = o.rank == 0;
+    description_ = "ImageFolder " + o.data + " (decoder auto: the CPU, or nvJPEG " +
+                   gpu_train_->backend() + " when the step waits less for it)";
+  }
 }
 
 // The classes: train/'s class folders, which val/ must match, each a valid class name.
@@ -384,7 +462,7 @@ void TrainData::take_folder_classes(const data::ImageFolder& train, const data::
   }
 }
 
-// ImageFolder decoded by nvJPEG on the GPU (data/gpu_jpeg.h), with the stall guard.
+// ImageFolder decoded by nvJPEG on the GPU (data/gpu_jpeg.h); a stall fails over to the CPU.
 void TrainData::open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder val,
                                       const data::ImageLoaderOptions& lo) {
   const DataOptions& o = opts_;
@@ -394,8 +472,6 @@ void TrainData::open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder
   gpu_test_ =
       std::make_unique<data::GpuJpegLoader>(std::move(val), image_eval_options(lo), o.device, dt,
                                             data::NormalizeStats{}, o.host_decode_fraction);
-  gpu_train_->set_stall_handler(exit_on_stall);
-  gpu_test_->set_stall_handler(exit_on_stall);
   description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
   if (gpu_train_->num_batches() == 0)
     cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),
@@ -529,7 +605,15 @@ void TrainData::open_idx_device_loaders() {
   dev_test_ = std::make_unique<data::DeviceLoader>(*idx_test_, opts_.device, dt, fmt);
 }
 
-TrainData::~TrainData() = default;
+// After an nvJPEG failover the loaders are leaked: freeing their pinned buffers would wait for the
+// whole device, the stuck decode stream included (data/gpu_jpeg.h).
+TrainData::~TrainData() {
+  if (!data::gpu_jpeg_failed_over()) return;
+  (void)img_train_.release();
+  (void)img_test_.release();
+  (void)gpu_train_.release();
+  (void)gpu_test_.release();
+}
 
 int64_t TrainData::steps_per_epoch() const {
   if (kind_ == DataKind::Synthetic) return train_size_ / (opts_.batch_size * opts_.world_size);
@@ -548,6 +632,15 @@ std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
     return std::make_unique<SyntheticStream>(
         dummy_x_, steps_per_epoch(),
         opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
+  if (auto_) {
+    const bool gpu = auto_->gpu;
+    std::unique_ptr<BatchStream> s;
+    if (gpu)
+      s = std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
+    else
+      s = std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, image_dtype(opts_));
+    return std::make_unique<MeasuredStream>(std::move(s), gpu, e, steps_per_epoch(), auto_);
+  }
   if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
   if (dev_train_) return std::make_unique<DeviceIdxStream>(dev_train_->epoch(e));
   if (idx_train_)
@@ -559,7 +652,8 @@ std::unique_ptr<BatchStream> TrainData::test_epoch() const {
   if (kind_ == DataKind::Synthetic)
     return std::make_unique<SyntheticStream>(dummy_x_, test_steps(),
                                              ~opts_.seed - uint64_t(opts_.rank), opts_.device);
-  if (gpu_test_) return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
+  if (gpu_test_ && (!auto_ || auto_->gpu))
+    return std::make_unique<GpuImageStream>(gpu_test_->epoch(0));
   if (dev_test_) return std::make_unique<DeviceIdxStream>(dev_test_->epoch(0));
   if (idx_test_)
     return std::make_unique<IdxStream>(idx_test_->epoch(0), opts_.device, opts_.precision);

@@ -63,9 +63,11 @@ struct DataOptions {
   bool augment = false;  // IDX: crop (padding 4) + flip; ImageFolder and small photos always
   uint64_t seed = 0;
   int workers = 2;
-  // ImageFolder decoding (issue 15): auto (= cpu), cpu (libjpeg-turbo, or stb without it),
-  // nvjpeg (data/gpu_jpeg.h; kiln::Error when it cannot run; its stall guard exits with
-  // kStallExitCode), stb or turbo (CPU, forced).
+  // ImageFolder decoding (issue 15): auto (the CPU, then nvJPEG when the CPU keeps the step
+  // waiting and it does better: DecoderChoice in train_data.cpp; the CPU alone without nvJPEG or
+  // a CUDA device), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error
+  // when it cannot run; should it stall, the CPU takes over: GpuJpegLoader's failover), stb or
+  // turbo (CPU, forced).
   std::string decoder = "auto";
   // nvjpeg: share of JPEGs decoded on the CPU instead; -1 (GpuJpegLoader::kAdaptiveHostShare):
   // steered while training
@@ -75,9 +77,7 @@ struct DataOptions {
   amp::Precision precision = amp::Precision::FP32;
 };
 
-// kiln-train's exit status when --decoder nvjpeg's stall guard fires (GpuJpegLoader's
-// set_stall_timeout): EX_TEMPFAIL, since rerunning (with --decoder cpu, --resume) works.
-constexpr int kStallExitCode = 75;
+struct DecoderChoice;
 
 class TrainData {
  public:
@@ -138,7 +138,9 @@ class TrainData {
   std::unique_ptr<data::DataLoader> idx_train_, idx_test_;
   std::unique_ptr<data::DeviceLoader> dev_train_, dev_test_;
   std::unique_ptr<data::ImageLoader> img_train_, img_test_;
-  std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg
+  std::unique_ptr<data::GpuJpegLoader> gpu_train_, gpu_test_;  // --decoder nvjpeg (or auto)
+  // --decoder auto with nvJPEG present: both loader pairs are open, and this picks per epoch.
+  std::shared_ptr<DecoderChoice> auto_;
 };
 
 }  // namespace kiln::train

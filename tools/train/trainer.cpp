@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <functional>
@@ -24,6 +25,7 @@
 #include "core/version.h"
 #include "cuda/profiler.h"
 #include "data/fashion_mnist.h"
+#include "data/gpu_jpeg.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
 #include "optim/model_file.h"
@@ -794,6 +796,12 @@ int main(const std::vector<std::string>& args) {
       return r.exit_code;
     }
     run(c);
+    // After an nvJPEG failover the CUDA context's teardown at exit could wait for ever for the
+    // stuck decode stream (data/gpu_jpeg.h); the run's files are all written and closed here.
+    if (data::gpu_jpeg_failed_over()) {
+      std::fflush(nullptr);
+      std::_Exit(0);
+    }
     return 0;
   });
 }
