@@ -242,8 +242,10 @@ class DeviceAllocator final : public Allocator {
   }
 
   // Growing outside a capture: one device sync, after which every cached block is idle. False
-  // when the device cannot be synchronised now (another thread's global capture).
+  // when the device cannot be synchronised now (another thread's global capture), or must not
+  // be (cuda::stream_stuck: the sync would never return; the cache then grows instead).
   bool synchronize_for_growth() {
+    if (stream_stuck()) return false;
     DeviceScope scope(device_);
     if (cudaDeviceSynchronize() == cudaSuccess) return true;
     cudaGetLastError();

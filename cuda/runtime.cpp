@@ -2,6 +2,7 @@
 #include "cuda/runtime.h"
 
 #include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -125,6 +126,12 @@ void* alloc_pinned(size_t bytes) {
 void free_pinned(void* p) {
   if (p) CUDA_CHECK(cudaFreeHost(p));
 }
+
+namespace {
+std::atomic<bool> g_stream_stuck{false};
+}  // namespace
+void mark_stream_stuck() { g_stream_stuck.store(true); }
+bool stream_stuck() { return g_stream_stuck.load(std::memory_order_relaxed); }
 
 namespace {
 thread_local bool t_capturing = false;  // inside a GraphStep's capture on this thread

@@ -73,4 +73,13 @@ void set_graph_capture_active(bool on);
 void* alloc_pinned(size_t bytes);
 void free_pinned(void* p);
 
+// A stream of this process holds work that may never run: an nvJPEG decode stream that stopped
+// draining, left behind by the GPU JPEG loader's failover (data/gpu_jpeg.h). Everything that
+// waits for the whole device would then wait for ever: cudaDeviceSynchronize, and allocating or
+// freeing pinned memory. From the mark on, the code with another way takes it (pageable batch
+// buffers, the allocator growing without first synchronising the device, leaks instead of
+// frees); the rest (cuda::synchronize, empty_cache, the out-of-memory retry) still waits.
+void mark_stream_stuck();
+bool stream_stuck();
+
 }  // namespace kiln::cuda

@@ -648,6 +648,7 @@ struct GpuJpegEpoch::State {
     impl->host_share.store(1.0);
     impl->adaptive = false;
     impl->failed_over = true;
+    cuda::mark_stream_stuck();  // from here nothing that would wait for the stuck stream
     host_mode = true;
     if (!g_failed_over.exchange(true))
       std::fprintf(stderr,

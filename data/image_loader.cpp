@@ -28,69 +28,77 @@ uint64_t sample_seed(uint64_t seed, int64_t e, int64_t p) {
 std::string reason_of(const std::exception& e) { return strip_location(e.what()); }
 
 // Batch buffers recycled by size. Pinned buffers are costly to allocate (and cudaHostAlloc
-// synchronises the device), so they are kept for reuse rather than freed after each batch.
+// synchronises the device), so they are kept for reuse rather than freed after each batch. Once
+// a stream of the process is stuck (cuda::stream_stuck: a GPU JPEG failover), new buffers are
+// pageable and pinned ones are never freed, since both calls would wait for that stream.
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
   explicit BufferPool(bool pinned) : pinned_(pinned) {}
   ~BufferPool() {
-    for (auto& [n, p] : free_) release(n, p);
+    for (const Buffer& b : free_) release(b);
   }
   bool pinned() const { return pinned_; }
 
   // A CPU storage of `n` bytes that returns to the pool when its last tensor is dropped.
   std::shared_ptr<Storage> storage(size_t n) {
-    void* p = take(n);
+    const Buffer b = take(n);
     auto self = shared_from_this();
-    return std::shared_ptr<Storage>(new Storage(p, n, Device::cpu()), [self, p, n](Storage* s) {
+    return std::shared_ptr<Storage>(new Storage(b.p, n, Device::cpu()), [self, b](Storage* s) {
       delete s;
-      self->give(n, p);
+      self->give(b);
     });
   }
 
  private:
+  struct Buffer {
+    size_t n = 0;
+    void* p = nullptr;
+    bool pinned = false;
+  };
   static constexpr size_t kMaxFree = 64;
-  void* take(size_t n) {
+  Buffer take(size_t n) {
     {
       std::lock_guard lk(mu_);
       for (size_t i = 0; i < free_.size(); ++i)
-        if (free_[i].first == n) {
-          void* p = free_[i].second;
+        if (free_[i].n == n) {
+          const Buffer b = free_[i];
           free_.erase(free_.begin() + std::ptrdiff_t(i));
-          return p;
+          return b;
         }
     }
 #ifdef KILN_WITH_CUDA
-    if (pinned_) return cuda::alloc_pinned(n);
+    if (pinned_ && !cuda::stream_stuck()) return {n, cuda::alloc_pinned(n), true};
 #endif
-    return cpu_allocator()->allocate(n);
+    return {n, cpu_allocator()->allocate(n), false};
   }
-  void give(size_t n, void* p) {
+  void give(const Buffer& b) {
     std::unique_lock lk(mu_);
     if (free_.size() < kMaxFree) {
-      free_.emplace_back(n, p);
+      free_.push_back(b);
       return;
     }
     lk.unlock();
-    release(n, p);
+    release(b);
   }
   // Runs in storage deleters and destructors, which must not throw: a failing cudaFreeHost
   // (the driver already shut down at exit) leaks the buffer instead.
-  void release(size_t n, void* p) noexcept {
+  static void release(const Buffer& b) noexcept {
 #ifdef KILN_WITH_CUDA
-    if (pinned_) {
+    if (b.pinned) {
+      if (cuda::stream_stuck()) return;  // cudaFreeHost would wait for the stuck stream
       try {
-        cuda::free_pinned(p);
+        cuda::free_pinned(b.p);
       } catch (const std::exception&) {
       }
       return;
     }
 #endif
-    cpu_allocator()->deallocate(p, n);
+    cpu_allocator()->deallocate(b.p, b.n);
   }
 
   const bool pinned_;
   std::mutex mu_;
-  std::vector<std::pair<size_t, void*>> free_;
+  std::vector<Buffer> free_;
 };
 
 }  // namespace

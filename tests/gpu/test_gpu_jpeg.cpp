@@ -365,11 +365,14 @@ TEST_CASE("GPU JPEG path: a decode stream that stops draining fails over to the 
   };
   auto ep = std::make_unique<GpuJpegEpoch>(loader->epoch(0));
   size_t k = 0;
+  std::string arrivals;  // seconds since t0 at which each batch came, for the log
   while (std::optional<DeviceBatch> b = ep->next()) {
     if (k >= 2) check_batch(0, k, *b);  // batches 0 and 1 came from nvJPEG
     CHECK(values(b->y) == ref_y[0][k]);
+    arrivals += " " + std::to_string(since_t0()).substr(0, 5);
     ++k;
   }
+  MESSAGE("batches arrived at (s):" << arrivals);
   CHECK(k == 6);
   CHECK(loader->failed_over());
   CHECK_FALSE(loader->wedged());

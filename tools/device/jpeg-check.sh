@@ -95,13 +95,15 @@ failover() {
     --val "$VAL_N" --classes 100 --output-dir "$data" --batches 0 > "$OUT/corpus.log" 2>&1
   for at in ${STALL_AT:-20 100}; do
     echo "== kiln-train --decoder nvjpeg, decode stream stalled ${STALL_S:-120} s at call $at"
-    t0=$(date +%s%N)
+    local t1
+    t1=$(date +%s%N)
+    # Each output line gets the second it was printed (the log shows where a wait happened).
     KILN_JPEG_TEST_STALL="$at:${STALL_S:-120}" KILN_JPEG_STALL_S=5 timeout 400 \
       "$B/kiln-train" --arch resnet50 --data "$data" -b 256 --workers 16 --epochs "$EPOCHS" \
-      --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite \
-      > "$OUT/stall-$at.log" 2>&1
-    rc=$?
-    echo "rc $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+      --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite 2>&1 |
+      while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line"; done > "$OUT/stall-$at.log"
+    rc=${PIPESTATUS[0]}
+    echo "rc $rc, wall $(( ($(date +%s%N) - t1) / 1000000 )) ms"
     grep -E "warning: GPU JPEG|done in|decoded|error|auto" "$OUT/stall-$at.log" | head -20
   done
 }
