@@ -5,7 +5,14 @@
 // stall guard with failover off (a wedge) and on (the CPU path takes over, bit for bit).
 #include <doctest/doctest.h>
 
+#include <execinfo.h>
+#include <pthread.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <mutex>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -59,6 +66,51 @@ void two_classes(const TempDir& dir, int n, int64_t h0, int64_t dh, int64_t w) {
                photo(h0 + dh * i, w, uint64_t(i)), 90);
   }
 }
+
+}  // namespace
+
+namespace kiln::testing {
+namespace {
+// Prints this thread's stack to stderr (glibc backtrace; addr2line turns the +0x offsets into
+// lines) when it is still running `seconds` after construction, then every `seconds`.
+void print_stack(int) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char msg[] = "---- stack of the watched thread ----\n";
+  (void)!write(2, msg, sizeof msg - 1);
+  backtrace_symbols_fd(frames, n, 2);
+}
+class StackOnStall {
+ public:
+  explicit StackOnStall(double seconds) : target_(pthread_self()) {
+    std::signal(SIGUSR1, print_stack);
+    thread_ = std::thread([this, seconds] {
+      std::unique_lock lk(mu_);
+      while (!cv_.wait_for(lk, std::chrono::duration<double>(seconds), [this] { return done_; }))
+        pthread_kill(target_, SIGUSR1);
+    });
+  }
+  void stop() {
+    {
+      std::lock_guard lk(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  ~StackOnStall() { stop(); }
+
+ private:
+  pthread_t target_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+}  // namespace
+}  // namespace kiln::testing
+
+namespace {
 
 std::vector<double> values(const Tensor& t) {
   Tensor h = t.to(Device::cpu()).to(DType::f64).contiguous();
@@ -364,6 +416,8 @@ TEST_CASE("GPU JPEG path: a decode stream that stops draining fails over to the 
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   auto ep = std::make_unique<GpuJpegEpoch>(loader->epoch(0));
+  // Should this thread be held up past the guard's second, say where (stack on stderr).
+  testing::StackOnStall watch(4.0);
   size_t k = 0;
   std::string arrivals;  // seconds since t0 at which each batch came, for the log
   while (std::optional<DeviceBatch> b = ep->next()) {
@@ -372,6 +426,7 @@ TEST_CASE("GPU JPEG path: a decode stream that stops draining fails over to the 
     arrivals += " " + std::to_string(since_t0()).substr(0, 5);
     ++k;
   }
+  watch.stop();
   MESSAGE("batches arrived at (s):" << arrivals);
   CHECK(k == 6);
   CHECK(loader->failed_over());

@@ -11,6 +11,7 @@
 #                                                    #   train / 2,000 val JPEGs, 3 epochs,
 #                                                    #   b256, 16 workers (~6 min)
 #   bash tools/device/jpeg-check.sh all              # train, then check's loader bench
+#   bash tools/device/jpeg-check.sh tests            # build, tests
 #   bash tools/device/jpeg-check.sh failover         # build, tests, kiln-train with a decode
 #                                                    #   stream that stops draining (below)
 # Knobs (environment): N (loader-bench corpus, default 6000), WORKERS (1,8,16), BATCHES (8),
@@ -111,6 +112,7 @@ case "$mode" in
   check) loader_bench ;;
   train) end_to_end ;;
   failover) failover ;;
+  tests) ;;  # the build and the suites only
   all) end_to_end; loader_bench ;;
 esac
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -47,7 +47,7 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
   p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
            "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
-           "auto: the CPU first, then nvJPEG for as long as the step waits less for it\n"
+           "auto: epoch 1 on the CPU, epoch 2 on nvJPEG, then whichever trained faster\n"
            "(with nvJPEG and a CUDA device; else cpu). Should nvJPEG stop responding, the\n"
            "CPU takes over after 120 s and the run goes on (docs/lab/input-pipeline.md)");
   p.value("--host-decode-fraction", "F|auto", &c.host_decode_share,

@@ -104,37 +104,37 @@ std::string eval_folder(const std::string& data) {
       .string();
 }
 
-// --decoder auto: the JPEG decoder the step waits for least, measured while training. Each
-// training epoch reports the share of its second half (steady state, past the first epoch's
-// tuning and graph capture) that the step spent waiting for batches (MeasuredStream). The CPU
-// decoder runs first; after an epoch in which the step waited more than kTryGpuAbove for it, the
-// next epoch runs nvJPEG (with the adaptive share, so the CPU workers keep decoding what they
-// can); from then on each epoch runs the decoder with the smaller wait (the other one's last
-// figure; a switch needs kMargin), and the CPU after a failover. Evaluation follows the training
-// epochs' decoder.
+// --decoder auto: the JPEG decoder under which training runs fastest, measured while training.
+// Each training epoch reports its seconds per batch over its second half (steady state, past the
+// first epoch's tuning and graph capture: MeasuredStream). The first epoch runs the CPU decoder
+// and the second nvJPEG (with the adaptive share, so the CPU workers keep decoding what they
+// can); from then on each epoch runs the one that was faster when last measured (a switch needs
+// kMargin), and the CPU decoder after a failover. Evaluation follows the training epochs'
+// decoder. (The time the step spends in next() would not do: next() also waits for the device,
+// through the events that guard the upload buffers, whichever side is behind.)
 struct DecoderChoice {
-  static constexpr double kTryGpuAbove = 0.02;
-  static constexpr double kMargin = 0.01;
-  bool announce = false;      // rank 0 prints each switch
-  double wait[2] = {-1, -1};  // the last measured share: [0] CPU, [1] nvJPEG; -1 not yet
-  bool gpu = false;           // the decoder of the next epoch
+  static constexpr double kMargin = 0.01;  // relative
+  bool announce = false;                   // rank 0 prints each switch
+  double batch_s[2] = {-1, -1};  // seconds per batch when last measured: [0] CPU, [1] nvJPEG
+  bool gpu = false;              // the decoder of the next epoch
 
-  void report(int64_t epoch, bool on_gpu, double share) {
-    wait[on_gpu ? 1 : 0] = share;
-    bool next = gpu;
+  void report(int64_t epoch, bool on_gpu, double seconds_per_batch) {
+    batch_s[on_gpu ? 1 : 0] = seconds_per_batch;
+    bool next = false;
     if (data::gpu_jpeg_failed_over())
       next = false;
-    else if (wait[1] < 0)
-      next = wait[0] > kTryGpuAbove;
-    else if (wait[0] >= 0)
-      next = gpu ? wait[1] < wait[0] + kMargin : wait[1] + kMargin < wait[0];
+    else if (batch_s[1] < 0)
+      next = true;  // nvJPEG not measured yet
+    else if (batch_s[0] >= 0)
+      next = gpu ? batch_s[1] < batch_s[0] * (1 + kMargin) : batch_s[1] * (1 + kMargin) < batch_s[0];
     if (next != gpu && announce) {
-      std::printf("kiln-train: --decoder auto: in epoch %ld the step waited %.1f%% of the time for "
-                  "the %s decoder; epoch %ld runs %s",
-                  long(epoch + 1), 100.0 * share, on_gpu ? "nvJPEG" : "CPU", long(epoch + 2),
+      std::printf("kiln-train: --decoder auto: epoch %ld took %.1f ms per batch with %s", long(epoch + 1),
+                  1e3 * seconds_per_batch, on_gpu ? "nvJPEG" : "the CPU decoder");
+      if (batch_s[next ? 1 : 0] >= 0)
+        std::printf(", %.1f ms with %s when last measured", 1e3 * batch_s[next ? 1 : 0],
+                    next ? "nvJPEG" : "the CPU decoder");
+      std::printf(" (second halves of epochs); epoch %ld runs %s\n", long(epoch + 2),
                   next ? "nvJPEG" : "the CPU decoder");
-      if (wait[next ? 1 : 0] >= 0) std::printf(" (%.1f%% when last measured)", 100.0 * wait[next ? 1 : 0]);
-      std::printf("\n");
       std::fflush(stdout);
     }
     gpu = next;
@@ -143,8 +143,8 @@ struct DecoderChoice {
 
 namespace {
 
-// Times next() over the second half of a training epoch and, when the epoch ran to its end,
-// reports the share of that time spent waiting to `choice` (--decoder auto).
+// Times the second half of a training epoch and, when the epoch ran to its end, reports its
+// seconds per batch to `choice` (--decoder auto).
 class MeasuredStream final : public BatchStream {
  public:
   using Clock = std::chrono::steady_clock;
@@ -153,20 +153,19 @@ class MeasuredStream final : public BatchStream {
       : in_(std::move(in)), gpu_(gpu), epoch_(epoch), from_(batches / 2),
         choice_(std::move(choice)) {}
   ~MeasuredStream() override {
-    const double span = std::chrono::duration<double>(end_ - start_).count();
-    if (ended_ && span > 0) choice_->report(epoch_, gpu_, wait_ / span);
+    if (ended_ && k_ > from_)
+      choice_->report(epoch_, gpu_,
+                      std::chrono::duration<double>(end_ - start_).count() / double(k_ - from_));
   }
   std::optional<data::DeviceBatch> next() override {
     const auto t = Clock::now();
     if (k_ == from_) start_ = t;
     std::optional<data::DeviceBatch> b = in_->next();
-    const auto done = Clock::now();
-    if (k_ >= from_) wait_ += std::chrono::duration<double>(done - t).count();
     if (b) {
       ++k_;
     } else {
-      ended_ = k_ > from_;
-      end_ = done;
+      ended_ = true;
+      end_ = t;
     }
     return b;
   }
@@ -179,7 +178,6 @@ class MeasuredStream final : public BatchStream {
   int64_t epoch_, from_, k_ = 0;
   std::shared_ptr<DecoderChoice> choice_;
   Clock::time_point start_{}, end_{};
-  double wait_ = 0;
   bool ended_ = false;
 };
 
@@ -441,8 +439,8 @@ void TrainData::open_image_folder() {
   if (path == JpegPath::Auto) {
     auto_ = std::make_shared<DecoderChoice>();
     auto_->announce = o.rank == 0;
-    description_ = "ImageFolder " + o.data + " (decoder auto: the CPU, or nvJPEG " +
-                   gpu_train_->backend() + " when the step waits less for it)";
+    description_ = "ImageFolder " + o.data + " (decoder auto: the CPU or nvJPEG " +
+                   gpu_train_->backend() + ", whichever trains faster)";
   }
 }
 

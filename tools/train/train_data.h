@@ -63,9 +63,8 @@ struct DataOptions {
   bool augment = false;  // IDX: crop (padding 4) + flip; ImageFolder and small photos always
   uint64_t seed = 0;
   int workers = 2;
-  // ImageFolder decoding (issue 15): auto (the CPU, then nvJPEG when the CPU keeps the step
-  // waiting and it does better: DecoderChoice in train_data.cpp; the CPU alone without nvJPEG or
-  // a CUDA device), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error
+  // ImageFolder decoding (issue 15): auto (whichever of the CPU and nvJPEG trains faster,
+  // measured: DecoderChoice in train_data.cpp; the CPU alone without nvJPEG or a CUDA device), cpu (libjpeg-turbo, or stb without it), nvjpeg (data/gpu_jpeg.h; kiln::Error
   // when it cannot run; should it stall, the CPU takes over: GpuJpegLoader's failover), stb or
   // turbo (CPU, forced).
   std::string decoder = "auto";
