@@ -42,12 +42,16 @@
 // |                          |                     | GpuJpegLoader::set_stall_timeout)               |
 // | KILN_JPEG_TEST_STALL     | CALL:SECONDS        | a test of the GPU JPEG path's failover: the     |
 // |                          |                     | decode stream of every GPU JPEG loader stops    |
-// |                          |                     | draining for SECONDS at its CALL-th nvJPEG      |
+// |                          |                     | draining for SECONDS after its CALL-th nvJPEG   |
 // |                          |                     | call (from 0; GpuJpegLoader::set_test_stall)    |
 // | KILN_ROW_KERNELS         | 0                   | layer norm on its generic kernels and GELU      |
 // |                          |                     | through the run-time-op elementwise kernel      |
 // |                          |                     | (before 2026-12-03's register-row layer norm    |
 // |                          |                     | and fixed-op GELU)                              |
+// | KILN_CUDNN_ATTENTION     | 0                   | fused attention on kiln's own kernels only      |
+// |                          |                     | (default: cuDNN's SDPA graphs wherever a plan   |
+// |                          |                     | builds for the problem, kiln's kernels          |
+// |                          |                     | elsewhere; cuda/cudnn_attention.h)              |
 //
 // Retired with their closed experiments (the old paths they kept are gone or are the general
 // fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH,
@@ -83,6 +87,7 @@ struct Switches {
   int64_t jpeg_test_stall_call = -1;  // -1: no test stall
   double jpeg_test_stall_s = 0;
   bool row_kernels = true;
+  bool cudnn_attention = true;
 };
 
 // The process's switches, read from the environment on the first call.
@@ -91,7 +96,8 @@ const Switches& switches();
 // A switch that starts from its Switches field (bool or int) and that a program or test may set at
 // run time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
 // cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode,
-// cuda::set_stem_conv_mode and optim::set_grad_overwrite_enabled.
+// cuda::set_stem_conv_mode, cuda::set_cudnn_attention_enabled and
+// optim::set_grad_overwrite_enabled.
 template <typename T>
 class RuntimeSetting {
  public:

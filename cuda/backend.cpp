@@ -5,6 +5,7 @@
 #include "core/switches.h"
 #include "cuda/allocator.h"
 #include "cuda/conv.h"
+#include "cuda/cudnn_attention.h"
 #include "cuda/kernels.h"
 #include "cuda/profiler.h"
 
@@ -217,7 +218,20 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
 }
 
 constexpr BatchNormReluPaths kBatchNormRelu{bn_relu_forward, bn_relu_backward};
-constexpr AttentionPaths kAttention{attention_forward, attention_backward};
+// Fused attention: cuDNN's SDPA graphs where a plan builds for the problem (KILN_CUDNN_ATTENTION,
+// cuda/cudnn_attention.h), kiln's kernels for everything else.
+void attention_fwd(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                   const Tensor& v, double scale, bool causal) {
+  if (!cudnn_attention_forward(out, lse, q, k, v, scale, causal))
+    attention_forward(out, lse, q, k, v, scale, causal);
+}
+void attention_bwd(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                   const Tensor& lse, double scale, bool causal) {
+  if (!cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal))
+    attention_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
+}
+constexpr AttentionPaths kAttention{attention_fwd, attention_bwd};
 
 constexpr BatchNormStatsPaths make_bn_stats() {
   BatchNormStatsPaths p{bn_nhwc_finalize, bn_stats_apply, bn_stats_backward, bn_nhwc_dual_apply,

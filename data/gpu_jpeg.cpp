@@ -356,8 +356,6 @@ struct GpuJpegLoader::Impl {
       nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
       const bool stall = decode_calls++ == test_stall_batch;
       if (!outside(lk, "nvjpegDecodeBatchedInitialize", true, [&] {
-            if (stall && test_stall_where == GpuJpegLoader::TestStall::OnStream)
-              CUDA_CHECK(cudaLaunchHostFunc(decode, sleep_on_stream, new double(test_stall_s)));
             if (initialized_for != n) {
               st = nvjpegDecodeBatchedInitialize(handle, state, n, 1, NVJPEG_OUTPUT_RGBI);
               initialized_for = st == NVJPEG_STATUS_SUCCESS ? n : -1;
@@ -368,6 +366,9 @@ struct GpuJpegLoader::Impl {
             if (st == NVJPEG_STATUS_SUCCESS)
               st = nvjpegDecodeBatched(handle, state, data.data(), lengths.data(), dest.data(),
                                        decode);
+            // The work the call left on the decode stream "never runs" (for test_stall_s).
+            if (stall && test_stall_where == GpuJpegLoader::TestStall::OnStream)
+              CUDA_CHECK(cudaLaunchHostFunc(decode, sleep_on_stream, new double(test_stall_s)));
           }))
         return false;
       gpu_ok = st == NVJPEG_STATUS_SUCCESS;
@@ -608,16 +609,19 @@ struct GpuJpegEpoch::State {
       if (impl->stage_on_device.load(std::memory_order_relaxed) &&
           in_stage >= impl->stall_timeout_s) {
         left_behind = true;
-        if (impl->failover) {
+        const bool driver_held = impl->failover && !driver_free();
+        if (impl->failover && !driver_held) {
           fail_over(stage, in_stage);
           return false;
         }
         impl->wedged = true;
         const std::string msg = detail::str_cat(
             "GPU JPEG loader: its decode thread has been in \"", stage, "\" for ",
-            int64_t(in_stage), " s (stall timeout ", impl->stall_timeout_s,
-            " s), so it has hung and the loader cannot go on (", fetched.load(),
-            " of the epoch's ", host.size(),
+            int64_t(in_stage), " s (stall timeout ", impl->stall_timeout_s, " s), so it has hung",
+            driver_held ? ", and it holds the CUDA driver (a copy on this thread did not go "
+                          "through), so the CPU decoder cannot take over either"
+                        : "",
+            "; the loader cannot go on (", fetched.load(), " of the epoch's ", host.size(),
             " batches came from the workers). Decode on the CPU instead: kiln-train "
             "--decoder cpu (--resume PATH continues from the last checkpoint)");
         if (impl->on_stall) impl->on_stall(msg);
@@ -633,6 +637,29 @@ struct GpuJpegEpoch::State {
       }
     }
     return true;
+  }
+
+  // Whether a CUDA copy from this thread still goes through. A thread stuck inside nvJPEG's call
+  // can hold the CUDA driver's context lock, and then every copy of the process waits with it
+  // (seen on the H200 when the decode stream stopped draining during nvjpegDecodeBatched: the
+  // CPU path's first upload waited inside cuMemcpyHtoDAsync until the call returned). So before
+  // a failover, one 8-byte copy on the current stream, into the host slot's labels (unused in
+  // host mode), must return within kDriverProbeS; a copy that does not is left behind.
+  static constexpr double kDriverProbeS = 2;
+  bool driver_free() {
+    GpuJpegLoader::Impl::Slot& sl = impl->slots[cur ^ 1];
+    void* dst = sl.labels.ptr;
+    const void* src = sl.jobs_host;
+    const cudaStream_t stream = cuda::current_stream();
+    const int dev = impl->device;
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> f = done->get_future();
+    std::thread([done, dst, src, stream, dev] {
+      cudaSetDevice(dev);
+      cudaMemcpyAsync(dst, src, 8, cudaMemcpyHostToDevice, stream);
+      done->set_value();
+    }).detach();
+    return f.wait_for(std::chrono::duration<double>(kDriverProbeS)) == std::future_status::ready;
   }
 
   // The guard fired with failover on: the stuck thread is abandoned (should its call return, it

@@ -107,8 +107,9 @@ class GpuJpegLoader {
   // nvJPEG or the decode stream for `seconds`, the guard fires. Waiting for the workers or for
   // the consumer's stream never counts. A stall report goes to stderr every 60 s before that.
   //
-  // Then, with failover on (the default), the loader fails over to the CPU: the stuck thread is
-  // left behind (with the state it points into, leaked rather than destroyed), one warning on
+  // Then, with failover on (the default) and the CUDA driver free (below), the loader fails over
+  // to the CPU: the stuck thread is left behind (with the state it points into, leaked rather
+  // than destroyed), one warning on
   // stderr says so, and the batch it held and every later batch of every epoch are decoded by
   // the CPU path (libjpeg-turbo or stb, the ImageLoader's boxes and flips) and uploaded on the
   // consumer's stream, so the run goes on. This works because the consumer's stream never waits
@@ -116,23 +117,26 @@ class GpuJpegLoader {
   // complete, so a decode stream that stops draining stops only the decode thread. The batches
   // already prefetched by the workers with JPEGs left for nvJPEG are decoded on the consumer's
   // thread (a few slow batches). Every GPU JPEG loader of the process starts its later epochs
-  // on the CPU path too. With failover off, next() throws kiln::Error instead and the loader is
-  // wedged: every later next() throws.
+  // on the CPU path too. A thread stuck inside nvJPEG's own call can hold the CUDA driver, and
+  // then no copy of the process goes through (seen on the H200): when a test copy does not return
+  // within 2 s there is no failover. Then, and with failover off, next() throws kiln::Error
+  // instead (after the stall handler) and the loader is wedged: every later next() throws.
   static constexpr double kStallTimeoutS = 120;
   void set_stall_timeout(double seconds);
   void set_failover(bool on);
   bool failed_over() const;  // the guard fired with failover on
   bool wedged() const;       // the guard fired with failover off
-  // Failover off: called with the message on the consuming thread when the guard fires, before
-  // next() throws it. A stuck decode can leave the device's queues stuck too, and then unwinding
+  // Called with the message on the consuming thread when the guard fires without a failover,
+  // before next() throws it. A stuck decode can leave the device's queues stuck too, and then unwinding
   // (which frees pinned and device memory, and so synchronises) blocks; a program can print and
   // leave from here.
   using StallHandler = std::function<void(const std::string& message)>;
   void set_stall_handler(StallHandler handler);
   // Tests of the guard: the decode thread's call-th nvJPEG batch (from 0) stalls for `seconds`.
   // InCall: the thread sleeps inside the nvjpegDecodeBatched stage. OnStream: a host function
-  // that sleeps is queued on the decode stream before the call, so the stream stops draining
-  // (what the hangs did) and anything that waits for the whole device would wait with it.
+  // that sleeps is queued on the decode stream after the call, so the work the call left there
+  // does not run (what the hangs did once consecutive calls were serialised) and anything that
+  // waits for the whole device would wait with it.
   enum class TestStall { InCall, OnStream };
   void set_test_stall(int64_t call, double seconds, TestStall where = TestStall::InCall);
 

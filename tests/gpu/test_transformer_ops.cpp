@@ -1,8 +1,10 @@
 // The transformer ops' CUDA kernels against the CPU reference (ops/cpu/), on the same values:
 // layer norm forward and backward in every float dtype, dropout's mask bit for bit, embedding
-// and where; the fused attention against the composition (f16 and bf16, head_dim 64 and 128,
-// lengths that are not a multiple of the tile, causal or not, Lq != Lk), bit-reproducible; and a
-// step with dropout and attention captured in a CUDA graph, replayed bit for bit equal to eager.
+// and where; kiln's fused attention kernels against the composition (f16 and bf16, head_dim 64
+// and 128, lengths that are not a multiple of the tile, causal or not, Lq != Lk),
+// bit-reproducible, with cuDNN's attention path switched off (tests/gpu/test_cudnn_attention.cpp
+// tests that one); and a step with dropout and attention (on whichever path the default picks)
+// captured in a CUDA graph, replayed bit for bit equal to eager.
 // Tolerances: layer norm within the dtype's (tol_for); attention's f16 forward 2e-3 relative to
 // the largest output, its gradients 2e-2 (P and dS are rounded to 16 bits for the MMAs, as in
 // FlashAttention-2), bf16 four times that.
@@ -12,6 +14,7 @@
 #include <cstring>
 
 #include "core/generator.h"
+#include "cuda/cudnn_attention.h"
 #include "cuda/graph.h"
 #include "cuda/kernels.h"
 #include "ops/cpu/kernels.h"
@@ -148,9 +151,25 @@ struct AttnCase {
   bool causal;
 };
 
+// kiln's own attention kernels for a scope: the cuDNN path (on by default) would otherwise take
+// the cases it supports.
+class KilnAttentionKernels {
+ public:
+  KilnAttentionKernels() : prev_(cuda::cudnn_attention_enabled()) {
+    cuda::set_cudnn_attention_enabled(false);
+  }
+  ~KilnAttentionKernels() { cuda::set_cudnn_attention_enabled(prev_); }
+  KilnAttentionKernels(const KilnAttentionKernels&) = delete;
+  KilnAttentionKernels& operator=(const KilnAttentionKernels&) = delete;
+
+ private:
+  bool prev_;
+};
+
 }  // namespace
 
 TEST_CASE("scaled_dot_product_attention: the fused kernels against the composition") {
+  KilnAttentionKernels kiln_kernels;
   const AttnCase cases[] = {{2, 3, 197, 197, 64, false}, {1, 2, 256, 256, 128, true},
                             {2, 2, 100, 300, 64, true},  {1, 4, 65, 33, 128, false},
                             {2, 1, 1, 70, 64, true},     {3, 2, 130, 130, 64, true}};
@@ -194,6 +213,7 @@ TEST_CASE("scaled_dot_product_attention: the fused kernels against the compositi
 }
 
 TEST_CASE("packed_attention: fused forward and the one-tensor backward equal the composition") {
+  KilnAttentionKernels kiln_kernels;
   Generator gen(8);
   for (DType dt : {DType::f16, DType::bf16})
     for (bool causal : {false, true}) {
@@ -215,6 +235,7 @@ TEST_CASE("packed_attention: fused forward and the one-tensor backward equal the
 }
 
 TEST_CASE("attention reading strided q, k, v from one projection; unsupported shapes compose") {
+  KilnAttentionKernels kiln_kernels;
   // (B, L, 3, H, D) as the in-projection writes it: q, k, v are strided views, no copies.
   Generator gen(5);
   const int64_t B = 2, L = 50, H = 4, D = 64;

@@ -17,10 +17,10 @@ for spec in $MODELS; do
       echo "$model $SWITCH $side:"
       if [ $side = off ]; then
         env "$SWITCH=0" $B/kiln-bench --model "$model" --batches "$batch" --graph-only \
-          --json "$OUT/ab-$model-$side-$i.json" 2>&1 | grep -E "graph|error"
+          --json "$OUT/ab-$model-$side-$i.json" 2>&1 | grep -E "graph|error|unavailable"
       else
         env -u "$SWITCH" $B/kiln-bench --model "$model" --batches "$batch" --graph-only \
-          --json "$OUT/ab-$model-$side-$i.json" 2>&1 | grep -E "graph|error"
+          --json "$OUT/ab-$model-$side-$i.json" 2>&1 | grep -E "graph|error|unavailable"
       fi
     done
   done

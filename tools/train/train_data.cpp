@@ -320,6 +320,16 @@ data::ImageLoaderOptions image_eval_options(data::ImageLoaderOptions eo) {
   return eo;
 }
 
+// nvJPEG's stall guard when the CPU decoder cannot take over (the stuck call holds the CUDA
+// driver, data/gpu_jpeg.h): unwinding would block on the device, so say why and leave at once
+// (the last epoch's checkpoint is already on disk).
+void exit_on_stall(const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "kiln-train: error: %s\n", message.c_str());
+  std::fflush(nullptr);
+  std::_Exit(kStallExitCode);
+}
+
 // One IDX split, Fashion-MNIST's or --data's; a missing or malformed file is the user's to fix.
 data::IdxPair load_idx(bool fmnist, const std::string& dir, data::Split s) {
   return cli::user_input(fmnist ? "fashion-mnist: " : "--data: ", [&] {
@@ -470,6 +480,8 @@ void TrainData::open_gpu_jpeg_loaders(data::ImageFolder train, data::ImageFolder
   gpu_test_ =
       std::make_unique<data::GpuJpegLoader>(std::move(val), image_eval_options(lo), o.device, dt,
                                             data::NormalizeStats{}, o.host_decode_fraction);
+  gpu_train_->set_stall_handler(exit_on_stall);
+  gpu_test_->set_stall_handler(exit_on_stall);
   description_ += std::string(" (nvJPEG ") + gpu_train_->backend() + " decoder)";
   if (gpu_train_->num_batches() == 0)
     cli::usage_error("--data '", o.data, "': ", gpu_train_->host().samples_per_epoch(),

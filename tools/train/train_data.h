@@ -76,6 +76,11 @@ struct DataOptions {
   amp::Precision precision = amp::Precision::FP32;
 };
 
+// kiln-train's exit status when nvJPEG's stall guard fires and the CPU decoder cannot take over
+// (the stuck call holds the CUDA driver: GpuJpegLoader::set_failover): EX_TEMPFAIL, since
+// rerunning (with --decoder cpu, --resume) works.
+constexpr int kStallExitCode = 75;
+
 struct DecoderChoice;
 
 class TrainData {
