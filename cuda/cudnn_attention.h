@@ -31,7 +31,8 @@ namespace kiln::cuda {
 // cuda/backend.cpp's table calls these first; false means "not run": the caller runs kiln's own
 // kernels (cuda/kernels.h), which overwrite every output (a false return may follow tuning runs
 // that wrote into them). They return false when
-//  - KILN_CUDNN_ATTENTION=0 or set_cudnn_attention_enabled(false);
+//  - the path is off: the default until the vit_b_16 step's skipped steps with it are explained
+//    (docs/lab/transformer.md); KILN_CUDNN_ATTENTION=1 or set_cudnn_attention_enabled(true);
 //  - causal, Lq != Lk, a dtype other than f16/bf16, a head dim other than 64 or 128, lse not
 //    contiguous f32, a pointer not 16-byte aligned;
 //  - a (B, H, L, D) operand's strides are not one of the layouts the graphs were run with:
@@ -56,7 +57,7 @@ bool cudnn_attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
                               const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, double scale, bool causal);
 
-// On unless KILN_CUDNN_ATTENTION=0 or switched off here (tests compare both ways).
+// Off unless KILN_CUDNN_ATTENTION=1 or switched on here (tests compare both ways).
 bool cudnn_attention_enabled();
 void set_cudnn_attention_enabled(bool on);
 
