@@ -87,7 +87,7 @@ end_to_end() {
   grep -E "^==|ImageFolder|done in|auto:|decoded" "$OUT/train.log"
 }
 # nvJPEG's failover (data/gpu_jpeg.h) in a real training: the decode stream stops draining for
-# STALL_S s at the training loader's nvJPEG call N for each N in STALL_AT (20: epoch 1, before
+# STALL_S s after the training loader's nvJPEG call N for each N in STALL_AT (20: epoch 1, before
 # the first evaluation; 100: epoch 2), the guard gives up after 5 s, and the run must go on at
 # its pace and end long before the stall does. Logs: stall-N.log; the wall time is printed.
 failover() {
