@@ -26,6 +26,7 @@
 #include "data/image.h"
 #include "tools/cli/cli.h"
 #include "tools/train/output_dir.h"
+#include "tools/train/train_data.h"
 #include "tools/train/train_dist.h"
 #include "tools/train/trainer.h"
 
@@ -852,4 +853,21 @@ TEST_CASE("kiln-speedrun: trains and reports on a small CIFAR-like folder (CPU);
                         "': 9 class folders; the speedrun's network has 10 outputs (CIFAR-10)\n");
   std::error_code ec;
   fs::remove_all(root, ec);
+}
+
+TEST_CASE("kiln-train --decoder auto: nvJPEG gets an epoch, then the faster side by more than 1%") {
+  using train::auto_decoder_picks_gpu;
+  // After the first (CPU) epoch, nvJPEG is tried whatever the CPU's time.
+  CHECK(auto_decoder_picks_gpu(0.0285, -1, false, false));
+  CHECK(auto_decoder_picks_gpu(0.0100, -1, false, false));
+  // The H200 run of 2026-12-03: nvJPEG 31.6 ms per batch against the CPU's 28.5: back to the CPU.
+  CHECK_FALSE(auto_decoder_picks_gpu(0.0285, 0.0316, true, false));
+  // The side that ran keeps the next epoch unless the other was more than 1% faster.
+  CHECK(auto_decoder_picks_gpu(0.0285, 0.0287, true, false));
+  CHECK_FALSE(auto_decoder_picks_gpu(0.0285, 0.0283, false, false));
+  CHECK(auto_decoder_picks_gpu(0.0285, 0.0280, false, false));
+  CHECK_FALSE(auto_decoder_picks_gpu(0.0280, 0.0285, true, false));
+  // After a failover, the CPU whatever was measured.
+  CHECK_FALSE(auto_decoder_picks_gpu(0.0300, -1, false, true));
+  CHECK_FALSE(auto_decoder_picks_gpu(0.0300, 0.0100, true, true));
 }

@@ -109,24 +109,26 @@ std::string eval_folder(const std::string& data) {
 // first epoch's tuning and graph capture: MeasuredStream). The first epoch runs the CPU decoder
 // and the second nvJPEG (with the adaptive share, so the CPU workers keep decoding what they
 // can); from then on each epoch runs the one that was faster when last measured (a switch needs
-// kMargin), and the CPU decoder after a failover. Evaluation follows the training epochs'
-// decoder. (The time the step spends in next() would not do: next() also waits for the device,
+// kAutoDecoderMargin), and the CPU decoder after a failover (auto_decoder_picks_gpu).
+// Evaluation follows the training epochs' decoder. (The time the step spends in next() would not do: next() also waits for the device,
 // through the events that guard the upload buffers, whichever side is behind.)
+bool auto_decoder_picks_gpu(double cpu_s, double gpu_s, bool gpu_now, bool failed_over) {
+  if (failed_over) return false;
+  if (gpu_s < 0) return true;       // nvJPEG not measured yet
+  if (cpu_s < 0) return gpu_now;    // nothing to compare with
+  const double m = 1 + kAutoDecoderMargin;
+  return gpu_now ? gpu_s < cpu_s * m : gpu_s * m < cpu_s;
+}
+
 struct DecoderChoice {
-  static constexpr double kMargin = 0.01;  // relative
-  bool announce = false;                   // rank 0 prints each switch
+  bool announce = false;  // rank 0 prints each switch
   double batch_s[2] = {-1, -1};  // seconds per batch when last measured: [0] CPU, [1] nvJPEG
   bool gpu = false;              // the decoder of the next epoch
 
   void report(int64_t epoch, bool on_gpu, double seconds_per_batch) {
     batch_s[on_gpu ? 1 : 0] = seconds_per_batch;
-    bool next = false;
-    if (data::gpu_jpeg_failed_over())
-      next = false;
-    else if (batch_s[1] < 0)
-      next = true;  // nvJPEG not measured yet
-    else if (batch_s[0] >= 0)
-      next = gpu ? batch_s[1] < batch_s[0] * (1 + kMargin) : batch_s[1] * (1 + kMargin) < batch_s[0];
+    const bool next =
+        auto_decoder_picks_gpu(batch_s[0], batch_s[1], on_gpu, data::gpu_jpeg_failed_over());
     if (next != gpu && announce) {
       std::printf("kiln-train: --decoder auto: epoch %ld took %.1f ms per batch with %s", long(epoch + 1),
                   1e3 * seconds_per_batch, on_gpu ? "nvJPEG" : "the CPU decoder");

@@ -82,6 +82,13 @@ struct DataOptions {
 constexpr int kStallExitCode = 75;
 
 struct DecoderChoice;
+// --decoder auto's rule (DecoderChoice in train_data.cpp): whether the next epoch runs nvJPEG,
+// from the seconds per batch last measured with the CPU decoder and with nvJPEG (negative: not
+// measured yet), whether the epoch now ending ran nvJPEG, and whether nvJPEG failed over.
+// Untried nvJPEG gets an epoch; then the faster side wins, by more than kAutoDecoderMargin to
+// switch.
+constexpr double kAutoDecoderMargin = 0.01;  // relative
+bool auto_decoder_picks_gpu(double cpu_s, double gpu_s, bool gpu_now, bool failed_over);
 
 class TrainData {
  public:
