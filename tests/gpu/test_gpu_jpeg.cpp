@@ -97,6 +97,7 @@ class StackOnStall {
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
+    std::signal(SIGUSR1, SIG_DFL);
   }
   ~StackOnStall() { stop(); }
 
