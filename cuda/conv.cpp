@@ -199,17 +199,7 @@ struct Key {
   int64_t stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0, dil_h = 0, dil_w = 0, groups = 0;
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
 };
-static_assert(std::has_unique_object_representations_v<Key>, "Key must have no padding");
-
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    int64_t words[sizeof(Key) / sizeof(int64_t)];
-    std::memcpy(words, &k, sizeof(Key));
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
-    for (int64_t w : words) h = (h ^ uint64_t(w)) * 1099511628211ull;
-    return size_t(h ^ (h >> 29));
-  }
-};
+using KeyHash = WordsHash<Key>;
 
 Problem problem_of(const Key& k) {
   Problem pr{DType(k.dtype), MemoryFormat(k.fmt), Shape(k.x, k.x + 4), Shape(k.w, k.w + 4),

@@ -24,6 +24,7 @@
 #include "core/switches.h"
 #include "cuda/check.h"
 #include "cuda/conv.h"
+#include "cuda/cudnn_util.h"
 #include "cuda/runtime.h"
 
 namespace kiln::cuda {
@@ -420,17 +421,7 @@ struct Key {
   int64_t strides[kSlots][4] = {};
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
 };
-static_assert(std::has_unique_object_representations_v<Key>, "Key must have no padding");
-
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    int64_t words[sizeof(Key) / sizeof(int64_t)];
-    std::memcpy(words, &k, sizeof(Key));
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
-    for (int64_t w : words) h = (h ^ uint64_t(w)) * 1099511628211ull;
-    return size_t(h ^ (h >> 29));
-  }
-};
+using KeyHash = WordsHash<Key>;
 
 // A problem's tuned plan, or (ok false) the record that none builds or runs.
 struct Plan {

@@ -1,6 +1,10 @@
 #pragma once
-// Small helpers shared by the cuDNN wrappers (cuda/conv.cpp, cuda/batchnorm.cpp): RAII
-// descriptors, dtype mapping, layout canonicalisation. Internal to cuda/.
+// Small helpers shared by the cuDNN wrappers (cuda/conv.cpp, cuda/batchnorm.cpp,
+// cuda/cudnn_attention.cpp): RAII descriptors, dtype mapping, layout canonicalisation, the plan
+// caches' key hash. Internal to cuda/.
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/autograd.h"
@@ -8,6 +12,21 @@
 #include "cuda/check.h"
 
 namespace kiln::cuda {
+
+// The hash of a plan cache's key (cuda/conv.cpp, cuda/cudnn_attention.cpp): a struct of int64_t
+// fields without padding, compared with memcmp and hashed as its words (FNV-1a).
+template <typename Key>
+struct WordsHash {
+  static_assert(std::has_unique_object_representations_v<Key>, "Key must have no padding");
+  static_assert(sizeof(Key) % sizeof(int64_t) == 0, "Key must be whole 64-bit words");
+  size_t operator()(const Key& k) const {
+    int64_t words[sizeof(Key) / sizeof(int64_t)];
+    std::memcpy(words, &k, sizeof(Key));
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t w : words) h = (h ^ uint64_t(w)) * 1099511628211ull;
+    return size_t(h ^ (h >> 29));
+  }
+};
 
 inline cudnnDataType_t cudnn_dtype(DType t) {
   switch (t) {
