@@ -45,7 +45,8 @@ Switches read_switches() {
     }
   }
   s.row_kernels = !is(std::getenv("KILN_ROW_KERNELS"), "0");
-  s.cudnn_attention = is(std::getenv("KILN_CUDNN_ATTENTION"), "1");
+  s.cudnn_attention = !is(std::getenv("KILN_CUDNN_ATTENTION"), "0");
+  s.cudnn_tail_mask = !is(std::getenv("KILN_CUDNN_TAIL_MASK"), "0");
   return s;
 }
 

@@ -48,11 +48,14 @@
 // |                          |                     | through the run-time-op elementwise kernel      |
 // |                          |                     | (before 2026-12-03's register-row layer norm    |
 // |                          |                     | and fixed-op GELU)                              |
-// | KILN_CUDNN_ATTENTION     | 1                   | fused attention on cuDNN's SDPA graphs wherever |
-// |                          |                     | a plan builds for the problem, kiln's kernels   |
-// |                          |                     | elsewhere (cuda/cudnn_attention.h). Off by      |
-// |                          |                     | default: the vit_b_16 step skips steps with it  |
-// |                          |                     | (docs/lab/transformer.md, 2026-12-03)           |
+// | KILN_CUDNN_ATTENTION     | 0                   | attention on kiln's own kernels only, not on    |
+// |                          |                     | cuDNN's fused SDPA graphs (cuda/                |
+// |                          |                     | cudnn_attention.h; on by default since its      |
+// |                          |                     | backward's tail mask, docs/lab/transformer.md)  |
+// | KILN_CUDNN_TAIL_MASK     | 0                   | cuDNN attention's backward without its tail     |
+// |                          |                     | mask where L % 128 != 0: 5% faster in vit_b_16, |
+// |                          |                     | NaN in dQ on cuDNN 9.14 (sdpa::                 |
+// |                          |                     | tail_mask_needed); for measuring newer cuDNNs   |
 //
 // Retired with their closed experiments (the old paths they kept are gone or are the general
 // fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH,
@@ -88,7 +91,8 @@ struct Switches {
   int64_t jpeg_test_stall_call = -1;  // -1: no test stall
   double jpeg_test_stall_s = 0;
   bool row_kernels = true;
-  bool cudnn_attention = false;
+  bool cudnn_attention = true;
+  bool cudnn_tail_mask = true;
 };
 
 // The process's switches, read from the environment on the first call.

@@ -13,9 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -124,7 +127,7 @@ const be::Desc& Graph::virt(const std::string& name, cudnnDataType_t dt, const D
 }
 
 void Graph::matmul(const std::string& node, const be::Desc& a, const be::Desc& b,
-                   const be::Desc& c) {
+                   const be::Desc& c, const MatmulOverrides& ov) {
   be::Desc md(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
   SDPA_SET(md, node, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kF32);
   finalize_desc(md, node + " (matmul descriptor)");
@@ -133,21 +136,28 @@ void Graph::matmul(const std::string& node, const be::Desc& a, const be::Desc& b
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_DESC, md);
+  if (ov.m) SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, *ov.m);
+  if (ov.n) SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, *ov.n);
+  if (ov.k) SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, *ov.k);
   finalize_desc(op, node);
   keep(std::move(md));
   push(std::move(op), node, "matmul", c, {&a, &b});
 }
 
 void Graph::pointwise(const std::string& node, cudnnPointwiseMode_t mode, const char* mode_name,
-                      const be::Desc& x, const be::Desc* b, const be::Desc& y) {
+                      const be::Desc& x, const be::Desc* b, const be::Desc& y,
+                      const PointwiseOptions& opt) {
   be::Desc pd(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
   SDPA_SET(pd, node, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
-  SDPA_SET(pd, node, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &kF32);
+  SDPA_SET(pd, node, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &opt.math);
+  if (opt.axis >= 0)
+    SDPA_SET(pd, node, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &opt.axis);
   finalize_desc(pd, node + " (pointwise descriptor)");
   be::Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pd);
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
   if (b) SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
+  if (opt.cond) SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *opt.cond);
   SDPA_SET_DESC(op, node, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
   const float one = 1.0f;
   SDPA_SET(op, node, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &one);
@@ -156,6 +166,7 @@ void Graph::pointwise(const std::string& node, cudnnPointwiseMode_t mode, const 
   keep(std::move(pd));
   std::vector<const be::Desc*> in{&x};
   if (b) in.push_back(b);
+  if (opt.cond) in.push_back(opt.cond);
   push(std::move(op), node, mode_name, y, in);
 }
 
@@ -276,7 +287,10 @@ enum BwdUid : int64_t {
   kBdK,
   kBdV,
   kBSoftmaxSum,
-  kBdQAccum
+  kBdQAccum,
+  kBSeqLenQ,
+  kBSeqLenKv,
+  kBNegInf
 };
 
 }  // namespace
@@ -332,6 +346,14 @@ void build_backward(Graph& g, const Problem& p, const BackwardOperands& x, DqFor
   const be::Desc& dK = g.io("dK", kBdK, io, x.dk.dims, x.dk.strides, x.dk.data);
   const be::Desc& dV = g.io("dV", kBdV, io, x.dv.dims, x.dv.strides, x.dv.data);
   const be::Desc& Sum = g.io("softmax_sum", kBSoftmaxSum, kF32, bhs1, row_strides, x.softmax_sum);
+  // The tail mask's lengths (tail_mask_needed): queries' and keys', the same memory.
+  const be::Desc* Lq = nullptr;
+  const be::Desc* Lk = nullptr;
+  if (x.seq_lens) {
+    const Dims b111{p.b, 1, 1, 1}, ones{1, 1, 1, 1};
+    Lq = &g.io("seq_len_q", kBSeqLenQ, CUDNN_DATA_INT32, b111, ones, x.seq_lens);
+    Lk = &g.io("seq_len_kv", kBSeqLenKv, CUDNN_DATA_INT32, b111, ones, x.seq_lens);
+  }
 
   const be::Desc& dOO = g.virt("dO*O", kF32, bhsd);
   g.pointwise("dO*O", CUDNN_POINTWISE_MUL, "mul", dO, &O, dOO);
@@ -341,19 +363,41 @@ void build_backward(Graph& g, const Problem& p, const BackwardOperands& x, DqFor
   g.pointwise("softmax_sum * 1", CUDNN_POINTWISE_MUL, "mul", R, &One, Sum);
 
   const be::Desc& S = g.virt("S", kF32, bhss);
-  g.matmul("Q·K^T", Q, Kt, S);
-  const be::Desc& Ss = g.virt("S*scale", kF32, bhss);
-  g.pointwise("attn scale", CUDNN_POINTWISE_MUL, "mul", S, &Scale, Ss);
+  g.matmul("Q·K^T", Q, Kt, S, {.m = Lq, .n = Lk});
+  const be::Desc* Ss = &g.virt("S*scale", kF32, bhss);
+  g.pointwise("attn scale", CUDNN_POINTWISE_MUL, "mul", S, &Scale, *Ss);
+  if (x.seq_lens) {  // S outside L × L is -inf, so P there is 0
+    const cudnnDataType_t i32 = CUDNN_DATA_INT32, boolean = CUDNN_DATA_BOOLEAN;
+    const be::Desc& Row = g.virt("row", i32, bhss);
+    g.pointwise("row index", CUDNN_POINTWISE_GEN_INDEX, "gen-index", *Ss, nullptr, Row,
+                {.math = i32, .axis = 2});
+    const be::Desc& Col = g.virt("col", i32, bhss);
+    g.pointwise("col index", CUDNN_POINTWISE_GEN_INDEX, "gen-index", *Ss, nullptr, Col,
+                {.math = i32, .axis = 3});
+    const be::Desc& RowIn = g.virt("row < L", boolean, bhss);
+    g.pointwise("row < L", CUDNN_POINTWISE_CMP_LT, "lt", Row, Lq, RowIn, {.math = boolean});
+    const be::Desc& ColIn = g.virt("col < L", boolean, bhss);
+    g.pointwise("col < L", CUDNN_POINTWISE_CMP_LT, "lt", Col, Lk, ColIn, {.math = boolean});
+    const be::Desc& In = g.virt("inside", boolean, bhss);
+    g.pointwise("inside", CUDNN_POINTWISE_LOGICAL_AND, "and", RowIn, &ColIn, In,
+                {.math = boolean});
+    const be::Desc& NegInf =
+        g.scalar("-inf", kBNegInf, -std::numeric_limits<float>::infinity());
+    const be::Desc& Masked = g.virt("S masked", kF32, bhss);
+    g.pointwise("tail mask", CUDNN_POINTWISE_BINARY_SELECT, "select", *Ss, &NegInf, Masked,
+                {.cond = &In});
+    Ss = &Masked;
+  }
   const be::Desc& Sm = g.virt("S-stats", kF32, bhss);
-  g.pointwise("sub stats", CUDNN_POINTWISE_SUB, "sub", Ss, &Stats, Sm);
+  g.pointwise("sub stats", CUDNN_POINTWISE_SUB, "sub", *Ss, &Stats, Sm);
   const be::Desc& P = g.virt("P", kF32, bhss);
   g.pointwise("exp", CUDNN_POINTWISE_EXP, "exp", Sm, nullptr, P);
   const be::Desc& Pt = g.virt("P^T", io, {p.b, p.h, p.s, p.s}, transposed);
   g.reshape("transpose P", P, Pt);
-  g.matmul("dV = P^T·dO", Pt, dO, dV);
+  g.matmul("dV = P^T·dO", Pt, dO, dV, {.m = Lk, .k = Lq});
 
   const be::Desc& dP = g.virt("dP", kF32, bhss);
-  g.matmul("dP = dO·V^T", dO, Vt, dP);
+  g.matmul("dP = dO·V^T", dO, Vt, dP, {.m = Lq, .n = Lk});
   const be::Desc& D1 = g.virt("dP-sum", kF32, bhss);
   g.pointwise("sub softmax_sum", CUDNN_POINTWISE_SUB, "sub", dP, &Sum, D1);
   const be::Desc& D2 = g.virt("P*(dP-sum)", kF32, bhss);
@@ -362,16 +406,16 @@ void build_backward(Graph& g, const Problem& p, const BackwardOperands& x, DqFor
   g.pointwise("dS scale", CUDNN_POINTWISE_MUL, "mul", D2, &Scale, dS);
   const be::Desc& dSt = g.virt("dS^T", io, {p.b, p.h, p.s, p.s}, transposed);
   g.reshape("transpose dS", dS, dSt);
-  g.matmul("dK = dS^T·Q", dSt, Q, dK);
+  g.matmul("dK = dS^T·Q", dSt, Q, dK, {.m = Lk, .k = Lq});
 
   const be::Desc& K = g.virt("K", k_dtype, x.k.dims, x.k.strides);
   g.reshape("transpose K^T", Kt, K);
   if (dq == DqForm::Accumulator) {
     const be::Desc& Acc = g.io("dQ_accum", kBdQAccum, kF32, bhsd, dense_strides(bhsd), x.dq_accum);
-    g.matmul("dQ_accum = dS·K", dS, K, Acc);
+    g.matmul("dQ_accum = dS·K", dS, K, Acc, {.m = Lq, .k = Lk});
     g.pointwise("dQ = dQ_accum", CUDNN_POINTWISE_IDENTITY, "identity", Acc, nullptr, dQ);
   } else {
-    g.matmul("dQ = dS·K", dS, K, dQ);
+    g.matmul("dQ = dS·K", dS, K, dQ, {.m = Lq, .k = Lk});
   }
 }
 
@@ -388,6 +432,7 @@ constexpr size_t kMaxPlans = 4;    // plans timed per problem
 constexpr int kTimedRuns = 3;
 
 constinit RuntimeSwitch g_enabled{&Switches::cudnn_attention};  // KILN_CUDNN_ATTENTION
+
 
 enum class Pass : int64_t { Forward = 0, Backward = 1 };
 
@@ -437,12 +482,37 @@ class AttentionPlanCache {
  public:
   std::mutex mutex;  // guards the map
   std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans;
+  // The tail mask's lengths per (device, B, L): int32 [B], every entry L. Never freed, not even
+  // by clear_cudnn_attention_cache(): captured graphs read them.
+  std::map<std::array<int64_t, 3>, std::unique_ptr<Storage>> seq_lens;
   std::atomic<uint64_t> forward_runs{0}, backward_runs{0};
 };
 
 AttentionPlanCache& plan_cache() {
   static AttentionPlanCache cache;
   return cache;
+}
+
+std::string describe(const Key& k);
+
+// The tail mask's lengths for a backward problem (sdpa::tail_mask_needed), made on its first
+// call: outside graph capture, where its plan is tuned too.
+void* seq_lens_for(const Key& key) {
+  AttentionPlanCache& cache = plan_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  std::unique_ptr<Storage>& slot = cache.seq_lens[{key.device, key.b, key.s}];
+  if (!slot) {
+    KILN_CHECK(!is_capturing(), "cuDNN attention ", describe(key),
+               ": the first call of a problem cannot happen during graph capture (run an eager "
+               "warm-up step first, or KILN_CUDNN_ATTENTION=0)");
+    const size_t bytes = size_t(key.b) * sizeof(int32_t);
+    slot = std::make_unique<Storage>(bytes, Device::cuda(key.device));
+    const std::vector<int32_t> lens(size_t(key.b), int32_t(key.s));
+    const cudaStream_t s = current_stream();
+    CUDA_CHECK(cudaMemcpyAsync(slot->data(), lens.data(), bytes, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  return slot->data();
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -785,6 +855,7 @@ bool cudnn_attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
       empty({pr.b, pr.h, pr.s}, TensorOptions(DType::f32).with_device(q.device()));
   x.stats = lse.raw_data();
   x.softmax_sum = softmax_sum.raw_data();
+  if (sdpa::tail_mask_needed(pr.s) && switches().cudnn_tail_mask) x.seq_lens = seq_lens_for(key);
   const IoPointer io_ptr = [&x](int64_t uid) -> void* {
     switch (uid) {
       case sdpa::kBQ:
@@ -807,6 +878,9 @@ bool cudnn_attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
         return x.dv.data;
       case sdpa::kBSoftmaxSum:
         return x.softmax_sum;
+      case sdpa::kBSeqLenQ:
+      case sdpa::kBSeqLenKv:
+        return x.seq_lens;
       default:
         return nullptr;  // no accumulator: the direct dQ form
     }

@@ -11,7 +11,9 @@
 //             each row's log-sum-exp, the `lse` kiln's own kernels write and read.
 //   backward: softmax_sum = rowsum(dO∘O) (f32 [B, H, L, 1], written); P = exp(scale·Q·Kᵀ - stats);
 //             dV = Pᵀ·dO; dP = dO·Vᵀ; dS = scale·P∘(dP - softmax_sum); dK = dSᵀ·Q; dQ = dS·K,
-//             written directly (deterministic) or, in the probe only, through an f32 accumulator.
+//             written directly (deterministic) or, in the probe only, through an f32 accumulator;
+//             where L is not a multiple of 128, scale·Q·Kᵀ outside L × L is masked to -inf and
+//             the matmuls are told the real lengths (tail_mask_needed says why).
 // Ran on an H200 with cuDNN 9.14 at ViT-B/16's shape (batch 128, 12 heads, L 197, D 64): forward
 // 0.091 ms against kiln's kernel's 0.234, backward (direct dQ) 0.340 against 0.618.
 #include <cudnn.h>
@@ -31,8 +33,7 @@ namespace kiln::cuda {
 // cuda/backend.cpp's table calls these first; false means "not run": the caller runs kiln's own
 // kernels (cuda/kernels.h), which overwrite every output (a false return may follow tuning runs
 // that wrote into them). They return false when
-//  - the path is off: the default until the vit_b_16 step's skipped steps with it are explained
-//    (docs/lab/transformer.md); KILN_CUDNN_ATTENTION=1 or set_cudnn_attention_enabled(true);
+//  - the path is off: KILN_CUDNN_ATTENTION=0 or set_cudnn_attention_enabled(false);
 //  - causal, Lq != Lk, a dtype other than f16/bf16, a head dim other than 64 or 128, lse not
 //    contiguous f32, a pointer not 16-byte aligned;
 //  - a (B, H, L, D) operand's strides are not one of the layouts the graphs were run with:
@@ -57,7 +58,7 @@ bool cudnn_attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
                               const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, double scale, bool causal);
 
-// Off unless KILN_CUDNN_ATTENTION=1 or switched on here (tests compare both ways).
+// On unless KILN_CUDNN_ATTENTION=0 or switched off here (tests compare both ways).
 bool cudnn_attention_enabled();
 void set_cudnn_attention_enabled(bool on);
 
@@ -97,11 +98,42 @@ struct BackwardOperands {
   void* stats = nullptr;        // the forward's, f32 (B, H, L) contiguous
   void* softmax_sum = nullptr;  // f32 (B, H, L) contiguous, written
   void* dq_accum = nullptr;     // f32 (B, H, L, D) contiguous, zeroed: DqForm::Accumulator only
+  // int32 [B], every entry L, or null. Non-null: the graph masks the scores outside L × L to
+  // -inf and tells each matmul its real lengths, the tail mask the backward needs where L is not
+  // a multiple of 128 (see tail_mask_needed).
+  void* seq_lens = nullptr;
 };
+
+// Whether the backward at length L needs the tail mask. cuDNN's Hopper backward engines (9.14
+// here) score the padded part of the last 128-wide key tile as 0, not -inf: P there is
+// exp(-stats), and where a row's statistics are very negative, dS overflows and 0·inf puts NaN
+// into dQ (dK and dV stay finite). cudnn-frontend adds the same mask for these lengths up to
+// cuDNN 9.15. Without it kiln's vit_s_16 and vit_b_16 steps (L 197) got NaN in dQ from finite
+// inputs, and the loss scaler skipped a third of the steps; the mask costs ~1.6 ms of vit_b_16's
+// 36 ms step (docs/lab/transformer.md). KILN_CUDNN_TAIL_MASK=0 leaves it out, to measure newer
+// cuDNNs.
+inline bool tail_mask_needed(int64_t l) { return l % 128 != 0; }
 
 enum class DqForm {
   Direct,       // dQ = dS·K into dQ: the deterministic engines
   Accumulator,  // dQ_accum = dS·K (f32, +=), dQ = dQ_accum: the non-deterministic engines
+};
+
+// A matmul's real sizes where its dims are padded: each non-null one is an int32 [B, 1, 1, 1]
+// tensor of every batch entry's M, N or K.
+struct MatmulOverrides {
+  const be::Desc* m = nullptr;
+  const be::Desc* n = nullptr;
+  const be::Desc* k = nullptr;
+};
+
+// A pointwise operation's settings beyond mode and operands. `math`: the compute type (int32
+// for GEN_INDEX, boolean for comparisons and logic); `axis`: GEN_INDEX's dim; `cond`:
+// BINARY_SELECT's condition (y = cond ? x : b).
+struct PointwiseOptions {
+  cudnnDataType_t math = CUDNN_DATA_FLOAT;
+  int64_t axis = -1;
+  const be::Desc* cond = nullptr;
 };
 
 // An operation graph under construction: its tensor and operation descriptors, the memory bound
@@ -124,11 +156,13 @@ class Graph {
   const be::Desc& virt(const std::string& name, cudnnDataType_t dt,
                        const std::vector<int64_t>& dims, std::vector<int64_t> strides = {});
 
-  // c = a·b over the last two dims, f32 compute.
-  void matmul(const std::string& node, const be::Desc& a, const be::Desc& b, const be::Desc& c);
-  // y = mode(x [, b]), f32 math; b (may be null) broadcasts.
+  // c = a·b over the last two dims, f32 compute; see MatmulOverrides.
+  void matmul(const std::string& node, const be::Desc& a, const be::Desc& b, const be::Desc& c,
+              const MatmulOverrides& ov = {});
+  // y = mode(x [, b]); b (may be null) broadcasts; see PointwiseOptions.
   void pointwise(const std::string& node, cudnnPointwiseMode_t mode, const char* mode_name,
-                 const be::Desc& x, const be::Desc* b, const be::Desc& y);
+                 const be::Desc& x, const be::Desc* b, const be::Desc& y,
+                 const PointwiseOptions& opt = {});
   // y = reduce(x) over the dims where y has size 1, f32 compute.
   void reduce(const std::string& node, cudnnReduceTensorOp_t red, const char* red_name,
               const be::Desc& x, const be::Desc& y);

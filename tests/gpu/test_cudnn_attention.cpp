@@ -97,6 +97,12 @@ double rel_error(const Tensor& got, const Tensor& want) {
   return err / std::max(scale, 1e-30);
 }
 
+bool all_finite(const Tensor& t) {
+  for (double x : host_f64(t).to_vector<double>())
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
 // max over elements of |got - want| - rel·|want| (≤ abs passes); infinite on NaN.
 double lse_excess(const Tensor& got, const Tensor& want, double rel) {
   const std::vector<double> g = host_f64(got).to_vector<double>(),
@@ -237,6 +243,55 @@ TEST_CASE("cuDNN attention equals kiln's kernels and the composition: out, lse, 
         CHECK(same_bits(again.dq, cudnn.dq));
         CHECK(same_bits(again.dk, cudnn.dk));
         CHECK(same_bits(again.dv, cudnn.dv));
+      }
+}
+
+TEST_CASE("cuDNN attention's backward stays finite where every score of a row is very negative") {
+  // Every scaled score is near -120, so every row's log-sum-exp is near -115 and exp(-lse)
+  // overflows f32. cuDNN's Hopper backward (9.14) scores the padded tail of the last 128-wide key
+  // tile as 0, not -inf, so there P = exp(-lse) = inf and dQ = dS·K got inf·0 = NaN; the tail
+  // mask (sdpa::tail_mask_needed) keeps it out. In training this showed as vit_s_16 and vit_b_16
+  // steps the loss scaler skipped (docs/lab/transformer.md). L 197 needs the mask, 256 does not.
+  for (DType dt : {DType::f16, DType::bf16})
+    for (Layout layout : {Layout::Packed, Layout::Bhsd})
+      for (int64_t l : {197, 256}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(layout == Layout::Packed ? "packed (B, L, 3, H, D)" : "contiguous (B, H, L, D)");
+        CAPTURE(l);
+        const Problem p = make_problem(2, 2, l, 64, dt, layout, uint64_t(l) + 31);
+        p.q.mul_(0.1);
+        p.k.mul_(0.1);
+        p.q.select(3, 0).fill_(1.0);
+        p.k.select(3, 0).fill_(-120.0 * std::sqrt(double(p.d)));
+        Result kiln, cudnn;
+        {
+          CudnnAttention off(false);
+          kiln = run_table(p);
+        }
+        {
+          CudnnAttention on(true);
+          const cuda::CudnnAttentionStats before = cuda::cudnn_attention_stats();
+          cudnn = run_table(p);
+          check_cudnn_ran(before, 1, 1);
+        }
+        const double lse0 = host_f64(kiln.lse).to_vector<double>()[0];
+        CHECK(lse0 < -100.0);  // the premise: exp(-lse) is not a finite f32
+        CHECK(all_finite(cudnn.dq));
+        CHECK(all_finite(cudnn.dk));
+        CHECK(all_finite(cudnn.dv));
+        // dQ's head-dim column 0 is -960·Σⱼ dSᵢⱼ: zero exactly, and in 16 bits whatever
+        // rounding dS leaves, on either path. The other columns compare.
+        const auto rest = [](const Tensor& t) { return t.narrow(3, 1, t.shape()[3] - 1); };
+        const Result ref = run_reference(p);
+        const double f = dt == DType::bf16 ? 4.0 : 1.0;
+        CHECK(rel_error(cudnn.out, kiln.out) < 2e-3 * f);
+        CHECK(lse_excess(cudnn.lse, kiln.lse, 1e-5) <= 1e-4);
+        CHECK(rel_error(rest(cudnn.dq), rest(kiln.dq)) < 2e-2 * f);
+        CHECK(rel_error(cudnn.dk, kiln.dk) < 2e-2 * f);
+        CHECK(rel_error(cudnn.dv, kiln.dv) < 2e-2 * f);
+        CHECK(rel_error(rest(cudnn.dq), rest(ref.dq)) < 2e-2 * f);
+        CHECK(rel_error(cudnn.dk, ref.dk) < 2e-2 * f);
+        CHECK(rel_error(cudnn.dv, ref.dv) < 2e-2 * f);
       }
 }
 
