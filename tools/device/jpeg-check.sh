@@ -18,7 +18,7 @@
 # TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
 # DECODER[:HOST_FRACTION]: default "nvjpeg" (share auto); e.g. "nvjpeg nvjpeg:0 nvjpeg:0.5 cpu"), TRAIN_TIMEOUT (600 s),
 # SKIP_TESTS=1, EXTRA_TARGETS (more build targets), STALL_AT (20 100),
-# STALL_S (120).
+# STALL_S (120), STACKS (1: failover dumps the stacks of a silent run).
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
 set -uo pipefail
@@ -89,23 +89,56 @@ end_to_end() {
 # nvJPEG's failover (data/gpu_jpeg.h) in a real training: the decode stream stops draining for
 # STALL_S s after the training loader's nvJPEG call N for each N in STALL_AT (20: epoch 1, before
 # the first evaluation; 100: epoch 2), the guard gives up after 5 s, and the run must go on at
-# its pace and end long before the stall does. Logs: stall-N.log; the wall time is printed.
+# its pace and end long before the stall does. Logs: stall-N.log, each line with the second it
+# appeared (the log shows where a wait happened); the wall time is printed. STACKS=1: the first
+# time the run prints nothing for 8 s after its failover warning, every thread's stack goes to
+# stacks-N.txt (gdb where the machine has it, else each thread's kernel wait channel).
+dump_stacks() {  # pid
+  if command -v gdb > /dev/null; then
+    gdb -p "$1" -batch -ex "thread apply all bt 20" 2>&1 | grep -vE "^\[(New|Thread debugging)"
+  else
+    echo "no gdb: each thread's name, wait channel and system call"
+    for t in /proc/"$1"/task/*; do
+      echo "$(cat "$t/comm") wchan=$(cat "$t/wchan" 2>/dev/null) syscall=$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
+    done
+  fi
+}
 failover() {
   data=/tmp/kiln-jpeg-train
   [ -d "$data/train" ] || timeout 300 "$B/kiln-loader-bench" --generate "$TRAIN_N" \
     --val "$VAL_N" --classes 100 --output-dir "$data" --batches 0 > "$OUT/corpus.log" 2>&1
   for at in ${STALL_AT:-20 100}; do
     echo "== kiln-train --decoder nvjpeg, decode stream stalled ${STALL_S:-120} s at call $at"
-    local t1
+    local t1 raw=/tmp/stall-$at.raw log="$OUT/stall-$at.log" last=0 quiet=0 dumped=0 n pid kpid
     t1=$(date +%s%N)
-    # Each output line gets the second it was printed (the log shows where a wait happened).
+    : > "$log"
     KILN_JPEG_TEST_STALL="$at:${STALL_S:-120}" KILN_JPEG_STALL_S=5 timeout 400 \
       "$B/kiln-train" --arch resnet50 --data "$data" -b 256 --workers 16 --epochs "$EPOCHS" \
-      --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite 2>&1 |
-      while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line"; done > "$OUT/stall-$at.log"
-    rc=${PIPESTATUS[0]}
+      --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite > "$raw" 2>&1 &
+    pid=$!
+    while kill -0 $pid 2> /dev/null; do
+      sleep 1
+      n=$(wc -l < "$raw")
+      if [ "$n" -ne $last ]; then
+        sed -n "$((last + 1)),${n}p" "$raw" | sed "s/^/$(date +%s) /" >> "$log"
+        last=$n
+        quiet=0
+      else
+        quiet=$((quiet + 1))
+      fi
+      if [ "${STACKS:-0}" = 1 ] && [ $quiet -ge 8 ] && [ $dumped = 0 ] && grep -q "GPU JPEG" "$raw"; then
+        kpid=$(pgrep -P $pid | head -1)
+        [ -n "$kpid" ] && dump_stacks "$kpid" > "$OUT/stacks-$at.txt" 2>&1
+        echo "$(date +%s) [stacks dumped after ${quiet} s of silence]" >> "$log"
+        dumped=1
+      fi
+    done
+    wait $pid
+    rc=$?
+    n=$(wc -l < "$raw")
+    [ "$n" -ne $last ] && sed -n "$((last + 1)),${n}p" "$raw" | sed "s/^/$(date +%s) /" >> "$log"
     echo "rc $rc, wall $(( ($(date +%s%N) - t1) / 1000000 )) ms"
-    grep -E "warning: GPU JPEG|done in|decoded|error|auto" "$OUT/stall-$at.log" | head -20
+    grep -E "warning: GPU JPEG|done in|decoded|error|auto|stacks dumped|model saved" "$log" | head -20
   done
 }
 case "$mode" in
