@@ -93,15 +93,46 @@ end_to_end() {
 # appeared (the log shows where a wait happened); the wall time is printed. STACKS=1: the first
 # time the run prints nothing for 8 s after its failover warning, every thread's stack goes to
 # stacks-N.txt (gdb where the machine has it, else each thread's kernel wait channel).
-dump_stacks() {  # pid
+dump_stacks() {  # pid (of a run started with tools/device/stack_shim.so preloaded)
   if command -v gdb > /dev/null; then
     gdb -p "$1" -batch -ex "thread apply all bt 20" 2>&1 | grep -vE "^\[(New|Thread debugging)"
-  else
-    echo "no gdb: each thread's name, wait channel and system call"
-    for t in /proc/"$1"/task/*; do
-      echo "$(cat "$t/comm") wchan=$(cat "$t/wchan" 2>/dev/null) syscall=$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
-    done
+    return
   fi
+  echo "each thread's name, wait channel and system call"
+  for t in /proc/"$1"/task/*; do
+    echo "$(basename "$t") $(cat "$t/comm") wchan=$(cat "$t/wchan" 2>/dev/null) syscall=$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
+  done
+  [ -f /tmp/stack_shim.so ] || return
+  local before
+  before=$(wc -l < "$raw")
+  for t in /proc/"$1"/task/*; do  # tgkill(pid, tid, SIGUSR2): the shim prints that thread's stack
+    python3 -c "import ctypes,sys; ctypes.CDLL(None).syscall(234, int(sys.argv[1]), int(sys.argv[2]), 12)" \
+      "$1" "$(basename "$t")"
+    sleep 0.2
+  done
+  sleep 1
+  # Frames in kiln-train are "kiln-train(+offset)": named by the nearest symbol below the
+  # return address (a Release build has a symbol table, no line tables).
+  echo "stacks (kiln-train frames named from its symbol table):"
+  tail -n +$((before + 1)) "$raw" | grep -E "^== stack|\[0x" |
+    python3 -c '
+import bisect, re, subprocess, sys
+syms = []
+for line in subprocess.run(["nm", "-C", "-n", "--defined-only", sys.argv[1]],
+                           capture_output=True, text=True).stdout.splitlines():
+    parts = line.split(" ", 2)
+    if len(parts) == 3 and parts[1] in "tTwW":
+        syms.append((int(parts[0], 16), parts[2]))
+addrs = [a for a, _ in syms]
+for line in sys.stdin:
+    m = re.search(r"kiln-train\(\+(0x[0-9a-f]+)\)", line)
+    if m and syms:
+        off = int(m.group(1), 16) - 1
+        i = bisect.bisect_right(addrs, off) - 1
+        print("  " + (syms[i][1][:200] + " +%#x" % (off + 1 - addrs[i]) if i >= 0 else line.strip()))
+    else:
+        print("  " + re.sub(r" \[0x[0-9a-f]+\]$", "", line.strip())[:200])
+' "$B/kiln-train"
 }
 failover() {
   data=/tmp/kiln-jpeg-train
@@ -112,7 +143,12 @@ failover() {
     local t1 raw=/tmp/stall-$at.raw log="$OUT/stall-$at.log" last=0 quiet=0 dumped=0 n pid kpid
     t1=$(date +%s%N)
     : > "$log"
-    KILN_JPEG_TEST_STALL="$at:${STALL_S:-120}" KILN_JPEG_STALL_S=5 timeout 400 \
+    local preload=
+    if [ "${STACKS:-0}" = 1 ] && [ ! -f /tmp/stack_shim.so ]; then
+      cc -shared -fPIC -O1 -o /tmp/stack_shim.so tools/device/stack_shim.c || echo "no stack shim"
+    fi
+    [ "${STACKS:-0}" = 1 ] && [ -f /tmp/stack_shim.so ] && preload=/tmp/stack_shim.so
+    LD_PRELOAD=$preload KILN_JPEG_TEST_STALL="$at:${STALL_S:-120}" KILN_JPEG_STALL_S=5 timeout 400 \
       "$B/kiln-train" --arch resnet50 --data "$data" -b 256 --workers 16 --epochs "$EPOCHS" \
       --decoder nvjpeg --print-freq 20 --output /tmp/kiln-stall-out --overwrite > "$raw" 2>&1 &
     pid=$!
