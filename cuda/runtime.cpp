@@ -124,7 +124,9 @@ void* alloc_pinned(size_t bytes) {
 }
 
 void free_pinned(void* p) {
-  if (p) CUDA_CHECK(cudaFreeHost(p));
+  // cudaFreeHost waits for the whole device, so after a stuck stream it would wait for ever
+  // (kiln-train's ~Trainer did, in its AsyncScalars): the memory is leaked instead.
+  if (p && !stream_stuck()) CUDA_CHECK(cudaFreeHost(p));
 }
 
 namespace {

@@ -71,6 +71,8 @@ void set_graph_capture_active(bool on);
 
 // Pinned (page-locked) host memory for fast asynchronous copies.
 void* alloc_pinned(size_t bytes);
+// Frees alloc_pinned's memory; after mark_stream_stuck() it leaks it instead (cudaFreeHost
+// would wait for the stuck stream).
 void free_pinned(void* p);
 
 // A stream of this process holds work that may never run: an nvJPEG decode stream that stopped

@@ -31,7 +31,8 @@ struct PinnedJobs {
   explicit PinnedJobs(size_t n)
       : p(static_cast<cuda::GatherJob*>(cuda::alloc_pinned(n * sizeof(cuda::GatherJob)))) {}
   ~PinnedJobs() {
-    if (p) cudaFreeHost(p);  // not free_pinned: a destructor must not throw
+    // Not free_pinned: a destructor must not throw. Leaked after a stuck stream, as there.
+    if (p && !cuda::stream_stuck()) cudaFreeHost(p);
   }
   PinnedJobs(const PinnedJobs&) = delete;
   PinnedJobs& operator=(const PinnedJobs&) = delete;

@@ -85,8 +85,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   static void release(const Buffer& b) noexcept {
 #ifdef KILN_WITH_CUDA
     if (b.pinned) {
-      if (cuda::stream_stuck()) return;  // cudaFreeHost would wait for the stuck stream
-      try {
+      try {  // free_pinned leaks it after a stuck stream
         cuda::free_pinned(b.p);
       } catch (const std::exception&) {
       }

@@ -148,7 +148,7 @@ std::vector<double> AsyncScalars::values() {
   for (size_t i = 0; i < s.dtypes.size(); ++i) {
     out.push_back(dispatch_all(s.dtypes[i], [&]<typename T>() {
       T v;
-      std::memcpy(&v, &s.pinned[i], sizeof(T));
+      std::memcpy(static_cast<void*>(&v), &s.pinned[i], sizeof(T));  // T may be Half: bytes
       return convert<double>(v);
     }));
   }

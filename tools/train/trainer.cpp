@@ -758,11 +758,20 @@ void Trainer::save_model() {
               fmt_metric(sum_.test_top1, 100, 2).c_str(),
               fmt_metric(sum_.test_top5, 100, 2).c_str(), long(sum_.epochs_done),
               fmt_time(seconds_since(start_)).c_str(), path.c_str());
+  std::fflush(stdout);
 }
 
 }  // namespace
 
-Summary run(const Config& config) { return Trainer(config).run(); }
+Summary run(const Config& config) {
+  auto trainer = std::make_unique<Trainer>(config);
+  Summary s = trainer->run();
+  // After an nvJPEG failover, tearing the trainer down (pinned buffers, graphs, streams) could
+  // wait for the stuck decode stream: on the H200 its AsyncScalars' cudaFreeHost waited until
+  // the stream drained. Its files are written and closed; the process's exit takes the rest.
+  if (data::gpu_jpeg_failed_over()) (void)trainer.release();
+  return s;
+}
 
 int main(const std::vector<std::string>& args) {
   return cli::run_tool("kiln-train", [&] {
