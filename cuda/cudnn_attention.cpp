@@ -433,7 +433,6 @@ constexpr int kTimedRuns = 3;
 
 constinit RuntimeSwitch g_enabled{&Switches::cudnn_attention};  // KILN_CUDNN_ATTENTION
 
-
 enum class Pass : int64_t { Forward = 0, Backward = 1 };
 
 // The (B, H, L, D) operands of a problem, in the key's order.
