@@ -105,7 +105,7 @@ dump_stacks() {  # pid (of a run started with tools/device/stack_shim.so preload
   [ -f /tmp/stack_shim.so ] || return
   local before
   before=$(wc -l < "$raw")
-  for t in /proc/"$1"/task/*; do  # tgkill(pid, tid, SIGUSR2): the shim prints that thread's stack
+  for t in /proc/"$1"/task/*; do  # tgkill(pid, tid, SIGUSR2): the shim prints that thread's stack; 234 and 12 are x86-64 Linux's numbers
     python3 -c "import ctypes,sys; ctypes.CDLL(None).syscall(234, int(sys.argv[1]), int(sys.argv[2]), 12)" \
       "$1" "$(basename "$t")"
     sleep 0.2
