@@ -47,6 +47,9 @@ Switches read_switches() {
   s.row_kernels = !is(std::getenv("KILN_ROW_KERNELS"), "0");
   s.cudnn_attention = !is(std::getenv("KILN_CUDNN_ATTENTION"), "0");
   s.cudnn_tail_mask = !is(std::getenv("KILN_CUDNN_TAIL_MASK"), "0");
+  s.gemm_tune = !is(std::getenv("KILN_GEMM_TUNE"), "0");
+  const char* gl = std::getenv("KILN_GEMM_TUNE_LOG");
+  s.gemm_tune_log = gl && *gl && !is(gl, "0");
   return s;
 }
 

@@ -56,6 +56,11 @@
 // |                          |                     | mask where L % 128 != 0: 5% faster in vit_b_16, |
 // |                          |                     | NaN in dQ on cuDNN 9.14 (sdpa::                 |
 // |                          |                     | tail_mask_needed); for measuring newer cuDNNs   |
+// | KILN_GEMM_TUNE           | 0                   | every cuBLASLt GEMM on the heuristic's first    |
+// |                          |                     | algorithm, untimed, and a Linear's bias         |
+// |                          |                     | gradient in its weight-gradient GEMM's epilogue |
+// |                          |                     | (before 2026-12-03's tuning; cuda/blas.cpp)     |
+// | KILN_GEMM_TUNE_LOG       | 1                   | print every GEMM problem's tuning               |
 //
 // Retired with their closed experiments (the old paths they kept are gone or are the general
 // fallback): KILN_CONV_STATS, KILN_BN_STATS_PASS, KILN_FUSED_STEM, KILN_WGRAD_FRESH,
@@ -93,6 +98,8 @@ struct Switches {
   bool row_kernels = true;
   bool cudnn_attention = true;
   bool cudnn_tail_mask = true;
+  bool gemm_tune = true;
+  bool gemm_tune_log = false;
 };
 
 // The process's switches, read from the environment on the first call.
@@ -101,7 +108,7 @@ const Switches& switches();
 // A switch that starts from its Switches field (bool or int) and that a program or test may set at
 // run time: the state behind set_accumulate_into_enabled, F::set_dgrad_fusion_enabled,
 // cuda::set_pdl_enabled, cuda::set_tail_tma_epilogue_enabled, cuda::set_tail_gemm_mode,
-// cuda::set_stem_conv_mode, cuda::set_cudnn_attention_enabled and
+// cuda::set_stem_conv_mode, cuda::set_cudnn_attention_enabled, cuda::set_gemm_tuning_enabled and
 // optim::set_grad_overwrite_enabled.
 template <typename T>
 class RuntimeSetting {

@@ -6,16 +6,24 @@
 //
 // Compute type is CUBLAS_COMPUTE_32F for f32 and f16 alike: f16 inputs accumulate in f32, and
 // f32 stays exact f32 (no TF32; that would need CUBLAS_COMPUTE_32F_FAST_TF32).
-// The algorithm comes from cublasLtMatmulAlgoGetHeuristic, asked once per problem (shape,
-// leading dims, batch, dtype, transposes, epilogue, pointer alignment) and cached. When no
-// algorithm supports an epilogue, the bias (gradient) is computed without it.
+// The algorithm is chosen once per problem (shape, leading dims, batch, dtype, transposes,
+// epilogue, pointer alignment) and cached: cublasLtMatmulAlgoGetHeuristic's first
+// kGemmCandidates answers are each timed on the problem's own operands and the fastest kept,
+// as cuDNN's convolutions are (cuda/conv.cpp). The heuristic's first answer is taken untimed
+// during graph capture, in deterministic mode (the same algorithm in every process), for
+// beta != 0 (a rerun would add twice) and with KILN_GEMM_TUNE=0. When no algorithm supports an
+// epilogue, the bias (gradient) is computed without it.
 #include <array>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "core/autograd.h"
+#include "core/switches.h"
 #include "cuda/check.h"
+#include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
 
@@ -100,25 +108,88 @@ using HeuristicKey = std::array<int64_t, 20>;
 std::mutex g_heuristic_mutex;
 std::map<HeuristicKey, std::optional<cublasLtMatmulAlgo_t>> g_heuristics;
 
+constexpr int kGemmCandidates = 8;
+constexpr int kGemmTimedRuns = 3;
+constinit RuntimeSwitch g_tuning{&Switches::gemm_tune};  // KILN_GEMM_TUNE
+
+// Whether a problem met now is tuned (see the top of this file).
+bool tuning_now() { return g_tuning.get() && !conv_deterministic() && !is_capturing(); }
+
+const char* epilogue_name(cublasLtEpilogue_t e) {
+  switch (e) {
+    case CUBLASLT_EPILOGUE_DEFAULT: return "";
+    case CUBLASLT_EPILOGUE_BIAS: return " +bias";
+    case CUBLASLT_EPILOGUE_BGRADB: return " +bias-grad";
+    default: return " +epilogue";
+  }
+}
+
+// The descriptors of one Gemm, made once and used for the heuristic query, tuning and the run.
+struct GemmDescs {
+  MatmulDesc desc;
+  MatrixLayout la, lb, ld;
+  explicit GemmDescs(const Gemm& g)
+      : la(lt_dtype(g.dtype), g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, g.batch,
+           g.stride_a),
+        lb(lt_dtype(g.dtype), g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, g.batch,
+           g.stride_b),
+        ld(lt_dtype(g.dtype), g.m, g.n, g.ldd, g.batch, g.stride_d) {
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+    if (g.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    }
+  }
+};
+
+cublasStatus_t launch(const Gemm& g, GemmDescs& d, const cublasLtMatmulAlgo_t& algo) {
+  Context& ctx = context();
+  const float alpha = 1.0f;
+  return cublasLtMatmul(ctx.lt, d.desc.d, &alpha, g.a, d.la.l, g.b, d.lb.l, &g.beta, g.d, d.ld.l,
+                        g.d, d.ld.l, &algo, ctx.lt_workspace, ctx.lt_workspace_bytes,
+                        current_stream());
+}
+
+// Index of the fastest of `found` on g's operands (each run once untimed, then kGemmTimedRuns
+// times between two events); g.d (and the bias gradient) end up holding some run's result,
+// which the caller's own run overwrites.
+int fastest(const Gemm& g, GemmDescs& d, const cublasLtMatmulHeuristicResult_t* found, int count) {
+  cudaStream_t s = current_stream();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms(size_t(count), -1.0f);
+  int best = 0;
+  for (int i = 0; i < count; ++i) {
+    if (launch(g, d, found[i].algo) != CUBLAS_STATUS_SUCCESS) continue;
+    CUDA_CHECK(cudaEventRecord(a, s));
+    for (int r = 0; r < kGemmTimedRuns; ++r) CUBLAS_CHECK(launch(g, d, found[i].algo));
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(i)], a, b));
+    ms[size_t(i)] /= kGemmTimedRuns;
+    if (ms[size_t(best)] < 0 || ms[size_t(i)] < ms[size_t(best)]) best = i;
+  }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  if (switches().gemm_tune_log) {
+    std::fprintf(stderr,
+                 "[kiln gemm] %s m=%lld n=%lld k=%lld batch=%lld %c%c%s: heuristic %.4f ms, "
+                 "picked #%d of %d %.4f ms\n",
+                 dtype_name(g.dtype), static_cast<long long>(g.m), static_cast<long long>(g.n),
+                 static_cast<long long>(g.k), static_cast<long long>(g.batch),
+                 g.trans_a ? 'T' : 'N', g.trans_b ? 'T' : 'N', epilogue_name(g.epilogue),
+                 double(ms[0]), best, count, double(ms[size_t(best)]));
+  }
+  return best;
+}
+
 // Runs g; false (nothing launched) when no algorithm supports it, which only happens with an
 // epilogue in practice.
 bool run_gemm(const Gemm& g) {
   Context& ctx = context();
-  cudaDataType_t t = lt_dtype(g.dtype);
-  MatmulDesc desc;
-  cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_a);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  if (g.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
-  }
-  // Stored shapes: op(a) is (m×k), so a itself is (k×m) when transposed.
-  MatrixLayout la(t, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, g.batch, g.stride_a);
-  MatrixLayout lb(t, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, g.batch, g.stride_b);
-  MatrixLayout ld(t, g.m, g.n, g.ldd, g.batch, g.stride_d);
-
+  GemmDescs d(g);
   uint32_t al_a = alignment_of(g.a), al_b = alignment_of(g.b), al_d = alignment_of(g.d);
   uint32_t al_bias = g.bias ? alignment_of(g.bias) : 0;
   HeuristicKey key{ctx.device, g.m, g.n, g.k, g.batch, g.lda, g.ldb, g.ldd, g.stride_a,
@@ -138,12 +209,15 @@ bool run_gemm(const Gemm& g) {
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d);
       pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d);
-      cublasLtMatmulHeuristicResult_t result{};
+      const bool tune = g.beta == 0.0f && tuning_now();
+      std::array<cublasLtMatmulHeuristicResult_t, kGemmCandidates> found{};
       int count = 0;
-      cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc.d, la.l, lb.l, ld.l, ld.l,
-                                                        pref.p, 1, &result, &count);
+      cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(ctx.lt, d.desc.d, d.la.l, d.lb.l, d.ld.l,
+                                                        d.ld.l, pref.p, tune ? kGemmCandidates : 1,
+                                                        found.data(), &count);
       if (s != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(s);
-      if (s == CUBLAS_STATUS_SUCCESS && count > 0) algo = result.algo;
+      if (s == CUBLAS_STATUS_SUCCESS && count > 0)
+        algo = found[size_t(count > 1 ? fastest(g, d, found.data(), count) : 0)].algo;
       g_heuristics.emplace(key, algo);
     }
   }
@@ -152,10 +226,7 @@ bool run_gemm(const Gemm& g) {
                dtype_name(g.dtype), " GEMM m=", g.m, " n=", g.n, " k=", g.k, " batch=", g.batch);
     return false;
   }
-  const float alpha = 1.0f;
-  CUBLAS_CHECK(cublasLtMatmul(ctx.lt, desc.d, &alpha, g.a, la.l, g.b, lb.l, &g.beta, g.d, ld.l,
-                              g.d, ld.l, &*algo, ctx.lt_workspace, ctx.lt_workspace_bytes,
-                              current_stream()));
+  CUBLAS_CHECK(launch(g, d, *algo));
   return true;
 }
 
@@ -217,6 +288,8 @@ void bias_grad_by_gemm(const Tensor& db, const Tensor& dy) {
 
 }  // namespace
 
+void set_gemm_tuning_enabled(bool on) { g_tuning.set(on); }
+
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b) {
   Tensor da = dense(a), db = dense(b);
   with_dense_out(out, [&](const Tensor& o) {
@@ -248,6 +321,75 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   });
 }
 
+namespace {
+
+// How linear_backward computes db beside dw = dyᵀ·x: inside the weight-gradient GEMM (cuBLASLt's
+// BGRADB epilogue) or as a GEMM of its own (ones·dy) after a plain one. The epilogue saves a
+// read of dy but narrows cuBLASLt's algorithms: on an H200 it takes ViT-B/16's weight gradients
+// from ~0.15 to ~0.24 ms (tools/bench/kiln-gemm-probe.cpp). Which is faster is measured once per
+// problem, as the GEMMs' algorithms are.
+enum class BiasGradForm { Epilogue, Separate };
+
+using BiasGradKey = std::array<int64_t, 6>;
+std::mutex g_bias_grad_mutex;
+std::map<BiasGradKey, BiasGradForm> g_bias_grad_forms;
+
+
+// dw (out, in) = dyᵀ·x and db = Σ_n dy in `form`; false when the epilogue form has no algorithm.
+bool weight_and_bias_grad(const Tensor& dw, const Tensor& db, const Tensor& dy, const Tensor& x,
+                          BiasGradForm form) {
+  if (form == BiasGradForm::Epilogue)
+    return gemm_row_major(dw, dy, true, x, false, CUBLASLT_EPILOGUE_BGRADB, db.raw_data());
+  gemm_row_major(dw, dy, true, x, false);
+  bias_grad_by_gemm(db, dy);
+  return true;
+}
+
+// The form for this problem: measured on its operands the first time (each form run once to
+// tune its GEMMs, then twice more, alternating, between events), else the epilogue.
+BiasGradForm bias_grad_form(const Tensor& dw, const Tensor& db, const Tensor& dy,
+                            const Tensor& x) {
+  const BiasGradKey key{context().device, dy.size(0), dy.size(1), x.size(1),
+                        int64_t(dy.dtype()), alignment_of(db.raw_data())};
+  std::lock_guard<std::mutex> lock(g_bias_grad_mutex);
+  if (auto it = g_bias_grad_forms.find(key); it != g_bias_grad_forms.end()) return it->second;
+  if (!tuning_now()) return BiasGradForm::Epilogue;
+  const BiasGradForm forms[2] = {BiasGradForm::Epilogue, BiasGradForm::Separate};
+  float ms[2] = {0, 0};
+  bool ran[2] = {false, false};
+  cudaStream_t s = current_stream();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  for (int rep = 0; rep < 3; ++rep)
+    for (int i = 0; i < 2; ++i) {
+      if (rep > 0 && !ran[i]) continue;
+      CUDA_CHECK(cudaEventRecord(a, s));
+      ran[i] = weight_and_bias_grad(dw, db, dy, x, forms[i]);
+      CUDA_CHECK(cudaEventRecord(b, s));
+      CUDA_CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      if (rep > 0) ms[i] += t;  // the first run tunes
+    }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  const BiasGradForm pick =
+      ran[0] && ms[0] <= ms[1] ? BiasGradForm::Epilogue : BiasGradForm::Separate;
+  if (switches().gemm_tune_log)
+    std::fprintf(stderr,
+                 "[kiln gemm] linear weight+bias gradient %s n=%lld in=%lld out=%lld: epilogue "
+                 "%.4f ms, separate %.4f ms: %s\n",
+                 dtype_name(dy.dtype()), static_cast<long long>(dy.size(0)),
+                 static_cast<long long>(x.size(1)), static_cast<long long>(dy.size(1)),
+                 ran[0] ? double(ms[0]) / 2 : -1.0, double(ms[1]) / 2,
+                 pick == BiasGradForm::Epilogue ? "epilogue" : "separate");
+  g_bias_grad_forms.emplace(key, pick);
+  return pick;
+}
+
+}  // namespace
+
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
                      const Tensor& x, const Tensor& w) {
   Tensor ddy = dense(dy);
@@ -273,8 +415,8 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const
                      : empty(db.shape(), TensorOptions(db.dtype()).with_device(db.device()));
     with_dense_out(dw, [&](const Tensor& o) {
       if (db_dense.defined())
-        db_done = gemm_row_major(o, ddy, true, dx_in, false, CUBLASLT_EPILOGUE_BGRADB,
-                                 db_dense.raw_data());
+        db_done = weight_and_bias_grad(o, db_dense, ddy, dx_in,
+                                       bias_grad_form(o, db_dense, ddy, dx_in));
       if (!db_done) gemm_row_major(o, ddy, true, dx_in, false);
     });
     if (db_done && !db_dense.is_same(db)) db.copy_(db_dense);

@@ -45,9 +45,14 @@ void scatter_rows(const Tensor& dx, const Tensor& g, const Tensor& indices, int6
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b);
 // y (N, out) = x (N, in) · w (out, in)ᵀ + bias (bias in the epilogue; bias may be undefined).
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias);
-// dx = dy·w (when defined), dw = dyᵀ·x, db = Σ_n dy (BGRADB epilogue) (when defined).
+// dx = dy·w (when defined), dw = dyᵀ·x, db = Σ_n dy (when defined; in the weight gradient's
+// BGRADB epilogue or as a GEMM of its own, whichever was faster when the problem was first met).
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
                      const Tensor& x, const Tensor& w);
+// Whether a GEMM problem met for the first time times cuBLASLt's first heuristic answers and
+// keeps the fastest, and linear_backward times its two bias-gradient forms (default;
+// KILN_GEMM_TUNE=0 off: the first answer, the epilogue form). Problems already met keep theirs.
+void set_gemm_tuning_enabled(bool on);
 
 // ---- convolution on cuDNN (cuda/conv.cpp) ----
 // Tensors are 4-D, NCHW or NHWC strided; bias (O) or undefined. The backward outputs are `=`,

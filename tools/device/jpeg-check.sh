@@ -18,7 +18,8 @@
 # TRAIN_N (20000), VAL_N (2000), EPOCHS (3), DECODERS (one kiln-train run per entry,
 # DECODER[:HOST_FRACTION]: default "nvjpeg" (share auto); e.g. "nvjpeg nvjpeg:0 nvjpeg:0.5 cpu"), TRAIN_TIMEOUT (600 s),
 # SKIP_TESTS=1, EXTRA_TARGETS (more build targets), STALL_AT (20 100),
-# STALL_S (120), STACKS (1: failover dumps the stacks of a silent run).
+# STALL_S (120), STACKS (1: failover dumps the stacks of a silent run), B (build directory,
+# default build-jpeg; another script's build directory is reused as it is).
 # Run from the repository root (or a copy of it); header-only dependencies come from
 # .deps/include there or beside it (../.deps/include), see ../shared/GPU.md.
 set -uo pipefail
@@ -38,13 +39,13 @@ t0=$(date +%s)
 targets="kiln-loader-bench gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder"
 [ "$mode" != check ] && targets="$targets kiln-train kiln-bench"
 [ -n "${EXTRA_TARGETS:-}" ] && targets="$targets $EXTRA_TARGETS"
-{ cmake -S . -B build-jpeg -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
+B=${B:-build-jpeg}
+{ cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$deps" &&
-  ninja -C build-jpeg -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
+  ninja -C "$B" -j 16 $targets; } > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED|Error" -A5 "$OUT/build.log" | head -60; exit 1; }
 grep "kiln:" "$OUT/build.log"
 echo "build: $(( $(date +%s) - t0 )) s"
-B=build-jpeg
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for t in gpu_test_crop_resize gpu_test_gpu_jpeg test_jpeg_turbo test_image_folder; do
     echo "== $t" >> "$OUT/tests.log"

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# cuBLASLt GEMM tuning (cuda/blas.cpp: a problem's first 8 heuristic algorithms timed, the
+# fastest kept) in one device call: the build; gpu_test_blas; KILN_GEMM_TUNE off and on,
+# alternating (ab_switch.sh), on the models of MODELS; every tuned GEMM problem of one eager
+# vit_b_16 step (KILN_GEMM_TUNE_LOG=1) with that step's per-op profile; then, with FAILOVER=1,
+# nvJPEG's failover run (jpeg-check.sh failover with STACKS=1, stall 60 s at call 100) in the
+# same build. SUITES (default gpu_test_blas) lists the GPU suites run first; VERIFY=1 adds
+# kiln-bench's graph-replay check on vit_s_16 (batch 32); TORCH=1 runs PyTorch's vit_b_16 anchor
+# (.bench/torch_vit.py, carried) last, in the same call.
+#   bash tools/device/gemm_check.sh              (MODELS="vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1")
+# Run from the repository root with .deps carried; a summary in $OUT/gemm.txt, every log in
+# $OUT/gemm-logs.tgz.
+set -uo pipefail
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+B=${B:-build-gpu}
+S="$OUT/gemm.txt"
+L=/tmp/gemm-logs
+mkdir -p $L
+t0=$(date +%s)
+finish() {
+  tar -czf "$OUT/gemm-logs.tgz" -C /tmp gemm-logs
+  echo "gemm_check: $(( $(date +%s) - t0 )) s" | tee -a "$S"
+}
+SUITES=${SUITES:-gpu_test_blas}
+targets="kiln-bench $SUITES ${EXTRA_TARGETS:-}"
+[ "${FAILOVER:-0}" = 1 ] && targets="$targets kiln-train kiln-loader-bench"
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" > $L/configure.log 2>&1 &&
+  ninja -C $B -j 16 $targets > $L/build.log 2>&1 ||
+  { grep -E "error|FAILED" $L/build.log | head -30 | tee -a "$S"; finish; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
+for t in $SUITES; do
+  timeout 300 $B/$t > $L/$t.log 2>&1
+  echo "$t: rc $?; $(grep -E "^\[doctest\] (test cases|assertions)" $L/$t.log | tr '\n' ' ')" |
+    tee -a "$S"
+done
+if [ "${VERIFY:-0}" = 1 ]; then
+  timeout 300 $B/kiln-bench --model vit_s_16 --batches 32 --verify-graph > $L/verify.log 2>&1
+  echo "verify-graph vit_s_16 b32: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"
+fi
+SWITCH=KILN_GEMM_TUNE MODELS="${MODELS:-vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1}" \
+  OUT=$L/ab B=$B bash tools/device/ab_switch.sh 2>&1 | tee -a "$S"
+KILN_GEMM_TUNE_LOG=1 timeout 300 $B/kiln-bench --model vit_b_16 --batches 128 --eager-only \
+  --profile > $L/profile.log 2>&1
+grep -F "[kiln gemm]" $L/profile.log | tee -a "$S"
+grep -vF "[kiln gemm]" $L/profile.log | tail -45 >> "$S"
+if [ "${FAILOVER:-0}" = 1 ]; then
+  OUT=$L/jpeg B=$B SKIP_TESTS=1 STACKS=1 STALL_AT=100 STALL_S=60 \
+    bash tools/device/jpeg-check.sh failover 2>&1 | tee -a "$S"
+fi
+if [ "${TORCH:-0}" = 1 ] && [ -f .bench/torch_vit.py ]; then
+  PYTHONUNBUFFERED=1 timeout 300 python3 .bench/torch_vit.py vit_b_16 128 2>&1 | grep -v Warning |
+    tee -a "$S"
+fi
+finish
