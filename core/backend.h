@@ -215,6 +215,14 @@ struct Backend {
   // dw = dyᵀ·x (always written); dx = dy·w and db = Σ_n dy when defined. All contiguous.
   void (*linear_backward)(TensorRef dx, TensorRef dw, TensorRef db, TensorRef dy, TensorRef x,
                           TensorRef w) = nullptr;
+  // Optional (F::linear_gelu's fused path; where null it composes linear and gelu): the exact
+  // GELU of a GEMM's output y (rows, cols) plus bias (cols), out (=) = gelu(y + bias); all
+  // contiguous, one dtype, f32, f16 or bf16.
+  void (*bias_gelu_forward)(TensorRef out, TensorRef y, TensorRef bias) = nullptr;
+  // Its backward: dy (=) = dout·gelu'(y + bias), dy contiguous; dbias (=) = Σ_rows dy (of dy as
+  // stored) in a fixed order when defined.
+  void (*bias_gelu_backward)(TensorRef dy, TensorRef dbias, TensorRef dout, TensorRef y,
+                             TensorRef bias) = nullptr;
 
   // ---- convolution ----
   // x (N, C, H, W), w (O, C/groups, kH, kW), y/dy (N, O, H', W'), bias (O) or undefined; 4-D

@@ -261,6 +261,8 @@ Backend make_table() {
   b.matmul = matmul;
   b.linear_forward = linear_forward;
   b.linear_backward = linear_backward;
+  b.bias_gelu_forward = bias_gelu_forward;
+  b.bias_gelu_backward = bias_gelu_backward;
   b.conv2d_forward = conv2d_forward;
   b.conv2d_backward_data = conv_dgrad;
   b.conv2d_backward_weight = conv_wgrad;

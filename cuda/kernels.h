@@ -183,6 +183,12 @@ void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor&
                         GradientMode mode);
 void where(const Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
 
+// ---- the exact GELU of a GEMM's output plus its bias (cuda/kernels/bias_gelu.cu): the table's
+// contracts (core/backend.h); f32, f16 or bf16, f32 arithmetic. ----
+void bias_gelu_forward(const Tensor& out, const Tensor& y, const Tensor& bias);
+void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dout,
+                        const Tensor& y, const Tensor& bias);
+
 // ---- fused attention (cuda/kernels/attention.cu): AttentionPaths' contracts (core/backend.h).
 // attention_supported: f16 or bf16, head_dim 64 or 128, the last dim dense and every other
 // stride a multiple of 8 elements with 16-byte aligned data, on an sm_80+ GPU. ----

@@ -118,20 +118,31 @@ EncoderBlock::EncoderBlock(int64_t num_heads, int64_t hidden, int64_t mlp_dim, d
                                                 hidden, num_heads, attention_dropout, true, gen));
   dropout_ = register_module("dropout", std::make_shared<Dropout>(dropout));
   ln_2_ = register_module("ln_2", std::make_shared<LayerNorm>(hidden, eps));
-  auto fc1 = std::make_shared<Linear>(hidden, mlp_dim, true, gen);
+  fc1_ = std::make_shared<Linear>(hidden, mlp_dim, true, gen);
   auto fc2 = std::make_shared<Linear>(mlp_dim, hidden, true, gen);
-  for (const auto& fc : {fc1, fc2}) {  // torchvision's MLPBlock init
+  for (const auto& fc : {fc1_, fc2}) {  // torchvision's MLPBlock init
     init::xavier_uniform_(fc->weight(), 1.0, gen);
     init::normal_(fc->bias(), 0.0, 1e-6, gen);
   }
   mlp_ = register_module("mlp", std::make_shared<Sequential>(std::initializer_list<ModulePtr>{
-                                    fc1, std::make_shared<GELU>(), std::make_shared<Dropout>(dropout),
+                                    fc1_, std::make_shared<GELU>(), std::make_shared<Dropout>(dropout),
                                     fc2, std::make_shared<Dropout>(dropout)}));
 }
 
 Tensor EncoderBlock::forward(const Tensor& x) {
   const Tensor h = F::add(x, (*dropout_)((*attn_)((*ln_1_)(x))));
-  return F::add(h, (*mlp_)((*ln_2_)(h)));
+  return F::add(h, mlp_forward((*ln_2_)(h)));
+}
+
+// mlp.0 (Linear) and mlp.1 (GELU) as one op, F::linear_gelu (on CUDA the bias is added in the
+// GELU's pass, not in the GEMM's epilogue), then mlp.2 onwards in order.
+Tensor EncoderBlock::mlp_forward(const Tensor& x) {
+  Shape shape = x.shape();
+  Tensor m = F::linear_gelu(x.reshape({-1, shape.back()}), fc1_->weight(), fc1_->bias());
+  shape.back() = m.size(1);
+  m = m.view(shape);
+  for (size_t i = 2; i < mlp_->size(); ++i) m = (*(*mlp_)[i])(m);
+  return m;
 }
 
 }  // namespace kiln::nn

@@ -114,10 +114,13 @@ class EncoderBlock : public Module {
   std::string type_name() const override { return "EncoderBlock"; }
 
  private:
+  Tensor mlp_forward(const Tensor& x);
+
   std::shared_ptr<LayerNorm> ln_1_, ln_2_;
   std::shared_ptr<MultiheadAttention> attn_;
   std::shared_ptr<Dropout> dropout_;
-  std::shared_ptr<Sequential> mlp_;
+  std::shared_ptr<Sequential> mlp_;  // mlp.0 Linear, mlp.1 GELU, mlp.2 Dropout, mlp.3 Linear, mlp.4
+  std::shared_ptr<Linear> fc1_;      // mlp.0
 };
 
 }  // namespace kiln::nn

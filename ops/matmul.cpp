@@ -120,6 +120,54 @@ class LinearBackward final : public Node {
   SavedTensor x_, w_;
 };
 
+// gelu(linear(x, w, b)) on a backend with the bias-GELU entries: y = x·wᵀ without bias is saved
+// (the GELU's input less the bias); the backward gets dy and db from one pass
+// (bias_gelu_backward), then dx and dw from linear_backward without a bias.
+class LinearGeluBackward final : public Node {
+ public:
+  LinearGeluBackward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y)
+      : x_(x), w_(w), b_(b), y_(y) {}
+  std::string name() const override { return "LinearGeluBackward"; }
+  void release_saved() override {
+    x_.release();
+    w_.release();
+    b_.release();
+    y_.release();
+  }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
+    const Tensor dout = grads[0].contiguous();
+    Tensor x = x_.get(*this), w = w_.get(*this), b = b_.get(*this), y = y_.get(*this);
+    const TensorOptions opts = TensorOptions(dout.dtype()).with_device(dout.device());
+    Tensor dy = empty(y.shape(), opts);
+    Tensor db = needs_input_grad(2) ? empty(b.shape(), opts) : Tensor();
+    const Backend& be = backend(dout);
+    be.bias_gelu_backward(dy, db, dout, y, b);
+    Tensor dx = needs_input_grad(0) ? empty(x.shape(), opts) : Tensor();
+    Tensor dw = empty(w.shape(), opts);  // the backend always writes dw
+    be.linear_backward(dx, dw, Tensor(), dy, x, w);
+    if (!needs_input_grad(1)) dw = Tensor();
+    return {dx, dw, db};
+  }
+
+ private:
+  SavedTensor x_, w_, b_, y_;
+};
+
+void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
+  check_same(x, weight, op);
+  check_float(x, op);
+  check_dim(x, 2, op, "x");
+  check_dim(weight, 2, op, "weight");
+  KILN_CHECK(x.size(1) == weight.size(1), op, ": x ", x.desc(), " has ", x.size(1),
+             " features but weight ", weight.desc(), " expects ", weight.size(1));
+  if (bias.defined()) {
+    check_same(x, bias, op);
+    KILN_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), op, ": bias ", bias.desc(),
+               " must be [", weight.size(0), "] for weight ", weight.desc());
+  }
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
@@ -157,18 +205,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   KILN_OP_SCOPE("linear", x);
-  const char* op = "linear";
-  check_same(x, weight, op);
-  check_float(x, op);
-  check_dim(x, 2, op, "x");
-  check_dim(weight, 2, op, "weight");
-  KILN_CHECK(x.size(1) == weight.size(1), "linear: x ", x.desc(), " has ", x.size(1),
-             " features but weight ", weight.desc(), " expects ", weight.size(1));
-  if (bias.defined()) {
-    check_same(x, bias, op);
-    KILN_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), "linear: bias ", bias.desc(),
-               " must be [", weight.size(0), "] for weight ", weight.desc());
-  }
+  check_linear(x, weight, bias, "linear");
   Tensor y = empty({x.size(0), weight.size(0)}, TensorOptions(x.dtype()).with_device(x.device()));
   backend(x).linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(),
                             bias.defined() ? bias.detach().contiguous() : Tensor());
@@ -178,6 +215,28 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     autograd::set_history(y, node);
   }
   return y;
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  KILN_OP_SCOPE("linear_gelu", x);
+  check_linear(x, weight, bias, "linear_gelu");
+  const Backend& be = backend(x);
+  const DType t = x.dtype();
+  const bool fused = be.bias_gelu_forward && be.bias_gelu_backward && bias.defined() &&
+                     (t == DType::f32 || t == DType::f16 || t == DType::bf16);
+  if (!fused) return gelu(linear(x, weight, bias));
+  const TensorOptions opts = TensorOptions(t).with_device(x.device());
+  Tensor y = empty({x.size(0), weight.size(0)}, opts);
+  be.linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(), Tensor());
+  Tensor b = bias.detach().contiguous();
+  Tensor out = empty(y.shape(), opts);
+  be.bias_gelu_forward(out, y, b);
+  if (autograd::any_requires_grad({x, weight, bias})) {
+    auto node = std::make_shared<LinearGeluBackward>(x, weight, bias, y);
+    node->set_inputs({x, weight, bias});
+    autograd::set_history(out, node);
+  }
+  return out;
 }
 
 }  // namespace kiln::F

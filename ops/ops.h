@@ -71,6 +71,11 @@ Tensor max(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor matmul(const Tensor& a, const Tensor& b);
 // x (N, in), weight (out, in), bias (out) or undefined -> (N, out) = x·weightᵀ + bias.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// gelu(linear(x, weight, bias)), the exact GELU: a transformer MLP's first Linear and its
+// activation. Where the backend has the bias-GELU entries (CUDA) the GEMM runs without a bias
+// and the GELU's pass adds it (its backward gives the bias gradient from the same pass); else
+// the composition, which defines the result.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias);
 
 // ---------------- convolution and pooling (ops/conv2d.cpp, ops/pool.cpp) ----------------
 struct Pair {

@@ -48,6 +48,20 @@ TEST_CASE("gelu, gelu (tanh) and silu: values and gradients") {
   KILN_CHECK_OK(compare(F::gelu(x32).to(DType::f64), F::gelu(x), 1e-6, 1e-6));
 }
 
+// On the CPU linear_gelu is the composition; the CUDA path is checked against this in
+// tests/gpu/test_transformer_ops.cpp.
+TEST_CASE("linear_gelu: gelu(linear(x, w, b)), values and gradients") {
+  Generator g(4);
+  const Tensor x = randn({5, 3}, DType::f64, &g), w = randn({4, 3}, DType::f64, &g),
+               b = randn({4}, DType::f64, &g);
+  KILN_CHECK_OK(compare(F::linear_gelu(x, w, b), F::gelu(F::linear(x, w, b)), 0.0, 0.0));
+  Tensor xl = leaf({5, 3}, -2.0, 2.0), wl = leaf({4, 3}, -1.0, 1.0), bl = leaf({4}, -1.0, 1.0);
+  KILN_CHECK_OK(gradcheck([](auto& in) { return F::linear_gelu(in[0], in[1], in[2]); },
+                          {xl, wl, bl}));
+  KILN_CHECK_OK(gradcheck([](auto& in) { return F::linear_gelu(in[0], in[1], Tensor()); },
+                          {xl, wl}));
+}
+
 TEST_CASE("layer_norm: values, statistics per row, gradients of x, weight and bias") {
   Generator g(3);
   const Tensor x = randn({4, 6}, DType::f64, &g) * 3.0 + 1.5;

@@ -1,6 +1,6 @@
 // The transformer ops' CUDA kernels against the CPU reference (ops/cpu/), on the same values:
 // layer norm forward and backward in every float dtype, dropout's mask bit for bit, embedding
-// and where; kiln's fused attention kernels against the composition (f16 and bf16, head_dim 64
+// and where; linear_gelu's bias-GELU kernels against the composition; kiln's fused attention kernels against the composition (f16 and bf16, head_dim 64
 // and 128, lengths that are not a multiple of the tile, causal or not, Lq != Lk),
 // bit-reproducible, with cuDNN's attention path switched off (tests/gpu/test_cudnn_attention.cpp
 // tests that one); and a step with dropout and attention (on whichever path the default picks)
@@ -93,6 +93,50 @@ TEST_CASE("layer_norm: CUDA equals the CPU reference, forward and all three grad
       cuda::layer_norm_backward(Tensor(), dw3, Tensor(), dy, x, w, mean, rstd, rows, cols,
                                 GradientMode::Set);
       CHECK(same_bits(dw3, dw));
+    }
+}
+
+// F::linear_gelu's CUDA path (the GEMM without its bias, cuda/kernels/bias_gelu.cu adding it in
+// the GELU's pass and giving the bias gradient from the backward's) against the composition
+// gelu(linear(x, w, b)) on the CPU in f64, on the values the device holds: 16-byte columns (256,
+// 1024, and 40 in f16/bf16), one element at a time (45, and 40 in f32), rows that are not a
+// multiple of the backward's row unroll; the bias gradient bit for bit the same when run again.
+TEST_CASE("linear_gelu: the fused bias-GELU path against the composition on the CPU") {
+  struct Case {
+    int64_t rows, in, out;
+  };
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    for (Case c : {Case{394, 64, 256}, Case{33, 24, 40}, Case{130, 16, 45}, Case{1001, 128, 1024}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(c.rows);
+      CAPTURE(c.in);
+      CAPTURE(c.out);
+      const Tensor x = gpu_tensor(uniform_values(c.rows * c.in, -1.0, 1.0, 11), {c.rows, c.in}, dt);
+      const Tensor w = gpu_tensor(uniform_values(c.out * c.in, -0.3, 0.3, 12), {c.out, c.in}, dt);
+      const Tensor b = gpu_tensor(uniform_values(c.out, -0.5, 0.5, 13), {c.out}, dt);
+      const Tensor dout = gpu_tensor(uniform_values(c.rows * c.out, -1.0, 1.0, 14), {c.rows, c.out}, dt);
+      auto run = [&] {
+        Tensor xl = x.detach(), wl = w.detach(), bl = b.detach();
+        for (const Tensor& t : {xl, wl, bl}) t.set_requires_grad(true);
+        Tensor out = F::linear_gelu(xl, wl, bl);
+        REQUIRE(out.grad_fn());
+        CHECK(out.grad_fn()->name() == "LinearGeluBackward");
+        out.backward(dout);
+        return std::vector<Tensor>{out.detach(), xl.grad(), wl.grad(), bl.grad()};
+      };
+      const std::vector<Tensor> got = run();
+      Tensor xr = host_f64(x), wr = host_f64(w), br = host_f64(b);
+      for (const Tensor& t : {xr, wr, br}) t.set_requires_grad(true);
+      Tensor ref = F::gelu(F::linear(xr, wr, br));
+      ref.backward(host_f64(dout));
+      const double fwd = dt == DType::f32 ? 1e-5 : dt == DType::f16 ? 3e-3 : 2e-2;
+      const double bwd = dt == DType::f32 ? 1e-5 : dt == DType::f16 ? 1e-2 : 5e-2;
+      CHECK(rel_error(got[0], ref.detach()) <= fwd);
+      CHECK(rel_error(got[1], xr.grad()) <= bwd);
+      CHECK(rel_error(got[2], wr.grad()) <= bwd);
+      CHECK(rel_error(got[3], br.grad()) <= bwd);
+      const std::vector<Tensor> again = run();
+      for (size_t i = 0; i < got.size(); ++i) CHECK(same_bits(again[i], got[i]));
     }
 }
 

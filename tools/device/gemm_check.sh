@@ -6,7 +6,8 @@
 # nvJPEG's failover run (jpeg-check.sh failover with STACKS=1, stall 60 s at call 100) in the
 # same build. SUITES (default gpu_test_blas) lists the GPU suites run first; VERIFY=1 adds
 # kiln-bench's graph-replay check on vit_s_16 (batch 32); TORCH=1 runs PyTorch's vit_b_16 anchor
-# (.bench/torch_vit.py, carried) last, in the same call.
+# (.bench/torch_vit.py, carried) last, in the same call. SANITIZE="suite:filter ..." runs each
+# suite's test cases matching the doctest filter under compute-sanitizer memcheck.
 #   bash tools/device/gemm_check.sh              (MODELS="vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1")
 # Run from the repository root with .deps carried; a summary in $OUT/gemm.txt, every log in
 # $OUT/gemm-logs.tgz.
@@ -33,6 +34,14 @@ echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
 for t in $SUITES; do
   timeout 300 $B/$t > $L/$t.log 2>&1
   echo "$t: rc $?; $(grep -E "^\[doctest\] (test cases|assertions)" $L/$t.log | tr '\n' ' ')" |
+    tee -a "$S"
+done
+for spec in ${SANITIZE:-}; do
+  suite=${spec%%:*}
+  filter=${spec#*:}
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 $B/$suite -tc="$filter" \
+    > $L/memcheck-$suite.log 2>&1
+  echo "memcheck $suite ($filter): rc $?; $(grep -E "ERROR SUMMARY|^\[doctest\] assertions" $L/memcheck-$suite.log | tr '\n' ' ')" |
     tee -a "$S"
 done
 if [ "${VERIFY:-0}" = 1 ]; then
