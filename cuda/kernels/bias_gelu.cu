@@ -4,9 +4,9 @@
 //  - forward: out = gelu(y + b), one elementwise pass (16-byte accesses where the row width and
 //    the pointers allow);
 //  - backward: dy = dout·gelu'(y + b), and db = Σ_rows dy (of the rounded dy, as the weight
-//    gradient GEMM reads it) from the same pass: each thread keeps its columns' sums over a
-//    chunk of rows in registers and writes one f32 partial row per chunk; bias_gelu_db adds the
-//    chunks in order. The chunking depends on (rows, cols, device) only, so db is
+//    gradient GEMM reads it) from the same pass: each thread keeps its columns' sums over its
+//    rows of a chunk in registers, each block writes one f32 partial row for its chunk and
+//    columns; bias_gelu_db adds the chunks in order. The chunking depends on (rows, cols, device) only, so db is
 //    bit-reproducible (graph replay equals eager).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,8 +18,7 @@
 namespace kiln::cuda {
 namespace {
 
-constexpr int kColThreads = 128;     // threads across a column slab of the backward
-constexpr int kChunksPerSm = 4;      // row chunks × column slabs ≈ this many blocks per SM
+constexpr int kBlocksPerSm = 8;  // the backward's row chunks × column slabs ≈ this many per SM
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
@@ -44,7 +43,8 @@ __global__ void bias_gelu_fwd(T* __restrict__ out, const T* __restrict__ y,
   const int64_t per_row = cols / V;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < packs;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = (i % per_row) * V;
+    const int64_t c = (packs <= UINT32_MAX ? int64_t(uint32_t(i) % uint32_t(per_row))
+                                           : i % per_row) * V;
     const P yv = reinterpret_cast<const P*>(y)[i];
     const P bv = *reinterpret_cast<const P*>(b + c);
     P o;
@@ -55,54 +55,70 @@ __global__ void bias_gelu_fwd(T* __restrict__ out, const T* __restrict__ y,
   }
 }
 
-// dy = dout·gelu'(y + b) for rows [chunk·rows_per_chunk, ...) of the columns
-// [(slab·kColThreads + thread)·V, ... + V); partial[chunk, col] = Σ of those rows' rounded dy
-// (when partial is not null). Rows are loaded kRowUnroll at a time, so that each thread has
-// several loads in flight.
+// dy = dout·gelu'(y + b) over a block's rows [chunk·rows_per_chunk, ...) and columns
+// [slab·kSlabLanes·V, ... + kSlabLanes·V): lane l of each of the kSlabWarps warps owns columns
+// (slab·kSlabLanes + l)·V + [0, V) and takes every kSlabWarps-th row, kRowUnroll rows at a time
+// so that several loads are in flight; the warps' column sums of the rounded dy are then added
+// in warp order into partial[chunk, ...] (when partial is not null).
+constexpr int kSlabLanes = 32;
+constexpr int kSlabWarps = 8;
 constexpr int kRowUnroll = 4;
 
 template <typename T, int V>
-__global__ void bias_gelu_bwd(T* __restrict__ dy, float* __restrict__ partial,
-                              const T* __restrict__ dout, const T* __restrict__ y,
-                              const T* __restrict__ b, int64_t rows, int64_t cols,
-                              int64_t rows_per_chunk) {
+__global__ void __launch_bounds__(kSlabLanes * kSlabWarps)
+    bias_gelu_bwd(T* __restrict__ dy, float* __restrict__ partial, const T* __restrict__ dout,
+                  const T* __restrict__ y, const T* __restrict__ b, int64_t rows, int64_t cols,
+                  int64_t rows_per_chunk) {
   pdl_start();
   using P = Pack<T, V>;
-  const int64_t c = (int64_t(blockIdx.y) * kColThreads + threadIdx.x) * V;
-  if (c >= cols) return;
+  __shared__ float sums[kSlabWarps][kSlabLanes * V];
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int64_t c = (int64_t(blockIdx.y) * kSlabLanes + lane) * V;
+  const bool live = c < cols;
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_chunk;
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
-  const P bv = *reinterpret_cast<const P*>(b + c);
   float bias[V], sum[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    bias[j] = cvt<float>(bv.v[j]);
-    sum[j] = 0.0f;
-  }
-  auto rows_from = [&]<int U>(int64_t r) {
-    P gv[U], yv[U];
+  for (int j = 0; j < V; ++j) sum[j] = 0.0f;
+  if (live) {
+    const P bv = *reinterpret_cast<const P*>(b + c);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      gv[u] = *reinterpret_cast<const P*>(dout + (r + u) * cols + c);
-      yv[u] = *reinterpret_cast<const P*>(y + (r + u) * cols + c);
-    }
+    for (int j = 0; j < V; ++j) bias[j] = cvt<float>(bv.v[j]);
+    auto rows_from = [&]<int U>(int64_t r) {  // rows r, r + kSlabWarps, ... (U of them)
+      P gv[U], yv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      P o;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        o.v[j] = cvt<T>(gelu_grad_f(cvt<float>(gv[u].v[j]), cvt<float>(yv[u].v[j]) + bias[j]));
-        sum[j] += cvt<float>(o.v[j]);
+      for (int u = 0; u < U; ++u) {
+        const int64_t at = (r + int64_t(u) * kSlabWarps) * cols + c;
+        gv[u] = *reinterpret_cast<const P*>(dout + at);
+        yv[u] = *reinterpret_cast<const P*>(y + at);
       }
-      *reinterpret_cast<P*>(dy + (r + u) * cols + c) = o;
-    }
-  };
-  int64_t r = r0;
-  for (; r + kRowUnroll <= r1; r += kRowUnroll) rows_from.template operator()<kRowUnroll>(r);
-  for (; r < r1; ++r) rows_from.template operator()<1>(r);
-  if (partial) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) partial[int64_t(blockIdx.x) * cols + c + j] = sum[j];
+      for (int u = 0; u < U; ++u) {
+        P o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          o.v[j] = cvt<T>(gelu_grad_f(cvt<float>(gv[u].v[j]), cvt<float>(yv[u].v[j]) + bias[j]));
+          sum[j] += cvt<float>(o.v[j]);
+        }
+        *reinterpret_cast<P*>(dy + (r + int64_t(u) * kSlabWarps) * cols + c) = o;
+      }
+    };
+    int64_t r = r0 + warp;
+    for (; r + int64_t(kRowUnroll - 1) * kSlabWarps < r1; r += int64_t(kRowUnroll) * kSlabWarps)
+      rows_from.template operator()<kRowUnroll>(r);
+    for (; r < r1; r += kSlabWarps) rows_from.template operator()<1>(r);
+  }
+  if (!partial) return;
+#pragma unroll
+  for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = sum[j];
+  __syncthreads();
+  const int64_t c0 = int64_t(blockIdx.y) * kSlabLanes * V;
+  for (int k = warp * kSlabLanes + lane; k < kSlabLanes * V; k += kSlabLanes * kSlabWarps) {
+    if (c0 + k >= cols) continue;
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSlabWarps; ++w) s += sums[w][k];
+    partial[int64_t(blockIdx.x) * cols + c0 + k] = s;
   }
 }
 
@@ -162,15 +178,16 @@ void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dou
     return;
   }
   dispatch_pack(y.dtype(), cols, {&dy, &dout, &y, &bias}, [&]<typename T, int V>() {
-    const int64_t slabs = (cols / V + kColThreads - 1) / kColThreads;
-    const int64_t target = int64_t(context().props.multiProcessorCount) * kChunksPerSm;
+    const int64_t slabs = (cols / V + kSlabLanes - 1) / kSlabLanes;
+    const int64_t target = int64_t(context().props.multiProcessorCount) * kBlocksPerSm;
     const int64_t chunks = std::clamp<int64_t>(target / slabs, 1, rows);
     const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
     const int64_t used = (rows + rows_per_chunk - 1) / rows_per_chunk;
     Tensor partial;
     if (dbias.defined())
       partial = empty({used, cols}, TensorOptions(DType::f32).with_device(y.device()));
-    launch(bias_gelu_bwd<T, V>, dim3(unsigned(used), unsigned(slabs)), kColThreads, 0,
+    launch(bias_gelu_bwd<T, V>, dim3(unsigned(used), unsigned(slabs)),
+           dim3(kSlabLanes, kSlabWarps), 0,
            current_stream(), static_cast<T*>(dy.raw_data()),
            partial.defined() ? static_cast<float*>(partial.raw_data()) : nullptr,
            static_cast<const T*>(dout.raw_data()), static_cast<const T*>(y.raw_data()),

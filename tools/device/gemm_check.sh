@@ -7,7 +7,8 @@
 # same build. SUITES (default gpu_test_blas) lists the GPU suites run first; VERIFY=1 adds
 # kiln-bench's graph-replay check on vit_s_16 (batch 32); TORCH=1 runs PyTorch's vit_b_16 anchor
 # (.bench/torch_vit.py, carried) last, in the same call. SANITIZE="suite:filter ..." runs each
-# suite's test cases matching the doctest filter under compute-sanitizer memcheck.
+# suite's test cases matching the doctest filter under compute-sanitizer, each tool of
+# SANITIZE_TOOLS (default memcheck).
 #   bash tools/device/gemm_check.sh              (MODELS="vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1")
 # Run from the repository root with .deps carried; a summary in $OUT/gemm.txt, every log in
 # $OUT/gemm-logs.tgz.
@@ -39,10 +40,12 @@ done
 for spec in ${SANITIZE:-}; do
   suite=${spec%%:*}
   filter=${spec#*:}
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 $B/$suite -tc="$filter" \
-    > $L/memcheck-$suite.log 2>&1
-  echo "memcheck $suite ($filter): rc $?; $(grep -E "ERROR SUMMARY|^\[doctest\] assertions" $L/memcheck-$suite.log | tr '\n' ' ')" |
-    tee -a "$S"
+  for tool in ${SANITIZE_TOOLS:-memcheck}; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 $B/$suite -tc="$filter" \
+      > $L/$tool-$suite.log 2>&1
+    echo "$tool $suite ($filter): rc $?; $(grep -E "ERROR SUMMARY|^\[doctest\] assertions" $L/$tool-$suite.log | tr '\n' ' ')" |
+      tee -a "$S"
+  done
 done
 if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model vit_s_16 --batches 32 --verify-graph > $L/verify.log 2>&1
