@@ -588,6 +588,7 @@ TEST_CASE("every tool: a bad value is one line naming flag, value and what is al
        "item 'x')"},
       {"kiln-fusion-probe", "--batch 0",
        "kiln-fusion-probe: error: --batch '0': expected an integer >= 1"},
+      {"kiln-gemm-probe", "--reps 0", "kiln-gemm-probe: error: --reps '0': expected an integer >= 1"},
       {"kiln-predict", "--top 0 x.png", "kiln-predict: error: --top '0': expected an integer >= 1"},
   };
   for (const Case& c : cases) {
