@@ -334,7 +334,6 @@ using BiasGradKey = std::array<int64_t, 6>;
 std::mutex g_bias_grad_mutex;
 std::map<BiasGradKey, BiasGradForm> g_bias_grad_forms;
 
-
 // dw (out, in) = dyᵀ·x and db = Σ_n dy in `form`; false when the epilogue form has no algorithm.
 bool weight_and_bias_grad(const Tensor& dw, const Tensor& db, const Tensor& dy, const Tensor& x,
                           BiasGradForm form) {
