@@ -59,6 +59,9 @@ enum class FastPath : uint8_t {
   BatchNormReluMaxPoolBackward,
   // AttentionPaths: q, k, v (B, H, L, D), as F::scaled_dot_product_attention gets them.
   Attention,
+  // bias_gelu_forward/backward (F::linear_gelu's GEMM without bias, then bias + GELU in one
+  // pass): x, weight, bias, as the op gets them.
+  BiasGelu,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -215,9 +218,9 @@ struct Backend {
   // dw = dyᵀ·x (always written); dx = dy·w and db = Σ_n dy when defined. All contiguous.
   void (*linear_backward)(TensorRef dx, TensorRef dw, TensorRef db, TensorRef dy, TensorRef x,
                           TensorRef w) = nullptr;
-  // Optional (F::linear_gelu's fused path; where null it composes linear and gelu): the exact
-  // GELU of a GEMM's output y (rows, cols) plus bias (cols), out (=) = gelu(y + bias); all
-  // contiguous, one dtype, f32, f16 or bf16.
+  // Optional (FastPath::BiasGelu, F::linear_gelu's fused path; otherwise it composes linear and
+  // gelu): the exact GELU of a GEMM's output y (rows, cols) plus bias (cols), out (=) =
+  // gelu(y + bias); all contiguous, one dtype, one supports() accepted.
   void (*bias_gelu_forward)(TensorRef out, TensorRef y, TensorRef bias) = nullptr;
   // Its backward: dy (=) = dout·gelu'(y + bias), dy contiguous; dbias (=) = Σ_rows dy (of dy as
   // stored) in a fixed order when defined.

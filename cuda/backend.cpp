@@ -213,6 +213,11 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::Attention:
       expect(3);
       return attention_supported(*t[0], *t[1], *t[2]);
+    case FastPath::BiasGelu: {  // cuda/kernels/bias_gelu.cu: f32, f16, bf16
+      expect(3);
+      const DType d = t[0]->dtype();
+      return t[2]->defined() && (d == DType::f32 || d == DType::f16 || d == DType::bf16);
+    }
   }
   return false;
 }

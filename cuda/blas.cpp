@@ -278,9 +278,27 @@ void with_dense_out(const Tensor& out, F&& f) {
   out.copy_(tmp);
 }
 
+// A (1, n) row of ones of `dtype` on `device`. Kept per device and dtype (the longest asked for
+// so far) once made outside capture, and made ready on every stream before it is handed out, so
+// the bias gradients of a step fill nothing; during capture a longer one is made for the call.
+Tensor ones_row(int64_t n, DType dtype, Device device) {
+  static std::mutex mutex;
+  static auto* rows = new std::map<std::pair<int, int>, Tensor>;  // never freed, as contexts
+  const TensorOptions opts = TensorOptions(dtype).with_device(device);
+  std::lock_guard<std::mutex> lock(mutex);
+  Tensor& kept = (*rows)[{device.index, int(dtype)}];
+  if (!kept.defined() || kept.numel() < n) {
+    Tensor fresh = full({n}, 1.0, opts);
+    if (is_capturing()) return fresh.view({1, n});
+    CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    kept = fresh;
+  }
+  return kept.narrow(0, 0, n).view({1, n});
+}
+
 // db (out) = Σ_n dy[n, :], as the GEMM ones(1×N)·dy (used when BGRADB is unavailable).
 void bias_grad_by_gemm(const Tensor& db, const Tensor& dy) {
-  Tensor ones = full({1, dy.size(0)}, 1.0, TensorOptions(dy.dtype()).with_device(dy.device()));
+  const Tensor ones = ones_row(dy.size(0), dy.dtype(), dy.device());
   with_dense_out(db, [&](const Tensor& o) {
     gemm_row_major(o.view({1, dy.size(1)}), ones, false, dy, false);
   });

@@ -17,6 +17,8 @@ class LayerNormBackward final : public Node {
       : x_(x), weight_(weight), mean_(mean), rstd_(rstd), shape_(std::move(normalized_shape)),
         rows_(rows), cols_(cols) {}
   std::string name() const override { return "LayerNormBackward"; }
+  // dweight and dbias may be added into the engine's buffer or a leaf's .grad (core/autograd.h).
+  bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
   void release_saved() override {
     for (SavedTensor* s : {&x_, &weight_, &mean_, &rstd_}) s->release();
   }
@@ -29,14 +31,43 @@ class LayerNormBackward final : public Node {
     const TensorOptions popts = TensorOptions(param_dtype(x.dtype())).with_device(x.device());
     Tensor dx = needs_input_grad(0) ? empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()))
                                     : Tensor();
-    Tensor dw = needs_input_grad(1) ? empty({cols_}, popts) : Tensor();
-    Tensor db = needs_input_grad(2) ? empty({cols_}, popts) : Tensor();
-    backend(x).layer_norm_backward(dx, dw, db, dy, x, w, mean_.get(*this), rstd_.get(*this),
-                                   rows_, cols_, GradientMode::Set);
-    return {dx, dw.defined() ? dw.view(shape_) : dw, db.defined() ? db.view(shape_) : db};
+    // The engine's targets when it offers one for every parameter gradient needed (the kernels
+    // add both or write both), else fresh tensors.
+    GradientMode mode = GradientMode::Set;
+    Tensor dw, db;
+    if (targets_usable(popts.dtype)) {
+      mode = GradientMode::AddToZeros;
+      for (size_t i : {1, 2})
+        if (needs_input_grad(i) && !accumulate_target_zero(i)) mode = GradientMode::Accumulate;
+      if (needs_input_grad(1)) dw = accumulate_target(1);
+      if (needs_input_grad(2)) db = accumulate_target(2);
+    } else {
+      if (needs_input_grad(1)) dw = empty({cols_}, popts);
+      if (needs_input_grad(2)) db = empty({cols_}, popts);
+    }
+    backend(x).layer_norm_backward(dx, dw.defined() ? dw.view({cols_}) : dw,
+                                   db.defined() ? db.view({cols_}) : db, dy, x, w,
+                                   mean_.get(*this), rstd_.get(*this), rows_, cols_, mode);
+    if (mode == GradientMode::Set)
+      return {dx, dw.defined() ? dw.view(shape_) : dw, db.defined() ? db.view(shape_) : db};
+    for (const Tensor* t : {&dw, &db})
+      if (t->defined()) t->bump_version();
+    return {dx, dw, db};  // the targets themselves: already summed
   }
 
  private:
+  // Whether every needed parameter gradient has a target, dense with the parameters' dtype.
+  bool targets_usable(DType dtype) const {
+    bool any = false;
+    for (size_t i : {1, 2}) {
+      if (!needs_input_grad(i)) continue;
+      const Tensor t = accumulate_target(i);
+      if (!t.defined() || t.dtype() != dtype || !t.is_contiguous()) return false;
+      any = true;
+    }
+    return any;
+  }
+
   SavedTensor x_, weight_, mean_, rstd_;
   Shape shape_;
   int64_t rows_, cols_;

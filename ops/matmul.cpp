@@ -93,10 +93,30 @@ class MatmulBackward final : public Node {
   SavedTensor a_, b_;
 };
 
+// The tensor a Linear-like node writes parameter gradient i into: the engine's target when it is
+// a leaf's .grad known to hold zeros (writing it is then adding to it, core/autograd.h), else a
+// fresh tensor of `shape`. The backends' linear entries only write (`=`), so a target that holds
+// a sum is declined and the engine adds as usual.
+Tensor param_grad_out(const Node& node, size_t i, const Shape& shape, const TensorOptions& opts) {
+  if (node.accumulate_target_zero(i)) {
+    Tensor t = node.accumulate_target(i);
+    if (t.dtype() == opts.dtype && t.is_contiguous()) return t;
+  }
+  return empty(shape, opts);
+}
+
+// The gradients to return: a written target is bumped (its storage changed) and returned as it
+// is, which tells the engine it holds the sum.
+void settle_param_grad(const Node& node, size_t i, const Tensor& g) {
+  if (g.defined() && g.is_same(node.accumulate_target(i))) g.bump_version();
+}
+
 class LinearBackward final : public Node {
  public:
   LinearBackward(const Tensor& x, const Tensor& w) : x_(x), w_(w) {}
   std::string name() const override { return "LinearBackward"; }
+  // dw and db may be written into a zeroed .grad (param_grad_out).
+  bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
   void release_saved() override {
     x_.release();
     w_.release();
@@ -109,10 +129,13 @@ class LinearBackward final : public Node {
     const TensorOptions opts = TensorOptions(dy.dtype()).with_device(dy.device());
     Tensor dx, db;
     if (needs_input_grad(0)) dx = empty(x.shape(), opts);
-    Tensor dw = empty(w.shape(), opts);
-    if (needs_input_grad(2)) db = empty({w.size(0)}, opts);
+    Tensor dw = needs_input_grad(1) ? param_grad_out(*this, 1, w.shape(), opts)
+                                    : empty(w.shape(), opts);
+    if (needs_input_grad(2)) db = param_grad_out(*this, 2, {w.size(0)}, opts);
     backend(dy).linear_backward(dx, dw, db, dy.contiguous(), x.contiguous(), w.contiguous());
     if (!needs_input_grad(1)) dw = Tensor();
+    settle_param_grad(*this, 1, dw);
+    settle_param_grad(*this, 2, db);
     return {dx, dw, db};
   }
 
@@ -128,6 +151,7 @@ class LinearGeluBackward final : public Node {
   LinearGeluBackward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y)
       : x_(x), w_(w), b_(b), y_(y) {}
   std::string name() const override { return "LinearGeluBackward"; }
+  bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
   void release_saved() override {
     x_.release();
     w_.release();
@@ -140,13 +164,16 @@ class LinearGeluBackward final : public Node {
     Tensor x = x_.get(*this), w = w_.get(*this), b = b_.get(*this), y = y_.get(*this);
     const TensorOptions opts = TensorOptions(dout.dtype()).with_device(dout.device());
     Tensor dy = empty(y.shape(), opts);
-    Tensor db = needs_input_grad(2) ? empty(b.shape(), opts) : Tensor();
+    Tensor db = needs_input_grad(2) ? param_grad_out(*this, 2, b.shape(), opts) : Tensor();
     const Backend& be = backend(dout);
     be.bias_gelu_backward(dy, db, dout, y, b);
     Tensor dx = needs_input_grad(0) ? empty(x.shape(), opts) : Tensor();
-    Tensor dw = empty(w.shape(), opts);  // the backend always writes dw
+    Tensor dw = needs_input_grad(1) ? param_grad_out(*this, 1, w.shape(), opts)
+                                    : empty(w.shape(), opts);  // the backend always writes dw
     be.linear_backward(dx, dw, Tensor(), dy, x, w);
     if (!needs_input_grad(1)) dw = Tensor();
+    settle_param_grad(*this, 1, dw);
+    settle_param_grad(*this, 2, db);
     return {dx, dw, db};
   }
 
@@ -221,11 +248,10 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   KILN_OP_SCOPE("linear_gelu", x);
   check_linear(x, weight, bias, "linear_gelu");
   const Backend& be = backend(x);
-  const DType t = x.dtype();
   const bool fused = be.bias_gelu_forward && be.bias_gelu_backward && bias.defined() &&
-                     (t == DType::f32 || t == DType::f16 || t == DType::bf16);
+                     supports(be, FastPath::BiasGelu, {&x, &weight, &bias});
   if (!fused) return gelu(linear(x, weight, bias));
-  const TensorOptions opts = TensorOptions(t).with_device(x.device());
+  const TensorOptions opts = TensorOptions(x.dtype()).with_device(x.device());
   Tensor y = empty({x.size(0), weight.size(0)}, opts);
   be.linear_forward(y, x.detach().contiguous(), weight.detach().contiguous(), Tensor());
   Tensor b = bias.detach().contiguous();

@@ -397,3 +397,76 @@ TEST_CASE("backward's zeroed memory: a .grad in it is written, not added to; sam
   KILN_CHECK_OK(testing::compare(broken[1], F::add(plain[1], 3.0), 1e-12, 1e-12));
   KILN_CHECK_OK(testing::compare(broken[3], F::add(plain[3], 3.0), 1e-12, 1e-12));
 }
+
+TEST_CASE("linear, linear_gelu and layer_norm write a zeroed .grad and add into a filled one") {
+  // A transformer MLP's parameters as ClassifierStep leaves them: .grads viewing one zeroed
+  // arena. The Linear weights and biases come flagged zero and are written (the backends' linear
+  // entries only write); the layer norm's are written too (AddToZeros). u.grad, outside the
+  // arena and pre-filled, is offered unflagged: Linear declines it (the engine adds), the layer
+  // norm adds into it (Accumulate). Every gradient equals the plain run, bit for bit.
+  Generator gen(21);
+  Tensor x = leaf({6, 8}, -1, 1, &gen);
+  Tensor w1 = leaf({12, 8}, -0.5, 0.5, &gen), b1 = leaf({12}, -0.5, 0.5, &gen);
+  Tensor g1 = leaf({12}, 0.5, 1.5, &gen), c1 = leaf({12}, -0.5, 0.5, &gen);
+  Tensor w2 = leaf({5, 12}, -0.5, 0.5, &gen), b2 = leaf({5}, -0.5, 0.5, &gen);
+  Tensor u = leaf({5}, 0.5, 1.5, &gen);  // a second layer norm's weight, outside the arena
+  const std::vector<Tensor> params{w1, b1, g1, c1, w2, b2};
+  auto run = [&](bool pass_arena, double fill, bool on = true) {
+    AccumulateSwitch sw(on);
+    int64_t n = 0;
+    for (const Tensor& p : params) n += p.numel();
+    Tensor arena = full({n}, fill, DType::f64);
+    std::vector<Tensor> ps, bufs;
+    int64_t at = 0;
+    for (const Tensor& p : params) {
+      Tensor l = p.detach().clone();
+      l.set_requires_grad(true);
+      Tensor buf = arena.narrow(0, at, p.numel()).view(p.shape());
+      at += p.numel();
+      l.set_grad(buf);
+      ps.push_back(l);
+      bufs.push_back(buf);
+    }
+    Tensor ul = u.detach().clone(), xl = x.detach().clone();
+    ul.set_requires_grad(true);
+    xl.set_requires_grad(true);
+    ul.set_grad(full(u.shape(), fill, DType::f64));
+    Tensor h = F::linear_gelu(xl, ps[0], ps[1]);
+    h = F::layer_norm(h, {12}, ps[2], ps[3], 1e-5);
+    h = F::layer_norm(F::linear(h, ps[4], ps[5]), {5}, ul, Tensor(), 1e-5);
+    autograd::backward({wsum(h, 22)}, {Tensor()}, false, pass_arena ? arena : Tensor());
+    for (size_t i = 0; i < ps.size(); ++i) CHECK(ps[i].grad().is_same(bufs[i]));
+    std::vector<Tensor> grads;
+    for (const Tensor& p : ps) grads.push_back(p.grad());
+    grads.push_back(ul.grad());
+    grads.push_back(xl.grad());
+    return std::pair{grads, autograd::accumulate_stats()};
+  };
+  const auto [off, st_off] = run(false, 0.0, false);
+  const auto [plain, st_plain] = run(false, 0.0);
+  const auto [zero, st_zero] = run(true, 0.0);
+  CHECK(st_off.offered == 0);
+  CHECK(st_plain.offered_zero == 0);
+  CHECK(st_zero.offered_zero == 6);  // every parameter in the arena
+  CHECK(st_zero.used == 7);          // those six, and u.grad added into by the layer norm
+  CHECK(st_plain.used == 3);  // unflagged: Linear declines, the layer norms add into theirs
+  for (size_t i = 0; i < plain.size(); ++i) {
+    CAPTURE(i);
+    KILN_CHECK_OK(testing::compare(plain[i], off[i], 0, 0));
+    KILN_CHECK_OK(testing::compare(zero[i], off[i], 0, 0));
+  }
+  // The promise broken on purpose (the arena and u.grad hold 3): the flagged .grads were
+  // written — the 3 is gone — and u.grad was added to.
+  const auto [broken, st_broken] = run(true, 3.0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    CAPTURE(i);
+    KILN_CHECK_OK(testing::compare(broken[i], off[i], 0, 0));
+  }
+  KILN_CHECK_OK(testing::compare(broken[6], F::add(off[6], 3.0), 1e-12, 1e-12));
+  // Without the arena the same filled .grads are all added to.
+  const auto [filled, st_filled] = run(false, 3.0);
+  for (size_t i = 0; i < params.size() + 1; ++i) {
+    CAPTURE(i);
+    KILN_CHECK_OK(testing::compare(filled[i], F::add(off[i], 3.0), 1e-12, 1e-12));
+  }
+}

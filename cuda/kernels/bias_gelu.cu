@@ -6,8 +6,10 @@
 //  - backward: dy = dout·gelu'(y + b), and db = Σ_rows dy (of the rounded dy, as the weight
 //    gradient GEMM reads it) from the same pass: each thread keeps its columns' sums over its
 //    rows of a chunk in registers, each block writes one f32 partial row for its chunk and
-//    columns; bias_gelu_db adds the chunks in order. The chunking depends on (rows, cols, device) only, so db is
-//    bit-reproducible (graph replay equals eager).
+//    columns; bias_gelu_db adds the chunks in a fixed order. The grid is one wave of resident
+//    blocks (a second, partial wave would leave most SMs idle at the end), so the chunking
+//    depends on (rows, cols, device) only and db is bit-reproducible (graph replay equals
+//    eager).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,8 +19,6 @@
 
 namespace kiln::cuda {
 namespace {
-
-constexpr int kBlocksPerSm = 8;  // the backward's row chunks × column slabs ≈ this many per SM
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
@@ -122,16 +122,27 @@ __global__ void __launch_bounds__(kSlabLanes * kSlabWarps)
   }
 }
 
-// db[c] = Σ_k partial[k, c] over the chunks in order.
+// db[c] = Σ_k partial[k, c]: a block per kSlabLanes columns; warp w adds chunks w, w + kSlabWarps,
+// ... in order (many loads in flight, where one thread per column would wait on each in turn),
+// then the warps' sums are added in warp order.
 template <typename T>
-__global__ void bias_gelu_db(T* db, const float* partial, int64_t chunks, int64_t cols) {
+__global__ void __launch_bounds__(kSlabLanes * kSlabWarps)
+    bias_gelu_db(T* __restrict__ db, const float* __restrict__ partial, int64_t chunks,
+                 int64_t cols) {
   pdl_start();
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
-    for (int64_t k = 0; k < chunks; ++k) s += partial[k * cols + c];
-    db[c] = cvt<T>(s);
-  }
+  __shared__ float sums[kSlabWarps][kSlabLanes];
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int64_t c = int64_t(blockIdx.x) * kSlabLanes + lane;
+  float s = 0.0f;
+  if (c < cols)
+    for (int64_t k = warp; k < chunks; k += kSlabWarps) s += partial[k * cols + c];
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp != 0 || c >= cols) return;
+  float t = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kSlabWarps; ++w) t += sums[w][lane];
+  db[c] = cvt<T>(t);
 }
 
 bool aligned(const Tensor& t, int bytes) {
@@ -179,8 +190,11 @@ void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dou
   }
   dispatch_pack(y.dtype(), cols, {&dy, &dout, &y, &bias}, [&]<typename T, int V>() {
     const int64_t slabs = (cols / V + kSlabLanes - 1) / kSlabLanes;
-    const int64_t target = int64_t(context().props.multiProcessorCount) * kBlocksPerSm;
-    const int64_t chunks = std::clamp<int64_t>(target / slabs, 1, rows);
+    const int64_t resident =
+        int64_t(context().props.multiProcessorCount) *
+        resident_blocks_per_sm(reinterpret_cast<const void*>(bias_gelu_bwd<T, V>),
+                               kSlabLanes * kSlabWarps, 0);
+    const int64_t chunks = std::clamp<int64_t>(resident / slabs, 1, rows);
     const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
     const int64_t used = (rows + rows_per_chunk - 1) / rows_per_chunk;
     Tensor partial;
@@ -193,7 +207,8 @@ void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dou
            static_cast<const T*>(dout.raw_data()), static_cast<const T*>(y.raw_data()),
            static_cast<const T*>(bias.raw_data()), rows, cols, rows_per_chunk);
     if (dbias.defined())
-      launch(bias_gelu_db<T>, grid_for(cols), kBlock, 0, current_stream(),
+      launch(bias_gelu_db<T>, dim3(unsigned((cols + kSlabLanes - 1) / kSlabLanes)),
+             dim3(kSlabLanes, kSlabWarps), 0, current_stream(),
              static_cast<T*>(dbias.raw_data()), static_cast<const float*>(partial.raw_data()),
              used, cols);
   });

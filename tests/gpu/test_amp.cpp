@@ -18,6 +18,7 @@
 #include "core/generator.h"
 #include "cuda/conv.h"
 #include "models/resnet.h"
+#include "models/vit.h"
 #include "models/nn.h"
 #include "cuda/runtime.h"
 #include "cuda/check.h"
@@ -367,7 +368,7 @@ struct StepResult {
   std::vector<Tensor> grads, params;
   uint64_t offered_zero = 0;
 };
-StepResult three_steps(const std::function<std::shared_ptr<models::ResNet>()>& make,
+StepResult three_steps(const std::function<std::shared_ptr<nn::Module>()>& make,
                        const Tensor& x, const Tensor& y, bool overwrite) {
   auto m = make();
   amp::prepare_model(*m, kGpu);
@@ -402,7 +403,7 @@ int64_t differing(const Tensor& a, const Tensor& b) {
 
 // With deterministic convolutions the two ways give the same values: AddToZeros writes only
 // where writing computes what adding into zeros does (core/kinds.h).
-void check_overwrite_equals_add(const std::function<std::shared_ptr<models::ResNet>()>& make,
+void check_overwrite_equals_add(const std::function<std::shared_ptr<nn::Module>()>& make,
                                 const Tensor& x, const Tensor& y) {
   cuda::set_conv_deterministic(true);
   const StepResult add = three_steps(make, x, y, false), write = three_steps(make, x, y, true);
@@ -450,4 +451,26 @@ TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to 
   o.num_classes = 10;
   o.seed = 6;
   check_overwrite_equals_add(models::BlockKind::Bottleneck, {3, 4, 6, 3}, o, 8, 64, 4);
+}
+
+TEST_CASE("ClassifierStep: .grads written after zero_grad equal .grads added to (ViT, 32x32)") {
+  // The transformer's parameter gradients: Linear (cuBLASLt, written into the arena's .grads),
+  // linear_gelu (the bias gradient from the bias-GELU pass) and the layer norms (AddToZeros).
+  models::ViTOptions o;
+  o.image_size = 32;
+  o.patch_size = 8;
+  o.num_layers = 2;
+  o.num_heads = 2;
+  o.hidden_dim = 128;
+  o.mlp_dim = 256;
+  o.num_classes = 10;
+  Generator gen(8);
+  const Tensor x = randn({8, 3, 32, 32}, DType::f32, &gen);
+  const Tensor y = randint(0, 10, {8}, DType::i64, &gen);
+  check_overwrite_equals_add(
+      [&] {
+        Generator init(9);
+        return std::make_shared<models::VisionTransformer>(o, &init);
+      },
+      x, y);
 }

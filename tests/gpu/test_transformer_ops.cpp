@@ -115,6 +115,7 @@ TEST_CASE("linear_gelu: the fused bias-GELU path against the composition on the 
       const Tensor w = gpu_tensor(uniform_values(c.out * c.in, -0.3, 0.3, 12), {c.out, c.in}, dt);
       const Tensor b = gpu_tensor(uniform_values(c.out, -0.5, 0.5, 13), {c.out}, dt);
       const Tensor dout = gpu_tensor(uniform_values(c.rows * c.out, -1.0, 1.0, 14), {c.rows, c.out}, dt);
+      REQUIRE(supports(backend(x), FastPath::BiasGelu, {&x, &w, &b}));
       auto run = [&] {
         Tensor xl = x.detach(), wl = w.detach(), bl = b.detach();
         for (const Tensor& t : {xl, wl, bl}) t.set_requires_grad(true);
@@ -138,6 +139,16 @@ TEST_CASE("linear_gelu: the fused bias-GELU path against the composition on the 
       const std::vector<Tensor> again = run();
       for (size_t i = 0; i < got.size(); ++i) CHECK(same_bits(again[i], got[i]));
     }
+  // f64, and no bias: the backend declines, and the op composes linear and gelu.
+  const Tensor x = gpu_tensor(uniform_values(8 * 4, -1.0, 1.0, 15), {8, 4}, DType::f64);
+  const Tensor w = gpu_tensor(uniform_values(6 * 4, -1.0, 1.0, 16), {6, 4}, DType::f64);
+  const Tensor b = gpu_tensor(uniform_values(6, -1.0, 1.0, 17), {6}, DType::f64);
+  CHECK_FALSE(supports(backend(x), FastPath::BiasGelu, {&x, &w, &b}));
+  const Tensor x16 = x.to(DType::f16), w16 = w.to(DType::f16), none;
+  CHECK_FALSE(supports(backend(x16), FastPath::BiasGelu, {&x16, &w16, &none}));
+  Tensor wl = w.detach();
+  wl.set_requires_grad(true);
+  CHECK(F::linear_gelu(x, wl, b).grad_fn()->name() != "LinearGeluBackward");
 }
 
 TEST_CASE("dropout: the CUDA mask is the CPU mask, element for element") {
