@@ -302,11 +302,14 @@ struct Backend {
   void (*layer_norm_forward)(TensorRef y, TensorRef mean, TensorRef rstd, TensorRef x,
                              TensorRef weight, TensorRef bias, int64_t rows, int64_t cols,
                              double eps) = nullptr;
-  // dx (=) when defined, contiguous; dweight = Σ_rows dy·x̂ and dbias = Σ_rows dy when defined,
-  // `=` or `+=` by `mode`, in a fixed order (bit-reproducible). dy contiguous, x's dtype.
+  // dx when defined, contiguous, `=` or `+=` by `dx_mode` (`+=` adds the value rounded to x's
+  // dtype, as a separate add would); dweight = Σ_rows dy·x̂ and dbias = Σ_rows dy when defined,
+  // `=` or `+=` by `mode`, in a fixed order (bit-reproducible, whatever dx's mode). dy
+  // contiguous, x's dtype.
   void (*layer_norm_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy,
                               TensorRef x, TensorRef weight, TensorRef mean, TensorRef rstd,
-                              int64_t rows, int64_t cols, GradientMode mode) = nullptr;
+                              int64_t rows, int64_t cols, GradientMode mode,
+                              GradientMode dx_mode) = nullptr;
   // Claims n elements of the device's Philox stream (core/philox.h): base (=) = *offset, then
   // *offset += n rounded up to a whole block of 4; both i64 (1) on the device. Device work only,
   // so a captured graph claims fresh elements on every replay.

@@ -175,7 +175,7 @@ void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd,
 void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& mean, const Tensor& rstd, int64_t rows, int64_t cols,
-                         GradientMode mode);
+                         GradientMode mode, GradientMode dx_mode);
 void philox_advance(const Tensor& base, const Tensor& offset, int64_t n);
 void dropout(const Tensor& out, const Tensor& in, double p, uint64_t seed, const Tensor& base);
 void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

@@ -17,8 +17,9 @@ class LayerNormBackward final : public Node {
       : x_(x), weight_(weight), mean_(mean), rstd_(rstd), shape_(std::move(normalized_shape)),
         rows_(rows), cols_(cols) {}
   std::string name() const override { return "LayerNormBackward"; }
-  // dweight and dbias may be added into the engine's buffer or a leaf's .grad (core/autograd.h).
-  bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
+  // Every gradient may be added into the engine's buffer or a leaf's .grad (core/autograd.h):
+  // dx into the residual stream's partial sum in a pre-norm transformer, without a separate add.
+  bool can_accumulate_into(size_t i) const override { return i <= 2; }
   void release_saved() override {
     for (SavedTensor* s : {&x_, &weight_, &mean_, &rstd_}) s->release();
   }
@@ -29,8 +30,17 @@ class LayerNormBackward final : public Node {
     if (dy.dtype() != x.dtype()) dy = dy.to(x.dtype());
     dy = dy.contiguous();
     const TensorOptions popts = TensorOptions(param_dtype(x.dtype())).with_device(x.device());
-    Tensor dx = needs_input_grad(0) ? empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()))
-                                    : Tensor();
+    Tensor dx;
+    GradientMode dx_mode = GradientMode::Set;
+    if (needs_input_grad(0)) {
+      const Tensor t = accumulate_target(0);
+      if (t.defined() && t.dtype() == x.dtype() && t.is_contiguous()) {
+        dx = t;  // a target known to hold zeros is written
+        if (!accumulate_target_zero(0)) dx_mode = GradientMode::Accumulate;
+      } else {
+        dx = empty(x.shape(), TensorOptions(x.dtype()).with_device(x.device()));
+      }
+    }
     // The engine's targets when it offers one for every parameter gradient needed (the kernels
     // add both or write both), else fresh tensors.
     GradientMode mode = GradientMode::Set;
@@ -47,7 +57,9 @@ class LayerNormBackward final : public Node {
     }
     backend(x).layer_norm_backward(dx, dw.defined() ? dw.view({cols_}) : dw,
                                    db.defined() ? db.view({cols_}) : db, dy, x, w,
-                                   mean_.get(*this), rstd_.get(*this), rows_, cols_, mode);
+                                   mean_.get(*this), rstd_.get(*this), rows_, cols_, mode,
+                                   dx_mode);
+    if (dx.defined() && dx.is_same(accumulate_target(0))) dx.bump_version();
     if (mode == GradientMode::Set)
       return {dx, dw.defined() ? dw.view(shape_) : dw, db.defined() ? db.view(shape_) : db};
     for (const Tensor* t : {&dw, &db})

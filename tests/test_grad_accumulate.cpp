@@ -470,3 +470,36 @@ TEST_CASE("linear, linear_gelu and layer_norm write a zeroed .grad and add into 
     KILN_CHECK_OK(testing::compare(filled[i], F::add(off[i], 3.0), 1e-12, 1e-12));
   }
 }
+
+TEST_CASE("layer_norm adds its dx into the residual stream's partial sum") {
+  // A pre-norm block, h = x + linear(layer_norm(x)), twice: x's gradient is the add's
+  // pass-through plus the layer norm's dx. With accumulate-into the layer norm adds its dx into
+  // the buffered pass-through (rounded as the engine's add rounds it): the same bits, f64 and
+  // f32, and one more target used per block.
+  for (DType dt : {DType::f64, DType::f32}) {
+    const std::string name = dtype_name(dt);
+    CAPTURE(name);
+    Generator gen(31);
+    auto make = [&](const Shape& s, double lo, double hi) {
+      Tensor t = leaf(s, lo, hi, &gen).detach().to(dt);
+      t.set_requires_grad(true);
+      return t;
+    };
+    const Tensor x = make({5, 3, 8}, -1, 1);
+    const Tensor g = make({8}, 0.5, 1.5), b = make({8}, -0.5, 0.5);
+    const Tensor w = make({8, 8}, -0.5, 0.5), c = make({8}, -0.5, 0.5);
+    const Loss loss = [](const std::vector<Tensor>& in) {
+      Tensor h = in[0];
+      for (int block = 0; block < 2; ++block) {
+        const Tensor n = F::layer_norm(h, {8}, in[1], in[2], 1e-5);
+        h = F::add(h, F::linear(n.reshape({-1, 8}), in[3], in[4]).view(h.shape()));
+      }
+      return wsum(h.to(DType::f64), 32);
+    };
+    autograd::AccumulateStats st;
+    check_same_grads(loss, {x, g, b, w, c}, 1, &st);
+    // Per block: the layer norm's dx (the residual's partial sum) and its weight and bias
+    // (their partial sums from the other block, or .grad); Linear declines unflagged targets.
+    CHECK(st.used >= 4);
+  }
+}

@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "core/elementwise_math.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 
@@ -25,11 +24,40 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
+// The exact GELU, x·Φ(x), and its derivative Φ(x) + x·φ(x) in f32, with Φ the standard normal
+// cdf and φ its density. CUDA's erff takes ~34 instructions an element, which left these passes
+// compute-bound (the forward at 60% of DRAM bandwidth and 80% SM throughput on an H200). Here
+// Φ(−|x|) = erfc(z)/2, z = |x|/√2, from the Chebyshev fit erfc(z) ≈ t·exp(P(t) − z²),
+// t = 1/(1 + z/2), P of degree 9 (Numerical Recipes §6.2: fractional error below 1.2e-7 for
+// every z ≥ 0, so the tails keep their relative accuracy): one reciprocal, one or two exps and
+// ten FMAs. ±inf and NaN behave as with erff.
+__device__ __forceinline__ float erfc_fit_exponent(float t) {  // P(t)
+  float p = 0.17087277f;
+  p = fmaf(p, t, -0.82215223f);
+  p = fmaf(p, t, 1.48851587f);
+  p = fmaf(p, t, -1.13520398f);
+  p = fmaf(p, t, 0.27886807f);
+  p = fmaf(p, t, -0.18628806f);
+  p = fmaf(p, t, 0.09678418f);
+  p = fmaf(p, t, 0.37409196f);
+  p = fmaf(p, t, 1.00002368f);
+  return fmaf(p, t, -1.26551223f);
+}
+constexpr float kRsqrt2 = 0.70710678118654752f;
+constexpr float kRsqrt2Pi = 0.39894228040143268f;  // 1/√(2π)
+
 __device__ __forceinline__ float gelu_f(float x) {
-  return math::unary_apply(UnaryOp::Gelu, x, 0.0f);
+  const float z = fabsf(x) * kRsqrt2;
+  const float t = __fdividef(1.0f, fmaf(0.5f, z, 1.0f));
+  const float lower = 0.5f * t * __expf(erfc_fit_exponent(t) - z * z);  // Φ(−|x|)
+  return x * (x < 0.0f ? lower : 1.0f - lower);
 }
 __device__ __forceinline__ float gelu_grad_f(float g, float x) {
-  return math::binary_apply(BinaryOp::GeluBackward, g, x, 1.0f);
+  const float z = fabsf(x) * kRsqrt2;
+  const float t = __fdividef(1.0f, fmaf(0.5f, z, 1.0f));
+  const float e = __expf(-z * z);  // exp(−x²/2)
+  const float lower = 0.5f * t * e * __expf(erfc_fit_exponent(t));
+  return g * fmaf(x, kRsqrt2Pi * e, x < 0.0f ? lower : 1.0f - lower);
 }
 
 // out = gelu(y + b) over rows × cols, V elements (one row's, from a column that is a multiple
@@ -41,10 +69,15 @@ __global__ void bias_gelu_fwd(T* __restrict__ out, const T* __restrict__ y,
   using P = Pack<T, V>;
   const int64_t packs = rows * cols / V;
   const int64_t per_row = cols / V;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < packs;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = (packs <= UINT32_MAX ? int64_t(uint32_t(i) % uint32_t(per_row))
-                                           : i % per_row) * V;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  // The pack's column, advanced by the stride's remainder (no division per step).
+  const int64_t step = stride % per_row;
+  int64_t cp = i0 % per_row;
+  for (int64_t i = i0; i < packs; i += stride) {
+    const int64_t c = cp * V;
+    cp += step;
+    if (cp >= per_row) cp -= per_row;
     const P yv = reinterpret_cast<const P*>(y)[i];
     const P bv = *reinterpret_cast<const P*>(b + c);
     P o;

@@ -67,10 +67,19 @@ __global__ void ln_fwd(T* y, P* mean, P* rstd, const T* x, const P* w, const P* 
   }
 }
 
-// dx = rstd·(gw - mean(gw) - x̂·mean(gw·x̂)), gw = dy·w.
+// dx = rstd·(gw - mean(gw) - x̂·mean(gw·x̂)), gw = dy·w; with add, dx += that value rounded to
+// T first (what adding a separate gradient tensor gives, bit for bit).
+template <typename T>
+__device__ __forceinline__ T dx_out(const T* at, float v, bool add) {
+  return add ? cvt<T>(cvt<float>(*at) + cvt<float>(cvt<T>(v))) : cvt<T>(v);
+}
+__device__ __forceinline__ double dx_out(const double* at, double v, bool add) {
+  return add ? *at + v : v;
+}
+
 template <typename T, typename P>
 __global__ void ln_bwd_dx(T* dx, const T* dy, const T* x, const P* w, const P* mean,
-                          const P* rstd, int64_t rows, int64_t cols) {
+                          const P* rstd, int64_t rows, int64_t cols, bool add) {
   pdl_start();
   using C = acc_t<T>;
   const int lane = threadIdx.x % 32;
@@ -91,7 +100,7 @@ __global__ void ln_bwd_dx(T* dx, const T* dy, const T* x, const P* w, const P* m
     for (int64_t j = lane; j < cols; j += 32) {
       const C gw = cvt<C>(gr[j]) * (w ? C(w[j]) : C(1));
       const C xh = (cvt<C>(xr[j]) - mu) * rs;
-      dr[j] = cvt<T>(rs * (gw - sg - xh * sgx));
+      dr[j] = dx_out(dr + j, rs * (gw - sg - xh * sgx), add);
     }
   }
 }
@@ -247,12 +256,13 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// dx (rows, cols) when dx is not null, as ln_bwd_dx; partial[block] (2·cols) = the block's
+// dx (rows, cols) when dx is not null, as ln_bwd_dx (Add: added to, its old values read with x
+// and dy); partial[block] (2·cols) = the block's
 // Σ dy·x̂ (first half) and Σ dy (second half) per column when partial is not null. Warp g of
 // the grid takes rows g, g + warps, ... and sums its columns over them in that order; the block
 // then adds its warps' sums in warp order. The sums do not depend on dx being written.
 // Shared memory: 3·cols floats (the weight, then the block's sums).
-template <typename T, int NV>
+template <typename T, int NV, bool Add>
 __global__ void __launch_bounds__(kBlock, 2)
     ln_bwd_rows(T* dx, float* partial, const T* dy, const T* x, const float* w, const float* mean,
                 const float* rstd, int64_t rows, int cols) {
@@ -272,12 +282,14 @@ __global__ void __launch_bounds__(kBlock, 2)
   for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + warp; r < rows; r += step) {
     const RowVec<T>* xr = reinterpret_cast<const RowVec<T>*>(x + r * cols);
     const RowVec<T>* gr = reinterpret_cast<const RowVec<T>*>(dy + r * cols);
-    RowVec<T> xv[NV], gv[NV];
+    RowVec<T>* dr = dx ? reinterpret_cast<RowVec<T>*>(dx + r * cols) : nullptr;
+    RowVec<T> xv[NV], gv[NV], pv[Add ? NV : 1];
 #pragma unroll
     for (int k = 0; k < NV; ++k)
       if (lane + 32 * k < nvec) {
         xv[k] = xr[lane + 32 * k];
         gv[k] = gr[lane + 32 * k];
+        if constexpr (Add) pv[k] = dr[lane + 32 * k];
       }
     const float mu = mean[r], rs = rstd[r];
     if (dx) {  // dx = rstd·(gw - mean(gw) - x̂·mean(gw·x̂)), gw = dy·w
@@ -297,7 +309,6 @@ __global__ void __launch_bounds__(kBlock, 2)
       }
       sg = warp_sum(sg) / float(cols);
       sgx = warp_sum(sgx) / float(cols);
-      RowVec<T>* dr = reinterpret_cast<RowVec<T>*>(dx + r * cols);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int vi = lane + 32 * k;
@@ -310,6 +321,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           const float gw = cvt<float>(gv[k].v[e]) * wv[e];
           const float xh = (cvt<float>(xv[k].v[e]) - mu) * rs;
           o.v[e] = cvt<T>(rs * (gw - sg - xh * sgx));
+          if constexpr (Add) o.v[e] = cvt<T>(cvt<float>(pv[k].v[e]) + cvt<float>(o.v[e]));
         }
         dr[vi] = o;
       }
@@ -438,7 +450,8 @@ void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd,
 void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& mean, const Tensor& rstd, int64_t rows, int64_t cols,
-                         GradientMode mode) {
+                         GradientMode mode, GradientMode dx_mode) {
+  const bool dx_add = dx_mode != GradientMode::Set;
   dispatch_device_float(x.dtype(), "layer_norm_backward", [&]<typename T>() {
     using P = acc_t<T>;
     const cudaStream_t stream = current_stream();
@@ -461,9 +474,12 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
         T* dxp = !dx_done && aligned16(dx.raw_data()) ? static_cast<T*>(dx.raw_data()) : nullptr;
         if (dxp || params)
           dispatch_vecs_per_lane<T>(cols, [&]<int NV>() {
-            constexpr auto kernel = ln_bwd_rows<T, NV>;
+            // The grid (and so the order of the parameter sums) is the writing kernel's, also
+            // when dx is added to.
+            constexpr auto write = ln_bwd_rows<T, NV, false>;
+            const auto kernel = dxp && dx_add ? ln_bwd_rows<T, NV, true> : write;
             const int smem = int(3 * cols * sizeof(float));
-            const unsigned grid = register_rows_grid(reinterpret_cast<const void*>(kernel), smem,
+            const unsigned grid = register_rows_grid(reinterpret_cast<const void*>(write), smem,
                                                      rows, kBwdBlocksPerSm);
             Tensor partial = params ? empty({int64_t(grid) * 2 * cols}, popts) : Tensor();
             float* pp = params ? static_cast<float*>(partial.raw_data()) : nullptr;
@@ -477,7 +493,7 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
     }
     if (!dx_done)
       launch(ln_bwd_dx<T, P>, warp_rows_grid(rows), kBlock, 0, stream,
-             static_cast<T*>(dx.raw_data()), gp, xp, w, mp, rp, rows, cols);
+             static_cast<T*>(dx.raw_data()), gp, xp, w, mp, rp, rows, cols, dx_add);
     if (!params || params_done) return;
     const int64_t chunks = std::max<int64_t>(1, (rows + kRowChunk - 1) / kRowChunk);
     Tensor partial = empty({chunks * 2 * cols}, popts);

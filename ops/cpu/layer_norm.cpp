@@ -46,7 +46,8 @@ void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd,
 void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                          const Tensor& dy, const Tensor& x, const Tensor& weight,
                          const Tensor& mean, const Tensor& rstd, int64_t rows, int64_t cols,
-                         GradientMode mode) {
+                         GradientMode mode, GradientMode dx_mode) {
+  const bool dx_add = dx_mode != GradientMode::Set;
   dispatch_float(x.dtype(), "layer_norm_backward", [&]<typename T>() {
     const T* px = x.data<T>();
     const T* pg = dy.data<T>();
@@ -73,7 +74,8 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
         for (int64_t j = 0; j < cols; ++j) {
           const double gw = double(g[j]) * (w ? double(w[j]) : 1.0);
           const double xh = (double(row[j]) - mu) * rs;
-          d[j] = T(rs * (gw - sg - xh * sgx));
+          const T v = T(rs * (gw - sg - xh * sgx));
+          d[j] = dx_add ? T(double(d[j]) + double(v)) : v;  // v rounded first, as an add's
         }
       }
     }
@@ -90,8 +92,9 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& 
         sw += g * (double(px[r * cols + j]) - double(pm[r])) * double(pr[r]);
         sb += g;
       }
-      if (dw) dw[j] = add ? T(double(dw[j]) + sw) : T(sw);
-      if (db) db[j] = add ? T(double(db[j]) + sb) : T(sb);
+      // `+=` adds the sum rounded to T, as adding a separately computed gradient would.
+      if (dw) dw[j] = add ? T(double(dw[j]) + double(T(sw))) : T(sw);
+      if (db) db[j] = add ? T(double(db[j]) + double(T(sb))) : T(sb);
     }
   });
 }

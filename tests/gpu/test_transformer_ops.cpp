@@ -75,11 +75,12 @@ TEST_CASE("layer_norm: CUDA equals the CPU reference, forward and all three grad
       check_close(host_f64(mean), mr, tol_for(pt), "mean");
       check_close(host_f64(rstd), rr, {1e-5, 1e-5}, "rstd");
       Tensor dx = nan_output({rows, cols}, dt), dw = nan_output({cols}, pt), db = nan_output({cols}, pt);
-      cuda::layer_norm_backward(dx, dw, db, dy, x, w, mean, rstd, rows, cols, GradientMode::Set);
+      cuda::layer_norm_backward(dx, dw, db, dy, x, w, mean, rstd, rows, cols, GradientMode::Set,
+                                GradientMode::Set);
       Tensor dxr = empty({rows, cols}, TensorOptions(DType::f64)), dwr = empty({cols}, TensorOptions(DType::f64)),
              dbr = empty({cols}, TensorOptions(DType::f64));
       cpu::layer_norm_backward(dxr, dwr, dbr, gh, xh, wh, host_f64(mean), host_f64(rstd), rows, cols,
-                               GradientMode::Set);
+                               GradientMode::Set, GradientMode::Set);
       const Tol big = dt == DType::f64 ? Tol{1e-10, 1e-10} : Tol{2e-3 * std::sqrt(double(rows)), 2e-3};
       check_close(host_f64(dx), dxr, dt == DType::bf16 ? Tol{3e-2, 3e-2} : tol_for(dt), "dx");
       check_close(host_f64(dw), dwr, big, "dweight");
@@ -87,12 +88,21 @@ TEST_CASE("layer_norm: CUDA equals the CPU reference, forward and all three grad
       // `+=` adds onto what is there; a second run gives the same bits (fixed summation order).
       Tensor dw2 = dw.clone();
       cuda::layer_norm_backward(Tensor(), dw2, Tensor(), dy, x, w, mean, rstd, rows, cols,
-                                GradientMode::Accumulate);
+                                GradientMode::Accumulate, GradientMode::Set);
       check_close(host_f64(dw2), F::mul(host_f64(dw), 2.0), tol_for(pt), "dweight +=");
       Tensor dw3 = nan_output({cols}, pt);
       cuda::layer_norm_backward(Tensor(), dw3, Tensor(), dy, x, w, mean, rstd, rows, cols,
-                                GradientMode::Set);
+                                GradientMode::Set, GradientMode::Set);
       CHECK(same_bits(dw3, dw));
+      // dx added onto a partial sum (autograd's accumulate-into): the same bits as writing dx and
+      // adding it with F::add; the parameter gradients unchanged by dx's mode.
+      const Tensor prev = gpu_tensor(uniform_values(rows * cols, -1.0, 1.0, 5), {rows, cols}, dt);
+      Tensor dx_acc = prev.clone(), dw4 = nan_output({cols}, pt), db4 = nan_output({cols}, pt);
+      cuda::layer_norm_backward(dx_acc, dw4, db4, dy, x, w, mean, rstd, rows, cols,
+                                GradientMode::Set, GradientMode::Accumulate);
+      CHECK(same_bits(dx_acc, F::add(prev, dx)));
+      CHECK(same_bits(dw4, dw));
+      CHECK(same_bits(db4, db));
     }
 }
 
