@@ -68,13 +68,16 @@ __global__ void ln_fwd(T* y, P* mean, P* rstd, const T* x, const P* w, const P* 
 }
 
 // dx = rstd·(gw - mean(gw) - x̂·mean(gw·x̂)), gw = dy·w; with add, dx += that value rounded to
-// T first (what adding a separate gradient tensor gives, bit for bit).
+// T first (what adding a separate gradient tensor gives, bit for bit: __fadd_rn is never
+// contracted with the product into an FMA, which would skip the rounding for f32).
 template <typename T>
-__device__ __forceinline__ T dx_out(const T* at, float v, bool add) {
-  return add ? cvt<T>(cvt<float>(*at) + cvt<float>(cvt<T>(v))) : cvt<T>(v);
+__device__ __forceinline__ T add_rounded(T prev, T v) {
+  return cvt<T>(__fadd_rn(cvt<float>(prev), cvt<float>(v)));
 }
-__device__ __forceinline__ double dx_out(const double* at, double v, bool add) {
-  return add ? *at + v : v;
+__device__ __forceinline__ double add_rounded(double prev, double v) { return __dadd_rn(prev, v); }
+template <typename T, typename C>
+__device__ __forceinline__ T dx_out(const T* at, C v, bool add) {
+  return add ? add_rounded(*at, cvt<T>(v)) : cvt<T>(v);
 }
 
 template <typename T, typename P>
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           const float gw = cvt<float>(gv[k].v[e]) * wv[e];
           const float xh = (cvt<float>(xv[k].v[e]) - mu) * rs;
           o.v[e] = cvt<T>(rs * (gw - sg - xh * sgx));
-          if constexpr (Add) o.v[e] = cvt<T>(cvt<float>(pv[k].v[e]) + cvt<float>(o.v[e]));
+          if constexpr (Add) o.v[e] = add_rounded(pv[k].v[e], o.v[e]);
         }
         dr[vi] = o;
       }

@@ -10,8 +10,9 @@
 # suite's test cases matching the doctest filter under compute-sanitizer, each tool of
 # SANITIZE_TOOLS (default memcheck). SWITCH (default KILN_GEMM_TUNE) names the switch of the
 # off/on runs. NCU="regex" reads Nsight Compute's SpeedOfLight section (time, memory and SM
-# throughput) for the first NCU_COUNT (default 12) kernels of an eager vit_b_16 step whose names
-# match.
+# throughput; NCU_SECTIONS lists others, whose full text lands in the logs) for the first
+# NCU_COUNT (default 12) kernels of an eager vit_b_16 step whose names match. MODELS="" skips the
+# off/on runs; PROFILE=0 the eager profile.
 #   bash tools/device/gemm_check.sh              (MODELS="vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1")
 # Run from the repository root with .deps carried; a summary in $OUT/gemm.txt, every log in
 # $OUT/gemm-logs.tgz.
@@ -54,16 +55,20 @@ if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model vit_s_16 --batches 32 --verify-graph > $L/verify.log 2>&1
   echo "verify-graph vit_s_16 b32: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"
 fi
-SWITCH=${SWITCH:-KILN_GEMM_TUNE} MODELS="${MODELS:-vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1}" \
+MODELS=${MODELS-vit_b_16:128:2 vit_s_16:128:1 resnet50:256:1}
+[ -n "$MODELS" ] && SWITCH=${SWITCH:-KILN_GEMM_TUNE} MODELS="$MODELS" \
   OUT=$L/ab B=$B bash tools/device/ab_switch.sh 2>&1 | tee -a "$S"
-KILN_GEMM_TUNE_LOG=1 timeout 300 $B/kiln-bench --model vit_b_16 --batches 128 --eager-only \
-  --profile > $L/profile.log 2>&1
-grep -F "[kiln gemm]" $L/profile.log | tee -a "$S"
-grep -vF "[kiln gemm]" $L/profile.log | tail -45 >> "$S"
+if [ "${PROFILE:-1}" = 1 ]; then
+  KILN_GEMM_TUNE_LOG=1 timeout 300 $B/kiln-bench --model vit_b_16 --batches 128 --eager-only \
+    --profile > $L/profile.log 2>&1
+  grep -F "[kiln gemm]" $L/profile.log | tee -a "$S"
+  grep -vF "[kiln gemm]" $L/profile.log | tail -45 >> "$S"
+fi
 if [ -n "${NCU:-}" ]; then
-  timeout 400 ncu --clock-control none -k "regex:${NCU}" -c "${NCU_COUNT:-12}" \
-    --section SpeedOfLight $B/kiln-bench --model vit_b_16 --batches 128 --eager-only \
-    > $L/ncu.log 2>&1
+  sections=""
+  for sec in ${NCU_SECTIONS:-SpeedOfLight}; do sections="$sections --section $sec"; done
+  timeout 400 ncu --clock-control none -k "regex:${NCU}" -c "${NCU_COUNT:-12}" $sections \
+    $B/kiln-bench --model vit_b_16 --batches 128 --eager-only > $L/ncu.log 2>&1
   echo "ncu: rc $?" | tee -a "$S"
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput" \
     $L/ncu.log | sed 's/  */ /g' | cut -c1-150 >> "$S"
