@@ -4,12 +4,14 @@
 //  - forward: out = gelu(y + b), one elementwise pass (16-byte accesses where the row width and
 //    the pointers allow);
 //  - backward: dy = dout·gelu'(y + b), and db = Σ_rows dy (of the rounded dy, as the weight
-//    gradient GEMM reads it) from the same pass: each thread keeps its columns' sums over its
-//    rows of a chunk in registers, each block writes one f32 partial row for its chunk and
-//    columns; bias_gelu_db adds the chunks in a fixed order. The grid is one wave of resident
-//    blocks (a second, partial wave would leave most SMs idle at the end), so the chunking
-//    depends on (rows, cols, device) only and db is bit-reproducible (graph replay equals
-//    eager).
+//    gradient GEMM reads it) from the same pass: a block reads whole rows of a chunk (a column
+//    slab of up to 512 16-byte packs), each thread keeps its columns' sums over the chunk's rows
+//    in registers and writes them to an f32 partial row; bias_gelu_db adds the chunks in a fixed
+//    order. The grid is one wave of resident blocks (a second, partial wave would leave most SMs
+//    idle at the end), so the chunking depends on (rows, cols, device) only and db is
+//    bit-reproducible (graph replay equals eager).
+#include <cstdlib>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -108,93 +110,91 @@ __global__ void bias_gelu_fwd(T* __restrict__ out, const T* __restrict__ y,
   }
 }
 
-// dy = dout·gelu'(y + b) over a block's rows [chunk·rows_per_chunk, ...) and columns
-// [slab·kSlabLanes·V, ... + kSlabLanes·V): lane l of each of the kSlabWarps warps owns columns
-// (slab·kSlabLanes + l)·V + [0, V) and takes every kSlabWarps-th row, kRowUnroll rows at a time
-// so that several loads are in flight; the warps' column sums of the rounded dy are then added
-// in warp order into partial[chunk, ...] (when partial is not null).
-constexpr int kSlabLanes = 32;
-constexpr int kSlabWarps = 8;
-constexpr int kRowUnroll = 4;
+// dy = dout·gelu'(y + b) over the rows [chunk·rows_per_chunk, ...) of one column slab: thread x
+// of block (chunk, slab) owns columns (slab·blockDim.x + x)·V + [0, V) and walks the chunk's rows
+// in order, two at a time (four loads in flight), so that a block reads whole rows — up to
+// kMaxLanes·V columns — contiguously, as an elementwise pass does; its column sums of the rounded
+// dy go to partial[chunk, ...] (when partial is not null). No barrier: threads past the last
+// column leave at once.
+constexpr int kMaxLanes = 512;
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kSlabLanes * kSlabWarps)
+template <typename T, int V, int U>
+__global__ void __launch_bounds__(kMaxLanes, U == 1 ? 3 : 2)
     bias_gelu_bwd(T* __restrict__ dy, float* __restrict__ partial, const T* __restrict__ dout,
                   const T* __restrict__ y, const T* __restrict__ b, int64_t rows, int64_t cols,
                   int64_t rows_per_chunk) {
   pdl_start();
   using P = Pack<T, V>;
-  __shared__ float sums[kSlabWarps][kSlabLanes * V];
-  const int lane = threadIdx.x, warp = threadIdx.y;
-  const int64_t c = (int64_t(blockIdx.y) * kSlabLanes + lane) * V;
-  const bool live = c < cols;
+  const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  if (c >= cols) return;
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_chunk;
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
-  float bias[V], sum[V];
+  const P bias = *reinterpret_cast<const P*>(b + c);  // kept packed: registers are short
+  float sum[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) sum[j] = 0.0f;
-  if (live) {
-    const P bv = *reinterpret_cast<const P*>(b + c);
+  auto rows_from = [&]<int N>(int64_t r) {  // rows r, ..., r + N - 1
+    P gv[N], yv[N];
 #pragma unroll
-    for (int j = 0; j < V; ++j) bias[j] = cvt<float>(bv.v[j]);
-    auto rows_from = [&]<int U>(int64_t r) {  // rows r, r + kSlabWarps, ... (U of them)
-      P gv[U], yv[U];
+    for (int u = 0; u < N; ++u) {
+      const int64_t at = (r + u) * cols + c;
+      gv[u] = *reinterpret_cast<const P*>(dout + at);
+      yv[u] = *reinterpret_cast<const P*>(y + at);
+    }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t at = (r + int64_t(u) * kSlabWarps) * cols + c;
-        gv[u] = *reinterpret_cast<const P*>(dout + at);
-        yv[u] = *reinterpret_cast<const P*>(y + at);
+    for (int u = 0; u < N; ++u) {
+      P o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        o.v[j] = cvt<T>(gelu_grad_f(cvt<float>(gv[u].v[j]),
+                                    cvt<float>(yv[u].v[j]) + cvt<float>(bias.v[j])));
+        sum[j] += cvt<float>(o.v[j]);
       }
+      *reinterpret_cast<P*>(dy + (r + u) * cols + c) = o;
+    }
+  };
+  int64_t r = r0;
+  for (; r + U - 1 < r1; r += U) rows_from.template operator()<U>(r);
+  for (; r < r1; ++r) rows_from.template operator()<1>(r);
+  if (partial)
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        P o;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          o.v[j] = cvt<T>(gelu_grad_f(cvt<float>(gv[u].v[j]), cvt<float>(yv[u].v[j]) + bias[j]));
-          sum[j] += cvt<float>(o.v[j]);
-        }
-        *reinterpret_cast<P*>(dy + (r + int64_t(u) * kSlabWarps) * cols + c) = o;
-      }
-    };
-    int64_t r = r0 + warp;
-    for (; r + int64_t(kRowUnroll - 1) * kSlabWarps < r1; r += int64_t(kRowUnroll) * kSlabWarps)
-      rows_from.template operator()<kRowUnroll>(r);
-    for (; r < r1; r += kSlabWarps) rows_from.template operator()<1>(r);
-  }
-  if (!partial) return;
-#pragma unroll
-  for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = sum[j];
-  __syncthreads();
-  const int64_t c0 = int64_t(blockIdx.y) * kSlabLanes * V;
-  for (int k = warp * kSlabLanes + lane; k < kSlabLanes * V; k += kSlabLanes * kSlabWarps) {
-    if (c0 + k >= cols) continue;
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kSlabWarps; ++w) s += sums[w][k];
-    partial[int64_t(blockIdx.x) * cols + c0 + k] = s;
-  }
+    for (int j = 0; j < V; ++j) partial[int64_t(blockIdx.x) * cols + c + j] = sum[j];
 }
 
-// db[c] = Σ_k partial[k, c]: a block per kSlabLanes columns; warp w adds chunks w, w + kSlabWarps,
-// ... in order (many loads in flight, where one thread per column would wait on each in turn),
-// then the warps' sums are added in warp order.
+// db[c] = Σ_k partial[k, c]: a block per kDbLanes columns; warp w adds chunks w, w + kDbWarps,
+// ... in order, four loads in flight (one thread per column would wait on each in turn); the
+// warps' sums are then added in warp order.
+constexpr int kDbLanes = 32;
+constexpr int kDbWarps = 32;
+
 template <typename T>
-__global__ void __launch_bounds__(kSlabLanes * kSlabWarps)
+__global__ void __launch_bounds__(kDbLanes * kDbWarps)
     bias_gelu_db(T* __restrict__ db, const float* __restrict__ partial, int64_t chunks,
                  int64_t cols) {
   pdl_start();
-  __shared__ float sums[kSlabWarps][kSlabLanes];
+  __shared__ float sums[kDbWarps][kDbLanes];
   const int lane = threadIdx.x, warp = threadIdx.y;
-  const int64_t c = int64_t(blockIdx.x) * kSlabLanes + lane;
+  const int64_t c = int64_t(blockIdx.x) * kDbLanes + lane;
   float s = 0.0f;
-  if (c < cols)
-    for (int64_t k = warp; k < chunks; k += kSlabWarps) s += partial[k * cols + c];
+  if (c < cols) {
+    const float* p = partial + c;
+    int64_t k = warp;
+    for (; k + 3 * kDbWarps < chunks; k += 4 * kDbWarps) {
+      const float a0 = p[k * cols], a1 = p[(k + kDbWarps) * cols];
+      const float a2 = p[(k + 2 * kDbWarps) * cols], a3 = p[(k + 3 * kDbWarps) * cols];
+      s += a0;
+      s += a1;
+      s += a2;
+      s += a3;
+    }
+    for (; k < chunks; k += kDbWarps) s += p[k * cols];
+  }
   sums[warp][lane] = s;
   __syncthreads();
   if (warp != 0 || c >= cols) return;
   float t = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kSlabWarps; ++w) t += sums[w][lane];
+  for (int w = 0; w < kDbWarps; ++w) t += sums[w][lane];
   db[c] = cvt<T>(t);
 }
 
@@ -241,27 +241,32 @@ void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dou
     if (dbias.defined()) dbias.zero_();
     return;
   }
+  static const int rows_at_once = [] {  // EXPERIMENT (KILN_BIAS_GELU_ROWS=0: two), to be removed
+    const char* e = std::getenv("KILN_BIAS_GELU_ROWS");
+    return e && e[0] == '0' ? 2 : 1;
+  }();
   dispatch_pack(y.dtype(), cols, {&dy, &dout, &y, &bias}, [&]<typename T, int V>() {
-    const int64_t slabs = (cols / V + kSlabLanes - 1) / kSlabLanes;
+    const auto kernel = rows_at_once == 1 ? bias_gelu_bwd<T, V, 1> : bias_gelu_bwd<T, V, 2>;
+    const int64_t per_row = cols / V;
+    const int64_t lanes = std::min<int64_t>((per_row + 31) / 32 * 32, kMaxLanes);
+    const int64_t slabs = (per_row + lanes - 1) / lanes;
     const int64_t resident =
         int64_t(context().props.multiProcessorCount) *
-        resident_blocks_per_sm(reinterpret_cast<const void*>(bias_gelu_bwd<T, V>),
-                               kSlabLanes * kSlabWarps, 0);
+        resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), int(lanes), 0);
     const int64_t chunks = std::clamp<int64_t>(resident / slabs, 1, rows);
     const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
     const int64_t used = (rows + rows_per_chunk - 1) / rows_per_chunk;
     Tensor partial;
     if (dbias.defined())
       partial = empty({used, cols}, TensorOptions(DType::f32).with_device(y.device()));
-    launch(bias_gelu_bwd<T, V>, dim3(unsigned(used), unsigned(slabs)),
-           dim3(kSlabLanes, kSlabWarps), 0,
+    launch(kernel, dim3(unsigned(used), unsigned(slabs)), dim3(unsigned(lanes)), 0,
            current_stream(), static_cast<T*>(dy.raw_data()),
            partial.defined() ? static_cast<float*>(partial.raw_data()) : nullptr,
            static_cast<const T*>(dout.raw_data()), static_cast<const T*>(y.raw_data()),
            static_cast<const T*>(bias.raw_data()), rows, cols, rows_per_chunk);
     if (dbias.defined())
-      launch(bias_gelu_db<T>, dim3(unsigned((cols + kSlabLanes - 1) / kSlabLanes)),
-             dim3(kSlabLanes, kSlabWarps), 0, current_stream(),
+      launch(bias_gelu_db<T>, dim3(unsigned((cols + kDbLanes - 1) / kDbLanes)),
+             dim3(kDbLanes, kDbWarps), 0, current_stream(),
              static_cast<T*>(dbias.raw_data()), static_cast<const float*>(partial.raw_data()),
              used, cols);
   });
