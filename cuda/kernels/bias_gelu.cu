@@ -10,8 +10,6 @@
 //    order. The grid is one wave of resident blocks (a second, partial wave would leave most SMs
 //    idle at the end), so the chunking depends on (rows, cols, device) only and db is
 //    bit-reproducible (graph replay equals eager).
-#include <cstdlib>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -112,11 +110,18 @@ __global__ void bias_gelu_fwd(T* __restrict__ out, const T* __restrict__ y,
 
 // dy = dout·gelu'(y + b) over the rows [chunk·rows_per_chunk, ...) of one column slab: thread x
 // of block (chunk, slab) owns columns (slab·blockDim.x + x)·V + [0, V) and walks the chunk's rows
-// in order, two at a time (four loads in flight), so that a block reads whole rows — up to
-// kMaxLanes·V columns — contiguously, as an elementwise pass does; its column sums of the rounded
-// dy go to partial[chunk, ...] (when partial is not null). No barrier: threads past the last
-// column leave at once.
+// in order, U at a time, so that a block reads whole rows — up to kMaxLanes·V columns —
+// contiguously, as an elementwise pass does; its column sums of the rounded dy go to
+// partial[chunk, ...] (when partial is not null). No barrier: threads past the last column leave
+// at once.
+//
+// On an H200 (ViT-B/16's mlp.0, 25,216 × 3,072 f16): the earlier layout — 8 warps on rows
+// 8 apart of a 256-column slab, 64 registers — ran 169 µs at 57% of DRAM bandwidth, with 0.6
+// eligible warps per scheduler (latency-bound). This one runs 128 µs (74%) with U = 1: 40
+// registers, 4 blocks of 384 threads per SM. U = 2 runs 121 µs at 2 blocks per SM, but the
+// whole step was no faster (docs/lab/transformer.md).
 constexpr int kMaxLanes = 512;
+constexpr int kRowsPerStep = 1;  // U
 
 template <typename T, int V, int U>
 __global__ void __launch_bounds__(kMaxLanes, U == 1 ? 3 : 2)
@@ -241,12 +246,8 @@ void bias_gelu_backward(const Tensor& dy, const Tensor& dbias, const Tensor& dou
     if (dbias.defined()) dbias.zero_();
     return;
   }
-  static const int rows_at_once = [] {  // EXPERIMENT (KILN_BIAS_GELU_ROWS=0: two), to be removed
-    const char* e = std::getenv("KILN_BIAS_GELU_ROWS");
-    return e && e[0] == '0' ? 2 : 1;
-  }();
   dispatch_pack(y.dtype(), cols, {&dy, &dout, &y, &bias}, [&]<typename T, int V>() {
-    const auto kernel = rows_at_once == 1 ? bias_gelu_bwd<T, V, 1> : bias_gelu_bwd<T, V, 2>;
+    constexpr auto kernel = bias_gelu_bwd<T, V, kRowsPerStep>;
     const int64_t per_row = cols / V;
     const int64_t lanes = std::min<int64_t>((per_row + 31) / 32 * 32, kMaxLanes);
     const int64_t slabs = (per_row + lanes - 1) / lanes;
