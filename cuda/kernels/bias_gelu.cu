@@ -26,8 +26,8 @@ struct alignas(sizeof(T) * V) Pack {
 
 // The exact GELU, x·Φ(x), and its derivative Φ(x) + x·φ(x) in f32, with Φ the standard normal
 // cdf and φ its density. These passes are bound by instruction issue, not by memory, unless the
-// math is lean: with CUDA's erff the forward issued ~70 instructions an element and reached 60%
-// of an H200's DRAM bandwidth. Here
+// math is lean: with CUDA's erff the forward reached 60% of an H200's DRAM bandwidth at 80% SM
+// throughput (docs/lab/transformer.md). Here
 //   Φ(−|x|) = erfc(z)/2, z = |x|/√2, from the Chebyshev fit erfc(z) ≈ t·exp(P(t) − z²),
 //   t = 1/(1 + z/2), P of degree 9 (Numerical Recipes §6.2: fractional error below 1.2e-7 for
 //   every z ≥ 0, so the tails keep their relative accuracy),
