@@ -147,10 +147,14 @@ void bn_stats_backward_dgrad1x1(const Tensor& dx, const Tensor& dz, const Tensor
                                 const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                                 const Tensor& r, const Tensor& x, const Tensor& mask,
                                 const Tensor& weight, const Tensor& save_mean,
-                                const Tensor& save_invstd, GradientMode mode) {
-  Tensor rz = r.defined() ? r : zeros_like(x);
-  bn_nhwc_backward_dgrad1x1(dx, dz, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
-                            save_invstd, mode == GradientMode::Accumulate);
+                                const Tensor& save_invstd, const Tensor& scale_shift,
+                                GradientMode mode) {
+  // The tail's kernels add r always; relu alone (mask recomputed from x) takes it undefined.
+  Tensor rz = r.defined() || !mask.defined() ? r : zeros_like(x);
+  Tensor g = dz.defined() ? dz : empty_like(x);
+  bn_nhwc_backward_dgrad1x1(dx, g, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
+                            save_invstd, mode == GradientMode::Accumulate,
+                            mask.defined() ? Tensor() : scale_shift);
 }
 
 void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
@@ -201,9 +205,12 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
              per_channel(*t[2], x) && per_channel(*t[3], x) && per_channel(*t[4], x) &&
              per_channel(*t[5], x) && x.numel() / x.size(1) > 1 && sums;
     }
-    case FastPath::BatchNormStatsDgrad1x1:
-      expect(3);
-      return g_dgrad_fusion.get() && dgrad1x1_bn_supported(*t[0], *t[1], *t[2]);
+    case FastPath::BatchNormStatsDgrad1x1: {
+      expect(4);
+      const bool bits = t[3]->defined();
+      return g_dgrad_fusion.get() && (bits || switches().fused_dgrad_relu) &&
+             dgrad1x1_bn_supported(*t[0], *t[1], *t[2], bits);
+    }
     case FastPath::BatchNormReluMaxPool:
       expect(1);
       return switches().fused_bn && bn_nhwc_supported(*t[0]);

@@ -287,19 +287,28 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 // ReLU bits) — the gradient of z, and of the block's input through the shortcut; dx (=),
 // dweight, dbias as bn_nhwc_backward's. Needs dgrad1x1_bn_supported (K 64 or 128, C % 64 ==
 // 0: ResNet-50's layers 1 and 2, where it beats cuDNN + kiln's passes; docs/lab/tail-gemm.md;
-// on sm_90 also K 256 and 512 with C % 128 == 0, on the wgmma kernel, since v15);
-// the result equals cuDNN's dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM adds
-// in another order).
-bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
+// on sm_90 also K a multiple of 64 up to 2,048 with C % 128 == 0, on the wgmma kernel, since
+// v15); the result equals cuDNN's dgrad (beta = 1) then bn_nhwc_backward to rounding (the GEMM
+// adds in another order).
+//
+// Also the backward of bn_nhwc_apply(relu) without z — a block's inner relu(bn2(y2)), read only
+// by the 1x1 conv3 — with `mask` undefined: the ReLU mask is then recomputed from x and
+// scale_shift (the forward's, as bn_nhwc_backward's relu does), r may be undefined (no other
+// gradient), and g is G masked (scratch for the dx pass). The wgmma kernel only:
+// dgrad1x1_bn_supported(dy1, w1, x, /*mask_bits=*/false).
+bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
+                           bool mask_bits = true);
 void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
                                const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                                const Tensor& r, const Tensor& mask, const Tensor& x,
                                const Tensor& weight, const Tensor& save_mean,
-                               const Tensor& save_invstd, bool accumulate_params = false);
+                               const Tensor& save_invstd, bool accumulate_params = false,
+                               const Tensor& scale_shift = Tensor());
 // Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
 // its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C, K).
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
-                     const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean);
+                     const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean,
+                     const Tensor& scale_shift = Tensor());
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K);
 // Which GEMM takes it: 0 the mma.sync kernel only (K 64, 128), 1 the wgmma kernel where the
 // mma.sync kernel does not go (K 256, 512), 2 (default) the wgmma kernel wherever it fits, the

@@ -122,14 +122,17 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   }
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
+  // The ReLU's mask: the forward's bits with a residual (a block tail), else recomputed from x
+  // with the forward's scale and shift (a block's inner relu(bn(y)), read by conv3 alone).
   bool accept_dgrad1x1(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
-    if (output_nr != 0 || act_ != Activation::Relu || !add_ || dy1_.defined() || !x_.defined() ||
-        !mask_.defined())
+    if (output_nr != 0 || act_ != Activation::Relu || dy1_.defined() || !x_.defined() ||
+        !(add_ ? mask_.defined() : scale_shift_.defined()))
       return false;
     const Tensor x = x_.get(*this);
+    const Tensor mask = add_ ? mask_.get(*this) : Tensor();
     const Backend& be = backend(x);
     if (!be.batch_norm_stats->backward_dgrad1x1 ||
-        !supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy1, &w1, &x}))
+        !supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy1, &w1, &x, &mask}))
       return false;
     dy1_ = dy1;
     w1_ = w1;
@@ -153,9 +156,10 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     const GradientMode mode = acc ? target_mode(*this, {2, 3}) : GradientMode::Set;
     if (dy1.defined()) {
-      backend(x).batch_norm_stats->backward_dgrad1x1(dx, dz, dw, db, dy1, w1, dy, x,
-                                                     mask_.get(*this), w, save_mean_.get(*this),
-                                                     save_invstd_.get(*this), mode);
+      backend(x).batch_norm_stats->backward_dgrad1x1(
+          dx, dz, dw, db, dy1, w1, dy, x, add_ ? mask_.get(*this) : Tensor(), w,
+          save_mean_.get(*this), save_invstd_.get(*this),
+          add_ ? Tensor() : scale_shift_.get(*this), mode);
     } else {
       // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
       Tensor mask = act_ == Activation::Relu && add_ ? mask_.get(*this) : Tensor();

@@ -458,7 +458,8 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
                                const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                                const Tensor& r, const Tensor& mask, const Tensor& x,
                                const Tensor& weight, const Tensor& save_mean,
-                               const Tensor& save_invstd, bool accumulate_params) {
+                               const Tensor& save_invstd, bool accumulate_params,
+                               const Tensor& scale_shift) {
   const char* op = "bn_nhwc_backward_dgrad1x1";
   check_x(x, op);
   check_act(dx, x, op, "dx");
@@ -471,7 +472,7 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
   const int parts = dgrad1x1_bn_parts(rows, C, dy1.size(1));
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
-  dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean);
+  dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift);
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
   launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s,

@@ -196,7 +196,7 @@ int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
                                  std::min<int64_t>(std::max<int64_t>(tiles, 1), 65535)));
 }
 
-bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
+bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x, bool mask_bits) {
   if (!(dy.defined() && w.defined() && x.defined() && dy.is_cuda() && dy.dtype() == DType::f16 &&
         w.dtype() == DType::f16 && x.dtype() == DType::f16 && dy.dim() == 4 && w.dim() == 4 &&
         x.dim() == 4))
@@ -204,26 +204,39 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         N > 0 && (((K == 64 || K == 128) && N % kBN == 0) || use_wgmma(K, N)) &&
+         N > 0 && (((K == 64 || K == 128) && N % kBN == 0 && mask_bits) || use_wgmma(K, N)) &&
          dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
 }
 
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, const Tensor& w,
-                     const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean) {
+                     const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean,
+                     const Tensor& scale_shift) {
   const char* op = "dgrad1x1_bn_sums";
-  KILN_CHECK(dgrad1x1_bn_supported(dy, w, x), op,
+  const bool bits = mask.defined();
+  KILN_CHECK(dgrad1x1_bn_supported(dy, w, x, bits), op,
              " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, W) "
-             "with K 64 or 128 and C % 64 == 0 (on sm_90 also K 256 or 512 and C % 128 == 0), "
-             "got dy ", dy.desc(), ", w ", w.desc(), ", x ", x.desc());
+             "with K 64 or 128 and C % 64 == 0 (on sm_90 also K a multiple of 64 up to 2,048 "
+             "and C % 128 == 0; a mask recomputed from x: those only), got dy ",
+             dy.desc(), ", w ", w.desc(), ", x ", x.desc());
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
-  check_nhwc_f16(r, x.shape(), x.device(), op, "r");
-  KILN_CHECK(mask.defined() && mask.dtype() == DType::u8 && mask.is_contiguous() &&
-                 mask.numel() == x.numel() / 8 && mask.device() == x.device(),
-             op, " (cuda): mask must be a contiguous u8 tensor of ", x.numel() / 8, " elements, got ",
-             mask.defined() ? mask.desc() : "undefined");
+  // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
+  if (r.defined() || !use_wgmma(K, C)) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
+  if (bits) {
+    KILN_CHECK(mask.dtype() == DType::u8 && mask.is_contiguous() &&
+                   mask.numel() == x.numel() / 8 && mask.device() == x.device(),
+               op, " (cuda): mask must be a contiguous u8 tensor of ", x.numel() / 8,
+               " elements, got ", mask.desc());
+  } else {
+    KILN_CHECK(scale_shift.defined() && scale_shift.dtype() == DType::f32 &&
+                   scale_shift.numel() == 2 * C && scale_shift.is_contiguous() &&
+                   scale_shift.device() == x.device(),
+               op, " (cuda): without a mask, scale_shift must be f32 of ", 2 * C,
+               " elements (the ReLU mask is recomputed from x), got ",
+               scale_shift.defined() ? scale_shift.desc() : "undefined");
+  }
   KILN_CHECK(mean.defined() && mean.dtype() == DType::f32 && mean.numel() == C &&
                  mean.is_contiguous() && mean.device() == x.device(),
              op, " (cuda): mean must be f32 of ", C, " elements, got ",
@@ -235,7 +248,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
   if (use_wgmma(K, C)) {
-    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, parts);
+    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
     return parts;
   }
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};

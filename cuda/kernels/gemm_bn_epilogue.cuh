@@ -38,6 +38,17 @@ __device__ inline uint4 tail_epilogue8_rounded(uint4 pv, uint4 xv, unsigned bits
   return out;
 }
 
+// The ReLU mask's byte of x's 8 halves, recomputed as the forward's relu(x·scale + shift) kept
+// them: bit q set where x_q·scale_q + shift_q > 0 (the unfused sums kernel's kMaskFromX test).
+__device__ inline unsigned relu_bits8(uint4 xv, const float (&sc)[8], const float (&sh)[8]) {
+  const float4 x0 = h4(uint2{xv.x, xv.y}), x1 = h4(uint2{xv.z, xv.w});
+  const float xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  unsigned bits = 0;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) bits |= unsigned(fmaf(xf[q], sc[q], sh[q]) > 0.f) << q;
+  return bits;
+}
+
 // acc: the GEMM's 8 f32 results (16-byte aligned, shared memory); rv, xv: r's and x's 8 halves;
 // bits: the ReLU mask's byte. acc + r rounded to f16, then tail_epilogue8_rounded.
 __device__ inline uint4 tail_epilogue8(const float* acc, uint4 rv, uint4 xv, unsigned bits,

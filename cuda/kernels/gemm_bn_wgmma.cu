@@ -167,7 +167,12 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // instead of staging the accumulators and reading r, x and the mask from global memory after the
 // MMAs (latency-bound: ncu in docs/lab/tail-gemm.md, the v16 round). Same arithmetic in the
 // same order: the results are bit-identical between the two.
-template <bool kTmaEpi>
+//
+// kResidual: r is added (else G is the GEMM alone); kBits: the ReLU mask is the forward's bitmask
+// (a block tail relu(bn(x) + z)), else it is recomputed from x as x·scale + shift > 0 (a
+// relu(bn(x)) whose output only the convolution reads), exactly as the unfused sums kernel's
+// kMaskFromX does. Only the TMA epilogue takes the forms other than the tail's.
+template <bool kTmaEpi, bool kResidual, bool kBits>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -177,7 +182,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const __grid_constant__ CUtensorMap map_mask,
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
-                                  int64_t M, int C, int K, int parts) {
+                                  const float* __restrict__ scale_shift, int64_t M, int C, int K,
+                                  int parts) {
+  static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -218,14 +225,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
           for (int c = 0; c < 2; ++c) {
             if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // tile u-1 read
-            mbar_expect_tx(epi_full(c), uint32_t(kEpiBytes));
+            constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
+            mbar_expect_tx(epi_full(c), uint32_t(kBytes));
             const int m0 = int(tile * kBM + c * 64);
             const uint32_t e = epi_buf(c);
             for (int h = 0; h < 2; ++h) {
-              tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
+              if constexpr (kResidual)
+                tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
               tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
             }
-            tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
+            if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
           }
         return;
       }
@@ -254,6 +263,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   float mu[8], s1[8] = {}, s2[8] = {};
 #pragma unroll
   for (int q = 0; q < 8; ++q) mu[q] = mean[c0 + q];
+  // The forward's scale and shift of these channels, for a mask recomputed from x.
+  [[maybe_unused]] float scale[8], shift[8];
+  if constexpr (!kBits) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      scale[q] = scale_shift[c0 + q];
+      shift[q] = scale_shift[C + c0 + q];
+    }
+  }
 
   int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
   for (int64_t tile = part; tile < row_tiles; tile += parts) {
@@ -280,8 +298,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r0 = warp * 16 + (lane >> 2);
     if constexpr (kTmaEpi) {
       // r, x and the mask of these rows are in. Over r, in its place: acc + r rounded to f16
-      // (g before the mask). Byte (row, col) of a 64-column box in the 128-byte swizzle lies at
-      // row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2; r0 % 8 = lane / 4.
+      // (g before the mask; without r, acc rounded). Byte (row, col) of a 64-column box in the
+      // 128-byte swizzle lies at row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2;
+      // r0 % 8 = lane / 4.
       mbar_wait(epi_full(c), uint32_t(u & 1));
       unsigned char* e = gbase + out0 + c * kStageOut;
 #pragma unroll
@@ -289,9 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int off = (b / 8) * (kEpiX / 2) + (((b % 8) ^ (lane >> 2)) * 16) + (lane & 3) * 4;
         __half2* p0 = reinterpret_cast<__half2*>(e + r0 * 128 + off);
         __half2* p1 = reinterpret_cast<__half2*>(e + (r0 + 8) * 128 + off);
-        const float2 a0 = __half22float2(*p0), a1 = __half22float2(*p1);
-        *p0 = __floats2half2_rn(d[4 * b] + a0.x, d[4 * b + 1] + a0.y);
-        *p1 = __floats2half2_rn(d[4 * b + 2] + a1.x, d[4 * b + 3] + a1.y);
+        if constexpr (kResidual) {
+          const float2 a0 = __half22float2(*p0), a1 = __half22float2(*p1);
+          *p0 = __floats2half2_rn(d[4 * b] + a0.x, d[4 * b + 1] + a0.y);
+          *p1 = __floats2half2_rn(d[4 * b + 2] + a1.x, d[4 * b + 3] + a1.y);
+        } else {
+          *p0 = __floats2half2_rn(d[4 * b], d[4 * b + 1]);
+          *p1 = __floats2half2_rn(d[4 * b + 2], d[4 * b + 3]);
+        }
       }
       named_sync(1 + c, 128);
       // Rows rr + 8·i (row % 8 = rr), channels c0..c0+7: 16-byte chunk cg % 8 of box cg / 8.
@@ -303,14 +327,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (m >= M) break;
         const uint4 pv = *reinterpret_cast<const uint4*>(e + row * 128 + chunk);
         const uint4 xv = *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
-        const unsigned bits = e[kEpiMask + row * 16 + cg];
+        unsigned bits;
+        if constexpr (kBits)
+          bits = e[kEpiMask + row * 16 + cg];
+        else
+          bits = relu_bits8(xv, scale, shift);
         reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
             tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
       }
       fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
       mbar_arrive(epi_empty(c));
       ++u;
-    } else {
+    } else if constexpr (kResidual && kBits) {
       // Stage the accumulators, then the epilogue reads r, x and the mask from global memory.
       named_sync(1 + c, 128);  // the buffer's previous tile has been read
 #pragma unroll
@@ -412,7 +440,7 @@ bool dgrad1x1_bn_wgmma_available() {
 }
 
 bool dgrad1x1_bn_wgmma_shape(int64_t K, int64_t C) {
-  return K >= kBK && K <= 512 && K % kBK == 0 && C % kBN == 0 && C / kBN <= 132;
+  return K >= kBK && K <= 2048 && K % kBK == 0 && C % kBN == 0 && C / kBN <= 132;
 }
 
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
@@ -423,7 +451,7 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
 
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
-                            const Tensor& mean, int parts) {
+                            const Tensor& mean, const Tensor& scale_shift, int parts) {
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   cudaStream_t s = current_stream();
   // wt (C × K): the weight K-major for wgmma's B.
@@ -434,29 +462,38 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   KILN_CUDA_CHECK_LAUNCH();
   const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K);
   const CUtensorMap map_wt = kmajor_map(wt.raw_data(), C, K);
-  const bool tma_epi = g_tma_epi.get();
+  const bool residual = r.defined(), bits = mask.defined();
+  // A mask recomputed from x or no residual: the TMA epilogue's forms only.
+  const bool tma_epi = g_tma_epi.get() || !residual || !bits;
   // The epilogue's operands per consumer warpgroup: 64 rows × 64 channels of r and x (twice),
   // 64 rows × 16 bytes (128 channels) of the mask. Unused without the TMA epilogue.
   CUtensorMap map_r{}, map_x{}, map_mask{};
   if (tma_epi) {
-    map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
+    if (residual) map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
     map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
-    map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
+    if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   }
-  auto run = [&]<bool kTma>() {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma>;
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
+  auto run = [&]<bool kTma, bool kResidual, bool kBits>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits>;
     allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
     const unsigned grid = unsigned(parts * (C / kBN));
     launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
            static_cast<float*>(partial.raw_data()), map_dy, map_wt, map_r, map_x, map_mask,
-           static_cast<const __half*>(r.raw_data()), static_cast<const uint8_t*>(mask.raw_data()),
+           static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
            static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
-           M, int(C), int(K), parts);
+           static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
   };
-  if (tma_epi)
-    run.template operator()<true>();
+  if (!tma_epi)
+    run.template operator()<false, true, true>();
+  else if (residual && bits)
+    run.template operator()<true, true, true>();
+  else if (bits)
+    run.template operator()<true, false, true>();
+  else if (residual)
+    run.template operator()<true, true, false>();
   else
-    run.template operator()<false>();
+    run.template operator()<true, false, false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 

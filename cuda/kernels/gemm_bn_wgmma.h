@@ -9,14 +9,15 @@ namespace kiln::cuda {
 
 // An sm_90 device, and this build compiled the kernel for sm_90a.
 bool dgrad1x1_bn_wgmma_available();
-// The shapes it takes: K a multiple of 64 up to 512, C a multiple of 128.
+// The shapes it takes: K a multiple of 64 up to 2,048, C a multiple of 128.
 bool dgrad1x1_bn_wgmma_shape(int64_t K, int64_t C);
 // Its partial rows for M rows: the SMs divided among C / 128 column tiles.
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
-// g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there.
+// g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there (r may
+// be undefined: no residual; mask undefined: the ReLU mask recomputed from x and scale_shift).
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
-                            const Tensor& mean, int parts);
+                            const Tensor& mean, const Tensor& scale_shift, int parts);
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
 // KILN_TAIL_TMA_EPI=0 or set_tail_tma_epilogue_enabled(false): read from global memory after
 // them, as before v17). Bit-identical results either way.

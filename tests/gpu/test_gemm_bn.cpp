@@ -294,3 +294,198 @@ TEST_CASE("a block tail takes the next 1x1 convolution's data gradient: gradient
     KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), c.bias.grad().to(kCPU), 1.0, 2e-2));
   }
 }
+
+// ---- a block's inner relu(bn2(y2)), read by conv3 alone: the ReLU mask recomputed from x ----
+
+namespace {
+
+// relu(bn(y)) and the 1x1 convolution after it (w: K × C), its output gradient dy, and an
+// optional other gradient r of the ReLU's output.
+struct Inner {
+  Tensor y, weight, mean, invstd, scale_shift, dy, w, r;
+};
+
+Inner make_inner(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, bool residual,
+                 uint64_t seed) {
+  manual_seed(seed);
+  Inner t;
+  const Shape shape{n, c, h, w};
+  t.y = nhwc(F::add(F::mul(randn(shape), 1.5), 0.25));
+  t.dy = nhwc(randn({n, k, h, w}));
+  t.w = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
+  if (residual) t.r = nhwc(randn(shape));
+  BnStatsFinalize f = gputest::bn_finalize_of(t.y);
+  Tensor out = empty_like(t.y);
+  cuda::bn_nhwc_apply(out, t.y, Tensor(), f, Activation::Relu, Tensor());  // fills scale_shift
+  t.weight = f.weight;
+  t.mean = f.save_mean;
+  t.invstd = f.save_invstd;
+  t.scale_shift = f.scale_shift;
+  return t;
+}
+
+Grads run_inner_fused(const Inner& t) {
+  const TensorOptions f32 = TensorOptions().with_device(kGpu);
+  const int64_t c = t.y.size(1);
+  Grads o{empty_like(t.y), empty_like(t.y), empty({c}, f32), empty({c}, f32)};
+  cuda::bn_nhwc_backward_dgrad1x1(o.dx, o.g, o.dw, o.db, t.dy, t.w, t.r, Tensor(), t.y, t.weight,
+                                  t.mean, t.invstd, false, t.scale_shift);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("bn_nhwc_backward_dgrad1x1 with the mask from x equals cuDNN's dgrad then "
+          "bn_nhwc_backward(relu)") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the mask-from-x form runs on the wgmma kernel: it needs an sm_90 GPU and a build for "
+            "sm_90a; skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, c, k, h, w;
+    bool residual;
+  };
+  // ResNet-50's conv3 (K = 4C) of layers 2-4: 392 rows (3 full tiles, 8 rows), 98 rows (one
+  // partial tile), 196 rows over 4 column tiles at K 2,048; layer 2 at batch 32 (25,088 rows:
+  // 196 tiles over 132 CTAs, some take two) and layer 3 at batch 64 (98 tiles over 66 CTAs per
+  // column tile). K 256 with C 128, and with another gradient r added.
+  for (Case cs : {Case{2, 128, 512, 14, 14, false}, Case{2, 256, 1024, 7, 7, false},
+                  Case{4, 512, 2048, 7, 7, false}, Case{32, 128, 512, 28, 28, false},
+                  Case{64, 256, 1024, 14, 14, false}, Case{3, 128, 256, 7, 5, true}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    CAPTURE(cs.residual);
+    const Inner t = make_inner(cs.n, cs.c, cs.k, cs.h, cs.w, cs.residual, 121 + uint64_t(cs.c));
+    REQUIRE(cuda::dgrad1x1_bn_supported(t.dy, t.w, t.y, /*mask_bits=*/false));
+    const Grads a = run_inner_fused(t);
+    // Today's path: cuDNN's dgrad (onto r), then kiln's two passes with the mask from x.
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    Tensor grad = cs.residual ? t.r.clone() : empty_like(t.y);
+    cuda::conv2d_backward_data(grad, t.dy, t.w, ConvParams{}, /*accumulate=*/cs.residual);
+    Grads b{empty_like(t.y), Tensor(), empty({cs.c}, f32o), empty({cs.c}, f32o)};
+    cuda::bn_nhwc_backward(b.dx, Tensor(), b.dw, b.db, grad, t.y, Tensor(), t.weight, t.mean,
+                           t.invstd, t.scale_shift, Activation::Relu);
+    // The CPU's f32 reference of g: G (+ r) masked where y·scale + shift is not positive.
+    const int64_t M = cs.n * cs.h * cs.w;
+    Tensor dy = f32(t.dy).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k});
+    Tensor w = f32(t.w).reshape({cs.k, cs.c});
+    Tensor want = F::matmul(dy, w);
+    if (cs.residual)
+      want = F::add(want, f32(t.r).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c}));
+    want = want.contiguous();
+    Tensor yv = f32(t.y).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    Tensor ss = t.scale_shift.to(kCPU);
+    const float* yp = yv.data<float>();
+    const float* sp = ss.data<float>();
+    float* wp = want.data<float>();
+    int64_t kept = 0;
+    for (int64_t i = 0; i < M * cs.c; ++i) {
+      const int64_t ch = i % cs.c;
+      if (!(std::fma(yp[i], sp[ch], sp[cs.c + ch]) > 0.f))
+        wp[i] = 0.f;
+      else
+        ++kept;
+    }
+    CHECK(kept > M * cs.c / 8);  // the mask keeps some and drops some
+    CHECK(kept < M * cs.c);
+    Tensor got = f32(a.g).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    KILN_CHECK_OK(testing::compare(got, want, 1e-2, 2e-3));
+    const double atol = 6e-2 * std::max(1.0, std::sqrt(double(M) / 784.0));
+    KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), atol, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), atol, 1e-2));
+    // Bit-reproducible: a second run gives the same bits.
+    const Grads c = run_inner_fused(t);
+    for (auto [x, y] : {std::pair{a.dx, c.dx}, {a.g, c.g}, {a.dw, c.dw}, {a.db, c.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+}
+
+TEST_CASE("the mask-from-x form refuses what the wgmma kernel does not take") {
+  // C 64 (ResNet-50's layer 1: not a multiple of the kernel's 128 columns), K 64 (the mma.sync
+  // kernel's shape, which only reads mask bits), K past 2,048; and a message without scale_shift.
+  const Inner a = make_inner(2, 64, 256, 4, 4, false, 131);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(a.dy, a.w, a.y, false));
+  const Inner b = make_inner(2, 128, 64, 4, 4, false, 132);
+  CHECK(cuda::dgrad1x1_bn_supported(b.dy, b.w, b.y, true) == true);
+  CHECK(cuda::dgrad1x1_bn_supported(b.dy, b.w, b.y, false) ==
+        (cuda::dgrad1x1_bn_wgmma_available() && cuda::tail_gemm_mode() == 2));
+  const Inner c = make_inner(1, 128, 4096, 2, 2, false, 133);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(c.dy, c.w, c.y, false));
+  if (!cuda::dgrad1x1_bn_wgmma_available()) return;
+  const Inner d = make_inner(2, 128, 512, 4, 4, false, 134);
+  Tensor dx = empty_like(d.y), g = empty_like(d.y);
+  try {
+    cuda::bn_nhwc_backward_dgrad1x1(dx, g, Tensor(), Tensor(), d.dy, d.w, Tensor(), Tensor(), d.y,
+                                    d.weight, d.mean, d.invstd);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("scale_shift") != std::string::npos);
+  }
+}
+
+// The wiring: relu(bn(y)) read by a 1x1 convolution alone (a bottleneck's bn2 and conv3). With
+// the fusion the batch norm's node takes the convolution's data gradient (dgrad_fusions counts
+// it); every gradient matches the unfused run and the f32 composition.
+TEST_CASE("a block's inner relu(bn(y)) takes conv3's data gradient: gradients unchanged") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the mask-from-x form runs on the wgmma kernel: it needs an sm_90 GPU and a build for "
+            "sm_90a; skipped");
+    return;
+  }
+  for (int64_t c : {128, 256}) {
+    CAPTURE(c);
+    const int64_t k = 4 * c;
+    manual_seed(141 + uint64_t(c));
+    const Shape shape{4, c, 10, 12};
+    Tensor hy = F::add(F::mul(randn(shape), 1.5), 0.25);
+    Tensor hw = F::mul(randn({k, c, 1, 1}), 0.1), hdy = randn({4, k, 10, 12});
+    Tensor hg = uniform({c}, 0.5, 1.5), hb = uniform({c}, -0.5, 0.5);
+    struct Run {
+      Tensor y, w, weight, bias;
+    };
+    auto run = [&](bool fused, DType dt) {
+      const bool before = cuda::dgrad_fusion_enabled();
+      cuda::set_dgrad_fusion_enabled(fused);
+      auto leaf = [&](const Tensor& h, DType t) {
+        Tensor g = h.to(t).to(kGpu);
+        if (h.dim() == 4) g = g.contiguous(MemoryFormat::ChannelsLast);
+        g = g.detach();
+        g.set_requires_grad(true);
+        return g;
+      };
+      Run r{leaf(hy.to(DType::f16), dt), leaf(hw.to(DType::f16), dt), leaf(hg, DType::f32),
+            leaf(hb, DType::f32)};
+      const TensorOptions opt = TensorOptions().with_device(kGpu);
+      Tensor rm = zeros({c}, opt), rv = ones({c}, opt);
+      Tensor out;
+      if (dt == DType::f16) {
+        Tensor y32 = r.y.detach().to(DType::f32);
+        const F::ChannelStats st{F::sum(y32, {0, 2, 3}), F::sum(F::mul(y32, y32), {0, 2, 3}),
+                                 r.y.version()};
+        out = F::batch_norm_from_stats(r.y, st, Tensor(), true, r.weight, r.bias, rm, rv, true);
+      } else {
+        out = F::relu(F::batch_norm(r.y, r.weight, r.bias, rm, rv, true));
+      }
+      Tensor y3 = F::conv2d(out, r.w);
+      autograd::backward({y3}, {nhwc(hdy).to(dt)}, false);
+      cuda::set_dgrad_fusion_enabled(before);
+      return r;
+    };
+    const uint64_t n0 = F::dgrad_fusions();
+    const Run a = run(true, DType::f16);
+    CHECK(F::dgrad_fusions() == n0 + 1);
+    const Run b = run(false, DType::f16);
+    CHECK(F::dgrad_fusions() == n0 + 1);
+    const Run f = run(false, DType::f32);  // the composition in f32
+    KILN_CHECK_OK(testing::compare(f32(a.y.grad()), f32(b.y.grad()), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.weight.grad().to(kCPU), b.weight.grad().to(kCPU), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), b.bias.grad().to(kCPU), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(a.w.grad()), f32(b.w.grad()), 0.2, 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(a.y.grad()), f32(f.y.grad()), 5e-2, 2e-2));
+    KILN_CHECK_OK(testing::compare(a.weight.grad().to(kCPU), f.weight.grad().to(kCPU), 1.0, 2e-2));
+    KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), f.bias.grad().to(kCPU), 1.0, 2e-2));
+  }
+}

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# A ResNet-50 step change checked and measured in one device call: the build (kiln-bench and the
+# GPU suites named), the suites, compute-sanitizer on chosen test cases, graph replay against
+# eager, a switch off and on alternating on the step, one eager step under Nsight Compute per
+# side, and PyTorch's anchor last.
+#   SUITES="gpu_test_gemm_bn" SANITIZE="gpu_test_gemm_bn:*mask from x*" SWITCH=KILN_FUSED_DGRAD_RELU \
+#     MODELS="resnet50:256:3 resnet50:64:1" NCU=1 VERIFY=1 TORCH=1 bash tools/device/resnet_check.sh
+# SANITIZE="suite:filter ..." runs each suite's test cases matching the doctest filter under each
+# tool of SANITIZE_TOOLS (default memcheck). MODELS lists model:batch:rounds for ab_switch.sh
+# (off is SWITCH=0, on the default). NCU=1 profiles one eager b256 step with the default and,
+# with SWITCH set, one with SWITCH=0 (the method of docs/performance.md), summarised side by
+# side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
+# TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
+# batches 64 and 256. Run from the repository root with .deps (and .bench) carried; a summary in
+# $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
+set -uo pipefail
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+B=${B:-build-gpu}
+S="$OUT/resnet.txt"
+L=/tmp/resnet-logs
+mkdir -p $L
+t0=$(date +%s)
+finish() {
+  tar -czf "$OUT/resnet-logs.tgz" -C /tmp resnet-logs
+  echo "resnet_check: $(( $(date +%s) - t0 )) s" | tee -a "$S"
+}
+SUITES=${SUITES:-}
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" > $L/configure.log 2>&1 &&
+  ninja -C $B -j 16 kiln-bench $SUITES > $L/build.log 2>&1 ||
+  { grep -E "error|FAILED" $L/build.log | head -30 | tee -a "$S"; finish; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
+for t in $SUITES; do
+  timeout 300 $B/$t > $L/$t.log 2>&1
+  echo "$t: rc $?; $(grep -E "^\[doctest\] (test cases|assertions)" $L/$t.log | tr '\n' ' ')" |
+    tee -a "$S"
+  grep -E "ERROR|FAILED|error:" $L/$t.log | head -20 | tee -a "$S"
+done
+for spec in ${SANITIZE:-}; do
+  suite=${spec%%:*}
+  filter=${spec#*:}
+  for tool in ${SANITIZE_TOOLS:-memcheck}; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 $B/$suite -tc="$filter" \
+      > $L/$tool-$suite.log 2>&1
+    echo "$tool $suite ($filter): rc $?; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[doctest\] assertions" $L/$tool-$suite.log | tr '\n' ' ')" |
+      tee -a "$S"
+  done
+done
+if [ "${VERIFY:-0}" = 1 ]; then
+  timeout 300 $B/kiln-bench --model resnet50 --batches 64 --verify-graph > $L/verify.log 2>&1
+  echo "verify-graph resnet50 b64: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"
+fi
+MODELS=${MODELS-resnet50:256:3}
+[ -n "$MODELS" ] && [ -n "${SWITCH:-}" ] && MODELS="$MODELS" OUT=$L/ab B=$B \
+  bash tools/device/ab_switch.sh 2>&1 | tee -a "$S"
+if [ "${NCU:-0}" = 1 ]; then
+  prof() {  # $1: the CSV; the rest: environment for kiln-bench
+    local csv=$1; shift
+    env "$@" timeout 400 ncu --clock-control none --cache-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum,dram__bytes.sum --csv $B/kiln-bench --model resnet50 \
+      --batches 256 --eager-only --profile > "$csv" 2> "$csv.err"
+    echo "ncu $*: rc $?" | tee -a "$S"
+  }
+  prof $L/step-on.csv KILN_UNUSED=0
+  if [ -n "${SWITCH:-}" ]; then
+    prof $L/step-off.csv "$SWITCH=0"
+    python3 tools/bench/ncu_step_summary.py $L/step-off.csv --compare $L/step-on.csv \
+      --kernels 25 >> "$S" 2>&1
+  fi
+  python3 tools/bench/ncu_step_summary.py $L/step-on.csv --kernels 40 >> "$S" 2>&1
+fi
+if [ "${TORCH:-0}" = 1 ] && [ -f .bench/torch_resnet50_quick.py ]; then
+  PYTHONUNBUFFERED=1 timeout 300 python3 .bench/torch_resnet50_quick.py eager 64,256 2>&1 |
+    grep -v Warning | tee -a "$S"
+fi
+finish
