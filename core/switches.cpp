@@ -13,6 +13,7 @@ Switches read_switches() {
   s.fused_bn = !is(std::getenv("KILN_FUSED_BN"), "0");
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   s.fused_dgrad_relu = !is(std::getenv("KILN_FUSED_DGRAD_RELU"), "0");
+  s.conv1x1_stats = !is(std::getenv("KILN_CONV1X1_STATS"), "0");
   const char* tg = std::getenv("KILN_TAIL_GEMM");
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
   s.tail_tma_epi = !is(std::getenv("KILN_TAIL_TMA_EPI"), "0");

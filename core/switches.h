@@ -14,6 +14,10 @@
 // | KILN_FUSED_DGRAD_RELU    | 0                   | a block's inner relu(bn2(y2)) backward does not |
 // |                          |                     | take conv3's data gradient into its GEMM (the   |
 // |                          |                     | tail's fusion only; before 2026-12-04)          |
+// | KILN_CONV1X1_STATS       | 0                   | 1x1 convolutions with batch-norm statistics on  |
+// |                          |                     | cuDNN (GenStats epilogue or the statistics      |
+// |                          |                     | pass), not kiln's wgmma kernel (before          |
+// |                          |                     | 2026-12-04)                                     |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before v14)                                     |
@@ -84,6 +88,7 @@ struct Switches {
   bool fused_bn = true;
   bool fused_dgrad = true;
   bool fused_dgrad_relu = true;
+  bool conv1x1_stats = true;
   int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient

@@ -77,6 +77,12 @@ constexpr int64_t kStatsPassMinChannels = 256;
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
                 const Tensor& w, const ConvParams& p) {
+  // kiln's 1x1 GEMM with the statistics in its epilogue: fixed-order sums, so deterministic
+  // mode takes it too.
+  if (conv1x1_stats_supported(y, x, w, p)) {
+    conv1x1_forward_stats(y, sum, sqsum, x, w, p);
+    return true;
+  }
   const bool deterministic = conv_deterministic();
   if (!deterministic && conv2d_forward_stats(y, sum, sqsum, x, w, p)) return true;
   if (!bn_nhwc_supported(y) || y.numel() == 0) return false;

@@ -238,6 +238,22 @@ bool bn_nhwc_supported(const Tensor& x);
 // a fixed order (bit-reproducible for a given shape and device). The statistics pass for a
 // convolution whose kernel did not produce them (cuda/backend.cpp conv_stats).
 void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x);
+// Its finishing reduction alone: sum and sqsum (=) from partial (parts, 2, C) rows of Σx and Σx²
+// (a kernel that wrote such partials for x, as conv1x1_forward_stats), in a fixed order.
+void bn_nhwc_stats_finish(const Tensor& sum, const Tensor& sqsum, const Tensor& partial,
+                          const Tensor& x, int parts);
+
+// A stride-1, unpadded 1x1 convolution's forward with its output's batch-norm statistics, on
+// kiln's wgmma GEMM (cuda/kernels/gemm_bn_wgmma.cu): y (=) = x · wᵀ rounded to f16, sum (=) and
+// sqsum (=) = Σy and Σy² per channel of y as stored, in a fixed order (bit-reproducible for a
+// shape and device). The first piece of the NormConvolution pattern kiln builds on its own
+// kernels (docs/lab/norm-conv.md). Needs conv1x1_stats_supported: an sm_90 GPU, f16
+// channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), K a multiple of 64 up to
+// 2,048, C a multiple of 128, and the switch on (KILN_CONV1X1_STATS=0 turns it off).
+bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
+                             const ConvParams& p);
+void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                           const Tensor& x, const Tensor& w, const ConvParams& p);
 
 // BnStatsFinalize's outputs from its inputs (core/backend.h has the arithmetic's contract).
 void bn_nhwc_finalize(const BnStatsFinalize& f);

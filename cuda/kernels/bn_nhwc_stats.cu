@@ -44,4 +44,20 @@ void bn_nhwc_stats(const Tensor& sum, const Tensor& sqsum, const Tensor& x) {
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+void bn_nhwc_stats_finish(const Tensor& sum, const Tensor& sqsum, const Tensor& partial,
+                          const Tensor& x, int parts) {
+  const char* op = "bn_nhwc_stats_finish";
+  check_x(x, op);
+  const int64_t C = x.size(1);
+  float* s = required(f32_ptr(sum, C, x, op, "sum"), op, "sum");
+  float* q = required(f32_ptr(sqsum, C, x, op, "sqsum"), op, "sqsum");
+  KILN_CHECK(parts > 0 && partial.defined() && partial.dtype() == DType::f32 &&
+                 partial.is_contiguous() && partial.numel() >= int64_t(parts) * 2 * C,
+             op, " (cuda): partial must hold ", int64_t(parts) * 2 * C, " f32 values, got ",
+             partial.defined() ? partial.desc() : "undefined");
+  launch(stats_finish_kernel, finish_grid(C), kFinishBlock, 0, current_stream(), s, q,
+         static_cast<const float*>(partial.raw_data()), C, parts);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace kiln::cuda

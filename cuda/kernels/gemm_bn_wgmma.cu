@@ -171,8 +171,11 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // kResidual: r is added (else G is the GEMM alone); kBits: the ReLU mask is the forward's bitmask
 // (a block tail relu(bn(x) + z)), else it is recomputed from x as x·scale + shift > 0 (a
 // relu(bn(x)) whose output only the convolution reads), exactly as the unfused sums kernel's
-// kMaskFromX does. Only the TMA epilogue takes the forms other than the tail's.
-template <bool kTmaEpi, bool kResidual, bool kBits>
+// kMaskFromX does. kStats: a 1x1 convolution's forward with its output's statistics (the
+// GEMM y = x · wᵀ, no residual, no mask; partial holds Σy and Σy² of y as rounded to f16, as
+// kiln's statistics pass sums the stored tensor). Only the TMA epilogue takes the forms other
+// than the tail's.
+template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -185,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const float* __restrict__ scale_shift, int64_t M, int C, int K,
                                   int parts) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
+  static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -221,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
     if constexpr (kTmaEpi) {
       if (tid == 32) {
+        if constexpr (kStats) return;  // nothing to load for the statistics' epilogue
         int u = 0;  // this CTA's tiles so far
         for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
           for (int c = 0; c < 2; ++c) {
@@ -262,10 +267,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c0 = n0 + cg * 8;
   float mu[8], s1[8] = {}, s2[8] = {};
 #pragma unroll
-  for (int q = 0; q < 8; ++q) mu[q] = mean[c0 + q];
+  for (int q = 0; q < 8; ++q) mu[q] = kStats ? 0.f : mean[c0 + q];
   // The forward's scale and shift of these channels, for a mask recomputed from x.
   [[maybe_unused]] float scale[8], shift[8];
-  if constexpr (!kBits) {
+  if constexpr (!kBits && !kStats) {
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       scale[q] = scale_shift[c0 + q];
@@ -301,7 +306,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // (g before the mask; without r, acc rounded). Byte (row, col) of a 64-column box in the
       // 128-byte swizzle lies at row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2;
       // r0 % 8 = lane / 4.
-      mbar_wait(epi_full(c), uint32_t(u & 1));
+      if constexpr (kStats)
+        named_sync(1 + c, 128);  // the previous tile's values have been read
+      else
+        mbar_wait(epi_full(c), uint32_t(u & 1));
       unsigned char* e = gbase + out0 + c * kStageOut;
 #pragma unroll
       for (int b = 0; b < kBN / 8; ++b) {
@@ -326,17 +334,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t m = m0 + row;
         if (m >= M) break;
         const uint4 pv = *reinterpret_cast<const uint4*>(e + row * 128 + chunk);
-        const uint4 xv = *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
+        // Statistics: every value kept, Σy and Σy·(y − 0).
+        const uint4 xv =
+            kStats ? pv : *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
         unsigned bits;
-        if constexpr (kBits)
+        if constexpr (kStats)
+          bits = 0xffu;
+        else if constexpr (kBits)
           bits = e[kEpiMask + row * 16 + cg];
         else
           bits = relu_bits8(xv, scale, shift);
         reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
             tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
       }
-      fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
-      mbar_arrive(epi_empty(c));
+      if constexpr (!kStats) {
+        fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
+        mbar_arrive(epi_empty(c));
+      }
       ++u;
     } else if constexpr (kResidual && kBits) {
       // Stage the accumulators, then the epilogue reads r, x and the mask from global memory.
@@ -495,6 +509,55 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   else
     run.template operator()<true, false, false>();
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
+                         int parts) {
+  const int64_t C = y.size(1), K = x.size(1), M = x.numel() / K;
+  // y = x · wᵀ: x (M × K) and w (C × K) are both K-major already.
+  const CUtensorMap map_x = kmajor_map(x.raw_data(), M, K);
+  const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);
+  constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true>;
+  allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
+  const CUtensorMap none{};
+  launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+         static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x, map_w,
+         none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K), parts);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+constinit RuntimeSwitch g_conv1x1_stats{&Switches::conv1x1_stats};  // KILN_CONV1X1_STATS
+
+bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
+                             const ConvParams& p) {
+  if (!g_conv1x1_stats.get() || !dgrad1x1_bn_wgmma_available()) return false;
+  if (!(y.defined() && x.defined() && w.defined() && x.is_cuda() && x.dtype() == DType::f16 &&
+        y.dtype() == DType::f16 && w.dtype() == DType::f16 && x.dim() == 4 && y.dim() == 4 &&
+        w.dim() == 4))
+    return false;
+  const int64_t K = x.size(1), C = y.size(1);
+  return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
+         p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K &&
+         w.size(2) == 1 && w.size(3) == 1 && y.size(0) == x.size(0) && y.size(2) == x.size(2) &&
+         y.size(3) == x.size(3) && x.numel() > 0 && dgrad1x1_bn_wgmma_shape(K, C) &&
+         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         y.is_contiguous(MemoryFormat::ChannelsLast) &&
+         (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous()) &&
+         y.device() == x.device() && w.device() == x.device();
+}
+
+void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                           const Tensor& x, const Tensor& w, const ConvParams& p) {
+  KILN_CHECK(conv1x1_stats_supported(y, x, w, p), "conv1x1_forward_stats (cuda): needs an sm_90 "
+             "GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), stride 1, "
+             "no padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got x ",
+             x.desc(), ", w ", w.desc(), ", y ", y.desc());
+  const int64_t C = y.size(1), M = x.numel() / x.size(1);
+  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
+  Tensor partial =
+      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  conv1x1_stats_wgmma(y, partial, x, w, parts);
+  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
 }
 
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }

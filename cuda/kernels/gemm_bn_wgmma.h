@@ -18,6 +18,12 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& mean, const Tensor& scale_shift, int parts);
+// A stride-1 1x1 convolution's forward on the same kernel, y (N, C, H, W) = x (N, K, H, W) ·
+// w (C, K, 1, 1)ᵀ, with partial (parts, 2, C) (=) holding per part Σy and Σy² of y as stored
+// (f16); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C). Shapes as dgrad1x1_bn_wgmma_shape(K, C); the
+// operands are checked by the caller (conv1x1_forward_stats, cuda/kernels.h).
+void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
+                         int parts);
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
 // KILN_TAIL_TMA_EPI=0 or set_tail_tma_epilogue_enabled(false): read from global memory after
 // them, as before v17). Bit-identical results either way.

@@ -489,3 +489,87 @@ TEST_CASE("a block's inner relu(bn(y)) takes conv3's data gradient: gradients un
     KILN_CHECK_OK(testing::compare(a.bias.grad().to(kCPU), f.bias.grad().to(kCPU), 1.0, 2e-2));
   }
 }
+
+// ---- a 1x1 convolution's forward with its output's statistics (conv1x1_forward_stats) ----
+
+TEST_CASE("conv1x1_forward_stats equals cuDNN's convolution and the statistics pass") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("conv1x1_forward_stats runs on the wgmma kernel: it needs an sm_90 GPU and a build "
+            "for sm_90a; skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, k, c, h, w;  // x (n, k, h, w), y (n, c, h, w)
+  };
+  // ResNet-50's expanding 1x1 convolutions (64 → 256 ... 512 → 2,048): 392 rows (3 full tiles,
+  // 8 rows), 98 rows (one partial tile), 784 and 98 rows over 8 and 16 column tiles; layer 1 at
+  // batch 16 (50,176 rows: 392 tiles over 66 CTAs per column tile, 5-6 each); K 2,048 with C 128.
+  for (Case cs : {Case{2, 64, 256, 14, 14}, Case{2, 128, 512, 7, 7}, Case{4, 256, 1024, 14, 14},
+                  Case{2, 512, 2048, 7, 7}, Case{16, 64, 256, 56, 56}, Case{3, 2048, 128, 5, 7}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.k);
+    CAPTURE(cs.c);
+    manual_seed(151 + uint64_t(cs.k + cs.c));
+    const Tensor x = nhwc(F::add(randn({cs.n, cs.k, cs.h, cs.w}), 0.5));
+    const Tensor w =
+        F::mul(randn({cs.c, cs.k, 1, 1}), 1.0 / std::sqrt(double(cs.k))).to(DType::f16).to(kGpu);
+    const Tensor y = nhwc(zeros({cs.n, cs.c, cs.h, cs.w}));
+    REQUIRE(cuda::conv1x1_stats_supported(y, x, w, ConvParams{}));
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    Tensor sum = empty({cs.c}, f32o), sqsum = empty({cs.c}, f32o);
+    cuda::conv1x1_forward_stats(y, sum, sqsum, x, w, ConvParams{});
+    // cuDNN's convolution: the GEMM adds in another order, so y may round to the neighbouring f16.
+    Tensor y_ref = empty_like(y);
+    cuda::conv2d_forward(y_ref, x, w, Tensor(), ConvParams{});
+    KILN_CHECK_OK(testing::compare(f32(y), f32(y_ref), 2e-3, 2e-3));
+    // The f32 CPU product.
+    const int64_t M = cs.n * cs.h * cs.w;
+    Tensor xm = f32(x).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k});
+    Tensor want = F::matmul(xm, f32(w).reshape({cs.c, cs.k}).t());
+    Tensor got = f32(y).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    KILN_CHECK_OK(testing::compare(got, want, 1e-2, 2e-3));
+    // The statistics are those of y as stored: kiln's statistics pass over the same y adds the
+    // same values in another order.
+    Tensor s_ref = empty({cs.c}, f32o), q_ref = empty({cs.c}, f32o);
+    cuda::bn_nhwc_stats(s_ref, q_ref, y);
+    const double tol = 2e-5 * std::sqrt(double(M));
+    KILN_CHECK_OK(testing::compare(sum.to(kCPU), s_ref.to(kCPU), tol, 1e-4));
+    KILN_CHECK_OK(testing::compare(sqsum.to(kCPU), q_ref.to(kCPU), tol, 1e-4));
+    // Bit-reproducible: a second run gives the same bits.
+    const Tensor y2 = empty_like(y);
+    Tensor sum2 = empty({cs.c}, f32o), sqsum2 = empty({cs.c}, f32o);
+    cuda::conv1x1_forward_stats(y2, sum2, sqsum2, x, w, ConvParams{});
+    KILN_CHECK_OK(testing::compare(y2, y, 0, 0));
+    KILN_CHECK_OK(testing::compare(sum2, sum, 0, 0));
+    KILN_CHECK_OK(testing::compare(sqsum2, sqsum, 0, 0));
+  }
+}
+
+TEST_CASE("conv1x1_forward_stats refuses what its kernel does not take") {
+  const Tensor x = nhwc(randn({2, 64, 4, 4}));
+  const Tensor w = randn({256, 64, 1, 1}).to(DType::f16).to(kGpu);
+  const Tensor y = nhwc(zeros({2, 256, 4, 4}));
+  CHECK(cuda::conv1x1_stats_supported(y, x, w, ConvParams{}) ==
+        cuda::dgrad1x1_bn_wgmma_available());
+  ConvParams strided;
+  strided.stride_h = strided.stride_w = 2;
+  CHECK_FALSE(cuda::conv1x1_stats_supported(nhwc(zeros({2, 256, 2, 2})), x, w, strided));
+  // C 64 (not a multiple of 128), K 24 (not a multiple of 64), a 3x3 weight.
+  CHECK_FALSE(cuda::conv1x1_stats_supported(nhwc(zeros({2, 64, 4, 4})), x,
+                                            randn({64, 64, 1, 1}).to(DType::f16).to(kGpu),
+                                            ConvParams{}));
+  CHECK_FALSE(cuda::conv1x1_stats_supported(y, nhwc(randn({2, 24, 4, 4})),
+                                            randn({256, 24, 1, 1}).to(DType::f16).to(kGpu),
+                                            ConvParams{}));
+  CHECK_FALSE(cuda::conv1x1_stats_supported(y, x, randn({256, 64, 3, 3}).to(DType::f16).to(kGpu),
+                                            ConvParams{}));
+  const TensorOptions f32o = TensorOptions().with_device(kGpu);
+  Tensor s = empty({64}, f32o), q = empty({64}, f32o);
+  try {
+    cuda::conv1x1_forward_stats(nhwc(zeros({2, 64, 4, 4})), s, q, x,
+                                randn({64, 64, 1, 1}).to(DType::f16).to(kGpu), ConvParams{});
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("C a multiple of 128") != std::string::npos);
+  }
+}

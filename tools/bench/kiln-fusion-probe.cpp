@@ -2,7 +2,7 @@
 // can run on this GPU, how long their plans take to build, how fast the best one runs against
 // the plain convolution, and whether its results match the unfused computation.
 //
-//   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm]
+//   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -14,6 +14,9 @@
 // --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its
 // epilogue (cuda::bn_nhwc_backward_dgrad1x1) against what it replaces, on ResNet-50's four
 // identity-block tails.
+// --conv1x1 times kiln's 1x1 forward GEMM with the batch-norm statistics in its epilogue
+// (cuda::conv1x1_forward_stats) against cuDNN's path (the GenStats plan the tuner keeps, else
+// the plain convolution and kiln's statistics pass), on ResNet-50's stride-1 1x1 convolutions.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,12 +33,13 @@ struct ProbeArgs {
   bool tail_gemm = false;
   bool half_scale = false;
   bool stem = false;
+  bool conv1x1 = false;
 };
 
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe",
-                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem]",
+                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -48,6 +52,8 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   p.flag("--stem", &a.stem,
          "time kiln's ResNet stem convolution (forward with BN statistics, weight gradient) "
          "against cuDNN's");
+  p.flag("--conv1x1", &a.conv1x1,
+         "time kiln's 1x1 forward GEMM with BN statistics against cuDNN's path");
   if (p.parse(argc, argv)) return true;
   std::fputs(p.info().c_str(), stdout);
   return false;
@@ -705,6 +711,50 @@ void probe_stem(int64_t n) {
               t[0][1], t[1][1], gflop / t[1][1]);
 }
 
+// One stride-1 1x1 convolution at batch n: k → c channels at hw × hw. cuDNN's path is what
+// cuda/backend.cpp conv_stats runs when kiln's kernel is off.
+void probe_conv1x1(int64_t n, int64_t k, int64_t c, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  const int64_t drawn = n % 8 == 0 ? 8 : n;  // as probe_tail_gemm: 8 images drawn, repeated
+  Tensor x = randn({drawn, k, hw, hw})
+                 .to(DType::f16)
+                 .to(gpu)
+                 .unsqueeze(0)
+                 .expand({n / drawn, drawn, k, hw, hw})
+                 .contiguous()
+                 .reshape({n, k, hw, hw})
+                 .contiguous(MemoryFormat::ChannelsLast);
+  Tensor w = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(gpu);
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  Tensor y = empty({n, c, hw, hw},
+                   TensorOptions(DType::f16).with_device(gpu).with_memory_format(
+                       MemoryFormat::ChannelsLast));
+  Tensor sum = empty({c}, f32), sqsum = empty({c}, f32);
+  bool epilogue = false;
+  const double t_cudnn = median_ms([&] {
+    epilogue = cuda::conv2d_forward_stats(y, sum, sqsum, x, w, ConvParams{});
+    if (!epilogue) {
+      cuda::conv2d_forward(y, x, w, Tensor(), ConvParams{});
+      cuda::bn_nhwc_stats(sum, sqsum, y);
+    }
+  });
+  const double gb = double(x.nbytes() + y.nbytes()) / 1e9;
+  const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) / 1e9;
+  std::printf("1x1 %4lld -> %4lld @%lldx%lld (%.0f MB, %.1f GFLOP): cuDNN %s %.3f ms (%.2f TB/s)",
+              static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
+              static_cast<long long>(hw), gb * 1e3, gflop,
+              epilogue ? "GenStats" : "conv + statistics pass", t_cudnn, gb / t_cudnn);
+  if (!cuda::conv1x1_stats_supported(y, x, w, ConvParams{})) {
+    std::printf("; kiln: not for this shape\n");
+    return;
+  }
+  const double t_kiln =
+      median_ms([&] { cuda::conv1x1_forward_stats(y, sum, sqsum, x, w, ConvParams{}); });
+  std::printf("; kiln %.3f ms (%.2f TB/s, %.0f TFLOP/s), %.2fx\n", t_kiln, gb / t_kiln,
+              gflop / t_kiln, t_kiln / t_cudnn);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -729,6 +779,17 @@ int main(int argc, char** argv) {
   try {
     if (args.stem) {
       probe_stem(N);
+      cudnnDestroy(h);
+      return 0;
+    }
+    if (args.conv1x1) {
+      // ResNet-50's stride-1 1x1 convolutions: each layer's conv3 (and layer 1's downsample),
+      // its blocks' conv1, and the first block's conv1 from the layer before.
+      const int64_t shapes[][3] = {{64, 256, 56},   {256, 64, 56},   {256, 128, 56},
+                                   {128, 512, 28},  {512, 128, 28},  {512, 256, 28},
+                                   {256, 1024, 14}, {1024, 256, 14}, {1024, 512, 14},
+                                   {512, 2048, 7},  {2048, 512, 7}};
+      for (const auto& s : shapes) probe_conv1x1(N, s[0], s[1], s[2]);
       cudnnDestroy(h);
       return 0;
     }

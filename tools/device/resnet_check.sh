@@ -11,7 +11,7 @@
 # with SWITCH set, one with SWITCH=0 (the method of docs/performance.md), summarised side by
 # side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
-# batches 64 and 256. Run from the repository root with .deps (and .bench) carried; a summary in
+# batches 64 and 256. PROBE="--conv1x1 --tail-gemm" runs kiln-fusion-probe's modes named. Run from the repository root with .deps (and .bench) carried; a summary in
 # $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
@@ -50,6 +50,12 @@ done
 if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model resnet50 --batches 64 --verify-graph > $L/verify.log 2>&1
   echo "verify-graph resnet50 b64: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"
+fi
+if [ -n "${PROBE:-}" ]; then  # PROBE="--conv1x1" etc.: kiln-fusion-probe's modes, one after another
+  ninja -C $B -j 16 kiln-fusion-probe >> $L/build.log 2>&1
+  for mode in $PROBE; do
+    timeout 300 $B/kiln-fusion-probe $mode 2>&1 | tee -a "$S"
+  done
 fi
 MODELS=${MODELS-resnet50:256:3}
 [ -n "$MODELS" ] && [ -n "${SWITCH:-}" ] && MODELS="$MODELS" OUT=$L/ab B=$B \
