@@ -77,13 +77,15 @@ constexpr int64_t kStatsPassMinChannels = 256;
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
                 const Tensor& w, const ConvParams& p) {
-  // kiln's 1x1 GEMM with the statistics in its epilogue: fixed-order sums, so deterministic
-  // mode takes it too.
-  if (conv1x1_stats_supported(y, x, w, p)) {
+  const bool deterministic = conv_deterministic();
+  // kiln's 1x1 GEMM with the statistics in its epilogue (fixed-order sums, so deterministic mode
+  // takes it too), where kiln's BN kernels would run anyway: below kStatsPassMinChannels cuDNN's
+  // fused BN stays, as for the statistics pass.
+  if ((deterministic || y.size(1) >= kStatsPassMinChannels) &&
+      conv1x1_stats_supported(y, x, w, p)) {
     conv1x1_forward_stats(y, sum, sqsum, x, w, p);
     return true;
   }
-  const bool deterministic = conv_deterministic();
   if (!deterministic && conv2d_forward_stats(y, sum, sqsum, x, w, p)) return true;
   if (!bn_nhwc_supported(y) || y.numel() == 0) return false;
   if (!deterministic && y.size(1) < kStatsPassMinChannels)

@@ -12,7 +12,8 @@
 # side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
 # batches 64 and 256. PROBE="--conv1x1 --tail-gemm" runs kiln-fusion-probe's modes named. Run from the repository root with .deps (and .bench) carried; a summary in
-# $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
+# $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz. CONFIGS="default VAR=0 ..." alternates
+# configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -60,6 +61,13 @@ fi
 MODELS=${MODELS-resnet50:256:3}
 [ -n "$MODELS" ] && [ -n "${SWITCH:-}" ] && MODELS="$MODELS" OUT=$L/ab B=$B \
   bash tools/device/ab_switch.sh 2>&1 | tee -a "$S"
+# CONFIGS (with ROUNDS, BATCHES): configurations alternated by resnet_ab.sh at each batch size.
+if [ -n "${CONFIGS:-}" ]; then
+  for b in ${BATCHES:-256}; do
+    CONFIGS="$CONFIGS" ROUNDS=${ROUNDS:-3} BATCH=$b B=$B bash tools/device/resnet_ab.sh 2>&1 |
+      tee -a "$S"
+  done
+fi
 if [ "${NCU:-0}" = 1 ]; then
   prof() {  # $1: the CSV; the rest: environment for kiln-bench
     local csv=$1; shift
