@@ -115,8 +115,20 @@ __device__ inline uint64_t make_desc(uint32_t addr) {
   d |= uint64_t(1) << 62;
   return d;
 }
-// D (64 × 128 f32, the warpgroup's fragments) += A (64 × 16) · B (16 × 128), both K-major in
-// shared memory.
+// Descriptor of an N-major operand (B read from w (K × C) as it lies, C contiguous) in the
+// 128-byte swizzle: each 64-column box is 64 rows (k) of 128 bytes; leading byte offset >> 4 in
+// bits 16-29 = 8,192 (from columns 0-63 to the box of columns 64-127), stride byte offset >> 4
+// in 32-45 = 1,024 (from one 8-row group of k to the next), swizzle mode 1 (128 B).
+__device__ inline uint64_t make_desc_nmajor(uint32_t addr) {
+  uint64_t d = uint64_t((addr & 0x3FFFF) >> 4);
+  d |= uint64_t(8192 >> 4) << 16;
+  d |= uint64_t(1024 >> 4) << 32;
+  d |= uint64_t(1) << 62;
+  return d;
+}
+// D (64 × 128 f32, the warpgroup's fragments) += A (64 × 16) · B (16 × 128), A K-major in shared
+// memory, B K-major (kTransB 0) or N-major (kTransB 1).
+template <int kTransB>
 __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n"
@@ -126,7 +138,7 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
       "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
       "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-      "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %66;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
@@ -139,7 +151,7 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_
         "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
         "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b), "n"(kTransB));
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -175,7 +187,11 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // GEMM y = x · wᵀ, no residual, no mask; partial holds Σy and Σy² of y as rounded to f16, as
 // kiln's statistics pass sums the stored tensor). Only the TMA epilogue takes the forms other
 // than the tail's.
-template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false>
+//
+// kWDirect: B is read from w (K × C) as it lies, N-major, in two 64-column TMA boxes per stage,
+// and wgmma transposes it (imm-trans-b) — instead of from wt = wᵀ (C × K), K-major, which a
+// transpose kernel writes first. The same products in the same order: the same bits.
+template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -189,6 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   int parts) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
+  static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -253,7 +270,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (j >= kStages) mbar_wait(empty(s), uint32_t((j / kStages - 1) & 1));
         mbar_expect_tx(full(s), uint32_t(kStageBytes));
         tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
-        tma_load_2d(b_tile(s), &map_wt, kt * kBK, n0, full(s));
+        if constexpr (kWDirect) {
+          for (int h = 0; h < 2; ++h)
+            tma_load_2d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, kt * kBK,
+                        full(s));
+        } else {
+          tma_load_2d(b_tile(s), &map_wt, kt * kBK, n0, full(s));
+        }
       }
     }
     return;
@@ -291,8 +314,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t da = make_desc(a_tile(s) + uint32_t(c * 64 * 128 + kk * 32));
-        const uint64_t db = make_desc(b_tile(s) + uint32_t(kk * 32));
-        wgmma_m64n128k16(d, da, db);
+        // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
+        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s) + uint32_t(kk * 16 * 128))
+                                     : make_desc(b_tile(s) + uint32_t(kk * 32));
+        wgmma_m64n128k16<kWDirect ? 1 : 0>(d, da, db);
       }
       wgmma_commit();
       wgmma_wait0();
@@ -441,6 +466,7 @@ CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
 }
 
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
+constinit RuntimeSwitch g_w_direct{&Switches::tail_w_direct};  // KILN_TAIL_W_DIRECT
 
 }  // namespace
 
@@ -468,14 +494,19 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                             const Tensor& mean, const Tensor& scale_shift, int parts) {
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   cudaStream_t s = current_stream();
-  // wt (C × K): the weight K-major for wgmma's B.
-  Tensor wt = empty({C, K}, TensorOptions(DType::f16).with_device(x.device()));
-  launch(transpose_kernel, dim3(unsigned((C + 31) / 32), unsigned((K + 31) / 32)), dim3(32, 8), 0,
-         s, static_cast<__half*>(wt.raw_data()), static_cast<const __half*>(w.raw_data()), int(K),
-         int(C));
-  KILN_CUDA_CHECK_LAUNCH();
+  const bool direct = g_w_direct.get();
+  // B: w (K × C) as it lies, N-major; or wt (C × K), the weight K-major, transposed first.
+  Tensor wt;
+  if (!direct) {
+    wt = empty({C, K}, TensorOptions(DType::f16).with_device(x.device()));
+    launch(transpose_kernel, dim3(unsigned((C + 31) / 32), unsigned((K + 31) / 32)), dim3(32, 8),
+           0, s, static_cast<__half*>(wt.raw_data()), static_cast<const __half*>(w.raw_data()),
+           int(K), int(C));
+    KILN_CUDA_CHECK_LAUNCH();
+  }
   const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K);
-  const CUtensorMap map_wt = kmajor_map(wt.raw_data(), C, K);
+  const CUtensorMap map_w = direct ? tile_map(w.raw_data(), true, K, C, kBK, 64, true)
+                                   : kmajor_map(wt.raw_data(), C, K);
   const bool residual = r.defined(), bits = mask.defined();
   // A mask recomputed from x or no residual: the TMA epilogue's forms only.
   const bool tma_epi = g_tma_epi.get() || !residual || !bits;
@@ -488,26 +519,32 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   }
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
-  auto run = [&]<bool kTma, bool kResidual, bool kBits>() {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits>;
+  auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect>;
     allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
     const unsigned grid = unsigned(parts * (C / kBN));
     launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-           static_cast<float*>(partial.raw_data()), map_dy, map_wt, map_r, map_x, map_mask,
+           static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
            static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
            static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
            static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
   };
-  if (!tma_epi)
-    run.template operator()<false, true, true>();
-  else if (residual && bits)
-    run.template operator()<true, true, true>();
-  else if (bits)
-    run.template operator()<true, false, true>();
-  else if (residual)
-    run.template operator()<true, true, false>();
+  auto pick = [&]<bool kDirect>() {
+    if (!tma_epi)
+      run.template operator()<false, true, true, kDirect>();
+    else if (residual && bits)
+      run.template operator()<true, true, true, kDirect>();
+    else if (bits)
+      run.template operator()<true, false, true, kDirect>();
+    else if (residual)
+      run.template operator()<true, true, false, kDirect>();
+    else
+      run.template operator()<true, false, false, kDirect>();
+  };
+  if (direct)
+    pick.template operator()<true>();
   else
-    run.template operator()<true, false, false>();
+    pick.template operator()<false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -561,6 +598,8 @@ void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
 }
 
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
+bool tail_w_direct_enabled() { return g_w_direct.get(); }
+void set_tail_w_direct_enabled(bool on) { g_w_direct.set(on); }
 void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 
 }  // namespace kiln::cuda

@@ -29,5 +29,10 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
 // them, as before v17). Bit-identical results either way.
 bool tail_tma_epilogue_enabled();
 void set_tail_tma_epilogue_enabled(bool on);
+// Whether its B operand is read from w as it lies (N-major, wgmma transposing it; the default)
+// or from wᵀ written by a transpose kernel first (KILN_TAIL_W_DIRECT=0 or
+// set_tail_w_direct_enabled(false)). Bit-identical results either way.
+bool tail_w_direct_enabled();
+void set_tail_w_direct_enabled(bool on);
 
 }  // namespace kiln::cuda

@@ -573,3 +573,43 @@ TEST_CASE("conv1x1_forward_stats refuses what its kernel does not take") {
     CHECK(std::string(e.what()).find("C a multiple of 128") != std::string::npos);
   }
 }
+
+TEST_CASE("the wgmma kernel's B read N-major from w equals B from the transposed weight bit for "
+          "bit") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  const int mode = cuda::tail_gemm_mode();
+  cuda::set_tail_gemm_mode(2);
+  const bool before = cuda::tail_w_direct_enabled();
+  // Block tails at K 64, 256 and 512 (one and several column tiles, a partial row tile), and the
+  // inner form at K 512, 1,024 and 2,048.
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  for (Case cs : {Case{2, 256, 64, 14, 14}, Case{2, 1024, 256, 7, 7}, Case{3, 2048, 512, 7, 5}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 161 + uint64_t(cs.c));
+    cuda::set_tail_w_direct_enabled(true);
+    const Grads a = run_fused(t);
+    cuda::set_tail_w_direct_enabled(false);
+    const Grads b = run_fused(t);
+    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  for (Case cs : {Case{2, 128, 512, 14, 14}, Case{2, 256, 1024, 7, 7}, Case{4, 512, 2048, 7, 7}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    const Inner t = make_inner(cs.n, cs.c, cs.k, cs.h, cs.w, false, 171 + uint64_t(cs.c));
+    cuda::set_tail_w_direct_enabled(true);
+    const Grads a = run_inner_fused(t);
+    cuda::set_tail_w_direct_enabled(false);
+    const Grads b = run_inner_fused(t);
+    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  cuda::set_tail_w_direct_enabled(before);
+  cuda::set_tail_gemm_mode(mode);
+}
