@@ -11,7 +11,7 @@
 # with SWITCH set, one with SWITCH=0 (the method of docs/performance.md), summarised side by
 # side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
-# batches 64 and 256. PROBE="--conv1x1 --tail-gemm" runs kiln-fusion-probe's modes named. Run from the repository root with .deps (and .bench) carried; a summary in
+# batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1 --tail-gemm" runs kiln-fusion-probe's modes named. Run from the repository root with .deps (and .bench) carried; a summary in
 # $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz. CONFIGS="default VAR=0 ..." alternates
 # configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh).
 set -uo pipefail
@@ -85,7 +85,7 @@ if [ "${NCU:-0}" = 1 ]; then
   python3 tools/bench/ncu_step_summary.py $L/step-on.csv --kernels 40 >> "$S" 2>&1
 fi
 if [ "${TORCH:-0}" = 1 ] && [ -f .bench/torch_resnet50_quick.py ]; then
-  PYTHONUNBUFFERED=1 timeout 300 python3 .bench/torch_resnet50_quick.py eager 64,256 2>&1 |
+  PYTHONUNBUFFERED=1 timeout 300 python3 .bench/torch_resnet50_quick.py ${TORCH_MODE:-eager} 64,256 2>&1 |
     grep -v Warning | tee -a "$S"
 fi
 finish
