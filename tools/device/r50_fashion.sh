@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# ResNet-50 on Fashion-MNIST with a set of switches on and off, seeds interleaved, in one device
+# call: a convergence check for ResNet-50 step changes that ResNet-18's Fashion-MNIST recipe
+# does not exercise (docs/lab/norm-conv.md). Builds kiln-train, then for each seed of SEEDS runs
+# the default and then OFF (VAR=0 settings, comma-separated) for EPOCHS epochs; one log per run
+# and a summary line each in $OUT/r50.txt. Carry .deps (with .deps/fashion-mnist).
+#   OFF=KILN_CONV1X1_STATS=0,KILN_FUSED_DGRAD_RELU=0 SEEDS="0 1" EPOCHS=6 bash tools/device/r50_fashion.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+B=${B:-build-gpu}
+S="$OUT/r50.txt"
+t0=$(date +%s)
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" > "$OUT/configure.log" 2>&1 &&
+  ninja -C $B -j 16 kiln-train > "$OUT/build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$S"; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
+IFS=, read -r -a off <<< "${OFF:?OFF=VAR=0,... (the switches of the 'off' side)}"
+for seed in ${SEEDS:-0 1}; do
+  for side in on off; do
+    vars=()
+    [ $side = off ] && vars=("${off[@]}")
+    log="$OUT/r50-$side-$seed.log"
+    s0=$(date +%s)
+    env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train --arch resnet50 \
+      --data .deps/fashion-mnist --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 \
+      --warmup-epochs 1 --seed "$seed" --workers 8 --output "/tmp/r50-$side-$seed" > "$log" 2>&1
+    rc=$?
+    echo "seed $seed $side: rc $rc, $(( $(date +%s) - s0 )) s; $(grep -E "top-1" "$log" | tail -1)" |
+      tee -a "$S"
+  done
+done
