@@ -11,6 +11,10 @@
 // is dz) and accumulates Σg and Σg·(y3 − mean) per channel; the apply then reads g and y3 and
 // writes dy3 only: two passes over the activation fewer.
 //
+// The same GEMM without a residual and with the ReLU mask recomputed from x (a bottleneck's
+// inner bn2 + ReLU, whose output only conv3 reads) runs on the wgmma kernel only
+// (gemm_bn_wgmma.cu), as does the 1x1 forward with statistics (conv1x1_forward_stats).
+//
 // The GEMM: mma.sync m16n8k16 (f16 in, f32 accumulation), CTA tile 128 × 64 × K (K = 64 or
 // 128: the layers where the activation, not the arithmetic, sets the time), 8 warps as 4 (M) × 2
 // (N), each 32 × 32. A CTA keeps its column tile of w in shared memory and walks M tiles

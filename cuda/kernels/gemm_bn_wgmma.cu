@@ -11,9 +11,15 @@
 // variants and their times; the probe's code was never committed), level with cuBLASLt on
 // ResNet-50's four tail shapes (layer 3: 0.065 ms, layer 4: 0.053).
 //
-// G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC); B = w transposed to wt (C × K)
-// by a small kernel first, so that both operands are K-major for wgmma's descriptors. CTA: 3
-// warpgroups. Warpgroup 0's first thread issues TMA loads of 128 × 64 boxes of dy and wt into
+// Three forms since 2026-12-04 (docs/lab/norm-conv.md): the tail's (r added, the ReLU bits); a
+// bottleneck's inner relu(bn2(y2)) before conv3 (no r, the ReLU mask recomputed from x); and a
+// 1x1 convolution's forward with its output's statistics (conv1x1_forward_stats: y = x · wᵀ,
+// Σy and Σy²).
+//
+// G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC), K-major; B = w read as it lies,
+// N-major, which wgmma transposes (kWDirect; KILN_TAIL_W_DIRECT=0: w transposed to wt (C × K)
+// by a small kernel first, K-major, as before 2026-12-04 — the same bits). CTA: 3
+// warpgroups. Warpgroup 0's first thread issues TMA loads of 128 × 64 boxes of dy and w into
 // kStages slots in the 128-byte swizzle (the layout wgmma's descriptors name), each slot guarded
 // by a "full" mbarrier (the bytes arrive on it) and an "empty" one (all 256 consumer threads
 // arrive once their wgmma group on it has completed). Warpgroups 1 and 2 compute rows 0-63 and

@@ -11,9 +11,11 @@
 # with SWITCH set, one with SWITCH=0 (the method of docs/performance.md), summarised side by
 # side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
-# batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1 --tail-gemm" runs kiln-fusion-probe's modes named. Run from the repository root with .deps (and .bench) carried; a summary in
-# $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz. CONFIGS="default VAR=0 ..." alternates
-# configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh).
+# batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
+# --tail-gemm" runs kiln-fusion-probe's modes named. CONFIGS="default VAR=0 ..." alternates
+# configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh). Filters in SANITIZE
+# must not contain spaces (the list splits on them). Run from the repository root with .deps
+# (and .bench) carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
