@@ -177,10 +177,12 @@ constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_G
 // The wgmma kernel (gemm_bn_wgmma.cu) for K and C: wherever it fits in mode 2 (the default; with
 // its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too, docs/lab/tail-gemm.md), only
 // where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
-// mode 0 (KILN_TAIL_GEMM=mma).
-bool use_wgmma(int64_t K, int64_t C) {
+// mode 0 (KILN_TAIL_GEMM=mma). M rows must fit TMA's 32-bit coordinates.
+bool use_wgmma(int64_t M, int64_t K, int64_t C) {
   const int mode = g_tail_gemm.get();
-  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available()) return false;
+  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available() ||
+      M >= (int64_t(1) << 31) - 128)
+    return false;
   return mode == 2 || K > 128;
 }
 }  // namespace
@@ -193,7 +195,7 @@ void set_tail_gemm_mode(int mode) {
 
 // The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
-  if (use_wgmma(K, C)) return dgrad1x1_bn_wgmma_parts(M, C);
+  if (use_wgmma(M, K, C)) return dgrad1x1_bn_wgmma_parts(M, C);
   const int64_t tiles = (M + kBM - 1) / kBM, col_tiles = std::max<int64_t>(C / kBN, 1);
   const int64_t sms = context().props.multiProcessorCount;
   return int(std::clamp<int64_t>((2 * sms + col_tiles - 1) / col_tiles, 1,
@@ -208,7 +210,9 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x, b
   const int64_t K = dy.size(1), N = x.size(1);
   return w.size(0) == K && w.size(1) == N && w.size(2) == 1 && w.size(3) == 1 &&
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         N > 0 && (((K == 64 || K == 128) && N % kBN == 0 && mask_bits) || use_wgmma(K, N)) &&
+         N > 0 &&
+         (((K == 64 || K == 128) && N % kBN == 0 && mask_bits) ||
+          use_wgmma(x.numel() / N, K, N)) &&
          dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
@@ -227,7 +231,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
   // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
-  if (r.defined() || !use_wgmma(K, C)) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
+  if (r.defined() || !use_wgmma(M, K, C)) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
   if (bits) {
     KILN_CHECK(mask.dtype() == DType::u8 && mask.is_contiguous() &&
                    mask.numel() == x.numel() / 8 && mask.device() == x.device(),
@@ -251,7 +255,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
              op, " (cuda): partial must hold ", int64_t(parts) * 2 * C, " f32 values, got ",
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
-  if (use_wgmma(K, C)) {
+  if (use_wgmma(M, K, C)) {
     dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
     return parts;
   }

@@ -583,6 +583,7 @@ bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
          p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K &&
          w.size(2) == 1 && w.size(3) == 1 && y.size(0) == x.size(0) && y.size(2) == x.size(2) &&
          y.size(3) == x.size(3) && x.numel() > 0 && dgrad1x1_bn_wgmma_shape(K, C) &&
+         x.numel() / K < (int64_t(1) << 31) - 128 &&  // rows within TMA's 32-bit coordinates
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          y.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous()) &&
