@@ -596,21 +596,27 @@ double median_ms(F&& f, int reps = 15) {
   return double(t[t.size() / 2]);
 }
 
+// An f16 channels-last activation (n, ch, hw, hw) of normal values on the GPU. The host draws 8
+// images' worth (layer 1's four 205 M-element tensors drawn whole took over a minute) and the
+// GPU repeats them over the batch.
+kiln::Tensor repeated_randn(int64_t n, int64_t ch, int64_t hw) {
+  using namespace kiln;
+  const int64_t drawn = n % 8 == 0 ? 8 : n;
+  return randn({drawn, ch, hw, hw})
+      .to(DType::f16)
+      .to(Device::cuda(0))
+      .unsqueeze(0)
+      .expand({n / drawn, drawn, ch, hw, hw})
+      .contiguous()
+      .reshape({n, ch, hw, hw})
+      .contiguous(MemoryFormat::ChannelsLast);
+}
+
 // One identity-block tail at batch n: C channels at hw × hw, the next conv1 from C to K.
 void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   using namespace kiln;
   const Device gpu = Device::cuda(0);
-  // The host draws 8 images' worth (layer 1's four 205 M-element tensors drawn whole took over a
-  // minute); the GPU repeats them over the batch.
-  const int64_t drawn = n % 8 == 0 ? 8 : n;
-  auto act = [&](int64_t ch) {
-    Tensor d = randn({drawn, ch, hw, hw}).to(DType::f16).to(gpu);
-    return d.unsqueeze(0)
-        .expand({n / drawn, drawn, ch, hw, hw})
-        .contiguous()
-        .reshape({n, ch, hw, hw})
-        .contiguous(MemoryFormat::ChannelsLast);
-  };
+  auto act = [&](int64_t ch) { return repeated_randn(n, ch, hw); };
   Tensor y3 = act(c), z = act(c), r = act(c), dy1 = act(k);
   Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
@@ -667,18 +673,8 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
 void probe_stem(int64_t n) {
   using namespace kiln;
   const Device gpu = Device::cuda(0);
-  const int64_t drawn = n % 8 == 0 ? 8 : n;  // as probe_tail_gemm: 8 images drawn, repeated
-  auto repeat = [&](const Tensor& host, int64_t ch, int64_t hw) {
-    return host.to(DType::f16)
-        .to(gpu)
-        .unsqueeze(0)
-        .expand({n / drawn, drawn, ch, hw, hw})
-        .contiguous()
-        .reshape({n, ch, hw, hw})
-        .contiguous(MemoryFormat::ChannelsLast);
-  };
-  Tensor x = repeat(randn({drawn, 3, 224, 224}), 3, 224);
-  Tensor dy = repeat(randn({drawn, 64, 112, 112}), 64, 112);
+  Tensor x = repeated_randn(n, 3, 224);
+  Tensor dy = repeated_randn(n, 64, 112);
   Tensor w = F::mul(randn({64, 3, 7, 7}), 0.08).to(DType::f16).to(gpu);
   ConvParams p;
   p.stride_h = p.stride_w = 2;
@@ -716,15 +712,7 @@ void probe_stem(int64_t n) {
 void probe_conv1x1(int64_t n, int64_t k, int64_t c, int64_t hw) {
   using namespace kiln;
   const Device gpu = Device::cuda(0);
-  const int64_t drawn = n % 8 == 0 ? 8 : n;  // as probe_tail_gemm: 8 images drawn, repeated
-  Tensor x = randn({drawn, k, hw, hw})
-                 .to(DType::f16)
-                 .to(gpu)
-                 .unsqueeze(0)
-                 .expand({n / drawn, drawn, k, hw, hw})
-                 .contiguous()
-                 .reshape({n, k, hw, hw})
-                 .contiguous(MemoryFormat::ChannelsLast);
+  Tensor x = repeated_randn(n, k, hw);
   Tensor w = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(gpu);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
   Tensor y = empty({n, c, hw, hw},

@@ -31,26 +31,13 @@ finish() {
 SUITES=${SUITES:-gpu_test_blas}
 targets="kiln-bench $SUITES ${EXTRA_TARGETS:-}"
 [ "${FAILOVER:-0}" = 1 ] && targets="$targets kiln-train kiln-loader-bench"
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" > $L/configure.log 2>&1 &&
-  ninja -C $B -j 16 $targets > $L/build.log 2>&1 ||
-  { grep -E "error|FAILED" $L/build.log | head -30 | tee -a "$S"; finish; exit 1; }
-echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
-for t in $SUITES; do
-  timeout 300 $B/$t > $L/$t.log 2>&1
-  echo "$t: rc $?; $(grep -E "^\[doctest\] (test cases|assertions)" $L/$t.log | tr '\n' ' ')" |
-    tee -a "$S"
-done
-for spec in ${SANITIZE:-}; do
-  suite=${spec%%:*}
-  filter=${spec#*:}
-  for tool in ${SANITIZE_TOOLS:-memcheck}; do
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 $B/$suite -tc="$filter" \
-      > $L/$tool-$suite.log 2>&1
-    echo "$tool $suite ($filter): rc $?; $(grep -E "ERROR SUMMARY|^\[doctest\] assertions" $L/$tool-$suite.log | tr '\n' ' ')" |
-      tee -a "$S"
-  done
-done
+. tools/device/lib.sh
+# shellcheck disable=SC2086
+kiln_build $targets || { finish; exit 1; }
+# shellcheck disable=SC2086
+kiln_suites $SUITES
+# shellcheck disable=SC2086
+kiln_sanitize ${SANITIZE:-}
 if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model vit_s_16 --batches 32 --verify-graph > $L/verify.log 2>&1
   echo "verify-graph vit_s_16 b32: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"

@@ -10,12 +10,9 @@ OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
 B=${B:-build-gpu}
 S="$OUT/r50.txt"
-t0=$(date +%s)
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" > "$OUT/configure.log" 2>&1 &&
-  ninja -C $B -j 16 kiln-train > "$OUT/build.log" 2>&1 ||
-  { grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$S"; exit 1; }
-echo "build $(( $(date +%s) - t0 )) s" | tee -a "$S"
+L=$OUT
+. tools/device/lib.sh
+kiln_build kiln-train || exit 1
 IFS=, read -r -a off <<< "${OFF:?OFF=VAR=0,... (the switches of the 'off' side)}"
 for seed in ${SEEDS:-0 1}; do
   for side in on off; do
@@ -25,7 +22,8 @@ for seed in ${SEEDS:-0 1}; do
     s0=$(date +%s)
     env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train --arch resnet50 \
       --data .deps/fashion-mnist --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 \
-      --warmup-epochs 1 --seed "$seed" --workers 8 --output "/tmp/r50-$side-$seed" > "$log" 2>&1
+      --warmup-epochs 1 --seed "$seed" --workers 8 --output "/tmp/r50-$side-$seed" --overwrite \
+      > "$log" 2>&1
     rc=$?
     echo "seed $seed $side: rc $rc, $(( $(date +%s) - s0 )) s; $(grep -E "top-1" "$log" | tail -1)" |
       tee -a "$S"
