@@ -177,11 +177,10 @@ constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_G
 // The wgmma kernel (gemm_bn_wgmma.cu) for K and C: wherever it fits in mode 2 (the default; with
 // its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too, docs/lab/tail-gemm.md), only
 // where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
-// mode 0 (KILN_TAIL_GEMM=mma). M rows must fit TMA's 32-bit coordinates.
+// mode 0 (KILN_TAIL_GEMM=mma).
 bool use_wgmma(int64_t M, int64_t K, int64_t C) {
   const int mode = g_tail_gemm.get();
-  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(K, C) || !dgrad1x1_bn_wgmma_available() ||
-      M >= (int64_t(1) << 31) - 128)
+  if (mode == 0 || !dgrad1x1_bn_wgmma_shape(M, K, C) || !dgrad1x1_bn_wgmma_available())
     return false;
   return mode == 2 || K > 128;
 }

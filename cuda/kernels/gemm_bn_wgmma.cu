@@ -485,8 +485,9 @@ bool dgrad1x1_bn_wgmma_available() {
 #endif
 }
 
-bool dgrad1x1_bn_wgmma_shape(int64_t K, int64_t C) {
-  return K >= kBK && K <= 2048 && K % kBK == 0 && C % kBN == 0 && C / kBN <= 132;
+bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C) {
+  // M: within TMA's 32-bit coordinates (a tile past the last row included).
+  return M < (int64_t(1) << 31) - kBM && K >= kBK && K <= 2048 && K % kBK == 0 && C % kBN == 0 && C / kBN <= 132;
 }
 
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
@@ -582,8 +583,8 @@ bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
   return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
          p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K &&
          w.size(2) == 1 && w.size(3) == 1 && y.size(0) == x.size(0) && y.size(2) == x.size(2) &&
-         y.size(3) == x.size(3) && x.numel() > 0 && dgrad1x1_bn_wgmma_shape(K, C) &&
-         x.numel() / K < (int64_t(1) << 31) - 128 &&  // rows within TMA's 32-bit coordinates
+         y.size(3) == x.size(3) && x.numel() > 0 &&
+         dgrad1x1_bn_wgmma_shape(x.numel() / K, K, C) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          y.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous()) &&

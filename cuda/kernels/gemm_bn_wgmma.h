@@ -9,8 +9,9 @@ namespace kiln::cuda {
 
 // An sm_90 device, and this build compiled the kernel for sm_90a.
 bool dgrad1x1_bn_wgmma_available();
-// The shapes it takes: K a multiple of 64 up to 2,048, C a multiple of 128.
-bool dgrad1x1_bn_wgmma_shape(int64_t K, int64_t C);
+// The shapes it takes: M rows within TMA's 32-bit coordinates, K a multiple of 64 up to 2,048,
+// C a multiple of 128.
+bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C);
 // Its partial rows for M rows: the SMs divided among C / 128 column tiles.
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 // g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there (r may
@@ -20,8 +21,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                             const Tensor& mean, const Tensor& scale_shift, int parts);
 // A stride-1 1x1 convolution's forward on the same kernel, y (N, C, H, W) = x (N, K, H, W) ·
 // w (C, K, 1, 1)ᵀ, with partial (parts, 2, C) (=) holding per part Σy and Σy² of y as stored
-// (f16); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C). Shapes as dgrad1x1_bn_wgmma_shape(K, C); the
-// operands are checked by the caller (conv1x1_forward_stats, cuda/kernels.h).
+// (f16); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C). Shapes as dgrad1x1_bn_wgmma_shape(N·H·W,
+// K, C); the operands are checked by the caller (conv1x1_forward_stats, cuda/kernels.h).
 void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
                          int parts);
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
