@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# ResNet-50 trained with a set of switches on and off, seeds interleaved, in one device call: a
+# convergence check for ResNet-50 step changes that ResNet-18's Fashion-MNIST recipe does not
+# exercise (docs/lab/norm-conv.md). Builds kiln-train, then for each seed of SEEDS runs the
+# default and then OFF (VAR=0 settings, comma-separated) for EPOCHS epochs on DATA (default
+# .deps/fashion-mnist, carried), with ARGS added to the recipe; one log per run and a summary
+# line each in $OUT/r50.txt.
+#   OFF=KILN_CONV1X1_STATS=0,KILN_FUSED_DGRAD_RELU=0 SEEDS="0 1" EPOCHS=6 bash tools/device/r50_seeds.sh
+#   DATA=.imagenette ARGS="--image-size 112 --label-smoothing 0.1 --workers 16" EPOCHS=16 \
+#     OFF=... SEEDS="0 1 2" bash tools/device/r50_seeds.sh
+# (.imagenette: thunderInfy/imagenette re-encoded by tools/bench/shrink_jpegs.cpp at 1/2 size,
+# quality 68, so that it travels; an ignored, carried folder.)
+set -uo pipefail
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+B=${B:-build-gpu}
+S="$OUT/r50.txt"
+L=$OUT
+DATA=${DATA:-.deps/fashion-mnist}
+. tools/device/lib.sh
+kiln_build kiln-train || exit 1
+IFS=, read -r -a off <<< "${OFF:?OFF=VAR=0,... (the switches of the 'off' side)}"
+read -r -a args <<< "${ARGS:---workers 8}"
+for seed in ${SEEDS:-0 1}; do
+  for side in on off; do
+    vars=()
+    [ $side = off ] && vars=("${off[@]}")
+    log="$OUT/r50-$side-$seed.log"
+    s0=$(date +%s)
+    env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train "$DATA" --arch resnet50 \
+      --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 --warmup-epochs 1 --seed "$seed" \
+      "${args[@]}" --output "/tmp/r50-$side-$seed" --overwrite > "$log" 2>&1
+    rc=$?
+    echo "seed $seed $side: rc $rc, $(( $(date +%s) - s0 )) s; $(grep -E "top-1" "$log" | tail -1)" |
+      tee -a "$S"
+  done
+done
