@@ -3,6 +3,7 @@
 // the plain convolution, and whether its results match the unfused computation.
 //
 //   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
+//                     [--shape K,C,HW]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -34,6 +35,7 @@ struct ProbeArgs {
   bool half_scale = false;
   bool stem = false;
   bool conv1x1 = false;
+  std::string shape;  // --conv1x1 on this one shape only: "K,C,HW"
 };
 
 // False for --help (printed). Throws cli::UsageError.
@@ -54,9 +56,22 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "against cuDNN's");
   p.flag("--conv1x1", &a.conv1x1,
          "time kiln's 1x1 forward GEMM with BN statistics against cuDNN's path");
-  if (p.parse(argc, argv)) return true;
-  std::fputs(p.info().c_str(), stdout);
-  return false;
+  p.value("--shape", "K,C,HW", &a.shape,
+          "with --conv1x1: this shape only (K input and C output channels at HW x HW), for "
+          "example to profile one kernel under ncu");
+  if (!p.parse(argc, argv)) {
+    std::fputs(p.info().c_str(), stdout);
+    return false;
+  }
+  if (!a.shape.empty()) {
+    long long k = 0, c = 0, hw = 0;
+    char end = 0;
+    if (std::sscanf(a.shape.c_str(), "%lld,%lld,%lld%c", &k, &c, &hw, &end) != 3 || k < 1 ||
+        c < 1 || hw < 1)
+      kiln::cli::usage_error("--shape: expected K,C,HW (three positive integers), got '",
+                             a.shape, "'");
+  }
+  return true;
 }
 
 }  // namespace
@@ -777,7 +792,13 @@ int main(int argc, char** argv) {
                                    {128, 512, 28},  {512, 128, 28},  {512, 256, 28},
                                    {256, 1024, 14}, {1024, 256, 14}, {1024, 512, 14},
                                    {512, 2048, 7},  {2048, 512, 7}};
-      for (const auto& s : shapes) probe_conv1x1(N, s[0], s[1], s[2]);
+      if (!args.shape.empty()) {
+        long long k = 0, c = 0, hw = 0;
+        std::sscanf(args.shape.c_str(), "%lld,%lld,%lld", &k, &c, &hw);
+        probe_conv1x1(N, k, c, hw);
+      } else {
+        for (const auto& s : shapes) probe_conv1x1(N, s[0], s[1], s[2]);
+      }
       cudnnDestroy(h);
       return 0;
     }
