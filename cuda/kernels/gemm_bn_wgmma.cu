@@ -337,12 +337,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // (g before the mask; without r, acc rounded). Byte (row, col) of a 64-column box in the
       // 128-byte swizzle lies at row·128 + (16-byte chunk col / 8 XOR row % 8)·16 + (col % 8)·2;
       // r0 % 8 = lane / 4.
-      if constexpr (!kStats) mbar_wait(epi_full(c), uint32_t(u & 1));
-      // Without r the values go where no TMA load lands: the previous tile's reads of them must
-      // be done. The mbarrier chain through the producer (epi_empty, then epi_full) implies it
-      // for the mask-from-x form, but compute-sanitizer's racecheck does not follow that chain;
-      // one named barrier per tile makes the order one it sees.
-      if constexpr (!kResidual) named_sync(1 + c, 128);
+      if constexpr (kStats)
+        named_sync(1 + c, 128);  // the previous tile's values have been read
+      else
+        mbar_wait(epi_full(c), uint32_t(u & 1));
       unsigned char* e = gbase + out0 + c * kStageOut;
 #pragma unroll
       for (int b = 0; b < kBN / 8; ++b) {
