@@ -104,9 +104,6 @@ __device__ inline void fence_proxy_async() {
 __device__ inline void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-__device__ inline void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -211,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
                                   const float* __restrict__ scale_shift, int64_t M, int C, int K,
-                                  int parts, int stagger) {
+                                  int parts) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
@@ -310,16 +307,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // With `stagger`, warpgroup 1 starts its first tile's MMAs only once warpgroup 0 has done its
-  // first min(KT, kStages) k-steps (named barrier 4: warpgroup 0 arrives, warpgroup 1 waits; not
-  // later, since a slot is loaded again only when both have released it). From then on the two
-  // run apart by that many k-steps, up to half a tile: one's MMAs beside the other's epilogue,
-  // where in step both reach their epilogues together and leave the tensor cores idle. They
-  // share each stage of A and B as before. The same products in the same order: the same bits.
   int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
   for (int64_t tile = part; tile < row_tiles; tile += parts) {
     const int64_t m0 = tile * kBM + c * 64;
-    if (stagger && u == 0 && c == 1) named_sync(4, 256);
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
@@ -338,7 +328,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       wgmma_wait0();
       mbar_arrive(empty(s));
-      if (stagger && u == 0 && c == 0 && kt == min(KT, kStages) - 1) named_arrive(4, 256);
     }
     // Fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4, columns
     // 8b + 2·(lane % 4) + {0, 1}; 4b + {2, 3} the row 8 below.
@@ -484,7 +473,6 @@ CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
 
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 constinit RuntimeSwitch g_w_direct{&Switches::tail_w_direct};  // KILN_TAIL_W_DIRECT
-constinit RuntimeSwitch g_stagger{&Switches::wgmma_stagger};  // KILN_WGMMA_STAGGER
 
 }  // namespace
 
@@ -546,8 +534,7 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
            static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
            static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
            static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
-           static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts,
-           int(g_stagger.get()));
+           static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
   };
   auto pick = [&]<bool kDirect>() {
     if (!tma_epi)
@@ -579,8 +566,7 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
   const CUtensorMap none{};
   launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
          static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x, map_w,
-         none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K), parts,
-         int(g_stagger.get()));
+         none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K), parts);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -622,8 +608,6 @@ void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }
 void set_tail_w_direct_enabled(bool on) { g_w_direct.set(on); }
-bool wgmma_stagger_enabled() { return g_stagger.get(); }
-void set_wgmma_stagger_enabled(bool on) { g_stagger.set(on); }
 void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 
 }  // namespace kiln::cuda

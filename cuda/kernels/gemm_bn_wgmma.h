@@ -35,10 +35,5 @@ void set_tail_tma_epilogue_enabled(bool on);
 // set_tail_w_direct_enabled(false)). Bit-identical results either way.
 bool tail_w_direct_enabled();
 void set_tail_w_direct_enabled(bool on);
-// Whether its two consumer warpgroups run half a tile apart, one's MMAs beside the other's
-// epilogue (the default), or in step (KILN_WGMMA_STAGGER=0 or set_wgmma_stagger_enabled(false)).
-// Bit-identical results either way.
-bool wgmma_stagger_enabled();
-void set_wgmma_stagger_enabled(bool on);
 
 }  // namespace kiln::cuda
