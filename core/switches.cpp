@@ -18,6 +18,7 @@ Switches read_switches() {
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
   s.tail_tma_epi = !is(std::getenv("KILN_TAIL_TMA_EPI"), "0");
   s.tail_w_direct = !is(std::getenv("KILN_TAIL_W_DIRECT"), "0");
+  s.wgmma_pipeline = !is(std::getenv("KILN_WGMMA_PIPELINE"), "0");
   const char* sc = std::getenv("KILN_STEM_CONV");
   s.stem_conv = is(sc, "0") ? 0 : is(sc, "forward") ? 1 : 2;
   s.pdl = !is(std::getenv("KILN_PDL"), "0");

@@ -32,6 +32,8 @@
 // | KILN_TAIL_W_DIRECT       | 0                   | the wgmma GEMMs' weight transposed by a kernel  |
 // |                          |                     | first, not read N-major as it lies (before      |
 // |                          |                     | 2026-12-04)                                     |
+// | KILN_WGMMA_PIPELINE      | 0                   | the wgmma GEMM waits for each k-step's MMAs     |
+// |                          |                     | before it issues the next (before v21)          |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -95,6 +97,7 @@ struct Switches {
   int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
   bool tail_w_direct = true;
+  bool wgmma_pipeline = true;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
   bool accumulate_grads = true;

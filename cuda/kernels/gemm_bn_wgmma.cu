@@ -111,6 +111,9 @@ __device__ inline void wgmma_commit() {
 __device__ inline void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+__device__ inline void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Descriptor of a K-major operand in the 128-byte swizzle at shared address `addr`: start >> 4
 // in bits 0-13, leading byte offset 16-29 (unused with this swizzle: 1), stride byte offset >> 4
 // in 32-45 (1,024: 8 rows of 128 B), swizzle mode 1 (128 B) in 62-63.
@@ -197,7 +200,14 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // kWDirect: B is read from w (K × C) as it lies, N-major, in two 64-column TMA boxes per stage,
 // and wgmma transposes it (imm-trans-b) — instead of from wt = wᵀ (C × K), K-major, which a
 // transpose kernel writes first. The same products in the same order: the same bits.
-template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false>
+//
+// kPipeline: each consumer warpgroup keeps one wgmma group in flight — k-step kt is issued before
+// it waits for k-step kt − 1 and releases that slot — instead of waiting for every k-step before
+// the next (KILN_WGMMA_PIPELINE=0). Written as a template flag: with a run-time flag the branch
+// between an issue and its wait makes ptxas serialise the wgmma instructions (warning C7518).
+// The same products in the same order: the same bits.
+template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
+          bool kPipeline = true>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -313,9 +323,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    for (int kt = 0; kt < KT; ++kt, ++j) {
-      const int s = j % kStages;
-      mbar_wait(full(s), uint32_t((j / kStages) & 1));
+    auto issue = [&](int jj) {
+      const int s = jj % kStages;
+      mbar_wait(full(s), uint32_t((jj / kStages) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -326,8 +336,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_m64n128k16<kWDirect ? 1 : 0>(d, da, db);
       }
       wgmma_commit();
+    };
+    if constexpr (kPipeline) {
+      // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
+      issue(j);
+      for (int kt = 1; kt < KT; ++kt) {
+        issue(j + kt);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt - 1) % kStages));
+      }
       wgmma_wait0();
-      mbar_arrive(empty(s));
+      mbar_arrive(empty((j + KT - 1) % kStages));
+      j += KT;
+    } else {
+      for (int kt = 0; kt < KT; ++kt, ++j) {
+        issue(j);
+        wgmma_wait0();
+        mbar_arrive(empty(j % kStages));
+      }
     }
     // Fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4, columns
     // 8b + 2·(lane % 4) + {0, 1}; 4b + {2, 3} the row 8 below.
@@ -473,6 +499,7 @@ CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
 
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 constinit RuntimeSwitch g_w_direct{&Switches::tail_w_direct};  // KILN_TAIL_W_DIRECT
+constinit RuntimeSwitch g_pipeline{&Switches::wgmma_pipeline};  // KILN_WGMMA_PIPELINE
 
 }  // namespace
 
@@ -526,15 +553,23 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   }
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
+  const bool pipeline = g_pipeline.get();
   auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect>() {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect>;
-    allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
-    const unsigned grid = unsigned(parts * (C / kBN));
-    launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-           static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
-           static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
-           static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
-           static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
+    auto go = [&]<bool kPipeline>() {
+      constexpr auto kernel =
+          dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect, kPipeline>;
+      allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
+      const unsigned grid = unsigned(parts * (C / kBN));
+      launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
+             static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
+             static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
+             static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
+             static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
+    };
+    if (pipeline)
+      go.template operator()<true>();
+    else
+      go.template operator()<false>();
   };
   auto pick = [&]<bool kDirect>() {
     if (!tma_epi)
@@ -561,12 +596,19 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
   // y = x · wᵀ: x (M × K) and w (C × K) are both K-major already.
   const CUtensorMap map_x = kmajor_map(x.raw_data(), M, K);
   const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);
-  constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true>;
-  allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
   const CUtensorMap none{};
-  launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
-         static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x, map_w,
-         none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K), parts);
+  auto go = [&]<bool kPipeline>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline>;
+    allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
+    launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+           static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x,
+           map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K),
+           parts);
+  };
+  if (g_pipeline.get())
+    go.template operator()<true>();
+  else
+    go.template operator()<false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -608,6 +650,8 @@ void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }
 void set_tail_w_direct_enabled(bool on) { g_w_direct.set(on); }
+bool wgmma_pipeline_enabled() { return g_pipeline.get(); }
+void set_wgmma_pipeline_enabled(bool on) { g_pipeline.set(on); }
 void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 
 }  // namespace kiln::cuda

@@ -35,5 +35,10 @@ void set_tail_tma_epilogue_enabled(bool on);
 // set_tail_w_direct_enabled(false)). Bit-identical results either way.
 bool tail_w_direct_enabled();
 void set_tail_w_direct_enabled(bool on);
+// Whether each consumer warpgroup keeps one wgmma group in flight while it waits for the next
+// stage and issues it (the default), or waits for every k-step's MMAs before the next
+// (KILN_WGMMA_PIPELINE=0 or set_wgmma_pipeline_enabled(false)). Bit-identical results either way.
+bool wgmma_pipeline_enabled();
+void set_wgmma_pipeline_enabled(bool on);
 
 }  // namespace kiln::cuda

@@ -613,3 +613,72 @@ TEST_CASE("the wgmma kernel's B read N-major from w equals B from the transposed
   cuda::set_tail_w_direct_enabled(before);
   cuda::set_tail_gemm_mode(mode);
 }
+
+TEST_CASE("the wgmma kernel with one wgmma group in flight gives the same bits as without") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  const int mode = cuda::tail_gemm_mode();
+  cuda::set_tail_gemm_mode(2);
+  const bool before = cuda::wgmma_pipeline_enabled(),
+             tma_before = cuda::tail_tma_epilogue_enabled();
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  // Several row tiles per CTA: K 64 (1 k-step), 256 (4, all the slots) and 512 (8, more than
+  // the slots); the last row tile partial where M % 128 != 0.
+  // Block tails, with the TMA epilogue and with the global-memory one.
+  for (bool tma : {true, false}) {
+    cuda::set_tail_tma_epilogue_enabled(tma);
+    for (Case cs : {Case{16, 256, 64, 28, 28}, Case{64, 1024, 256, 13, 13},
+                    Case{64, 2048, 512, 7, 7}}) {
+      CAPTURE(tma);
+      CAPTURE(cs.c);
+      CAPTURE(cs.k);
+      const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 181 + uint64_t(cs.c));
+      cuda::set_wgmma_pipeline_enabled(true);
+      const Grads a = run_fused(t);
+      cuda::set_wgmma_pipeline_enabled(false);
+      const Grads b = run_fused(t);
+      for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+        KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+    }
+  }
+  cuda::set_tail_tma_epilogue_enabled(tma_before);
+  // The inner relu(bn(y)) form, without and with another gradient r of its output.
+  for (bool residual : {false, true}) {
+    CAPTURE(residual);
+    const Inner t = make_inner(32, 128, 512, 28, 27, residual, 191);
+    cuda::set_wgmma_pipeline_enabled(true);
+    const Grads a = run_inner_fused(t);
+    cuda::set_wgmma_pipeline_enabled(false);
+    const Grads b = run_inner_fused(t);
+    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  // The 1x1 forward with statistics: K 64, 256 and 1,024 (16 k-steps).
+  for (Case cs : {Case{16, 256, 64, 56, 56}, Case{64, 1024, 256, 14, 14},
+                  Case{64, 256, 1024, 14, 13}}) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    manual_seed(201 + uint64_t(cs.k));
+    const Tensor x = nhwc(randn({cs.n, cs.k, cs.h, cs.w}));
+    const Tensor w =
+        F::mul(randn({cs.c, cs.k, 1, 1}), 1.0 / std::sqrt(double(cs.k))).to(DType::f16).to(kGpu);
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    Tensor y[2], sum[2], sqsum[2];
+    for (int i = 0; i < 2; ++i) {
+      cuda::set_wgmma_pipeline_enabled(i == 0);
+      y[i] = nhwc(zeros({cs.n, cs.c, cs.h, cs.w}));
+      sum[i] = empty({cs.c}, f32o);
+      sqsum[i] = empty({cs.c}, f32o);
+      cuda::conv1x1_forward_stats(y[i], sum[i], sqsum[i], x, w, ConvParams{});
+    }
+    KILN_CHECK_OK(testing::compare(y[0], y[1], 0, 0));
+    KILN_CHECK_OK(testing::compare(sum[0], sum[1], 0, 0));
+    KILN_CHECK_OK(testing::compare(sqsum[0], sqsum[1], 0, 0));
+  }
+  cuda::set_wgmma_pipeline_enabled(before);
+  cuda::set_tail_gemm_mode(mode);
+}
