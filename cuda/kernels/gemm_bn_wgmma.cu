@@ -514,7 +514,8 @@ bool dgrad1x1_bn_wgmma_available() {
 
 bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C) {
   // M: within TMA's 32-bit coordinates (a tile past the last row included).
-  return M < (int64_t(1) << 31) - kBM && K >= kBK && K <= 2048 && K % kBK == 0 && C % kBN == 0 && C / kBN <= 132;
+  return M < (int64_t(1) << 31) - kBM && K >= kBK && K <= 2048 && K % kBK == 0 &&
+         C % kBN == 0 && C / kBN <= 132;
 }
 
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
@@ -598,7 +599,8 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
   const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);
   const CUtensorMap none{};
   auto go = [&]<bool kPipeline>() {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline>;
+    constexpr auto kernel =
+        dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline>;
     allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
     launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
            static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x,

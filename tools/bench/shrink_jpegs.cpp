@@ -65,8 +65,13 @@ int main(int argc, char** argv) {
     }
     const fs::path target = dst / fs::relative(e.path(), src);
     fs::create_directories(target.parent_path());
-    std::ofstream(target, std::ios::binary).write(reinterpret_cast<const char*>(out), long(out_size));
+    std::ofstream file(target, std::ios::binary);
+    file.write(reinterpret_cast<const char*>(out), long(out_size));
     tjFree(out);
+    if (!file) {
+      std::fprintf(stderr, "%s: could not be written\n", target.c_str());
+      return 1;
+    }
     bytes_in += buf.size();
     bytes_out += out_size;
     ++written;
