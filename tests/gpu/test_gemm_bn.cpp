@@ -574,6 +574,17 @@ TEST_CASE("conv1x1_forward_stats refuses what its kernel does not take") {
   }
 }
 
+// run() with a switch set on (`set(true)`) and then off: the same bits in every output.
+template <class Run>
+void same_bits_both_ways(void (*set)(bool), Run&& run) {
+  set(true);
+  const Grads a = run();
+  set(false);
+  const Grads b = run();
+  for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
+    KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+}
+
 TEST_CASE("the wgmma kernel's B read N-major from w equals B from the transposed weight bit for "
           "bit") {
   if (!cuda::dgrad1x1_bn_wgmma_available()) {
@@ -592,23 +603,13 @@ TEST_CASE("the wgmma kernel's B read N-major from w equals B from the transposed
     CAPTURE(cs.c);
     CAPTURE(cs.k);
     const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 161 + uint64_t(cs.c));
-    cuda::set_tail_w_direct_enabled(true);
-    const Grads a = run_fused(t);
-    cuda::set_tail_w_direct_enabled(false);
-    const Grads b = run_fused(t);
-    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
-      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+    same_bits_both_ways(cuda::set_tail_w_direct_enabled, [&] { return run_fused(t); });
   }
   for (Case cs : {Case{2, 128, 512, 14, 14}, Case{2, 256, 1024, 7, 7}, Case{4, 512, 2048, 7, 7}}) {
     CAPTURE(cs.c);
     CAPTURE(cs.k);
     const Inner t = make_inner(cs.n, cs.c, cs.k, cs.h, cs.w, false, 171 + uint64_t(cs.c));
-    cuda::set_tail_w_direct_enabled(true);
-    const Grads a = run_inner_fused(t);
-    cuda::set_tail_w_direct_enabled(false);
-    const Grads b = run_inner_fused(t);
-    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
-      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+    same_bits_both_ways(cuda::set_tail_w_direct_enabled, [&] { return run_inner_fused(t); });
   }
   cuda::set_tail_w_direct_enabled(before);
   cuda::set_tail_gemm_mode(mode);
@@ -637,12 +638,7 @@ TEST_CASE("the wgmma kernel with one wgmma group in flight gives the same bits a
       CAPTURE(cs.c);
       CAPTURE(cs.k);
       const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 181 + uint64_t(cs.c));
-      cuda::set_wgmma_pipeline_enabled(true);
-      const Grads a = run_fused(t);
-      cuda::set_wgmma_pipeline_enabled(false);
-      const Grads b = run_fused(t);
-      for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
-        KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+      same_bits_both_ways(cuda::set_wgmma_pipeline_enabled, [&] { return run_fused(t); });
     }
   }
   cuda::set_tail_tma_epilogue_enabled(tma_before);
@@ -650,12 +646,7 @@ TEST_CASE("the wgmma kernel with one wgmma group in flight gives the same bits a
   for (bool residual : {false, true}) {
     CAPTURE(residual);
     const Inner t = make_inner(32, 128, 512, 28, 27, residual, 191);
-    cuda::set_wgmma_pipeline_enabled(true);
-    const Grads a = run_inner_fused(t);
-    cuda::set_wgmma_pipeline_enabled(false);
-    const Grads b = run_inner_fused(t);
-    for (auto [x, y] : {std::pair{a.dx, b.dx}, {a.g, b.g}, {a.dw, b.dw}, {a.db, b.db}})
-      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+    same_bits_both_ways(cuda::set_wgmma_pipeline_enabled, [&] { return run_inner_fused(t); });
   }
   // The 1x1 forward with statistics: K 64, 256 and 1,024 (16 k-steps).
   for (Case cs : {Case{16, 256, 64, 56, 56}, Case{64, 1024, 256, 14, 14},

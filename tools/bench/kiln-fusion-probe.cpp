@@ -35,7 +35,9 @@ struct ProbeArgs {
   bool half_scale = false;
   bool stem = false;
   bool conv1x1 = false;
-  std::string shape;  // --conv1x1 on this one shape only: "K,C,HW"
+  // --shape K,C,HW: --conv1x1 on this one shape only (the text, then its three numbers).
+  std::string shape;
+  long long shape_k = 0, shape_c = 0, shape_hw = 0;
 };
 
 // False for --help (printed). Throws cli::UsageError.
@@ -64,7 +66,7 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
     return false;
   }
   if (!a.shape.empty()) {
-    long long k = 0, c = 0, hw = 0;
+    long long &k = a.shape_k, &c = a.shape_c, &hw = a.shape_hw;
     char end = 0;
     if (std::sscanf(a.shape.c_str(), "%lld,%lld,%lld%c", &k, &c, &hw, &end) != 3 || k < 1 ||
         c < 1 || hw < 1)
@@ -793,9 +795,7 @@ int main(int argc, char** argv) {
                                    {256, 1024, 14}, {1024, 256, 14}, {1024, 512, 14},
                                    {512, 2048, 7},  {2048, 512, 7}};
       if (!args.shape.empty()) {
-        long long k = 0, c = 0, hw = 0;
-        std::sscanf(args.shape.c_str(), "%lld,%lld,%lld", &k, &c, &hw);
-        probe_conv1x1(N, k, c, hw);
+        probe_conv1x1(N, args.shape_k, args.shape_c, args.shape_hw);
       } else {
         for (const auto& s : shapes) probe_conv1x1(N, s[0], s[1], s[2]);
       }
