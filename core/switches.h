@@ -34,6 +34,8 @@
 // |                          |                     | 2026-12-04)                                     |
 // | KILN_WGMMA_PIPELINE      | 0                   | the wgmma GEMM waits for each k-step's MMAs     |
 // |                          |                     | before it issues the next (before v21)          |
+// | KILN_WGRAD1X1            | 0                   | stride-1 1x1 weight gradients on cuDNN, not on  |
+// |                          |                     | kiln's wgmma kernel (before 2026-12-04's v22)   |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -98,6 +100,7 @@ struct Switches {
   bool tail_tma_epi = true;
   bool tail_w_direct = true;
   bool wgmma_pipeline = true;
+  bool wgrad1x1 = true;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
   bool accumulate_grads = true;

@@ -751,6 +751,10 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
     stem_conv_backward_weight(dw, dy, x, p, accumulate && !zeroed);  // zeroed: 0 + dW = dW
     return;
   }
+  if (conv1x1_wgrad_supported(dw, dy, x, p)) {
+    conv1x1_backward_weight(dw, dy, x, p, accumulate && !zeroed);
+    return;
+  }
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
   const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
   if (accumulate && (pad || !dw.is_contiguous(fmt))) {

@@ -255,6 +255,20 @@ bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
 void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                            const Tensor& x, const Tensor& w, const ConvParams& p);
 
+// A stride-1, unpadded 1x1 convolution's weight gradient on kiln's wgmma kernel (cuda/kernels/
+// wgrad1x1_wgmma.cu): dw (O, I, 1, 1) f16 or f32, any strides, (=, or += with accumulate) =
+// Σ over the N·H·W rows of dy[m][o] · x[m][i], the rows split among the SMs and the parts added
+// in a fixed order (bit-reproducible for a shape and device). Needs conv1x1_wgrad_supported: an
+// sm_90 GPU, f16 channels-last dy (N, O, H, W) and x (N, I, H, W), O a multiple of 128 and I of
+// 64 or the other way round, both up to 4,096, and the switch on (KILN_WGRAD1X1=0 turns it off;
+// conv2d_backward_weight then runs cuDNN's).
+bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                             const ConvParams& p);
+void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                             const ConvParams& p, bool accumulate);
+bool conv1x1_wgrad_enabled();
+void set_conv1x1_wgrad_enabled(bool on);
+
 // BnStatsFinalize's outputs from its inputs (core/backend.h has the arithmetic's contract).
 void bn_nhwc_finalize(const BnStatsFinalize& f);
 

@@ -44,9 +44,12 @@
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
 #include "cuda/kernels/gemm_bn_wgmma.h"
+#include "cuda/kernels/wgmma.cuh"
 
 namespace kiln::cuda {
 namespace {
+
+using namespace sm90;
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kStages = 4, kThreads = 384;
@@ -64,106 +67,6 @@ static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the st
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
 
-// ---- PTX wrappers (sm_90a; only its device pass sees them) ----
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ inline void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ inline void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ inline void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// A box of a 2-D tensor map at (c0 innermost, c1) into shared `dst`; its bytes arrive on `bar`.
-__device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                   uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
-      "{%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-// Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA)
-// writes to the same bytes.
-__device__ inline void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ inline void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ inline void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ inline void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-__device__ inline void wgmma_wait1() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
-// Descriptor of a K-major operand in the 128-byte swizzle at shared address `addr`: start >> 4
-// in bits 0-13, leading byte offset 16-29 (unused with this swizzle: 1), stride byte offset >> 4
-// in 32-45 (1,024: 8 rows of 128 B), swizzle mode 1 (128 B) in 62-63.
-__device__ inline uint64_t make_desc(uint32_t addr) {
-  uint64_t d = uint64_t((addr & 0x3FFFF) >> 4);
-  d |= uint64_t(1) << 16;
-  d |= uint64_t(1024 >> 4) << 32;
-  d |= uint64_t(1) << 62;
-  return d;
-}
-// Descriptor of an N-major operand (B read from w (K × C) as it lies, C contiguous) in the
-// 128-byte swizzle: each 64-column box is 64 rows (k) of 128 bytes; leading byte offset >> 4 in
-// bits 16-29 = 8,192 (from columns 0-63 to the box of columns 64-127), stride byte offset >> 4
-// in 32-45 = 1,024 (from one 8-row group of k to the next), swizzle mode 1 (128 B).
-__device__ inline uint64_t make_desc_nmajor(uint32_t addr) {
-  uint64_t d = uint64_t((addr & 0x3FFFF) >> 4);
-  d |= uint64_t(8192 >> 4) << 16;
-  d |= uint64_t(1024 >> 4) << 32;
-  d |= uint64_t(1) << 62;
-  return d;
-}
-// D (64 × 128 f32, the warpgroup's fragments) += A (64 × 16) · B (16 × 128), A K-major in shared
-// memory, B K-major (kTransB 0) or N-major (kTransB 1).
-template <int kTransB>
-__device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, 1, 0;\n"  // scale-d: D += A·B (the accumulators start at zero)
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
-      "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-      "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %66;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "n"(kTransB));
-}
-
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
 __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restrict__ w, int K,
@@ -333,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
         const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s) + uint32_t(kk * 16 * 128))
                                      : make_desc(b_tile(s) + uint32_t(kk * 32));
-        wgmma_m64n128k16<kWDirect ? 1 : 0>(d, da, db);
+        wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
       }
       wgmma_commit();
     };
@@ -448,48 +351,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #else
   __trap();  // built without sm_90a: dgrad1x1_bn_wgmma_available() is false, never launched
 #endif
-}
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (kiln does not link libcuda:
-// CUDA builds must start on machines without a driver).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  static EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                cudaEnableDefault, &q));
-#else
-    CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q));
-#endif
-    KILN_CHECK(q == cudaDriverEntryPointSuccess && p, "dgrad1x1_bn_sums (cuda): the driver has no "
-               "cuTensorMapEncodeTiled");
-    return reinterpret_cast<EncodeTiled>(p);
-  }();
-  return fn;
-}
-
-// `rows` × `cols` row-major (f16, or bytes with !f16) as a TMA map of box_rows × box_cols
-// boxes, in the 128-byte swizzle or none; rows past the end read as zeros.
-CUtensorMap tile_map(const void* p, bool f16, int64_t rows, int64_t cols, int box_rows,
-                     int box_cols, bool swizzle) {
-  CUtensorMap m;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * (f16 ? 2 : 1)};
-  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult res = encode_tiled()(
-      &m, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
-      const_cast<void*>(p), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  KILN_CHECK(res == CUDA_SUCCESS, "dgrad1x1_bn_sums (cuda): cuTensorMapEncodeTiled failed (",
-             int(res), ") for a ", rows, " x ", cols, f16 ? " f16" : " u8", " operand");
-  return m;
 }
 
 // The GEMM's operands: `rows` × K f16, 128 × 64 boxes in the 128-byte swizzle.

@@ -3,7 +3,7 @@
 // the plain convolution, and whether its results match the unfused computation.
 //
 //   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
-//                     [--shape K,C,HW]
+//                     [--wgrad1x1] [--shape K,C,HW]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -18,6 +18,8 @@
 // --conv1x1 times kiln's 1x1 forward GEMM with the batch-norm statistics in its epilogue
 // (cuda::conv1x1_forward_stats) against cuDNN's path (the GenStats plan the tuner keeps, else
 // the plain convolution and kiln's statistics pass), on ResNet-50's stride-1 1x1 convolutions.
+// --wgrad1x1 times kiln's 1x1 weight gradient (cuda::conv1x1_backward_weight) against cuDNN's
+// tuned plan on the same shapes.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,7 +37,8 @@ struct ProbeArgs {
   bool half_scale = false;
   bool stem = false;
   bool conv1x1 = false;
-  // --shape K,C,HW: --conv1x1 on this one shape only (the text, then its three numbers).
+  bool wgrad1x1 = false;
+  // --shape K,C,HW: --conv1x1 or --wgrad1x1 on this one shape only (the text, then its three numbers).
   std::string shape;
   long long shape_k = 0, shape_c = 0, shape_hw = 0;
 };
@@ -43,7 +46,8 @@ struct ProbeArgs {
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe",
-                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]",
+                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1] "
+                      "[--wgrad1x1] [--shape K,C,HW]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -58,8 +62,10 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "against cuDNN's");
   p.flag("--conv1x1", &a.conv1x1,
          "time kiln's 1x1 forward GEMM with BN statistics against cuDNN's path");
+  p.flag("--wgrad1x1", &a.wgrad1x1,
+         "time kiln's 1x1 weight-gradient kernel against cuDNN's tuned plan");
   p.value("--shape", "K,C,HW", &a.shape,
-          "with --conv1x1: this shape only (K input and C output channels at HW x HW), for "
+          "with --conv1x1 or --wgrad1x1: this shape only (K input and C output channels at HW x HW), for "
           "example to profile one kernel under ncu");
   if (!p.parse(argc, argv)) {
     std::fputs(p.info().c_str(), stdout);
@@ -760,6 +766,36 @@ void probe_conv1x1(int64_t n, int64_t k, int64_t c, int64_t hw) {
               gflop / t_kiln, t_kiln / t_cudnn);
 }
 
+// The weight gradient of the same stride-1 1x1 convolution (k → c at hw × hw, dw (c, k)): cuDNN's
+// tuned plan (KILN_WGRAD1X1's path off) against kiln's kernel.
+void probe_wgrad1x1(int64_t n, int64_t k, int64_t c, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  Tensor x = repeated_randn(n, k, hw), dy = repeated_randn(n, c, hw);
+  Tensor dw = empty({c, k, 1, 1}, TensorOptions(DType::f16).with_device(gpu));
+  const bool before = cuda::conv1x1_wgrad_enabled();
+  cuda::set_conv1x1_wgrad_enabled(false);
+  const double t_cudnn =
+      median_ms([&] { cuda::conv2d_backward_weight(dw, dy, x, ConvParams{}); });
+  cuda::set_conv1x1_wgrad_enabled(true);
+  const bool ours = cuda::conv1x1_wgrad_supported(dw, dy, x, ConvParams{});
+  const double t_kiln =
+      ours ? median_ms([&] { cuda::conv2d_backward_weight(dw, dy, x, ConvParams{}); }) : 0.0;
+  cuda::set_conv1x1_wgrad_enabled(before);
+  const double gb = double(x.nbytes() + dy.nbytes()) / 1e9;
+  const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) / 1e9;
+  std::printf("wgrad 1x1 %4lld -> %4lld @%lldx%lld (%.0f MB, %.1f GFLOP): cuDNN %.3f ms (%.2f "
+              "TB/s)",
+              static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
+              static_cast<long long>(hw), gb * 1e3, gflop, t_cudnn, gb / t_cudnn);
+  if (!ours) {
+    std::printf("; kiln: not for this shape\n");
+    return;
+  }
+  std::printf("; kiln %.3f ms (%.2f TB/s, %.0f TFLOP/s), %.2fx\n", t_kiln, gb / t_kiln,
+              gflop / t_kiln, t_kiln / t_cudnn);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -787,17 +823,21 @@ int main(int argc, char** argv) {
       cudnnDestroy(h);
       return 0;
     }
-    if (args.conv1x1) {
+    if (args.conv1x1 || args.wgrad1x1) {
       // ResNet-50's stride-1 1x1 convolutions: each layer's conv3 (and layer 1's downsample),
       // its blocks' conv1, and the first block's conv1 from the layer before.
       const int64_t shapes[][3] = {{64, 256, 56},   {256, 64, 56},   {256, 128, 56},
                                    {128, 512, 28},  {512, 128, 28},  {512, 256, 28},
                                    {256, 1024, 14}, {1024, 256, 14}, {1024, 512, 14},
                                    {512, 2048, 7},  {2048, 512, 7}};
+      auto probe = [&](int64_t k, int64_t c, int64_t hw) {
+        if (args.conv1x1) probe_conv1x1(N, k, c, hw);
+        if (args.wgrad1x1) probe_wgrad1x1(N, k, c, hw);
+      };
       if (!args.shape.empty()) {
-        probe_conv1x1(N, args.shape_k, args.shape_c, args.shape_hw);
+        probe(args.shape_k, args.shape_c, args.shape_hw);
       } else {
-        for (const auto& s : shapes) probe_conv1x1(N, s[0], s[1], s[2]);
+        for (const auto& s : shapes) probe(s[0], s[1], s[2]);
       }
       cudnnDestroy(h);
       return 0;

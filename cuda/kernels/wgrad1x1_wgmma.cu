@@ -1,0 +1,227 @@
+// The weight gradient of a stride-1 1x1 convolution on Hopper's wgmma and TMA (contract in
+// cuda/kernels.h: conv1x1_backward_weight): dw (O × I) = Σ_m dy[m][o] · x[m][i] over the
+// M = N·H·W rows of two channels-last tensors. The reduction runs down the rows, so both operands
+// are read as they lie with the channels contiguous, which wgmma takes transposed (A M-major,
+// B N-major): no transpose pass, and the products are the same as a K-major GEMM's.
+//
+// The kernel computes P (A × B) = Σ_m a[m][α] · b[m][β] for two row-major M × A and M × B f16
+// tensors: a = dy and b = x, or, where O is not a multiple of 128 (ResNet-50's 64-channel conv1s),
+// a = x and b = dy, P = dwᵀ. CTA tile 128 (α) × kBN (β, 128 or 64); a k-step is 64 rows. CTA:
+// 3 warpgroups, as gemm_bn_wgmma.cu's. Warpgroup 0's first thread loads, per k-step, a's two
+// 64 × 64 boxes (rows × α) and b's kBN / 64 boxes (rows × β) by TMA into one of kStages slots in
+// the 128-byte swizzle, guarded by a "full" and an "empty" mbarrier per slot; warpgroup 1 and 2
+// multiply α 0-63 and 64-127 of the tile, each keeping one wgmma group in flight.
+//
+// Split over the rows and bit-reproducible: the grid is parts × tiles CTAs; CTA b computes tile
+// b % tiles over k-steps [KT·p / parts, KT·(p + 1) / parts) of part p = b / tiles (the tiles of one
+// part run side by side and share their rows in L2), and writes its f32 tile into partial (parts,
+// A, B). A finishing kernel adds the parts in order and writes dw (=, or += with accumulate).
+// Rows past M come in as zeros from TMA and add nothing. parts depends on the shape and the
+// device only.
+#include <cuda.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "core/switches.h"
+#include "cuda/kernels.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_wgmma.h"
+#include "cuda/kernels/wgmma.cuh"
+
+namespace kiln::cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kBM = 128, kBK = 64, kThreads = 384;
+constexpr int kBox = 64 * 64 * 2;  // one 64-row × 64-channel box, 8 KB
+// Stage bytes and stages, about 192 KB of slots either way.
+template <int kBN>
+constexpr int kStageBytes = 2 * kBox + (kBN / 64) * kBox;
+template <int kBN>
+constexpr int kStages = (192 * 1024) / kStageBytes<kBN>;
+template <int kBN>
+constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 2 * kStages<kBN> * 8 + 1024;
+
+template <int kBN>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
+                          const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
+                          int parts) {
+  pdl_start();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle wants 1,024-byte alignment
+  auto a_slot = [&](int s) { return base + uint32_t(s * kStageBytes<kBN>); };
+  auto b_slot = [&](int s) { return a_slot(s) + uint32_t(2 * kBox); };
+  const uint32_t bars = base + uint32_t(S * kStageBytes<kBN>);
+  auto full = [&](int s) { return bars + uint32_t(s * 8); };
+  auto empty = [&](int s) { return bars + uint32_t((S + s) * 8); };
+  const int tid = threadIdx.x, wg = tid >> 7;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
+  const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
+  const int a0 = (tile / b_tiles) * kBM, b0 = (tile % b_tiles) * kBN;
+  const int64_t KT = (M + kBK - 1) / kBK;
+  const int64_t kt0 = KT * part / parts, kt1 = KT * (part + 1) / parts;
+  const int n = int(kt1 - kt0);  // this CTA's k-steps
+
+  if (wg == 0) {  // the producer
+    if (tid != 0) return;
+    for (int j = 0; j < n; ++j) {
+      const int s = j % S;
+      if (j >= S) mbar_wait(empty(s), uint32_t((j / S - 1) & 1));
+      mbar_expect_tx(full(s), uint32_t(kStageBytes<kBN>));
+      const int m0 = int((kt0 + j) * kBK);
+      for (int h = 0; h < 2; ++h)
+        tma_load_2d(a_slot(s) + uint32_t(h * kBox), &map_a, a0 + h * 64, m0, full(s));
+      for (int h = 0; h < kBN / 64; ++h)
+        tma_load_2d(b_slot(s) + uint32_t(h * kBox), &map_b, b0 + h * 64, m0, full(s));
+    }
+    return;
+  }
+
+  // Consumers: warpgroup c computes α rows a0 + c·64 .. + 63 of the tile.
+  const int c = wg - 1, t = tid & 127, warp = t >> 5, lane = t & 31;
+  float d[kNd];
+#pragma unroll
+  for (int i = 0; i < kNd; ++i) d[i] = 0.f;
+  auto issue = [&](int j) {
+    const int s = j % S;
+    mbar_wait(full(s), uint32_t((j / S) & 1));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      // 16 rows of the k-step: 16 rows of 128 bytes into each box, M- and N-major alike.
+      const uint64_t da = make_desc_nmajor(a_slot(s) + uint32_t(c * kBox + kk * 16 * 128));
+      const uint64_t db = make_desc_nmajor(b_slot(s) + uint32_t(kk * 16 * 128));
+      if constexpr (kBN == 128)
+        wgmma_m64n128k16<1, 1>(d, da, db);
+      else
+        wgmma_m64n64k16<1, 1>(d, da, db);
+    }
+    wgmma_commit();
+  };
+  if (n > 0) {
+    issue(0);
+    for (int j = 1; j < n; ++j) {
+      issue(j);
+      wgmma_wait1();
+      mbar_arrive(empty((j - 1) % S));
+    }
+    wgmma_wait0();
+    mbar_arrive(empty((n - 1) % S));
+  }
+  // Fragment layout: register 4q + {0, 1} holds row 16·warp + lane / 4, columns
+  // 8q + 2·(lane % 4) + {0, 1}; 4q + {2, 3} the row 8 below.
+  const int row = a0 + c * 64 + warp * 16 + (lane >> 2);
+  float* out = partial + (int64_t(part) * A + row) * B + b0 + 2 * (lane & 3);
+#pragma unroll
+  for (int q = 0; q < kBN / 8; ++q) {
+    *reinterpret_cast<float2*>(out + 8 * q) = float2{d[4 * q], d[4 * q + 1]};
+    *reinterpret_cast<float2*>(out + int64_t(8) * B + 8 * q) = float2{d[4 * q + 2], d[4 * q + 3]};
+  }
+#else
+  __trap();  // built without sm_90a: conv1x1_wgrad_supported() is false, never launched
+#endif
+}
+
+// dw[o][i] (strides so, si) = Σ over parts, in order, of partial (parts, A, B) at (o, i), or at
+// (i, o) when swapped; (+= the old value with accumulate). One thread per element of P.
+template <typename T>
+__global__ void wgrad1x1_finish_kernel(T* __restrict__ dw, const float* __restrict__ partial,
+                                       int parts, int A, int B, bool swapped, int64_t so,
+                                       int64_t si, bool accumulate) {
+  pdl_start();
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, n = int64_t(A) * B;
+  if (e >= n) return;
+  float v = 0.f;
+  for (int p = 0; p < parts; ++p) v += partial[p * n + e];
+  const int64_t alpha = e / B, beta = e % B;
+  T* dst = swapped ? dw + beta * so + alpha * si : dw + alpha * so + beta * si;
+  if (accumulate) v += float(*dst);
+  *dst = T(v);
+}
+
+constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
+
+}  // namespace
+
+bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                             const ConvParams& p) {
+  if (!g_wgrad1x1.get() || !dgrad1x1_bn_wgmma_available()) return false;
+  if (!(dw.defined() && dy.defined() && x.defined() && x.is_cuda() && dy.dim() == 4 &&
+        x.dim() == 4 && dw.dim() == 4 && x.dtype() == DType::f16 && dy.dtype() == DType::f16 &&
+        (dw.dtype() == DType::f16 || dw.dtype() == DType::f32)))
+    return false;
+  const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / std::max<int64_t>(I, 1);
+  const bool fits = (O % kBM == 0 && I % 64 == 0) || (I % kBM == 0 && O % 64 == 0);
+  return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
+         p.dil_h == 1 && p.dil_w == 1 && fits && O <= 4096 && I <= 4096 && M > 0 &&
+         M < (int64_t(1) << 31) - kBK && dw.size(0) == O && dw.size(1) == I &&
+         dw.size(2) == 1 && dw.size(3) == 1 && dy.size(0) == x.size(0) &&
+         dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
+         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         dy.is_contiguous(MemoryFormat::ChannelsLast) && dw.device() == x.device() &&
+         dy.device() == x.device();
+}
+
+void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                             const ConvParams& p, bool accumulate) {
+  KILN_CHECK(conv1x1_wgrad_supported(dw, dy, x, p),
+             "conv1x1_backward_weight (cuda): needs an sm_90 GPU, f16 channels-last dy (N, O, H, "
+             "W) and x (N, I, H, W), dw (O, I, 1, 1) f16 or f32, stride 1, no padding, and O a "
+             "multiple of 128 with I of 64 (or the other way round); got dw ",
+             dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
+  const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
+  // A: the side that is a multiple of 128 (dy's channels where both are).
+  const bool swapped = O % kBM != 0;
+  const Tensor& a = swapped ? x : dy;
+  const Tensor& b = swapped ? dy : x;
+  const int64_t A = swapped ? I : O, B = swapped ? O : I;
+  const CUtensorMap map_a = tile_map(a.raw_data(), true, M, A, 64, 64, true);
+  const CUtensorMap map_b = tile_map(b.raw_data(), true, M, B, 64, 64, true);
+  const int bn = B % 128 == 0 ? 128 : 64;
+  const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
+  const int64_t sms = context().props.multiProcessorCount;
+  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, KT));
+  Tensor partial =
+      empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
+  cudaStream_t s = current_stream();
+  auto go = [&]<int kBN>() {
+    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN>;
+    allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
+    launch(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
+           static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B), parts);
+  };
+  if (bn == 128)
+    go.template operator()<128>();
+  else
+    go.template operator()<64>();
+  KILN_CUDA_CHECK_LAUNCH();
+  const unsigned blocks = unsigned((A * B + 255) / 256);
+  const float* pp = static_cast<const float*>(partial.raw_data());
+  if (dw.dtype() == DType::f16)
+    launch(wgrad1x1_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
+           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+  else
+    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()),
+           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+bool conv1x1_wgrad_enabled() { return g_wgrad1x1.get(); }
+void set_conv1x1_wgrad_enabled(bool on) { g_wgrad1x1.set(on); }
+
+}  // namespace kiln::cuda

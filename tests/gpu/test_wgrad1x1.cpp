@@ -1,0 +1,146 @@
+// cuda::conv1x1_backward_weight, kiln's weight gradient of a stride-1 1x1 convolution on the
+// wgmma kernel: against cuDNN's and the f32 CPU product dyᵀ · x, for both operand orders (O a
+// multiple of 128, or only I), 128- and 64-column tiles, row counts that end in a partial k-step,
+// one part or many per tile; written and added, f16 and f32, a strided dw; bit-reproducible; the
+// path conv2d_backward_weight takes; and the shapes it leaves to cuDNN.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "cuda/kernels.h"
+#include "cuda/kernels/gemm_bn_wgmma.h"
+#include "ops/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/gradcheck.h"
+
+using namespace kiln;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+const Device kCPU = Device::cpu();
+
+Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
+Tensor nhwc(const Tensor& t) {
+  return t.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+}
+
+// The weight gradient into a fresh dw (O, I, 1, 1) of `dtype`, on kiln's kernel (`kiln`) or
+// cuDNN's, through conv2d_backward_weight: written, or added onto `base` when it is defined.
+// `strided`: dw is a (I, O) buffer's transposed view, so its strides are (1, O).
+Tensor wgrad(const Tensor& dy, const Tensor& x, bool kiln, DType dtype,
+             const Tensor& base = Tensor(), bool strided = false) {
+  const int64_t O = dy.size(1), I = x.size(1);
+  Tensor dw = strided ? gputest::nan_output({I, O, 1, 1}, dtype).permute({1, 0, 2, 3})
+                      : gputest::nan_output({O, I, 1, 1}, dtype);
+  if (base.defined()) dw.copy_(base.to(dtype));
+  const bool before = cuda::conv1x1_wgrad_enabled();
+  cuda::set_conv1x1_wgrad_enabled(kiln);
+  CHECK(cuda::conv1x1_wgrad_supported(dw, dy, x, ConvParams{}) == kiln);
+  cuda::conv2d_backward_weight(dw, dy, x, ConvParams{}, /*accumulate=*/base.defined());
+  cuda::set_conv1x1_wgrad_enabled(before);
+  return dw;
+}
+
+}  // namespace
+
+TEST_CASE("the 1x1 weight gradient equals cuDNN's and the CPU's, written or added") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("conv1x1_backward_weight runs on the wgmma kernel: it needs an sm_90 GPU and a "
+            "build for sm_90a; skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, o, i, h, w;  // dy (n, o, h, w), x (n, i, h, w), dw (o, i, 1, 1)
+  };
+  // O 256 with I 64 (64-column tiles), O 128 with I 512 and O 512 with I 128 (128-column tiles),
+  // ResNet-50's 64-channel conv1s (O 64: the operands swapped, dwᵀ computed), I 192 (three
+  // 64-column tiles), rows that end inside a k-step (3·7·7 = 147, 5·5·7 = 175), and layer 1 at
+  // batch 8 (25,088 rows, 392 k-steps split over 66 parts per tile).
+  for (Case cs : {Case{3, 256, 64, 7, 7}, Case{2, 128, 512, 14, 14}, Case{2, 512, 128, 7, 7},
+                  Case{2, 64, 256, 14, 14}, Case{5, 64, 128, 5, 7}, Case{2, 128, 192, 8, 8},
+                  Case{8, 256, 64, 56, 56}, Case{4, 1024, 256, 14, 14}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.o);
+    CAPTURE(cs.i);
+    CAPTURE(cs.h);
+    manual_seed(211 + uint64_t(cs.o + 3 * cs.i + cs.h));
+    const Tensor dy = nhwc(randn({cs.n, cs.o, cs.h, cs.w}));
+    const Tensor x = nhwc(F::add(randn({cs.n, cs.i, cs.h, cs.w}), 0.5));
+    const int64_t M = cs.n * cs.h * cs.w;
+    // The f32 CPU product of the same f16 values: dw = dyᵀ · x over the M rows.
+    const Tensor dym = f32(dy).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.o});
+    const Tensor xm = f32(x).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.i});
+    const Tensor cpu = F::matmul(dym.t(), xm).reshape({cs.o, cs.i, 1, 1});
+    // Entries add M products of size ~1: ~sqrt(M) in size; f16 keeps 2^-11 of that.
+    const double scale = std::sqrt(double(M));
+    const Tensor mine = wgrad(dy, x, true, DType::f16);
+    const Tensor ref = wgrad(dy, x, false, DType::f16);
+    KILN_CHECK_OK(testing::compare(f32(mine), f32(ref), 2e-3 * scale, 2e-3));
+    KILN_CHECK_OK(testing::compare(f32(mine), cpu, 2e-3 * scale, 2e-3));
+    const Tensor mine32 = wgrad(dy, x, true, DType::f32);
+    KILN_CHECK_OK(testing::compare(f32(mine32), cpu, 1e-4 * scale, 1e-4));
+    // Added onto a gradient already there: base + dW, rounded once.
+    const Tensor base = F::mul(randn({cs.o, cs.i, 1, 1}), scale).to(DType::f16).to(kGpu);
+    const Tensor added = wgrad(dy, x, true, DType::f16, base);
+    KILN_CHECK_OK(
+        testing::compare(f32(added), F::add(f32(base), f32(mine32)), 2e-3 * scale, 2e-3));
+    // A dw with other strides gets the same bits; a second run too.
+    KILN_CHECK_OK(testing::compare(wgrad(dy, x, true, DType::f16, Tensor(), true).contiguous(),
+                                   mine, 0, 0));
+    KILN_CHECK_OK(testing::compare(wgrad(dy, x, true, DType::f16), mine, 0, 0));
+  }
+}
+
+TEST_CASE("the 1x1 weight gradient through autograd matches cuDNN's") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("needs the wgmma kernel (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  manual_seed(223);
+  const Tensor x0 = nhwc(randn({4, 128, 14, 14}));
+  const Tensor w0 = F::mul(randn({256, 128, 1, 1}), 0.1).to(DType::f16).to(kGpu);
+  const Tensor g = nhwc(randn({4, 256, 14, 14}));
+  auto grads = [&](bool kiln) {
+    const bool before = cuda::conv1x1_wgrad_enabled();
+    cuda::set_conv1x1_wgrad_enabled(kiln);
+    Tensor x = x0.detach(), w = w0.detach();
+    x.set_requires_grad(true);
+    w.set_requires_grad(true);
+    F::conv2d(x, w, Tensor(), 1, 0).backward(g);
+    cuda::set_conv1x1_wgrad_enabled(before);
+    return std::pair{w.grad(), x.grad()};
+  };
+  const auto [w_kiln, x_kiln] = grads(true);
+  const auto [w_ref, x_ref] = grads(false);
+  const double scale = std::sqrt(4.0 * 14 * 14);
+  KILN_CHECK_OK(testing::compare(f32(w_kiln), f32(w_ref), 2e-3 * scale, 2e-3));
+  // The data gradient is cuDNN's either way.
+  KILN_CHECK_OK(testing::compare(f32(x_kiln), f32(x_ref), 2e-3 * scale, 2e-3));
+}
+
+TEST_CASE("the 1x1 weight gradient refuses what its kernel does not take") {
+  const Tensor dy = nhwc(randn({2, 256, 4, 4}));
+  const Tensor x = nhwc(randn({2, 64, 4, 4}));
+  const Tensor dw = empty({256, 64, 1, 1}, gputest::gpu_opts(DType::f16));
+  CHECK(cuda::conv1x1_wgrad_supported(dw, dy, x, ConvParams{}) ==
+        cuda::dgrad1x1_bn_wgmma_available());
+  ConvParams strided;
+  strided.stride_h = strided.stride_w = 2;
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(dw, nhwc(randn({2, 256, 2, 2})), x, strided));
+  // O 64 with I 64 (neither a multiple of 128), I 96 (not a multiple of 64), f32 and NCHW
+  // operands, a 3x3 weight.
+  const Tensor dy64 = nhwc(randn({2, 64, 4, 4}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(empty({64, 64, 1, 1}, gputest::gpu_opts(DType::f16)),
+                                            dy64, x, ConvParams{}));
+  const Tensor x96 = nhwc(randn({2, 96, 4, 4}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(empty({256, 96, 1, 1}, gputest::gpu_opts(DType::f16)),
+                                            dy, x96, ConvParams{}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(dw, dy, x.to(DType::f32), ConvParams{}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(dw, dy, x.contiguous(), ConvParams{}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_supported(empty({256, 64, 3, 3}, gputest::gpu_opts(DType::f16)),
+                                            dy, x, ConvParams{}));
+  // Called on a shape it does not take, it says which.
+  CHECK_THROWS_WITH_AS(cuda::conv1x1_backward_weight(dw, dy, x.contiguous(), ConvParams{}, false),
+                       doctest::Contains("O a multiple of 128"), Error);
+}
