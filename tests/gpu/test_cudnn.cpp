@@ -275,6 +275,8 @@ TEST_CASE("conv2d: backend-API plans (forced) on every ResNet-50 convolution, f1
   // cuDNN for the stem too (kiln's own stem kernels take its f16 weight gradient by default).
   const int stem_mode = cuda::stem_conv_mode();
   cuda::set_stem_conv_mode(0);
+  const bool wgrad1x1 = cuda::conv1x1_wgrad_enabled();  // the 1x1 weight gradients on cuDNN too
+  cuda::set_conv1x1_wgrad_enabled(false);
   Generator gen(13);
   for (const ConvCase& c : kResNet50) {
     CAPTURE(c.name);
@@ -292,6 +294,7 @@ TEST_CASE("conv2d: backend-API plans (forced) on every ResNet-50 convolution, f1
   const auto st = cuda::conv_algo_cache_stats();
   cuda::set_conv_backend(cuda::ConvBackend::Auto);
   cuda::set_stem_conv_mode(stem_mode);
+  cuda::set_conv1x1_wgrad_enabled(wgrad1x1);
   MESSAGE("backend-API plans: ", st.engine_plans, " of ", st.entries, " problems");
   // 23 distinct shapes (two of the 24 cases coincide) x 2 dtypes x 3 directions; a problem no
   // engine runs falls back to the legacy API, which is allowed, but most must have a plan or
@@ -305,6 +308,8 @@ TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic m
   cuda::clear_conv_algo_cache();
   cuda::set_conv_backend(cuda::ConvBackend::Force);
   cuda::set_conv_deterministic(true);
+  const bool wgrad1x1 = cuda::conv1x1_wgrad_enabled();  // this 1x1 weight gradient on cuDNN
+  cuda::set_conv1x1_wgrad_enabled(false);
   Generator gen(14);
   Tensor x = to_gpu(randn({8, 64, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
   Tensor dy = to_gpu(randn({8, 256, 14, 14}, DType::f64, &gen), DType::f16, MemoryFormat::ChannelsLast);
@@ -316,6 +321,7 @@ TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic m
   const auto st = cuda::conv_algo_cache_stats();
   cuda::set_conv_deterministic(false);
   cuda::set_conv_backend(cuda::ConvBackend::Auto);
+  cuda::set_conv1x1_wgrad_enabled(wgrad1x1);
   CHECK(st.engine_plans == 1);
   CHECK(a.to_vector<float>() == b.to_vector<float>());
   cuda::clear_conv_algo_cache();
