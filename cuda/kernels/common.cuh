@@ -170,6 +170,19 @@ __device__ __forceinline__ void pdl_start() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// The two halves of pdl_start, for a kernel that lets the next one be placed only near its end
+// (pdl_wait() first, pdl_trigger() once the bulk of its work is done): the next kernel's blocks
+// then do not sit on the SMs, waiting, for the whole of a long kernel.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // Lets `Kernel` use `bytes` of dynamic shared memory (above 48 KB must be asked for), once per
 // device. Kernel is the function itself, not its type, so that each instantiation of a kernel
