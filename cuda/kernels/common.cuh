@@ -170,19 +170,6 @@ __device__ __forceinline__ void pdl_start() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// The two halves of pdl_start, for a kernel that lets the next one be placed only near its end
-// (pdl_wait() first, pdl_trigger() once the bulk of its work is done): the next kernel's blocks
-// then do not sit on the SMs, waiting, for the whole of a long kernel.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 // Lets `Kernel` use `bytes` of dynamic shared memory (above 48 KB must be asked for), once per
 // device. Kernel is the function itself, not its type, so that each instantiation of a kernel
@@ -229,6 +216,22 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// As launch(), but never early: for kernels whose block takes a whole SM's shared memory (kiln's
+// wgmma GEMMs). Launched early, such a kernel's blocks wait on SMs that the kernel before it
+// still needs; kiln's 1x1 weight gradient launched that way made the ResNet-50 step 0.43 ms
+// slower (docs/lab/norm-conv.md, v22). The kernel may still begin with pdl_start(), which lets
+// the kernel after it be placed early.
+template <typename... Params, typename... Args>
+void launch_whole_sm(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                     cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -67,7 +67,6 @@ static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the st
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
 
-
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
 __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restrict__ w, int K,
                                  int C) {
@@ -422,11 +421,13 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
           dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect, kPipeline>;
       allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
       const unsigned grid = unsigned(parts * (C / kBN));
-      launch(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-             static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
-             static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
-             static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
-             static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
+      launch_whole_sm(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
+                      static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x,
+                      map_mask, static_cast<const __half*>(ptr(r)),
+                      static_cast<const uint8_t*>(ptr(mask)),
+                      static_cast<const __half*>(x.raw_data()),
+                      static_cast<const float*>(mean.raw_data()),
+                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
     };
     if (pipeline)
       go.template operator()<true>();
@@ -463,10 +464,10 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
     constexpr auto kernel =
         dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline>;
     allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
-    launch(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
-           static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x,
-           map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C), int(K),
-           parts);
+    launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+                    static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
+                    M, int(C), int(K), parts);
   };
   if (g_pipeline.get())
     go.template operator()<true>();

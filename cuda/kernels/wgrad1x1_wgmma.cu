@@ -22,7 +22,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -45,17 +44,12 @@ constexpr int kStages = (192 * 1024) / kStageBytes<kBN>;
 template <int kBN>
 constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 2 * kStages<kBN> * 8 + 1024;
 
-// kLateTrigger: the next kernel may be placed only once this CTA's MMAs are done (pdl_wait()
-// first, pdl_trigger() after the k-steps), not from the start (pdl_start()).
-template <int kBN, bool kLateTrigger>
+template <int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
                           int parts) {
-  if constexpr (kLateTrigger)
-    pdl_wait();
-  else
-    pdl_start();
+  pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
   extern __shared__ unsigned char smem_raw[];
@@ -95,7 +89,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < kBN / 64; ++h)
         tma_load_2d(b_slot(s) + uint32_t(h * kBox), &map_b, b0 + h * 64, m0, full(s));
     }
-    if constexpr (kLateTrigger) pdl_trigger();
     return;
   }
 
@@ -130,7 +123,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait0();
     mbar_arrive(empty((n - 1) % S));
   }
-  if constexpr (kLateTrigger) pdl_trigger();
   // Fragment layout: register 4q + {0, 1} holds row 16·warp + lane / 4, columns
   // 8q + 2·(lane % 4) + {0, 1}; 4q + {2, 3} the row 8 below.
   const int row = a0 + c * 64 + warp * 16 + (lane >> 2);
@@ -177,10 +169,9 @@ bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x
   const bool fits = (O % kBM == 0 && I % 64 == 0) || (I % kBM == 0 && O % 64 == 0);
   return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
          p.dil_h == 1 && p.dil_w == 1 && fits && O <= 4096 && I <= 4096 && M > 0 &&
-         M < (int64_t(1) << 31) - kBK && dw.size(0) == O && dw.size(1) == I &&
-         dw.size(2) == 1 && dw.size(3) == 1 && dy.size(0) == x.size(0) &&
-         dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
-         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         M < (int64_t(1) << 31) - kBK && dw.size(0) == O && dw.size(1) == I && dw.size(2) == 1 &&
+         dw.size(3) == 1 && dy.size(0) == x.size(0) && dy.size(2) == x.size(2) &&
+         dy.size(3) == x.size(3) && x.is_contiguous(MemoryFormat::ChannelsLast) &&
          dy.is_contiguous(MemoryFormat::ChannelsLast) && dw.device() == x.device() &&
          dy.device() == x.device();
 }
@@ -207,24 +198,17 @@ void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x
   Tensor partial =
       empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
-  auto go = [&]<int kBN, bool kLate>() {
-    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kLate>;
+  auto go = [&]<int kBN>() {
+    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN>;
     allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
-    launch(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
-           static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B), parts);
+    launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
+                    static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
+                    parts);
   };
-  static const bool early = [] {  // an experiment's switch, read once
-    const char* v = std::getenv("KILN_WGRAD1X1_EARLY");
-    return v && v[0] == '1';
-  }();
-  if (bn == 128 && early)
-    go.template operator()<128, false>();
-  else if (bn == 128)
-    go.template operator()<128, true>();
-  else if (early)
-    go.template operator()<64, false>();
+  if (bn == 128)
+    go.template operator()<128>();
   else
-    go.template operator()<64, true>();
+    go.template operator()<64>();
   KILN_CUDA_CHECK_LAUNCH();
   const unsigned blocks = unsigned((A * B + 255) / 256);
   const float* pp = static_cast<const float*>(partial.raw_data());
@@ -232,8 +216,8 @@ void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x
     launch(wgrad1x1_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
            pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
   else
-    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()),
-           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()), pp,
+           parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
