@@ -254,6 +254,13 @@ bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
                              const ConvParams& p);
 void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                            const Tensor& x, const Tensor& w, const ConvParams& p);
+// The same convolution of relu(bn(x)) with bn's scale and shift applied as the kernel loads x
+// (scale_shift: f32 (2·K), scale then shift, BnStatsFinalize's): y, sum and sqsum are bit for bit
+// conv1x1_forward_stats of the tensor bn_nhwc_apply(relu) would write, which is never written.
+// Same shapes as conv1x1_stats_supported.
+void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                                   const Tensor& x, const Tensor& scale_shift, const Tensor& w,
+                                   const ConvParams& p);
 
 // A stride-1, unpadded 1x1 convolution's weight gradient on kiln's wgmma kernel (cuda/kernels/
 // wgrad1x1_wgmma.cu): dw (O, I, 1, 1) f16 or f32, any strides, (=, or += with accumulate) =
@@ -266,6 +273,13 @@ bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x
                              const ConvParams& p);
 void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                              const ConvParams& p, bool accumulate);
+// The same weight gradient of a convolution that read relu(bn(x)): dw = dyᵀ · relu(x·scale +
+// shift) with bn's scale and shift (scale_shift: f32 (2·I), scale then shift) applied as the
+// kernel loads x, bit for bit conv1x1_backward_weight of the tensor bn_nhwc_apply(relu) would
+// write. Same shapes as conv1x1_wgrad_supported.
+void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                                     const Tensor& scale_shift, const ConvParams& p,
+                                     bool accumulate);
 bool conv1x1_wgrad_enabled();
 void set_conv1x1_wgrad_enabled(bool on);
 

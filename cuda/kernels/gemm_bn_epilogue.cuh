@@ -38,6 +38,24 @@ __device__ inline uint4 tail_epilogue8_rounded(uint4 pv, uint4 xv, unsigned bits
   return out;
 }
 
+// A batch norm's scale, shift and ReLU applied to 8 halves in place: relu(x·scale + shift)
+// rounded to f16, bit for bit what bn_nhwc_apply.cu's apply_kernel<Relu, false> stores (NaN
+// kept). The prologue of kiln's wgmma kernels, applied to an operand in shared memory.
+__device__ inline uint4 bn_relu8(uint4 xv, const float (&sc)[8], const float (&sh)[8]) {
+  const __half2* xh = reinterpret_cast<const __half2*>(&xv);
+  uint4 out;
+  __half2* oh = reinterpret_cast<__half2*>(&out);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 v = __half22float2(xh[q]);
+    float a = fmaf(v.x, sc[2 * q], sh[2 * q]), b = fmaf(v.y, sc[2 * q + 1], sh[2 * q + 1]);
+    a = a < 0.f ? 0.f : a;
+    b = b < 0.f ? 0.f : b;
+    oh[q] = __floats2half2_rn(a, b);
+  }
+  return out;
+}
+
 // The ReLU mask's byte of x's 8 halves, recomputed as the forward's relu(x·scale + shift) kept
 // them: bit q set where x_q·scale_q + shift_q > 0 (the unfused sums kernel's kMaskFromX test).
 __device__ inline unsigned relu_bits8(uint4 xv, const float (&sc)[8], const float (&sh)[8]) {

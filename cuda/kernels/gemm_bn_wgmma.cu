@@ -108,8 +108,14 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // the next (KILN_WGMMA_PIPELINE=0). Written as a template flag: with a run-time flag the branch
 // between an issue and its wait makes ptxas serialise the wgmma instructions (warning C7518).
 // The same products in the same order: the same bits.
+//
+// kPrologue (with kStats only): the convolution reads x = relu(bn(y)) — a bottleneck's conv3
+// reading bn2's output — from y and bn's scale and shift (scale_shift, K channels), applying them
+// to each A slot in shared memory before its MMAs (bn_relu_box), so that x is never written. The
+// values are bit for bit those the apply pass would have stored, so y and the statistics are the
+// unfused path's bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
-          bool kPipeline = true>
+          bool kPipeline = true, bool kPrologue = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -124,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
+  static_assert(!kPrologue || kStats, "the prologue is the forward's");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -211,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int q = 0; q < 8; ++q) mu[q] = kStats ? 0.f : mean[c0 + q];
   // The forward's scale and shift of these channels, for a mask recomputed from x.
   [[maybe_unused]] float scale[8], shift[8];
-  if constexpr (!kBits && !kStats) {
+  if constexpr (!kBits && !kStats && !kPrologue) {
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       scale[q] = scale_shift[c0 + q];
@@ -225,9 +232,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    auto issue = [&](int jj) {
+    auto issue = [&](int jj, int kt) {
       const int s = jj % kStages;
       mbar_wait(full(s), uint32_t((jj / kStages) & 1));
+      if constexpr (kPrologue) {
+        // This warpgroup's 64 rows of the slot's A box become relu(y·scale + shift).
+        bn_relu_box(gbase + (a_tile(s) - base) + c * 64 * 128, 0, 64, scale_shift, K, kt * kBK,
+                    t, 128);
+        fence_proxy_async();
+        named_sync(1 + c, 128);
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -241,9 +255,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if constexpr (kPipeline) {
       // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
-      issue(j);
+      issue(j, 0);
       for (int kt = 1; kt < KT; ++kt) {
-        issue(j + kt);
+        issue(j + kt, kt);
         wgmma_wait1();
         mbar_arrive(empty((j + kt - 1) % kStages));
       }
@@ -252,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       j += KT;
     } else {
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        issue(j);
+        issue(j, kt);
         wgmma_wait0();
         mbar_arrive(empty(j % kStages));
       }
@@ -454,25 +468,29 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
 }
 
 void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
-                         int parts) {
+                         int parts, const Tensor& scale_shift) {
   const int64_t C = y.size(1), K = x.size(1), M = x.numel() / K;
   // y = x · wᵀ: x (M × K) and w (C × K) are both K-major already.
   const CUtensorMap map_x = kmajor_map(x.raw_data(), M, K);
   const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);
   const CUtensorMap none{};
-  auto go = [&]<bool kPipeline>() {
+  const float* ss = scale_shift.defined() ? static_cast<const float*>(scale_shift.raw_data())
+                                          : nullptr;
+  auto go = [&]<bool kPipeline, bool kPrologue>() {
     constexpr auto kernel =
-        dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline>;
+        dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, kPrologue>;
     allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
-                    M, int(C), int(K), parts);
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
+                    int(C), int(K), parts);
   };
-  if (g_pipeline.get())
-    go.template operator()<true>();
+  if (ss != nullptr)
+    go.template operator()<true, true>();
+  else if (g_pipeline.get())
+    go.template operator()<true, false>();
   else
-    go.template operator()<false>();
+    go.template operator()<false, false>();
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -507,7 +525,29 @@ void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
   const int parts = dgrad1x1_bn_wgmma_parts(M, C);
   Tensor partial =
       empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
-  conv1x1_stats_wgmma(y, partial, x, w, parts);
+  conv1x1_stats_wgmma(y, partial, x, w, parts, Tensor());
+  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+}
+
+void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                                   const Tensor& x, const Tensor& scale_shift, const Tensor& w,
+                                   const ConvParams& p) {
+  KILN_CHECK(conv1x1_stats_supported(y, x, w, p), "conv1x1_bn_relu_forward_stats (cuda): needs "
+             "an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), "
+             "stride 1, no padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got "
+             "x ", x.desc(), ", w ", w.desc(), ", y ", y.desc());
+  const int64_t K = x.size(1);
+  KILN_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.dtype() == DType::f32 &&
+                 scale_shift.is_contiguous() && scale_shift.numel() == 2 * K &&
+                 scale_shift.device() == x.device(),
+             "conv1x1_bn_relu_forward_stats (cuda): scale_shift must be a contiguous f32 (2·K = ",
+             2 * K, ") vector on x's device, got ",
+             scale_shift.defined() ? scale_shift.desc() : std::string("undefined"));
+  const int64_t C = y.size(1), M = x.numel() / K;
+  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
+  Tensor partial =
+      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  conv1x1_stats_wgmma(y, partial, x, w, parts, scale_shift);
   bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
 }
 

@@ -23,8 +23,9 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
 // w (C, K, 1, 1)ᵀ, with partial (parts, 2, C) (=) holding per part Σy and Σy² of y as stored
 // (f16); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C). Shapes as dgrad1x1_bn_wgmma_shape(N·H·W,
 // K, C); the operands are checked by the caller (conv1x1_forward_stats, cuda/kernels.h).
+// scale_shift defined (f32, 2·K): x is read as relu(x·scale + shift) (the kernel's prologue).
 void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
-                         int parts);
+                         int parts, const Tensor& scale_shift);
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
 // KILN_TAIL_TMA_EPI=0 or set_tail_tma_epilogue_enabled(false): read from global memory after
 // them, as before v17). Bit-identical results either way.

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/check.h"
+#include "cuda/kernels/gemm_bn_epilogue.cuh"
 
 namespace kiln::cuda::sm90 {
 
@@ -129,6 +130,29 @@ __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t
         "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
         "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
+}
+
+// relu(x·scale + shift) in place (bn_relu8) on rows row0.. row0 + rows − 1 of one box of 64
+// channels in the 128-byte swizzle at generic address `box` (1,024-byte aligned), the channels
+// c0..c0 + 63 of a batch norm whose scale of channel c is ss[c] and shift ss[C + c]; by
+// `threads` threads (a multiple of 64), this one `t`. Row r's 16-byte chunk j holds channels
+// 8·(j XOR r % 8).. + 7; with 64 | threads each thread's chunks share r % 8 and j, so one set of
+// 8 factors serves them all. The caller fences (fence_proxy_async) and synchronises the
+// threads that read the box before wgmma does.
+__device__ inline void bn_relu_box(unsigned char* box, int row0, int rows, const float* ss,
+                                   int C, int c0, int t, int threads) {
+  const int p = t & 7, first = row0 + (t >> 3);
+  const int c = c0 + ((p ^ (first & 7)) << 3);
+  float sc[8], sh[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    sc[q] = ss[c + q];
+    sh[q] = ss[C + c + q];
+  }
+  for (int r = first; r < row0 + rows; r += threads >> 3) {
+    uint4* v = reinterpret_cast<uint4*>(box + r * 128 + p * 16);
+    *v = bn_relu8(*v, sc, sh);
+  }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -44,11 +44,15 @@ constexpr int kStages = (192 * 1024) / kStageBytes<kBN>;
 template <int kBN>
 constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 2 * kStages<kBN> * 8 + 1024;
 
-template <int kBN>
+// kPro: x is relu(bn(x)), bn's scale and shift (ss: scale of channel c at c, shift at C + c)
+// applied to x's boxes in shared memory before the MMAs read them (bn_relu_box), bit for bit the
+// values bn_nhwc_apply would have written: 1 where x is b (each consumer warpgroup transforms
+// half of the slot's b, and both wait for each other), 2 where x is a (each its own box).
+template <int kBN, int kPro>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
-                          int parts) {
+                          int parts, const float* __restrict__ ss) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
@@ -97,9 +101,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   float d[kNd];
 #pragma unroll
   for (int i = 0; i < kNd; ++i) d[i] = 0.f;
+  unsigned char* gbase = smem_raw + (base - raw);
   auto issue = [&](int j) {
     const int s = j % S;
     mbar_wait(full(s), uint32_t((j / S) & 1));
+    if constexpr (kPro == 1) {
+      unsigned char* b = gbase + (b_slot(s) - base);
+      if constexpr (kBN == 128)
+        bn_relu_box(b + c * kBox, 0, 64, ss, B, b0 + c * 64, t, 128);
+      else
+        bn_relu_box(b, c * 32, 32, ss, B, b0, t, 128);
+      fence_proxy_async();
+      named_sync(3, 256);
+    } else if constexpr (kPro == 2) {
+      bn_relu_box(gbase + (a_slot(s) - base) + c * kBox, 0, 64, ss, A, a0 + c * 64, t, 128);
+      fence_proxy_async();
+      named_sync(1 + c, 128);
+    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -156,6 +174,58 @@ __global__ void wgrad1x1_finish_kernel(T* __restrict__ dw, const float* __restri
 
 constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
 
+// dw (=, or += with accumulate) = dyᵀ · x, or dyᵀ · relu(x·scale + shift) with scale_shift
+// defined; the shapes already checked.
+void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& scale_shift,
+              bool accumulate) {
+  const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
+  // A: the side that is a multiple of 128 (dy's channels where both are).
+  const bool swapped = O % kBM != 0;
+  const Tensor& a = swapped ? x : dy;
+  const Tensor& b = swapped ? dy : x;
+  const int64_t A = swapped ? I : O, B = swapped ? O : I;
+  const CUtensorMap map_a = tile_map(a.raw_data(), true, M, A, 64, 64, true);
+  const CUtensorMap map_b = tile_map(b.raw_data(), true, M, B, 64, 64, true);
+  const int bn = B % 128 == 0 ? 128 : 64;
+  const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
+  const int64_t sms = context().props.multiProcessorCount;
+  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, KT));
+  Tensor partial =
+      empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
+  cudaStream_t s = current_stream();
+  const float* ss =
+      scale_shift.defined() ? static_cast<const float*>(scale_shift.raw_data()) : nullptr;
+  auto go = [&]<int kBN, int kPro>() {
+    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kPro>;
+    allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
+    launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
+                    static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
+                    parts, ss);
+  };
+  auto pick = [&]<int kPro>() {
+    if (bn == 128)
+      go.template operator()<128, kPro>();
+    else
+      go.template operator()<64, kPro>();
+  };
+  if (ss == nullptr)
+    pick.template operator()<0>();
+  else if (swapped)
+    pick.template operator()<2>();
+  else
+    pick.template operator()<1>();
+  KILN_CUDA_CHECK_LAUNCH();
+  const unsigned blocks = unsigned((A * B + 255) / 256);
+  const float* pp = static_cast<const float*>(partial.raw_data());
+  if (dw.dtype() == DType::f16)
+    launch(wgrad1x1_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
+           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+  else
+    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()),
+           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
@@ -183,42 +253,25 @@ void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x
              "W) and x (N, I, H, W), dw (O, I, 1, 1) f16 or f32, stride 1, no padding, and O a "
              "multiple of 128 with I of 64 (or the other way round); got dw ",
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
-  const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
-  // A: the side that is a multiple of 128 (dy's channels where both are).
-  const bool swapped = O % kBM != 0;
-  const Tensor& a = swapped ? x : dy;
-  const Tensor& b = swapped ? dy : x;
-  const int64_t A = swapped ? I : O, B = swapped ? O : I;
-  const CUtensorMap map_a = tile_map(a.raw_data(), true, M, A, 64, 64, true);
-  const CUtensorMap map_b = tile_map(b.raw_data(), true, M, B, 64, 64, true);
-  const int bn = B % 128 == 0 ? 128 : 64;
-  const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
-  const int64_t sms = context().props.multiProcessorCount;
-  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, KT));
-  Tensor partial =
-      empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
-  cudaStream_t s = current_stream();
-  auto go = [&]<int kBN>() {
-    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN>;
-    allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
-    launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
-                    static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
-                    parts);
-  };
-  if (bn == 128)
-    go.template operator()<128>();
-  else
-    go.template operator()<64>();
-  KILN_CUDA_CHECK_LAUNCH();
-  const unsigned blocks = unsigned((A * B + 255) / 256);
-  const float* pp = static_cast<const float*>(partial.raw_data());
-  if (dw.dtype() == DType::f16)
-    launch(wgrad1x1_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
-           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
-  else
-    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()), pp,
-           parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
-  KILN_CUDA_CHECK_LAUNCH();
+  wgrad1x1(dw, dy, x, Tensor(), accumulate);
+}
+
+void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                                     const Tensor& scale_shift, const ConvParams& p,
+                                     bool accumulate) {
+  KILN_CHECK(conv1x1_wgrad_supported(dw, dy, x, p),
+             "conv1x1_bn_relu_backward_weight (cuda): needs an sm_90 GPU, f16 channels-last dy "
+             "(N, O, H, W) and x (N, I, H, W), dw (O, I, 1, 1) f16 or f32, stride 1, no padding, "
+             "and O a multiple of 128 with I of 64 (or the other way round); got dw ",
+             dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
+  const int64_t I = x.size(1);
+  KILN_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.dtype() == DType::f32 &&
+                 scale_shift.is_contiguous() && scale_shift.numel() == 2 * I &&
+                 scale_shift.device() == x.device(),
+             "conv1x1_bn_relu_backward_weight (cuda): scale_shift must be a contiguous f32 (2·I = ",
+             2 * I, ") vector on x's device, got ",
+             scale_shift.defined() ? scale_shift.desc() : std::string("undefined"));
+  wgrad1x1(dw, dy, x, scale_shift, accumulate);
 }
 
 bool conv1x1_wgrad_enabled() { return g_wgrad1x1.get(); }

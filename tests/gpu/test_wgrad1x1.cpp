@@ -144,3 +144,82 @@ TEST_CASE("the 1x1 weight gradient refuses what its kernel does not take") {
   CHECK_THROWS_WITH_AS(cuda::conv1x1_backward_weight(dw, dy, x.contiguous(), ConvParams{}, false),
                        doctest::Contains("O a multiple of 128"), Error);
 }
+
+// ---- the batch norm + ReLU prologue (conv1x1_bn_relu_forward_stats and
+// conv1x1_bn_relu_backward_weight) against the apply pass followed by the plain kernels ----
+
+TEST_CASE("the bn + ReLU prologue gives the apply pass's bits, forward and weight gradient") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the prologue runs on the wgmma kernels (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, k, c, h, w;  // y (n, k, h, w) through bn + ReLU into a 1x1 convolution k → c
+  };
+  // ResNet-50's conv3 shapes (64 → 256: the weight gradient's x in 64-column tiles; 128 → 512;
+  // 256 → 1,024 with several k-steps per tile), rows that end inside a tile (2·7·7), layer 1 at
+  // batch 4 (12,544 rows), and a 64-channel output (the weight gradient's operands swapped: the
+  // prologue on its A side; the forward does not take C 64).
+  for (Case cs : {Case{2, 64, 256, 7, 7}, Case{2, 128, 512, 14, 14}, Case{2, 256, 1024, 14, 14},
+                  Case{4, 64, 256, 56, 56}, Case{2, 256, 64, 14, 14}, Case{3, 128, 128, 5, 7}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.k);
+    CAPTURE(cs.c);
+    CAPTURE(cs.h);
+    manual_seed(307 + uint64_t(cs.k + cs.c + cs.h));
+    const Tensor y = nhwc(F::add(randn({cs.n, cs.k, cs.h, cs.w}), 0.3));
+    BnStatsFinalize f = gputest::bn_finalize_of(y);
+    const Tensor a = empty_like(y);  // relu(bn(y)) as the apply pass writes it
+    cuda::bn_nhwc_apply(a, y, Tensor(), f, Activation::Relu);
+    const Tensor w =
+        F::mul(randn({cs.c, cs.k, 1, 1}), 1.0 / std::sqrt(double(cs.k))).to(DType::f16).to(kGpu);
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    const Tensor out_like = nhwc(zeros({cs.n, cs.c, cs.h, cs.w}));
+    if (cuda::conv1x1_stats_supported(out_like, a, w, ConvParams{})) {
+      Tensor y1 = empty_like(out_like), s1 = empty({cs.c}, f32o), q1 = empty({cs.c}, f32o);
+      Tensor y2 = empty_like(out_like), s2 = empty({cs.c}, f32o), q2 = empty({cs.c}, f32o);
+      cuda::conv1x1_forward_stats(y1, s1, q1, a, w, ConvParams{});
+      cuda::conv1x1_bn_relu_forward_stats(y2, s2, q2, y, f.scale_shift, w, ConvParams{});
+      KILN_CHECK_OK(testing::compare(y2, y1, 0, 0));
+      KILN_CHECK_OK(testing::compare(s2, s1, 0, 0));
+      KILN_CHECK_OK(testing::compare(q2, q1, 0, 0));
+    } else {
+      CHECK(cs.c % 128 != 0);
+    }
+    const Tensor dy = nhwc(randn({cs.n, cs.c, cs.h, cs.w}));
+    const Tensor dw = gputest::nan_output({cs.c, cs.k, 1, 1}, DType::f16);
+    REQUIRE(cuda::conv1x1_wgrad_supported(dw, dy, a, ConvParams{}));
+    const Tensor dw1 = gputest::nan_output({cs.c, cs.k, 1, 1}, DType::f16);
+    const Tensor dw2 = gputest::nan_output({cs.c, cs.k, 1, 1}, DType::f16);
+    cuda::conv1x1_backward_weight(dw1, dy, a, ConvParams{}, false);
+    cuda::conv1x1_bn_relu_backward_weight(dw2, dy, y, f.scale_shift, ConvParams{}, false);
+    KILN_CHECK_OK(testing::compare(dw2, dw1, 0, 0));
+    // And the values are dyᵀ · relu(bn(y)) (the CPU's product of the applied tensor).
+    const int64_t M = cs.n * cs.h * cs.w;
+    const Tensor dym = f32(dy).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    const Tensor am = f32(a).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k});
+    KILN_CHECK_OK(testing::compare(f32(dw2), F::matmul(dym.t(), am).reshape({cs.c, cs.k, 1, 1}),
+                                   2e-3 * std::sqrt(double(M)), 2e-3));
+  }
+}
+
+TEST_CASE("the prologue's entry points refuse a scale_shift of the wrong size") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("needs the wgmma kernels (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  const Tensor y = nhwc(randn({2, 64, 4, 4}));
+  const Tensor w = randn({256, 64, 1, 1}).to(DType::f16).to(kGpu);
+  const Tensor out = nhwc(zeros({2, 256, 4, 4}));
+  const TensorOptions f32o = TensorOptions().with_device(kGpu);
+  const Tensor bad = empty({64}, f32o);  // scale only: 2·64 are needed
+  Tensor s = empty({256}, f32o), q = empty({256}, f32o);
+  CHECK_THROWS_WITH_AS(
+      cuda::conv1x1_bn_relu_forward_stats(out, s, q, y, bad, w, ConvParams{}),
+      doctest::Contains("scale_shift must be a contiguous f32 (2·K = 128)"), Error);
+  const Tensor dw = empty({256, 64, 1, 1}, gputest::gpu_opts(DType::f16));
+  CHECK_THROWS_WITH_AS(
+      cuda::conv1x1_bn_relu_backward_weight(dw, nhwc(randn({2, 256, 4, 4})), y, bad, ConvParams{},
+                                            false),
+      doctest::Contains("scale_shift must be a contiguous f32 (2·I = 128)"), Error);
+}
