@@ -58,6 +58,9 @@ enum class FastPath : uint8_t {
   BatchNormReluMaxPool,
   // BatchNormStatsPaths::relu_max_pool_backward: x.
   BatchNormReluMaxPoolBackward,
+  // BatchNormStatsPaths::relu_conv1x1_forward_stats and relu_conv1x1_backward_weight (both): x,
+  // w (O, C, 1, 1).
+  BatchNormReluConv1x1,
   // AttentionPaths: q, k, v (B, H, L, D), as F::scaled_dot_product_attention gets them.
   Attention,
   // bias_gelu_forward/backward (F::linear_gelu's GEMM without bias, then bias + GELU in one
@@ -148,6 +151,17 @@ struct BatchNormStatsPaths {
                                  TensorRef indices, TensorRef x, TensorRef weight,
                                  TensorRef save_mean, TensorRef save_invstd,
                                  TensorRef scale_shift, GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormReluConv1x1, both or neither): a stride-1, unpadded 1x1
+  // convolution without bias of relu(x·scale + shift) (a ResNet bottleneck's bn2 into conv3),
+  // the normalised tensor never written. relu_conv1x1_forward_stats: y (N, O, H, W) (=) =
+  // conv(relu(bn(x)), w), sum and sqsum (O) (=) = Σy and Σy² of y as stored, the next batch
+  // norm's statistics. relu_conv1x1_backward_weight: dw (O, C, 1, 1) `=` or `+=` by `mode` =
+  // dyᵀ · relu(x·scale + shift). Both give the bits of the apply pass followed by the plain
+  // convolution.
+  void (*relu_conv1x1_forward_stats)(TensorRef y, TensorRef sum, TensorRef sqsum, TensorRef x,
+                                     TensorRef scale_shift, TensorRef w) = nullptr;
+  void (*relu_conv1x1_backward_weight)(TensorRef dw, TensorRef dy, TensorRef x,
+                                       TensorRef scale_shift, GradientMode mode) = nullptr;
 };
 
 // Fused scaled-dot-product attention that never materialises the L×L scores: both entries or

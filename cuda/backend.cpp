@@ -225,6 +225,9 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::BatchNormReluMaxPoolBackward:
       expect(1);
       return switches().fused_bn && bn_nhwc_supported(*t[0]);
+    case FastPath::BatchNormReluConv1x1:  // kiln's wgmma kernels with the prologue
+      expect(2);
+      return conv1x1_bn_relu_supported(*t[0], *t[1]);
     case FastPath::Attention:
       expect(3);
       return attention_supported(*t[0], *t[1], *t[2]);
@@ -253,6 +256,16 @@ void attention_bwd(const Tensor& dq, const Tensor& dk, const Tensor& dv, const T
 }
 constexpr AttentionPaths kAttention{attention_fwd, attention_bwd};
 
+void bn_relu_conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                                   const Tensor& x, const Tensor& scale_shift, const Tensor& w) {
+  conv1x1_bn_relu_forward_stats(y, sum, sqsum, x, scale_shift, w, ConvParams{});
+}
+void bn_relu_conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                                     const Tensor& scale_shift, GradientMode mode) {
+  conv1x1_bn_relu_backward_weight(dw, dy, x, scale_shift, ConvParams{},
+                                  mode == GradientMode::Accumulate);
+}
+
 constexpr BatchNormStatsPaths make_bn_stats() {
   BatchNormStatsPaths p{bn_nhwc_finalize, bn_stats_apply, bn_stats_backward, bn_nhwc_dual_apply,
                         bn_stats_dual_backward};
@@ -260,6 +273,8 @@ constexpr BatchNormStatsPaths make_bn_stats() {
   p.backward_dgrad1x1 = bn_stats_backward_dgrad1x1;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
   p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;
+  p.relu_conv1x1_forward_stats = bn_relu_conv1x1_forward_stats;
+  p.relu_conv1x1_backward_weight = bn_relu_conv1x1_backward_weight;
   return p;
 }
 constexpr BatchNormStatsPaths kBatchNormStats = make_bn_stats();

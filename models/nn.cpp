@@ -178,6 +178,16 @@ Tensor Conv2d::forward(const Tensor& x, F::ChannelStats* stats) {
   return F::conv2d(x, weight_, bias_, stride_, padding_, dilation_, groups_, stats);
 }
 
+Tensor Conv2d::forward_bn_relu(const Tensor& y, const F::ChannelStats& y_stats, BatchNorm2d& bn,
+                               F::ChannelStats* stats) {
+  const bool pointwise = kernel_.h == 1 && kernel_.w == 1 && stride_.h == 1 && stride_.w == 1 &&
+                         padding_.h == 0 && padding_.w == 0 && dilation_.h == 1 &&
+                         dilation_.w == 1 && groups_ == 1 && !bias_.defined();
+  if (pointwise && bn.is_training() && !bn.sync_enabled())
+    return F::batch_norm_relu_conv1x1(y, y_stats, bn.params(), /*training=*/true, weight_, stats);
+  return forward(bn.forward_act(y, Activation::Relu, y_stats), stats);
+}
+
 std::string Conv2d::describe() const {
   std::ostringstream os;
   os << "Conv2d(" << in_ << ", " << out_ << ", kernel=" << pair_str(kernel_)
@@ -287,6 +297,23 @@ Tensor ConvBnRef::forward(const Tensor& x, bool relu, const Tensor& residual) co
   return bn_tail(bn, y, stats, residual, relu);
 }
 
+Tensor ConvBnRef::finish(const Tensor& y, const F::ChannelStats& stats, bool relu,
+                         const Tensor& residual) const {
+  return bn_tail(bn, y, stats, residual, relu);
+}
+
+bool ConvBnRef::stats_wanted() const { return wants_stats(bn); }
+
+Tensor ConvBnRef::forward_relu_into(const Tensor& x, Conv2d& next,
+                                    F::ChannelStats* next_stats) const {
+  F::ChannelStats stats;
+  Tensor y = conv.forward(x, wants_stats(bn) ? &stats : nullptr);
+  if (!(wants_stats(bn) && stats.defined()))
+    return next.forward(bn_tail(bn, y, stats, Tensor(), true), next_stats);
+  bn.check(y);  // F counts the batch (in its kernel when fused)
+  return next.forward_bn_relu(y, stats, bn, next_stats);
+}
+
 Tensor ConvBnRef::forward(const Tensor& x, Activation act) const {
   if (act != Activation::Gelu) return forward(x, act == Activation::Relu);
   F::ChannelStats stats;
@@ -296,8 +323,15 @@ Tensor ConvBnRef::forward(const Tensor& x, Activation act) const {
 
 Tensor ConvBnRef::forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const {
   const bool want = wants_stats(bn) && wants_stats(shortcut.bn);
-  F::ChannelStats sx, sr;
+  F::ChannelStats sx;
   Tensor y = conv.forward(x, want ? &sx : nullptr);
+  return finish_add(y, sx, shortcut, r);
+}
+
+Tensor ConvBnRef::finish_add(const Tensor& y, const F::ChannelStats& sx,
+                             const ConvBnRef& shortcut, const Tensor& r) const {
+  const bool want = wants_stats(bn) && wants_stats(shortcut.bn);
+  F::ChannelStats sr;
   Tensor yr = shortcut.conv.forward(r, want ? &sr : nullptr);
   if (!(want && sx.defined() && sr.defined()))
     return bn_tail(bn, y, sx, bn_tail(shortcut.bn, yr, sr, Tensor(), false), true);

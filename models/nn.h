@@ -50,6 +50,8 @@ const Tensor& whitening_(const Tensor& weight, const Tensor& images, double eps 
 
 // x (N, in_channels, H, W) -> (N, out_channels, H', W').
 // weight (out, in/groups, kH, kW); bias (out) when `bias`.
+class BatchNorm2d;
+
 class Conv2d : public Module {
  public:
   Conv2d(int64_t in_channels, int64_t out_channels, Pair kernel, Pair stride = 1, Pair padding = 0,
@@ -57,6 +59,12 @@ class Conv2d : public Module {
   Tensor forward(const Tensor& x) override;
   // forward(x), also asking for the output's per-channel statistics (F::conv2d's `stats`).
   Tensor forward(const Tensor& x, F::ChannelStats* stats);
+  // forward(relu(bn(y))) for y with the statistics `y_stats` (ConvBnRef::forward_relu_into), also
+  // asking for the output's statistics: F::batch_norm_relu_conv1x1 where this is a stride-1,
+  // unpadded 1x1 convolution without bias (relu(bn(y)) then never written), else the
+  // composition.
+  Tensor forward_bn_relu(const Tensor& y, const F::ChannelStats& y_stats, BatchNorm2d& bn,
+                         F::ChannelStats* stats);
   std::string type_name() const override { return "Conv2d"; }
   std::string describe() const override;
   std::vector<std::string> half_parameters() const override;
@@ -151,6 +159,17 @@ struct ConvBnRef {
   // relu(bn(conv(x)) + shortcut.bn(shortcut.conv(r))): a ResNet block's tail with a
   // convolution shortcut, one fused pass when both convolutions produce their statistics.
   Tensor forward_add(const Tensor& x, const ConvBnRef& shortcut, const Tensor& r) const;
+  // next(relu(bn(conv(x)))) with next's output statistics in *next_stats (when given): a ResNet
+  // bottleneck's conv2 → bn2 → ReLU → conv3, through Conv2d::forward_bn_relu.
+  Tensor forward_relu_into(const Tensor& x, Conv2d& next, F::ChannelStats* next_stats) const;
+  // The second halves of forward and forward_add for a y = conv(x) already computed, with its
+  // statistics `stats` (undefined when the convolution gave none).
+  Tensor finish(const Tensor& y, const F::ChannelStats& stats, bool relu,
+                const Tensor& residual = Tensor()) const;
+  Tensor finish_add(const Tensor& y, const F::ChannelStats& stats, const ConvBnRef& shortcut,
+                    const Tensor& r) const;
+  // Whether conv should produce bn's statistics (bn in training, not synchronised).
+  bool stats_wanted() const;
   // pool(relu(bn(conv(x)))): the ResNet stem, one fused pass after the convolution where
   // F::batch_norm_relu_max_pool fuses.
   Tensor forward_max_pool(const Tensor& x, MaxPool2d& pool) const;

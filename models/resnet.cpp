@@ -62,10 +62,16 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride,
   if (downsample) downsample_ = register_module("downsample", std::move(downsample));
 }
 
+// conv3 reads relu(bn2(y2)) through Conv2d::forward_bn_relu: on the GPU it applies bn2 as its
+// kernels load y2, and relu(bn2(y2)) is never written (docs/lab/norm-conv.md, v22).
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
-  out = nn::ConvBnRef{*conv2_, *bn2_}.forward(out, /*relu=*/true);
-  return block_tail(*conv3_, *bn3_, out, downsample_.get(), x);
+  const nn::ConvBnRef tail{*conv3_, *bn3_};
+  F::ChannelStats s3;
+  const Tensor y3 = nn::ConvBnRef{*conv2_, *bn2_}.forward_relu_into(
+      out, *conv3_, tail.stats_wanted() ? &s3 : nullptr);
+  if (!downsample_) return tail.finish(y3, s3, /*relu=*/true, x);
+  return tail.finish_add(y3, s3, downsample_->parts(), x);
 }
 
 // ---------------- ResNet ----------------

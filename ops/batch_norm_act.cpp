@@ -267,6 +267,80 @@ BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const Ba
   return f;
 }
 
+// Backward of batch_norm_relu_conv1x1's fused path. Inputs: x, weight, bias (the batch
+// norm's), w (the convolution's); the gradient is the convolution output's. x's and the batch
+// norm's gradients: the convolution's data gradient through the ReLU and the batch norm (on CUDA
+// one GEMM with the sums in its epilogue where backward_dgrad1x1 takes it, as the unfused pair's
+// DgradSink would); w's: dyᵀ · relu(bn(x)) recomputed as the kernel loads x.
+class BatchNormReluConv1x1Backward final : public Node {
+ public:
+  BatchNormReluConv1x1Backward(const Tensor& x, const Tensor& weight, const Tensor& w,
+                               const Tensor& save_mean, const Tensor& save_invstd,
+                               const Tensor& scale_shift)
+      : x_(x), weight_(weight), w_(w), save_mean_(save_mean), save_invstd_(save_invstd),
+        scale_shift_(scale_shift) {}
+  std::string name() const override { return "BatchNormReluConv1x1Backward"; }
+  void release_saved() override {
+    for (SavedTensor* s : {&x_, &weight_, &w_, &save_mean_, &save_invstd_, &scale_shift_})
+      s->release();
+  }
+  // The batch norm's dweight and dbias, and the convolution's dw, may go straight into .grad.
+  bool can_accumulate_into(size_t i) const override { return i >= 1 && i <= 3; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const Tensor x = x_.get(*this), w = w_.get(*this), ss = scale_shift_.get(*this);
+    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+      dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+    const Backend& be = backend(x);
+    Tensor dx, dwb, dbb, dw;
+    if (needs_input_grad(0) || needs_input_grad(1) || needs_input_grad(2)) {
+      const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+      const std::vector<Tensor> targets = param_targets(*this, {1, 2}, x);
+      const bool acc = !targets.empty();
+      dwb = acc ? targets[0] : needs_input_grad(1) ? empty({x.size(1)}, f32) : Tensor();
+      dbb = acc ? targets[1] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
+      const GradientMode mode = acc ? target_mode(*this, {1, 2}) : GradientMode::Set;
+      dx = empty_like(x);
+      const Tensor none;
+      if (be.batch_norm_stats->backward_dgrad1x1 &&
+          supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy, &w, &x, &none})) {
+        be.batch_norm_stats->backward_dgrad1x1(dx, Tensor(), dwb, dbb, dy, w, Tensor(), x,
+                                               Tensor(), weight_.get(*this),
+                                               save_mean_.get(*this), save_invstd_.get(*this),
+                                               ss, mode);
+        ++g_dgrad_fusions;
+      } else {  // the data gradient, then the batch norm's backward with the mask from x
+        Tensor da = empty_like(x);
+        be.conv2d_backward_data(da, dy, w, ConvParams{}, GradientMode::Set);
+        be.batch_norm_stats->backward(dx, Tensor(), dwb, dbb, da, x, Tensor(), weight_.get(*this),
+                                      save_mean_.get(*this), save_invstd_.get(*this), ss,
+                                      Activation::Relu, mode);
+      }
+      if (!needs_input_grad(0)) dx = Tensor();
+    }
+    if (needs_input_grad(3)) {
+      // The engine's .grad when it has dy's dtype and w's shape, else a fresh tensor.
+      Tensor t = accumulate_target(3);
+      if (t.defined() && t.dtype() == dy.dtype() && t.shape() == w.shape() &&
+          !t.shares_storage(dy) && !t.shares_storage(x)) {
+        be.batch_norm_stats->relu_conv1x1_backward_weight(
+            t, dy, x, ss,
+            accumulate_target_zero(3) ? GradientMode::AddToZeros : GradientMode::Accumulate);
+        t.bump_version();
+        dw = t;
+      } else {
+        dw = empty(w.shape(), TensorOptions(dy.dtype()).with_device(dy.device()));
+        be.batch_norm_stats->relu_conv1x1_backward_weight(dw, dy, x, ss, GradientMode::Set);
+      }
+    }
+    return {dx, dwb, dbb, dw};
+  }
+
+ private:
+  SavedTensor x_, weight_, w_, save_mean_, save_invstd_, scale_shift_;
+};
+
 // Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias.
 class BatchNormReluMaxPoolBackward final : public Node {
  public:
@@ -425,6 +499,46 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
   return batch_norm_from_stats(x, sx, shortcut, true, px.weight, px.bias, px.running_mean,
                                px.running_var, training, px.momentum, px.eps,
                                px.num_batches_tracked);
+}
+
+Tensor batch_norm_relu_conv1x1(const Tensor& x, const ChannelStats& stats,
+                               const BatchNormParams& p, bool training, const Tensor& weight,
+                               ChannelStats* out_stats) {
+  if (out_stats) *out_stats = ChannelStats{};
+  check_defined(x, "batch_norm_relu_conv1x1", "x");
+  check_defined(weight, "batch_norm_relu_conv1x1", "weight");
+  const Backend& be = backend(x);
+  if (out_stats && be.batch_norm_stats &&
+      stats_fusable(x, stats, Tensor(), p.weight, p.bias, p.running_mean, p.running_var,
+                    training) &&
+      be.batch_norm_stats->relu_conv1x1_forward_stats &&
+      be.batch_norm_stats->relu_conv1x1_backward_weight &&
+      supports(be, FastPath::BatchNormReluConv1x1, {&x, &weight})) {
+    KILN_OP_SCOPE("batch_norm_relu_conv1x1", x);
+    const BnStatsFinalize f =
+        finalize_stats(x, stats, p, "batch_norm_relu_conv1x1 (running statistics update)");
+    be.batch_norm_stats->finalize(f);
+    const int64_t O = weight.size(0);
+    Tensor y = empty({x.size(0), O, x.size(2), x.size(3)},
+                     TensorOptions(x.dtype()).with_device(x.device()).with_memory_format(
+                         MemoryFormat::ChannelsLast));
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor sum = empty({O}, f32), sqsum = empty({O}, f32);
+    const Tensor xd = x.detach(), wd = weight.detach();
+    be.batch_norm_stats->relu_conv1x1_forward_stats(y, sum, sqsum, xd, f.scale_shift, wd);
+    *out_stats = ChannelStats{sum, sqsum, y.version()};
+    if (autograd::any_requires_grad({x, p.weight, p.bias, weight})) {
+      auto node = std::make_shared<BatchNormReluConv1x1Backward>(
+          xd, p.weight.detach(), wd, f.save_mean, f.save_invstd, f.scale_shift);
+      node->set_inputs({x, p.weight, p.bias, weight});
+      autograd::set_history(y, node);
+    }
+    return y;
+  }
+  const Tensor a = batch_norm_from_stats(x, stats, Tensor(), true, p.weight, p.bias,
+                                         p.running_mean, p.running_var, training, p.momentum,
+                                         p.eps, p.num_batches_tracked);
+  return conv2d(a, weight, Tensor(), 1, 0, 1, 1, out_stats);
 }
 
 Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& weight,

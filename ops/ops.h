@@ -177,6 +177,17 @@ Tensor batch_norm_add_batch_norm_relu(const Tensor& x, const ChannelStats& sx,
                                       const BatchNormParams& px, const Tensor& r,
                                       const ChannelStats& sr, const BatchNormParams& pr,
                                       bool training);
+// conv2d(relu(batch_norm(x)), weight) for a stride-1, unpadded 1x1 convolution without bias,
+// weight (O, C, 1, 1), the batch norm with x's statistics `stats` (from the convolution that
+// produced x) and parameters p: a ResNet bottleneck's bn2 into conv3. *out_stats (when given)
+// gets the output's statistics as conv2d's `stats` would. Fused where the backend has
+// FastPath::BatchNormReluConv1x1 (training, out_stats given, batch_norm_from_stats's
+// conditions): the normalised tensor is never written — the batch norm's scale, shift and ReLU
+// are applied as the convolution's kernels load x, forward and weight gradient — with the
+// composition's bits. Otherwise that composition.
+Tensor batch_norm_relu_conv1x1(const Tensor& x, const ChannelStats& stats,
+                               const BatchNormParams& p, bool training, const Tensor& weight,
+                               ChannelStats* out_stats);
 
 // max_pool2d(relu(batch_norm(x)), kernel, stride, padding, dilation): the ResNet stem's tail,
 // with `stats` as in batch_norm_from_stats (may be undefined). On CUDA in training, for the

@@ -551,6 +551,7 @@ void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Ten
   bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
 }
 
+bool conv1x1_stats_enabled() { return g_conv1x1_stats.get(); }
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }
 void set_tail_w_direct_enabled(bool on) { g_w_direct.set(on); }

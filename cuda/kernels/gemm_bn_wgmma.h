@@ -26,6 +26,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
 // scale_shift defined (f32, 2·K): x is read as relu(x·scale + shift) (the kernel's prologue).
 void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x, const Tensor& w,
                          int parts, const Tensor& scale_shift);
+// Whether the 1x1 forward with statistics runs on this kernel (KILN_CONV1X1_STATS).
+bool conv1x1_stats_enabled();
 // Whether its epilogue's operands come into shared memory by TMA during the MMAs (on by default;
 // KILN_TAIL_TMA_EPI=0 or set_tail_tma_epilogue_enabled(false): read from global memory after
 // them, as before v17). Bit-identical results either way.

@@ -274,6 +274,27 @@ void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const T
   wgrad1x1(dw, dy, x, scale_shift, accumulate);
 }
 
+constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
+
+bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w) {
+  if (!g_conv_prologue.get() || !g_wgrad1x1.get() || !conv1x1_stats_enabled() ||
+      !dgrad1x1_bn_wgmma_available())
+    return false;
+  if (!(x.defined() && w.defined() && x.is_cuda() && x.dtype() == DType::f16 && x.dim() == 4 &&
+        w.dtype() == DType::f16 && w.dim() == 4 && w.device() == x.device() &&
+        x.is_contiguous(MemoryFormat::ChannelsLast) &&
+        (w.is_contiguous() || w.is_contiguous(MemoryFormat::ChannelsLast))))
+    return false;
+  const int64_t C = x.size(1), O = w.size(0), M = x.numel() / std::max<int64_t>(C, 1);
+  // The forward's shapes (dgrad1x1_bn_wgmma_shape with K = C); the weight gradient's (O a
+  // multiple of 128, C of 64, both up to 4,096) follow from them.
+  return w.size(1) == C && w.size(2) == 1 && w.size(3) == 1 && M > 0 && O <= 4096 &&
+         dgrad1x1_bn_wgmma_shape(M, C, O);
+}
+
+bool conv1x1_bn_relu_enabled() { return g_conv_prologue.get(); }
+void set_conv1x1_bn_relu_enabled(bool on) { g_conv_prologue.set(on); }
+
 bool conv1x1_wgrad_enabled() { return g_wgrad1x1.get(); }
 void set_conv1x1_wgrad_enabled(bool on) { g_wgrad1x1.set(on); }
 

@@ -223,3 +223,86 @@ TEST_CASE("the prologue's entry points refuse a scale_shift of the wrong size") 
                                             false),
       doctest::Contains("scale_shift must be a contiguous f32 (2·I = 128)"), Error);
 }
+
+// ---- F::batch_norm_relu_conv1x1 (a bottleneck's bn2 → ReLU → conv3) against its composition ----
+
+namespace {
+
+struct Bn2Conv3 {
+  Tensor y3, sum3, sqsum3, running_mean, running_var, dy2, dweight, dbias, dw3;
+  std::string node;
+};
+
+// Two training steps' forward and backward of conv3(relu(bn2(y2))) with the fused op on or off;
+// the second backward adds into the .grad the first left (the engine's accumulate-into).
+Bn2Conv3 bn2_conv3(const Tensor& y2_in, const Tensor& w3_in, const Tensor& g, bool fused) {
+  const bool before = cuda::conv1x1_bn_relu_enabled();
+  cuda::set_conv1x1_bn_relu_enabled(fused);
+  const int64_t C = y2_in.size(1);
+  const TensorOptions f32o = TensorOptions().with_device(kGpu);
+  Tensor y2 = y2_in.detach(), w3 = w3_in.detach();
+  y2.set_requires_grad(true);
+  w3.set_requires_grad(true);
+  manual_seed(331);
+  F::BatchNormParams p;
+  p.weight = uniform({C}, 0.5, 1.5).to(kGpu);
+  p.bias = uniform({C}, -0.5, 0.5).to(kGpu);
+  p.weight.set_requires_grad(true);
+  p.bias.set_requires_grad(true);
+  p.running_mean = zeros({C}, f32o);
+  p.running_var = ones({C}, f32o);
+  Bn2Conv3 out;
+  for (int step = 0; step < 2; ++step) {
+    F::ChannelStats s2{empty({C}, f32o), empty({C}, f32o), y2.version()};
+    cuda::bn_nhwc_stats(s2.sum, s2.sqsum, y2.detach());
+    F::ChannelStats s3;
+    out.y3 = F::batch_norm_relu_conv1x1(y2, s2, p, /*training=*/true, w3, &s3);
+    out.node = out.y3.grad_fn() ? out.y3.grad_fn()->name() : "";
+    REQUIRE(s3.defined());
+    out.sum3 = s3.sum.clone();
+    out.sqsum3 = s3.sqsum.clone();
+    out.y3.backward(g);
+  }
+  out.running_mean = p.running_mean;
+  out.running_var = p.running_var;
+  out.dy2 = y2.grad();
+  out.dweight = p.weight.grad();
+  out.dbias = p.bias.grad();
+  out.dw3 = w3.grad();
+  cuda::set_conv1x1_bn_relu_enabled(before);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("F::batch_norm_relu_conv1x1 gives its composition's bits: forward, statistics, "
+          "running statistics, every gradient") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the fused path runs on the wgmma kernels (an sm_90 GPU, a build for sm_90a); "
+            "skipped");
+    return;
+  }
+  // C 64 (layer 1: the data gradient then runs unfused, cuDNN's dgrad and the batch norm's
+  // backward with the mask from x) and C 128 and 256 (the inner-form GEMM with bn2's sums).
+  for (int64_t C : {64, 128, 256}) {
+    CAPTURE(C);
+    manual_seed(337 + uint64_t(C));
+    const int64_t hw = C == 64 ? 28 : 14;
+    const Tensor y2 = nhwc(F::add(randn({4, C, hw, hw}), 0.2));
+    const Tensor w3 =
+        F::mul(randn({4 * C, C, 1, 1}), 1.0 / std::sqrt(double(C))).to(DType::f16).to(kGpu);
+    const Tensor g = nhwc(randn({4, 4 * C, hw, hw}));
+    const Bn2Conv3 on = bn2_conv3(y2, w3, g, true), off = bn2_conv3(y2, w3, g, false);
+    CHECK(on.node == "BatchNormReluConv1x1Backward");
+    CHECK(off.node == "Conv2dBackward");
+    KILN_CHECK_OK(testing::compare(on.y3, off.y3, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.sum3, off.sum3, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.sqsum3, off.sqsum3, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.running_mean, off.running_mean, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.running_var, off.running_var, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.dy2, off.dy2, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.dweight, off.dweight, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.dbias, off.dbias, 0, 0));
+    KILN_CHECK_OK(testing::compare(on.dw3, off.dw3, 0, 0));
+  }
+}
