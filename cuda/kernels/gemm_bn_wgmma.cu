@@ -65,7 +65,9 @@ constexpr int kEpiX = 2 * 64 * 64 * 2, kEpiMask = 2 * kEpiX;
 constexpr int kEpiBytes = kEpiMask + 64 * 16;
 static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
+// The mbarriers: full, empty and (with the prologue) ready per stage, and the TMA epilogue's two
+// pairs.
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (3 * kStages + 4) * 8 + 1024;
 
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
 __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restrict__ w, int K,
@@ -110,10 +112,13 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // The same products in the same order: the same bits.
 //
 // kPrologue (with kStats only): the convolution reads x = relu(bn(y)) — a bottleneck's conv3
-// reading bn2's output — from y and bn's scale and shift (scale_shift, K channels), applying them
-// to each A slot in shared memory before its MMAs (bn_relu_box), so that x is never written. The
-// values are bit for bit those the apply pass would have stored, so y and the statistics are the
-// unfused path's bits.
+// reading bn2's output — from y and bn's scale and shift (scale_shift, K channels), so that x is
+// never written. Warps 2 and 3 of warpgroup 0, idle otherwise, apply them to each A slot in
+// shared memory once its bytes are in (bn_relu_box) and arrive on the slot's "ready" mbarrier,
+// which the consumers wait for instead of "full": the transform runs ahead with the loads, off
+// the MMAs' path (done by the consumers themselves before their MMAs, the kernel took twice as
+// long). The values are bit for bit those the apply pass would have stored, so y and the
+// statistics are the unfused path's bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -145,6 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty = [&](int s) { return bars + uint32_t((kStages + s) * 8); };
   auto epi_full = [&](int c) { return bars + uint32_t((2 * kStages + c) * 8); };
   auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
+  auto ready = [&](int s) { return bars + uint32_t((2 * kStages + 4 + s) * 8); };
   auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
@@ -156,6 +162,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(epi_full(c), 1);
       mbar_init(epi_empty(c), 128);
     }
+    if constexpr (kPrologue)
+      for (int s = 0; s < kStages; ++s) mbar_init(ready(s), 64);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -182,6 +190,21 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
             }
             if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
+          }
+        return;
+      }
+    }
+    if constexpr (kPrologue) {
+      if (tid >= 64) {  // warps 2 and 3: relu(y·scale + shift) over each slot's 128 rows of A
+        int j = 0;
+        for (int64_t tile = part; tile < row_tiles; tile += parts)
+          for (int kt = 0; kt < KT; ++kt, ++j) {
+            const int s = j % kStages;
+            mbar_wait(full(s), uint32_t((j / kStages) & 1));
+            bn_relu_box(gbase + (a_tile(s) - base), 0, kBM, scale_shift, K, kt * kBK, tid - 64,
+                        64);
+            fence_proxy_async();  // before the MMAs read the slot through the async proxy
+            mbar_arrive(ready(s));
           }
         return;
       }
@@ -232,16 +255,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    auto issue = [&](int jj, int kt) {
+    auto issue = [&](int jj) {
       const int s = jj % kStages;
-      mbar_wait(full(s), uint32_t((jj / kStages) & 1));
-      if constexpr (kPrologue) {
-        // This warpgroup's 64 rows of the slot's A box become relu(y·scale + shift).
-        bn_relu_box(gbase + (a_tile(s) - base) + c * 64 * 128, 0, 64, scale_shift, K, kt * kBK,
-                    t, 128);
-        fence_proxy_async();
-        named_sync(1 + c, 128);
-      }
+      mbar_wait(kPrologue ? ready(s) : full(s), uint32_t((jj / kStages) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -255,9 +271,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if constexpr (kPipeline) {
       // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
-      issue(j, 0);
+      issue(j);
       for (int kt = 1; kt < KT; ++kt) {
-        issue(j + kt, kt);
+        issue(j + kt);
         wgmma_wait1();
         mbar_arrive(empty((j + kt - 1) % kStages));
       }
@@ -266,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       j += KT;
     } else {
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        issue(j, kt);
+        issue(j);
         wgmma_wait0();
         mbar_arrive(empty(j % kStages));
       }

@@ -42,12 +42,13 @@ constexpr int kStageBytes = 2 * kBox + (kBN / 64) * kBox;
 template <int kBN>
 constexpr int kStages = (192 * 1024) / kStageBytes<kBN>;
 template <int kBN>
-constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 2 * kStages<kBN> * 8 + 1024;
+constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 3 * kStages<kBN> * 8 + 1024;
 
 // kPro: x is relu(bn(x)), bn's scale and shift (ss: scale of channel c at c, shift at C + c)
 // applied to x's boxes in shared memory before the MMAs read them (bn_relu_box), bit for bit the
-// values bn_nhwc_apply would have written: 1 where x is b (each consumer warpgroup transforms
-// half of the slot's b, and both wait for each other), 2 where x is a (each its own box).
+// values bn_nhwc_apply would have written; 1 where x is b, 2 where x is a. As in
+// gemm_bn_wgmma.cu's prologue, warps 2 and 3 of warpgroup 0 transform each slot once it is in
+// and arrive on its "ready" mbarrier, which the consumers then wait for instead of "full".
 template <int kBN, int kPro>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
@@ -64,11 +65,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bars = base + uint32_t(S * kStageBytes<kBN>);
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
   auto empty = [&](int s) { return bars + uint32_t((S + s) * 8); };
+  auto ready = [&](int s) { return bars + uint32_t((2 * S + s) * 8); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
+      if constexpr (kPro != 0) mbar_init(ready(s), 64);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -81,7 +84,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t kt0 = KT * part / parts, kt1 = KT * (part + 1) / parts;
   const int n = int(kt1 - kt0);  // this CTA's k-steps
 
-  if (wg == 0) {  // the producer
+  unsigned char* gbase = smem_raw + (base - raw);
+  if (wg == 0) {  // the producer, and with kPro the transform (warps 2 and 3)
+    if constexpr (kPro != 0) {
+      if (tid >= 64) {
+        for (int j = 0; j < n; ++j) {
+          const int s = j % S;
+          mbar_wait(full(s), uint32_t((j / S) & 1));
+          if constexpr (kPro == 1) {
+            for (int h = 0; h < kBN / 64; ++h)
+              bn_relu_box(gbase + (b_slot(s) - base) + h * kBox, 0, 64, ss, B, b0 + h * 64,
+                          tid - 64, 64);
+          } else {
+            for (int h = 0; h < 2; ++h)
+              bn_relu_box(gbase + (a_slot(s) - base) + h * kBox, 0, 64, ss, A, a0 + h * 64,
+                          tid - 64, 64);
+          }
+          fence_proxy_async();  // before the MMAs read the slot through the async proxy
+          mbar_arrive(ready(s));
+        }
+        return;
+      }
+    }
     if (tid != 0) return;
     for (int j = 0; j < n; ++j) {
       const int s = j % S;
@@ -101,23 +125,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float d[kNd];
 #pragma unroll
   for (int i = 0; i < kNd; ++i) d[i] = 0.f;
-  unsigned char* gbase = smem_raw + (base - raw);
   auto issue = [&](int j) {
     const int s = j % S;
-    mbar_wait(full(s), uint32_t((j / S) & 1));
-    if constexpr (kPro == 1) {
-      unsigned char* b = gbase + (b_slot(s) - base);
-      if constexpr (kBN == 128)
-        bn_relu_box(b + c * kBox, 0, 64, ss, B, b0 + c * 64, t, 128);
-      else
-        bn_relu_box(b, c * 32, 32, ss, B, b0, t, 128);
-      fence_proxy_async();
-      named_sync(3, 256);
-    } else if constexpr (kPro == 2) {
-      bn_relu_box(gbase + (a_slot(s) - base) + c * kBox, 0, 64, ss, A, a0 + c * 64, t, 128);
-      fence_proxy_async();
-      named_sync(1 + c, 128);
-    }
+    mbar_wait(kPro != 0 ? ready(s) : full(s), uint32_t((j / S) & 1));
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
