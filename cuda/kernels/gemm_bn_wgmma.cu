@@ -196,15 +196,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kPrologue) {
       if (tid >= 64) {  // warps 2 and 3: relu(y·scale + shift) over each slot's 128 rows of A
+        const int t = tid - 64, ch = bn_relu_channel(t);
+        float sc[8], sh[8];
+        bn_relu_factors(scale_shift, K, ch, sc, sh);
         int j = 0;
         for (int64_t tile = part; tile < row_tiles; tile += parts)
           for (int kt = 0; kt < KT; ++kt, ++j) {
             const int s = j % kStages;
+            // The next k-step's factors, loaded while this slot's bytes arrive.
+            float nsc[8], nsh[8];
+            bn_relu_factors(scale_shift, K, (kt + 1 < KT ? kt + 1 : 0) * kBK + ch, nsc, nsh);
             mbar_wait(full(s), uint32_t((j / kStages) & 1));
-            bn_relu_box(gbase + (a_tile(s) - base), 0, kBM, scale_shift, K, kt * kBK, tid - 64,
-                        64);
+            bn_relu_box<kBM, 64>(gbase + (a_tile(s) - base), t, sc, sh);
             fence_proxy_async();  // before the MMAs read the slot through the async proxy
             mbar_arrive(ready(s));
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+              sc[q] = nsc[q];
+              sh[q] = nsh[q];
+            }
           }
         return;
       }

@@ -132,27 +132,38 @@ __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
-// relu(x·scale + shift) in place (bn_relu8) on rows row0.. row0 + rows − 1 of one box of 64
-// channels in the 128-byte swizzle at generic address `box` (1,024-byte aligned), the channels
-// c0..c0 + 63 of a batch norm whose scale of channel c is ss[c] and shift ss[C + c]; by
-// `threads` threads (a multiple of 64), this one `t`. Row r's 16-byte chunk j holds channels
-// 8·(j XOR r % 8).. + 7; with 64 | threads each thread's chunks share r % 8 and j, so one set of
-// 8 factors serves them all. The caller fences (fence_proxy_async) and synchronises the
-// threads that read the box before wgmma does.
-__device__ inline void bn_relu_box(unsigned char* box, int row0, int rows, const float* ss,
-                                   int C, int c0, int t, int threads) {
-  const int p = t & 7, first = row0 + (t >> 3);
-  const int c = c0 + ((p ^ (first & 7)) << 3);
-  float sc[8], sh[8];
+// The prologue of kiln's wgmma kernels: relu(x·scale + shift) in place (bn_relu8) on one box of
+// 64 channels × kRows rows in the 128-byte swizzle at generic address `box` (1,024-byte
+// aligned), by kThreads threads (a multiple of 64) of which this is `t`. Row r's 16-byte chunk j
+// holds channels 8·(j XOR r % 8).. + 7; thread t takes chunk t % 8 of rows t / 8, t / 8 +
+// kThreads / 8, ..., which all share r % 8 and so the same 8 channels: bn_relu_channel(t) of the
+// box, whose factors sc, sh the caller loads (ahead of time: they are off the box's path). All
+// its chunks are read before any is written. The caller fences (fence_proxy_async) and signals
+// the threads whose MMAs read the box.
+__device__ inline int bn_relu_channel(int t) { return ((t & 7) ^ ((t >> 3) & 7)) << 3; }
+template <int kRows, int kThreads>
+__device__ inline void bn_relu_box(unsigned char* box, int t, const float (&sc)[8],
+                                   const float (&sh)[8]) {
+  static_assert(kThreads % 64 == 0 && (kRows * 8) % kThreads == 0, "whole rows per pass");
+  constexpr int kPer = kRows * 8 / kThreads, kStep = kThreads / 8;
+  uint4* p = reinterpret_cast<uint4*>(box + (t >> 3) * 128 + (t & 7) * 16);
+  uint4 v[kPer];
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    sc[q] = ss[c + q];
-    sh[q] = ss[C + c + q];
-  }
-  for (int r = first; r < row0 + rows; r += threads >> 3) {
-    uint4* v = reinterpret_cast<uint4*>(box + r * 128 + p * 16);
-    *v = bn_relu8(*v, sc, sh);
-  }
+  for (int i = 0; i < kPer; ++i) v[i] = p[i * kStep * 8];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i * kStep * 8] = bn_relu8(v[i], sc, sh);
+}
+// The 8 factors of channels c..c + 7 from scale_shift (scale of channel c at c, shift at C + c).
+__device__ inline void bn_relu_factors(const float* ss, int C, int c, float (&sc)[8],
+                                       float (&sh)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(ss + c),
+               b = *reinterpret_cast<const float4*>(ss + c + 4);
+  const float4 d = *reinterpret_cast<const float4*>(ss + C + c),
+               e = *reinterpret_cast<const float4*>(ss + C + c + 4);
+  sc[0] = a.x, sc[1] = a.y, sc[2] = a.z, sc[3] = a.w, sc[4] = b.x, sc[5] = b.y, sc[6] = b.z,
+  sc[7] = b.w;
+  sh[0] = d.x, sh[1] = d.y, sh[2] = d.z, sh[3] = d.w, sh[4] = e.x, sh[5] = e.y, sh[6] = e.z,
+  sh[7] = e.w;
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -88,18 +88,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {  // the producer, and with kPro the transform (warps 2 and 3)
     if constexpr (kPro != 0) {
       if (tid >= 64) {
+        // x's boxes in each slot: b's kBN / 64 (kPro 1) or a's two (kPro 2), each 64 rows; the
+        // tile's channels are fixed, so are each thread's factors.
+        constexpr int kBoxes = kPro == 1 ? kBN / 64 : 2;
+        const int t = tid - 64, ch = bn_relu_channel(t);
+        const int x0 = kPro == 1 ? b0 : a0, C = kPro == 1 ? B : A;
+        float sc[kBoxes][8], sh[kBoxes][8];
+#pragma unroll
+        for (int h = 0; h < kBoxes; ++h) bn_relu_factors(ss, C, x0 + h * 64 + ch, sc[h], sh[h]);
         for (int j = 0; j < n; ++j) {
           const int s = j % S;
           mbar_wait(full(s), uint32_t((j / S) & 1));
-          if constexpr (kPro == 1) {
-            for (int h = 0; h < kBN / 64; ++h)
-              bn_relu_box(gbase + (b_slot(s) - base) + h * kBox, 0, 64, ss, B, b0 + h * 64,
-                          tid - 64, 64);
-          } else {
-            for (int h = 0; h < 2; ++h)
-              bn_relu_box(gbase + (a_slot(s) - base) + h * kBox, 0, 64, ss, A, a0 + h * 64,
-                          tid - 64, 64);
-          }
+          unsigned char* x = gbase + ((kPro == 1 ? b_slot(s) : a_slot(s)) - base);
+#pragma unroll
+          for (int h = 0; h < kBoxes; ++h) bn_relu_box<64, 64>(x + h * kBox, t, sc[h], sh[h]);
           fence_proxy_async();  // before the MMAs read the slot through the async proxy
           mbar_arrive(ready(s));
         }
