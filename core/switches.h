@@ -36,9 +36,11 @@
 // |                          |                     | before it issues the next (before v21)          |
 // | KILN_WGRAD1X1            | 0                   | stride-1 1x1 weight gradients on cuDNN, not on  |
 // |                          |                     | kiln's wgmma kernel (before 2026-12-04's v22)   |
-// | KILN_CONV_PROLOGUE       | 0                   | a bottleneck's relu(bn2(y2)) written by its own |
-// |                          |                     | pass and read by conv3, not applied as conv3's  |
-// |                          |                     | kernels load y2 (before v22; the same bits)     |
+// | KILN_CONV_PROLOGUE       | 1                   | a bottleneck's relu(bn2(y2)) applied as conv3's |
+// |                          |                     | kernels load y2, never written: the same bits,  |
+// |                          |                     | 0.67 GiB less reserved, but 0.8 ms slower at    |
+// |                          |                     | b256 (off by default; docs/lab/norm-conv.md,    |
+// |                          |                     | v22)                                            |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -104,7 +106,7 @@ struct Switches {
   bool tail_w_direct = true;
   bool wgmma_pipeline = true;
   bool wgrad1x1 = true;
-  bool conv_prologue = true;
+  bool conv_prologue = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
   bool accumulate_grads = true;

@@ -281,7 +281,8 @@ void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const T
                                      const Tensor& scale_shift, const ConvParams& p,
                                      bool accumulate);
 // Whether both prologue kernels take x (N, C, H, W) into w (O, C, 1, 1): the forward's shapes
-// (conv1x1_stats_supported's) and the switches on — KILN_CONV_PROLOGUE, KILN_WGRAD1X1 and
+// (conv1x1_stats_supported's) and the switches on — KILN_CONV_PROLOGUE=1 (off by default: the
+// step is 0.8 ms slower with it, docs/lab/norm-conv.md, v22), KILN_WGRAD1X1 and
 // KILN_CONV1X1_STATS (FastPath::BatchNormReluConv1x1; F::batch_norm_relu_conv1x1 then never
 // writes relu(bn(x))).
 bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w);

@@ -62,8 +62,9 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride,
   if (downsample) downsample_ = register_module("downsample", std::move(downsample));
 }
 
-// conv3 reads relu(bn2(y2)) through Conv2d::forward_bn_relu: on the GPU it applies bn2 as its
-// kernels load y2, and relu(bn2(y2)) is never written (docs/lab/norm-conv.md, v22).
+// conv3 reads relu(bn2(y2)) through Conv2d::forward_bn_relu: on the GPU with KILN_CONV_PROLOGUE=1
+// it applies bn2 as its kernels load y2, and relu(bn2(y2)) is never written (docs/lab/
+// norm-conv.md, v22).
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = nn::ConvBnRef{*conv1_, *bn1_}.forward(x, /*relu=*/true);
   const nn::ConvBnRef tail{*conv3_, *bn3_};
