@@ -541,40 +541,40 @@ bool conv1x1_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
          y.device() == x.device() && w.device() == x.device();
 }
 
+namespace {
+
+// conv1x1_forward_stats and its prologue form: y and its statistics through the partial rows.
+void conv1x1_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
+                   const Tensor& w, const Tensor& scale_shift) {
+  const int64_t C = y.size(1), M = x.numel() / x.size(1);
+  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
+  Tensor partial =
+      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  conv1x1_stats_wgmma(y, partial, x, w, parts, scale_shift);
+  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+}
+
+}  // namespace
+
 void conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                            const Tensor& x, const Tensor& w, const ConvParams& p) {
   KILN_CHECK(conv1x1_stats_supported(y, x, w, p), "conv1x1_forward_stats (cuda): needs an sm_90 "
              "GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), stride 1, "
              "no padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got x ",
              x.desc(), ", w ", w.desc(), ", y ", y.desc());
-  const int64_t C = y.size(1), M = x.numel() / x.size(1);
-  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
-  Tensor partial =
-      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
-  conv1x1_stats_wgmma(y, partial, x, w, parts, Tensor());
-  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+  conv1x1_stats(y, sum, sqsum, x, w, Tensor());
 }
 
 void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                                    const Tensor& x, const Tensor& scale_shift, const Tensor& w,
                                    const ConvParams& p) {
-  KILN_CHECK(conv1x1_stats_supported(y, x, w, p), "conv1x1_bn_relu_forward_stats (cuda): needs "
-             "an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), "
-             "stride 1, no padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got "
-             "x ", x.desc(), ", w ", w.desc(), ", y ", y.desc());
-  const int64_t K = x.size(1);
-  KILN_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.dtype() == DType::f32 &&
-                 scale_shift.is_contiguous() && scale_shift.numel() == 2 * K &&
-                 scale_shift.device() == x.device(),
-             "conv1x1_bn_relu_forward_stats (cuda): scale_shift must be a contiguous f32 (2·K = ",
-             2 * K, ") vector on x's device, got ",
-             scale_shift.defined() ? scale_shift.desc() : std::string("undefined"));
-  const int64_t C = y.size(1), M = x.numel() / K;
-  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
-  Tensor partial =
-      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
-  conv1x1_stats_wgmma(y, partial, x, w, parts, scale_shift);
-  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+  const char* op = "conv1x1_bn_relu_forward_stats";
+  KILN_CHECK(conv1x1_stats_supported(y, x, w, p), op, " (cuda): needs an sm_90 GPU, f16 "
+             "channels-last x (N, K, H, W) and y (N, C, H, W), w (C, K, 1, 1), stride 1, no "
+             "padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got x ",
+             x.desc(), ", w ", w.desc(), ", y ", y.desc());
+  check_scale_shift(scale_shift, x.size(1), x, op, "K");
+  conv1x1_stats(y, sum, sqsum, x, w, scale_shift);
 }
 
 bool conv1x1_stats_enabled() { return g_conv1x1_stats.get(); }

@@ -8,7 +8,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
+#include "core/tensor.h"
 #include "cuda/check.h"
 #include "cuda/kernels/gemm_bn_epilogue.cuh"
 
@@ -208,6 +210,18 @@ inline CUtensorMap tile_map(const void* p, bool f16, int64_t rows, int64_t cols,
   KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeTiled failed (",
              int(res), ") for a ", rows, " x ", cols, f16 ? " f16" : " u8", " operand");
   return m;
+}
+
+// The prologue's factors (bn_relu_box): `op` throws unless scale_shift is a contiguous f32
+// vector of 2·channels (scale, then shift) on x's device; `n` names the channel count (K, I).
+inline void check_scale_shift(const Tensor& scale_shift, int64_t channels, const Tensor& x,
+                              const char* op, const char* n) {
+  KILN_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.dtype() == DType::f32 &&
+                 scale_shift.is_contiguous() && scale_shift.numel() == 2 * channels &&
+                 scale_shift.device() == x.device(),
+             op, " (cuda): scale_shift must be a contiguous f32 (2·", n, " = ", 2 * channels,
+             ") vector on x's device, got ",
+             scale_shift.defined() ? scale_shift.desc() : std::string("undefined"));
 }
 
 }  // namespace kiln::cuda::sm90

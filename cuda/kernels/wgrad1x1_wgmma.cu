@@ -276,13 +276,7 @@ void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const T
              "(N, O, H, W) and x (N, I, H, W), dw (O, I, 1, 1) f16 or f32, stride 1, no padding, "
              "and O a multiple of 128 with I of 64 (or the other way round); got dw ",
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
-  const int64_t I = x.size(1);
-  KILN_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.dtype() == DType::f32 &&
-                 scale_shift.is_contiguous() && scale_shift.numel() == 2 * I &&
-                 scale_shift.device() == x.device(),
-             "conv1x1_bn_relu_backward_weight (cuda): scale_shift must be a contiguous f32 (2·I = ",
-             2 * I, ") vector on x's device, got ",
-             scale_shift.defined() ? scale_shift.desc() : std::string("undefined"));
+  check_scale_shift(scale_shift, x.size(1), x, "conv1x1_bn_relu_backward_weight", "I");
   wgrad1x1(dw, dy, x, scale_shift, accumulate);
 }
 
