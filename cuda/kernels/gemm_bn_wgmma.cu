@@ -65,9 +65,10 @@ constexpr int kEpiX = 2 * 64 * 64 * 2, kEpiMask = 2 * kEpiX;
 constexpr int kEpiBytes = kEpiMask + 64 * 16;
 static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
-// The mbarriers: full, empty and (with the prologue) ready per stage, and the TMA epilogue's two
-// pairs.
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (3 * kStages + 4) * 8 + 1024;
+// The mbarriers: full and empty per stage, and the TMA epilogue's two pairs.
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
+// With the prologue, the factors of up to 2,048 channels (scale, then shift) after the barriers.
+constexpr int kSmemPrologue = kSmemBytes + 2 * 2048 * 4;
 
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
 __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restrict__ w, int K,
@@ -111,14 +112,13 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // between an issue and its wait makes ptxas serialise the wgmma instructions (warning C7518).
 // The same products in the same order: the same bits.
 //
-// kPrologue (with kStats only): the convolution reads x = relu(bn(y)) — a bottleneck's conv3
-// reading bn2's output — from y and bn's scale and shift (scale_shift, K channels), so that x is
-// never written. Warps 2 and 3 of warpgroup 0, idle otherwise, apply them to each A slot in
-// shared memory once its bytes are in (bn_relu_box) and arrive on the slot's "ready" mbarrier,
-// which the consumers wait for instead of "full": the transform runs ahead with the loads, off
-// the MMAs' path (done by the consumers themselves before their MMAs, the kernel took twice as
-// long). The values are bit for bit those the apply pass would have stored, so y and the
-// statistics are the unfused path's bits.
+// kPrologue (with kStats only; K a multiple of 128): the convolution reads x = relu(bn(y)) — a
+// bottleneck's conv3 reading bn2's output — from y and bn's scale and shift (scale_shift, K
+// channels, copied into shared memory at the start), so that x is never written. A comes from
+// registers: each consumer loads its 64 rows of a k-step's slot with ldmatrix, applies the
+// factors there and issues wgmma's register-A form; two register sets alternate, so that one
+// k-step's fragments are formed while the previous k-step's MMAs run. The values are bit for bit
+// those the apply pass would have stored, so y and the statistics are the unfused path's bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -150,7 +150,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty = [&](int s) { return bars + uint32_t((kStages + s) * 8); };
   auto epi_full = [&](int c) { return bars + uint32_t((2 * kStages + c) * 8); };
   auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
-  auto ready = [&](int s) { return bars + uint32_t((2 * kStages + 4 + s) * 8); };
   auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
@@ -162,8 +161,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(epi_full(c), 1);
       mbar_init(epi_empty(c), 128);
     }
-    if constexpr (kPrologue)
-      for (int s = 0; s < kStages; ++s) mbar_init(ready(s), 64);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -190,31 +187,6 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
             }
             if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
-          }
-        return;
-      }
-    }
-    if constexpr (kPrologue) {
-      if (tid >= 64) {  // warps 2 and 3: relu(y·scale + shift) over each slot's 128 rows of A
-        const int t = tid - 64, ch = bn_relu_channel(t);
-        float sc[8], sh[8];
-        bn_relu_factors(scale_shift, K, ch, sc, sh);
-        int j = 0;
-        for (int64_t tile = part; tile < row_tiles; tile += parts)
-          for (int kt = 0; kt < KT; ++kt, ++j) {
-            const int s = j % kStages;
-            // The next k-step's factors, loaded while this slot's bytes arrive.
-            float nsc[8], nsh[8];
-            bn_relu_factors(scale_shift, K, (kt + 1 < KT ? kt + 1 : 0) * kBK + ch, nsc, nsh);
-            mbar_wait(full(s), uint32_t((j / kStages) & 1));
-            bn_relu_box<kBM, 64>(gbase + (a_tile(s) - base), t, sc, sh);
-            fence_proxy_async();  // before the MMAs read the slot through the async proxy
-            mbar_arrive(ready(s));
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-              sc[q] = nsc[q];
-              sh[q] = nsh[q];
-            }
           }
         return;
       }
@@ -259,6 +231,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  // The prologue's factors, in shared memory after the barriers.
+  [[maybe_unused]] const float* fss =
+      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kStages + 4) * 8);
+  if constexpr (kPrologue) {
+    float* f = const_cast<float*>(fss);
+    for (int i = tid - 128; i < 2 * K; i += 256) f[i] = scale_shift[i];
+    named_sync(3, 256);
+  }
+
   int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
   for (int64_t tile = part; tile < row_tiles; tile += parts) {
     const int64_t m0 = tile * kBM + c * 64;
@@ -267,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     auto issue = [&](int jj) {
       const int s = jj % kStages;
-      mbar_wait(kPrologue ? ready(s) : full(s), uint32_t((jj / kStages) & 1));
+      mbar_wait(full(s), uint32_t((jj / kStages) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -279,7 +260,63 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
     };
-    if constexpr (kPipeline) {
+    if constexpr (kPrologue) {
+      uint32_t a0[4][4], a1[4][4];
+      // This warpgroup's 64 rows of k-step kt's slot s as wgmma's A fragments (each warp its 16
+      // rows: ldmatrix matrices 0-3 are rows 0-7 / 8-15 of columns 0-7, then of columns 8-15 of
+      // each 16-column step), relu(y·scale + shift) applied to each pair.
+      auto form = [&](uint32_t (&a)[4][4], int s, int kt) {
+        const int row = warp * 16 + (lane & 15);
+        const uint32_t row_addr = a_tile(s) + uint32_t(c * 64 * 128 + row * 128);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const int chunk = kk * 2 + (lane >> 4);
+          ldmatrix_x4(a[kk], row_addr + uint32_t((chunk ^ (row & 7)) << 4));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const int ch = kt * kBK + kk * 16 + 2 * (lane & 3);
+          const float2 s0 = *reinterpret_cast<const float2*>(fss + ch);
+          const float2 t0 = *reinterpret_cast<const float2*>(fss + K + ch);
+          const float2 s8 = *reinterpret_cast<const float2*>(fss + ch + 8);
+          const float2 t8 = *reinterpret_cast<const float2*>(fss + K + ch + 8);
+          a[kk][0] = bn_relu2(a[kk][0], s0, t0);
+          a[kk][1] = bn_relu2(a[kk][1], s0, t0);
+          a[kk][2] = bn_relu2(a[kk][2], s8, t8);
+          a[kk][3] = bn_relu2(a[kk][3], s8, t8);
+        }
+      };
+      auto mma = [&](const uint32_t (&a)[4][4], int s) {
+        wgmma_fence();  // the fragments were written by this thread
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s) + uint32_t(kk * 32)));
+        wgmma_commit();
+      };
+      auto step = [&](uint32_t (&a)[4][4], int kt) {
+        const int jj = j + kt, s = jj % kStages;
+        mbar_wait(full(s), uint32_t((jj / kStages) & 1));
+        form(a, s, kt);
+        mma(a, s);
+      };
+      // k-step kt's fragments are formed once k-step kt − 2's MMAs (the same registers) are
+      // done; a slot is released once its MMAs are.
+      step(a0, 0);
+      step(a1, 1);
+      wgmma_wait1();
+      mbar_arrive(empty(j % kStages));
+      for (int kt = 2; kt < KT; kt += 2) {
+        step(a0, kt);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt - 1) % kStages));
+        step(a1, kt + 1);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt) % kStages));
+      }
+      wgmma_wait0();
+      mbar_arrive(empty((j + KT - 1) % kStages));
+      j += KT;
+    } else if constexpr (kPipeline) {
       // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
       issue(j);
       for (int kt = 1; kt < KT; ++kt) {
@@ -505,8 +542,9 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
   auto go = [&]<bool kPipeline, bool kPrologue>() {
     constexpr auto kernel =
         dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, kPrologue>;
-    allow_smem_once<kernel>(kSmemBytes, "conv1x1_stats");
-    launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+    constexpr int kSmem = kPrologue ? kSmemPrologue : kSmemBytes;
+    allow_smem_once<kernel>(kSmem, "conv1x1_stats");
+    launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
                     int(C), int(K), parts);
@@ -574,6 +612,8 @@ void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Ten
              "padding, K a multiple of 64 up to 2,048 and C a multiple of 128, got x ",
              x.desc(), ", w ", w.desc(), ", y ", y.desc());
   check_scale_shift(scale_shift, x.size(1), x, op, "K");
+  KILN_CHECK(x.size(1) % 128 == 0, op, " (cuda): the prologue takes K a multiple of 128 (its "
+             "k-steps in pairs), got x ", x.desc());
   conv1x1_stats(y, sum, sqsum, x, w, scale_shift);
 }
 

@@ -295,7 +295,7 @@ bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w) {
   // The forward's shapes (dgrad1x1_bn_wgmma_shape with K = C); the weight gradient's (O a
   // multiple of 128, C of 64, both up to 4,096) follow from them.
   return w.size(1) == C && w.size(2) == 1 && w.size(3) == 1 && M > 0 && O <= 4096 &&
-         dgrad1x1_bn_wgmma_shape(M, C, O);
+         C % 128 == 0 && dgrad1x1_bn_wgmma_shape(M, C, O);
 }
 
 bool conv1x1_bn_relu_enabled() { return g_conv_prologue.get(); }
