@@ -48,10 +48,10 @@ const Tensor& dirac_(const Tensor& t);
 const Tensor& whitening_(const Tensor& weight, const Tensor& images, double eps = 5e-4);
 }  // namespace init
 
-// x (N, in_channels, H, W) -> (N, out_channels, H', W').
-// weight (out, in/groups, kH, kW); bias (out) when `bias`.
 class BatchNorm2d;
 
+// x (N, in_channels, H, W) -> (N, out_channels, H', W').
+// weight (out, in/groups, kH, kW); bias (out) when `bias`.
 class Conv2d : public Module {
  public:
   Conv2d(int64_t in_channels, int64_t out_channels, Pair kernel, Pair stride = 1, Pair padding = 0,

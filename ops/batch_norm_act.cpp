@@ -5,7 +5,7 @@
 // saving the separate add and ReLU passes over the activation and their saved tensors.
 // Elsewhere it is the composition of F::batch_norm, F::add and F::relu, which defines the
 // result. The ResNet stem's batch norm + ReLU + max pool (batch_norm_relu_max_pool) is fused the
-// same way. Which operands a path takes is the backend's decision alone: nothing here knows a
+// same way, and so is a bottleneck's bn2 + ReLU into its 1x1 conv3 (batch_norm_relu_conv1x1). Which operands a path takes is the backend's decision alone: nothing here knows a
 // device, a dtype or a switch.
 
 #include <atomic>
