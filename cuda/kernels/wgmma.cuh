@@ -150,6 +150,13 @@ __device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+// The same, each matrix transposed (ldmatrix .trans): r[i] is this lane's pair of matrix i's
+// transpose, i.e. column lane / 4, rows 2·(lane % 4) + {0, 1} of the matrix as stored.
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 // relu(x·scale + shift) of one half2, bit for bit bn_relu8's.
 __device__ inline uint32_t bn_relu2(uint32_t x, float2 sc, float2 sh) {
   const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&x));

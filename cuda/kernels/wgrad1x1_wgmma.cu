@@ -46,9 +46,13 @@ constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 3 * kStages<kBN> * 
 
 // kPro: x is relu(bn(x)), bn's scale and shift (ss: scale of channel c at c, shift at C + c)
 // applied to x's boxes in shared memory before the MMAs read them (bn_relu_box), bit for bit the
-// values bn_nhwc_apply would have written; 1 where x is b, 2 where x is a. As in
-// gemm_bn_wgmma.cu's prologue, warps 2 and 3 of warpgroup 0 transform each slot once it is in
-// and arrive on its "ready" mbarrier, which the consumers then wait for instead of "full".
+// values bn_nhwc_apply would have written; 1 where x is b, 2 where x is a. Warps 2 and 3 of
+// warpgroup 0 transform each slot once it is in and arrive on its "ready" mbarrier, which the
+// consumers then wait for instead of "full". kPro 3: x is a, taken into registers instead (WIP,
+// never run on a GPU): each consumer loads its 64 channels × 16 rows per wgmma with ldmatrix
+// .trans from the M-major slot, applies its two channels' factors there, and issues wgmma's
+// register-A form; two register sets alternate, so each part's k-steps come in pairs (M a
+// multiple of 128) and B (dy) takes 128-column tiles.
 template <int kBN, int kPro>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
@@ -71,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
-      if constexpr (kPro != 0) mbar_init(ready(s), 64);
+      if constexpr (kPro == 1 || kPro == 2) mbar_init(ready(s), 64);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -80,13 +84,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
   const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
   const int a0 = (tile / b_tiles) * kBM, b0 = (tile % b_tiles) * kBN;
+  static_assert(kPro != 3 || kBN == 128, "the register-A prologue takes 128-column tiles");
   const int64_t KT = (M + kBK - 1) / kBK;
-  const int64_t kt0 = KT * part / parts, kt1 = KT * (part + 1) / parts;
+  // kPro 3: whole pairs of k-steps per part (KT even).
+  const int64_t kt0 = kPro == 3 ? 2 * ((KT / 2) * part / parts) : KT * part / parts;
+  const int64_t kt1 = kPro == 3 ? 2 * ((KT / 2) * (part + 1) / parts) : KT * (part + 1) / parts;
   const int n = int(kt1 - kt0);  // this CTA's k-steps
 
   unsigned char* gbase = smem_raw + (base - raw);
   if (wg == 0) {  // the producer, and with kPro the transform (warps 2 and 3)
-    if constexpr (kPro != 0) {
+    if constexpr (kPro == 1 || kPro == 2) {
       if (tid >= 64) {
         // x's boxes in each slot: b's kBN / 64 (kPro 1) or a's two (kPro 2), each 64 rows; the
         // tile's channels are fixed, so are each thread's factors.
@@ -129,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < kNd; ++i) d[i] = 0.f;
   auto issue = [&](int j) {
     const int s = j % S;
-    mbar_wait(kPro != 0 ? ready(s) : full(s), uint32_t((j / S) & 1));
+    mbar_wait(kPro == 1 || kPro == 2 ? ready(s) : full(s), uint32_t((j / S) & 1));
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -143,7 +150,54 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  if (n > 0) {
+  if constexpr (kPro == 3) {
+    // This thread's two channels of x (fragment rows lane / 4 and lane / 4 + 8 of its warp).
+    const int ch = a0 + c * 64 + warp * 16 + (lane >> 2);
+    const float s_lo = ss[ch], t_lo = ss[A + ch], s_hi = ss[ch + 8], t_hi = ss[A + ch + 8];
+    const float2 sl{s_lo, s_lo}, tl{t_lo, t_lo}, sh{s_hi, s_hi}, th{t_hi, t_hi};
+    uint32_t r0[4][4], r1[4][4];
+    // A (64 channels × 16 rows per wgmma) from the slot's M-major box c: matrix q of each
+    // ldmatrix is channels 8·(q % 2).. of rows 8·(q / 2).. of the 16-row step, transposed.
+    auto form = [&](uint32_t (&a)[4][4], int s) {
+      const int q = lane >> 3;
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const int row = kk * 16 + (q >> 1) * 8 + (lane & 7), chunk = 2 * warp + (q & 1);
+        ldmatrix_x4_trans(a[kk], a_slot(s) + uint32_t(c * kBox + row * 128 +
+                                                      ((chunk ^ (row & 7)) << 4)));
+        a[kk][0] = bn_relu2(a[kk][0], sl, tl);
+        a[kk][1] = bn_relu2(a[kk][1], sh, th);
+        a[kk][2] = bn_relu2(a[kk][2], sl, tl);
+        a[kk][3] = bn_relu2(a[kk][3], sh, th);
+      }
+    };
+    auto step = [&](uint32_t (&a)[4][4], int j) {
+      const int s = j % S;
+      mbar_wait(full(s), uint32_t((j / S) & 1));
+      form(a, s);
+      wgmma_fence();  // the fragments were written by this thread
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16_rs<1>(d, a[kk], make_desc_nmajor(b_slot(s) + uint32_t(kk * 16 * 128)));
+      wgmma_commit();
+    };
+    if (n > 0) {
+      step(r0, 0);
+      step(r1, 1);
+      wgmma_wait1();
+      mbar_arrive(empty(0));
+      for (int j = 2; j < n; j += 2) {
+        step(r0, j);
+        wgmma_wait1();
+        mbar_arrive(empty((j - 1) % S));
+        step(r1, j + 1);
+        wgmma_wait1();
+        mbar_arrive(empty(j % S));
+      }
+      wgmma_wait0();
+      mbar_arrive(empty((n - 1) % S));
+    }
+  } else if (n > 0) {
     issue(0);
     for (int j = 1; j < n; ++j) {
       issue(j);
@@ -191,8 +245,11 @@ constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
 void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& scale_shift,
               bool accumulate) {
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
-  // A: the side that is a multiple of 128 (dy's channels where both are).
-  const bool swapped = O % kBM != 0;
+  // The prologue from registers (kPro 3) where x can be A with dy in 128-column tiles and the
+  // k-steps pair up.
+  const bool regs = scale_shift.defined() && I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
+  // A: the side that is a multiple of 128 (dy's channels where both are; x's for kPro 3).
+  const bool swapped = regs || O % kBM != 0;
   const Tensor& a = swapped ? x : dy;
   const Tensor& b = swapped ? dy : x;
   const int64_t A = swapped ? I : O, B = swapped ? O : I;
@@ -201,7 +258,7 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   const int bn = B % 128 == 0 ? 128 : 64;
   const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
   const int64_t sms = context().props.multiProcessorCount;
-  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, KT));
+  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, regs ? KT / 2 : KT));
   Tensor partial =
       empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
@@ -222,6 +279,8 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   };
   if (ss == nullptr)
     pick.template operator()<0>();
+  else if (regs)
+    go.template operator()<128, 3>();
   else if (swapped)
     pick.template operator()<2>();
   else
