@@ -57,7 +57,7 @@ template <int kBN, int kPro>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
-                          int parts, const float* __restrict__ ss) {
+                          int parts, const float* __restrict__ ss, bool pairs) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
@@ -86,9 +86,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int a0 = (tile / b_tiles) * kBM, b0 = (tile % b_tiles) * kBN;
   static_assert(kPro != 3 || kBN == 128, "the register-A prologue takes 128-column tiles");
   const int64_t KT = (M + kBK - 1) / kBK;
-  // kPro 3: whole pairs of k-steps per part (KT even).
-  const int64_t kt0 = kPro == 3 ? 2 * ((KT / 2) * part / parts) : KT * part / parts;
-  const int64_t kt1 = kPro == 3 ? 2 * ((KT / 2) * (part + 1) / parts) : KT * (part + 1) / parts;
+  // pairs (KT even; always with kPro 3): whole pairs of k-steps per part, so that every form
+  // adds the same rows into each partial and gives the same bits.
+  const int64_t kt0 = pairs ? 2 * ((KT / 2) * part / parts) : KT * part / parts;
+  const int64_t kt1 = pairs ? 2 * ((KT / 2) * (part + 1) / parts) : KT * (part + 1) / parts;
   const int n = int(kt1 - kt0);  // this CTA's k-steps
 
   unsigned char* gbase = smem_raw + (base - raw);
@@ -247,9 +248,12 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
   // The prologue from registers (kPro 3) where x can be A with dy in 128-column tiles and the
   // k-steps pair up.
-  const bool regs = scale_shift.defined() && I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
-  // A: the side that is a multiple of 128 (dy's channels where both are; x's for kPro 3).
-  const bool swapped = regs || O % kBM != 0;
+  // The same orientation and row split with and without it, for the same bits.
+  const bool regs_shape = I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
+  const bool regs = scale_shift.defined() && regs_shape;
+  // A: the side that is a multiple of 128 (x's where the register form fits, else dy's where
+  // both are).
+  const bool swapped = regs_shape || O % kBM != 0;
   const Tensor& a = swapped ? x : dy;
   const Tensor& b = swapped ? dy : x;
   const int64_t A = swapped ? I : O, B = swapped ? O : I;
@@ -258,7 +262,8 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   const int bn = B % 128 == 0 ? 128 : 64;
   const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
   const int64_t sms = context().props.multiProcessorCount;
-  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, regs ? KT / 2 : KT));
+  const bool pairs = KT % 2 == 0;
+  const int parts = int(std::clamp<int64_t>(sms / tiles, 1, pairs ? KT / 2 : KT));
   Tensor partial =
       empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
@@ -269,7 +274,7 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
     allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
     launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
                     static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
-                    parts, ss);
+                    parts, ss, pairs);
   };
   auto pick = [&]<int kPro>() {
     if (bn == 128)
