@@ -343,3 +343,34 @@ TEST_CASE("the F batch-norm ops count num_batches_tracked once per training call
   F::batch_norm_relu_max_pool(x, F::ChannelStats{}, q, false, 3, 2, 1);
   CHECK(count(q) == 2.0);
 }
+
+TEST_CASE("batch_norm_relu_conv1x1 is conv2d(relu(batch_norm(x)), w), differentiable") {
+  using kiln::testing::gradcheck;
+  using kiln::testing::leaf;
+  // The CPU runs the composition; the GPU's fused path is checked against it bit for bit in
+  // tests/gpu/test_wgrad1x1.cpp.
+  Tensor x = leaf({2, 4, 3, 5}, -2, 2), w = leaf({4}, 0.5, 1.5), b = leaf({4}, -0.3, 0.3);
+  Tensor cw = leaf({6, 4, 1, 1}, -0.5, 0.5);
+  Tensor counter = zeros({}, DType::i64);
+  F::BatchNormParams p{w, b, zeros({4}, DType::f64), ones({4}, DType::f64), 0.1, 1e-5, counter};
+  Tensor rm2 = zeros({4}, DType::f64), rv2 = ones({4}, DType::f64);
+  F::ChannelStats s;
+  Tensor got = F::batch_norm_relu_conv1x1(x, F::ChannelStats{}, p, true, cw, &s);
+  Tensor want = F::conv2d(F::relu(F::batch_norm(x, w, b, rm2, rv2, true, 0.1, 1e-5)), cw);
+  KILN_CHECK_OK(kiln::testing::compare(got, want, 0, 0));
+  KILN_CHECK_OK(kiln::testing::compare(p.running_mean, rm2, 0, 0));
+  KILN_CHECK_OK(kiln::testing::compare(p.running_var, rv2, 0, 0));
+  CHECK(counter.item() == 1.0);
+  CHECK_FALSE(s.defined());  // the CPU's convolution gives no statistics
+  KILN_CHECK_OK(gradcheck(
+      [&](const std::vector<Tensor>& in) {
+        return F::batch_norm_relu_conv1x1(in[0], F::ChannelStats{},
+                                          F::BatchNormParams{in[1], in[2], Tensor(), Tensor()},
+                                          true, in[3], nullptr);
+      },
+      {x, w, b, cw}));
+  // A weight that does not fit x says so (the composition's convolution checks it).
+  CHECK_THROWS_AS(F::batch_norm_relu_conv1x1(x, F::ChannelStats{}, p, true,
+                                             leaf({6, 3, 1, 1}), nullptr),
+                  Error);
+}

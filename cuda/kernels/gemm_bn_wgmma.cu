@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int q = 0; q < 8; ++q) mu[q] = kStats ? 0.f : mean[c0 + q];
   // The forward's scale and shift of these channels, for a mask recomputed from x.
   [[maybe_unused]] float scale[8], shift[8];
-  if constexpr (!kBits && !kStats && !kPrologue) {
+  if constexpr (!kBits && !kStats) {
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       scale[q] = scale_shift[c0 + q];

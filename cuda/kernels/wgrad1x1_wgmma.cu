@@ -2,7 +2,8 @@
 // cuda/kernels.h: conv1x1_backward_weight): dw (O × I) = Σ_m dy[m][o] · x[m][i] over the
 // M = N·H·W rows of two channels-last tensors. The reduction runs down the rows, so both operands
 // are read as they lie with the channels contiguous, which wgmma takes transposed (A M-major,
-// B N-major): no transpose pass, and the products are the same as a K-major GEMM's.
+// B N-major): no transpose pass. Launched without PDL (launch_whole_sm; docs/lab/norm-conv.md,
+// v22).
 //
 // The kernel computes P (A × B) = Σ_m a[m][α] · b[m][β] for two row-major M × A and M × B f16
 // tensors: a = dy and b = x, or, where O is not a multiple of 128 (ResNet-50's 64-channel conv1s),
