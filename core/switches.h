@@ -107,6 +107,7 @@ struct Switches {
   bool wgmma_pipeline = true;
   bool wgrad1x1 = true;
   bool conv_prologue = false;
+  bool conv3x3 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
   bool accumulate_grads = true;

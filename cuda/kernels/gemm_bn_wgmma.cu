@@ -119,8 +119,14 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // factors there and issues wgmma's register-A form; two register sets alternate, so that one
 // k-step's fragments are formed while the previous k-step's MMAs run. The values are bit for bit
 // those the apply pass would have stored, so y and the statistics are the unfused path's bits.
+//
+// kIm2col (with kStats only): a 3x3 convolution, stride 1, padding 1 (implicit GEMM). dy is x's
+// im2col map (im2col3x3_map: img_h × img_w images), K = 9 × x's channels, k-step kt is tap
+// kt / (K / 9 / 64) (row-major over the 3 × 3 filter) at channels 64·(kt % (K / 9 / 64)); the
+// producer asks TMA for the tile's 128 output pixels shifted by the tap, padding read as zeros.
+// wt is w (C × 3 × 3 × K/9, channels-last) as a C × K matrix, K-major as it lies.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
-          bool kPipeline = true, bool kPrologue = false>
+          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -131,11 +137,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   const __half* __restrict__ r, const uint8_t* __restrict__ mask,
                                   const __half* __restrict__ x, const float* __restrict__ mean,
                                   const float* __restrict__ scale_shift, int64_t M, int C, int K,
-                                  int parts) {
+                                  int parts, int img_h, int img_w) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
   static_assert(!kPrologue || kStats, "the prologue is the forward's");
+  static_assert(!kIm2col || (kStats && !kPrologue), "the 3x3 convolution: the forward alone");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -193,13 +200,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (tid != 0) return;
     int j = 0;
+    [[maybe_unused]] const int cblocks = K / (9 * kBK);  // kIm2col: k-steps per tap
     for (int64_t tile = part; tile < row_tiles; tile += parts) {
       const int m0 = int(tile * kBM);
+      // kIm2col: the tile's first output pixel (n, h, w); its tap (0, 0) input is (h − 1, w − 1).
+      [[maybe_unused]] int pn = 0, ph = 0, pw = 0;
+      if constexpr (kIm2col) {
+        const int hw = img_h * img_w;
+        pn = m0 / hw;
+        ph = (m0 - pn * hw) / img_w;
+        pw = m0 - pn * hw - ph * img_w;
+      }
       for (int kt = 0; kt < KT; ++kt, ++j) {
         const int s = j % kStages;
         if (j >= kStages) mbar_wait(empty(s), uint32_t((j / kStages - 1) & 1));
         mbar_expect_tx(full(s), uint32_t(kStageBytes));
-        tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
+        if constexpr (kIm2col) {
+          const int tap = kt / cblocks, ch = (kt - tap * cblocks) * kBK;
+          tma_load_im2col(a_tile(s), &map_dy, ch, pw - 1, ph - 1, pn, uint16_t(tap % 3),
+                          uint16_t(tap / 3), full(s));
+        } else {
+          tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
+        }
         if constexpr (kWDirect) {
           for (int h = 0; h < 2; ++h)
             tma_load_2d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, kt * kBK,
@@ -504,7 +526,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                       static_cast<const uint8_t*>(ptr(mask)),
                       static_cast<const __half*>(x.raw_data()),
                       static_cast<const float*>(mean.raw_data()),
-                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts);
+                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts, 0,
+                      0);
     };
     if (pipeline)
       go.template operator()<true>();
@@ -547,7 +570,7 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
-                    int(C), int(K), parts);
+                    int(C), int(K), parts, 0, 0);
   };
   if (ss != nullptr)
     go.template operator()<true, true>();
@@ -617,6 +640,63 @@ void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Ten
   conv1x1_stats(y, sum, sqsum, x, w, scale_shift);
 }
 
+constinit RuntimeSwitch g_conv3x3{&Switches::conv3x3};  // KILN_CONV3X3
+
+bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
+                             const ConvParams& p) {
+  if (!g_conv3x3.get() || !dgrad1x1_bn_wgmma_available()) return false;
+  if (!(y.defined() && x.defined() && w.defined() && x.is_cuda() && x.dtype() == DType::f16 &&
+        y.dtype() == DType::f16 && w.dtype() == DType::f16 && x.dim() == 4 && y.dim() == 4 &&
+        w.dim() == 4))
+    return false;
+  const int64_t N = x.size(0), K = x.size(1), H = x.size(2), W = x.size(3), C = y.size(1);
+  const int64_t M = N * H * W;
+  // TMA's im2col coordinates: 32-bit, the channel count and the spatial sizes within its box
+  // and traversal limits.
+  return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 1 && p.pad_w == 1 &&
+         p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K && w.size(2) == 3 &&
+         w.size(3) == 3 && y.size(0) == N && y.size(2) == H && y.size(3) == W && M > 0 &&
+         M < (int64_t(1) << 31) - kBM && K % kBK == 0 && K <= 4096 && C % kBN == 0 &&
+         C / kBN <= 132 && H <= 65535 && W <= 65535 &&
+         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         y.is_contiguous(MemoryFormat::ChannelsLast) &&
+         w.is_contiguous(MemoryFormat::ChannelsLast) && y.device() == x.device() &&
+         w.device() == x.device();
+}
+
+void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
+                           const Tensor& x, const Tensor& w, const ConvParams& p) {
+  KILN_CHECK(conv3x3_stats_supported(y, x, w, p), "conv3x3_forward_stats (cuda): needs an sm_90 "
+             "GPU, KILN_CONV3X3 on, f16 channels-last x (N, K, H, W) and y (N, C, H, W), a "
+             "channels-last w (C, K, 3, 3), stride 1, padding 1, K a multiple of 64 up to 4,096 "
+             "and C a multiple of 128, got x ", x.desc(), ", w ", w.desc(), ", y ", y.desc());
+  const int64_t N = x.size(0), Kc = x.size(1), H = x.size(2), W = x.size(3), C = y.size(1);
+  const int64_t M = N * H * W, K = 9 * Kc;
+  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
+  Tensor partial =
+      empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  const CUtensorMap map_x = im2col3x3_map(x.raw_data(), N, H, W, Kc);
+  const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);  // (C, 3, 3, Kc) as it lies
+  const CUtensorMap none{};
+  auto go = [&]<bool kPipeline>() {
+    constexpr auto kernel =
+        dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, false, true>;
+    allow_smem_once<kernel>(kSmemBytes, "conv3x3_stats");
+    launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+                    static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
+                    M, int(C), int(K), parts, int(H), int(W));
+  };
+  if (g_pipeline.get())
+    go.template operator()<true>();
+  else
+    go.template operator()<false>();
+  KILN_CUDA_CHECK_LAUNCH();
+  bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+}
+
+bool conv3x3_enabled() { return g_conv3x3.get(); }
+void set_conv3x3_enabled(bool on) { g_conv3x3.set(on); }
 bool conv1x1_stats_enabled() { return g_conv1x1_stats.get(); }
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }

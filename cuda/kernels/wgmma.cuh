@@ -47,6 +47,18 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0,
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+// 128 pixels × 64 channels of an NHWC tensor's im2col map into shared `dst`: the pixels from
+// (w, h, n) on in the map's traversal order, each shifted by (dw, dh), channels c.. (zeros where
+// the shifted pixel is padding or past the last image); its bytes arrive on `bar`.
+__device__ inline void tma_load_im2col(uint32_t dst, const CUtensorMap* map, int c, int w, int h,
+                                       int n, uint16_t dw, uint16_t dh, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4, %5}], [%6], {%7, %8};\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c), "r"(w), "r"(h), "r"(n), "r"(bar), "h"(dw),
+      "h"(dh)
+      : "memory");
+}
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA)
 // writes to the same bytes.
 __device__ inline void fence_proxy_async() {
@@ -262,6 +274,50 @@ inline CUtensorMap tile_map(const void* p, bool f16, int64_t rows, int64_t cols,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeTiled failed (",
              int(res), ") for a ", rows, " x ", cols, f16 ? " f16" : " u8", " operand");
+  return m;
+}
+
+// cuTensorMapEncodeIm2col, as encode_tiled.
+using EncodeIm2col = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                  const cuuint64_t*, const cuuint64_t*, const int*, const int*,
+                                  cuuint32_t, cuuint32_t, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                  CUtensorMapFloatOOBfill);
+inline EncodeIm2col encode_im2col() {
+  static EncodeIm2col fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeIm2col", &p, 12000,
+                                                cudaEnableDefault, &q));
+#else
+    CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeIm2col", &p, cudaEnableDefault, &q));
+#endif
+    KILN_CHECK(q == cudaDriverEntryPointSuccess && p, "kiln's wgmma kernels (cuda): the driver has "
+               "no cuTensorMapEncodeIm2col");
+    return reinterpret_cast<EncodeIm2col>(p);
+  }();
+  return fn;
+}
+
+// An f16 NHWC tensor (n, h, w, c) as the im2col map of a 3x3, stride-1, padding-1 convolution:
+// each load is 128 output pixels (the traversal runs over w, then h, then n, one step per output
+// pixel) × 64 channels in the 128-byte swizzle, the layout of tile_map's 128 × 64 boxes; the
+// corners −1 and −1 make each image's traversal start one pixel before its first row and column
+// and end one before its last, so that a tap's offset (0–2) lands on the input pixel.
+inline CUtensorMap im2col3x3_map(const void* p, int64_t n, int64_t h, int64_t w, int64_t c) {
+  CUtensorMap m;
+  const cuuint64_t dims[4] = {cuuint64_t(c), cuuint64_t(w), cuuint64_t(h), cuuint64_t(n)};
+  const cuuint64_t strides[3] = {cuuint64_t(c) * 2, cuuint64_t(w * c) * 2,
+                                 cuuint64_t(h * w * c) * 2};
+  const int lower[2] = {-1, -1}, upper[2] = {-1, -1};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  const CUresult res = encode_im2col()(
+      &m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(p), dims, strides, lower, upper,
+      64, 128, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeIm2col failed (",
+             int(res), ") for an f16 NHWC tensor of ", n, " x ", h, " x ", w, " x ", c);
   return m;
 }
 

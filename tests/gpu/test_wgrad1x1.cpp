@@ -282,8 +282,9 @@ TEST_CASE("F::batch_norm_relu_conv1x1 gives its composition's bits: forward, sta
             "skipped");
     return;
   }
-  // C 64 (layer 1: the data gradient then runs unfused, cuDNN's dgrad and the batch norm's
-  // backward with the mask from x) and C 128 and 256 (the inner-form GEMM with bn2's sums).
+  // C 64 (layer 1): the register-A forward takes K a multiple of 128, so the op declines and
+  // runs its composition. C 128 and 256: the fused path, its data gradient the inner-form GEMM
+  // with bn2's sums.
   for (int64_t C : {64, 128, 256}) {
     CAPTURE(C);
     manual_seed(337 + uint64_t(C));
@@ -293,7 +294,7 @@ TEST_CASE("F::batch_norm_relu_conv1x1 gives its composition's bits: forward, sta
         F::mul(randn({4 * C, C, 1, 1}), 1.0 / std::sqrt(double(C))).to(DType::f16).to(kGpu);
     const Tensor g = nhwc(randn({4, 4 * C, hw, hw}));
     const Bn2Conv3 on = bn2_conv3(y2, w3, g, true), off = bn2_conv3(y2, w3, g, false);
-    CHECK(on.node == "BatchNormReluConv1x1Backward");
+    CHECK(on.node == (C % 128 == 0 ? "BatchNormReluConv1x1Backward" : "Conv2dBackward"));
     CHECK(off.node == "Conv2dBackward");
     KILN_CHECK_OK(testing::compare(on.y3, off.y3, 0, 0));
     KILN_CHECK_OK(testing::compare(on.sum3, off.sum3, 0, 0));

@@ -3,7 +3,7 @@
 // the plain convolution, and whether its results match the unfused computation.
 //
 //   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
-//                     [--wgrad1x1] [--shape K,C,HW]
+//                     [--wgrad1x1] [--conv3x3] [--shape K,C,HW]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -20,6 +20,9 @@
 // the plain convolution and kiln's statistics pass), on ResNet-50's stride-1 1x1 convolutions.
 // --wgrad1x1 times kiln's 1x1 weight gradient (cuda::conv1x1_backward_weight) against cuDNN's
 // tuned plan on the same shapes.
+// --conv3x3 times kiln's 3x3 implicit GEMM with the statistics in its epilogue
+// (cuda::conv3x3_forward_stats, TMA im2col loads) against cuDNN's path (as --conv1x1), on
+// ResNet-50's stride-1 3x3 convolutions.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -38,7 +41,8 @@ struct ProbeArgs {
   bool stem = false;
   bool conv1x1 = false;
   bool wgrad1x1 = false;
-  // --shape K,C,HW: --conv1x1 or --wgrad1x1 on this one shape only (the text, then its three numbers).
+  bool conv3x3 = false;
+  // --shape K,C,HW: --conv1x1, --wgrad1x1 or --conv3x3 on this one shape only (the text, then its three numbers).
   std::string shape;
   long long shape_k = 0, shape_c = 0, shape_hw = 0;
 };
@@ -47,7 +51,7 @@ struct ProbeArgs {
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe",
                       "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1] "
-                      "[--wgrad1x1] [--shape K,C,HW]",
+                      "[--wgrad1x1] [--conv3x3] [--shape K,C,HW]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -64,8 +68,10 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "time kiln's 1x1 forward GEMM with BN statistics against cuDNN's path");
   p.flag("--wgrad1x1", &a.wgrad1x1,
          "time kiln's 1x1 weight-gradient kernel against cuDNN's tuned plan");
+  p.flag("--conv3x3", &a.conv3x3,
+         "time kiln's 3x3 implicit GEMM with BN statistics against cuDNN's path");
   p.value("--shape", "K,C,HW", &a.shape,
-          "with --conv1x1 or --wgrad1x1: this shape only (K input and C output channels at HW x HW), for "
+          "with --conv1x1, --wgrad1x1 or --conv3x3: this shape only (K input and C output channels at HW x HW), for "
           "example to profile one kernel under ncu");
   if (!p.parse(argc, argv)) {
     std::fputs(p.info().c_str(), stdout);
@@ -796,6 +802,49 @@ void probe_wgrad1x1(int64_t n, int64_t k, int64_t c, int64_t hw) {
               gflop / t_kiln, t_kiln / t_cudnn);
 }
 
+// One stride-1, padding-1 3x3 convolution at batch n: k → c channels at hw × hw, its statistics
+// with it. cuDNN's path is what cuda/backend.cpp conv_stats runs with KILN_CONV3X3 off.
+void probe_conv3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  const ConvParams p{1, 1, 1, 1, 1, 1, 1};
+  Tensor x = repeated_randn(n, k, hw);
+  Tensor w = F::mul(randn({c, k, 3, 3}), 1.0 / std::sqrt(9.0 * double(k)))
+                 .to(DType::f16)
+                 .to(gpu)
+                 .contiguous(MemoryFormat::ChannelsLast);
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  Tensor y = empty({n, c, hw, hw},
+                   TensorOptions(DType::f16).with_device(gpu).with_memory_format(
+                       MemoryFormat::ChannelsLast));
+  Tensor sum = empty({c}, f32), sqsum = empty({c}, f32);
+  const bool before = cuda::conv3x3_enabled();
+  cuda::set_conv3x3_enabled(false);
+  bool epilogue = false;
+  const double t_cudnn = median_ms([&] {
+    epilogue = cuda::conv2d_forward_stats(y, sum, sqsum, x, w, p);
+    if (!epilogue) {
+      cuda::conv2d_forward(y, x, w, Tensor(), p);
+      cuda::bn_nhwc_stats(sum, sqsum, y);
+    }
+  });
+  cuda::set_conv3x3_enabled(true);
+  const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) * 9.0 / 1e9;
+  std::printf("3x3 %4lld -> %4lld @%lldx%lld (%.1f GFLOP): cuDNN %s %.3f ms (%.0f TFLOP/s)",
+              static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
+              static_cast<long long>(hw), gflop,
+              epilogue ? "GenStats" : "conv + statistics pass", t_cudnn, gflop / t_cudnn);
+  if (!cuda::conv3x3_stats_supported(y, x, w, p)) {
+    cuda::set_conv3x3_enabled(before);
+    std::printf("; kiln: not for this shape\n");
+    return;
+  }
+  const double t_kiln = median_ms([&] { cuda::conv3x3_forward_stats(y, sum, sqsum, x, w, p); });
+  cuda::set_conv3x3_enabled(before);
+  std::printf("; kiln %.3f ms (%.0f TFLOP/s), %.2fx\n", t_kiln, gflop / t_kiln,
+              t_kiln / t_cudnn);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -820,6 +869,18 @@ int main(int argc, char** argv) {
   try {
     if (args.stem) {
       probe_stem(N);
+      cudnnDestroy(h);
+      return 0;
+    }
+    if (args.conv3x3) {
+      // ResNet-50's stride-1 3x3 convolutions (conv2 of every block but each layer's first in
+      // layers 2-4; layer 1's C 64 is not taken).
+      if (!args.shape.empty()) {
+        probe_conv3x3(N, args.shape_k, args.shape_c, args.shape_hw);
+      } else {
+        for (auto [k, hw] : {std::pair<int64_t, int64_t>{64, 56}, {128, 28}, {256, 14}, {512, 7}})
+          probe_conv3x3(N, k, k, hw);
+      }
       cudnnDestroy(h);
       return 0;
     }
