@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(256)
 }
 
 constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
+constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
 
 // dw (=, or += with accumulate) = dyᵀ · x, or dyᵀ · relu(x·scale + shift) with scale_shift
 // defined; the shapes already checked.
@@ -274,9 +275,12 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
               bool accumulate) {
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
   // The prologue from registers (kPro 3) where x can be A with dy in 128-column tiles and the
-  // k-steps pair up.
-  // The same orientation and row split with and without it, for the same bits.
-  const bool regs_shape = I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
+  // k-steps pair up. With KILN_CONV_PROLOGUE on, every weight gradient of such a shape takes
+  // that orientation and row split, so that the fused op and its composition give the same bits;
+  // with it off, dy is A wherever it can be (x as A was 1.05–1.26x slower on layers 1–2's shapes:
+  // kiln-fusion-probe --wgrad1x1, docs/lab/norm-conv.md).
+  const bool regs_shape =
+      g_conv_prologue.get() && I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
   const bool regs = scale_shift.defined() && regs_shape;
   // A: the side that is a multiple of 128 (x's where the register form fits, else dy's where
   // both are).
@@ -289,7 +293,7 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   const int bn = B % 128 == 0 ? 128 : 64;
   const int64_t tiles = (A / kBM) * (B / bn), KT = (M + kBK - 1) / kBK;
   const int64_t sms = context().props.multiProcessorCount;
-  const bool pairs = KT % 2 == 0;
+  const bool pairs = g_conv_prologue.get() && KT % 2 == 0;
   const int parts = int(std::clamp<int64_t>(sms / tiles, 1, pairs ? KT / 2 : KT));
   Tensor partial =
       empty({int64_t(parts) * A * B}, TensorOptions(DType::f32).with_device(x.device()));
@@ -371,7 +375,6 @@ void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const T
   wgrad1x1(dw, dy, x, scale_shift, accumulate);
 }
 
-constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
 
 bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w) {
   if (!g_conv_prologue.get() || !g_wgrad1x1.get() || !conv1x1_stats_enabled() ||

@@ -160,8 +160,14 @@ TEST_CASE("the bn + ReLU prologue gives the apply pass's bits, forward and weigh
   // 256 → 1,024 with several k-steps per tile), rows that end inside a tile (2·7·7), layer 1 at
   // batch 4 (12,544 rows), and a 64-channel output (the weight gradient's operands swapped: the
   // prologue on its A side; the forward does not take C 64).
+  // With KILN_CONV_PROLOGUE on, the weight gradient's register-A form (kPro 3) and every weight
+  // gradient of its shapes in its orientation; off, the shared-memory forms and dy as A.
+  const bool before = cuda::conv1x1_bn_relu_enabled();
+  for (bool prologue : {true, false})
   for (Case cs : {Case{2, 64, 256, 7, 7}, Case{2, 128, 512, 14, 14}, Case{2, 256, 1024, 14, 14},
                   Case{4, 64, 256, 56, 56}, Case{2, 256, 64, 14, 14}, Case{3, 128, 128, 5, 7}}) {
+    cuda::set_conv1x1_bn_relu_enabled(prologue);
+    CAPTURE(prologue);
     CAPTURE(cs.n);
     CAPTURE(cs.k);
     CAPTURE(cs.c);
@@ -201,6 +207,7 @@ TEST_CASE("the bn + ReLU prologue gives the apply pass's bits, forward and weigh
     KILN_CHECK_OK(testing::compare(f32(dw2), F::matmul(dym.t(), am).reshape({cs.c, cs.k, 1, 1}),
                                    2e-3 * std::sqrt(double(M)), 2e-3));
   }
+  cuda::set_conv1x1_bn_relu_enabled(before);
 }
 
 TEST_CASE("the prologue's entry points refuse a scale_shift of the wrong size") {
