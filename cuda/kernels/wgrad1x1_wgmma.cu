@@ -224,46 +224,45 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // dw[o][i] (strides so, si) = Σ over parts, in order, of partial (parts, A, B) at (o, i), or at
-// (i, o) when swapped; (+= the old value with accumulate). A block takes a 32 × 32 tile of
-// (A, B): its reads of partial run along B, and so do its writes of dw unswapped; swapped they
-// go through a shared tile, so that the writes run along A (dw's inner dimension) too — one
-// 2-byte write per 1,024-byte row was the kernel's cost before (19 µs for layer 4's conv1).
+// (i, o) when swapped; (+= the old value with accumulate). A block of 32 × 32 threads takes a
+// 32 × 32 tile of (A, B), one element per thread (the parts' loads are what takes the time:
+// up to 66 of them per element, so every element gets its own thread). Reads of partial run
+// along B, and so do the writes of dw unswapped; swapped the sums go through a shared tile so
+// that the writes run along A, dw's inner dimension — one 2-byte write per 1,024-byte row cost
+// layer 4's conv1 19 µs before.
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(1024)
     wgrad1x1_finish_kernel(T* __restrict__ dw, const float* __restrict__ partial, int parts,
                            int A, int B, bool swapped, int64_t so, int64_t si, bool accumulate) {
   pdl_start();
   __shared__ float tile[32][33];
   const int64_t n = int64_t(A) * B;
-  const int a0 = int(blockIdx.y) * 32, b0 = int(blockIdx.x) * 32, tx = threadIdx.x & 31,
-            ty = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = ty; r < 32; r += 8) {
-    const int a = a0 + r, b = b0 + tx;
-    if (a >= A || b >= B) continue;
-    const float* p = partial + int64_t(a) * B + b;
-    float v = 0.f;
+  const int a0 = int(blockIdx.y) * 32, b0 = int(blockIdx.x) * 32;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  {
+    const int a = a0 + ty, b = b0 + tx;
+    if (a < A && b < B) {
+      const float* p = partial + int64_t(a) * B + b;
+      float v = 0.f;
 #pragma unroll 8
-    for (int q = 0; q < parts; ++q) v += p[q * n];
-    if (swapped) {
-      tile[r][tx] = v;
-    } else {
-      T* dst = dw + int64_t(a) * so + b * si;
-      if (accumulate) v += float(*dst);
-      *dst = T(v);
+      for (int q = 0; q < parts; ++q) v += p[q * n];
+      if (swapped) {
+        tile[ty][tx] = v;
+      } else {
+        T* dst = dw + int64_t(a) * so + b * si;
+        if (accumulate) v += float(*dst);
+        *dst = T(v);
+      }
     }
   }
   if (!swapped) return;
   __syncthreads();
-#pragma unroll
-  for (int r = ty; r < 32; r += 8) {  // dw row o = b0 + r, its columns i = a0 + tx
-    const int b = b0 + r, a = a0 + tx;
-    if (a >= A || b >= B) continue;
-    T* dst = dw + int64_t(b) * so + a * si;
-    float v = tile[tx][r];
-    if (accumulate) v += float(*dst);
-    *dst = T(v);
-  }
+  const int b = b0 + ty, a = a0 + tx;  // dw row o = b, its column i = a
+  if (a >= A || b >= B) return;
+  T* dst = dw + int64_t(b) * so + a * si;
+  float v = tile[tx][ty];
+  if (accumulate) v += float(*dst);
+  *dst = T(v);
 }
 
 constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
@@ -324,12 +323,15 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   KILN_CUDA_CHECK_LAUNCH();
   const dim3 blocks(unsigned((B + 31) / 32), unsigned((A + 31) / 32));
   const float* pp = static_cast<const float*>(partial.raw_data());
+  const dim3 threads(32, 32);
   if (dw.dtype() == DType::f16)
-    launch(wgrad1x1_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),
-           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+    launch(wgrad1x1_finish_kernel<__half>, blocks, threads, 0, s,
+           static_cast<__half*>(dw.raw_data()), pp, parts, int(A), int(B), swapped, dw.stride(0),
+           dw.stride(1), accumulate);
   else
-    launch(wgrad1x1_finish_kernel<float>, blocks, 256, 0, s, static_cast<float*>(dw.raw_data()),
-           pp, parts, int(A), int(B), swapped, dw.stride(0), dw.stride(1), accumulate);
+    launch(wgrad1x1_finish_kernel<float>, blocks, threads, 0, s,
+           static_cast<float*>(dw.raw_data()), pp, parts, int(A), int(B), swapped, dw.stride(0),
+           dw.stride(1), accumulate);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
