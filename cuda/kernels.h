@@ -299,6 +299,11 @@ void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const T
 // writes relu(bn(x))).
 bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w);
 bool conv1x1_bn_relu_enabled();
+// KILN_PROLOGUE_F16=1 (an experiment, off by default): the prologue's factors in f16 and one
+// half-precision fused multiply-add and ReLU per pair of values — about a seventh of the
+// instructions of the f32 form, and no longer the composition's bits (close to them).
+bool prologue_f16_enabled();
+void set_prologue_f16_enabled(bool on);
 void set_conv1x1_bn_relu_enabled(bool on);
 bool conv1x1_wgrad_enabled();
 void set_conv1x1_wgrad_enabled(bool on);

@@ -119,6 +119,9 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // factors there and issues wgmma's register-A form; two register sets alternate, so that one
 // k-step's fragments are formed while the previous k-step's MMAs run. The values are bit for bit
 // those the apply pass would have stored, so y and the statistics are the unfused path's bits.
+// kF16 (KILN_PROLOGUE_F16=1, an experiment): the factors rounded to f16 and applied with one
+// half-precision fused multiply-add and ReLU per pair (bn_relu2_f16) — about a seventh of the
+// instructions, not the apply pass's bits.
 //
 // kIm2col (with kStats only): a 3x3 convolution, stride 1, padding 1 (implicit GEMM). dy is x's
 // im2col map (im2col3x3_map: img_h × img_w images), K = 9 × x's channels, k-step kt is tap
@@ -126,7 +129,7 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // producer asks TMA for the tile's 128 output pixels shifted by the tap, padding read as zeros.
 // wt is w (C × 3 × 3 × K/9, channels-last) as a C × K matrix, K-major as it lies.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
-          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false>
+          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -256,9 +259,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The prologue's factors, in shared memory after the barriers.
   [[maybe_unused]] const float* fss =
       reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kStages + 4) * 8);
+  // kF16: K / 2 scale pairs, then K / 2 shift pairs, as half2.
+  [[maybe_unused]] const __half2* fh = reinterpret_cast<const __half2*>(fss);
   if constexpr (kPrologue) {
     float* f = const_cast<float*>(fss);
-    for (int i = tid - 128; i < 2 * K; i += 256) f[i] = scale_shift[i];
+    if constexpr (kF16) {
+      __half2* h = reinterpret_cast<__half2*>(f);
+      for (int i = tid - 128; i < K; i += 256) {
+        const int which = i / (K / 2), ch = 2 * (i % (K / 2));
+        h[i] = __floats2half2_rn(scale_shift[which * K + ch], scale_shift[which * K + ch + 1]);
+      }
+    } else {
+      for (int i = tid - 128; i < 2 * K; i += 256) f[i] = scale_shift[i];
+    }
     named_sync(3, 256);
   }
 
@@ -298,14 +311,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
           const int ch = kt * kBK + kk * 16 + 2 * (lane & 3);
-          const float2 s0 = *reinterpret_cast<const float2*>(fss + ch);
-          const float2 t0 = *reinterpret_cast<const float2*>(fss + K + ch);
-          const float2 s8 = *reinterpret_cast<const float2*>(fss + ch + 8);
-          const float2 t8 = *reinterpret_cast<const float2*>(fss + K + ch + 8);
-          a[kk][0] = bn_relu2(a[kk][0], s0, t0);
-          a[kk][1] = bn_relu2(a[kk][1], s0, t0);
-          a[kk][2] = bn_relu2(a[kk][2], s8, t8);
-          a[kk][3] = bn_relu2(a[kk][3], s8, t8);
+          if constexpr (kF16) {
+            const __half2 s0 = fh[ch / 2], t0 = fh[K / 2 + ch / 2];
+            const __half2 s8 = fh[ch / 2 + 4], t8 = fh[K / 2 + ch / 2 + 4];
+            a[kk][0] = bn_relu2_f16(a[kk][0], s0, t0);
+            a[kk][1] = bn_relu2_f16(a[kk][1], s0, t0);
+            a[kk][2] = bn_relu2_f16(a[kk][2], s8, t8);
+            a[kk][3] = bn_relu2_f16(a[kk][3], s8, t8);
+          } else {
+            const float2 s0 = *reinterpret_cast<const float2*>(fss + ch);
+            const float2 t0 = *reinterpret_cast<const float2*>(fss + K + ch);
+            const float2 s8 = *reinterpret_cast<const float2*>(fss + ch + 8);
+            const float2 t8 = *reinterpret_cast<const float2*>(fss + K + ch + 8);
+            a[kk][0] = bn_relu2(a[kk][0], s0, t0);
+            a[kk][1] = bn_relu2(a[kk][1], s0, t0);
+            a[kk][2] = bn_relu2(a[kk][2], s8, t8);
+            a[kk][3] = bn_relu2(a[kk][3], s8, t8);
+          }
         }
       };
       auto mma = [&](const uint32_t (&a)[4][4], int s) {
@@ -562,9 +584,9 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
   const CUtensorMap none{};
   const float* ss = scale_shift.defined() ? static_cast<const float*>(scale_shift.raw_data())
                                           : nullptr;
-  auto go = [&]<bool kPipeline, bool kPrologue>() {
-    constexpr auto kernel =
-        dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, kPrologue>;
+  auto go = [&]<bool kPipeline, bool kPrologue, bool kF16 = false>() {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false,
+                                                          kPipeline, kPrologue, false, kF16>;
     constexpr int kSmem = kPrologue ? kSmemPrologue : kSmemBytes;
     allow_smem_once<kernel>(kSmem, "conv1x1_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
@@ -572,7 +594,9 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
                     map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
                     int(C), int(K), parts, 0, 0);
   };
-  if (ss != nullptr)
+  if (ss != nullptr && prologue_f16_enabled())
+    go.template operator()<true, true, true>();
+  else if (ss != nullptr)
     go.template operator()<true, true>();
   else if (g_pipeline.get())
     go.template operator()<true, false>();

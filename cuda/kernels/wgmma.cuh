@@ -179,6 +179,13 @@ __device__ inline uint32_t bn_relu2(uint32_t x, float2 sc, float2 sh) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// relu(x·scale + shift) of one half2 in half precision (KILN_PROLOGUE_F16: the factors rounded
+// to f16, one fused multiply-add and ReLU, one rounding): not bn_relu8's bits.
+__device__ inline uint32_t bn_relu2_f16(uint32_t x, __half2 sc, __half2 sh) {
+  const __half2 h = __hfma2_relu(*reinterpret_cast<const __half2*>(&x), sc, sh);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // The same with B 16 × 64: D 64 × 64 f32.
 template <int kTransA, int kTransB>
 __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {

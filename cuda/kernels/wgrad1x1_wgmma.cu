@@ -49,11 +49,11 @@ constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 3 * kStages<kBN> * 
 // applied to x's boxes in shared memory before the MMAs read them (bn_relu_box), bit for bit the
 // values bn_nhwc_apply would have written; 1 where x is b, 2 where x is a. Warps 2 and 3 of
 // warpgroup 0 transform each slot once it is in and arrive on its "ready" mbarrier, which the
-// consumers then wait for instead of "full". kPro 3: x is a, taken into registers instead (WIP,
-// never run on a GPU): each consumer loads its 64 channels × 16 rows per wgmma with ldmatrix
-// .trans from the M-major slot, applies its two channels' factors there, and issues wgmma's
-// register-A form; two register sets alternate, so each part's k-steps come in pairs (M a
-// multiple of 128) and B (dy) takes 128-column tiles.
+// consumers then wait for instead of "full". kPro 3: x is a, taken into registers instead: each
+// consumer loads its 64 channels × 16 rows per wgmma with ldmatrix .trans from the M-major slot,
+// applies its two channels' factors there, and issues wgmma's register-A form; two register sets
+// alternate, so each part's k-steps come in pairs (M a multiple of 128) and B (dy) takes
+// 128-column tiles. kPro 4: kPro 3 with the factors in f16 (KILN_PROLOGUE_F16, bn_relu2_f16).
 template <int kBN, int kPro>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
   const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
   const int a0 = (tile / b_tiles) * kBM, b0 = (tile % b_tiles) * kBN;
-  static_assert(kPro != 3 || kBN == 128, "the register-A prologue takes 128-column tiles");
+  static_assert(kPro < 3 || kBN == 128, "the register-A prologue takes 128-column tiles");
   const int64_t KT = (M + kBK - 1) / kBK;
   // pairs (KT even; always with kPro 3): whole pairs of k-steps per part, so that every form
   // adds the same rows into each partial and gives the same bits.
@@ -152,11 +152,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  if constexpr (kPro == 3) {
+  if constexpr (kPro >= 3) {
     // This thread's two channels of x (fragment rows lane / 4 and lane / 4 + 8 of its warp).
     const int ch = a0 + c * 64 + warp * 16 + (lane >> 2);
     const float s_lo = ss[ch], t_lo = ss[A + ch], s_hi = ss[ch + 8], t_hi = ss[A + ch + 8];
     const float2 sl{s_lo, s_lo}, tl{t_lo, t_lo}, sh{s_hi, s_hi}, th{t_hi, t_hi};
+    // kPro 4 (KILN_PROLOGUE_F16): the same factors in f16, bn_relu2_f16.
+    const __half2 hsl = __float2half2_rn(s_lo), htl = __float2half2_rn(t_lo);
+    const __half2 hsh = __float2half2_rn(s_hi), hth = __float2half2_rn(t_hi);
     uint32_t r0[4][4], r1[4][4];
     // A (64 channels × 16 rows per wgmma) from the slot's M-major box c: matrix q of each
     // ldmatrix is channels 8·(q % 2).. of rows 8·(q / 2).. of the 16-row step, transposed.
@@ -167,10 +170,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int row = kk * 16 + (q >> 1) * 8 + (lane & 7), chunk = 2 * warp + (q & 1);
         ldmatrix_x4_trans(a[kk], a_slot(s) + uint32_t(c * kBox + row * 128 +
                                                       ((chunk ^ (row & 7)) << 4)));
-        a[kk][0] = bn_relu2(a[kk][0], sl, tl);
-        a[kk][1] = bn_relu2(a[kk][1], sh, th);
-        a[kk][2] = bn_relu2(a[kk][2], sl, tl);
-        a[kk][3] = bn_relu2(a[kk][3], sh, th);
+        if constexpr (kPro == 4) {
+          a[kk][0] = bn_relu2_f16(a[kk][0], hsl, htl);
+          a[kk][1] = bn_relu2_f16(a[kk][1], hsh, hth);
+          a[kk][2] = bn_relu2_f16(a[kk][2], hsl, htl);
+          a[kk][3] = bn_relu2_f16(a[kk][3], hsh, hth);
+        } else {
+          a[kk][0] = bn_relu2(a[kk][0], sl, tl);
+          a[kk][1] = bn_relu2(a[kk][1], sh, th);
+          a[kk][2] = bn_relu2(a[kk][2], sl, tl);
+          a[kk][3] = bn_relu2(a[kk][3], sh, th);
+        }
       }
     };
     auto step = [&](uint32_t (&a)[4][4], int j) {
@@ -267,6 +277,7 @@ __global__ void __launch_bounds__(1024)
 
 constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
 constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
+constinit RuntimeSwitch g_prologue_f16{&Switches::prologue_f16};  // KILN_PROLOGUE_F16
 
 // dw (=, or += with accumulate) = dyᵀ · x, or dyᵀ · relu(x·scale + shift) with scale_shift
 // defined; the shapes already checked.
@@ -314,6 +325,8 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   };
   if (ss == nullptr)
     pick.template operator()<0>();
+  else if (regs && prologue_f16_enabled())
+    go.template operator()<128, 4>();
   else if (regs)
     go.template operator()<128, 3>();
   else if (swapped)
@@ -395,6 +408,8 @@ bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w) {
 }
 
 bool conv1x1_bn_relu_enabled() { return g_conv_prologue.get(); }
+bool prologue_f16_enabled() { return g_prologue_f16.get(); }
+void set_prologue_f16_enabled(bool on) { g_prologue_f16.set(on); }
 void set_conv1x1_bn_relu_enabled(bool on) { g_conv_prologue.set(on); }
 
 bool conv1x1_wgrad_enabled() { return g_wgrad1x1.get(); }

@@ -210,6 +210,48 @@ TEST_CASE("the bn + ReLU prologue gives the apply pass's bits, forward and weigh
   cuda::set_conv1x1_bn_relu_enabled(before);
 }
 
+TEST_CASE("KILN_PROLOGUE_F16: the f16-factor prologue stays close to the composition") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the prologue runs on the wgmma kernels (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  const bool before = cuda::conv1x1_bn_relu_enabled(), before16 = cuda::prologue_f16_enabled();
+  cuda::set_conv1x1_bn_relu_enabled(true);  // the register forms, which the f16 form changes
+  cuda::set_prologue_f16_enabled(true);
+  // Layer 2's and layer 3's conv3 at small batches.
+  for (int64_t k : {128, 256}) {
+    CAPTURE(k);
+    const int64_t n = 2, c = 4 * k, hw = 14;
+    manual_seed(331 + uint64_t(k));
+    const Tensor y = nhwc(F::add(randn({n, k, hw, hw}), 0.3));
+    BnStatsFinalize f = gputest::bn_finalize_of(y);
+    const Tensor a = empty_like(y);
+    cuda::bn_nhwc_apply(a, y, Tensor(), f, Activation::Relu);
+    const Tensor w =
+        F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    const Tensor like = nhwc(zeros({n, c, hw, hw}));
+    Tensor y1 = empty_like(like), s1 = empty({c}, f32o), q1 = empty({c}, f32o);
+    Tensor y2 = empty_like(like), s2 = empty({c}, f32o), q2 = empty({c}, f32o);
+    cuda::conv1x1_forward_stats(y1, s1, q1, a, w, ConvParams{});
+    cuda::conv1x1_bn_relu_forward_stats(y2, s2, q2, y, f.scale_shift, w, ConvParams{});
+    // The factors' f16 rounding (relative 2^-11 of scale and shift) and one more rounding of
+    // each operand value: a few f16 units of the output.
+    KILN_CHECK_OK(testing::compare(f32(y2), f32(y1), 1e-2, 1e-2));
+    const double rows = double(n * hw * hw);
+    KILN_CHECK_OK(testing::compare(f32(s2), f32(s1), 1e-2 * std::sqrt(rows), 1e-2));
+    KILN_CHECK_OK(testing::compare(f32(q2), f32(q1), 1e-2 * std::sqrt(rows), 1e-2));
+    const Tensor dy = nhwc(randn({n, c, hw, hw}));
+    const Tensor dw1 = gputest::nan_output({c, k, 1, 1}, DType::f32);
+    const Tensor dw2 = gputest::nan_output({c, k, 1, 1}, DType::f32);
+    cuda::conv1x1_backward_weight(dw1, dy, a, ConvParams{}, false);
+    cuda::conv1x1_bn_relu_backward_weight(dw2, dy, y, f.scale_shift, ConvParams{}, false);
+    KILN_CHECK_OK(testing::compare(f32(dw2), f32(dw1), 1e-2 * std::sqrt(rows), 1e-2));
+  }
+  cuda::set_prologue_f16_enabled(before16);
+  cuda::set_conv1x1_bn_relu_enabled(before);
+}
+
 TEST_CASE("the prologue's entry points refuse a scale_shift of the wrong size") {
   if (!cuda::dgrad1x1_bn_wgmma_available()) {
     MESSAGE("needs the wgmma kernels (an sm_90 GPU, a build for sm_90a); skipped");
