@@ -37,10 +37,17 @@
 // | KILN_WGRAD1X1            | 0                   | stride-1 1x1 weight gradients on cuDNN, not on  |
 // |                          |                     | kiln's wgmma kernel (before 2026-12-04's v22)   |
 // | KILN_CONV_PROLOGUE       | 1                   | a bottleneck's relu(bn2(y2)) applied as conv3's |
-// |                          |                     | kernels load y2, never written: the same bits,  |
-// |                          |                     | 0.67 GiB less reserved, but 0.8 ms slower at    |
-// |                          |                     | b256 (off by default; docs/lab/norm-conv.md,    |
-// |                          |                     | v22)                                            |
+// |                          |                     | kernels load y2, never written (layers 2-4):    |
+// |                          |                     | the same bits, 0.39 GiB less reserved, but      |
+// |                          |                     | 0.3-0.4 ms slower at b256 (off by default;      |
+// |                          |                     | docs/lab/norm-conv.md, v22-v23); 1x1 weight     |
+// |                          |                     | gradients then take x as A where it fits        |
+// | KILN_PROLOGUE_F16        | 1                   | with KILN_CONV_PROLOGUE=1: the factors applied  |
+// |                          |                     | in f16 (an experiment: level in speed, not the  |
+// |                          |                     | composition's bits; v23)                        |
+// | KILN_CONV3X3             | 1                   | stride-1 padding-1 3x3 convolutions (C a        |
+// |                          |                     | multiple of 128) on kiln's implicit GEMM, not   |
+// |                          |                     | cuDNN (level at b256; off by default; v23)      |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
