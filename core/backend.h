@@ -51,9 +51,9 @@ enum class FastPath : uint8_t {
   // BatchNormStatsPaths' required entries: x, residual, weight, bias, running_mean, running_var,
   // sum, sqsum (training; sum and sqsum undefined when they would come from compute).
   BatchNormStats,
-  // BatchNormStatsPaths::backward_dgrad1x1: dy1, w1, x, mask (the forward's ReLU bits, or
+  // BatchNormStatsPaths::backward_dgrad: dy1, w1, x, mask (the forward's ReLU bits, or
   // undefined for a mask recomputed from x).
-  BatchNormStatsDgrad1x1,
+  BatchNormStatsDgrad,
   // BatchNormStatsPaths::relu_max_pool: x (the op checks the stem pool's geometry).
   BatchNormReluMaxPool,
   // BatchNormStatsPaths::relu_max_pool_backward: x.
@@ -129,16 +129,16 @@ struct BatchNormStatsPaths {
   // Optional. sum, sqsum (C) (=) = Σx and Σx² per channel in a fixed order, for when the
   // convolution did not produce them.
   void (*compute)(TensorRef sum, TensorRef sqsum, TensorRef x) = nullptr;
-  // Optional (FastPath::BatchNormStatsDgrad1x1): backward's relu cases where dy is a stride-1
-  // 1x1 convolution's data gradient added onto r: dy = dgrad(dy1, w1) + r, w1 (K, C, 1, 1), r
-  // undefined meaning zero — computed with the first pass (on CUDA one GEMM with the sums in its
-  // epilogue). With `mask` (relu + z, the forward's bits) dz (=) = dy masked by the ReLU; with
-  // mask undefined (relu alone) the mask is recomputed from x and scale_shift, and dz is
-  // undefined.
-  void (*backward_dgrad1x1)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
-                            TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
-                            TensorRef weight, TensorRef save_mean, TensorRef save_invstd,
-                            TensorRef scale_shift, GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormStatsDgrad): backward's relu cases where dy is a stride-1
+  // convolution's data gradient added onto r: dy = dgrad(dy1, w1) + r, w1 (K, C, 1, 1)
+  // unpadded or (K, C, 3, 3) with padding 1, r undefined meaning zero — computed with the first
+  // pass (on CUDA one GEMM with the sums in its epilogue). With `mask` (relu + z, the forward's
+  // bits) dz (=) = dy masked by the ReLU; with mask undefined (relu alone) the mask is recomputed
+  // from x and scale_shift, and dz is undefined.
+  void (*backward_dgrad)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                         TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
+                         TensorRef weight, TensorRef save_mean, TensorRef save_invstd,
+                         TensorRef scale_shift, GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
   // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
   // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then

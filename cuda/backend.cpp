@@ -157,18 +157,20 @@ void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dw
                         mode == GradientMode::Accumulate);
 }
 
-void bn_stats_backward_dgrad1x1(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
-                                const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
-                                const Tensor& r, const Tensor& x, const Tensor& mask,
-                                const Tensor& weight, const Tensor& save_mean,
-                                const Tensor& save_invstd, const Tensor& scale_shift,
-                                GradientMode mode) {
-  // The tail's kernels add r always; relu alone (mask recomputed from x) takes it undefined.
-  Tensor rz = r.defined() || !mask.defined() ? r : zeros_like(x);
+void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
+                             const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                             const Tensor& r, const Tensor& x, const Tensor& mask,
+                             const Tensor& weight, const Tensor& save_mean,
+                             const Tensor& save_invstd, const Tensor& scale_shift,
+                             GradientMode mode) {
+  // The tail's mma.sync kernel adds r always; the wgmma kernel's forms (relu alone, every 3x3
+  // convolution) take it undefined.
+  const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;
+  Tensor rz = r.defined() || !mask.defined() || taps ? r : zeros_like(x);
   Tensor g = dz.defined() ? dz : empty_like(x);
-  bn_nhwc_backward_dgrad1x1(dx, g, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
-                            save_invstd, mode == GradientMode::Accumulate,
-                            mask.defined() ? Tensor() : scale_shift);
+  bn_nhwc_backward_dgrad(dx, g, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
+                         save_invstd, mode == GradientMode::Accumulate,
+                         mask.defined() ? Tensor() : scale_shift);
 }
 
 void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
@@ -219,11 +221,14 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
              per_channel(*t[2], x) && per_channel(*t[3], x) && per_channel(*t[4], x) &&
              per_channel(*t[5], x) && x.numel() / x.size(1) > 1 && sums;
     }
-    case FastPath::BatchNormStatsDgrad1x1: {
+    case FastPath::BatchNormStatsDgrad: {
       expect(4);
       const bool bits = t[3]->defined();
+      const Tensor& w1 = *t[1];
+      const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;
       return g_dgrad_fusion.get() && (bits || switches().fused_dgrad_relu) &&
-             dgrad1x1_bn_supported(*t[0], *t[1], *t[2], bits);
+             (taps ? dgrad3x3_bn_supported(*t[0], w1, *t[2])
+                   : dgrad1x1_bn_supported(*t[0], w1, *t[2], bits));
     }
     case FastPath::BatchNormReluMaxPool:
       expect(1);
@@ -276,7 +281,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
   BatchNormStatsPaths p{bn_nhwc_finalize, bn_stats_apply, bn_stats_backward, bn_nhwc_dual_apply,
                         bn_stats_dual_backward};
   p.compute = bn_nhwc_stats;
-  p.backward_dgrad1x1 = bn_stats_backward_dgrad1x1;
+  p.backward_dgrad = bn_stats_backward_dgrad;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
   p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;
   p.relu_conv1x1_forward_stats = bn_relu_conv1x1_forward_stats;

@@ -13,7 +13,7 @@ namespace kiln::cuda {
 const Backend& backend_table();
 
 // Whether a ResNet block tail's batch-norm backward takes the next 1x1 convolution's data
-// gradient into its own GEMM (FastPath::BatchNormStatsDgrad1x1). On unless KILN_FUSED_DGRAD=0 or
+// gradient into its own GEMM (FastPath::BatchNormStatsDgrad). On unless KILN_FUSED_DGRAD=0 or
 // switched off here (tests compare both ways).
 bool dgrad_fusion_enabled();
 void set_dgrad_fusion_enabled(bool on);

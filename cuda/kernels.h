@@ -365,20 +365,35 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
 // scale_shift (the forward's, as bn_nhwc_backward's relu does), r may be undefined (no other
 // gradient), and g is G masked (scratch for the dx pass). The wgmma kernel only:
 // dgrad1x1_bn_supported(dy1, w1, x, /*mask_bits=*/false).
+//
+// w1 may also be a 3x3 convolution's weight (K, C, 3, 3), channels-last: the convolution then
+// has stride 1 and padding 1 (a bottleneck's conv2 reading relu(bn1(y1)), or a basic block's
+// conv reading a tail), and G = dgrad(dy1, w1) (+ r) is computed by kiln's implicit GEMM on
+// sm_90 (dy1 through TMA's im2col loads, w1 read per tap as it lies), with the same epilogue
+// and contract as the 1x1 form. Needs dgrad3x3_bn_supported.
 bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
                            bool mask_bits = true);
-void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
-                               const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
-                               const Tensor& r, const Tensor& mask, const Tensor& x,
-                               const Tensor& weight, const Tensor& save_mean,
-                               const Tensor& save_invstd, bool accumulate_params = false,
-                               const Tensor& scale_shift = Tensor());
+// The 3x3 form: KILN_DGRAD3X3 on, an sm_90 GPU and a build for sm_90a, f16 channels-last dy1
+// (N, K, H, W), w1 (K, C, 3, 3) and x (N, C, H, W), K a multiple of 64 up to 4,096, C a
+// multiple of 128 (any mask form: the forward's bits, or recomputed from x).
+bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
+// Whether the 3x3 form runs (KILN_DGRAD3X3, on by default; set here for tests and A/B runs).
+bool dgrad3x3_enabled();
+void set_dgrad3x3_enabled(bool on);
+void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,
+                            const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                            const Tensor& r, const Tensor& mask, const Tensor& x,
+                            const Tensor& weight, const Tensor& save_mean,
+                            const Tensor& save_invstd, bool accumulate_params = false,
+                            const Tensor& scale_shift = Tensor());
 // Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
 // its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C, K).
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
                      const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean,
                      const Tensor& scale_shift = Tensor());
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K);
+// The same for a 3x3 w (dgrad3x3_bn_supported).
+int dgrad3x3_bn_parts(int64_t M, int64_t C);
 // Which GEMM takes it: 0 the mma.sync kernel only (K 64, 128), 1 the wgmma kernel where the
 // mma.sync kernel does not go (K 256, 512), 2 (default) the wgmma kernel wherever it fits, the
 // mma.sync kernel elsewhere. KILN_TAIL_GEMM=mma / mixed, or set here (tests).

@@ -124,15 +124,15 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
   // The ReLU's mask: the forward's bits with a residual (a block tail), else recomputed from x
   // with the forward's scale and shift (a block's inner relu(bn(y)), read by conv3 alone).
-  bool accept_dgrad1x1(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
+  bool accept_dgrad(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
     if (output_nr != 0 || act_ != Activation::Relu || dy1_.defined() || !x_.defined() ||
         !(add_ ? mask_.defined() : scale_shift_.defined()))
       return false;
     const Tensor x = x_.get(*this);
     const Tensor mask = add_ ? mask_.get(*this) : Tensor();
     const Backend& be = backend(x);
-    if (!be.batch_norm_stats->backward_dgrad1x1 ||
-        !supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy1, &w1, &x, &mask}))
+    if (!be.batch_norm_stats->backward_dgrad ||
+        !supports(be, FastPath::BatchNormStatsDgrad, {&dy1, &w1, &x, &mask}))
       return false;
     dy1_ = dy1;
     w1_ = w1;
@@ -156,10 +156,10 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     const GradientMode mode = acc ? target_mode(*this, {2, 3}) : GradientMode::Set;
     if (dy1.defined()) {
-      backend(x).batch_norm_stats->backward_dgrad1x1(
-          dx, dz, dw, db, dy1, w1, dy, x, add_ ? mask_.get(*this) : Tensor(), w,
-          save_mean_.get(*this), save_invstd_.get(*this),
-          add_ ? Tensor() : scale_shift_.get(*this), mode);
+      backend(x).batch_norm_stats->backward_dgrad(dx, dz, dw, db, dy1, w1, dy, x,
+                                                  add_ ? mask_.get(*this) : Tensor(), w,
+                                                  save_mean_.get(*this), save_invstd_.get(*this),
+                                                  add_ ? Tensor() : scale_shift_.get(*this), mode);
     } else {
       // The ReLU mask: the forward's bits when a residual was added, else recomputed from x.
       Tensor mask = act_ == Activation::Relu && add_ ? mask_.get(*this) : Tensor();
@@ -174,7 +174,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
   Activation act_;
   bool add_;
-  Tensor dy1_, w1_;  // a 1x1 convolution's data gradient operands, taken in (accept_dgrad1x1)
+  Tensor dy1_, w1_;  // a 1x1 convolution's data gradient operands, taken in (accept_dgrad)
 };
 
 // Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br.
@@ -270,7 +270,7 @@ BnStatsFinalize finalize_stats(const Tensor& x, const ChannelStats& st, const Ba
 // Backward of batch_norm_relu_conv1x1's fused path. Inputs: x, weight, bias (the batch
 // norm's), w (the convolution's); the gradient is the convolution output's. x's and the batch
 // norm's gradients: the convolution's data gradient through the ReLU and the batch norm (on CUDA
-// one GEMM with the sums in its epilogue where backward_dgrad1x1 takes it, as the unfused pair's
+// one GEMM with the sums in its epilogue where backward_dgrad takes it, as the unfused pair's
 // DgradSink would); w's: dyᵀ · relu(bn(x)) recomputed as the kernel loads x.
 class BatchNormReluConv1x1Backward final : public Node {
  public:
@@ -303,12 +303,11 @@ class BatchNormReluConv1x1Backward final : public Node {
       const GradientMode mode = acc ? target_mode(*this, {1, 2}) : GradientMode::Set;
       dx = empty_like(x);
       const Tensor none;
-      if (be.batch_norm_stats->backward_dgrad1x1 &&
-          supports(be, FastPath::BatchNormStatsDgrad1x1, {&dy, &w, &x, &none})) {
-        be.batch_norm_stats->backward_dgrad1x1(dx, Tensor(), dwb, dbb, dy, w, Tensor(), x,
-                                               Tensor(), weight_.get(*this),
-                                               save_mean_.get(*this), save_invstd_.get(*this),
-                                               ss, mode);
+      if (be.batch_norm_stats->backward_dgrad &&
+          supports(be, FastPath::BatchNormStatsDgrad, {&dy, &w, &x, &none})) {
+        be.batch_norm_stats->backward_dgrad(dx, Tensor(), dwb, dbb, dy, w, Tensor(), x, Tensor(),
+                                            weight_.get(*this), save_mean_.get(*this),
+                                            save_invstd_.get(*this), ss, mode);
         ++g_dgrad_fusions;
       } else {  // the data gradient, then the batch norm's backward with the mask from x
         Tensor da = empty_like(x);

@@ -110,15 +110,20 @@ class Conv2dBackward final : public Node {
     x_.release();
     w_.release();
   }
-  // A stride-1, unpadded 1x1 convolution offers its data gradient to the node its input came
-  // from (ops/dgrad_sink.h); true when that node took it (dx then stays undefined here).
+  // A stride-1 convolution, 1x1 unpadded or 3x3 with padding 1, offers its data gradient to
+  // the node its input came from (ops/dgrad_sink.h); true when that node took it (dx then stays
+  // undefined here).
   bool hand_to_sink(const Tensor& dy, const Tensor& w) const {
     const Shape& ws = input_meta_[1].shape;
-    if (ws.size() != 4 || ws[2] != 1 || ws[3] != 1 || p_.stride_h != 1 || p_.stride_w != 1 ||
-        p_.pad_h != 0 || p_.pad_w != 0 || p_.groups != 1 || !next_edges_[0].valid())
+    if (ws.size() != 4 || p_.stride_h != 1 || p_.stride_w != 1 || p_.groups != 1 ||
+        !next_edges_[0].valid())
       return false;
+    const bool k1 = ws[2] == 1 && ws[3] == 1 && p_.pad_h == 0 && p_.pad_w == 0;
+    const bool k3 = ws[2] == 3 && ws[3] == 3 && p_.pad_h == 1 && p_.pad_w == 1 && p_.dil_h == 1 &&
+                    p_.dil_w == 1;
+    if (!k1 && !k3) return false;
     auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
-    return sink && sink->accept_dgrad1x1(next_edges_[0].input_nr, dy, w);
+    return sink && sink->accept_dgrad(next_edges_[0].input_nr, dy, w);
   }
   // dx and dw are fresh tensors (`=`), or the engine's targets with `+=`; db = Σ_{n,h,w} dy.
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {

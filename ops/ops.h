@@ -150,11 +150,11 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
                              double momentum = 0.1, double eps = 1e-5,
                              const Tensor& num_batches_tracked = Tensor());
 
-// In backward, batch_norm_from_stats's fused node with relu and a residual (a ResNet block's
-// tail) takes the data gradient of a stride-1 1x1 convolution that reads its output into its
-// own first pass where the backend supports it (FastPath::BatchNormStatsDgrad1x1; on CUDA one
-// GEMM with the statistics in its epilogue, cuda::set_dgrad_fusion_enabled switches it).
-// dgrad_fusions() counts the gradients taken in.
+// In backward, batch_norm_from_stats's fused node with relu (a ResNet block's tail with a
+// residual, or an inner relu(bn(y))) takes the data gradient of a stride-1 convolution that
+// reads its output (1x1 unpadded, or 3x3 with padding 1) into its own first pass where the backend
+// supports it (FastPath::BatchNormStatsDgrad; on CUDA one GEMM with the statistics in its epilogue,
+// cuda::set_dgrad_fusion_enabled switches it). dgrad_fusions() counts the gradients taken in.
 uint64_t dgrad_fusions();
 
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,

@@ -454,13 +454,13 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& dweight,
-                               const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
-                               const Tensor& r, const Tensor& mask, const Tensor& x,
-                               const Tensor& weight, const Tensor& save_mean,
-                               const Tensor& save_invstd, bool accumulate_params,
-                               const Tensor& scale_shift) {
-  const char* op = "bn_nhwc_backward_dgrad1x1";
+void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,
+                            const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                            const Tensor& r, const Tensor& mask, const Tensor& x,
+                            const Tensor& weight, const Tensor& save_mean,
+                            const Tensor& save_invstd, bool accumulate_params,
+                            const Tensor& scale_shift) {
+  const char* op = "bn_nhwc_backward_dgrad";
   check_x(x, op);
   check_act(dx, x, op, "dx");
   const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
@@ -469,7 +469,8 @@ void bn_nhwc_backward_dgrad1x1(const Tensor& dx, const Tensor& g, const Tensor& 
   const float* invstd =
       required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-  const int parts = dgrad1x1_bn_parts(rows, C, dy1.size(1));
+  const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;  // a 3x3 convolution's
+  const int parts = taps ? dgrad3x3_bn_parts(rows, C) : dgrad1x1_bn_parts(rows, C, dy1.size(1));
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
   dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift);

@@ -1,5 +1,5 @@
 // A 1x1 convolution's data gradient with the block tail's batch-norm backward in its epilogue
-// (contract in cuda/kernels.h: bn_nhwc_backward_dgrad1x1).
+// (contract in cuda/kernels.h: bn_nhwc_backward_dgrad).
 //
 // In NHWC a stride-1 1x1 convolution is a GEMM: its data gradient is G (M × N) = dy (M × K) ·
 // w (K × N), M = N·H·W pixels, K the convolution's output channels, N its input channels, w the
@@ -178,6 +178,11 @@ constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_G
 // its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too, docs/lab/tail-gemm.md), only
 // where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
 // mode 0 (KILN_TAIL_GEMM=mma).
+// A 3x3 convolution's weight (K, C, 3, 3).
+bool is_3x3(const Tensor& w) {
+  return w.defined() && w.dim() == 4 && w.size(2) == 3 && w.size(3) == 3;
+}
+
 bool use_wgmma(int64_t M, int64_t K, int64_t C) {
   const int mode = g_tail_gemm.get();
   if (mode == 0 || !dgrad1x1_bn_wgmma_shape(M, K, C) || !dgrad1x1_bn_wgmma_available())
@@ -191,6 +196,8 @@ void set_tail_gemm_mode(int mode) {
   KILN_CHECK(mode >= 0 && mode <= 2, "set_tail_gemm_mode: mode ", mode, " is not 0, 1 or 2");
   g_tail_gemm.set(mode);
 }
+
+int dgrad3x3_bn_parts(int64_t M, int64_t C) { return dgrad1x1_bn_wgmma_parts(M, C); }
 
 // The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
@@ -222,15 +229,26 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
                      const Tensor& scale_shift) {
   const char* op = "dgrad1x1_bn_sums";
   const bool bits = mask.defined();
-  KILN_CHECK(dgrad1x1_bn_supported(dy, w, x, bits), op,
-             " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, W) "
-             "with K 64 or 128 and C % 64 == 0 (on sm_90 also K a multiple of 64 up to 2,048 "
-             "and C % 128 == 0; a mask recomputed from x: those only), got dy ",
-             dy.desc(), ", w ", w.desc(), ", x ", x.desc());
+  // w (K, C, 3, 3): a 3x3 convolution's data gradient (stride 1, padding 1) on the wgmma kernel.
+  const bool taps = is_3x3(w);
+  if (taps) {
+    KILN_CHECK(dgrad3x3_bn_supported(dy, w, x), op,
+               " (cuda): a 3x3 w needs KILN_DGRAD3X3 on, an "
+               "sm_90 GPU, f16 channels-last dy (N, K, H, W), w (K, C, 3, 3) and x (N, C, H, W) "
+               "with K a multiple of 64 up to 4,096 and C a multiple of 128, got dy ",
+               dy.desc(), ", w ", w.desc(), ", x ", x.desc());
+  } else {
+    KILN_CHECK(dgrad1x1_bn_supported(dy, w, x, bits), op,
+               " (cuda): needs f16 channels-last dy (N, K, H, W), w (K, C, 1, 1) and x (N, C, H, "
+               "W) with K 64 or 128 and C % 64 == 0 (on sm_90 also K a multiple of 64 up to "
+               "2,048 and C % 128 == 0; a mask recomputed from x: those only), got dy ",
+               dy.desc(), ", w ", w.desc(), ", x ", x.desc());
+  }
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
+  const bool wgmma = taps || use_wgmma(M, K, C);
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
   // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
-  if (r.defined() || !use_wgmma(M, K, C)) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
+  if (r.defined() || !wgmma) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
   if (bits) {
     KILN_CHECK(mask.dtype() == DType::u8 && mask.is_contiguous() &&
                    mask.numel() == x.numel() / 8 && mask.device() == x.device(),
@@ -248,12 +266,16 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
                  mean.is_contiguous() && mean.device() == x.device(),
              op, " (cuda): mean must be f32 of ", C, " elements, got ",
              mean.defined() ? mean.desc() : "undefined");
-  const int parts = dgrad1x1_bn_parts(M, C, K);
+  const int parts = taps ? dgrad3x3_bn_parts(M, C) : dgrad1x1_bn_parts(M, C, K);
   KILN_CHECK(partial.defined() && partial.dtype() == DType::f32 && partial.is_contiguous() &&
                  partial.numel() >= int64_t(parts) * 2 * C && partial.device() == x.device(),
              op, " (cuda): partial must hold ", int64_t(parts) * 2 * C, " f32 values, got ",
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
+  if (taps) {
+    dgrad3x3_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
+    return parts;
+  }
   if (use_wgmma(M, K, C)) {
     dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
     return parts;

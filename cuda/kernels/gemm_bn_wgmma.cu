@@ -128,6 +128,11 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // kt / (K / 9 / 64) (row-major over the 3 × 3 filter) at channels 64·(kt % (K / 9 / 64)); the
 // producer asks TMA for the tile's 128 output pixels shifted by the tap, padding read as zeros.
 // wt is w (C × 3 × 3 × K/9, channels-last) as a C × K matrix, K-major as it lies.
+// With kWDirect instead of kStats, the same loads make a 3x3 convolution's data gradient
+// (stride 1, padding 1) with any of the epilogues above: dy is the output gradient's im2col map,
+// and since dx at a pixel takes dy at the pixel shifted by tap (r, s) through w's tap
+// (2 − r, 2 − s), B for tap t is w's tap 8 − t (w: K/9 × 3 × 3 × C, channels-last), read N-major
+// as it lies through a 3-D map (tap_weight_map), 64 rows of K at a time.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -145,7 +150,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
   static_assert(!kPrologue || kStats, "the prologue is the forward's");
-  static_assert(!kIm2col || (kStats && !kPrologue), "the 3x3 convolution: the forward alone");
+  static_assert(!kIm2col || (!kPrologue && kTmaEpi && (kStats || kWDirect)),
+                "the 3x3 convolution: the forward, or the data gradient with w read as it lies");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -218,14 +224,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = j % kStages;
         if (j >= kStages) mbar_wait(empty(s), uint32_t((j / kStages - 1) & 1));
         mbar_expect_tx(full(s), uint32_t(kStageBytes));
+        [[maybe_unused]] const int tap = kIm2col ? kt / cblocks : 0;
+        [[maybe_unused]] const int ch = kIm2col ? (kt - tap * cblocks) * kBK : 0;
         if constexpr (kIm2col) {
-          const int tap = kt / cblocks, ch = (kt - tap * cblocks) * kBK;
           tma_load_im2col(a_tile(s), &map_dy, ch, pw - 1, ph - 1, pn, uint16_t(tap % 3),
                           uint16_t(tap / 3), full(s));
         } else {
           tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
         }
-        if constexpr (kWDirect) {
+        if constexpr (kWDirect && kIm2col) {  // the 3x3 data gradient: w's tap 8 − tap
+          for (int h = 0; h < 2; ++h)
+            tma_load_3d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, 8 - tap, ch,
+                        full(s));
+        } else if constexpr (kWDirect) {
           for (int h = 0; h < 2; ++h)
             tma_load_2d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, kt * kBK,
                         full(s));
@@ -719,6 +730,65 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
   bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
 }
 
+constinit RuntimeSwitch g_dgrad3x3{&Switches::dgrad3x3};  // KILN_DGRAD3X3
+
+bool dgrad3x3_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x) {
+  if (!g_dgrad3x3.get() || !dgrad1x1_bn_wgmma_available()) return false;
+  if (!(dy.defined() && w.defined() && x.defined() && dy.is_cuda() && dy.dtype() == DType::f16 &&
+        w.dtype() == DType::f16 && x.dtype() == DType::f16 && dy.dim() == 4 && w.dim() == 4 &&
+        x.dim() == 4))
+    return false;
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = dy.size(1);
+  const int64_t M = N * H * W;
+  // As conv3x3_stats_supported, with dy in x's place: TMA's im2col coordinates are 32-bit.
+  return w.size(0) == K && w.size(1) == C && w.size(2) == 3 && w.size(3) == 3 && dy.size(0) == N &&
+         dy.size(2) == H && dy.size(3) == W && M > 0 && M < (int64_t(1) << 31) - kBM &&
+         K % kBK == 0 && K <= 4096 && C % kBN == 0 && C / kBN <= 132 && H <= 65535 && W <= 65535 &&
+         dy.is_contiguous(MemoryFormat::ChannelsLast) &&
+         x.is_contiguous(MemoryFormat::ChannelsLast) &&
+         w.is_contiguous(MemoryFormat::ChannelsLast) && dy.device() == x.device() &&
+         w.device() == x.device();
+}
+
+void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
+                            const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
+                            const Tensor& mean, const Tensor& scale_shift, int parts) {
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), Kc = dy.size(1);
+  const int64_t M = N * H * W;
+  const CUtensorMap map_dy = im2col3x3_map(dy.raw_data(), N, H, W, Kc);
+  const CUtensorMap map_w = tap_weight_map(w.raw_data(), Kc, C);  // (Kc, 3, 3, C) as it lies
+  const bool residual = r.defined(), bits = mask.defined();
+  CUtensorMap map_r{}, map_mask{};
+  if (residual) map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
+  const CUtensorMap map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
+  if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
+  // One wgmma group in flight always (KILN_WGMMA_PIPELINE is the 1x1 kernels' A/B switch).
+  auto run = [&]<bool kResidual, bool kBits>() {
+    constexpr auto kernel =
+        dgrad1x1_bn_sums_wgmma_kernel<true, kResidual, kBits, false, true, true, false, true>;
+    allow_smem_once<kernel>(kSmemBytes, "dgrad3x3_bn_sums");
+    launch_whole_sm(
+        kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+        static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy, map_w,
+        map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
+        static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
+        static_cast<const float*>(mean.raw_data()), static_cast<const float*>(ptr(scale_shift)), M,
+        int(C), int(9 * Kc), parts, int(H), int(W));
+  };
+  if (residual && bits)
+    run.template operator()<true, true>();
+  else if (bits)
+    run.template operator()<false, true>();
+  else if (residual)
+    run.template operator()<true, false>();
+  else
+    run.template operator()<false, false>();
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+bool dgrad3x3_enabled() { return g_dgrad3x3.get(); }
+void set_dgrad3x3_enabled(bool on) { g_dgrad3x3.set(on); }
 bool conv3x3_enabled() { return g_conv3x3.get(); }
 void set_conv3x3_enabled(bool on) { g_conv3x3.set(on); }
 bool conv1x1_stats_enabled() { return g_conv1x1_stats.get(); }

@@ -19,6 +19,12 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& mean, const Tensor& scale_shift, int parts);
+// The same for a 3x3 convolution (stride 1, padding 1): dy (N, K, H, W) through TMA's im2col
+// loads, w (K, C, 3, 3) channels-last; operands checked by the caller (dgrad3x3_bn_supported,
+// cuda/kernels.h); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C).
+void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
+                            const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
+                            const Tensor& mean, const Tensor& scale_shift, int parts);
 // A stride-1 1x1 convolution's forward on the same kernel, y (N, C, H, W) = x (N, K, H, W) ·
 // w (C, K, 1, 1)ᵀ, with partial (parts, 2, C) (=) holding per part Σy and Σy² of y as stored
 // (f16); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C). Shapes as dgrad1x1_bn_wgmma_shape(N·H·W,

@@ -47,6 +47,16 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0,
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+// A box of a 3-D tensor map at (c0 innermost, c1, c2) into shared `dst`; its bytes arrive on
+// `bar`.
+__device__ inline void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                   uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 // 128 pixels × 64 channels of an NHWC tensor's im2col map into shared `dst`: the pixels from
 // (w, h, n) on in the map's traversal order, each shifted by (dw, dh), channels c.. (zeros where
 // the shifted pixel is padding or past the last image); its bytes arrive on `bar`.
@@ -325,6 +335,24 @@ inline CUtensorMap im2col3x3_map(const void* p, int64_t n, int64_t h, int64_t w,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeIm2col failed (",
              int(res), ") for an f16 NHWC tensor of ", n, " x ", h, " x ", w, " x ", c);
+  return m;
+}
+
+// A channels-last 3x3 weight (k, 3, 3, c) as one (k × c) matrix per tap: a 3-D map (c innermost,
+// then the 9 taps, then k) of 64 (k) × 64 (c) boxes in the 128-byte swizzle, each box one tap's
+// rows — the layout of tile_map's 64 × 64 boxes of a (k × c) matrix.
+inline CUtensorMap tap_weight_map(const void* p, int64_t k, int64_t c) {
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {cuuint64_t(c), 9, cuuint64_t(k)};
+  const cuuint64_t strides[2] = {cuuint64_t(c) * 2, cuuint64_t(9 * c) * 2};
+  const cuuint32_t box[3] = {64, 1, 64};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult res =
+      encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void*>(p), dims, strides,
+                     box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeTiled failed (",
+             int(res), ") for a ", k, " x 3 x 3 x ", c, " f16 weight");
   return m;
 }
 

@@ -1,4 +1,4 @@
-// cuda::bn_nhwc_backward_dgrad1x1: a 1x1 convolution's data gradient with the block tail's
+// cuda::bn_nhwc_backward_dgrad: a 1x1 convolution's data gradient with the block tail's
 // batch-norm backward in its epilogue, against the unfused composition it replaces (cuDNN's
 // dgrad with beta = 1, then bn_nhwc_backward with the ReLU bitmask) and against an f32 CPU
 // reference; bit-reproducible; unsupported shapes refused with a message.
@@ -62,8 +62,8 @@ Grads run_fused(const Tail& t) {
   const TensorOptions f32 = TensorOptions().with_device(kGpu);
   const int64_t c = t.y3.size(1);
   Grads o{empty_like(t.y3), empty_like(t.y3), empty({c}, f32), empty({c}, f32)};
-  cuda::bn_nhwc_backward_dgrad1x1(o.dx, o.g, o.dw, o.db, t.dy1, t.w1, t.r, t.mask, t.y3, t.weight,
-                                  t.mean, t.invstd);
+  cuda::bn_nhwc_backward_dgrad(o.dx, o.g, o.dw, o.db, t.dy1, t.w1, t.r, t.mask, t.y3, t.weight,
+                               t.mean, t.invstd);
   return o;
 }
 
@@ -83,7 +83,7 @@ Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
 
 }  // namespace
 
-TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward") {
+TEST_CASE("bn_nhwc_backward_dgrad equals cuDNN's dgrad then bn_nhwc_backward") {
   struct Case {
     int64_t n, c, k, h, w;
   };
@@ -137,7 +137,7 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 equals cuDNN's dgrad then bn_nhwc_backward"
   cuda::set_tail_gemm_mode(mode);
 }
 
-TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
+TEST_CASE("bn_nhwc_backward_dgrad is bit-reproducible and adds into .grad") {
   const bool wgmma = cuda::dgrad1x1_bn_wgmma_available();
   const int mode = cuda::tail_gemm_mode();
   // The mma.sync kernel (mode 0, K 64), and on sm_90 the wgmma kernel too (mode 2, K 64 and 256).
@@ -158,8 +158,8 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 is bit-reproducible and adds into .grad") {
   // accumulate_params: dweight and dbias added onto what is there.
   Tensor dw = a.dw.clone(), db = a.db.clone();
   Tensor dx = empty_like(t.y3), g = empty_like(t.y3);
-  cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, t.dy1, t.w1, t.r, t.mask, t.y3, t.weight, t.mean,
-                                  t.invstd, /*accumulate_params=*/true);
+  cuda::bn_nhwc_backward_dgrad(dx, g, dw, db, t.dy1, t.w1, t.r, t.mask, t.y3, t.weight, t.mean,
+                               t.invstd, /*accumulate_params=*/true);
   KILN_CHECK_OK(testing::compare(dw, F::mul(a.dw, 2.0), 0, 1e-6));
   KILN_CHECK_OK(testing::compare(db, F::mul(a.db, 2.0), 0, 1e-6));
   cuda::set_tail_gemm_mode(mode);
@@ -198,7 +198,7 @@ TEST_CASE("the wgmma kernel's TMA epilogue equals its global-memory epilogue bit
   cuda::set_tail_gemm_mode(mode);
 }
 
-TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
+TEST_CASE("bn_nhwc_backward_dgrad refuses what its GEMM does not take") {
   const Tail t = make_tail(2, 64, 64, 4, 4, 95);
   // K other than 64 or 128 (and not a multiple of 64 for the wgmma kernel), C not a multiple of
   // 64, a 3x3 weight; K 256 with C 64 (not a multiple of the wgmma kernel's 128 columns).
@@ -215,8 +215,8 @@ TEST_CASE("bn_nhwc_backward_dgrad1x1 refuses what its GEMM does not take") {
   CHECK_FALSE(cuda::dgrad1x1_bn_supported(t.dy1, w3, t.y3));
   Tensor dx = empty_like(t.y3), g = empty_like(t.y3);
   try {
-    cuda::bn_nhwc_backward_dgrad1x1(dx, g, Tensor(), Tensor(), dy24, w24, t.r, t.mask, t.y3,
-                                    t.weight, t.mean, t.invstd);
+    cuda::bn_nhwc_backward_dgrad(dx, g, Tensor(), Tensor(), dy24, w24, t.r, t.mask, t.y3, t.weight,
+                                 t.mean, t.invstd);
     FAIL("expected an error");
   } catch (const Error& e) {
     CHECK(std::string(e.what()).find("K 64 or 128") != std::string::npos);
@@ -328,15 +328,16 @@ Grads run_inner_fused(const Inner& t) {
   const TensorOptions f32 = TensorOptions().with_device(kGpu);
   const int64_t c = t.y.size(1);
   Grads o{empty_like(t.y), empty_like(t.y), empty({c}, f32), empty({c}, f32)};
-  cuda::bn_nhwc_backward_dgrad1x1(o.dx, o.g, o.dw, o.db, t.dy, t.w, t.r, Tensor(), t.y, t.weight,
-                                  t.mean, t.invstd, false, t.scale_shift);
+  cuda::bn_nhwc_backward_dgrad(o.dx, o.g, o.dw, o.db, t.dy, t.w, t.r, Tensor(), t.y, t.weight,
+                               t.mean, t.invstd, false, t.scale_shift);
   return o;
 }
 
 }  // namespace
 
-TEST_CASE("bn_nhwc_backward_dgrad1x1 with the mask from x equals cuDNN's dgrad then "
-          "bn_nhwc_backward(relu)") {
+TEST_CASE(
+    "bn_nhwc_backward_dgrad with the mask from x equals cuDNN's dgrad then "
+    "bn_nhwc_backward(relu)") {
   if (!cuda::dgrad1x1_bn_wgmma_available()) {
     MESSAGE("the mask-from-x form runs on the wgmma kernel: it needs an sm_90 GPU and a build for "
             "sm_90a; skipped");
@@ -418,8 +419,8 @@ TEST_CASE("the mask-from-x form refuses what the wgmma kernel does not take") {
   const Inner d = make_inner(2, 128, 512, 4, 4, false, 134);
   Tensor dx = empty_like(d.y), g = empty_like(d.y);
   try {
-    cuda::bn_nhwc_backward_dgrad1x1(dx, g, Tensor(), Tensor(), d.dy, d.w, Tensor(), Tensor(), d.y,
-                                    d.weight, d.mean, d.invstd);
+    cuda::bn_nhwc_backward_dgrad(dx, g, Tensor(), Tensor(), d.dy, d.w, Tensor(), Tensor(), d.y,
+                                 d.weight, d.mean, d.invstd);
     FAIL("expected an error");
   } catch (const Error& e) {
     CHECK(std::string(e.what()).find("scale_shift") != std::string::npos);

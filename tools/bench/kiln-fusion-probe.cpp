@@ -3,7 +3,7 @@
 // the plain convolution, and whether its results match the unfused computation.
 //
 //   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
-//                     [--wgrad1x1] [--conv3x3] [--shape K,C,HW]
+//                     [--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -13,7 +13,7 @@
 // --half-scale gives the prologue f16 scale and bias (and f16 intermediates), the form cuDNN's
 // precompiled ConvBNfprop / ConvBNwgrad engines are documented for, instead of f32.
 // --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its
-// epilogue (cuda::bn_nhwc_backward_dgrad1x1) against what it replaces, on ResNet-50's four
+// epilogue (cuda::bn_nhwc_backward_dgrad) against what it replaces, on ResNet-50's four
 // identity-block tails.
 // --conv1x1 times kiln's 1x1 forward GEMM with the batch-norm statistics in its epilogue
 // (cuda::conv1x1_forward_stats) against cuDNN's path (the GenStats plan the tuner keeps, else
@@ -23,6 +23,9 @@
 // --conv3x3 times kiln's 3x3 implicit GEMM with the statistics in its epilogue
 // (cuda::conv3x3_forward_stats, TMA im2col loads) against cuDNN's path (as --conv1x1), on
 // ResNet-50's stride-1 3x3 convolutions.
+// --dgrad3x3 times a bottleneck's conv2 data gradient with bn1's ReLU backward (mask from x):
+// kiln's 3x3 implicit GEMM with the sums in its epilogue (cuda::bn_nhwc_backward_dgrad with a
+// 3x3 w) against cuDNN's data gradient then kiln's two batch-norm passes, on the same shapes.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -42,7 +45,9 @@ struct ProbeArgs {
   bool conv1x1 = false;
   bool wgrad1x1 = false;
   bool conv3x3 = false;
-  // --shape K,C,HW: --conv1x1, --wgrad1x1 or --conv3x3 on this one shape only (the text, then its three numbers).
+  bool dgrad3x3 = false;
+  // --shape K,C,HW: --conv1x1, --wgrad1x1, --conv3x3 or --dgrad3x3 on this one shape only (the
+  // text, then its three numbers).
   std::string shape;
   long long shape_k = 0, shape_c = 0, shape_hw = 0;
 };
@@ -51,7 +56,7 @@ struct ProbeArgs {
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe",
                       "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1] "
-                      "[--wgrad1x1] [--conv3x3] [--shape K,C,HW]",
+                      "[--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -70,8 +75,12 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "time kiln's 1x1 weight-gradient kernel against cuDNN's tuned plan");
   p.flag("--conv3x3", &a.conv3x3,
          "time kiln's 3x3 implicit GEMM with BN statistics against cuDNN's path");
+  p.flag("--dgrad3x3", &a.dgrad3x3,
+         "time kiln's 3x3 data gradient with the BN ReLU backward's sums against cuDNN + kiln's "
+         "BN");
   p.value("--shape", "K,C,HW", &a.shape,
-          "with --conv1x1, --wgrad1x1 or --conv3x3: this shape only (K input and C output channels at HW x HW), for "
+          "with --conv1x1, --wgrad1x1, --conv3x3 or --dgrad3x3: this shape only (K input and C "
+          "output channels at HW x HW), for "
           "example to profile one kernel under ncu");
   if (!p.parse(argc, argv)) {
     std::fputs(p.info().c_str(), stdout);
@@ -687,8 +696,8 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   const double t_gemm =
       median_ms([&] { cuda::dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, y3, f.save_mean); });
   const double t_fused = median_ms([&] {
-    cuda::bn_nhwc_backward_dgrad1x1(dx, g, dw, db, dy1, w1, r, mask, y3, f.weight, f.save_mean,
-                                    f.save_invstd);
+    cuda::bn_nhwc_backward_dgrad(dx, g, dw, db, dy1, w1, r, mask, y3, f.weight, f.save_mean,
+                                 f.save_invstd);
   });
   std::printf("   kiln GEMM + sums     %.3f ms (%.2f TB/s, %.0f TFLOP/s); + finish, apply %.3f ms "
               "(%.2fx the unfused)\n",
@@ -845,6 +854,64 @@ void probe_conv3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
               t_kiln / t_cudnn);
 }
 
+// A bottleneck's conv2 data gradient at batch n (k → c channels at hw × hw, stride 1, padding
+// 1) into bn1's backward with the ReLU mask recomputed from y1: cuDNN's data gradient, then kiln's
+// sums and apply passes, against kiln's 3x3 implicit GEMM with the sums in its epilogue, then
+// the apply pass.
+void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  const ConvParams p{1, 1, 1, 1, 1, 1, 1};
+  Tensor y1 = repeated_randn(n, k, hw), dy = repeated_randn(n, c, hw);
+  Tensor w = F::mul(randn({c, k, 3, 3}), 1.0 / std::sqrt(9.0 * double(c)))
+                 .to(DType::f16)
+                 .to(gpu)
+                 .contiguous(MemoryFormat::ChannelsLast);
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  BnStatsFinalize f;
+  f.save_mean = empty({k}, f32);
+  f.save_invstd = empty({k}, f32);
+  f.scale_shift = empty({2 * k}, f32);
+  f.sum = empty({k}, f32);
+  f.sqsum = empty({k}, f32);
+  cuda::bn_nhwc_stats(f.sum, f.sqsum, y1);
+  f.weight = ones({k}, f32);
+  f.bias = zeros({k}, f32);
+  f.count = n * hw * hw;
+  cuda::bn_nhwc_finalize(f);
+  Tensor grad = empty_like(y1), dx = empty_like(y1), g = empty_like(y1);
+  Tensor dw = empty({k}, f32), db = empty({k}, f32);
+  const double t_dgrad =
+      median_ms([&] { cuda::conv2d_backward_data(grad, dy, w, p, /*accumulate=*/false); });
+  const double t_unfused = median_ms([&] {
+    cuda::conv2d_backward_data(grad, dy, w, p, false);
+    cuda::bn_nhwc_backward(dx, Tensor(), dw, db, grad, y1, Tensor(), f.weight, f.save_mean,
+                           f.save_invstd, f.scale_shift, Activation::Relu);
+  });
+  const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) * 9.0 / 1e9;
+  std::printf(
+      "dgrad 3x3 %4lld <- %4lld @%lldx%lld (%.1f GFLOP): cuDNN dgrad %.3f ms (%.0f "
+      "TFLOP/s); + bn_nhwc_backward %.3f ms",
+      static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
+      static_cast<long long>(hw), gflop, t_dgrad, gflop / t_dgrad, t_unfused);
+  if (!cuda::dgrad3x3_bn_supported(dy, w, y1)) {
+    std::printf("; kiln: not for this shape\n");
+    return;
+  }
+  Tensor partial = empty({int64_t(cuda::dgrad3x3_bn_parts(n * hw * hw, k)) * 2 * k}, f32);
+  const double t_gemm = median_ms([&] {
+    cuda::dgrad1x1_bn_sums(g, partial, dy, w, Tensor(), Tensor(), y1, f.save_mean, f.scale_shift);
+  });
+  const double t_fused = median_ms([&] {
+    cuda::bn_nhwc_backward_dgrad(dx, g, dw, db, dy, w, Tensor(), Tensor(), y1, f.weight,
+                                 f.save_mean, f.save_invstd, false, f.scale_shift);
+  });
+  std::printf(
+      "; kiln GEMM + sums %.3f ms (%.0f TFLOP/s, %.2fx cuDNN's dgrad); + finish, apply "
+      "%.3f ms (%.2fx the unfused)\n",
+      t_gemm, gflop / t_gemm, t_gemm / t_dgrad, t_fused, t_fused / t_unfused);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -869,6 +936,16 @@ int main(int argc, char** argv) {
   try {
     if (args.stem) {
       probe_stem(N);
+      cudnnDestroy(h);
+      return 0;
+    }
+    if (args.dgrad3x3) {
+      if (!args.shape.empty()) {
+        probe_dgrad3x3(N, args.shape_k, args.shape_c, args.shape_hw);
+      } else {
+        for (auto [k, hw] : {std::pair<int64_t, int64_t>{64, 56}, {128, 28}, {256, 14}, {512, 7}})
+          probe_dgrad3x3(N, k, k, hw);
+      }
       cudnnDestroy(h);
       return 0;
     }
