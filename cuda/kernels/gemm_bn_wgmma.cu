@@ -38,7 +38,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -589,7 +588,6 @@ int pair_parts(int64_t M, int64_t C) {
     }
     clusters = it->second;
   }
-  if (const char* e = std::getenv("KILN_PAIR_CLUSTERS")) clusters = std::atoi(e);  // DIAG
   const int64_t col_tiles = std::max<int64_t>(C / kBN, 1), rows = (M + kBM - 1) / kBM;
   return 2 * int(std::clamp<int64_t>(clusters / col_tiles, 1, std::max<int64_t>((rows + 1) / 2, 1)));
 }

@@ -87,11 +87,11 @@ __device__ inline uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-// One arrival on an mbarrier of another CTA of the cluster (an address from mapa_shared), with
-// the default (CTA-scope) release: what it orders is this warp's completed wgmma reads of the
-// slot, and a cluster-scope release in every k-step's path made the paired GEMM 1.65x slower.
+// One arrival on an mbarrier of another CTA of the cluster (an address from mapa_shared).
 __device__ inline void mbar_arrive_cluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
+                   cluster_addr)
+               : "memory");
 }
 // tma_load_2d and tma_load_3d into the same offset of every CTA in `ctas` (a bit per rank), the
 // bytes arriving on each one's mbarrier at `bar`'s offset.
