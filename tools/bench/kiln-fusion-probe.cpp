@@ -850,8 +850,8 @@ void probe_conv3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
   }
   const double t_kiln = median_ms([&] { cuda::conv3x3_forward_stats(y, sum, sqsum, x, w, p); });
   cuda::set_conv3x3_enabled(before);
-  std::printf("; kiln %.3f ms (%.0f TFLOP/s), %.2fx%s\n", t_kiln, gflop / t_kiln,
-              t_kiln / t_cudnn, cuda::gemm_pairs_enabled() ? " (in pairs)" : "");
+  std::printf("; kiln %.3f ms (%.0f TFLOP/s), %.2fx\n", t_kiln, gflop / t_kiln,
+              t_kiln / t_cudnn);
 }
 
 // A bottleneck's conv2 data gradient at batch n (k → c channels at hw × hw, stride 1, padding
@@ -907,10 +907,9 @@ void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
                                  f.save_mean, f.save_invstd, false, f.scale_shift);
   });
   std::printf(
-      "; kiln GEMM + sums %.3f ms (%.0f TFLOP/s, %.2fx cuDNN's dgrad, %d parts%s); + finish, "
-      "apply %.3f ms (%.2fx the unfused)\n",
-      t_gemm, gflop / t_gemm, t_gemm / t_dgrad, cuda::dgrad3x3_bn_parts(n * hw * hw, k),
-      cuda::gemm_pairs_enabled() ? " in pairs" : "", t_fused, t_fused / t_unfused);
+      "; kiln GEMM + sums %.3f ms (%.0f TFLOP/s, %.2fx cuDNN's dgrad); + finish, apply "
+      "%.3f ms (%.2fx the unfused)\n",
+      t_gemm, gflop / t_gemm, t_gemm / t_dgrad, t_fused, t_fused / t_unfused);
 }
 
 }  // namespace
