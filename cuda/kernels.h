@@ -380,11 +380,6 @@ bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x)
 // Whether the 3x3 form runs (KILN_DGRAD3X3, on by default; set here for tests and A/B runs).
 bool dgrad3x3_enabled();
 void set_dgrad3x3_enabled(bool on);
-// Whether kiln's 3x3 GEMMs (this data gradient and conv3x3_forward_stats) run in clusters of two
-// CTAs that share B through TMA multicast (KILN_GEMM_PAIRS=1; off by default). The same y and g
-// bits either way; the statistics' partial rows are grouped differently.
-bool gemm_pairs_enabled();
-void set_gemm_pairs_enabled(bool on);
 void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,
                             const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                             const Tensor& r, const Tensor& mask, const Tensor& x,

@@ -38,9 +38,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -136,19 +133,8 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // and since dx at a pixel takes dy at the pixel shifted by tap (r, s) through w's tap
 // (2 − r, 2 − s), B for tap t is w's tap 8 − t (w: K/9 × 3 × 3 × C, channels-last), read N-major
 // as it lies through a 3-D map (tap_weight_map), 64 rows of K at a time.
-//
-// kPair (with kIm2col; KILN_GEMM_PAIRS): the grid is clusters of two CTAs on the same column tile,
-// each loading its own A and one 64-column half of B, which TMA multicasts into both CTAs'
-// slots: per k-step a CTA pulls 24 KB from L2 instead of 32. The pair runs in lockstep: CTA
-// rank r takes row tiles 2q + r (q = its pair's first, then every `parts / 2`-th), so that both
-// issue the same k-steps (rank 1's last tile may lie past the last row: TMA reads zeros there
-// and the epilogue writes nothing); a slot is free once both CTAs' consumers have released it
-// (each warp arrives on its own CTA's "empty" barrier and its partner's). The same products in
-// the same order: y and g are the unpaired kernel's bits (the statistics' partial rows are
-// grouped differently).
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
-          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
-          bool kPair = false>
+          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -166,7 +152,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kPrologue || kStats, "the prologue is the forward's");
   static_assert(!kIm2col || (!kPrologue && kTmaEpi && (kStats || kWDirect)),
                 "the 3x3 convolution: the forward, or the data gradient with w read as it lies");
-  static_assert(!kPair || (kIm2col && kPipeline), "pairs: the 3x3 GEMMs, pipelined");
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -183,12 +168,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
   auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
-  [[maybe_unused]] const uint32_t rank = kPair ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
-      // kPair: each consumer warp of both CTAs arrives once.
-      mbar_init(empty(s), kPair ? 16 : 256);
+      mbar_init(empty(s), 256);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(epi_full(c), 1);
@@ -196,27 +179,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if constexpr (kPair)
-    cluster_sync();  // the partner's barriers are ready before any multicast or remote arrival
-  else
-    __syncthreads();
+  __syncthreads();
 
-  // This CTA's column tile and partial row, and its row tiles: first, first + step, ... < end.
-  const int col_tiles = C / kBN, KT = K / kBK;
+  const int col_tiles = C / kBN, n0 = (int(blockIdx.x) % col_tiles) * kBN;
+  const int part = int(blockIdx.x) / col_tiles, KT = K / kBK;
   const int64_t row_tiles = (M + kBM - 1) / kBM;
-  const int unit = kPair ? int(blockIdx.x) / 2 : int(blockIdx.x);  // a pair, or this CTA
-  const int n0 = (unit % col_tiles) * kBN;
-  const int part = kPair ? 2 * (unit / col_tiles) + int(rank) : unit / col_tiles;
-  const int64_t t_first = kPair ? 2 * int64_t(unit / col_tiles) + rank : part;
-  const int64_t t_step = kPair ? int64_t(parts) : parts;  // kPair: parts / 2 pairs, 2 tiles each
-  const int64_t t_end = kPair ? 2 * ((row_tiles + 1) / 2) : row_tiles;
 
   if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
     if constexpr (kTmaEpi) {
       if (tid == 32) {
         if constexpr (kStats) return;  // nothing to load for the statistics' epilogue
         int u = 0;  // this CTA's tiles so far
-        for (int64_t tile = t_first; tile < t_end; tile += t_step, ++u)
+        for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
           for (int c = 0; c < 2; ++c) {
             if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // tile u-1 read
             constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
@@ -236,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid != 0) return;
     int j = 0;
     [[maybe_unused]] const int cblocks = K / (9 * kBK);  // kIm2col: k-steps per tap
-    for (int64_t tile = t_first; tile < t_end; tile += t_step) {
+    for (int64_t tile = part; tile < row_tiles; tile += parts) {
       const int m0 = int(tile * kBM);
       // kIm2col: the tile's first output pixel (n, h, w); its tap (0, 0) input is (h − 1, w − 1).
       [[maybe_unused]] int pn = 0, ph = 0, pw = 0;
@@ -258,13 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
           tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
         }
-        if constexpr (kPair && kWDirect) {  // this CTA's 64 columns of B, to both
-          tma_load_3d_multicast(b_tile(s) + uint32_t(rank * kTile / 2), &map_wt,
-                                n0 + int(rank) * 64, 8 - tap, ch, full(s), 3);
-        } else if constexpr (kPair) {  // this CTA's 64 rows of the K-major B, to both
-          tma_load_2d_multicast(b_tile(s) + uint32_t(rank * 64 * 128), &map_wt, kt * kBK,
-                                n0 + int(rank) * 64, full(s), 3);
-        } else if constexpr (kWDirect && kIm2col) {  // the 3x3 data gradient: w's tap 8 − tap
+        if constexpr (kWDirect && kIm2col) {  // the 3x3 data gradient: w's tap 8 − tap
           for (int h = 0; h < 2; ++h)
             tma_load_3d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, 8 - tap, ch,
                         full(s));
@@ -318,24 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(3, 256);
   }
 
-  // A slot's release after its MMAs. kPair: one arrival per warp on both CTAs' barriers, and
-  // none for the last kStages k-steps, which no producer waits for (so that no arrival reaches
-  // a partner that may have exited).
-  [[maybe_unused]] const int64_t total_j =
-      t_first < t_end ? ((t_end - 1 - t_first) / t_step + 1) * KT : 0;
-  auto release = [&](int jj) {
-    const uint32_t bar = empty(jj % kStages);
-    if constexpr (kPair) {
-      if (lane == 0 && jj + kStages < total_j) {
-        mbar_arrive(bar);
-        mbar_arrive_cluster(mapa_shared(bar, rank ^ 1u));
-      }
-    } else {
-      mbar_arrive(bar);
-    }
-  };
   int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
-  for (int64_t tile = t_first; tile < t_end; tile += t_step) {
+  for (int64_t tile = part; tile < row_tiles; tile += parts) {
     const int64_t m0 = tile * kBM + c * 64;
     float d[64];
 #pragma unroll
@@ -425,10 +377,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 1; kt < KT; ++kt) {
         issue(j + kt);
         wgmma_wait1();
-        release(j + kt - 1);
+        mbar_arrive(empty((j + kt - 1) % kStages));
       }
       wgmma_wait0();
-      release(j + KT - 1);
+      mbar_arrive(empty((j + KT - 1) % kStages));
       j += KT;
     } else {
       for (int kt = 0; kt < KT; ++kt, ++j) {
@@ -537,62 +489,6 @@ CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
   return tile_map(p, true, rows, K, kBM, kBK, true);
 }
 
-// A kPair kernel on `grid` CTAs in clusters of two.
-template <typename... Params, typename... Args>
-void launch_pairs(void (*kernel)(Params...), unsigned grid, int smem, cudaStream_t stream,
-                  Args&&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-
-// The kPair kernels' parts for M rows: two per pair, as many pairs per column tile as can be
-// resident at once (a GPC's SMs pair up, so that may be fewer than half the SMs), at most one
-// per two row tiles. Asked of one kPair instantiation: they all take the same shared memory and
-// threads.
-int pair_parts(int64_t M, int64_t C) {
-  constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, false, true, true,
-                                                        false, true, false, true>;
-  static std::mutex m;
-  static std::map<int, int> cache;  // device → clusters resident at once
-  int clusters = 0;
-  {
-    std::lock_guard<std::mutex> lock(m);
-    auto [it, fresh] = cache.try_emplace(current_device(), 1);
-    if (fresh) {
-      allow_smem_once<kernel>(kSmemBytes, "pair_parts");
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 2;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(context().props.multiProcessorCount & ~1));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = kSmemBytes;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      int n = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), &cfg));
-      it->second = std::max(n, 1);
-    }
-    clusters = it->second;
-  }
-  const int64_t col_tiles = std::max<int64_t>(C / kBN, 1), rows = (M + kBM - 1) / kBM;
-  return 2 * int(std::clamp<int64_t>(clusters / col_tiles, 1, std::max<int64_t>((rows + 1) / 2, 1)));
-}
-
-constinit RuntimeSwitch g_pairs{&Switches::gemm_pairs};  // KILN_GEMM_PAIRS
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 constinit RuntimeSwitch g_w_direct{&Switches::tail_w_direct};  // KILN_TAIL_W_DIRECT
 constinit RuntimeSwitch g_pipeline{&Switches::wgmma_pipeline};  // KILN_WGMMA_PIPELINE
@@ -811,27 +707,12 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
              "and C a multiple of 128, got x ", x.desc(), ", w ", w.desc(), ", y ", y.desc());
   const int64_t N = x.size(0), Kc = x.size(1), H = x.size(2), W = x.size(3), C = y.size(1);
   const int64_t M = N * H * W, K = 9 * Kc;
-  const bool pairs = g_pairs.get();
-  const int parts = pairs ? pair_parts(M, C) : dgrad1x1_bn_wgmma_parts(M, C);
+  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
   Tensor partial =
       empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
   const CUtensorMap map_x = im2col3x3_map(x.raw_data(), N, H, W, Kc);
-  // (C, 3, 3, Kc) as it lies; in pairs each CTA loads 64 of a tile's 128 rows.
-  const CUtensorMap map_w =
-      pairs ? tile_map(w.raw_data(), true, C, K, 64, kBK, true) : kmajor_map(w.raw_data(), C, K);
+  const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);  // (C, 3, 3, Kc) as it lies
   const CUtensorMap none{};
-  if (pairs) {
-    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, true,
-                                                          false, true, false, true>;
-    allow_smem_once<kernel>(kSmemBytes, "conv3x3_stats");
-    launch_pairs(kernel, unsigned(parts * (C / kBN)), kSmemBytes, current_stream(),
-                 static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()), map_x,
-                 map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M, int(C),
-                 int(K), parts, int(H), int(W));
-    KILN_CUDA_CHECK_LAUNCH();
-    bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
-    return;
-  }
   auto go = [&]<bool kPipeline>() {
     constexpr auto kernel =
         dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, false, true>;
@@ -883,33 +764,17 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
   // One wgmma group in flight always (KILN_WGMMA_PIPELINE is the 1x1 kernels' A/B switch).
-  const bool pairs = g_pairs.get();
   auto run = [&]<bool kResidual, bool kBits>() {
-    auto go = [&]<bool kPair>() {
-      constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, kResidual, kBits, false, true,
-                                                            true, false, true, false, kPair>;
-      allow_smem_once<kernel>(kSmemBytes, "dgrad3x3_bn_sums");
-      auto args = std::make_tuple(
-          static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy,
-          map_w, map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
-          static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
-          static_cast<const float*>(mean.raw_data()),
-          static_cast<const float*>(ptr(scale_shift)), M, int(C), int(9 * Kc), parts, int(H),
-          int(W));
-      const unsigned grid = unsigned(parts * (C / kBN));
-      std::apply(
-          [&](auto&&... a) {
-            if constexpr (kPair)
-              launch_pairs(kernel, grid, kSmemBytes, current_stream(), a...);
-            else
-              launch_whole_sm(kernel, grid, kThreads, kSmemBytes, current_stream(), a...);
-          },
-          args);
-    };
-    if (pairs)
-      go.template operator()<true>();
-    else
-      go.template operator()<false>();
+    constexpr auto kernel =
+        dgrad1x1_bn_sums_wgmma_kernel<true, kResidual, kBits, false, true, true, false, true>;
+    allow_smem_once<kernel>(kSmemBytes, "dgrad3x3_bn_sums");
+    launch_whole_sm(
+        kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
+        static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy, map_w,
+        map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
+        static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
+        static_cast<const float*>(mean.raw_data()), static_cast<const float*>(ptr(scale_shift)), M,
+        int(C), int(9 * Kc), parts, int(H), int(W));
   };
   if (residual && bits)
     run.template operator()<true, true>();
@@ -922,12 +787,6 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-int dgrad3x3_bn_parts(int64_t M, int64_t C) {
-  return g_pairs.get() ? pair_parts(M, C) : dgrad1x1_bn_wgmma_parts(M, C);
-}
-
-bool gemm_pairs_enabled() { return g_pairs.get(); }
-void set_gemm_pairs_enabled(bool on) { g_pairs.set(on); }
 bool dgrad3x3_enabled() { return g_dgrad3x3.get(); }
 void set_dgrad3x3_enabled(bool on) { g_dgrad3x3.set(on); }
 bool conv3x3_enabled() { return g_conv3x3.get(); }

@@ -69,48 +69,6 @@ __device__ inline void tma_load_im2col(uint32_t dst, const CUtensorMap* map, int
       "h"(dh)
       : "memory");
 }
-// ---- Two-CTA clusters: B multicast to both CTAs of a pair (the 3x3 GEMMs' kPair form) ----
-// This CTA's rank in its cluster.
-__device__ inline uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster: what each did before is visible to all after.
-__device__ inline void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                   : "memory");
-}
-// The shared-memory address `addr` of this CTA as the same offset in CTA `rank` of the cluster.
-__device__ inline uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-// One arrival on an mbarrier of another CTA of the cluster (an address from mapa_shared).
-__device__ inline void mbar_arrive_cluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
-                   cluster_addr)
-               : "memory");
-}
-// tma_load_2d and tma_load_3d into the same offset of every CTA in `ctas` (a bit per rank), the
-// bytes arriving on each one's mbarrier at `bar`'s offset.
-__device__ inline void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                             uint32_t bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
-      "cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(ctas)
-      : "memory");
-}
-__device__ inline void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                             int c2, uint32_t bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
-      "cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(ctas)
-      : "memory");
-}
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA)
 // writes to the same bytes.
 __device__ inline void fence_proxy_async() {
