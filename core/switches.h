@@ -116,6 +116,7 @@ struct Switches {
   bool conv_prologue = false;
   bool conv3x3 = false;
   bool dgrad3x3 = true;
+  bool gemm_tall = false;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;

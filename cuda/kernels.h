@@ -380,6 +380,11 @@ bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x)
 // Whether the 3x3 form runs (KILN_DGRAD3X3, on by default; set here for tests and A/B runs).
 bool dgrad3x3_enabled();
 void set_dgrad3x3_enabled(bool on);
+// Whether kiln's 3x3 GEMMs (this data gradient and conv3x3_forward_stats) take 256-row tiles
+// where those fill the SMs' rounds (KILN_GEMM_TALL; see gemm_bn_wgmma.cu's kTall). The same y
+// and g bits either way; the statistics' partial rows group the rows differently.
+bool gemm_tall_enabled();
+void set_gemm_tall_enabled(bool on);
 void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,
                             const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                             const Tensor& r, const Tensor& mask, const Tensor& x,

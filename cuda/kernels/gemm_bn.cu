@@ -197,8 +197,6 @@ void set_tail_gemm_mode(int mode) {
   g_tail_gemm.set(mode);
 }
 
-int dgrad3x3_bn_parts(int64_t M, int64_t C) { return dgrad1x1_bn_wgmma_parts(M, C); }
-
 // The wgmma kernel's parts; else two CTAs per SM over the whole grid, at most one per M tile.
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
   if (use_wgmma(M, K, C)) return dgrad1x1_bn_wgmma_parts(M, C);

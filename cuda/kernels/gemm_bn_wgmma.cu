@@ -67,6 +67,9 @@ static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the st
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
 // The mbarriers: full and empty per stage, and the TMA epilogue's two pairs.
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
+// kTall: three stages of a 256 × 64 A box and a 128 × 64 B box.
+constexpr int kSmemTall = 3 * (2 * kBM * kBK * 2 + kTile) + 2 * kStageOut + (2 * 3 + 4) * 8 + 1024;
+static_assert(kSmemTall <= 227 * 1024, "tall tiles: within an SM's shared memory");
 // With the prologue, the factors of up to 2,048 channels (scale, then shift) after the barriers.
 constexpr int kSmemPrologue = kSmemBytes + 2 * 2048 * 4;
 
@@ -133,8 +136,17 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // and since dx at a pixel takes dy at the pixel shifted by tap (r, s) through w's tap
 // (2 − r, 2 − s), B for tap t is w's tap 8 − t (w: K/9 × 3 × 3 × C, channels-last), read N-major
 // as it lies through a 3-D map (tap_weight_map), 64 rows of K at a time.
+//
+// kTall (with kIm2col; KILN_GEMM_TALL): 256 × 128 tiles, three stages. Each consumer warpgroup
+// computes 128 rows as two 64-row halves against the same B (128 accumulators a thread, so the
+// producer warpgroup gives registers up with setmaxnreg and the consumers take them), and runs
+// the epilogue once per half through its 64-row buffer. Per k-step the shared memory moves
+// 48 KB in and 96 KB out for 4.2 MFLOP, against 32 and 48 KB for 2.1 MFLOP with 128-row tiles.
+// The same products in the same order: the same y and g bits (the statistics' partial rows
+// group the rows differently).
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
-          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false>
+          bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
+          bool kTall = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
                                   const __grid_constant__ CUtensorMap map_dy,
@@ -152,24 +164,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kPrologue || kStats, "the prologue is the forward's");
   static_assert(!kIm2col || (!kPrologue && kTmaEpi && (kStats || kWDirect)),
                 "the 3x3 convolution: the forward, or the data gradient with w read as it lies");
+  static_assert(!kTall || (kIm2col && kPipeline), "tall tiles: the 3x3 GEMMs, pipelined");
+  // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage.
+  constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall ? 3 : kStages;
+  constexpr int kAB = kTM * kBK * 2, kSB = kAB + kTile;
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle wants 1,024-byte alignment
   unsigned char* gbase = smem_raw + (base - raw);
-  auto a_tile = [&](int s) { return base + uint32_t(s * kStageBytes); };
-  auto b_tile = [&](int s) { return base + uint32_t(s * kStageBytes + kTile); };
-  const uint32_t out0 = uint32_t(kStages * kStageBytes);  // the two staging buffers
+  auto a_tile = [&](int s) { return base + uint32_t(s * kSB); };
+  auto b_tile = [&](int s) { return base + uint32_t(s * kSB + kAB); };
+  const uint32_t out0 = uint32_t(kNS * kSB);  // the two staging buffers
   const uint32_t bars = base + out0 + 2 * kStageOut;
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
-  auto empty = [&](int s) { return bars + uint32_t((kStages + s) * 8); };
-  auto epi_full = [&](int c) { return bars + uint32_t((2 * kStages + c) * 8); };
-  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kStages + 2 + c) * 8); };
+  auto empty = [&](int s) { return bars + uint32_t((kNS + s) * 8); };
+  auto epi_full = [&](int c) { return bars + uint32_t((2 * kNS + c) * 8); };
+  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kNS + 2 + c) * 8); };
   auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kNS; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
     }
@@ -183,19 +199,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int col_tiles = C / kBN, n0 = (int(blockIdx.x) % col_tiles) * kBN;
   const int part = int(blockIdx.x) / col_tiles, KT = K / kBK;
-  const int64_t row_tiles = (M + kBM - 1) / kBM;
+  const int64_t row_tiles = (M + kTM - 1) / kTM;
 
   if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
+    if constexpr (kTall) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if constexpr (kTmaEpi) {
       if (tid == 32) {
         if constexpr (kStats) return;  // nothing to load for the statistics' epilogue
-        int u = 0;  // this CTA's tiles so far
-        for (int64_t tile = part; tile < row_tiles; tile += parts, ++u)
+        int u = 0;  // this CTA's 64-row epilogue rounds so far (kTall: two a tile)
+        for (int64_t tile = part; tile < row_tiles; tile += parts)
+          for (int half = 0; half < (kTall ? 2 : 1); ++half, ++u)
           for (int c = 0; c < 2; ++c) {
-            if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // tile u-1 read
+            if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // round u-1 read
             constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
             mbar_expect_tx(epi_full(c), uint32_t(kBytes));
-            const int m0 = int(tile * kBM + c * 64);
+            const int m0 = int(tile * kTM + c * (kTM / 2) + half * 64);
             const uint32_t e = epi_buf(c);
             for (int h = 0; h < 2; ++h) {
               if constexpr (kResidual)
@@ -211,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int j = 0;
     [[maybe_unused]] const int cblocks = K / (9 * kBK);  // kIm2col: k-steps per tap
     for (int64_t tile = part; tile < row_tiles; tile += parts) {
-      const int m0 = int(tile * kBM);
+      const int m0 = int(tile * kTM);
       // kIm2col: the tile's first output pixel (n, h, w); its tap (0, 0) input is (h − 1, w − 1).
       [[maybe_unused]] int pn = 0, ph = 0, pw = 0;
       if constexpr (kIm2col) {
@@ -221,9 +239,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         pw = m0 - pn * hw - ph * img_w;
       }
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        const int s = j % kStages;
-        if (j >= kStages) mbar_wait(empty(s), uint32_t((j / kStages - 1) & 1));
-        mbar_expect_tx(full(s), uint32_t(kStageBytes));
+        const int s = j % kNS;
+        if (j >= kNS) mbar_wait(empty(s), uint32_t((j / kNS - 1) & 1));
+        mbar_expect_tx(full(s), uint32_t(kSB));
         [[maybe_unused]] const int tap = kIm2col ? kt / cblocks : 0;
         [[maybe_unused]] const int ch = kIm2col ? (kt - tap * cblocks) * kBK : 0;
         if constexpr (kIm2col) {
@@ -248,7 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // Consumers: warpgroup c computes rows c·64.. of each tile.
+  // Consumers: warpgroup c computes rows c·64.. of each tile (kTall: c·128.., two halves).
+  if constexpr (kTall) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int c = wg - 1, t = tid & 127, warp = t >> 5, lane = t & 31;
   float* sc = reinterpret_cast<float*>(gbase + out0 + c * kStageOut);
   // The epilogue's thread layout: channel group cg (8 channels) of rows rr, rr + 8, ..., rr + 56.
@@ -269,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The prologue's factors, in shared memory after the barriers.
   [[maybe_unused]] const float* fss =
-      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kStages + 4) * 8);
+      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kNS + 4) * 8);
   // kF16: K / 2 scale pairs, then K / 2 shift pairs, as half2.
   [[maybe_unused]] const __half2* fh = reinterpret_cast<const __half2*>(fss);
   if constexpr (kPrologue) {
@@ -286,109 +305,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(3, 256);
   }
 
-  int j = 0, u = 0;  // u: this CTA's tiles so far (the TMA epilogue's buffer phase)
-  for (int64_t tile = part; tile < row_tiles; tile += parts) {
-    const int64_t m0 = tile * kBM + c * 64;
-    float d[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    auto issue = [&](int jj) {
-      const int s = jj % kStages;
-      mbar_wait(full(s), uint32_t((jj / kStages) & 1));
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t da = make_desc(a_tile(s) + uint32_t(c * 64 * 128 + kk * 32));
-        // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
-        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s) + uint32_t(kk * 16 * 128))
-                                     : make_desc(b_tile(s) + uint32_t(kk * 32));
-        wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
-      }
-      wgmma_commit();
-    };
-    if constexpr (kPrologue) {
-      uint32_t a0[4][4], a1[4][4];
-      // This warpgroup's 64 rows of k-step kt's slot s as wgmma's A fragments (each warp its 16
-      // rows: ldmatrix matrices 0-3 are rows 0-7 / 8-15 of columns 0-7, then of columns 8-15 of
-      // each 16-column step), relu(y·scale + shift) applied to each pair.
-      auto form = [&](uint32_t (&a)[4][4], int s, int kt) {
-        const int row = warp * 16 + (lane & 15);
-        const uint32_t row_addr = a_tile(s) + uint32_t(c * 64 * 128 + row * 128);
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const int chunk = kk * 2 + (lane >> 4);
-          ldmatrix_x4(a[kk], row_addr + uint32_t((chunk ^ (row & 7)) << 4));
-        }
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const int ch = kt * kBK + kk * 16 + 2 * (lane & 3);
-          if constexpr (kF16) {
-            const __half2 s0 = fh[ch / 2], t0 = fh[K / 2 + ch / 2];
-            const __half2 s8 = fh[ch / 2 + 4], t8 = fh[K / 2 + ch / 2 + 4];
-            a[kk][0] = bn_relu2_f16(a[kk][0], s0, t0);
-            a[kk][1] = bn_relu2_f16(a[kk][1], s0, t0);
-            a[kk][2] = bn_relu2_f16(a[kk][2], s8, t8);
-            a[kk][3] = bn_relu2_f16(a[kk][3], s8, t8);
-          } else {
-            const float2 s0 = *reinterpret_cast<const float2*>(fss + ch);
-            const float2 t0 = *reinterpret_cast<const float2*>(fss + K + ch);
-            const float2 s8 = *reinterpret_cast<const float2*>(fss + ch + 8);
-            const float2 t8 = *reinterpret_cast<const float2*>(fss + K + ch + 8);
-            a[kk][0] = bn_relu2(a[kk][0], s0, t0);
-            a[kk][1] = bn_relu2(a[kk][1], s0, t0);
-            a[kk][2] = bn_relu2(a[kk][2], s8, t8);
-            a[kk][3] = bn_relu2(a[kk][3], s8, t8);
-          }
-        }
-      };
-      auto mma = [&](const uint32_t (&a)[4][4], int s) {
-        wgmma_fence();  // the fragments were written by this thread
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s) + uint32_t(kk * 32)));
-        wgmma_commit();
-      };
-      auto step = [&](uint32_t (&a)[4][4], int kt) {
-        const int jj = j + kt, s = jj % kStages;
-        mbar_wait(full(s), uint32_t((jj / kStages) & 1));
-        form(a, s, kt);
-        mma(a, s);
-      };
-      // k-step kt's fragments are formed once k-step kt − 2's MMAs (the same registers) are
-      // done; a slot is released once its MMAs are.
-      step(a0, 0);
-      step(a1, 1);
-      wgmma_wait1();
-      mbar_arrive(empty(j % kStages));
-      for (int kt = 2; kt < KT; kt += 2) {
-        step(a0, kt);
-        wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % kStages));
-        step(a1, kt + 1);
-        wgmma_wait1();
-        mbar_arrive(empty((j + kt) % kStages));
-      }
-      wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % kStages));
-      j += KT;
-    } else if constexpr (kPipeline) {
-      // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
-      issue(j);
-      for (int kt = 1; kt < KT; ++kt) {
-        issue(j + kt);
-        wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % kStages));
-      }
-      wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % kStages));
-      j += KT;
-    } else {
-      for (int kt = 0; kt < KT; ++kt, ++j) {
-        issue(j);
-        wgmma_wait0();
-        mbar_arrive(empty(j % kStages));
-      }
-    }
+  int j = 0, u = 0;  // u: this CTA's 64-row epilogue rounds so far (the TMA epilogue's phase)
+  // The epilogue of 64 rows from m0 on, whose accumulators are d.
+  auto epilogue = [&](float (&d)[64], const int64_t m0) {
     // Fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4, columns
     // 8b + 2·(lane % 4) + {0, 1}; 4b + {2, 3} the row 8 below.
     const int r0 = warp * 16 + (lane >> 2);
@@ -459,6 +378,120 @@ __global__ void __launch_bounds__(kThreads, 1)
       tail_epilogue_rows<8, 8>(g, r, mask, x, M, C, m0, rr, c0, sc + rr * kPitch + cg * 8, kPitch,
                                mu, s1, s2);
     }
+  };
+  for (int64_t tile = part; tile < row_tiles; tile += parts) {
+    const int64_t mt = tile * kTM + c * (kTM / 2);  // this warpgroup's first row
+    float d[64];
+    [[maybe_unused]] float d1[64];  // kTall: the rows 64 below
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    if constexpr (kTall) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) d1[i] = 0.f;
+    }
+    auto issue = [&](int jj) {
+      const int s = jj % kNS;
+      mbar_wait(full(s), uint32_t((jj / kNS) & 1));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t da = make_desc(a_tile(s) + uint32_t(c * (kTM / 2) * 128 + kk * 32));
+        // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
+        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s) + uint32_t(kk * 16 * 128))
+                                     : make_desc(b_tile(s) + uint32_t(kk * 32));
+        wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
+        if constexpr (kTall) {
+          const uint64_t da1 = make_desc(a_tile(s) + uint32_t((c * 128 + 64) * 128 + kk * 32));
+          wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d1, da1, db);
+        }
+      }
+      wgmma_commit();
+    };
+    if constexpr (kPrologue) {
+      uint32_t a0[4][4], a1[4][4];
+      // This warpgroup's 64 rows of k-step kt's slot s as wgmma's A fragments (each warp its 16
+      // rows: ldmatrix matrices 0-3 are rows 0-7 / 8-15 of columns 0-7, then of columns 8-15 of
+      // each 16-column step), relu(y·scale + shift) applied to each pair.
+      auto form = [&](uint32_t (&a)[4][4], int s, int kt) {
+        const int row = warp * 16 + (lane & 15);
+        const uint32_t row_addr = a_tile(s) + uint32_t(c * 64 * 128 + row * 128);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const int chunk = kk * 2 + (lane >> 4);
+          ldmatrix_x4(a[kk], row_addr + uint32_t((chunk ^ (row & 7)) << 4));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const int ch = kt * kBK + kk * 16 + 2 * (lane & 3);
+          if constexpr (kF16) {
+            const __half2 s0 = fh[ch / 2], t0 = fh[K / 2 + ch / 2];
+            const __half2 s8 = fh[ch / 2 + 4], t8 = fh[K / 2 + ch / 2 + 4];
+            a[kk][0] = bn_relu2_f16(a[kk][0], s0, t0);
+            a[kk][1] = bn_relu2_f16(a[kk][1], s0, t0);
+            a[kk][2] = bn_relu2_f16(a[kk][2], s8, t8);
+            a[kk][3] = bn_relu2_f16(a[kk][3], s8, t8);
+          } else {
+            const float2 s0 = *reinterpret_cast<const float2*>(fss + ch);
+            const float2 t0 = *reinterpret_cast<const float2*>(fss + K + ch);
+            const float2 s8 = *reinterpret_cast<const float2*>(fss + ch + 8);
+            const float2 t8 = *reinterpret_cast<const float2*>(fss + K + ch + 8);
+            a[kk][0] = bn_relu2(a[kk][0], s0, t0);
+            a[kk][1] = bn_relu2(a[kk][1], s0, t0);
+            a[kk][2] = bn_relu2(a[kk][2], s8, t8);
+            a[kk][3] = bn_relu2(a[kk][3], s8, t8);
+          }
+        }
+      };
+      auto mma = [&](const uint32_t (&a)[4][4], int s) {
+        wgmma_fence();  // the fragments were written by this thread
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s) + uint32_t(kk * 32)));
+        wgmma_commit();
+      };
+      auto step = [&](uint32_t (&a)[4][4], int kt) {
+        const int jj = j + kt, s = jj % kNS;
+        mbar_wait(full(s), uint32_t((jj / kNS) & 1));
+        form(a, s, kt);
+        mma(a, s);
+      };
+      // k-step kt's fragments are formed once k-step kt − 2's MMAs (the same registers) are
+      // done; a slot is released once its MMAs are.
+      step(a0, 0);
+      step(a1, 1);
+      wgmma_wait1();
+      mbar_arrive(empty(j % kNS));
+      for (int kt = 2; kt < KT; kt += 2) {
+        step(a0, kt);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt - 1) % kNS));
+        step(a1, kt + 1);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt) % kNS));
+      }
+      wgmma_wait0();
+      mbar_arrive(empty((j + KT - 1) % kNS));
+      j += KT;
+    } else if constexpr (kPipeline) {
+      // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
+      issue(j);
+      for (int kt = 1; kt < KT; ++kt) {
+        issue(j + kt);
+        wgmma_wait1();
+        mbar_arrive(empty((j + kt - 1) % kNS));
+      }
+      wgmma_wait0();
+      mbar_arrive(empty((j + KT - 1) % kNS));
+      j += KT;
+    } else {
+      for (int kt = 0; kt < KT; ++kt, ++j) {
+        issue(j);
+        wgmma_wait0();
+        mbar_arrive(empty(j % kNS));
+      }
+    }
+    epilogue(d, mt);
+    if constexpr (kTall) epilogue(d1, mt + 64);
   }
 
   // The 16 row sets (8 per warpgroup) of each channel, added in a fixed order into the CTA's
@@ -487,6 +520,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 // The GEMM's operands: `rows` × K f16, 128 × 64 boxes in the 128-byte swizzle.
 CUtensorMap kmajor_map(const void* p, int64_t rows, int64_t K) {
   return tile_map(p, true, rows, K, kBM, kBK, true);
+}
+
+constinit RuntimeSwitch g_tall{&Switches::gemm_tall};  // KILN_GEMM_TALL
+
+// Whether a 3x3 GEMM of M rows and C columns takes 256-row tiles (kTall): with the switch on,
+// where its tiles fill the SMs' rounds at least 90% (ResNet-50's layers 2 and 3 at batch 256, not
+// layer 4: 49 tiles over 33 CTAs a column).
+int tall_parts(int64_t M, int64_t C) {
+  const int64_t col_tiles = std::max<int64_t>(C / kBN, 1), rows = (M + 2 * kBM - 1) / (2 * kBM);
+  const int64_t sms = context().props.multiProcessorCount;
+  return int(std::clamp<int64_t>(sms / col_tiles, 1, std::max<int64_t>(rows, 1)));
+}
+bool use_tall(int64_t M, int64_t C) {
+  if (!g_tall.get()) return false;
+  const int64_t rows = (M + 2 * kBM - 1) / (2 * kBM), parts = tall_parts(M, C);
+  const int64_t rounds = (rows + parts - 1) / parts;
+  return double(rows) >= 0.9 * double(parts * rounds);
 }
 
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
@@ -707,12 +757,25 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
              "and C a multiple of 128, got x ", x.desc(), ", w ", w.desc(), ", y ", y.desc());
   const int64_t N = x.size(0), Kc = x.size(1), H = x.size(2), W = x.size(3), C = y.size(1);
   const int64_t M = N * H * W, K = 9 * Kc;
-  const int parts = dgrad1x1_bn_wgmma_parts(M, C);
+  const bool tall = use_tall(M, C);
+  const int parts = tall ? tall_parts(M, C) : dgrad1x1_bn_wgmma_parts(M, C);
   Tensor partial =
       empty({int64_t(parts) * 2 * C}, TensorOptions(DType::f32).with_device(x.device()));
-  const CUtensorMap map_x = im2col3x3_map(x.raw_data(), N, H, W, Kc);
+  const CUtensorMap map_x = im2col3x3_map(x.raw_data(), N, H, W, Kc, tall ? 256 : 128);
   const CUtensorMap map_w = kmajor_map(w.raw_data(), C, K);  // (C, 3, 3, Kc) as it lies
   const CUtensorMap none{};
+  if (tall) {
+    constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, true,
+                                                          false, true, false, true>;
+    allow_smem_once<kernel>(kSmemTall, "conv3x3_stats");
+    launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemTall, current_stream(),
+                    static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
+                    M, int(C), int(K), parts, int(H), int(W));
+    KILN_CUDA_CHECK_LAUNCH();
+    bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
+    return;
+  }
   auto go = [&]<bool kPipeline>() {
     constexpr auto kernel =
         dgrad1x1_bn_sums_wgmma_kernel<true, false, false, true, false, kPipeline, false, true>;
@@ -755,7 +818,8 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                             const Tensor& mean, const Tensor& scale_shift, int parts) {
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), Kc = dy.size(1);
   const int64_t M = N * H * W;
-  const CUtensorMap map_dy = im2col3x3_map(dy.raw_data(), N, H, W, Kc);
+  const bool tall = use_tall(M, C);
+  const CUtensorMap map_dy = im2col3x3_map(dy.raw_data(), N, H, W, Kc, tall ? 256 : 128);
   const CUtensorMap map_w = tap_weight_map(w.raw_data(), Kc, C);  // (Kc, 3, 3, C) as it lies
   const bool residual = r.defined(), bits = mask.defined();
   CUtensorMap map_r{}, map_mask{};
@@ -765,16 +829,24 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
   // One wgmma group in flight always (KILN_WGMMA_PIPELINE is the 1x1 kernels' A/B switch).
   auto run = [&]<bool kResidual, bool kBits>() {
-    constexpr auto kernel =
-        dgrad1x1_bn_sums_wgmma_kernel<true, kResidual, kBits, false, true, true, false, true>;
-    allow_smem_once<kernel>(kSmemBytes, "dgrad3x3_bn_sums");
-    launch_whole_sm(
-        kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
-        static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy, map_w,
-        map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
-        static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
-        static_cast<const float*>(mean.raw_data()), static_cast<const float*>(ptr(scale_shift)), M,
-        int(C), int(9 * Kc), parts, int(H), int(W));
+    auto go = [&]<bool kTall>() {
+      constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<true, kResidual, kBits, false, true,
+                                                            true, false, true, false, kTall>;
+      constexpr int kSmem = kTall ? kSmemTall : kSmemBytes;
+      allow_smem_once<kernel>(kSmem, "dgrad3x3_bn_sums");
+      launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
+                      static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()),
+                      map_dy, map_w, map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
+                      static_cast<const uint8_t*>(ptr(mask)),
+                      static_cast<const __half*>(x.raw_data()),
+                      static_cast<const float*>(mean.raw_data()),
+                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(9 * Kc), parts,
+                      int(H), int(W));
+    };
+    if (tall)
+      go.template operator()<true>();
+    else
+      go.template operator()<false>();
   };
   if (residual && bits)
     run.template operator()<true, true>();
@@ -787,6 +859,12 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+int dgrad3x3_bn_parts(int64_t M, int64_t C) {
+  return use_tall(M, C) ? tall_parts(M, C) : dgrad1x1_bn_wgmma_parts(M, C);
+}
+
+bool gemm_tall_enabled() { return g_tall.get(); }
+void set_gemm_tall_enabled(bool on) { g_tall.set(on); }
 bool dgrad3x3_enabled() { return g_dgrad3x3.get(); }
 void set_dgrad3x3_enabled(bool on) { g_dgrad3x3.set(on); }
 bool conv3x3_enabled() { return g_conv3x3.get(); }

@@ -318,11 +318,12 @@ inline EncodeIm2col encode_im2col() {
 }
 
 // An f16 NHWC tensor (n, h, w, c) as the im2col map of a 3x3, stride-1, padding-1 convolution:
-// each load is 128 output pixels (the traversal runs over w, then h, then n, one step per output
-// pixel) × 64 channels in the 128-byte swizzle, the layout of tile_map's 128 × 64 boxes; the
+// each load is `pixels` output pixels (the traversal runs over w, then h, then n, one step per
+// output pixel) × 64 channels in the 128-byte swizzle, the layout of tile_map's boxes; the
 // corners −1 and −1 make each image's traversal start one pixel before its first row and column
 // and end one before its last, so that a tap's offset (0–2) lands on the input pixel.
-inline CUtensorMap im2col3x3_map(const void* p, int64_t n, int64_t h, int64_t w, int64_t c) {
+inline CUtensorMap im2col3x3_map(const void* p, int64_t n, int64_t h, int64_t w, int64_t c,
+                                 int pixels = 128) {
   CUtensorMap m;
   const cuuint64_t dims[4] = {cuuint64_t(c), cuuint64_t(w), cuuint64_t(h), cuuint64_t(n)};
   const cuuint64_t strides[3] = {cuuint64_t(c) * 2, cuuint64_t(w * c) * 2,
@@ -331,7 +332,7 @@ inline CUtensorMap im2col3x3_map(const void* p, int64_t n, int64_t h, int64_t w,
   const cuuint32_t elem[4] = {1, 1, 1, 1};
   const CUresult res = encode_im2col()(
       &m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(p), dims, strides, lower, upper,
-      64, 128, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      64, cuuint32_t(pixels), elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   KILN_CHECK(res == CUDA_SUCCESS, "kiln's wgmma kernels (cuda): cuTensorMapEncodeIm2col failed (",
              int(res), ") for an f16 NHWC tensor of ", n, " x ", h, " x ", w, " x ", c);

@@ -369,3 +369,85 @@ TEST_CASE("relu(bn(y)) read by a 3x3 convolution takes its data gradient: gradie
     KILN_CHECK_OK(testing::compare(f32(a.w.grad()), f32(f.w.grad()), 0.2, 2e-2));
   }
 }
+// KILN_GEMM_TALL: the 3x3 GEMMs on 256-row tiles. The same products in the same order as on
+// 128-row tiles, so the same g, dx and y bits; the batch norm's sums are grouped into other
+// partial rows, so dweight, dbias and the statistics agree to rounding. Row counts that end
+// inside a tile's first or second half (1,568 rows: 6 tiles and 32 rows; 36 rows at 9 × 4, 135
+// at 5 × 9), one and four column tiles, several tiles a CTA (25,088 rows), both mask forms, and
+// the forward.
+TEST_CASE("the 3x3 GEMMs on 256-row tiles give the 128-row tiles' results") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the 3x3 GEMMs run on the wgmma kernel (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  const Switch dgrad(cuda::dgrad3x3_enabled, cuda::set_dgrad3x3_enabled, true);
+  const Switch fwd(cuda::conv3x3_enabled, cuda::set_conv3x3_enabled, true);
+  struct Case {
+    int64_t n, c, k, h, w;
+    bool residual;
+  };
+  for (Case cs : {Case{2, 128, 128, 28, 28, false}, Case{32, 512, 512, 7, 7, true},
+                  Case{1, 256, 192, 9, 4, false}, Case{3, 128, 64, 5, 9, true},
+                  Case{32, 128, 128, 28, 28, false}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    CAPTURE(cs.h);
+    CAPTURE(cs.w);
+    const Block b = make_block(cs.n, cs.c, cs.k, cs.h, cs.w, cs.residual,
+                               307 + uint64_t(cs.c + cs.k + cs.h * cs.w));
+    const int64_t M = cs.n * cs.h * cs.w;
+    const double atol = 6e-2 * std::max(1.0, std::sqrt(double(M) / 784.0));
+    // The tall tiles are taken: fewer partial rows wherever there is more than one 128-row tile.
+    int p_single = 0, p_tall = 0;
+    {
+      const Switch off(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, false);
+      p_single = cuda::dgrad3x3_bn_parts(M, cs.c);
+    }
+    {
+      const Switch on(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, true);
+      p_tall = cuda::dgrad3x3_bn_parts(M, cs.c);
+    }
+    if ((M + 127) / 128 > 1) CHECK(p_tall < p_single);
+    for (MaskForm form : {MaskForm::Bits, MaskForm::FromX}) {
+      CAPTURE(form == MaskForm::Bits);
+      Grads single, tall;
+      {
+        const Switch off(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, false);
+        single = run_fused(b, form);
+      }
+      {
+        const Switch on(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, true);
+        tall = run_fused(b, form);
+        const Grads again = run_fused(b, form);  // still bit-reproducible
+        for (auto [x, y] : {std::pair{tall.dx, again.dx}, {tall.g, again.g},
+                            {tall.dw, again.dw}, {tall.db, again.db}})
+          KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+      }
+      KILN_CHECK_OK(testing::compare(tall.g, single.g, 0, 0));
+      // dx = g·a + x·b + c per channel, with a, b, c from the sums: to rounding.
+      KILN_CHECK_OK(testing::compare(f32(tall.dx), f32(single.dx), 2e-3, 2e-3));
+      KILN_CHECK_OK(testing::compare(tall.dw.to(kCPU), single.dw.to(kCPU), atol, 1e-3));
+      KILN_CHECK_OK(testing::compare(tall.db.to(kCPU), single.db.to(kCPU), atol, 1e-3));
+    }
+    // The forward (conv3x3_forward_stats) with y as its input: c → k channels, a fresh weight.
+    if (cs.k % 128 != 0) continue;  // the forward's output channels are 128-column tiles
+    const Tensor w = nhwc(F::mul(randn({cs.k, cs.c, 3, 3}), 1.0 / std::sqrt(9.0 * double(cs.c))));
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    auto forward = [&](bool tall, Tensor& sum, Tensor& sqsum) {
+      const Switch s(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, tall);
+      Tensor y = gputest::nan_output({cs.n, cs.k, cs.h, cs.w}, DType::f16,
+                                     MemoryFormat::ChannelsLast);
+      sum = empty({cs.k}, f32o);
+      sqsum = empty({cs.k}, f32o);
+      REQUIRE(cuda::conv3x3_stats_supported(y, b.y, w, kPad1));
+      cuda::conv3x3_forward_stats(y, sum, sqsum, b.y, w, kPad1);
+      return y;
+    };
+    Tensor s0, q0, s1, q1;
+    const Tensor y0 = forward(false, s0, q0), y1 = forward(true, s1, q1);
+    KILN_CHECK_OK(testing::compare(y1, y0, 0, 0));
+    KILN_CHECK_OK(testing::compare(s1.to(kCPU), s0.to(kCPU), 1e-4 * double(M), 1e-4));
+    KILN_CHECK_OK(testing::compare(q1.to(kCPU), q0.to(kCPU), 1e-4 * double(M), 1e-4));
+  }
+}

@@ -907,9 +907,10 @@ void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
                                  f.save_mean, f.save_invstd, false, f.scale_shift);
   });
   std::printf(
-      "; kiln GEMM + sums %.3f ms (%.0f TFLOP/s, %.2fx cuDNN's dgrad); + finish, apply "
-      "%.3f ms (%.2fx the unfused)\n",
-      t_gemm, gflop / t_gemm, t_gemm / t_dgrad, t_fused, t_fused / t_unfused);
+      "; kiln GEMM + sums %.3f ms (%.0f TFLOP/s, %.2fx cuDNN's dgrad, %d parts); + finish, "
+      "apply %.3f ms (%.2fx the unfused)\n",
+      t_gemm, gflop / t_gemm, t_gemm / t_dgrad, cuda::dgrad3x3_bn_parts(n * hw * hw, k), t_fused,
+      t_fused / t_unfused);
 }
 
 }  // namespace
