@@ -48,6 +48,12 @@
 // | KILN_CONV3X3             | 1                   | stride-1 padding-1 3x3 convolutions (C a        |
 // |                          |                     | multiple of 128) on kiln's implicit GEMM, not   |
 // |                          |                     | cuDNN (level at b256; off by default; v23)      |
+// | KILN_DGRAD3X3            | 0                   | a 3x3 stride-1 convolution's data gradient on   |
+// |                          |                     | cuDNN, then the batch norm's sums pass, instead |
+// |                          |                     | of kiln's implicit GEMM with the sums in its    |
+// |                          |                     | epilogue (layers 2-4's conv2 into bn1; v24)     |
+// | KILN_GEMM_TALL           | 0                   | kiln's 3x3 GEMMs on 128-row tiles only, not     |
+// |                          |                     | 256-row tiles where those fill the SMs (v24)    |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -116,7 +122,7 @@ struct Switches {
   bool conv_prologue = false;
   bool conv3x3 = false;
   bool dgrad3x3 = true;
-  bool gemm_tall = false;
+  bool gemm_tall = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
