@@ -369,6 +369,7 @@ TEST_CASE("relu(bn(y)) read by a 3x3 convolution takes its data gradient: gradie
     KILN_CHECK_OK(testing::compare(f32(a.w.grad()), f32(f.w.grad()), 0.2, 2e-2));
   }
 }
+
 // KILN_GEMM_TALL: the 3x3 GEMMs on 256-row tiles. The same products in the same order as on
 // 128-row tiles, so the same g, dx and y bits; the batch norm's sums are grouped into other
 // partial rows, so dweight, dbias and the statistics agree to rounding. Row counts that end
