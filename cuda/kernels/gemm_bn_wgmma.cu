@@ -14,7 +14,9 @@
 // Three forms since 2026-12-04 (docs/lab/norm-conv.md): the tail's (r added, the ReLU bits); a
 // bottleneck's inner relu(bn2(y2)) before conv3 (no r, the ReLU mask recomputed from x); and a
 // 1x1 convolution's forward with its output's statistics (conv1x1_forward_stats: y = x · wᵀ,
-// Σy and Σy²).
+// Σy and Σy²). And 3x3 convolutions (stride 1, padding 1) with A from TMA's im2col loads: the
+// forward with statistics (v23, kIm2col) and the data gradient with any of the epilogues (v24),
+// on 256-row tiles where those fill the SMs (kTall).
 //
 // G (M × C) = dy (M × K) · w (K × C): A = dy, row-major (NHWC), K-major; B = w read as it lies,
 // N-major, which wgmma transposes (kWDirect; KILN_TAIL_W_DIRECT=0: w transposed to wt (C × K)
@@ -207,21 +209,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tid == 32) {
         if constexpr (kStats) return;  // nothing to load for the statistics' epilogue
         int u = 0;  // this CTA's 64-row epilogue rounds so far (kTall: two a tile)
-        for (int64_t tile = part; tile < row_tiles; tile += parts)
-          for (int half = 0; half < (kTall ? 2 : 1); ++half, ++u)
-          for (int c = 0; c < 2; ++c) {
-            if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // round u-1 read
-            constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
-            mbar_expect_tx(epi_full(c), uint32_t(kBytes));
-            const int m0 = int(tile * kTM + c * (kTM / 2) + half * 64);
-            const uint32_t e = epi_buf(c);
-            for (int h = 0; h < 2; ++h) {
-              if constexpr (kResidual)
-                tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
-              tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
+        for (int64_t tile = part; tile < row_tiles; tile += parts) {
+          for (int half = 0; half < (kTall ? 2 : 1); ++half, ++u) {
+            for (int c = 0; c < 2; ++c) {
+              if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // round u-1 read
+              constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
+              mbar_expect_tx(epi_full(c), uint32_t(kBytes));
+              const int m0 = int(tile * kTM + c * (kTM / 2) + half * 64);
+              const uint32_t e = epi_buf(c);
+              for (int h = 0; h < 2; ++h) {
+                if constexpr (kResidual)
+                  tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
+                tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
+              }
+              if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
             }
-            if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
           }
+        }
         return;
       }
     }
@@ -401,7 +405,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                      : make_desc(b_tile(s) + uint32_t(kk * 32));
         wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
         if constexpr (kTall) {
-          const uint64_t da1 = make_desc(a_tile(s) + uint32_t((c * 128 + 64) * 128 + kk * 32));
+          const uint64_t da1 =
+              make_desc(a_tile(s) + uint32_t((c * (kTM / 2) + 64) * 128 + kk * 32));
           wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d1, da1, db);
         }
       }
