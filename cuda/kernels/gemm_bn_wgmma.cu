@@ -538,7 +538,8 @@ int tall_parts(int64_t M, int64_t C) {
   return int(std::clamp<int64_t>(sms / col_tiles, 1, std::max<int64_t>(rows, 1)));
 }
 bool use_tall(int64_t M, int64_t C) {
-  if (!g_tall.get()) return false;
+  // The kernel's row coordinates are 32-bit: a 256-row tile past the last row must fit too.
+  if (!g_tall.get() || M >= (int64_t(1) << 31) - 2 * kBM) return false;
   const int64_t rows = (M + 2 * kBM - 1) / (2 * kBM), parts = tall_parts(M, C);
   const int64_t rounds = (rows + parts - 1) / parts;
   return double(rows) >= 0.9 * double(parts * rounds);
