@@ -99,9 +99,10 @@ class BatchNormActBackward final : public Node {
   double eps_;
 };
 
-// Backward of batch_norm_from_stats's fused path (BatchNormStatsPaths). With relu and a
-// residual (a ResNet block's tail) it takes the next block's conv1 data gradient into its own
-// first pass where the backend can (ops/dgrad_sink.h).
+// Backward of batch_norm_from_stats's fused path (BatchNormStatsPaths). With relu it takes the
+// data gradient of the stride-1 convolution that reads its output (a ResNet block's tail: the
+// next block's conv1; a bottleneck's relu(bn1): conv2, 3x3; relu(bn2): conv3) into its own first
+// pass where the backend can (ops/dgrad_sink.h).
 class BatchNormStatsBackward final : public Node, public detail::DgradSink {
  public:
   BatchNormStatsBackward(const Tensor& x, const Tensor& mask, const Tensor& weight,
@@ -174,7 +175,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
   Activation act_;
   bool add_;
-  Tensor dy1_, w1_;  // a 1x1 convolution's data gradient operands, taken in (accept_dgrad)
+  Tensor dy1_, w1_;  // a convolution's data gradient operands, taken in (accept_dgrad)
 };
 
 // Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br.
