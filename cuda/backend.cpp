@@ -165,8 +165,7 @@ void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& d
                              GradientMode mode) {
   // The tail's mma.sync kernel adds r always; the wgmma kernel's forms (relu alone, every 3x3
   // convolution) take it undefined.
-  const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;
-  Tensor rz = r.defined() || !mask.defined() || taps ? r : zeros_like(x);
+  Tensor rz = r.defined() || !mask.defined() || dgrad_weight_3x3(w1) ? r : zeros_like(x);
   Tensor g = dz.defined() ? dz : empty_like(x);
   bn_nhwc_backward_dgrad(dx, g, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
                          save_invstd, mode == GradientMode::Accumulate,
@@ -224,11 +223,9 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::BatchNormStatsDgrad: {
       expect(4);
       const bool bits = t[3]->defined();
-      const Tensor& w1 = *t[1];
-      const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;
       return g_dgrad_fusion.get() && (bits || switches().fused_dgrad_relu) &&
-             (taps ? dgrad3x3_bn_supported(*t[0], w1, *t[2])
-                   : dgrad1x1_bn_supported(*t[0], w1, *t[2], bits));
+             (dgrad_weight_3x3(*t[1]) ? dgrad3x3_bn_supported(*t[0], *t[1], *t[2])
+                                      : dgrad1x1_bn_supported(*t[0], *t[1], *t[2], bits));
     }
     case FastPath::BatchNormReluMaxPool:
       expect(1);

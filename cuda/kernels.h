@@ -377,6 +377,8 @@ bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
 // (N, K, H, W), w1 (K, C, 3, 3) and x (N, C, H, W), K a multiple of 64 up to 4,096, C a
 // multiple of 128 (any mask form: the forward's bits, or recomputed from x).
 bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
+// Whether w1 is a 3x3 weight (K, C, 3, 3): which form the calls above take.
+bool dgrad_weight_3x3(const Tensor& w1);
 // Whether the 3x3 form runs (KILN_DGRAD3X3, on by default; set here for tests and A/B runs).
 bool dgrad3x3_enabled();
 void set_dgrad3x3_enabled(bool on);

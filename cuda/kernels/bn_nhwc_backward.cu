@@ -470,8 +470,8 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
       required(f32_ptr(save_invstd, C, x, op, "save_invstd"), op, "save_invstd");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   // w1 (K, C, 3, 3): a 3x3 convolution's data gradient, on the 3x3 GEMM's partial rows.
-  const bool taps = w1.defined() && w1.dim() == 4 && w1.size(2) == 3;
-  const int parts = taps ? dgrad3x3_bn_parts(rows, C) : dgrad1x1_bn_parts(rows, C, dy1.size(1));
+  const int parts =
+      dgrad_weight_3x3(w1) ? dgrad3x3_bn_parts(rows, C) : dgrad1x1_bn_parts(rows, C, dy1.size(1));
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
   Tensor coef = empty({3 * C}, f32);
   dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift);

@@ -178,11 +178,6 @@ constinit RuntimeSetting<int> g_tail_gemm{&Switches::tail_gemm};  // KILN_TAIL_G
 // its TMA epilogue it beats the mma.sync kernel at K 64 and 128 too, docs/lab/tail-gemm.md), only
 // where the mma.sync kernel does not go (K 256, 512) in mode 1 (KILN_TAIL_GEMM=mixed), never in
 // mode 0 (KILN_TAIL_GEMM=mma).
-// A 3x3 convolution's weight (K, C, 3, 3).
-bool is_3x3(const Tensor& w) {
-  return w.defined() && w.dim() == 4 && w.size(2) == 3 && w.size(3) == 3;
-}
-
 bool use_wgmma(int64_t M, int64_t K, int64_t C) {
   const int mode = g_tail_gemm.get();
   if (mode == 0 || !dgrad1x1_bn_wgmma_shape(M, K, C) || !dgrad1x1_bn_wgmma_available())
@@ -190,6 +185,10 @@ bool use_wgmma(int64_t M, int64_t K, int64_t C) {
   return mode == 2 || K > 128;
 }
 }  // namespace
+
+bool dgrad_weight_3x3(const Tensor& w1) {
+  return w1.defined() && w1.dim() == 4 && w1.size(2) == 3 && w1.size(3) == 3;
+}
 
 int tail_gemm_mode() { return g_tail_gemm.get(); }
 void set_tail_gemm_mode(int mode) {
@@ -228,7 +227,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   const char* op = "dgrad1x1_bn_sums";
   const bool bits = mask.defined();
   // w (K, C, 3, 3): a 3x3 convolution's data gradient (stride 1, padding 1) on the wgmma kernel.
-  const bool taps = is_3x3(w);
+  const bool taps = dgrad_weight_3x3(w);
   if (taps) {
     KILN_CHECK(dgrad3x3_bn_supported(dy, w, x), op,
                " (cuda): a 3x3 w needs KILN_DGRAD3X3 on, an "
