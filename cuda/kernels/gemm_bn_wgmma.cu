@@ -68,7 +68,8 @@ constexpr int kEpiBytes = kEpiMask + 64 * 16;
 static_assert(kEpiBytes == kStageOut, "the TMA epilogue's buffers replace the staging buffers");
 static_assert(kStageOut % 1024 == 0, "each warpgroup's buffer must keep the swizzle's alignment");
 // The mbarriers: full and empty per stage, and the TMA epilogue's two pairs.
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * kStages + 4) * 8 + 1024;
+// (kSlots: up to 2 · kStages slots of A alone with B resident.)
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * 2 * kStages + 4) * 8 + 1024;
 // kTall: three stages of a 256 × 64 A box and a 128 × 64 B box.
 constexpr int kSmemTall = 3 * (2 * kBM * kBK * 2 + kTile) + 2 * kStageOut + (2 * 3 + 4) * 8 + 1024;
 static_assert(kSmemTall <= 227 * 1024, "tall tiles: within an SM's shared memory");
@@ -149,17 +150,13 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
           bool kTall = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    dgrad1x1_bn_sums_wgmma_kernel(__half* __restrict__ g, float* __restrict__ partial,
-                                  const __grid_constant__ CUtensorMap map_dy,
-                                  const __grid_constant__ CUtensorMap map_wt,
-                                  const __grid_constant__ CUtensorMap map_r,
-                                  const __grid_constant__ CUtensorMap map_x,
-                                  const __grid_constant__ CUtensorMap map_mask,
-                                  const __half* __restrict__ r, const uint8_t* __restrict__ mask,
-                                  const __half* __restrict__ x, const float* __restrict__ mean,
-                                  const float* __restrict__ scale_shift, int64_t M, int C, int K,
-                                  int parts, int img_h, int img_w) {
+__global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
+    __half* __restrict__ g, float* __restrict__ partial, const __grid_constant__ CUtensorMap map_dy,
+    const __grid_constant__ CUtensorMap map_wt, const __grid_constant__ CUtensorMap map_r,
+    const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_mask,
+    const __half* __restrict__ r, const uint8_t* __restrict__ mask, const __half* __restrict__ x,
+    const float* __restrict__ mean, const float* __restrict__ scale_shift, int64_t M, int C, int K,
+    int parts, int img_h, int img_w, bool b_resident) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
@@ -170,24 +167,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage.
   constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall ? 3 : kStages;
   constexpr int kAB = kTM * kBK * 2, kSB = kAB + kTile;
+  // The mbarrier pairs: one per slot, up to 2·kStages slots of A alone with B resident.
+  constexpr int kSlots = kTall ? kNS : 2 * kStages;
+  const int KT = K / kBK;
+  // B resident (b_resident, K ≤ 256): this CTA's B, the same for all its tiles, is loaded once
+  // into KT 16 KB boxes at the end of the stages' memory, and the rest of it holds ns = 8 − KT
+  // slots of A alone (4 to 7) — instead of kStages slots of A and B, B loaded again per tile.
+  const bool bres = !kTall && !kIm2col && b_resident && KT <= kStages;
+  const int ns = bres ? 2 * kStages - KT : kNS;
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle wants 1,024-byte alignment
   unsigned char* gbase = smem_raw + (base - raw);
-  auto a_tile = [&](int s) { return base + uint32_t(s * kSB); };
-  auto b_tile = [&](int s) { return base + uint32_t(s * kSB + kAB); };
+  auto a_tile = [&](int s) { return base + uint32_t(bres ? s * kTile : s * kSB); };
+  // B of k-step kt, loaded with slot s.
+  auto b_tile = [&](int s, int kt) {
+    return base + uint32_t(bres ? (ns + kt) * kTile : s * kSB + kAB);
+  };
   const uint32_t out0 = uint32_t(kNS * kSB);  // the two staging buffers
   const uint32_t bars = base + out0 + 2 * kStageOut;
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
-  auto empty = [&](int s) { return bars + uint32_t((kNS + s) * 8); };
-  auto epi_full = [&](int c) { return bars + uint32_t((2 * kNS + c) * 8); };
-  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kNS + 2 + c) * 8); };
+  auto empty = [&](int s) { return bars + uint32_t((kSlots + s) * 8); };
+  auto epi_full = [&](int c) { return bars + uint32_t((2 * kSlots + c) * 8); };
+  auto epi_empty = [&](int c) { return bars + uint32_t((2 * kSlots + 2 + c) * 8); };
   auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
-    for (int s = 0; s < kNS; ++s) {
+    for (int s = 0; s < kSlots; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), 256);
     }
@@ -200,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int col_tiles = C / kBN, n0 = (int(blockIdx.x) % col_tiles) * kBN;
-  const int part = int(blockIdx.x) / col_tiles, KT = K / kBK;
+  const int part = int(blockIdx.x) / col_tiles;
   const int64_t row_tiles = (M + kTM - 1) / kTM;
 
   if (wg == 0) {  // the producers: thread 0 the GEMM's operands, thread 32 the epilogue's
@@ -243,9 +251,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         pw = m0 - pn * hw - ph * img_w;
       }
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        const int s = j % kNS;
-        if (j >= kNS) mbar_wait(empty(s), uint32_t((j / kNS - 1) & 1));
-        mbar_expect_tx(full(s), uint32_t(kSB));
+        const int s = j % ns;
+        if (j >= ns) mbar_wait(empty(s), uint32_t((j / ns - 1) & 1));
+        const bool load_b = !bres || j < KT;  // B resident: with the first tile only
+        mbar_expect_tx(full(s), uint32_t(load_b ? kSB : kAB));
         [[maybe_unused]] const int tap = kIm2col ? kt / cblocks : 0;
         [[maybe_unused]] const int ch = kIm2col ? (kt - tap * cblocks) * kBK : 0;
         if constexpr (kIm2col) {
@@ -256,14 +265,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if constexpr (kWDirect && kIm2col) {  // the 3x3 data gradient: w's tap 8 − tap
           for (int h = 0; h < 2; ++h)
-            tma_load_3d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, 8 - tap, ch,
+            tma_load_3d(b_tile(s, kt) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, 8 - tap, ch,
                         full(s));
         } else if constexpr (kWDirect) {
-          for (int h = 0; h < 2; ++h)
-            tma_load_2d(b_tile(s) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, kt * kBK,
-                        full(s));
-        } else {
-          tma_load_2d(b_tile(s), &map_wt, kt * kBK, n0, full(s));
+          if (load_b)
+            for (int h = 0; h < 2; ++h)
+              tma_load_2d(b_tile(s, kt) + uint32_t(h * kTile / 2), &map_wt, n0 + h * 64, kt * kBK,
+                          full(s));
+        } else if (load_b) {
+          tma_load_2d(b_tile(s, kt), &map_wt, kt * kBK, n0, full(s));
         }
       }
     }
@@ -292,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The prologue's factors, in shared memory after the barriers.
   [[maybe_unused]] const float* fss =
-      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kNS + 4) * 8);
+      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kSlots + 4) * 8);
   // kF16: K / 2 scale pairs, then K / 2 shift pairs, as half2.
   [[maybe_unused]] const __half2* fh = reinterpret_cast<const __half2*>(fss);
   if constexpr (kPrologue) {
@@ -393,16 +403,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) d1[i] = 0.f;
     }
-    auto issue = [&](int jj) {
-      const int s = jj % kNS;
-      mbar_wait(full(s), uint32_t((jj / kNS) & 1));
+    auto issue = [&](int jj, int kt) {
+      const int s = jj % ns;
+      mbar_wait(full(s), uint32_t((jj / ns) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t da = make_desc(a_tile(s) + uint32_t(c * (kTM / 2) * 128 + kk * 32));
         // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
-        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s) + uint32_t(kk * 16 * 128))
-                                     : make_desc(b_tile(s) + uint32_t(kk * 32));
+        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s, kt) + uint32_t(kk * 16 * 128))
+                                     : make_desc(b_tile(s, kt) + uint32_t(kk * 32));
         wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
         if constexpr (kTall) {
           const uint64_t da1 =
@@ -447,52 +457,52 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      auto mma = [&](const uint32_t (&a)[4][4], int s) {
+      auto mma = [&](const uint32_t(&a)[4][4], int s, int kt) {
         wgmma_fence();  // the fragments were written by this thread
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s) + uint32_t(kk * 32)));
+          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s, kt) + uint32_t(kk * 32)));
         wgmma_commit();
       };
-      auto step = [&](uint32_t (&a)[4][4], int kt) {
-        const int jj = j + kt, s = jj % kNS;
-        mbar_wait(full(s), uint32_t((jj / kNS) & 1));
+      auto step = [&](uint32_t(&a)[4][4], int kt) {
+        const int jj = j + kt, s = jj % ns;
+        mbar_wait(full(s), uint32_t((jj / ns) & 1));
         form(a, s, kt);
-        mma(a, s);
+        mma(a, s, kt);
       };
       // k-step kt's fragments are formed once k-step kt − 2's MMAs (the same registers) are
       // done; a slot is released once its MMAs are.
       step(a0, 0);
       step(a1, 1);
       wgmma_wait1();
-      mbar_arrive(empty(j % kNS));
+      mbar_arrive(empty(j % ns));
       for (int kt = 2; kt < KT; kt += 2) {
         step(a0, kt);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % kNS));
+        mbar_arrive(empty((j + kt - 1) % ns));
         step(a1, kt + 1);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt) % kNS));
+        mbar_arrive(empty((j + kt) % ns));
       }
       wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % kNS));
+      mbar_arrive(empty((j + KT - 1) % ns));
       j += KT;
     } else if constexpr (kPipeline) {
       // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
-      issue(j);
+      issue(j, 0);
       for (int kt = 1; kt < KT; ++kt) {
-        issue(j + kt);
+        issue(j + kt, kt);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % kNS));
+        mbar_arrive(empty((j + kt - 1) % ns));
       }
       wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % kNS));
+      mbar_arrive(empty((j + KT - 1) % ns));
       j += KT;
     } else {
       for (int kt = 0; kt < KT; ++kt, ++j) {
-        issue(j);
+        issue(j, kt);
         wgmma_wait0();
-        mbar_arrive(empty(j % kNS));
+        mbar_arrive(empty(j % ns));
       }
     }
     epilogue(d, mt);
@@ -548,6 +558,7 @@ bool use_tall(int64_t M, int64_t C) {
 constinit RuntimeSwitch g_tma_epi{&Switches::tail_tma_epi};  // KILN_TAIL_TMA_EPI
 constinit RuntimeSwitch g_w_direct{&Switches::tail_w_direct};  // KILN_TAIL_W_DIRECT
 constinit RuntimeSwitch g_pipeline{&Switches::wgmma_pipeline};  // KILN_WGMMA_PIPELINE
+constinit RuntimeSwitch g_b_resident{&Switches::gemm_b_resident};  // KILN_GEMM_B_RESIDENT
 
 }  // namespace
 
@@ -609,14 +620,13 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
           dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect, kPipeline>;
       allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
       const unsigned grid = unsigned(parts * (C / kBN));
-      launch_whole_sm(kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-                      static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x,
-                      map_mask, static_cast<const __half*>(ptr(r)),
-                      static_cast<const uint8_t*>(ptr(mask)),
-                      static_cast<const __half*>(x.raw_data()),
-                      static_cast<const float*>(mean.raw_data()),
-                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts, 0,
-                      0);
+      launch_whole_sm(
+          kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
+          static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
+          static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
+          static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
+          static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts, 0, 0,
+          g_b_resident.get());
     };
     if (pipeline)
       go.template operator()<true>();
@@ -659,7 +669,7 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
-                    int(C), int(K), parts, 0, 0);
+                    int(C), int(K), parts, 0, 0, g_b_resident.get());
   };
   if (ss != nullptr && prologue_f16_enabled())
     go.template operator()<true, true, true>();
@@ -776,8 +786,8 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
     allow_smem_once<kernel>(kSmemTall, "conv3x3_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemTall, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
-                    M, int(C), int(K), parts, int(H), int(W));
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M,
+                    int(C), int(K), parts, int(H), int(W), false);
     KILN_CUDA_CHECK_LAUNCH();
     bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
     return;
@@ -788,8 +798,8 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
     allow_smem_once<kernel>(kSmemBytes, "conv3x3_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr,
-                    M, int(C), int(K), parts, int(H), int(W));
+                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M,
+                    int(C), int(K), parts, int(H), int(W), false);
   };
   if (g_pipeline.get())
     go.template operator()<true>();
@@ -840,14 +850,13 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                                                             true, false, true, false, kTall>;
       constexpr int kSmem = kTall ? kSmemTall : kSmemBytes;
       allow_smem_once<kernel>(kSmem, "dgrad3x3_bn_sums");
-      launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
-                      static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()),
-                      map_dy, map_w, map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
-                      static_cast<const uint8_t*>(ptr(mask)),
-                      static_cast<const __half*>(x.raw_data()),
-                      static_cast<const float*>(mean.raw_data()),
-                      static_cast<const float*>(ptr(scale_shift)), M, int(C), int(9 * Kc), parts,
-                      int(H), int(W));
+      launch_whole_sm(
+          kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
+          static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy,
+          map_w, map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
+          static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
+          static_cast<const float*>(mean.raw_data()), static_cast<const float*>(ptr(scale_shift)),
+          M, int(C), int(9 * Kc), parts, int(H), int(W), false);
     };
     if (tall)
       go.template operator()<true>();
@@ -880,6 +889,8 @@ bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }
 void set_tail_w_direct_enabled(bool on) { g_w_direct.set(on); }
 bool wgmma_pipeline_enabled() { return g_pipeline.get(); }
+bool gemm_b_resident_enabled() { return g_b_resident.get(); }
+void set_gemm_b_resident_enabled(bool on) { g_b_resident.set(on); }
 void set_wgmma_pipeline_enabled(bool on) { g_pipeline.set(on); }
 void set_tail_tma_epilogue_enabled(bool on) { g_tma_epi.set(on); }
 

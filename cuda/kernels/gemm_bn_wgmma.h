@@ -49,5 +49,11 @@ void set_tail_w_direct_enabled(bool on);
 // (KILN_WGMMA_PIPELINE=0 or set_wgmma_pipeline_enabled(false)). Bit-identical results either way.
 bool wgmma_pipeline_enabled();
 void set_wgmma_pipeline_enabled(bool on);
+// Whether a CTA loads its column tile's B once and keeps it in shared memory where K ≤ 256 (the
+// default), with the freed slots holding more of A, or loads B with every row tile's A
+// (KILN_GEMM_B_RESIDENT=0 or set_gemm_b_resident_enabled(false)). Bit-identical results either
+// way.
+bool gemm_b_resident_enabled();
+void set_gemm_b_resident_enabled(bool on);
 
 }  // namespace kiln::cuda

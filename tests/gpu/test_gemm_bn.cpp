@@ -674,3 +674,77 @@ TEST_CASE("the wgmma kernel with one wgmma group in flight gives the same bits a
   cuda::set_wgmma_pipeline_enabled(before);
   cuda::set_tail_gemm_mode(mode);
 }
+
+TEST_CASE("the wgmma kernel with B resident gives the same bits as with B loaded per tile") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  const int mode = cuda::tail_gemm_mode();
+  cuda::set_tail_gemm_mode(2);
+  const bool before = cuda::gemm_b_resident_enabled(), pipe_before = cuda::wgmma_pipeline_enabled(),
+             tma_before = cuda::tail_tma_epilogue_enabled();
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  // K 64 to 256 (1 to 4 k-steps: 7 to 4 slots of A beside B), many row tiles per CTA, the last
+  // partial; K 512 does not take it (the same kernel, to show the switch leaves it alone).
+  for (bool pipeline : {true, false}) {
+    cuda::set_wgmma_pipeline_enabled(pipeline);
+    for (bool tma : {true, false}) {
+      cuda::set_tail_tma_epilogue_enabled(tma);
+      for (Case cs :
+           {Case{16, 256, 64, 28, 28}, Case{32, 512, 128, 14, 13}, Case{8, 256, 192, 15, 15},
+            Case{64, 1024, 256, 13, 13}, Case{8, 2048, 512, 7, 7}}) {
+        CAPTURE(pipeline);
+        CAPTURE(tma);
+        CAPTURE(cs.c);
+        CAPTURE(cs.k);
+        const Tail t = make_tail(cs.n, cs.c, cs.k, cs.h, cs.w, 211 + uint64_t(cs.k));
+        same_bits_both_ways(cuda::set_gemm_b_resident_enabled, [&] { return run_fused(t); });
+      }
+    }
+    cuda::set_tail_tma_epilogue_enabled(tma_before);
+    // The inner relu(bn(y)) form at K 256, without and with another gradient r of its output.
+    for (bool residual : {false, true}) {
+      CAPTURE(residual);
+      const Inner t = make_inner(32, 128, 256, 28, 27, residual, 221);
+      same_bits_both_ways(cuda::set_gemm_b_resident_enabled, [&] { return run_inner_fused(t); });
+    }
+    // The 1x1 forward with statistics at K 64, 128 and 256, and with bn + ReLU as its prologue
+    // (K 128 and 256: the register-A form reads B from the resident boxes too).
+    for (Case cs :
+         {Case{16, 256, 64, 56, 56}, Case{32, 512, 128, 28, 27}, Case{64, 1024, 256, 14, 14}}) {
+      CAPTURE(cs.c);
+      CAPTURE(cs.k);
+      manual_seed(231 + uint64_t(cs.k));
+      const Tensor x = nhwc(F::add(randn({cs.n, cs.k, cs.h, cs.w}), 0.3));
+      const Tensor w =
+          F::mul(randn({cs.c, cs.k, 1, 1}), 1.0 / std::sqrt(double(cs.k))).to(DType::f16).to(kGpu);
+      const BnStatsFinalize f = gputest::bn_finalize_of(x);
+      const TensorOptions f32o = TensorOptions().with_device(kGpu);
+      for (bool prologue : {false, true}) {
+        if (prologue && cs.k % 128 != 0) continue;
+        CAPTURE(prologue);
+        Tensor y[2], sum[2], sqsum[2];
+        for (int i = 0; i < 2; ++i) {
+          cuda::set_gemm_b_resident_enabled(i == 0);
+          y[i] = nhwc(zeros({cs.n, cs.c, cs.h, cs.w}));
+          sum[i] = empty({cs.c}, f32o);
+          sqsum[i] = empty({cs.c}, f32o);
+          if (prologue)
+            cuda::conv1x1_bn_relu_forward_stats(y[i], sum[i], sqsum[i], x, f.scale_shift, w,
+                                                ConvParams{});
+          else
+            cuda::conv1x1_forward_stats(y[i], sum[i], sqsum[i], x, w, ConvParams{});
+        }
+        KILN_CHECK_OK(testing::compare(y[0], y[1], 0, 0));
+        KILN_CHECK_OK(testing::compare(sum[0], sum[1], 0, 0));
+        KILN_CHECK_OK(testing::compare(sqsum[0], sqsum[1], 0, 0));
+      }
+    }
+  }
+  cuda::set_gemm_b_resident_enabled(before);
+  cuda::set_wgmma_pipeline_enabled(pipe_before);
+  cuda::set_tail_gemm_mode(mode);
+}
