@@ -4,7 +4,8 @@
 # exercise (docs/lab/norm-conv.md). Builds kiln-train, then for each seed of SEEDS runs the
 # default and then OFF (VAR=0 settings, comma-separated) for EPOCHS epochs on DATA (default
 # .deps/fashion-mnist, carried), with ARGS added to the recipe; one log per run and a summary
-# line each in $OUT/r50.txt.
+# line each in $OUT/r50.txt. CONFIGS="default VAR=0 VAR=0,VAR2=0 ..." instead of OFF: those
+# configurations in turn for each seed (each a comma-separated list of settings, or default).
 #   OFF=KILN_CONV1X1_STATS=0,KILN_FUSED_DGRAD_RELU=0 SEEDS="0 1" EPOCHS=6 bash tools/device/r50_seeds.sh
 #   python3 -m zipfile -e .imagenette/imagenette112.zip /tmp/ &&
 #     DATA=/tmp/imn112 ARGS="--image-size 112 --label-smoothing 0.1 --workers 16" EPOCHS=16 \
@@ -21,12 +22,15 @@ L=$OUT
 DATA=${DATA:-.deps/fashion-mnist}
 . tools/device/lib.sh
 kiln_build kiln-train || exit 1
-IFS=, read -r -a off <<< "${OFF:?OFF=VAR=0,... (the switches of the 'off' side)}"
 read -r -a args <<< "${ARGS:---workers 8}"
+configs=${CONFIGS:-"default ${OFF:?OFF=VAR=0,... (the switches of the 'off' side), or CONFIGS}"}
 for seed in ${SEEDS:-0 1}; do
-  for side in on off; do
+  for config in $configs; do
     vars=()
-    [ $side = off ] && vars=("${off[@]}")
+    [ "$config" != default ] && IFS=, read -r -a vars <<< "$config"
+    # The names of the old on/off form when OFF is given.
+    side=${config//[=,]/_}
+    [ -z "${CONFIGS:-}" ] && { [ "$config" = default ] && side=on || side=off; }
     log="$OUT/r50-$side-$seed.log"
     s0=$(date +%s)
     env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train "$DATA" --arch resnet50 \
