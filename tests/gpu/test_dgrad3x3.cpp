@@ -392,9 +392,12 @@ TEST_CASE("the 3x3 GEMMs on 256-row tiles give the 128-row tiles' results") {
     int64_t n, c, k, h, w;
     bool residual;
   };
+  // The last three: the Imagenette recipe's layers 2-4 at batch 128 and 112 pixels (one tile per
+  // CTA, 14 × 14 images two to three to a tile, 4 × 4 images sixteen to a tile).
   for (Case cs : {Case{2, 128, 128, 28, 28, false}, Case{32, 512, 512, 7, 7, true},
                   Case{1, 256, 192, 9, 4, false}, Case{3, 128, 64, 5, 9, true},
-                  Case{32, 128, 128, 28, 28, false}}) {
+                  Case{32, 128, 128, 28, 28, false}, Case{128, 128, 128, 14, 14, false},
+                  Case{128, 256, 256, 7, 7, false}, Case{128, 512, 512, 4, 4, true}}) {
     CAPTURE(cs.n);
     CAPTURE(cs.c);
     CAPTURE(cs.k);
@@ -469,17 +472,18 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
     return;
   }
   const int64_t n = 16, size = 112;
-  // A small loss scale: at batch 16 from random weights, 8,192 already overflows f16 in the
-  // first blocks' gradients (the scaler would skip that step and halve it).
-  const double scale = 64;
+  // At batch 16 from random weights 8,192 overflows f16 in the first blocks' gradients (the
+  // scaler would skip that step and halve it), and 64 leaves the deep ones below f16's range.
+  const double scale = 1024;
   Generator gen(17);
   const Tensor x = F::add(F::mul(randn({n, 3, size, size}, DType::f32, &gen), 0.8), 0.1);
   std::vector<int64_t> labels(n);
   for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = (i * 7) % 10;
   const Tensor y = from_vector<int64_t>(labels, {n}, DType::i64).to(kGpu);
   // Parameter gradients (f32, unscaled) by name; the uses of the fused path counted.
-  auto grads = [&](amp::Precision p, bool fused, uint64_t* fusions) {
+  auto grads = [&](amp::Precision p, bool fused, bool tall, uint64_t* fusions) {
     const Switch three(cuda::dgrad3x3_enabled, cuda::set_dgrad3x3_enabled, fused);
+    const Switch tiles(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, tall);
     manual_seed(5);
     auto model = models::resnet50(10);
     amp::prepare_model(*model, kGpu, p);
@@ -509,33 +513,38 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
     }
     return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   };
-  const auto ref = grads(amp::Precision::FP32, false, nullptr);
+  const auto ref = grads(amp::Precision::FP32, false, false, nullptr);
   uint64_t fused_count = 0, plain_count = 0;
-  const auto on = grads(amp::Precision::Mixed16, true, &fused_count);
-  const auto off = grads(amp::Precision::Mixed16, false, &plain_count);
-  // Layers 2-4's stride-1 blocks: 3 + 5 + 2 conv2, each taken in once more than without.
-  CAPTURE(plain_count);
-  CHECK(fused_count == plain_count + 10);
-  double worst_on = 0, worst_off = 0, sq_on = 0, sq_off = 0, worst_ratio = 0;
-  std::string worst_name;
-  for (const auto& [name, want] : ref) {
-    CAPTURE(name);
-    REQUIRE(on.count(name) == 1);
-    const double eon = rel_l2(on.at(name), want), eoff = rel_l2(off.at(name), want);
-    worst_on = std::max(worst_on, eon);
-    worst_off = std::max(worst_off, eoff);
-    sq_on += eon * eon;
-    sq_off += eoff * eoff;
-    const double ratio = eon / std::max(eoff, 1e-4);
-    if (ratio > worst_ratio) worst_ratio = ratio, worst_name = name;
-    // No tensor far off where the unfused run is close: f16 rounding moves a tensor's error
-    // by a factor of about 1, a wrong gradient by orders of magnitude.
-    CHECK(eon <= 3 * eoff + 2e-3);
+  const auto off = grads(amp::Precision::Mixed16, false, false, &plain_count);
+  for (bool tall : {false, true}) {
+    CAPTURE(tall);
+    const auto on = grads(amp::Precision::Mixed16, true, tall, &fused_count);
+    // Layers 2-4's stride-1 blocks: 3 + 5 + 2 conv2, each taken in once more than without.
+    CAPTURE(plain_count);
+    CAPTURE(fused_count);
+    CHECK(fused_count == plain_count + 10);
+    double worst_on = 0, worst_off = 0, sq_on = 0, sq_off = 0, worst_ratio = 0;
+    std::string worst_name;
+    for (const auto& [name, want] : ref) {
+      CAPTURE(name);
+      REQUIRE(on.count(name) == 1);
+      const double eon = rel_l2(on.at(name), want), eoff = rel_l2(off.at(name), want);
+      worst_on = std::max(worst_on, eon);
+      worst_off = std::max(worst_off, eoff);
+      sq_on += eon * eon;
+      sq_off += eoff * eoff;
+      const double ratio = eon / std::max(eoff, 1e-4);
+      if (ratio > worst_ratio) worst_ratio = ratio, worst_name = name;
+      // No tensor far off where the unfused run is close: f16 rounding moves a tensor's error
+      // by a factor of about 1, a wrong gradient by orders of magnitude.
+      CHECK(eon <= 3 * eoff + 2e-3);
+      if (eon > 3 * eoff + 2e-3) MESSAGE(name, ": fused ", eon, ", unfused ", eoff);
+    }
+    const double k = double(ref.size());
+    MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fused worst ", worst_on,
+            " rms ", std::sqrt(sq_on / k), "; unfused worst ", worst_off, " rms ",
+            std::sqrt(sq_off / k), "; worst fused/unfused ratio ", worst_ratio, " (", worst_name,
+            ")");
+    CHECK(std::sqrt(sq_on / k) <= 1.5 * std::sqrt(sq_off / k) + 1e-4);
   }
-  const double k = double(ref.size());
-  MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fused worst ", worst_on,
-          " rms ", std::sqrt(sq_on / k), "; unfused worst ", worst_off, " rms ",
-          std::sqrt(sq_off / k), "; worst fused/unfused ratio ", worst_ratio, " (", worst_name,
-          ")");
-  CHECK(std::sqrt(sq_on / k) <= 1.5 * std::sqrt(sq_off / k) + 1e-4);
 }
