@@ -12,6 +12,8 @@ OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
 B=${B:-build-gpu}
 DATA=${DATA:-/tmp/imn112}
+S="$OUT/trace.txt"  # lib.sh: the summary and the logs
+L=/tmp
 read -r -a args <<< "${ARGS:---image-size 112 --label-smoothing 0.1 --workers 16}"
 . tools/device/lib.sh
 kiln_build kiln-train > /tmp/trace-build.log 2>&1 || { tail -20 /tmp/trace-build.log; exit 1; }
