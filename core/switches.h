@@ -52,8 +52,10 @@
 // |                          |                     | cuDNN, then the batch norm's sums pass, instead |
 // |                          |                     | of kiln's implicit GEMM with the sums in its    |
 // |                          |                     | epilogue (layers 2-4's conv2 into bn1; v24)     |
-// | KILN_GEMM_TALL           | 0                   | kiln's 3x3 GEMMs on 128-row tiles only, not     |
-// |                          |                     | 256-row tiles where those fill the SMs (v24)    |
+// | KILN_GEMM_TALL           | 1                   | kiln's 3x3 GEMMs on 256-row tiles where those   |
+// |                          |                     | fill the SMs (on in v24; off since v25: its     |
+// |                          |                     | Imagenette runs trained worse, unexplained;     |
+// |                          |                     | docs/lab/norm-conv.md, v25)                     |
 // | KILN_GEMM_B_RESIDENT     | 0                   | kiln's 1x1 GEMMs load B with every row tile,    |
 // |                          |                     | not once per CTA where K <= 256 (v25)           |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
@@ -124,7 +126,7 @@ struct Switches {
   bool conv_prologue = false;
   bool conv3x3 = false;
   bool dgrad3x3 = true;
-  bool gemm_tall = true;
+  bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
