@@ -521,8 +521,8 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
   for (bool tall : {false, true}) {
     CAPTURE(tall);
     const auto on = grads(amp::Precision::Mixed16, true, tall, &fused_count);
-    // Layers 2-4's stride-1 conv2 are taken in where their batch norm is kiln's (7 of the 10 on
-    // the H200: the tuner leaves some to cuDNN's batch norm).
+    // Layers 2-4 have 10 stride-1 conv2; on the H200 7 of them are taken in at this size (which
+    // three are not, and why, has not been looked into), so the check is only that some are.
     CAPTURE(plain_count);
     CAPTURE(fused_count);
     CHECK(fused_count > plain_count);
