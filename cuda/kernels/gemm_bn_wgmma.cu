@@ -146,7 +146,13 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // the epilogue once per half through its 64-row buffer. Per k-step the shared memory moves
 // 48 KB in and 96 KB out for 4.2 MFLOP, against 32 and 48 KB for 2.1 MFLOP with 128-row tiles.
 // The same products in the same order: the same y and g bits (the statistics' partial rows
-// group the rows differently).
+// group the rows differently). Off by default since v25 (KILN_GEMM_TALL=1 turns it on).
+//
+// b_resident (a run-time argument, KILN_GEMM_B_RESIDENT; the 1x1 forms with K ≤ 256): B, which
+// is the same for every row tile of the CTA's column, is loaded once with its first tile into
+// KT boxes at the end of the stages' memory, and the rest of that memory holds 8 − KT slots of
+// A alone. A run-time select of B's box, not a branch around the MMAs (which would draw C7518).
+// The same products in the same order: the same bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
           bool kTall = false>
