@@ -151,7 +151,8 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // b_resident (a run-time argument, KILN_GEMM_B_RESIDENT; the 1x1 forms with K ≤ 256): B, which
 // is the same for every row tile of the CTA's column, is loaded once with its first tile into
 // KT boxes at the end of the stages' memory, and the rest of that memory holds 8 − KT slots of
-// A alone. A run-time select of B's box, not a branch around the MMAs (which would draw C7518).
+// A alone. A run-time select of B's box, no branch near the MMAs (v21: a run-time branch between
+// a wgmma issue and its wait made ptxas serialise them, C7518); ptxas reports no C7518 here.
 // The same products in the same order: the same bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
