@@ -43,6 +43,18 @@ inline Tensor nan_output(const Shape& shape, DType t, MemoryFormat fmt = MemoryF
 // The values the device really holds, widened to f64 on the host (the reference's input).
 inline Tensor host_f64(const Tensor& t) { return t.to(Device::cpu()).to(DType::f64).contiguous(); }
 
+// ‖got − want‖ / ‖want‖ over all elements, in f64 (‖got − want‖ where want is all zeros).
+inline double rel_l2(const Tensor& got, const Tensor& want) {
+  const auto a = host_f64(got).to_vector<double>(), b = host_f64(want).to_vector<double>();
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 struct Tol {
   double atol, rtol;
 };

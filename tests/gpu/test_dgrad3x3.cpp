@@ -505,16 +505,6 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
     }
     return out;
   };
-  auto rel_l2 = [](const Tensor& got, const Tensor& want) {
-    const auto a = got.to(DType::f64).to_vector<double>(),
-               b = want.to(DType::f64).to_vector<double>();
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-      num += (a[i] - b[i]) * (a[i] - b[i]);
-      den += b[i] * b[i];
-    }
-    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  };
   const auto ref = grads(amp::Precision::FP32, false, false, nullptr);
   uint64_t fused_count = 0, plain_count = 0;
   const auto off = grads(amp::Precision::Mixed16, false, false, &plain_count);
@@ -533,7 +523,8 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
     for (const auto& [name, want] : ref) {
       CAPTURE(name);
       REQUIRE(on.count(name) == 1);
-      const double eon = rel_l2(on.at(name), want), eoff = rel_l2(off.at(name), want);
+      const double eon = gputest::rel_l2(on.at(name), want),
+                   eoff = gputest::rel_l2(off.at(name), want);
       worst_on = std::max(worst_on, eon);
       worst_off = std::max(worst_off, eoff);
       sq_on += eon * eon;

@@ -61,21 +61,6 @@ TEST_CASE("cross_entropy f16 on the GPU: the loss scale is applied before the on
   CHECK(worst <= 1.001);
 }
 
-namespace {
-
-double rel_l2(const Tensor& got, const Tensor& want) {
-  const auto a = host_f64(got).to_vector<double>(), b = host_f64(want).to_vector<double>();
-  REQUIRE(a.size() == b.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-}  // namespace
-
 // Summation order differs between the backends, and the backward of a ResNet at a small
 // batch amplifies rounding differences (batch norm over few values per channel subtracts
 // nearly equal terms), so the two FP32 results are compared with an FP64 run on the CPU: the
