@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/backend.h"
 #include "core/generator.h"
 #include "core/tensor.h"
@@ -107,6 +108,44 @@ inline BnStatsFinalize bn_finalize_of(const Tensor& x) {
   f.bias = uniform({C}, -0.5, 0.5).to(x.device());
   f.count = x.numel() / C;
   return f;
+}
+
+// The wiring tests' relu(bn(y)) read by a convolution alone (test_gemm_bn's 1x1 conv3,
+// test_dgrad3x3's 3x3 conv2), run forward and backward from the host tensors: y and w as leaves
+// in dt (their f16 values either way, channels-last), the batch norm's weight and bias in f32;
+// relu(bn(y)) from y's own sums through batch_norm_from_stats (the node that may take the
+// convolution's data gradient) in f16, the plain composition in f32; conv2d(·, w, stride 1,
+// `padding`); then the backward of dy. The leaves hold the gradients.
+struct BnReluConvRun {
+  Tensor y, w, weight, bias;
+};
+inline BnReluConvRun bn_relu_conv_backward(const Tensor& hy, const Tensor& hw, const Tensor& hg,
+                                           const Tensor& hb, const Tensor& hdy, DType dt,
+                                           int64_t padding) {
+  auto leaf = [&](const Tensor& h, DType t) {
+    Tensor g = h.to(t).to(kGpu);
+    if (h.dim() == 4) g = g.contiguous(MemoryFormat::ChannelsLast);
+    g = g.detach();
+    g.set_requires_grad(true);
+    return g;
+  };
+  BnReluConvRun r{leaf(hy.to(DType::f16), dt), leaf(hw.to(DType::f16), dt), leaf(hg, DType::f32),
+                  leaf(hb, DType::f32)};
+  const TensorOptions opt = TensorOptions().with_device(kGpu);
+  Tensor rm = zeros({hg.numel()}, opt), rv = ones({hg.numel()}, opt);
+  Tensor out;
+  if (dt == DType::f16) {
+    Tensor y32 = r.y.detach().to(DType::f32);
+    const F::ChannelStats st{F::sum(y32, {0, 2, 3}), F::sum(F::mul(y32, y32), {0, 2, 3}),
+                             r.y.version()};
+    out = F::batch_norm_from_stats(r.y, st, Tensor(), true, r.weight, r.bias, rm, rv, true);
+  } else {
+    out = F::relu(F::batch_norm(r.y, r.weight, r.bias, rm, rv, true));
+  }
+  const Tensor y2 = F::conv2d(out, r.w, Tensor(), /*stride=*/1, padding);
+  const Tensor dy = hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast).to(dt);
+  autograd::backward({y2}, {dy}, false);
+  return r;
 }
 
 }  // namespace kiln::gputest

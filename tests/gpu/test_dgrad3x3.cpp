@@ -316,38 +316,15 @@ TEST_CASE("relu(bn(y)) read by a 3x3 convolution takes its data gradient: gradie
     Tensor hw = F::mul(randn({k, c, 3, 3}), 1.0 / std::sqrt(9.0 * double(k)));
     Tensor hdy = randn({4, k, 10, 12});
     Tensor hg = uniform({c}, 0.5, 1.5), hb = uniform({c}, -0.5, 0.5);
-    struct Run {
-      Tensor y, w, weight, bias;
-    };
+    using Run = gputest::BnReluConvRun;
     enum class Path { Fused, No3x3, NoFusion, F32 };
     auto run = [&](Path p) {
-      const DType dt = p == Path::F32 ? DType::f32 : DType::f16;
       const Switch fusion(cuda::dgrad_fusion_enabled, cuda::set_dgrad_fusion_enabled,
                           p != Path::NoFusion);
       const Switch three(cuda::dgrad3x3_enabled, cuda::set_dgrad3x3_enabled, p != Path::No3x3);
-      auto leaf = [&](const Tensor& h, DType t) {
-        Tensor g = h.to(t).to(kGpu);
-        if (h.dim() == 4) g = g.contiguous(MemoryFormat::ChannelsLast);
-        g = g.detach();
-        g.set_requires_grad(true);
-        return g;
-      };
-      Run r{leaf(hy.to(DType::f16), dt), leaf(hw.to(DType::f16), dt), leaf(hg, DType::f32),
-            leaf(hb, DType::f32)};
-      const TensorOptions opt = TensorOptions().with_device(kGpu);
-      Tensor rm = zeros({c}, opt), rv = ones({c}, opt);
-      Tensor out;
-      if (dt == DType::f16) {
-        Tensor y32 = r.y.detach().to(DType::f32);
-        const F::ChannelStats st{F::sum(y32, {0, 2, 3}), F::sum(F::mul(y32, y32), {0, 2, 3}),
-                                 r.y.version()};
-        out = F::batch_norm_from_stats(r.y, st, Tensor(), true, r.weight, r.bias, rm, rv, true);
-      } else {
-        out = F::relu(F::batch_norm(r.y, r.weight, r.bias, rm, rv, true));
-      }
-      Tensor y2 = F::conv2d(out, r.w, Tensor(), /*stride=*/1, /*padding=*/1);
-      autograd::backward({y2}, {nhwc(hdy).to(dt)}, false);
-      return r;
+      return gputest::bn_relu_conv_backward(hy, hw, hg, hb, hdy,
+                                            p == Path::F32 ? DType::f32 : DType::f16,
+                                            /*padding=*/1);
     };
     const uint64_t n0 = F::dgrad_fusions();
     const Run a = run(Path::Fused);

@@ -444,34 +444,11 @@ TEST_CASE("a block's inner relu(bn(y)) takes conv3's data gradient: gradients un
     Tensor hy = F::add(F::mul(randn(shape), 1.5), 0.25);
     Tensor hw = F::mul(randn({k, c, 1, 1}), 0.1), hdy = randn({4, k, 10, 12});
     Tensor hg = uniform({c}, 0.5, 1.5), hb = uniform({c}, -0.5, 0.5);
-    struct Run {
-      Tensor y, w, weight, bias;
-    };
+    using Run = gputest::BnReluConvRun;
     auto run = [&](bool fused, DType dt) {
       const bool before = cuda::dgrad_fusion_enabled();
       cuda::set_dgrad_fusion_enabled(fused);
-      auto leaf = [&](const Tensor& h, DType t) {
-        Tensor g = h.to(t).to(kGpu);
-        if (h.dim() == 4) g = g.contiguous(MemoryFormat::ChannelsLast);
-        g = g.detach();
-        g.set_requires_grad(true);
-        return g;
-      };
-      Run r{leaf(hy.to(DType::f16), dt), leaf(hw.to(DType::f16), dt), leaf(hg, DType::f32),
-            leaf(hb, DType::f32)};
-      const TensorOptions opt = TensorOptions().with_device(kGpu);
-      Tensor rm = zeros({c}, opt), rv = ones({c}, opt);
-      Tensor out;
-      if (dt == DType::f16) {
-        Tensor y32 = r.y.detach().to(DType::f32);
-        const F::ChannelStats st{F::sum(y32, {0, 2, 3}), F::sum(F::mul(y32, y32), {0, 2, 3}),
-                                 r.y.version()};
-        out = F::batch_norm_from_stats(r.y, st, Tensor(), true, r.weight, r.bias, rm, rv, true);
-      } else {
-        out = F::relu(F::batch_norm(r.y, r.weight, r.bias, rm, rv, true));
-      }
-      Tensor y3 = F::conv2d(out, r.w);
-      autograd::backward({y3}, {nhwc(hdy).to(dt)}, false);
+      const Run r = gputest::bn_relu_conv_backward(hy, hw, hg, hb, hdy, dt, /*padding=*/0);
       cuda::set_dgrad_fusion_enabled(before);
       return r;
     };
