@@ -24,6 +24,15 @@ DATA=${DATA:-.deps/fashion-mnist}
 kiln_build kiln-train || exit 1
 read -r -a args <<< "${ARGS:---workers 8}"
 configs=${CONFIGS:-"default ${OFF:?OFF=VAR=0,... (the switches of the 'off' side), or CONFIGS}"}
+# The highest training loss of the first 150 steps and its step (the warm-up's spike, if any).
+early_peak() {
+  python3 - "$1" <<'PY' 2>/dev/null || echo "no steps.jsonl"
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1])][:150]
+i = max(range(len(steps)), key=lambda k: steps[k]["loss"])
+print(f"early peak loss {steps[i]['loss']:.2f} at step {i + 1}")
+PY
+}
 for seed in ${SEEDS:-0 1}; do
   for config in $configs; do
     vars=()
@@ -37,7 +46,7 @@ for seed in ${SEEDS:-0 1}; do
       --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 --warmup-epochs 1 --seed "$seed" \
       "${args[@]}" --output "/tmp/r50-$side-$seed" --overwrite > "$log" 2>&1
     rc=$?
-    echo "seed $seed $side: rc $rc, $(( $(date +%s) - s0 )) s; $(grep -E "top-1" "$log" | tail -1)" |
-      tee -a "$S"
+    echo "seed $seed $side: rc $rc, $(( $(date +%s) - s0 )) s; $(grep -E "top-1" "$log" | tail -1);" \
+      "$(early_peak "/tmp/r50-$side-$seed/steps.jsonl")" | tee -a "$S"
   done
 done
