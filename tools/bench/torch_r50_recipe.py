@@ -7,8 +7,8 @@ Trains torchvision's resnet50 (random init, no zero-init of the residual BNs: ki
 decay on every parameter, a linear warm-up from 0 over --warmup-epochs then cosine to 0 over
 --epochs, label smoothing, AMP f16 with a dynamic loss scale, channels-last. Runs --steps steps
 and prints the losses at the steps tools/device/step_trace.sh prints, and the highest loss of the
-first 150 steps. Needs torch and torchvision (the GPU machine has them):
-  python3 tools/bench/torch_r50_recipe.py /tmp/imn112 --seeds 0,1,2 --steps 150
+first 300 steps. Needs torch and torchvision (the GPU machine has them):
+  python3 tools/bench/torch_r50_recipe.py /tmp/imn112 --seeds 0,1,2 --steps 300
 """
 import argparse
 import math
@@ -20,7 +20,7 @@ from torchvision import transforms as T
 
 p = argparse.ArgumentParser()
 p.add_argument("root")
-p.add_argument("--steps", type=int, default=150)
+p.add_argument("--steps", type=int, default=300)
 p.add_argument("--seeds", default="0")
 p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--wd", type=float, default=5e-4)
@@ -29,6 +29,8 @@ p.add_argument("--epochs", type=int, default=30)
 p.add_argument("--image-size", type=int, default=112)
 p.add_argument("--label-smoothing", type=float, default=0.1)
 p.add_argument("--workers", type=int, default=16)
+p.add_argument("--zero-init-residual", action="store_true",
+               help="each block's last BN weight starts at 0 (torchvision's option)")
 a = p.parse_args()
 
 tf = T.Compose([T.RandomResizedCrop(a.image_size), T.RandomHorizontalFlip(), T.PILToTensor()])
@@ -54,7 +56,8 @@ for seed in [int(s) for s in a.seeds.split(",")]:
     torch.manual_seed(seed)
     dl = torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=a.workers,
                                      pin_memory=True, drop_last=True, persistent_workers=False)
-    m = torchvision.models.resnet50(num_classes=len(ds.classes)).cuda()
+    m = torchvision.models.resnet50(num_classes=len(ds.classes),
+                                  zero_init_residual=a.zero_init_residual).cuda()
     m = m.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(m.parameters(), lr=a.lr, momentum=0.9, weight_decay=a.wd)
     scaler = torch.amp.GradScaler("cuda")
@@ -76,9 +79,10 @@ for seed in [int(s) for s in a.seeds.split(",")]:
             if len(losses) >= a.steps:
                 break
     runs[seed] = losses
-    early = losses[:150]
+    early = losses[:300]
     k = max(range(len(early)), key=lambda j: early[j])
-    print(f"torch seed {seed}: early peak loss {early[k]:.2f} at step {k + 1} "
+    print(f"torch seed {seed} (lr {a.lr}, warm-up {a.warmup_epochs} epochs"
+          f"{', zero-init residual' if a.zero_init_residual else ''}): early peak loss {early[k]:.2f} at step {k + 1} "
           f"(lr {lr_at(k):.4f}); loss at step {len(losses)} {losses[-1]:.4f}", flush=True)
 
 names = sorted(runs)

@@ -24,11 +24,12 @@ DATA=${DATA:-.deps/fashion-mnist}
 kiln_build kiln-train || exit 1
 read -r -a args <<< "${ARGS:---workers 8}"
 configs=${CONFIGS:-"default ${OFF:?OFF=VAR=0,... (the switches of the 'off' side), or CONFIGS}"}
-# The highest training loss of the first 150 steps and its step (the warm-up's spike, if any).
+# The highest training loss of the first 300 steps (four epochs of the Imagenette recipe) and
+# its step: the warm-up's loss spike, if any.
 early_peak() {
   python3 - "$1" <<'PY' 2>/dev/null || echo "no steps.jsonl"
 import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1])][:150]
+steps = [json.loads(l) for l in open(sys.argv[1])][:300]
 i = max(range(len(steps)), key=lambda k: steps[k]["loss"])
 print(f"early peak loss {steps[i]['loss']:.2f} at step {i + 1}")
 PY

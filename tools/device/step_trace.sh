@@ -41,7 +41,7 @@ for i in [0, 1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 72, 100, 145, 200, 300]:
         print(f"{i + 1:4d} " + " ".join(f"{logs[n][i]['loss']:14.7f}" for n in names))
 peaks = []
 for n in names:
-    early = logs[n][:150]
+    early = logs[n][:300]
     k = max(range(len(early)), key=lambda j: early[j]["loss"])
     peaks.append(f"{early[k]['loss']:.2f}@{k + 1}")
 print("early peak " + " ".join(f"{p:>14}" for p in peaks))
