@@ -22,7 +22,7 @@ Switches read_switches() {
   s.wgrad1x1 = !is(std::getenv("KILN_WGRAD1X1"), "0");
   s.conv_prologue = is(std::getenv("KILN_CONV_PROLOGUE"), "1");
   s.conv3x3 = is(std::getenv("KILN_CONV3X3"), "1");
-  s.dgrad3x3 = is(std::getenv("KILN_DGRAD3X3"), "1");
+  s.dgrad3x3 = !is(std::getenv("KILN_DGRAD3X3"), "0");
   s.gemm_tall = is(std::getenv("KILN_GEMM_TALL"), "1");
   s.gemm_b_resident = !is(std::getenv("KILN_GEMM_B_RESIDENT"), "0");
   s.prologue_f16 = is(std::getenv("KILN_PROLOGUE_F16"), "1");

@@ -48,12 +48,12 @@
 // | KILN_CONV3X3             | 1                   | stride-1 padding-1 3x3 convolutions (C a        |
 // |                          |                     | multiple of 128) on kiln's implicit GEMM, not   |
 // |                          |                     | cuDNN (level at b256; off by default; v23)      |
-// | KILN_DGRAD3X3            | 1                   | a 3x3 stride-1 convolution's data gradient on   |
-// |                          |                     | kiln's implicit GEMM with the batch norm's sums |
-// |                          |                     | in its epilogue (layers 2-4's conv2 into bn1),  |
-// |                          |                     | not cuDNN's then the sums pass (on in v24; off  |
-// |                          |                     | since v25: Imagenette's runs ended lower with   |
-// |                          |                     | it, unexplained; docs/lab/norm-conv.md, v25)    |
+// | KILN_DGRAD3X3            | 0                   | a 3x3 stride-1 convolution's data gradient on   |
+// |                          |                     | cuDNN then the sums pass, not on kiln's         |
+// |                          |                     | implicit GEMM with the batch norm's sums in its |
+// |                          |                     | epilogue (layers 2-4's conv2 into bn1; on in    |
+// |                          |                     | v24, off in v25, on again since v26: level on   |
+// |                          |                     | Imagenette; docs/lab/norm-conv.md, v26)         |
 // | KILN_GEMM_TALL           | 1                   | kiln's 3x3 GEMMs on 256-row tiles where those   |
 // |                          |                     | fill the SMs (on in v24; off since v25: its     |
 // |                          |                     | Imagenette runs trained worse, unexplained;     |
@@ -127,7 +127,7 @@ struct Switches {
   bool wgrad1x1 = true;
   bool conv_prologue = false;
   bool conv3x3 = false;
-  bool dgrad3x3 = false;
+  bool dgrad3x3 = true;
   bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool prologue_f16 = false;

@@ -111,12 +111,20 @@ ResNet::ResNet(BlockKind block, std::vector<int64_t> layers, ResNetOptions opts)
     }
     // BatchNorm2d already starts at weight 1, bias 0.
   }
-  if (opts.zero_init_residual) {
-    for (const auto& [_, m] : named_modules()) {
-      if (auto* b = dynamic_cast<const Bottleneck*>(m)) nn::init::constant_(b->last_bn()->weight(), 0.0);
-      if (auto* b = dynamic_cast<const BasicBlock*>(m)) nn::init::constant_(b->last_bn()->weight(), 0.0);
-    }
+  if (opts.zero_init_residual) zero_init_residual_bns(*this);
+}
+
+int64_t zero_init_residual_bns(nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& [_, m] : model.named_modules()) {
+    const nn::BatchNorm2d* bn = nullptr;
+    if (auto* b = dynamic_cast<const Bottleneck*>(m)) bn = b->last_bn().get();
+    if (auto* b = dynamic_cast<const BasicBlock*>(m)) bn = b->last_bn().get();
+    if (bn == nullptr) continue;
+    nn::init::constant_(bn->weight(), 0.0);
+    ++n;
   }
+  return n;
 }
 
 std::shared_ptr<nn::Sequential> ResNet::make_layer(int64_t planes, int64_t blocks, int64_t stride,

@@ -91,6 +91,12 @@ class ResNet : public nn::Module {
   std::shared_ptr<nn::Linear> fc_;
 };
 
+// Sets the weight of every residual block's last batch norm in `model` (BasicBlock's bn2,
+// Bottleneck's bn3) to 0, as zero_init_residual does at construction, so that each residual
+// branch starts as the identity (Goyal et al.; torchvision's option). Returns how many it set:
+// 0 for a model without residual blocks.
+int64_t zero_init_residual_bns(nn::Module& model);
+
 std::shared_ptr<ResNet> resnet18(int64_t num_classes = 1000, bool zero_init_residual = false);
 std::shared_ptr<ResNet> resnet34(int64_t num_classes = 1000, bool zero_init_residual = false);
 std::shared_ptr<ResNet> resnet50(int64_t num_classes = 1000, bool zero_init_residual = false);

@@ -91,6 +91,9 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.flag("--freeze-backbone", &c.freeze_backbone,
          "train the classifier (fc) only; the rest keeps its weights");
   p.value("--weights", "PATH", &c.weights, "start from weights that must match exactly");
+  p.flag("--zero-init-residual", &c.zero_init_residual,
+         "ResNets: each residual block's last batch norm starts at weight 0\n"
+         "(torchvision's zero_init_residual)");
   p.flag("-e, --evaluate", &c.evaluate, "evaluate only (with --weights, --pretrained or --resume)");
   p.section("Devices and processes:");
   p.value("--device", "DEV", &c.device, "auto (cuda if present, else cpu), cpu, cuda, cuda:N");
@@ -213,6 +216,11 @@ void validate(const Config& a) {
   if (!a.resume.empty() && !a.weights.empty())
     cli::usage_error("--resume and --weights both name starting weights (--resume continues a "
                      "run with its own); give one");
+  if (a.zero_init_residual && models::is_vit_name(a.arch))
+    cli::usage_error("--zero-init-residual applies to ResNets (--arch is ", a.arch, ")");
+  if (a.zero_init_residual && (!a.weights.empty() || !a.pretrained.empty()))
+    cli::usage_error("--zero-init-residual sets starting weights that --",
+                     a.weights.empty() ? "pretrained" : "weights", " replaces; give one");
 }
 
 std::vector<std::pair<std::string, std::string>> launch_env(const Config& c) {

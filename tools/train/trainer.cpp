@@ -28,6 +28,7 @@
 #include "data/gpu_jpeg.h"
 #include "ops/ops.h"
 #include "optim/checkpoint.h"
+#include "models/resnet.h"
 #include "optim/model_file.h"
 #include "optim/schedule.h"
 #include "optim/train_step.h"
@@ -268,6 +269,7 @@ void Trainer::open_data() {
 void Trainer::build_model() {
   info_ = model_info(c_, *data_);
   model_ = train::build_model(c_, *data_);
+  if (c_.zero_init_residual) models::zero_init_residual_bns(*model_);
   if (!c_.weights.empty()) {
     SafetensorsData w;
     try {
@@ -435,12 +437,13 @@ void Trainer::print_plan() const {
       use_graph_ ? ", whole-step CUDA graph" : "");
   std::printf(
       "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
-      "schedule%s%s\n",
+      "schedule%s%s%s\n",
       long(c_.epochs), long(c_.batch_size), world > 1 ? " per process" : "",
       c_.optimizer.c_str(), c_.lr, c_.momentum, c_.wd, long(warmup_steps_), c_.schedule.c_str(),
       c_.augment || (data_->small_images() && data_->kind() == DataKind::ImageFolder)
           ? ", crop+flip augmentation"
           : "",
+      c_.zero_init_residual ? ", residual BNs zero-initialised" : "",
       start_epoch_ > 0 ? (", starting after epoch " + std::to_string(start_epoch_)).c_str() : "");
   if (!pretrained_note_.empty()) std::printf("  %s\n", pretrained_note_.c_str());
   if (c_.freeze_backbone) {

@@ -100,6 +100,7 @@ struct Config {
   bool freeze_backbone = false;  // train the classifier only
   bool evaluate = false;       // evaluate only
   bool nesterov = false;       // SGD with Nesterov momentum
+  bool zero_init_residual = false;  // ResNets: each block's last BN weight starts at 0
   int gpu = -1;                // --gpu N: device cuda:N
   int64_t start_epoch = -1;    // main.py's --start-epoch: first epoch to run (-1: 0 or resume's)
   bool dummy = false;          // synthetic data (train_data.h)
