@@ -755,6 +755,19 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
     conv1x1_backward_weight(dw, dy, x, p, accumulate && !zeroed);
     return;
   }
+  KILN_CHECK(dy.dtype() == x.dtype(), "conv2d_backward_weight (cuda): dy and x must have one dtype, "
+             "got dy ", dy.desc(), " and x ", x.desc());
+  if (dw.dtype() != x.dtype()) {
+    // cuDNN writes the gradient in its operands' dtype (the kernels above also write f32): into
+    // a buffer of x's dtype, then widened or narrowed into dw.
+    NoGradGuard no_grad;
+    Tensor own = empty(dw.shape(), TensorOptions(x.dtype()).with_device(dw.device()));
+    conv2d_backward_weight(own, dy, x, p, false);
+    const Tensor converted = own.to(dw.dtype());
+    if (accumulate && !zeroed) binary(BinaryOp::AddScaled, dw, dw, converted, 1.0);
+    else dw.copy_(converted);
+    return;
+  }
   const bool pad = pad_stem(x.dtype(), x.size(1), p.groups);
   const MemoryFormat fmt = pad ? MemoryFormat::ChannelsLast : layout_of(x);
   if (accumulate && (pad || !dw.is_contiguous(fmt))) {

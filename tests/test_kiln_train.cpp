@@ -545,6 +545,13 @@ TEST_CASE("kiln-train: flag ranges and contradictions fail early") {
   CHECK(err({"--resume", "x", "--pretrained", "y"}).find("give one") != std::string::npos);
   CHECK(err({"--resume", "x", "--weights", "y"}).find("give one") != std::string::npos);
   CHECK(err({"--workers", "1024", "--nproc", "1024"}).empty());
+  CHECK(err({"--zero-init-residual", "--arch", "vit_b_16"}).find("applies to ResNets") !=
+        std::string::npos);
+  CHECK(err({"--zero-init-residual", "--pretrained", "y"}).find("--pretrained replaces") !=
+        std::string::npos);
+  CHECK(err({"--zero-init-residual", "--weights", "y"}).find("--weights replaces") !=
+        std::string::npos);
+  CHECK(err({"--zero-init-residual", "--arch", "resnet50"}).empty());
   train::Config c;
   c.workers = -1;  // a Config built in code is validated by run() too
   CHECK_THROWS_WITH_AS(train::run(c), doctest::Contains("--workers"), Error);

@@ -184,6 +184,29 @@ TEST_CASE("torchvision init: kaiming_normal(fan_out) convs, BN 1/0, zero_init_re
         plain->named_parameters()[0].second.to_vector<double>());
 }
 
+TEST_CASE("zero_init_residual_bns: after construction, as the option does at it") {
+  // kiln-train --zero-init-residual: the model is built first, then each block's last BN zeroed.
+  auto m = resnet50();
+  CHECK(zero_init_residual_bns(*m) == 16);
+  const auto& reference = resnet50_zero_init();  // the same seed, the option at construction
+  const auto a = m->named_parameters(), b = reference->named_parameters();
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(a[i].first);
+    CHECK(a[i].first == b[i].first);
+    CHECK(a[i].second.to_vector<double>() == b[i].second.to_vector<double>());
+  }
+  auto r18 = resnet18();
+  CHECK(zero_init_residual_bns(*r18) == 8);
+  for (auto& [n, t] : r18->named_parameters())
+    if (n.ends_with("bn2.weight")) CHECK(all_equal(t, 0.0));
+  // No residual blocks: nothing changes.
+  nn::Linear fc(4, 2);
+  const std::vector<double> before = fc.weight().to_vector<double>();
+  CHECK(zero_init_residual_bns(fc) == 0);
+  CHECK(fc.weight().to_vector<double>() == before);
+}
+
 TEST_CASE("resnet_small: 3x3 stem, no max pool, three BasicBlock stages") {
   auto m = resnet_small();  // 10 classes, width 32, one block per stage, 1 input channel
   const int64_t w = 32;

@@ -327,6 +327,34 @@ TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic m
   cuda::clear_conv_algo_cache();
 }
 
+TEST_CASE("conv2d: a weight gradient into another dtype than x's is converted, = and +=") {
+  // cuDNN writes in its operands' dtype: an f32 dw of f16 operands is computed in f16 and widened
+  // (before, the f16 bits were written into the f32 buffer). 3x3, so that cuDNN runs it.
+  Generator gen(21);
+  const MemoryFormat nhwc = MemoryFormat::ChannelsLast;
+  Tensor x = to_gpu(randn({2, 64, 8, 8}, DType::f64, &gen), DType::f16, nhwc);
+  Tensor dy = to_gpu(randn({2, 64, 8, 8}, DType::f64, &gen), DType::f16, nhwc);
+  ConvParams p;
+  p.pad_h = p.pad_w = 1;
+  Tensor own = nan_gpu({64, 64, 3, 3}, DType::f16);
+  cuda::conv2d_backward_weight(own, dy, x, p);
+  const std::vector<float> expected = own.to_vector<float>();
+  Tensor wide = nan_gpu({64, 64, 3, 3}, DType::f32);
+  cuda::conv2d_backward_weight(wide, dy, x, p);
+  CHECK(wide.to_vector<float>() == expected);
+  // +=: onto ones, in f32.
+  Tensor acc = to_gpu(ones({64, 64, 3, 3}), DType::f32);
+  cuda::conv2d_backward_weight(acc, dy, x, p, /*accumulate=*/true);
+  const std::vector<float> got = acc.to_vector<float>();
+  REQUIRE(got.size() == expected.size());
+  size_t off = 0;
+  for (size_t i = 0; i < got.size(); ++i) off += got[i] != 1.0f + expected[i];
+  CHECK(off == 0);
+  // dy of another dtype than x: refused, naming both.
+  CHECK_THROWS_WITH_AS(cuda::conv2d_backward_weight(wide, dy.to(DType::f32), x, p),
+                       doctest::Contains("dy and x must have one dtype"), Error);
+}
+
 TEST_CASE("conv2d: accumulate (beta = 1) adds into dx/dw once, legacy and backend-API plans") {
   // Targets hold known values t0; after the call they must hold t0 + grad, not grad (beta
   // ignored, or the search overwrote the target) and not t0 + k·grad (the tuning runs added
