@@ -10,6 +10,8 @@
 #   python3 -m zipfile -e .imagenette/imagenette112.zip /tmp/ &&
 #     DATA=/tmp/imn112 ARGS="--image-size 112 --label-smoothing 0.1 --workers 16" EPOCHS=16 \
 #     OFF=... SEEDS="0 1 2" bash tools/device/r50_seeds.sh
+# ARCH (default resnet50) names another model: the Fashion-MNIST recipe of
+# docs/lab/fashion-mnist.md is ARCH=resnet18 EPOCHS=30 ARGS="--augment --workers 8".
 # (.imagenette, an ignored, carried folder: thunderInfy/imagenette re-encoded by
 # tools/bench/shrink_jpegs.cpp at 1/2 size (112 px on the short side), quality 68, and stored
 # uncompressed in one zip file: 13,394 small files would not fit in what a call carries.)
@@ -43,7 +45,7 @@ for seed in ${SEEDS:-0 1}; do
     [ -z "${CONFIGS:-}" ] && { [ "$config" = default ] && side=on || side=off; }
     log="$OUT/r50-$side-$seed.log"
     s0=$(date +%s)
-    env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train "$DATA" --arch resnet50 \
+    env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train "$DATA" --arch "${ARCH:-resnet50}" \
       --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 --warmup-epochs 1 --seed "$seed" \
       "${args[@]}" --output "/tmp/r50-$side-$seed" --overwrite > "$log" 2>&1
     rc=$?
