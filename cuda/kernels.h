@@ -379,8 +379,8 @@ bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
 bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
 // Whether w1 is a 3x3 weight (K, C, 3, 3): which form the calls above take.
 bool dgrad_weight_3x3(const Tensor& w1);
-// Whether the 3x3 form runs (KILN_DGRAD3X3=1; off by default since v25, see core/switches.h;
-// set here for tests and A/B runs).
+// Whether the 3x3 form runs (KILN_DGRAD3X3: on by default, off in v25, on again since v26; see
+// core/switches.h; set here for tests and A/B runs).
 bool dgrad3x3_enabled();
 void set_dgrad3x3_enabled(bool on);
 // Whether kiln's 3x3 GEMMs (this data gradient and conv3x3_forward_stats) take 256-row tiles

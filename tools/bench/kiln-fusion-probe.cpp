@@ -894,7 +894,7 @@ void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
       "TFLOP/s); + bn_nhwc_backward %.3f ms",
       static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
       static_cast<long long>(hw), gflop, t_dgrad, gflop / t_dgrad, t_unfused);
-  // kiln's form, off by default (KILN_DGRAD3X3), is what this probe times: on for the call.
+  // kiln's form (KILN_DGRAD3X3, which may be off) is what this probe times: on for the call.
   const bool before = cuda::dgrad3x3_enabled();
   cuda::set_dgrad3x3_enabled(true);
   struct Restore {
