@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
   const int KT = K / kBK;
   // B resident (b_resident, K ≤ 256): this CTA's B, the same for all its tiles, is loaded once
   // into KT 16 KB boxes at the end of the stages' memory, and the rest of it holds ns = 8 − KT
-  // slots of A alone (4 to 7) — instead of kStages slots of A and B, B loaded again per tile.
+  // slots of A alone (4 to 7; kDual's three stages: 6 − KT, K ≤ 192) — instead of kNS slots of
+  // A and B, B loaded again per tile.
   const bool bres = !kTall && !kIm2col && b_resident && KT <= kNS;
   const int ns = bres ? 2 * kNS - KT : kNS;
   pdl_start();
