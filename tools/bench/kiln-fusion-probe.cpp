@@ -1052,7 +1052,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (args.dual_tail) {
-      // ResNet-50's four downsample tails (each layer's first block) and the next block's conv1.
+      // ResNet-50's four downsample tails (each layer's first block) and the next block's conv1;
+      // kiln's dual form (KILN_DUAL_DGRAD, which may be off) on for the call.
+      kiln::cuda::set_dual_dgrad_enabled(true);
       for (auto [c, hw] : {std::pair<int64_t, int64_t>{256, 56}, {512, 28}, {1024, 14}, {2048, 7}})
         probe_dual_tail(N, c, c / 4, hw);
       cudnnDestroy(h);
