@@ -655,6 +655,25 @@ kiln::Tensor repeated_randn(int64_t n, int64_t ch, int64_t hw) {
       .contiguous(MemoryFormat::ChannelsLast);
 }
 
+// A batch norm of v (f16 channels-last) with its sums as the training step computes them, weight
+// 1 and bias 0, to be finalized by the call that takes it.
+kiln::BnStatsFinalize stats_of(const kiln::Tensor& v) {
+  using namespace kiln;
+  const int64_t c = v.size(1);
+  const TensorOptions f32 = TensorOptions().with_device(v.device());
+  BnStatsFinalize f;
+  f.save_mean = empty({c}, f32);
+  f.save_invstd = empty({c}, f32);
+  f.scale_shift = empty({2 * c}, f32);
+  f.sum = empty({c}, f32);
+  f.sqsum = empty({c}, f32);
+  cuda::bn_nhwc_stats(f.sum, f.sqsum, v);
+  f.weight = ones({c}, f32);
+  f.bias = zeros({c}, f32);
+  f.count = v.numel() / c;
+  return f;
+}
+
 // One identity-block tail at batch n: C channels at hw × hw, the next conv1 from C to K.
 void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   using namespace kiln;
@@ -663,16 +682,7 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   Tensor y3 = act(c), z = act(c), r = act(c), dy1 = act(k);
   Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
-  BnStatsFinalize f;
-  f.save_mean = empty({c}, f32);
-  f.save_invstd = empty({c}, f32);
-  f.scale_shift = empty({2 * c}, f32);
-  f.sum = empty({c}, f32);
-  f.sqsum = empty({c}, f32);
-  cuda::bn_nhwc_stats(f.sum, f.sqsum, y3);  // as the training step computes them
-  f.weight = ones({c}, f32);
-  f.bias = zeros({c}, f32);
-  f.count = n * hw * hw;
+  BnStatsFinalize f = stats_of(y3);
   Tensor mask = empty({y3.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
   Tensor out = empty_like(y3);
   cuda::bn_nhwc_apply(out, y3, z, f, Activation::Relu, mask);
@@ -720,20 +730,7 @@ void probe_dual_tail(int64_t n, int64_t c, int64_t k, int64_t hw) {
   Tensor x = act(c), u = act(c), rest = act(c), dy1 = act(k);
   Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
-  auto finalize_of = [&](const Tensor& v) {
-    BnStatsFinalize f;
-    f.save_mean = empty({c}, f32);
-    f.save_invstd = empty({c}, f32);
-    f.scale_shift = empty({2 * c}, f32);
-    f.sum = empty({c}, f32);
-    f.sqsum = empty({c}, f32);
-    cuda::bn_nhwc_stats(f.sum, f.sqsum, v);
-    f.weight = ones({c}, f32);
-    f.bias = zeros({c}, f32);
-    f.count = n * hw * hw;
-    return f;
-  };
-  BnStatsFinalize fx = finalize_of(x), fu = finalize_of(u);
+  BnStatsFinalize fx = stats_of(x), fu = stats_of(u);
   Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
   {
     Tensor out = empty_like(x);
@@ -931,16 +928,7 @@ void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
                  .to(gpu)
                  .contiguous(MemoryFormat::ChannelsLast);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
-  BnStatsFinalize f;
-  f.save_mean = empty({k}, f32);
-  f.save_invstd = empty({k}, f32);
-  f.scale_shift = empty({2 * k}, f32);
-  f.sum = empty({k}, f32);
-  f.sqsum = empty({k}, f32);
-  cuda::bn_nhwc_stats(f.sum, f.sqsum, y1);
-  f.weight = ones({k}, f32);
-  f.bias = zeros({k}, f32);
-  f.count = n * hw * hw;
+  BnStatsFinalize f = stats_of(y1);
   cuda::bn_nhwc_finalize(f);
   Tensor grad = empty_like(y1), dx = empty_like(y1), g = empty_like(y1);
   Tensor dw = empty({k}, f32), db = empty({k}, f32);
