@@ -60,11 +60,6 @@
 // |                          |                     | docs/lab/norm-conv.md, v25)                     |
 // | KILN_GEMM_B_RESIDENT     | 0                   | kiln's 1x1 GEMMs load B with every row tile,    |
 // |                          |                     | not once per CTA where K <= 256 (v25)           |
-// | KILN_DUAL_DGRAD          | 1                   | a downsample block's two batch norms' backward  |
-// |                          |                     | takes the next conv1's data gradient into the   |
-// |                          |                     | GEMM with all three sums in its epilogue (off:  |
-// |                          |                     | written and compiled, not yet run on the GPU;   |
-// |                          |                     | docs/lab/norm-conv.md, what is left, item 5)    |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -135,7 +130,6 @@ struct Switches {
   bool dgrad3x3 = true;
   bool gemm_tall = false;
   bool gemm_b_resident = true;
-  bool dual_dgrad = false;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;
