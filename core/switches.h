@@ -55,9 +55,9 @@
 // |                          |                     | v24, off in v25, on again since v26: level on   |
 // |                          |                     | Imagenette; docs/lab/norm-conv.md, v26)         |
 // | KILN_GEMM_TALL           | 1                   | kiln's 3x3 GEMMs on 256-row tiles where those   |
-// |                          |                     | fill the SMs (on in v24; off since v25: its     |
-// |                          |                     | Imagenette runs trained worse, unexplained;     |
-// |                          |                     | docs/lab/norm-conv.md, v25)                     |
+// |                          |                     | fill the SMs (on in v24; off since v25, whose   |
+// |                          |                     | Imagenette runs trained worse; not re-run on    |
+// |                          |                     | v26's calmer recipe; docs/lab/norm-conv.md)     |
 // | KILN_GEMM_B_RESIDENT     | 0                   | kiln's 1x1 GEMMs load B with every row tile,    |
 // |                          |                     | not once per CTA where K <= 256 (v25)           |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
