@@ -137,15 +137,19 @@ DeviceLoader::~DeviceLoader() = default;
 
 const DataLoader& DeviceLoader::host() const { return gpu_->host; }
 int64_t DeviceLoader::num_batches() const { return gpu_->host.num_batches(); }
-DeviceEpoch DeviceLoader::epoch(int64_t e) const { return DeviceEpoch(gpu_, e); }
+DeviceEpoch DeviceLoader::epoch(int64_t e, int64_t first) const {
+  KILN_CHECK(first >= 0 && first <= num_batches(), "DeviceLoader::epoch: first batch ", first,
+             " of an epoch of ", num_batches(), " batches");
+  return DeviceEpoch(gpu_, e, first);
+}
 
-DeviceEpoch::DeviceEpoch(std::shared_ptr<DeviceLoader::Gpu> gpu, int64_t epoch)
-    : gpu_(std::move(gpu)), epoch_(epoch) {
+DeviceEpoch::DeviceEpoch(std::shared_ptr<DeviceLoader::Gpu> gpu, int64_t epoch, int64_t first)
+    : gpu_(std::move(gpu)), epoch_(epoch), first_(first), k_(first) {
   order_ = gpu_->host.order(epoch);
   num_batches_ = gpu_->host.num_batches();
 }
 
-int64_t DeviceEpoch::size() const { return num_batches_; }
+int64_t DeviceEpoch::size() const { return num_batches_ - first_; }
 
 std::optional<DeviceBatch> DeviceEpoch::next() {
   if (k_ == num_batches_) return std::nullopt;

@@ -56,7 +56,8 @@ class DeviceLoader {
 
   const DataLoader& host() const;  // the plan's source
   int64_t num_batches() const;
-  DeviceEpoch epoch(int64_t e) const;
+  // Epoch e from batch `first` (DataLoader::epoch's rule; kiln::Error outside [0, num_batches()]).
+  DeviceEpoch epoch(int64_t e, int64_t first = 0) const;
 
   struct Gpu;  // device copies and the pinned plan ring (data/device_loader.cpp)
 
@@ -66,15 +67,15 @@ class DeviceLoader {
 
 class DeviceEpoch {
  public:
-  // Batch k = 0, 1, ... in order; std::nullopt after the last.
+  // Batch k = first, first + 1, ... in order; std::nullopt after the last.
   std::optional<DeviceBatch> next();
-  int64_t size() const;  // batches in this epoch
+  int64_t size() const;  // batches this epoch hands out (from its first)
 
  private:
   friend class DeviceLoader;
-  DeviceEpoch(std::shared_ptr<DeviceLoader::Gpu> gpu, int64_t epoch);
+  DeviceEpoch(std::shared_ptr<DeviceLoader::Gpu> gpu, int64_t epoch, int64_t first);
   std::shared_ptr<DeviceLoader::Gpu> gpu_;
-  int64_t epoch_ = 0, k_ = 0, num_batches_ = 0;
+  int64_t epoch_ = 0, first_ = 0, k_ = 0, num_batches_ = 0;
   std::vector<int64_t> order_;
   BatchPlan plan_;  // reused from batch to batch
 };

@@ -863,14 +863,14 @@ bool GpuJpegLoader::decodes_on_gpu(const std::string& path) const {
   return impl_->takes_header(info) && impl_->supported(bytes.data(), bytes.size());
 }
 
-GpuJpegEpoch GpuJpegLoader::epoch(int64_t e) const {
+GpuJpegEpoch GpuJpegLoader::epoch(int64_t e, int64_t first) const {
   // After a failover in the process: the workers decode every JPEG (set before they start).
   const bool on_host = g_failed_over;
   if (on_host) {
     impl_->host_share.store(1.0);
     impl_->adaptive = false;
   }
-  auto s = std::make_unique<GpuJpegEpoch::State>(impl_, host_->epoch(e));
+  auto s = std::make_unique<GpuJpegEpoch::State>(impl_, host_->epoch(e, first));
   s->host_loader = host_.get();
   s->host_mode = on_host;
   return GpuJpegEpoch(std::move(s));
@@ -922,7 +922,9 @@ bool GpuJpegLoader::failed_over() const { return false; }
 void GpuJpegLoader::set_stall_handler(StallHandler) {}
 const char* GpuJpegLoader::backend() const { return "none"; }
 double GpuJpegLoader::host_share() const { return 0.0; }
-GpuJpegEpoch GpuJpegLoader::epoch(int64_t) const { KILN_FAIL("GpuJpegLoader: built without nvJPEG"); }
+GpuJpegEpoch GpuJpegLoader::epoch(int64_t, int64_t) const {
+  KILN_FAIL("GpuJpegLoader: built without nvJPEG");
+}
 bool GpuJpegLoader::decodes_on_gpu(const std::string&) const { return false; }
 GpuJpegEpoch::GpuJpegEpoch(std::unique_ptr<State> s) : state_(std::move(s)) {}
 GpuJpegEpoch::GpuJpegEpoch(GpuJpegEpoch&&) noexcept = default;

@@ -144,7 +144,9 @@ class GpuJpegLoader {
   int64_t num_batches() const { return host_->num_batches(); }
   // "hardware" or "default": the nvJPEG backend in use.
   const char* backend() const;
-  GpuJpegEpoch epoch(int64_t e) const;
+  // Epoch e from batch `first` (ImageLoader::epoch's rule; kiln::Error outside [0,
+  // num_batches()]).
+  GpuJpegEpoch epoch(int64_t e, int64_t first = 0) const;
   // Whether this JPEG file would be decoded by nvJPEG (false: on the host): the workers' header
   // rule, and nvjpegDecodeBatchedSupported asked. For reports and tests; not while an epoch runs.
   bool decodes_on_gpu(const std::string& path) const;

@@ -344,7 +344,9 @@ std::vector<int64_t> ImageLoader::order(int64_t e) const {
   return mine;
 }
 
-ImageEpoch ImageLoader::epoch(int64_t e) const {
+ImageEpoch ImageLoader::epoch(int64_t e, int64_t first) const {
+  KILN_CHECK(first >= 0 && first <= num_batches(), "ImageLoader::epoch: first batch ", first,
+             " of an epoch of ", num_batches(), " batches");
   auto s = std::make_unique<ImageEpoch::State>();
   s->shared = shared_;
   s->opts = opts_;
@@ -358,9 +360,10 @@ ImageEpoch ImageLoader::epoch(int64_t e) const {
   const int64_t capacity = opts_.prefetch > 0 ? opts_.prefetch : 4;
   ImageEpoch::State* st = s.get();
   s->batches = std::make_unique<PartedPrefetch<ImageBatch>>(
-      num_batches(), opts_.workers, capacity, [st](int64_t k) { return st->parts(k); },
-      [st](int64_t k) { return st->make(k); },
-      [st](ImageBatch& b, int64_t k, int64_t part) { st->fill(b, k, part); });
+      num_batches() - first, opts_.workers, capacity,
+      [st, first](int64_t k) { return st->parts(first + k); },
+      [st, first](int64_t k) { return st->make(first + k); },
+      [st, first](ImageBatch& b, int64_t k, int64_t part) { st->fill(b, first + k, part); });
   return ImageEpoch(std::move(s));
 }
 

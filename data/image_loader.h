@@ -139,8 +139,10 @@ class ImageLoader {
   int64_t num_batches() const;
   // The dataset indices this rank visits in epoch e, in order (before bad-file replacement).
   std::vector<int64_t> order(int64_t epoch) const;
-  // Starts epoch e (workers begin at once). The epoch keeps the loader's shared state alive.
-  ImageEpoch epoch(int64_t e) const;
+  // Starts epoch e at batch `first` (workers begin at once): batches first, first + 1, ..., each
+  // the same as in a whole epoch. The epoch keeps the loader's shared state alive. Throws
+  // kiln::Error for `first` outside [0, num_batches()].
+  ImageEpoch epoch(int64_t e, int64_t first = 0) const;
   // Every file found bad so far (any epoch), as its error message (which names the file), in
   // discovery order.
   std::vector<std::string> bad_files() const;

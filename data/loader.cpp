@@ -218,20 +218,23 @@ void DataLoader::batch_plan(int64_t epoch, int64_t k, const std::vector<int64_t>
   plan_batch(opts_, epoch, k, order, plan);
 }
 
-Epoch DataLoader::epoch(int64_t e) const {
+Epoch DataLoader::epoch(int64_t e, int64_t first) const {
+  KILN_CHECK(first >= 0 && first <= num_batches(), "DataLoader::epoch: first batch ", first,
+             " of an epoch of ", num_batches(), " batches");
   auto s = std::make_unique<Epoch::State>();
   s->data = dataset_;
   s->opts = opts_;
   s->lut = lut_;
   s->epoch = e;
   s->order = order(e);
-  s->num_batches = num_batches();
+  s->num_batches = num_batches() - first;
   const int64_t capacity = std::max<int64_t>(
       1, opts_.prefetch > 0 ? opts_.prefetch
                             : std::min<int64_t>(2 * opts_.workers, kMaxDefaultPrefetch));
   const Epoch::State* st = s.get();  // stable: the Epoch moves its unique_ptr, not the State
   s->prefetch = std::make_unique<OrderedPrefetch<Batch>>(
-      s->num_batches, opts_.workers, capacity, [st](int64_t k) { return st->build(k); });
+      s->num_batches, opts_.workers, capacity,
+      [st, first](int64_t k) { return st->build(first + k); });
   return Epoch(std::move(s));
 }
 

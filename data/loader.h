@@ -136,8 +136,10 @@ class DataLoader {
   int64_t num_batches() const;
   // Sample indices of epoch e in visiting order (0..N-1 unless shuffle; the sampler's if set).
   std::vector<int64_t> order(int64_t epoch) const;
-  // Starts epoch e (workers begin building at once).
-  Epoch epoch(int64_t e) const;
+  // Starts epoch e at batch `first` (workers begin building at once): batches first, first + 1,
+  // ... come out, each the same as in a whole epoch (a run resumed in the middle of an epoch).
+  // Throws kiln::Error for `first` outside [0, num_batches()].
+  Epoch epoch(int64_t e, int64_t first = 0) const;
   // Fills `plan` (its vectors are reused, so a caller can keep one across batches) with batch
   // k of epoch e; `order` is order(e). Throws kiln::Error for k outside [0, num_batches()).
   void batch_plan(int64_t epoch, int64_t k, const std::vector<int64_t>& order,
@@ -160,7 +162,7 @@ class Epoch {
 
   // The next batch in index order, std::nullopt after the last; rethrows a worker's error.
   std::optional<Batch> next();
-  int64_t size() const;  // batches in this epoch
+  int64_t size() const;  // batches this epoch hands out (from its first)
 
   class Iterator {
    public:

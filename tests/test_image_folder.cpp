@@ -216,6 +216,38 @@ TEST_CASE("ImageLoader: batches are bit-identical for 0, 1 and 3 workers") {
   }
 }
 
+TEST_CASE("ImageLoader: an epoch started at batch k hands out the whole epoch's batches from k") {
+  TempDir dir;
+  make_random_folder(dir, 14);
+  const ImageFolder folder(dir.path().string());
+  ImageLoaderOptions o;
+  o.batch_size = 4;
+  o.image_size = 16;
+  o.seed = 5;
+  o.workers = 2;
+  const ImageLoader loader(folder, o);
+  std::vector<int64_t> labels;
+  const auto whole = run_epoch(loader, 2, &labels);
+  REQUIRE(whole.size() == 4);
+  for (int64_t first : {1, 3, 4}) {
+    CAPTURE(first);
+    ImageEpoch ep = loader.epoch(2, first);
+    CHECK(ep.size() == 4 - first);
+    int64_t k = first;
+    while (std::optional<ImageBatch> b = ep.next()) {
+      REQUIRE(k < 4);
+      CHECK(b->index == k);
+      const uint8_t* p = b->images.data<uint8_t>();
+      CHECK(std::vector<uint8_t>(p, p + b->images.numel()) == whole[size_t(k)]);
+      for (int64_t i = 0; i < b->labels.numel(); ++i)
+        CHECK(b->labels.data<int64_t>()[i] == labels[size_t(k * 4 + i)]);
+      ++k;
+    }
+    CHECK(k == 4);
+  }
+  CHECK_THROWS_AS(loader.epoch(2, 5), Error);
+}
+
 TEST_CASE("ImageLoader: sharding splits each epoch's sequence across ranks") {
   TempDir dir;
   make_solid_folder(dir, 10, 2);

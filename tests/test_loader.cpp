@@ -167,6 +167,41 @@ TEST_CASE("shuffle and augmentation are deterministic across runs and worker cou
   CHECK(!bit_equal(p0, p1));
 }
 
+TEST_CASE("an epoch started at batch k hands out the whole epoch's batches k, k + 1, ...") {
+  TensorDataset ds = make_dataset(37, 2, 5, 6);
+  LoaderOptions o;
+  o.batch_size = 4;
+  o.shuffle = true;
+  o.seed = 99;
+  o.crop_padding = 2;
+  o.horizontal_flip = true;
+  const int64_t n = 10;  // ceil(37 / 4)
+  for (int workers : {0, 2}) {
+    CAPTURE(workers);
+    o.workers = workers;
+    DataLoader loader(ds, o);
+    REQUIRE(loader.num_batches() == n);
+    const Run whole = run_epoch(loader, 3);
+    for (int64_t first : {int64_t(0), int64_t(1), int64_t(7), n - 1, n}) {
+      CAPTURE(first);
+      Epoch ep = loader.epoch(3, first);
+      CHECK(ep.size() == n - first);
+      int64_t k = first;
+      while (std::optional<Batch> b = ep.next()) {
+        REQUIRE(k < n);
+        CHECK(b->index == k);
+        CHECK(b->y.to_vector<int64_t>() == whole.labels[size_t(k)]);
+        const std::vector<float> x = b->x.to_vector<float>();
+        CHECK(std::memcmp(x.data(), whole.x[size_t(k)].data(), x.size() * sizeof(float)) == 0);
+        ++k;
+      }
+      CHECK(k == n);
+    }
+    CHECK_THROWS_AS(loader.epoch(3, n + 1), Error);
+    CHECK_THROWS_AS(loader.epoch(3, -1), Error);
+  }
+}
+
 TEST_CASE("normalisation per channel: (pixel / 255 - mean) / stddev") {
   std::vector<uint8_t> px = {0,   255, 51, 102,  // channel 0
                              10,  20,  30, 40,   // channel 1

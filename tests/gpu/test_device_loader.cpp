@@ -171,6 +171,41 @@ TEST_CASE("DeviceLoader: a sampler's shards together cover the dataset once") {
   CHECK(seen == all);
 }
 
+TEST_CASE("DeviceLoader: an epoch started at batch k gives the whole epoch's batches from k") {
+  // What kiln-train's resume in the middle of an epoch reads (tools/train/trainer.cpp).
+  LoaderOptions o;
+  o.batch_size = 6;
+  o.shuffle = true;
+  o.seed = 17;
+  o.crop_padding = 2;
+  o.horizontal_flip = true;
+  const DataLoader cpu(random_dataset(40, 3, 8, 8, 5), o);  // 7 batches, the last of 4
+  const DeviceLoader gpu(cpu, kGpu, DType::f16, MemoryFormat::ChannelsLast);
+  std::vector<std::vector<float>> whole_x;
+  std::vector<std::vector<int64_t>> whole_y;
+  DeviceEpoch whole = gpu.epoch(2);
+  while (std::optional<DeviceBatch> b = whole.next()) {
+    whole_x.push_back(host_values(b->x));
+    whole_y.push_back(b->y.to(Device::cpu()).to_vector<int64_t>());
+  }
+  REQUIRE(whole_x.size() == 7);
+  for (int64_t first : {1, 4, 6, 7}) {
+    CAPTURE(first);
+    DeviceEpoch ep = gpu.epoch(2, first);
+    CHECK(ep.size() == 7 - first);
+    int64_t k = first;
+    while (std::optional<DeviceBatch> b = ep.next()) {
+      REQUIRE(k < 7);
+      CHECK(b->index == k);
+      CHECK(same_bits(host_values(b->x), whole_x[size_t(k)]));
+      CHECK(b->y.to(Device::cpu()).to_vector<int64_t>() == whole_y[size_t(k)]);
+      ++k;
+    }
+    CHECK(k == 7);
+  }
+  CHECK_THROWS_AS(gpu.epoch(2, 8), Error);
+}
+
 TEST_CASE("gather_crop_flip_normalize validates its tensors") {
   const Tensor images = empty({5, 3, 4, 6}, gpu_opts(DType::u8)).fill_(1);
   const Tensor labels = empty({5}, gpu_opts(DType::i64)).fill_(0);

@@ -83,7 +83,10 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.value("--output", "DIR", &c.output,
           "checkpoint.safetensors (each epoch), model.safetensors,\n"
           "log.jsonl (per epoch) and steps.jsonl (per step) go here");
-  p.value("--resume", "PATH", &c.resume, "continue from a checkpoint written by --output");
+  p.value("--resume", "PATH", &c.resume,
+          "continue from a checkpoint written by --output (Ctrl-C, SIGTERM\n"
+          "or SIGUSR1 stop a run after its step, with a checkpoint of where\n"
+          "it stopped; exit status 128 + signal)");
   p.flag("--overwrite", &c.overwrite, "replace a previous run in --output (default: refuse)");
   p.value("--pretrained", "PATH", &c.pretrained,
           "start from these weights (torchvision names); a classifier\n"

@@ -238,11 +238,14 @@ class GpuImageStream final : public BatchStream {
   data::GpuJpegEpoch ep_;
 };
 
-// Synthetic batches: the same device images each step, labels from (seed, epoch, step).
+// Synthetic batches: the same device images each step, labels from (seed, epoch, step); from
+// batch `first`, the labels of the batches before it drawn and dropped.
 class SyntheticStream final : public BatchStream {
  public:
-  SyntheticStream(Tensor x, int64_t batches, uint64_t seed, Device dev)
-      : x_(std::move(x)), batches_(batches), gen_(seed), dev_(dev) {}
+  SyntheticStream(Tensor x, int64_t batches, uint64_t seed, Device dev, int64_t first = 0)
+      : x_(std::move(x)), batches_(batches), gen_(seed), dev_(dev) {
+    for (; i_ < first; ++i_) (void)randint(0, 1000, {x_.size(0)}, DType::i64, &gen_);
+  }
   std::optional<data::DeviceBatch> next() override {
     if (i_ == batches_) return std::nullopt;
     Tensor y = randint(0, 1000, {x_.size(0)}, DType::i64, &gen_).to(dev_);
@@ -639,25 +642,30 @@ int64_t TrainData::test_steps() const {
   return idx_test_ ? idx_test_->num_batches() : img_test_->num_batches();
 }
 
-std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e) const {
+std::unique_ptr<BatchStream> TrainData::train_epoch(int64_t e, int64_t first) const {
+  KILN_CHECK(first >= 0 && first <= steps_per_epoch(), "TrainData::train_epoch: first batch ",
+             first, " of an epoch of ", steps_per_epoch(), " batches");
   if (kind_ == DataKind::Synthetic)
     return std::make_unique<SyntheticStream>(
         dummy_x_, steps_per_epoch(),
-        opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device);
+        opts_.seed * 1000003u + uint64_t(e) * 8191u + uint64_t(opts_.rank) + 1, opts_.device,
+        first);
   if (auto_) {
     const bool gpu = auto_->gpu;
     std::unique_ptr<BatchStream> s;
     if (gpu)
-      s = std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
+      s = std::make_unique<GpuImageStream>(gpu_train_->epoch(e, first));
     else
-      s = std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, image_dtype(opts_));
-    return std::make_unique<MeasuredStream>(std::move(s), gpu, e, steps_per_epoch(), auto_);
+      s = std::make_unique<ImageStream>(img_train_->epoch(e, first), opts_.device,
+                                        image_dtype(opts_));
+    return std::make_unique<MeasuredStream>(std::move(s), gpu, e, steps_per_epoch() - first, auto_);
   }
-  if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e));
-  if (dev_train_) return std::make_unique<DeviceIdxStream>(dev_train_->epoch(e));
+  if (gpu_train_) return std::make_unique<GpuImageStream>(gpu_train_->epoch(e, first));
+  if (dev_train_) return std::make_unique<DeviceIdxStream>(dev_train_->epoch(e, first));
   if (idx_train_)
-    return std::make_unique<IdxStream>(idx_train_->epoch(e), opts_.device, opts_.precision);
-  return std::make_unique<ImageStream>(img_train_->epoch(e), opts_.device, image_dtype(opts_));
+    return std::make_unique<IdxStream>(idx_train_->epoch(e, first), opts_.device, opts_.precision);
+  return std::make_unique<ImageStream>(img_train_->epoch(e, first), opts_.device,
+                                       image_dtype(opts_));
 }
 
 std::unique_ptr<BatchStream> TrainData::test_epoch() const {

@@ -115,7 +115,9 @@ class TrainData {
   const std::vector<float>& stddev() const { return stddev_; }
   int64_t resize_size() const { return resize_size_; }
 
-  std::unique_ptr<BatchStream> train_epoch(int64_t epoch) const;
+  // Epoch `epoch`'s batches from batch `first` on (a run resumed in the middle of an epoch): the
+  // same batches, in the same order, as batches first, first + 1, ... of the whole epoch.
+  std::unique_ptr<BatchStream> train_epoch(int64_t epoch, int64_t first = 0) const;
   std::unique_ptr<BatchStream> test_epoch() const;  // this rank's shard, in order
 
  private:

@@ -4,10 +4,13 @@
 // epochs: train_epoch, save_checkpoint, evaluate, the epoch's log line; the model file last.
 #include "tools/train/trainer.h"
 
+#include <signal.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -89,6 +92,81 @@ class BackgroundWriter {
   std::future<void> pending_;
 };
 
+// ---- stopping on a signal ----
+//
+// In a single-process run, SIGINT (Ctrl-C), SIGTERM (a scheduler's preemption or time limit) and
+// SIGUSR1 (Slurm's --signal) end the run after the step that is running: the step finishes, a
+// checkpoint with the position in the epoch is written, and kiln-train exits with 128 + the
+// signal's number; --resume continues from the next batch, bit for bit as if never stopped. A
+// second signal ends the process at once (the default action; the checkpoint already written
+// stays whole). Data-parallel runs keep the default actions: their ranks would have to agree on
+// the step, and the launcher ends a failed rank's siblings with SIGTERM.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal == 0) {
+    g_stop_signal = sig;
+    const char msg[] =
+        "kiln-train: stopping after this step to save a checkpoint (signal again to end at "
+        "once)\n";
+    [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
+  }
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  for (int s : kStopSignals) ::sigaction(s, &dfl, nullptr);
+}
+
+// Installs on_stop_signal for kStopSignals while in scope; the previous actions come back after.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      ::sigaction(kStopSignals[i], &sa, &previous_[i]);
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      ::sigaction(kStopSignals[i], &previous_[i], nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction previous_[std::size(kStopSignals)]{};
+};
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGUSR1:
+      return "SIGUSR1";
+    default:
+      return "a signal";
+  }
+}
+
+// Tests (tests/test_kiln_train.cpp): KILN_TRAIN_TEST_STOP=N raises SIGTERM in the training loop
+// once global step N has run, where the stop handlers are installed. 0: never.
+int64_t test_stop_step() {
+  const char* v = std::getenv("KILN_TRAIN_TEST_STOP");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  KILN_CHECK(*end == '\0' && n >= 0, "KILN_TRAIN_TEST_STOP must be a step number, got '", v, "'");
+  return int64_t(n);
+}
+
+// The checkpoint metadata key of a mid-epoch checkpoint: batches of its epoch already trained.
+constexpr const char* kEpochBatchesKey = "epoch_batches_done";
+
 // Rank 0 reads each step's device accumulators kMetricLag steps late, each in-flight step
 // through its own AsyncScalars, so the host can run that many steps ahead of the device (one
 // step ahead is not enough when a step is shorter than the host's work for it: small batches).
@@ -111,6 +189,8 @@ struct EpochProgress {
 
 // What an epoch's training leaves for its log line.
 struct EpochResult {
+  int64_t first_batch = 0;    // where the epoch began (a run resumed mid-epoch: > 0)
+  int64_t stopped_after = 0;  // > 0: a signal stopped training after this many of its batches
   double train_loss = 0, train_top1 = 0, images_per_s = 0, seconds = 0;
   int64_t bad_files = 0;
   double host_decode_share = NAN;
@@ -143,7 +223,9 @@ class Trainer {
   EpochResult train_epoch(int64_t epoch);
   void log_step(const PendingStep& p, EpochProgress& ep);
   void check_loss(double loss, int64_t epoch, int64_t steps, int64_t skipped) const;
-  void save_checkpoint(int64_t epoch);
+  // epochs_done whole epochs and `batches` of the next (a run stopped mid-epoch: > 0).
+  void save_checkpoint(int64_t epochs_done, int64_t batches = 0);
+  Summary stopped(int64_t epoch, int64_t batches);
   void evaluate();
   void log_epoch(int64_t epoch, const EpochResult& r, double save_s, double eval_s);
   void save_model();
@@ -171,6 +253,7 @@ class Trainer {
 
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, warmup_steps_ = 0;
   int64_t start_epoch_ = 0, step_ = 0;
+  int64_t start_batch_ = 0;   // a mid-epoch checkpoint: start_epoch_'s batches already trained
   std::string resumed_from_;  // the folder of --resume's checkpoint
   std::unique_ptr<optim::LRSchedule> sched_;
   Summary sum_;
@@ -190,6 +273,8 @@ class Trainer {
   std::unique_ptr<BatchStream> next_stream_;
   Clock::time_point start_ = Clock::now();
   int64_t first_step_ = 0;
+  bool stoppable_ = false;  // run() installed the stop handlers (StopSignals)
+  int64_t test_stop_step_ = 0;
 };
 
 // ---- set-up ----
@@ -381,9 +466,36 @@ void Trainer::resume_or_start() {
                        "' holds NaN or infinite values");
     scaler_->load_state_dict(st.scaler);
     start_epoch_ = st.epoch;
-    // Checkpoints are written at epoch ends, so the schedule continues at the epoch's first step
-    // for this run's batch size (another batch size saved another step count).
+    // Epoch-end checkpoints: the schedule continues at the epoch's first step for this run's
+    // batch size (another batch size saved another step count).
     step_ = start_epoch_ * steps_per_epoch_;
+    // A checkpoint of a run stopped mid-epoch: the epoch goes on from its next batch, which
+    // needs the same batches (the same global batch size, one process, the same data).
+    if (auto it = st.metadata.find(kEpochBatchesKey); it != st.metadata.end()) {
+      char* end = nullptr;
+      const long long k = std::strtoll(it->second.c_str(), &end, 10);
+      if (it->second.empty() || *end != '\0' || k < 0)
+        cli::usage_error("--resume '", c_.resume, "': its metadata '", kEpochBatchesKey, "' is '",
+                         it->second, "', not a batch count");
+      if (k > 0) {
+        const std::string where = "it was saved in epoch " + std::to_string(start_epoch_ + 1) +
+                                  " after batch " + std::to_string(k);
+        auto bs = st.metadata.find("batch_size");
+        const std::string mine = std::to_string(c_.batch_size * env_.world_size);
+        if (bs != st.metadata.end() && bs->second != mine)
+          cli::usage_error("--resume '", c_.resume, "': ", where, " of batch size ", bs->second,
+                           "; continuing that epoch needs the same batch size (this run's is ",
+                           mine, ")");
+        if (env_.world_size != 1)
+          cli::usage_error("--resume '", c_.resume, "': ", where,
+                           " by a single-process run; continue it with one process");
+        if (k >= steps_per_epoch_)
+          cli::usage_error("--resume '", c_.resume, "': ", where, ", but --data gives ",
+                           steps_per_epoch_, " batches per epoch (is it the same data?)");
+        start_batch_ = k;
+        step_ += k;
+      }
+    }
     resumed_from_ = std::filesystem::path(c_.resume).parent_path().string();
     if (resumed_from_.empty()) resumed_from_ = ".";
     if (talk_ && st.step != step_) {
@@ -398,6 +510,7 @@ void Trainer::resume_or_start() {
   }
   if (c_.start_epoch >= 0) {  // main.py's --start-epoch: the schedule continues from there
     start_epoch_ = c_.start_epoch;
+    start_batch_ = 0;
     step_ = start_epoch_ * steps_per_epoch_;
   }
   sum_.epochs_done = start_epoch_;
@@ -438,13 +551,17 @@ void Trainer::print_plan() const {
   std::printf(
       "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
       "schedule%s%s%s\n",
-      long(c_.epochs), long(c_.batch_size), world > 1 ? " per process" : "",
-      c_.optimizer.c_str(), c_.lr, c_.momentum, c_.wd, long(warmup_steps_), c_.schedule.c_str(),
+      long(c_.epochs), long(c_.batch_size), world > 1 ? " per process" : "", c_.optimizer.c_str(),
+      c_.lr, c_.momentum, c_.wd, long(warmup_steps_), c_.schedule.c_str(),
       c_.augment || (data_->small_images() && data_->kind() == DataKind::ImageFolder)
           ? ", crop+flip augmentation"
           : "",
       c_.zero_init_residual ? ", residual BNs zero-initialised" : "",
-      start_epoch_ > 0 ? (", starting after epoch " + std::to_string(start_epoch_)).c_str() : "");
+      start_batch_ > 0 ? (", continuing epoch " + std::to_string(start_epoch_ + 1) +
+                          " after batch " + std::to_string(start_batch_))
+                             .c_str()
+      : start_epoch_ > 0 ? (", starting after epoch " + std::to_string(start_epoch_)).c_str()
+                         : "");
   if (!pretrained_note_.empty()) std::printf("  %s\n", pretrained_note_.c_str());
   if (c_.freeze_backbone) {
     int64_t n = 0;
@@ -475,16 +592,24 @@ Summary Trainer::run() {
                                     out_->reuse() == OutputReuse::Resume ? "" : resumed_from_);
   }
   prepare_steps();
+  std::optional<StopSignals> signals;
+  if (env_.world_size == 1) {
+    signals.emplace();
+    stoppable_ = true;
+    test_stop_step_ = test_stop_step();
+  }
   for (int64_t epoch = start_epoch_; epoch < c_.epochs; ++epoch) {
     const EpochResult r = train_epoch(epoch);
+    if (r.stopped_after > 0) return stopped(epoch, r.stopped_after);
     const auto save_start = Clock::now();
-    save_checkpoint(epoch);  // before the evaluation: a failing evaluation loses no training
+    save_checkpoint(epoch + 1);  // before the evaluation: a failing evaluation loses no training
     const double save_s = seconds_since(save_start);
     const auto eval_start = Clock::now();
     evaluate();
     const double eval_s = seconds_since(eval_start);
     sum_.epochs_done = epoch + 1;
     log_epoch(epoch, r, save_s, eval_s);
+    if (g_stop_signal != 0 && stoppable_ && epoch + 1 < c_.epochs) return stopped(epoch + 1, 0);
   }
   if (sum_.epochs_done == start_epoch_) evaluate();  // resumed a finished run: nothing trained
   checkpoints_.finish();
@@ -545,8 +670,10 @@ EpochResult Trainer::train_epoch(int64_t epoch) {
   // The next epoch's batches start before this epoch's checkpoint and evaluation, so the input
   // path (JPEG decoding above all) fills its prefetch while those run. A loader runs one epoch
   // at a time: the finished epoch's stream is dropped first.
+  EpochResult r;
+  r.first_batch = std::exchange(start_batch_, 0);
   std::unique_ptr<BatchStream> stream =
-      next_stream_ ? std::move(next_stream_) : data_->train_epoch(epoch);
+      next_stream_ ? std::move(next_stream_) : data_->train_epoch(epoch, r.first_batch);
   while (true) {
     const auto fetch = Clock::now();
     std::optional<data::DeviceBatch> b = stream->next();
@@ -578,6 +705,13 @@ EpochResult Trainer::train_epoch(int64_t epoch) {
     pending.push_back({step_, b->index + 1, b->y.size(0), ep.seen, opt_->param_groups[0].lr,
                        data_s, std::chrono::duration<double>(now - tick).count(), slot});
     tick = now;
+    if (!stoppable_) continue;
+    if (step_ == test_stop_step_) ::raise(SIGTERM);
+    // A signal: stop here unless this was the epoch's last batch (then the epoch ends as usual).
+    if (g_stop_signal != 0 && b->index + 1 < steps_per_epoch_) {
+      r.stopped_after = b->index + 1;
+      break;
+    }
   }
   for (; !pending.empty(); pending.pop_front()) log_step(pending.front(), ep);
 
@@ -585,12 +719,11 @@ EpochResult Trainer::train_epoch(int64_t epoch) {
   std::vector<double> m = epoch_metrics_.values();  // Σ loss·N, Σ correct
   m.push_back(double(ep.seen));
   m.push_back(double(stream->bad_files()));
-  EpochResult r;
   r.host_decode_share = stream->host_decode_share();  // this rank's
   if (dp_) dp_->sum_host(m);
   r.seconds = seconds_since(epoch_start);
   stream.reset();
-  if (epoch + 1 < c_.epochs) next_stream_ = data_->train_epoch(epoch + 1);
+  if (epoch + 1 < c_.epochs && r.stopped_after == 0) next_stream_ = data_->train_epoch(epoch + 1);
   if (c_.profile && epoch == start_epoch_) {
     if (talk_) std::printf("%s", cuda::profiler_report().c_str());
     cuda::enable_profiler(false);
@@ -675,18 +808,45 @@ int64_t Trainer::skipped_steps() const {
   return scaled_ ? int64_t(scaler_->skipped_steps().to(DType::f64).item()) : 0;
 }
 
-void Trainer::save_checkpoint(int64_t epoch) {
+void Trainer::save_checkpoint(int64_t epochs_done, int64_t batches) {
   if (log_) log_->flush();
   if (!lead_) return;
   TrainingState st;
   st.model = model_.get();
   st.optimizer = opt_.get();
   st.scaler = scaler_->state_dict();
-  st.epoch = epoch + 1;
+  st.epoch = epochs_done;
   st.step = step_;
   st.metadata = meta_;
+  if (batches > 0) st.metadata[kEpochBatchesKey] = std::to_string(batches);
   const std::string path = out_->file("checkpoint.safetensors");
   checkpoints_.write(path, checkpoint_host(path, st));
+}
+
+// A signal stopped the run after `batches` batches of epoch `epoch` (0: at the epoch's start,
+// after the previous epoch's checkpoint and evaluation): the checkpoint is written, the logs
+// flushed, the way on printed; no model file (the run has not finished).
+Summary Trainer::stopped(int64_t epoch, int64_t batches) {
+  if (batches > 0) save_checkpoint(epoch, batches);
+  checkpoints_.finish();
+  if (log_) log_->flush();
+  sum_.stop_signal = int(g_stop_signal);
+  const std::string ckpt = out_ ? out_->file("checkpoint.safetensors") : std::string();
+  if (batches > 0)
+    std::fprintf(stderr,
+                 "kiln-train: stopped by %s in epoch %ld/%ld after batch %ld of %ld (step %ld); "
+                 "checkpoint saved to %s: rerun with --resume %s to continue from the next "
+                 "batch\n",
+                 signal_name(sum_.stop_signal), long(epoch + 1), long(c_.epochs), long(batches),
+                 long(steps_per_epoch_), long(step_), ckpt.c_str(), ckpt.c_str());
+  else
+    std::fprintf(stderr,
+                 "kiln-train: stopped by %s after epoch %ld/%ld; checkpoint saved to %s: rerun "
+                 "with --resume %s to continue\n",
+                 signal_name(sum_.stop_signal), long(epoch), long(c_.epochs), ckpt.c_str(),
+                 ckpt.c_str());
+  std::fflush(nullptr);
+  return sum_;
 }
 
 void Trainer::evaluate() {
@@ -745,6 +905,8 @@ void Trainer::log_epoch(int64_t epoch, const EpochResult& r, double save_s, doub
       .number("eval_seconds", eval_s)
       .number("lr", opt_->param_groups[0].lr)
       .integer("bad_files", r.bad_files);
+  // A run resumed mid-epoch: the figures above are of this epoch's batches from here on.
+  if (r.first_batch > 0) line.integer("first_batch", r.first_batch);
   if (std::isfinite(r.host_decode_share)) line.number("host_decode_share", r.host_decode_share);
   line.integer("test_bad_files", sum_.test_bad_files);
   log_->epoch(line);
@@ -807,14 +969,16 @@ int main(const std::vector<std::string>& args) {
       if (!r.ok()) std::fprintf(stderr, "kiln-train: %s\n", r.message.c_str());
       return r.exit_code;
     }
-    run(c);
+    const Summary s = run(c);
+    // Stopped by a signal: the shell's status for that signal, the checkpoint written.
+    const int rc = s.stop_signal != 0 ? 128 + s.stop_signal : 0;
     // After an nvJPEG failover the CUDA context's teardown at exit could wait for ever for the
     // stuck decode stream (data/gpu_jpeg.h); the run's files are all written and closed here.
     if (data::gpu_jpeg_failed_over()) {
       std::fflush(nullptr);
-      std::_Exit(0);
+      std::_Exit(rc);
     }
-    return 0;
+    return rc;
   });
 }
 

@@ -49,6 +49,14 @@
 // must fit: the same --arch, --optimizer and --freeze-backbone (each named when it differs).
 // --start-epoch N without --resume starts a new run whose schedule begins at epoch N.
 //
+// Stopping (single-process runs): SIGINT, SIGTERM or SIGUSR1 lets the running step finish, writes
+// a checkpoint holding the position in the epoch (metadata "epoch_batches_done": batches of the
+// unfinished epoch trained; at an epoch's last batch or during its evaluation the epoch ends
+// first), and run() returns with Summary::stop_signal set (main(): exit status 128 + signal).
+// --resume continues from the next batch with the same bits (the same batch size and one process,
+// else refused). A second signal ends the process (default action). Data-parallel runs keep the
+// default actions.
+//
 // --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
 // (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
 // the data, gradients averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed
@@ -150,6 +158,9 @@ struct Summary {
   int64_t epochs_done = 0;  // epoch counter at the end (resumed epochs included)
   double test_loss = 0, test_top1 = 0, test_top5 = 0;  // last evaluation
   int64_t test_bad_files = 0;  // unreadable test files the last evaluation skipped
+  // The signal that stopped the run before its last epoch (SIGINT, SIGTERM or SIGUSR1; a
+  // checkpoint of where it stopped was written, no model file); 0 when it ran to the end.
+  int stop_signal = 0;
 };
 
 // Runs the job in this process (one rank when WORLD_SIZE is set). Throws kiln::Error.
