@@ -87,6 +87,11 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "continue from a checkpoint written by --output (Ctrl-C, SIGTERM\n"
           "or SIGUSR1 stop a run after its step, with a checkpoint of where\n"
           "it stopped; exit status 128 + signal)");
+  p.value("--checkpoint-steps", "N", &c.checkpoint_steps,
+          "also write the checkpoint every N steps inside an epoch, so a\n"
+          "run killed outright loses at most N steps; --resume continues\n"
+          "from the step (0: at epoch ends only)",
+          0);
   p.flag("--overwrite", &c.overwrite, "replace a previous run in --output (default: refuse)");
   p.value("--pretrained", "PATH", &c.pretrained,
           "start from these weights (torchvision names); a classifier\n"
@@ -205,6 +210,8 @@ void validate(const Config& a) {
   if (a.batch_size < 1 || a.batch_size > kMaxBatchSize)
     cli::usage_error("--batch-size ", a.batch_size, ": expected an integer between 1 and ",
                      kMaxBatchSize);
+  if (a.checkpoint_steps < 0)
+    cli::usage_error("--checkpoint-steps ", a.checkpoint_steps, ": expected an integer >= 0");
   if (a.print_freq < 1)
     cli::usage_error("--print-freq ", a.print_freq, ": expected an integer >= 1");
   if (a.evaluate && a.weights.empty() && a.pretrained.empty() && a.resume.empty())

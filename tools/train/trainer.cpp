@@ -274,6 +274,7 @@ class Trainer {
   Clock::time_point start_ = Clock::now();
   int64_t first_step_ = 0;
   bool stoppable_ = false;  // run() installed the stop handlers (StopSignals)
+  int64_t saved_step_ = -1;  // the step of the last checkpoint written
   int64_t test_stop_step_ = 0;
 };
 
@@ -413,6 +414,7 @@ void Trainer::build_optimizer() {
                   : text::is_valid_utf8(c_.data) ? c_.data
                                                  : text::printable(c_.data);
   meta_["batch_size"] = std::to_string(c_.batch_size * env_.world_size);
+  meta_["world_size"] = std::to_string(env_.world_size);  // a mid-epoch resume needs as many
   meta_["optimizer"] = c_.optimizer;  // a resume must use the same (resume_or_start)
   meta_["freeze_backbone"] = c_.freeze_backbone ? "1" : "0";
 }
@@ -486,9 +488,12 @@ void Trainer::resume_or_start() {
           cli::usage_error("--resume '", c_.resume, "': ", where, " of batch size ", bs->second,
                            "; continuing that epoch needs the same batch size (this run's is ",
                            mine, ")");
-        if (env_.world_size != 1)
-          cli::usage_error("--resume '", c_.resume, "': ", where,
-                           " by a single-process run; continue it with one process");
+        auto ws = st.metadata.find("world_size");
+        const std::string procs = std::to_string(env_.world_size);
+        if (ws != st.metadata.end() && ws->second != procs)
+          cli::usage_error("--resume '", c_.resume, "': ", where, " by ", ws->second,
+                           " process(es); continuing that epoch needs as many (this run has ",
+                           procs, ")");
         if (k >= steps_per_epoch_)
           cli::usage_error("--resume '", c_.resume, "': ", where, ", but --data gives ",
                            steps_per_epoch_, " batches per epoch (is it the same data?)");
@@ -705,6 +710,13 @@ EpochResult Trainer::train_epoch(int64_t epoch) {
     pending.push_back({step_, b->index + 1, b->y.size(0), ep.seen, opt_->param_groups[0].lr,
                        data_s, std::chrono::duration<double>(now - tick).count(), slot});
     tick = now;
+    // --checkpoint-steps: every rank counts the same steps; rank 0 writes, the logs complete
+    // up to this step first (a resume keeps the log lines up to its step).
+    if (c_.checkpoint_steps > 0 && step_ % c_.checkpoint_steps == 0 &&
+        b->index + 1 < steps_per_epoch_) {
+      for (; !pending.empty(); pending.pop_front()) log_step(pending.front(), ep);
+      save_checkpoint(epoch, b->index + 1);
+    }
     if (!stoppable_) continue;
     if (step_ == test_stop_step_) ::raise(SIGTERM);
     // A signal: stop here unless this was the epoch's last batch (then the epoch ends as usual).
@@ -819,6 +831,7 @@ void Trainer::save_checkpoint(int64_t epochs_done, int64_t batches) {
   st.step = step_;
   st.metadata = meta_;
   if (batches > 0) st.metadata[kEpochBatchesKey] = std::to_string(batches);
+  saved_step_ = step_;
   const std::string path = out_->file("checkpoint.safetensors");
   checkpoints_.write(path, checkpoint_host(path, st));
 }
@@ -827,7 +840,7 @@ void Trainer::save_checkpoint(int64_t epochs_done, int64_t batches) {
 // after the previous epoch's checkpoint and evaluation): the checkpoint is written, the logs
 // flushed, the way on printed; no model file (the run has not finished).
 Summary Trainer::stopped(int64_t epoch, int64_t batches) {
-  if (batches > 0) save_checkpoint(epoch, batches);
+  if (batches > 0 && saved_step_ != step_) save_checkpoint(epoch, batches);
   checkpoints_.finish();
   if (log_) log_->flush();
   sum_.stop_signal = int(g_stop_signal);

@@ -53,9 +53,10 @@
 // a checkpoint holding the position in the epoch (metadata "epoch_batches_done": batches of the
 // unfinished epoch trained; at an epoch's last batch or during its evaluation the epoch ends
 // first), and run() returns with Summary::stop_signal set (main(): exit status 128 + signal).
-// --resume continues from the next batch with the same bits (the same batch size and one process,
-// else refused). A second signal ends the process (default action). Data-parallel runs keep the
-// default actions.
+// --resume continues from the next batch with the same bits (the same batch size and process
+// count, else refused). A second signal ends the process (default action). Data-parallel runs
+// keep the default actions. --checkpoint-steps N writes the same mid-epoch checkpoint every N
+// steps, so a run killed outright (SIGKILL, a lost node) loses at most N steps.
 //
 // --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
 // (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
@@ -97,6 +98,7 @@ struct Config {
   std::string device = "auto";
   int64_t print_freq = 50;
   std::string output = "kiln-output";
+  int64_t checkpoint_steps = 0;  // > 0: also a checkpoint every that many steps inside an epoch
   bool profile = false;
   std::string amp = "auto";    // auto | on | off
   std::string precision = "f16";  // with amp: f16 (and the loss scaler) | bf16 (no scaler)
