@@ -125,6 +125,9 @@ class StopSignals {
     g_stop_signal = 0;
     struct sigaction sa {};
     sa.sa_handler = on_stop_signal;
+    // A thread inside a system call when the signal lands (a loader's read, a library's) carries
+    // on rather than seeing EINTR; kiln's own readers retry on EINTR as well.
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
     for (size_t i = 0; i < std::size(kStopSignals); ++i)
       ::sigaction(kStopSignals[i], &sa, &previous_[i]);
