@@ -1048,6 +1048,11 @@ void check_same_run(const fs::path& straight, const fs::path& resumed) {
                   load_safetensors((resumed / "model.safetensors").string()));
   check_same_bits(load_safetensors((straight / "checkpoint.safetensors").string()),
                   load_safetensors((resumed / "checkpoint.safetensors").string()));
+  const SafetensorsData best_a = load_safetensors((straight / "model_best.safetensors").string());
+  const SafetensorsData best_b = load_safetensors((resumed / "model_best.safetensors").string());
+  check_same_bits(best_a, best_b);
+  CHECK(best_b.metadata.at("epochs") == best_a.metadata.at("epochs"));
+  CHECK(best_b.metadata.at("test_top1") == best_a.metadata.at("test_top1"));
   const auto a = read_log(straight / "steps.jsonl"), b = read_log(resumed / "steps.jsonl");
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i) {
@@ -1065,6 +1070,18 @@ TEST_CASE("kiln-train: a signal stops a run with a checkpoint; --resume continue
   const fs::path a = tmp().dir / "sig-straight";
   train::run(train::parse_args(with(job(a.string(), 3), {"--overwrite"})));
   REQUIRE(read_log(a / "steps.jsonl").size() == 27);  // 9 steps per epoch
+  // model_best.safetensors: the weights of the first epoch with the highest test top-1.
+  const auto epochs_a = read_log(a / "log.jsonl");
+  REQUIRE(epochs_a.size() == 3);
+  size_t best = 0;
+  for (size_t e = 1; e < 3; ++e)
+    if (epochs_a[e].at("test_top1").number() > epochs_a[best].at("test_top1").number()) best = e;
+  const SafetensorsData best_file = load_safetensors((a / "model_best.safetensors").string());
+  CHECK(best_file.metadata.at("epochs") == std::to_string(best + 1));
+  CHECK(std::stod(best_file.metadata.at("test_top1")) ==
+        doctest::Approx(epochs_a[best].at("test_top1").number()).epsilon(1e-12));
+  CHECK(best_file.metadata.at("arch") == "resnet_small");
+  if (best == 2) check_same_bits(best_file, load_safetensors((a / "model.safetensors").string()));
 
   // KILN_TRAIN_TEST_STOP=N raises SIGTERM after step N: in epoch 1; at epoch 1's last batch (the
   // epoch ends, is evaluated and logged, then the run stops); in epoch 2.

@@ -42,8 +42,12 @@ enum class OutputReuse {
 };
 
 // The files a kiln-train run writes into its folder (kiln-plot's curves.png among them).
-inline constexpr const char* kRunFiles[] = {"log.jsonl", "steps.jsonl", "checkpoint.safetensors",
-                                            "model.safetensors", "curves.png"};
+inline constexpr const char* kRunFiles[] = {"log.jsonl",
+                                            "steps.jsonl",
+                                            "checkpoint.safetensors",
+                                            "model.safetensors",
+                                            "model_best.safetensors",
+                                            "curves.png"};
 
 // --resume names --output's own checkpoint (the same file, however spelled; or the path
 // DIR/checkpoint.safetensors when that file does not exist yet).

@@ -167,6 +167,22 @@ int64_t test_stop_step() {
   return int64_t(n);
 }
 
+// The test top-1 of the model_best.safetensors in `out` (-1 when there is none, or it cannot be
+// read: the next evaluation then writes one).
+double best_so_far(const OutputDir& out) {
+  const std::string path = out.file("model_best.safetensors");
+  if (!std::filesystem::exists(path)) return -1.0;
+  try {
+    const SafetensorsData f = load_safetensors(path);
+    auto it = f.metadata.find("test_top1");
+    if (it == f.metadata.end()) return -1.0;
+    const double v = std::strtod(it->second.c_str(), nullptr);
+    return std::isfinite(v) ? v : -1.0;
+  } catch (const Error&) {
+    return -1.0;
+  }
+}
+
 // The checkpoint metadata key of a mid-epoch checkpoint: batches of its epoch already trained.
 constexpr const char* kEpochBatchesKey = "epoch_batches_done";
 
@@ -232,6 +248,7 @@ class Trainer {
   void evaluate();
   void log_epoch(int64_t epoch, const EpochResult& r, double save_s, double eval_s);
   void save_model();
+  void save_best(int64_t epoch);
   std::string what_is_kept(int64_t epoch) const;
   int64_t skipped_steps() const;
 
@@ -278,6 +295,7 @@ class Trainer {
   int64_t first_step_ = 0;
   bool stoppable_ = false;  // run() installed the stop handlers (StopSignals)
   int64_t saved_step_ = -1;  // the step of the last checkpoint written
+  double best_top1_ = -1.0;  // the highest test top-1 in model_best.safetensors (-1: none yet)
   int64_t test_stop_step_ = 0;
 };
 
@@ -598,6 +616,7 @@ Summary Trainer::run() {
                   long(out_->stale_temp_files_removed()), c_.output.c_str());
     log_ = std::make_unique<RunLog>(*out_, start_epoch_, step_,
                                     out_->reuse() == OutputReuse::Resume ? "" : resumed_from_);
+    if (out_->reuse() == OutputReuse::Resume) best_top1_ = best_so_far(*out_);
   }
   prepare_steps();
   std::optional<StopSignals> signals;
@@ -616,6 +635,7 @@ Summary Trainer::run() {
     evaluate();
     const double eval_s = seconds_since(eval_start);
     sum_.epochs_done = epoch + 1;
+    save_best(epoch);
     log_epoch(epoch, r, save_s, eval_s);
     if (g_stop_signal != 0 && stoppable_ && epoch + 1 < c_.epochs) return stopped(epoch + 1, 0);
   }
@@ -926,6 +946,26 @@ void Trainer::log_epoch(int64_t epoch, const EpochResult& r, double save_s, doub
   if (std::isfinite(r.host_decode_share)) line.number("host_decode_share", r.host_decode_share);
   line.integer("test_bad_files", sum_.test_bad_files);
   log_->epoch(line);
+}
+
+// main.py's model_best: after an evaluation whose test top-1 beats every earlier one of this
+// folder's runs (the value in model_best.safetensors' metadata when a run resumes there), that
+// epoch's weights, as model.safetensors holds them, written on the checkpoint writer's thread.
+void Trainer::save_best(int64_t epoch) {
+  if (!lead_ || !out_ || !std::isfinite(sum_.test_top1) || sum_.test_top1 <= best_top1_) return;
+  best_top1_ = sum_.test_top1;
+  std::map<std::string, std::string> meta = meta_;
+  meta["epochs"] = std::to_string(epoch + 1);
+  meta["test_top1"] = json::number(sum_.test_top1);
+  NoGradGuard no_grad;
+  NamedTensors weights;
+  for (auto [name, t] : state_dict(*model_)) {
+    t = t.detach();
+    if (is_floating(t.dtype())) t = t.to(DType::f32);  // as save_model's WeightsDType::Float32
+    weights.emplace_back(std::move(name), std::move(t));
+  }
+  const std::string path = out_->file("model_best.safetensors");
+  checkpoints_.write(path, safetensors_host(path, weights, meta));
 }
 
 void Trainer::save_model() {

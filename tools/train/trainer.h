@@ -25,7 +25,9 @@
 // Output (--output DIR, rank 0 only): DIR/checkpoint.safetensors after every epoch
 // (optim/checkpoint.h, atomic; model, fused-optimizer arenas, loss scaler, RNG, epoch, step),
 // DIR/model.safetensors at the end (torchvision names, f32, with optim/model_file.h's metadata:
-// arch, width, channels, image size, normalisation, class names), and the run's logs
+// arch, width, channels, image size, normalisation, class names), DIR/model_best.safetensors
+// (the same after each evaluation that beats the best test top-1 so far: main.py's model_best;
+// a run resumed in DIR compares against the one there), and the run's logs
 // DIR/log.jsonl (per epoch) and DIR/steps.jsonl (per step), tools/train/run_log.h. The folder
 // (tools/train/output_dir.h) is written only when it is empty or new, with --overwrite (the
 // previous run's files are removed when training starts, not before), or when --resume names
