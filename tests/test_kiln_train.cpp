@@ -1063,6 +1063,30 @@ void check_same_run(const fs::path& straight, const fs::path& resumed) {
   }
 }
 
+// The kiln-train binary built beside this test (empty when KILN_TOOLS=OFF built none). A forked
+// copy of this process could not train: its OpenMP pool's threads are gone in the child.
+fs::path kiln_train_exe() {
+  const fs::path exe = fs::read_symlink("/proc/self/exe").parent_path() / "kiln-train";
+  return fs::exists(exe) ? exe : fs::path();
+}
+
+// Starts kiln-train with `args`, waits until `dir` holds a checkpoint, sends `sig`, and returns
+// the process's wait status.
+int signal_after_checkpoint(const fs::path& exe, std::vector<std::string> args, const fs::path& dir,
+                            int sig) {
+  args.insert(args.begin(), exe.string());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t child = -1;
+  REQUIRE(::posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv.data(), environ) == 0);
+  for (int i = 0; i < 60000 && !fs::exists(dir / "checkpoint.safetensors"); ++i) ::usleep(1000);
+  ::kill(child, sig);
+  int status = -1;
+  ::waitpid(child, &status, 0);
+  return status;
+}
+
 }  // namespace
 
 TEST_CASE("kiln-train: a signal stops a run with a checkpoint; --resume continues it bit for bit") {
@@ -1122,26 +1146,14 @@ TEST_CASE("kiln-train: a signal stops a run with a checkpoint; --resume continue
 
   // A real SIGINT from another process, whenever it lands after epoch 1's checkpoint: the tool
   // exits with 130 after writing a checkpoint, and resuming gives the uninterrupted run's bits.
-  // (The kiln-train binary built beside this test: a forked copy of this process could not
-  // train, its OpenMP pool's threads being gone.)
-  const fs::path exe = fs::read_symlink("/proc/self/exe").parent_path() / "kiln-train";
-  if (!fs::exists(exe)) {
+  const fs::path exe = kiln_train_exe();
+  if (exe.empty()) {
     MESSAGE("no kiln-train beside this test (KILN_TOOLS=OFF): the real-signal part not run");
     return;
   }
   const fs::path c = tmp().dir / "sig-int";
   fs::remove_all(c);
-  std::vector<std::string> args = job(c.string(), 3);
-  args.insert(args.begin(), exe.string());
-  std::vector<char*> argv;
-  for (std::string& s : args) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  pid_t child = -1;
-  REQUIRE(::posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv.data(), environ) == 0);
-  for (int i = 0; i < 60000 && !fs::exists(c / "checkpoint.safetensors"); ++i) ::usleep(1000);
-  ::kill(child, SIGINT);
-  int status = -1;
-  ::waitpid(child, &status, 0);
+  const int status = signal_after_checkpoint(exe, job(c.string(), 3), c, SIGINT);
   REQUIRE(WIFEXITED(status));
   if (WEXITSTATUS(status) == 0) {
     MESSAGE("the run finished before SIGINT reached it; nothing to resume");
@@ -1167,24 +1179,15 @@ TEST_CASE(
             .find("--checkpoint-steps") != std::string::npos);
 
   // The tool killed outright (SIGKILL) once its first checkpoint is on disk, wherever it then is.
-  const fs::path exe = fs::read_symlink("/proc/self/exe").parent_path() / "kiln-train";
-  if (!fs::exists(exe)) {
+  const fs::path exe = kiln_train_exe();
+  if (exe.empty()) {
     MESSAGE("no kiln-train beside this test (KILN_TOOLS=OFF): the killed-run part not run");
     return;
   }
   const fs::path c = tmp().dir / "ckpt-killed";
   fs::remove_all(c);
-  std::vector<std::string> args = with(job(c.string(), 3), {"--checkpoint-steps", "2"});
-  args.insert(args.begin(), exe.string());
-  std::vector<char*> argv;
-  for (std::string& s : args) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  pid_t child = -1;
-  REQUIRE(::posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv.data(), environ) == 0);
-  for (int i = 0; i < 60000 && !fs::exists(c / "checkpoint.safetensors"); ++i) ::usleep(1000);
-  ::kill(child, SIGKILL);
-  int status = -1;
-  ::waitpid(child, &status, 0);
+  const int status = signal_after_checkpoint(
+      exe, with(job(c.string(), 3), {"--checkpoint-steps", "2"}), c, SIGKILL);
   if (WIFEXITED(status)) {
     MESSAGE("the run finished before SIGKILL reached it; nothing to resume");
     return;
