@@ -1133,6 +1133,10 @@ TEST_CASE("kiln-train: a signal stops a run with a checkpoint; --resume continue
       const std::string m = run_error(with(job(b.string(), 3), {"-b", "16", "--resume", ckpt}));
       CHECK_MESSAGE(m.find("the same batch size") != std::string::npos, m);
       CHECK_MESSAGE(m.find("after batch " + std::to_string(batches)) != std::string::npos, m);
+      // Evaluating its weights needs no batches of the epoch: any batch size.
+      const train::Summary ev = train::run(
+          train::parse_args(with(job(b.string(), 3), {"-b", "16", "-e", "--resume", ckpt})));
+      CHECK(std::isfinite(ev.test_loss));
     }
     const train::Summary s =
         train::run(train::parse_args(with(job(b.string(), 3), {"--resume", ckpt})));

@@ -493,14 +493,15 @@ void Trainer::resume_or_start() {
     // batch size (another batch size saved another step count).
     step_ = start_epoch_ * steps_per_epoch_;
     // A checkpoint of a run stopped mid-epoch: the epoch goes on from its next batch, which
-    // needs the same batches (the same global batch size, one process, the same data).
+    // needs the same batches (the same global batch size and process count, the same data);
+    // --evaluate only reads the weights.
     if (auto it = st.metadata.find(kEpochBatchesKey); it != st.metadata.end()) {
       char* end = nullptr;
       const long long k = std::strtoll(it->second.c_str(), &end, 10);
       if (it->second.empty() || *end != '\0' || k < 0)
         cli::usage_error("--resume '", c_.resume, "': its metadata '", kEpochBatchesKey, "' is '",
                          it->second, "', not a batch count");
-      if (k > 0) {
+      if (k > 0 && !c_.evaluate) {
         const std::string where = "it was saved in epoch " + std::to_string(start_epoch_ + 1) +
                                   " after batch " + std::to_string(k);
         auto bs = st.metadata.find("batch_size");
