@@ -20,11 +20,12 @@ L=$OUT
 kiln_build kiln-train gpu_test_device_loader || exit 1
 kiln_suites gpu_test_device_loader
 EPOCHS=${EPOCHS:-2} STEPS=${STEPS:-100} STOP=${STOP:-130} CK=${CK:-25}
+train=($B/kiln-train --dummy --dummy-images $((STEPS * 128)) -a resnet18 -b 128 --epochs "$EPOCHS"
+  --seed 0 --quiet)
 job() {  # job OUTPUT_DIR [flags...]
   local dir=$1
   shift
-  $B/kiln-train --dummy --dummy-images $((STEPS * 128)) -a resnet18 -b 128 --epochs "$EPOCHS" \
-    --seed 0 --quiet --output "$dir" "$@"
+  "${train[@]}" --output "$dir" "$@"
 }
 # The steps logged, whether each appears once, and the losses at steps STOP-1..STOP+2.
 steps() {
@@ -57,7 +58,8 @@ job /tmp/stop-b --resume /tmp/stop-b/checkpoint.safetensors > "$L/stop-b2.log" 2
 echo "resumed: rc $?; $(steps /tmp/stop-b); model_best: $(ls /tmp/stop-b/model_best.safetensors 2>&1)" |
   tee -a "$S"
 rm -rf /tmp/stop-c
-job /tmp/stop-c --checkpoint-steps "$CK" > "$L/stop-c.log" 2>&1 &
+# Started directly (not through job) so that $! is kiln-train's own pid.
+"${train[@]}" --output /tmp/stop-c --checkpoint-steps "$CK" > "$L/stop-c.log" 2>&1 &
 pid=$!
 for _ in $(seq 600); do [ -e /tmp/stop-c/checkpoint.safetensors ] && break; sleep 0.1; done
 kill -9 $pid
