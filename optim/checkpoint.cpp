@@ -122,8 +122,7 @@ NamedTensors state_dict(const nn::Module& module) {
   return out;
 }
 
-void save_weights(const std::string& path, const nn::Module& module, WeightsDType dtype,
-                  const std::map<std::string, std::string>& metadata) {
+NamedTensors weights_state(const nn::Module& module, WeightsDType dtype) {
   NoGradGuard no_grad;
   NamedTensors out;
   for (auto [name, t] : state_dict(module)) {
@@ -131,7 +130,12 @@ void save_weights(const std::string& path, const nn::Module& module, WeightsDTyp
     if (dtype == WeightsDType::Float32 && is_floating(t.dtype())) t = t.to(DType::f32);
     out.emplace_back(std::move(name), std::move(t));
   }
-  save_safetensors(path, out, metadata);
+  return out;
+}
+
+void save_weights(const std::string& path, const nn::Module& module, WeightsDType dtype,
+                  const std::map<std::string, std::string>& metadata) {
+  save_safetensors(path, weights_state(module, dtype), metadata);
 }
 
 LoadReport load_state(const NamedTensors& tensors, nn::Module& module, KeyMatch match,

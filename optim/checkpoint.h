@@ -39,6 +39,10 @@ namespace kiln {
 // expect; AsStored keeps f16/bf16/f64 weights as they are. Integer buffers are always kept.
 enum class WeightsDType { Float32, AsStored };
 
+// `module`'s parameters and buffers as save_weights writes them (floating ones in `dtype`),
+// detached; for a writer that lays the file out later (safetensors_host).
+NamedTensors weights_state(const nn::Module& module, WeightsDType dtype = WeightsDType::Float32);
+
 // Writes `module`'s parameters and buffers (any device, dtype and memory format) to `path`.
 void save_weights(const std::string& path, const nn::Module& module,
                   WeightsDType dtype = WeightsDType::Float32,

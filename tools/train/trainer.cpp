@@ -958,15 +958,8 @@ void Trainer::save_best(int64_t epoch) {
   std::map<std::string, std::string> meta = meta_;
   meta["epochs"] = std::to_string(epoch + 1);
   meta["test_top1"] = json::number(sum_.test_top1);
-  NoGradGuard no_grad;
-  NamedTensors weights;
-  for (auto [name, t] : state_dict(*model_)) {
-    t = t.detach();
-    if (is_floating(t.dtype())) t = t.to(DType::f32);  // as save_model's WeightsDType::Float32
-    weights.emplace_back(std::move(name), std::move(t));
-  }
   const std::string path = out_->file("model_best.safetensors");
-  checkpoints_.write(path, safetensors_host(path, weights, meta));
+  checkpoints_.write(path, safetensors_host(path, weights_state(*model_), meta));
 }
 
 void Trainer::save_model() {
