@@ -82,7 +82,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.section("Weights and checkpoints:");
   p.value("--output", "DIR", &c.output,
           "checkpoint.safetensors (each epoch), model.safetensors,\n"
-          "log.jsonl (per epoch) and steps.jsonl (per step) go here");
+          "model_best.safetensors (best test top-1), log.jsonl (per\n"
+          "epoch) and steps.jsonl (per step) go here");
   p.value("--resume", "PATH", &c.resume,
           "continue from a checkpoint written by --output (Ctrl-C, SIGTERM\n"
           "or SIGUSR1 stop a run after its step, with a checkpoint of where\n"
