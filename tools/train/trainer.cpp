@@ -105,7 +105,17 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1};
 
-extern "C" void on_stop_signal(int sig) {
+// The handler realigns its stack: an x86-64 kernel enters a handler with the stack 16-byte
+// aligned as the ABI asks, but qemu-user 7.2 (Debian 12's; also what runs amd64 containers on
+// other CPUs) misaligns the frame by 8, and the compiler's aligned SSE stores into `dfl` then
+// fault: kiln-train died with SIGSEGV instead of stopping (docs/lab/ci.md, 2026-12-05).
+#if defined(__x86_64__) || defined(__i386__)
+#define KILN_SIGNAL_HANDLER __attribute__((force_align_arg_pointer))
+#else
+#define KILN_SIGNAL_HANDLER
+#endif
+
+extern "C" KILN_SIGNAL_HANDLER void on_stop_signal(int sig) {
   if (g_stop_signal == 0) {
     g_stop_signal = sig;
     const char msg[] =
