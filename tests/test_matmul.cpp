@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
 #include "tests/test_util.h"
@@ -49,6 +50,21 @@ bool contains(const std::string& s, const std::string& part) {
 }
 
 }  // namespace
+
+// A portable build computes the same bits on every x86-64 CPU only if Eigen's GEMM blocks, which
+// set the order of its sums, do not follow the CPU's cache sizes: kiln compiles Eigen without
+// cpuid (EIGEN_NO_CPUID, CMakeLists.txt), so it takes its fixed defaults. (Under qemu's emulated
+// CPUs, with other caches, tests/emulated_cpu.sh compares whole training steps.)
+TEST_CASE("Eigen's GEMM blocking does not follow the CPU's cache sizes") {
+  const cpu::GemmCacheSizes s = cpu::gemm_cache_sizes();
+  CHECK(s.queried_l1 == -1);  // cpuid not asked
+#if defined(__x86_64__) || defined(__i386__)
+  // Eigen 3.4's defaults for x86 (GeneralBlockPanelKernel.h)
+  CHECK(s.l1 == 32 * 1024);
+  CHECK(s.l2 == 256 * 1024);
+  CHECK(s.l3 == 2 * 1024 * 1024);
+#endif
+}
 
 TEST_CASE("matmul 2-D forward against a naive loop, f32 and f64") {
   // a hand-worked case first

@@ -21,10 +21,13 @@ jobs=${KILN_JOBS:-$(nproc)}
 # configure time).
 packages=(g++ cmake ninja-build libeigen3-dev libstb-dev doctest-dev zlib1g-dev dataset-fashion-mnist
           python3-matplotlib libjpeg62-turbo-dev)
+# The test command also runs the portable build on emulated x86-64 CPUs (tests/emulated_cpu.sh).
+test_packages=()
+[ "$(uname -m)" = x86_64 ] && test_packages=(qemu-user)
 
-install_missing() {
+install_missing() {  # install_missing [extra packages...]
   local missing=()
-  for p in "${packages[@]}"; do
+  for p in "${packages[@]}" "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -59,7 +62,7 @@ case "$cmd" in
     exec "$build_dir/kiln-train" "$@"
     ;;
   test)
-    install_missing
+    install_missing "${test_packages[@]}"
     build
     cd "$build_dir"
     ctest --output-on-failure -j "$jobs" "$@"

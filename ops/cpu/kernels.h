@@ -41,6 +41,15 @@ namespace kiln::cpu {
 // the batch for many small matrices, else inside Eigen's GEMM.
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b);
 
+// The cache sizes in bytes (L1, L2, L3) Eigen's GEMMs block for, which set the order of their
+// sums: Eigen's fixed defaults, never the CPU's (EIGEN_NO_CPUID, CMakeLists.txt), so a portable
+// build gives the same bits on every x86-64 CPU. `queried` is what Eigen asked the CPU for (-1:
+// nothing, as it must be).
+struct GemmCacheSizes {
+  int64_t l1, l2, l3, queried_l1;
+};
+GemmCacheSizes gemm_cache_sizes();
+
 }  // namespace kiln::cpu
 
 // ---- batch norm (ops/cpu/batch_norm.cpp) ----

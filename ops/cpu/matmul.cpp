@@ -27,6 +27,14 @@ void gemm(T* c, const T* a, bool trans_a, const T* b, bool trans_b, int64_t n, i
 
 }  // namespace
 
+GemmCacheSizes gemm_cache_sizes() {
+  std::ptrdiff_t l1 = 0, l2 = 0, l3 = 0;
+  Eigen::internal::manage_caching_sizes(Eigen::GetAction, &l1, &l2, &l3);
+  int q1 = 0, q2 = 0, q3 = 0;
+  Eigen::internal::queryCacheSizes(q1, q2, q3);
+  return {l1, l2, l3, q1};
+}
+
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b) {
   const bool batched = out.dim() == 3;
   const int64_t batch = batched ? out.size(0) : 1;
