@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The portable build on other x86-64 CPUs than the one CI has, emulated by qemu-user
 # (Debian's qemu-user; tools/kiln.sh installs it for its test command on x86-64 hosts):
-#   1. test_elementwise under `-cpu Conroe` (SSE2-SSSE3 only: no SSE4.2, AVX, FMA): the FP
-#      contraction checks pass on a CPU without FMA;
+#   1. the CPU suites that compare results bit for bit and run quickly emulated, under
+#      `-cpu Conroe` (SSE2-SSSE3 only: no SSE4.2, AVX or FMA; other cache sizes): among them the
+#      FP-contraction checks (test_elementwise), FusedSGD/AdamW against SGD/AdamW (test_amp), the
+#      RGB-against-channel check (test_image). About 90 s; the other suites pass emulated too
+#      but take minutes (docs/lab/ci.md, 2026-12-05);
 #   2. kiln-train's first 3 steps (Fashion-MNIST, resnet_small of width 8, one thread) natively,
 #      under `-cpu Conroe` and under `-cpu max` (qemu's every feature: AVX2, FMA, other cache
 #      sizes): the checkpoints written at the stop, weights and optimizer state, must be equal
@@ -27,13 +30,20 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/kiln_emulated_cpu.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 fail=0
 
-echo "== test_elementwise under qemu -cpu Conroe"
-if ! "$qemu" -cpu Conroe "$build/test_elementwise" > "$work/elementwise.log" 2>&1; then
-  tail -20 "$work/elementwise.log"
-  echo "emulated_cpu: FAILED: test_elementwise under -cpu Conroe"
-  fail=1
-fi
-grep -E "^\[doctest\] test cases" "$work/elementwise.log"
+suites=(test_elementwise test_amp test_optim test_muon test_image test_batch_norm test_softmax
+        test_loss test_reduce test_grad_accumulate test_pool test_transformer_ops test_vit
+        test_matmul test_autograd)
+echo "== CPU suites under qemu -cpu Conroe"
+for t in "${suites[@]}"; do
+  if OMP_NUM_THREADS=2 KILN_SOURCE_DIR="$(cd "$(dirname "$0")/.." && pwd)" \
+    "$qemu" -cpu Conroe "$build/$t" > "$work/$t.log" 2>&1; then
+    echo "$t: $(grep -E '^\[doctest\] test cases' "$work/$t.log")"
+  else
+    tail -20 "$work/$t.log"
+    echo "emulated_cpu: FAILED: $t under -cpu Conroe"
+    fail=1
+  fi
+done
 
 # kiln-train stops after step 3 (its test hook raises SIGTERM: the stop path runs too) and writes
 # checkpoint.safetensors; exit status 143.
