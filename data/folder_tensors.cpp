@@ -23,9 +23,8 @@ namespace {
 void decode_into(const std::string& path, int64_t S, bool stb, std::vector<uint8_t>& bytes,
                  std::vector<uint8_t>& hwc, uint8_t* dst) {
   read_file_into(path, bytes);
-  const Image im = !stb && jpeg_turbo_available() && looks_like_jpeg(bytes.data(), bytes.size())
-                       ? decode_jpeg(bytes.data(), bytes.size(), path)
-                       : decode_image(bytes.data(), bytes.size(), path);
+  const Image im = stb ? decode_image_stb(bytes.data(), bytes.size(), path)
+                      : decode_image(bytes.data(), bytes.size(), path);
   const uint8_t* src = im.pixels.data();
   if (im.height != S || im.width != S) {
     hwc.resize(size_t(S * S * 3));

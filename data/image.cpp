@@ -9,6 +9,8 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/text.h"
+#include "data/jpeg_turbo.h"
 
 // The stb implementations live here, once in kiln, as static functions so that no other
 // translation unit (a tool or test that includes stb itself) can clash with them. Only the two
@@ -32,6 +34,11 @@
 
 namespace kiln::data {
 namespace {
+
+bool is_png(const uint8_t* data, size_t size) {
+  static const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  return size >= 8 && std::memcmp(data, sig, 8) == 0;
+}
 
 static_assert(kMaxImageSide <= STBI_MAX_DIMENSIONS, "our guard must be the tighter one");
 
@@ -66,8 +73,7 @@ void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
 bool header_size(const uint8_t* d, size_t n, int64_t* w, int64_t* h) {
   auto be16 = [&](size_t i) { return int64_t(d[i]) << 8 | d[i + 1]; };
   auto be32 = [&](size_t i) { return be16(i) << 16 | be16(i + 2); };
-  static const uint8_t png[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
-  if (n >= 24 && std::memcmp(d, png, 8) == 0 && std::memcmp(d + 12, "IHDR", 4) == 0) {
+  if (n >= 24 && is_png(d, n) && std::memcmp(d + 12, "IHDR", 4) == 0) {
     *w = be32(16);
     *h = be32(20);
     return true;
@@ -95,6 +101,24 @@ bool header_size(const uint8_t* d, size_t n, int64_t* w, int64_t* h) {
     i += 2 + size_t(be16(i + 2));
   }
   return false;
+}
+
+// A PNG whose chunks do not fit in the file, named before stb sees it: stb grows its IDAT
+// buffer to a chunk's claimed length before reading it (an 834-byte file made it ask for 2 GiB).
+// Walks the chunk headers (length, type, data, CRC) up to IEND.
+void check_png_chunks(const uint8_t* d, size_t n, const std::string& name) {
+  if (!is_png(d, n)) return;  // not a PNG: stb says what it is
+  for (size_t i = 8; i + 8 <= n;) {
+    const uint64_t len = uint64_t(d[i]) << 24 | uint64_t(d[i + 1]) << 16 |
+                         uint64_t(d[i + 2]) << 8 | uint64_t(d[i + 3]);
+    const std::string type(reinterpret_cast<const char*>(d + i + 4), 4);
+    const uint64_t room = uint64_t(n - i) - 12;  // n - i >= 8; a chunk needs 12 bytes besides
+    KILN_CHECK(n - i >= 12 && len <= room, "image '", name, "': corrupt PNG (chunk '",
+               text::printable(type), "' at byte ", i, " claims ", len, " bytes, ",
+               n - i < 12 ? 0 : room, " remain)");
+    if (type == "IEND") return;
+    i += 12 + size_t(len);
+  }
 }
 
 void check_size_limits(int64_t w, int64_t h, const std::string& name) {
@@ -141,8 +165,36 @@ std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes)
   return bytes;
 }
 
+namespace {
+
+// stb_image's JPEG decoder reads out of bounds on some corrupt files (a fuzzer found it in
+// minutes, docs/lab/input-pipeline.md, 2026-12-05): where kiln has libjpeg-turbo, JPEGs are
+// read by it, and stb sees PNGs (and JPEGs only when asked for by name: decode_image_stb).
+// Whatever is not a PNG goes to libjpeg-turbo then: stb also takes a JPEG behind leading fill
+// bytes, which libjpeg-turbo refuses (a fuzzed file of that shape reached stb's bug too).
+bool jpeg_to_turbo(const uint8_t* data, size_t size, const std::string& name) {
+  if (!jpeg_turbo_available() || is_png(data, size)) return false;
+  KILN_CHECK(looks_like_jpeg(data, size), "image '", name,
+             "': not a readable JPEG/PNG (neither signature at its start)");
+  return true;
+}
+
+}  // namespace
+
 ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name) {
   KILN_CHECK(size > 0, "image '", name, "': empty file");
+  if (jpeg_to_turbo(data, size, name)) {
+    int64_t hw = 0, hh = 0;
+    if (header_size(data, size, &hw, &hh)) check_size_limits(hw, hh, name);
+    const JpegInfo j = read_jpeg_info(data, size, name);
+    return {j.height, j.width, j.components == 1 ? 1 : 3};
+  }
+  return probe_image_stb(data, size, name);
+}
+
+ImageInfo probe_image_stb(const uint8_t* data, size_t size, const std::string& name) {
+  KILN_CHECK(size > 0, "image '", name, "': empty file");
+  check_png_chunks(data, size, name);
   KILN_CHECK(size <= size_t(INT32_MAX), "image '", name, "': file too large (", size, " bytes)");
   int w = 0, h = 0, c = 0;
   if (!stbi_info_from_memory(data, int(size), &w, &h, &c)) {
@@ -156,7 +208,16 @@ ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name)
 }
 
 Image decode_image(const uint8_t* data, size_t size, const std::string& name) {
-  const ImageInfo info = probe_image(data, size, name);
+  KILN_CHECK(size > 0, "image '", name, "': empty file");
+  if (jpeg_to_turbo(data, size, name)) {
+    (void)probe_image(data, size, name);  // the size guard, from the header
+    return decode_jpeg(data, size, name);
+  }
+  return decode_image_stb(data, size, name);
+}
+
+Image decode_image_stb(const uint8_t* data, size_t size, const std::string& name) {
+  const ImageInfo info = probe_image_stb(data, size, name);
   check_size_limits(info.width, info.height, name);
   int w = 0, h = 0, c = 0;
   stbi_uc* px = stbi_load_from_memory(data, int(size), &w, &h, &c, 3);

@@ -1,6 +1,7 @@
 #pragma once
-// Image files: JPEG/PNG decoding to RGB u8 HWC (stb_image) and PNG/JPEG encoding
-// (stb_image_write), with a size guard applied to the header before any pixel is decoded.
+// Image files: JPEG/PNG decoding to RGB u8 HWC (PNG with stb_image; JPEG with libjpeg-turbo where
+// kiln has it, data/jpeg_turbo.h, else stb_image) and PNG/JPEG encoding (stb_image_write), with
+// a size guard applied to the header before any pixel is decoded.
 //
 //   Image im = read_image("cat.jpg");        // im.pixels: height * width * 3 bytes, HWC, RGB
 //   write_png("out.png", im);                // exact (lossless) round trip
@@ -31,8 +32,15 @@ struct Image {
 };
 
 // Decodes a JPEG or PNG held in memory to RGB (grayscale and alpha are converted; 16-bit PNG
-// is reduced to 8 bits). `name` is used in error messages.
+// is reduced to 8 bits). `name` is used in error messages. Where kiln has libjpeg-turbo, all but
+// PNGs go to it: stb_image's JPEG decoder reads out of bounds on some corrupt files (found by
+// fuzzing; docs/lab/input-pipeline.md, 2026-12-05), so it sees JPEGs only in builds without
+// libjpeg-turbo or through decode_image_stb. A PNG whose chunks claim more bytes than the file holds is refused
+// before stb reads it.
 Image decode_image(const uint8_t* data, size_t size, const std::string& name);
+// stb_image for both formats, as asked for by name (ImageLoader's JpegDecoder::Stb, kiln-train
+// --decoder stb; comparisons with libjpeg-turbo). Trust it with JPEGs from a known source only.
+Image decode_image_stb(const uint8_t* data, size_t size, const std::string& name);
 // Reads and decodes the file at `path` (at most max_bytes long).
 Image read_image(const std::string& path, int64_t max_bytes = kMaxImageFileBytes);
 // The whole file as bytes. kiln::Error naming the path when it cannot be read, is not a regular
@@ -51,6 +59,8 @@ struct ImageInfo {
   int64_t height = 0, width = 0, channels = 0;
 };
 ImageInfo probe_image(const uint8_t* data, size_t size, const std::string& name);
+// stb's probe for both formats (decode_image_stb's).
+ImageInfo probe_image_stb(const uint8_t* data, size_t size, const std::string& name);
 
 // Encodes `im` (channels 1 or 3) and writes it to `path` (overwriting). JPEG quality 1..100.
 void write_png(const std::string& path, const Image& im);

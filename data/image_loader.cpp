@@ -206,7 +206,9 @@ struct ImageEpoch::State {
       }
       return false;
     }
-    const Image im = decode_image(bytes.data(), bytes.size(), path);
+    // PNGs, and JPEGs when stb was asked for (or is all there is).
+    const Image im = decoder == JpegDecoder::Stb ? decode_image_stb(bytes.data(), bytes.size(), path)
+                                                 : decode_image(bytes.data(), bytes.size(), path);
     if (train)
       random_resized_crop_flip(im.pixels.data(), im.height, im.width, 3, S, gen,
                                opts.horizontal_flip, dst, opts.crop);

@@ -4,6 +4,7 @@
 #include <zlib.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <set>
 
@@ -127,6 +128,32 @@ TEST_CASE("headers with sides stb will not read are named with their size, not '
   const std::vector<uint8_t> small = forged_png_header(64, 64);
   const std::string e = error_of([&] { decode_image(small.data(), small.size(), "s.png"); });
   CHECK(e.find("image 's.png': decoding failed (") == 0);
+}
+
+// stb grows its IDAT buffer to a chunk's claimed length before reading it: a fuzzed 834-byte
+// PNG made it ask for 2 GiB (docs/lab/input-pipeline.md, 2026-12-05). A chunk that does not fit
+// in the file is refused first, naming the chunk.
+TEST_CASE("a PNG chunk that claims more bytes than the file holds is refused before stb") {
+  std::vector<uint8_t> png = encode_png(random_image(6, 5, 3, 4));
+  size_t idat = 0;
+  for (size_t i = 8; i + 8 <= png.size(); i += 12 + (size_t(png[i]) << 24 | size_t(png[i + 1]) << 16 |
+                                                      size_t(png[i + 2]) << 8 | png[i + 3]))
+    if (std::memcmp(png.data() + i + 4, "IDAT", 4) == 0) idat = i;
+  REQUIRE(idat > 0);
+  CHECK(decode_image(png.data(), png.size(), "ok.png").width == 5);
+  png[idat] = 0x40;  // IDAT now claims over a gigabyte
+  for (auto* f : {&decode_image, &decode_image_stb}) {
+    const std::string e = error_of([&] { (void)f(png.data(), png.size(), "big-idat.png"); });
+    CHECK(e.find("image 'big-idat.png': corrupt PNG (chunk 'IDAT' at byte " +
+                 std::to_string(idat) + " claims 10") == 0);
+  }
+  CHECK(error_of([&] { (void)probe_image(png.data(), png.size(), "p.png"); }).find("corrupt PNG") !=
+        std::string::npos);
+  // A file cut inside a chunk's data: the same refusal.
+  png[idat] = 0;
+  const std::vector<uint8_t> cut(png.begin(), png.begin() + std::ptrdiff_t(idat + 10));
+  CHECK(error_of([&] { (void)decode_image(cut.data(), cut.size(), "cut.png"); })
+            .find("corrupt PNG (chunk") != std::string::npos);
 }
 
 TEST_CASE("unreadable files: errors name the file and stb's reason") {

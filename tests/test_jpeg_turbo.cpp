@@ -92,7 +92,7 @@ TEST_CASE("libjpeg-turbo decode matches stb_image within the stated tolerance") 
     CHECK(info.height == h);
     CHECK(info.width == w);
     CHECK(info.components == 3);
-    const Image ref = decode_image(bytes.data(), bytes.size(), "a.jpg");
+    const Image ref = decode_image_stb(bytes.data(), bytes.size(), "a.jpg");
     const Image got = decode_jpeg(bytes.data(), bytes.size(), "a.jpg");
     REQUIRE(got.height == h);
     REQUIRE(got.width == w);
@@ -116,7 +116,7 @@ TEST_CASE("crop-region decode equals whole decode + resample; DCT scaling stays 
   const int64_t H = 375, W = 500, S = 64;
   const std::vector<uint8_t> bytes = jpeg_bytes(textured(H, W, 2), dir, "b.jpg");
   const Image full = decode_jpeg(bytes.data(), bytes.size(), "b.jpg");
-  const Image stb = decode_image(bytes.data(), bytes.size(), "b.jpg");
+  const Image stb = decode_image_stb(bytes.data(), bytes.size(), "b.jpg");
   Generator gen(11);
   std::vector<uint8_t> ref(size_t(S * S * 3)), got(ref.size()), via_stb(ref.size());
   int scaled = 0;
@@ -175,7 +175,7 @@ TEST_CASE("grayscale and CMYK JPEGs become RGB") {
     CHECK(gi.pixels[p * 3] == gi.pixels[p * 3 + 1]);
     CHECK(gi.pixels[p * 3] == gi.pixels[p * 3 + 2]);
   }
-  const Image gs = decode_image(g.data(), g.size(), "g");
+  const Image gs = decode_image_stb(g.data(), g.size(), "g");
   CHECK(diff(gs.pixels.data(), gi.pixels.data(), gi.pixels.size()).max <= kMaxFullDiff);
 #ifdef KILN_WITH_LIBJPEG
   Image rgb = testing::solid_image(24, 40, 0, 0, 128);
@@ -188,7 +188,7 @@ TEST_CASE("grayscale and CMYK JPEGs become RGB") {
   CHECK(ci.cmyk);
   CHECK(ci.components == 4);
   const Image cm = decode_jpeg(c.data(), c.size(), "c");
-  const Image cs = decode_image(c.data(), c.size(), "c");
+  const Image cs = decode_image_stb(c.data(), c.size(), "c");
   REQUIRE(cm.pixels.size() == 24 * 40 * 3);
   const Diff d = diff(cm.pixels.data(), cs.pixels.data(), cm.pixels.size());
   MESSAGE("CMYK turbo vs stb: max ", d.max, ", mean ", d.mean);
@@ -257,6 +257,44 @@ TEST_CASE("bad JPEG data: a kiln::Error naming the file, never a crash") {
     }
   CHECK(error_of([&] { read_jpeg_info(forged.data(), forged.size(), "f.jpg"); })
             .find("over the limit") != std::string::npos);
+}
+
+// stb_image's JPEG decoder reads out of bounds on some corrupt files (fuzzing, 2026-12-05), so
+// decode_image and probe_image hand JPEGs to libjpeg-turbo where kiln has it. Seen from outside
+// with an arithmetic-coded file, which stb cannot read and libjpeg-turbo can.
+TEST_CASE("decode_image reads JPEGs with libjpeg-turbo, stb only when asked for by name") {
+#ifdef KILN_WITH_LIBJPEG
+  const Image tex = textured(40, 56, 5);
+  const std::vector<uint8_t> arith = testing::libjpeg_encode(tex, 90, false, false, true);
+  CHECK(read_jpeg_info(arith.data(), arith.size(), "a.jpg").arithmetic);
+  CHECK_FALSE(error_of([&] { (void)decode_image_stb(arith.data(), arith.size(), "a.jpg"); }).empty());
+  const Image got = decode_image(arith.data(), arith.size(), "a.jpg");
+  const Image ref = decode_jpeg(arith.data(), arith.size(), "a.jpg");
+  CHECK(got.height == 40);
+  CHECK(got.width == 56);
+  CHECK(got.pixels == ref.pixels);
+  const ImageInfo info = probe_image(arith.data(), arith.size(), "a.jpg");
+  CHECK(info.height == 40);
+  CHECK(info.width == 56);
+  CHECK(info.channels == 3);
+  // Grayscale stays one channel in the probe, as stb's says; decoded, it is RGB.
+  Image gray = tex;
+  gray.channels = 1;
+  gray.pixels.resize(size_t(40 * 56));
+  const std::vector<uint8_t> g = testing::libjpeg_encode(gray, 90, false);
+  CHECK(probe_image(g.data(), g.size(), "g.jpg").channels == 1);
+  CHECK(probe_image_stb(g.data(), g.size(), "g.jpg").channels == 1);
+  CHECK(decode_image(g.data(), g.size(), "g.jpg").channels == 3);
+  // stb also takes a JPEG behind leading 0xFF bytes; libjpeg-turbo, and so decode_image, do not.
+  std::vector<uint8_t> filled(16, 0xFF);
+  filled.insert(filled.end(), g.begin(), g.end());
+  CHECK(error_of([&] { (void)decode_image(filled.data(), filled.size(), "f.jpg"); })
+            .find("image 'f.jpg': not a readable JPEG/PNG (neither signature") == 0);
+  CHECK(error_of([&] { (void)probe_image(filled.data(), filled.size(), "f.jpg"); })
+            .find("neither signature") != std::string::npos);
+#else
+  MESSAGE("kiln built without libjpeg-turbo: decode_image reads JPEGs with stb (not tested here)");
+#endif
 }
 
 TEST_CASE("ImageLoader with libjpeg-turbo: same batches for 0, 1 and 4 workers; stb's crops") {

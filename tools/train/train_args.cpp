@@ -46,7 +46,8 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
   p.flag("--augment", &c.augment, "IDX data: random crop (padding 4) and horizontal flip");
   p.value("-j, --workers", "N", &c.workers, "data-loading threads", 0, kMaxWorkers);
   p.choice("--decoder", &c.decoder, {"auto", "cpu", "nvjpeg", "stb", "turbo"},
-           "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU; "
+           "ImageFolder JPEGs: nvJPEG on the GPU, libjpeg-turbo (cpu, turbo) or stb on the CPU\n"
+           "(stb for comparisons: it can read out of bounds on a corrupt JPEG);\n"
            "auto: epoch 1 on the CPU, epoch 2 on nvJPEG, then whichever trained faster\n"
            "(with nvJPEG and a CUDA device; else cpu). Should nvJPEG stop responding, the\n"
            "CPU takes over after 120 s and the run goes on (docs/lab/input-pipeline.md)");
