@@ -174,8 +174,9 @@ namespace {
 // bytes, which libjpeg-turbo refuses (a fuzzed file of that shape reached stb's bug too).
 bool jpeg_to_turbo(const uint8_t* data, size_t size, const std::string& name) {
   if (!jpeg_turbo_available() || is_png(data, size)) return false;
+  // stb's words for a file it does not recognise, as before
   KILN_CHECK(looks_like_jpeg(data, size), "image '", name,
-             "': not a readable JPEG/PNG (neither signature at its start)");
+             "': not a readable JPEG/PNG (unknown image type)");
   return true;
 }
 
