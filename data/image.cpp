@@ -168,13 +168,12 @@ std::vector<uint8_t> read_file_bytes(const std::string& path, int64_t max_bytes)
 namespace {
 
 // stb_image's JPEG decoder reads out of bounds on some corrupt files (a fuzzer found it in
-// minutes, docs/lab/input-pipeline.md, 2026-12-05): where kiln has libjpeg-turbo, JPEGs are
-// read by it, and stb sees PNGs (and JPEGs only when asked for by name: decode_image_stb).
-// Whatever is not a PNG goes to libjpeg-turbo then: stb also takes a JPEG behind leading fill
-// bytes, which libjpeg-turbo refuses (a fuzzed file of that shape reached stb's bug too).
+// seconds, docs/lab/input-pipeline.md, 2026-12-05). Where kiln has libjpeg-turbo, everything
+// but a PNG goes to it (stb would also take a JPEG behind leading fill bytes, a fuzzed file of
+// that shape reached the same read), and stb sees JPEGs only through decode_image_stb. A file
+// that is neither gets stb's words for it, as before.
 bool jpeg_to_turbo(const uint8_t* data, size_t size, const std::string& name) {
   if (!jpeg_turbo_available() || is_png(data, size)) return false;
-  // stb's words for a file it does not recognise, as before
   KILN_CHECK(looks_like_jpeg(data, size), "image '", name,
              "': not a readable JPEG/PNG (unknown image type)");
   return true;
