@@ -54,6 +54,8 @@ enum class FastPath : uint8_t {
   // BatchNormStatsPaths::backward_dgrad: dy1, w1, x, mask (the forward's ReLU bits, or
   // undefined for a mask recomputed from x).
   BatchNormStatsDgrad,
+  // BatchNormStatsPaths::dual_backward_dgrad: dy1, w1, x.
+  BatchNormStatsDualDgrad,
   // BatchNormStatsPaths::relu_max_pool: x (the op checks the stem pool's geometry).
   BatchNormReluMaxPool,
   // BatchNormStatsPaths::relu_max_pool_backward: x.
@@ -139,6 +141,16 @@ struct BatchNormStatsPaths {
                          TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
                          TensorRef weight, TensorRef save_mean, TensorRef save_invstd,
                          TensorRef scale_shift, GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormStatsDualDgrad): dual_backward where dy = dgrad(dy1, w1) +
+  // dy_rest is a stride-1 unpadded 1x1 convolution's data gradient, w1 (K, C, 1, 1), added onto
+  // dy_rest (undefined meaning zero), computed with the first pass (on CUDA one GEMM with both
+  // batch norms' sums in its epilogue).
+  void (*dual_backward_dgrad)(TensorRef dx, TensorRef dr, TensorRef dweight_x, TensorRef dbias_x,
+                              TensorRef dweight_r, TensorRef dbias_r, TensorRef dy1, TensorRef w1,
+                              TensorRef dy_rest, TensorRef mask, TensorRef x, TensorRef weight_x,
+                              TensorRef mean_x, TensorRef invstd_x, TensorRef r,
+                              TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
+                              GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
   // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
   // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then

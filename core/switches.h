@@ -60,6 +60,10 @@
 // |                          |                     | v26's calmer recipe; docs/lab/norm-conv.md)     |
 // | KILN_GEMM_B_RESIDENT     | 0                   | kiln's 1x1 GEMMs load B with every row tile,    |
 // |                          |                     | not once per CTA where K <= 256 (v25)           |
+// | KILN_DUAL_DGRAD          | 0                   | a downsample block's two batch norms' backward  |
+// |                          |                     | on cuDNN's conv1 data gradient and three passes,|
+// |                          |                     | not kiln's GEMM with all three sums in its      |
+// |                          |                     | epilogue (on since 2026-12-05; norm-conv.md v27)|
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -130,6 +134,7 @@ struct Switches {
   bool dgrad3x3 = true;
   bool gemm_tall = false;
   bool gemm_b_resident = true;
+  bool dual_dgrad = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;

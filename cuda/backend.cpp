@@ -157,6 +157,17 @@ void bn_stats_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dw
                         mode == GradientMode::Accumulate);
 }
 
+void bn_stats_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tensor& dwx,
+                                  const Tensor& dbx, const Tensor& dwr, const Tensor& dbr,
+                                  const Tensor& dy1, const Tensor& w1, const Tensor& dy_rest,
+                                  const Tensor& mask, const Tensor& x, const Tensor& wx,
+                                  const Tensor& mx, const Tensor& ix, const Tensor& r,
+                                  const Tensor& wr, const Tensor& mr, const Tensor& ir,
+                                  GradientMode mode) {
+  bn_nhwc_dual_backward_dgrad(dx, dr, dwx, dbx, dwr, dbr, dy1, w1, dy_rest, mask, x, wx, mx, ix,
+                              r, wr, mr, ir, mode == GradientMode::Accumulate);
+}
+
 void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
                              const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                              const Tensor& r, const Tensor& x, const Tensor& mask,
@@ -227,6 +238,9 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
              (dgrad_weight_3x3(*t[1]) ? dgrad3x3_bn_supported(*t[0], *t[1], *t[2])
                                       : dgrad1x1_bn_supported(*t[0], *t[1], *t[2], bits));
     }
+    case FastPath::BatchNormStatsDualDgrad:
+      expect(3);
+      return g_dgrad_fusion.get() && dual_dgrad_supported(*t[0], *t[1], *t[2]);
     case FastPath::BatchNormReluMaxPool:
       expect(1);
       return switches().fused_bn && bn_nhwc_supported(*t[0]);
@@ -279,6 +293,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
                         bn_stats_dual_backward};
   p.compute = bn_nhwc_stats;
   p.backward_dgrad = bn_stats_backward_dgrad;
+  p.dual_backward_dgrad = bn_stats_dual_backward_dgrad;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
   p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;
   p.relu_conv1x1_forward_stats = bn_relu_conv1x1_forward_stats;

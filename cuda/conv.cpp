@@ -36,6 +36,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -136,6 +137,10 @@ struct Fwd {
     return cudnnFindConvolutionForwardAlgorithmEx(h, d.x.d, p.x, d.w.d, p.w, d.conv.d, d.y.d, p.y,
                                                   kCount, n, perf, ws, bytes);
   }
+  static cudnnStatus_t heuristic(cudnnHandle_t h, const Descs& d, int* n, Perf* perf) {
+    return cudnnGetConvolutionForwardAlgorithm_v7(h, d.x.d, d.w.d, d.conv.d, d.y.d, kCount, n,
+                                                  perf);
+  }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
                            size_t bytes, DType t, const void* beta) {
     return cudnnConvolutionForward(h, scalar_one(t), d.x.d, p.x, d.w.d, p.w, d.conv.d, a, ws,
@@ -155,6 +160,10 @@ struct BwdData {
     return cudnnFindConvolutionBackwardDataAlgorithmEx(h, d.w.d, p.w, d.y.d, p.y, d.conv.d, d.x.d,
                                                        p.x, kCount, n, perf, ws, bytes);
   }
+  static cudnnStatus_t heuristic(cudnnHandle_t h, const Descs& d, int* n, Perf* perf) {
+    return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, d.w.d, d.y.d, d.conv.d, d.x.d, kCount,
+                                                       n, perf);
+  }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
                            size_t bytes, DType t, const void* beta) {
     return cudnnConvolutionBackwardData(h, scalar_one(t), d.w.d, p.w, d.y.d, p.y, d.conv.d, a, ws,
@@ -173,6 +182,10 @@ struct BwdFilter {
                             void* ws, size_t bytes) {
     return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, d.x.d, p.x, d.y.d, p.y, d.conv.d,
                                                          d.w.d, p.w, kCount, n, perf, ws, bytes);
+  }
+  static cudnnStatus_t heuristic(cudnnHandle_t h, const Descs& d, int* n, Perf* perf) {
+    return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, d.x.d, d.y.d, d.conv.d, d.w.d, kCount,
+                                                         n, perf);
   }
   static cudnnStatus_t run(cudnnHandle_t h, const Descs& d, const Ptrs& p, Algo a, void* ws,
                            size_t bytes, DType t, const void* beta) {
@@ -338,6 +351,28 @@ std::vector<Choice> search(cudnnHandle_t h, const Descs& d, const Ptrs& p, const
         out.push_back({a, bytes, preferred_math(pr.dtype), -1.0f});
     }
   }
+  if (deterministic) {
+    // The same algorithm in every process, whatever the timings: the timed deterministic
+    // algorithms in cuDNN's heuristic order (as cuBLASLt's first heuristic answer is taken in
+    // this mode, cuda/blas.cpp); ties, and algorithms the heuristic does not list, by number.
+    typename Op::Perf ranked[Op::kCount];
+    int m = 0;
+    if (Op::heuristic(h, d, &m, ranked) != CUDNN_STATUS_SUCCESS) m = 0;
+    auto key = [&](const Choice& c) {
+      int r = 2 * Op::kCount;  // not listed
+      for (int i = 0; i < m; ++i) {
+        if (int(ranked[i].algo) != c.algo) continue;
+        if (ranked[i].mathType == c.math) {
+          r = i;
+          break;
+        }
+        r = std::min(r, Op::kCount + i);  // listed with another math type
+      }
+      return std::tuple(r, c.algo, int(c.math));
+    };
+    std::sort(out.begin(), out.end(),
+              [&](const Choice& a, const Choice& b) { return key(a) < key(b); });
+  }
   if (out.empty()) {
     detail::fail(ErrorKind::Cudnn, __FILE__, __LINE__, nullptr,
                  detail::str_cat(describe(Op::kOp, pr), ": cuDNN offers no usable algorithm",
@@ -412,6 +447,7 @@ bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Ten
   }
   const auto mode = WgradAccumulate(m);
   if (mode != WgradAccumulate::Tuned) return mode == WgradAccumulate::FreshAndAdd;
+  if (acc_key.deterministic) return false;  // not timed in deterministic mode: beta = 1
   std::lock_guard<std::mutex> lock(plan.m);
   if (plan.fresh_checked) return plan.via_fresh;
   plan.fresh_checked = true;
@@ -483,7 +519,9 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
       fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
       const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, pr.accumulate};
       if (ConvBackend(key.backend) != ConvBackend::Off && conv_engine_supports(cp_be)) {
-        const float bar = ConvBackend(key.backend) == ConvBackend::Force
+        // In deterministic mode the backend API's plan is taken whenever one runs: a bar of
+        // the legacy API's time would make the choice depend on timings.
+        const float bar = ConvBackend(key.backend) == ConvBackend::Force || deterministic
                               ? -1.0f : fresh->candidates.front().ms;
         fresh->engine = tune_conv_engine(h, cp_be, key.align, tp.x, tp.w, tp.y, ctx.device,
                                          deterministic, bar,

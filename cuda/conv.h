@@ -22,8 +22,13 @@ ConvCacheStats conv_algo_cache_stats();
 // Forgets every cached choice and zeroes the counters (tests; after changing determinism).
 void clear_conv_algo_cache();
 
-// When on, only algorithms cuDNN reports as deterministic are used (bit-identical reruns).
+// When on, only algorithms cuDNN reports as deterministic are used, and none is chosen by timing:
+// the legacy API's in cuDNN's heuristic order, the backend API's first plan that runs (taken
+// over the legacy API whenever one does), weight gradients added with beta = 1. So reruns in one
+// process and runs in different processes (the same GPU, cuDNN and kiln) give the same bits.
 // Off by default. Part of the cache key, so toggling it never reuses the other mode's choice.
+// cuBLASLt (cuda/blas.cpp), cuDNN attention and kiln's batch-norm paths (cuda/backend.cpp) read
+// it too; kiln-train --deterministic sets it.
 void set_conv_deterministic(bool on);
 bool conv_deterministic();
 

@@ -211,7 +211,9 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
       }
       c.cold_ms = cold / kTimedRuns;
     }
-    if (best < 0 || rank_ms(c) < rank_ms(cands[size_t(best)])) best = int(i);
+    // Deterministic mode: the first plan in cuDNN's heuristic order that runs, whatever the
+    // timings (the same plan in every process).
+    if (best < 0 || (!deterministic && rank_ms(c) < rank_ms(cands[size_t(best)]))) best = int(i);
   }
   CUDA_CHECK(cudaEventDestroy(a));
   CUDA_CHECK(cudaEventDestroy(b));

@@ -727,7 +727,9 @@ std::string tune(Plan& plan, cudnnHandle_t h, const Key& key,
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, ev.a, ev.b));
     c.ms = ms / kTimedRuns;
-    if (best < 0 || c.ms < cands[size_t(best)].ms) best = int(i);
+    // Deterministic mode: the first configuration that runs, in the heuristics' order (the
+    // same plan in every process); otherwise the fastest.
+    if (best < 0 || (key.deterministic == 0 && c.ms < cands[size_t(best)].ms)) best = int(i);
   }
   if (log) {
     std::fprintf(stderr,

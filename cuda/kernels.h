@@ -426,6 +426,27 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
                            const Tensor& r, const Tensor& weight_r, const Tensor& mean_r,
                            const Tensor& invstd_r, bool accumulate_params = false);
 
+// The same backward where dy = dgrad(dy1, w1) + dy_rest is a stride-1 1x1 convolution's data
+// gradient (the next block's conv1 reading this block's output) added onto the other consumers'
+// gradient dy_rest (undefined: none): one GEMM with all three sums in its epilogue (Σg,
+// Σg·(x − mean_x), Σg·(r − mean_r), the wgmma kernel's dual form), then both sides' finish and
+// one apply pass reading the GEMM's g — instead of the convolution's data gradient, the add,
+// bn_nhwc_dual_backward's sums pass and its apply. g is as the tail form's (dgrad1x1_bn_sums):
+// acc + dy_rest rounded to f16 once, masked. Needs dual_dgrad_supported(dy1, w1, x).
+bool dual_dgrad_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
+void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                                 const Tensor& dbias_x, const Tensor& dweight_r,
+                                 const Tensor& dbias_r, const Tensor& dy1, const Tensor& w1,
+                                 const Tensor& dy_rest, const Tensor& mask, const Tensor& x,
+                                 const Tensor& weight_x, const Tensor& mean_x,
+                                 const Tensor& invstd_x, const Tensor& r, const Tensor& weight_r,
+                                 const Tensor& mean_r, const Tensor& invstd_r,
+                                 bool accumulate_params = false);
+// Whether the dual form runs (KILN_DUAL_DGRAD=1; off by default until its tests have run on a
+// GPU: docs/lab/norm-conv.md, what is left, item 5; set here for tests and A/B runs).
+bool dual_dgrad_enabled();
+void set_dual_dgrad_enabled(bool on);
+
 // ---- fused optimizer, gradient checks and loss scaler (cuda/kernels/optim.cu) ----
 // One launch over all chunks: found_inf (|=) and partial_sumsq (=, one per chunk).
 void fused_check_grads(const fused::CheckArgs& a);

@@ -178,8 +178,11 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   Tensor dy1_, w1_;  // a convolution's data gradient operands, taken in (accept_dgrad)
 };
 
-// Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br.
-class DualBatchNormBackward final : public Node {
+// Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br. Takes
+// the data gradient of the stride-1 1x1 convolution that reads its output (the next block's
+// conv1) into its own first pass where the backend can (ops/dgrad_sink.h), as
+// BatchNormStatsBackward does for a block tail with an identity shortcut.
+class DualBatchNormBackward final : public Node, public detail::DgradSink {
  public:
   DualBatchNormBackward(const Tensor& x, const Tensor& r, const Tensor& mask, const Tensor& wx,
                         const Tensor& wr, const Tensor& mean_x, const Tensor& invstd_x,
@@ -190,13 +193,28 @@ class DualBatchNormBackward final : public Node {
   void release_saved() override {
     for (SavedTensor* s : {&x_, &r_, &mask_, &wx_, &wr_, &mean_x_, &invstd_x_, &mean_r_, &invstd_r_})
       s->release();
+    dy1_ = w1_ = Tensor();
   }
   bool can_accumulate_into(size_t i) const override { return i >= 2 && i <= 5; }
+  bool accept_dgrad(uint32_t output_nr, const Tensor& dy1, const Tensor& w1) override {
+    if (output_nr != 0 || dy1_.defined() || !x_.defined()) return false;
+    const Tensor x = x_.get(*this);
+    const Backend& be = backend(x);
+    if (!be.batch_norm_stats->dual_backward_dgrad ||
+        !supports(be, FastPath::BatchNormStatsDualDgrad, {&dy1, &w1, &x}))
+      return false;
+    dy1_ = dy1;
+    w1_ = w1;
+    ++g_dgrad_fusions;
+    return true;
+  }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), r = r_.get(*this);
     Tensor dy = grads[0];
-    if (!dy.defined()) return std::vector<Tensor>(6);
-    if (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype())
+    // The conv1 gradient taken in: dy is then what the other consumers added (maybe nothing).
+    const Tensor dy1 = std::exchange(dy1_, Tensor()), w1 = std::exchange(w1_, Tensor());
+    if (!dy.defined() && !dy1.defined()) return std::vector<Tensor>(6);
+    if (dy.defined() && (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype()))
       dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const int64_t c = x.size(1);
@@ -206,16 +224,23 @@ class DualBatchNormBackward final : public Node {
     const bool acc = !targets.empty();
     Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
     Tensor dwr = acc ? targets[2] : param_grad(4), dbr = acc ? targets[3] : param_grad(5);
-    backend(x).batch_norm_stats->dual_backward(
-        dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x, wx_.get(*this), mean_x_.get(*this),
-        invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this),
-        acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set);
+    const GradientMode mode = acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set;
+    if (dy1.defined())
+      backend(x).batch_norm_stats->dual_backward_dgrad(
+          dx, dr, dwx, dbx, dwr, dbr, dy1, w1, dy, mask_.get(*this), x, wx_.get(*this),
+          mean_x_.get(*this), invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this),
+          invstd_r_.get(*this), mode);
+    else
+      backend(x).batch_norm_stats->dual_backward(
+          dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x, wx_.get(*this), mean_x_.get(*this),
+          invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this), mode);
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }
 
  private:
   SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;
+  Tensor dy1_, w1_;  // the next convolution's data gradient operands, taken in (accept_dgrad)
 };
 
 // The BatchNormStats path: training, and the backend takes x, the residual, the parameters and

@@ -160,6 +160,21 @@ TEST_CASE("kiln-train: 1 epoch + resume + 1 epoch equals 2 epochs bit for bit") 
   }
 }
 
+// On the CPU every run is deterministic already: --deterministic (whose work is on the GPU,
+// tools/device/stop_check.sh) must change no bit there, and is parsed.
+TEST_CASE("kiln-train: --deterministic changes no bit of a CPU run") {
+  const fs::path a = tmp().dir / "plain", b = tmp().dir / "deterministic";
+  CHECK_FALSE(train::parse_args(job(a.string(), 1)).deterministic);
+  const train::Config c = train::parse_args(with(job(b.string(), 1), {"--deterministic"}));
+  CHECK(c.deterministic);
+  CHECK(c.decoder == "auto");  // --decoder auto is read as cpu when the data is opened
+  train::run(train::parse_args(with(job(a.string(), 1), {"--overwrite"})));
+  train::run(train::parse_args(with(job(b.string(), 1), {"--overwrite", "--deterministic"})));
+  check_same_bits(load_safetensors((a / "model.safetensors").string()),
+                  load_safetensors((b / "model.safetensors").string()));
+  CHECK(train::usage().find("--deterministic") != std::string::npos);
+}
+
 TEST_CASE("kiln-train: bad flags and data fail with kiln::Error / exit code 1") {
   CHECK_THROWS_AS(train::parse_args({"--bogus"}), Error);
   CHECK_THROWS_AS(train::parse_args({"--epochs", "0"}), Error);

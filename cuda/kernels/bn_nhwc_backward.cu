@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "cuda/kernels/bn_nhwc.cuh"
+#include "cuda/kernels/gemm_bn_wgmma.h"
 
 namespace kiln::cuda {
 namespace {
@@ -146,6 +147,9 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
   side(2, wr, mr, kr, dwr, dbr, coef + 3 * C);
 }
 
+// kMode: kMaskBits (g = dy masked by the forward's bits) or kNoMask (dy is g already: the dual
+// form's GEMM wrote it masked).
+template <int kMode>
 __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict__ dr,
                                            const uint4* __restrict__ dy,
                                            const uint8_t* __restrict__ mask,
@@ -173,7 +177,7 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
   for (; i < vecs; i += stride) {
     if (!fixed) load_factors(i);
     const Vec8 xv = load8(x, i), rv = load8(r, i);
-    const Vec8 g = masked_grad<kMaskBits>(dy, mask, xv, none, none, i);
+    const Vec8 g = masked_grad<kMode>(dy, mask, xv, none, none, i);
     Vec8 ox, orr;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -414,6 +418,34 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// The dual backward after its sums (partial (parts, 3, C)): both sides' finish, then the apply
+// pass reading dy (kMode: kMaskBits, masked here by mp) or g (kNoMask: masked already).
+template <int kMode>
+void dual_finish_apply(const char* op, const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                       const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
+                       const Tensor& dy, const uint8_t* mp, const Tensor& x,
+                       const Tensor& weight_x, const float* mx, const float* kx, const Tensor& r,
+                       const Tensor& weight_r, const float* mr, const float* kr,
+                       const float* pp, int parts, bool accumulate_params) {
+  const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
+  Tensor coef = empty({6 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  float* cp = static_cast<float*>(coef.raw_data());
+  cudaStream_t s = current_stream();
+  launch(dual_finish_kernel, finish_grid(C), kFinishBlock, 0, s,
+         f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
+         f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
+         f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
+         mr, kr, C, parts, double(rows), accumulate_params);
+  KILN_CUDA_CHECK_LAUNCH();
+  launch(dual_backward_apply_kernel<kMode>, grid_for(vecs), kBlock, 0, s, vec_out(dx),
+         vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
 void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
                            const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
                            const Tensor& dy, const Tensor& mask, const Tensor& x,
@@ -436,22 +468,51 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
   const int parts = L.parts;
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
-  Tensor coef = empty({6 * C}, f32);
   float* pp = static_cast<float*>(partial.raw_data());
-  float* cp = static_cast<float*>(coef.raw_data());
-  cudaStream_t s = current_stream();
-  launch(dual_sums_kernel, L.grid, L.block, 0, s, vec_in(dy), mp, vec_in(x), mx, vec_in(r), mr, pp,
-         rows, G, C, parts);
+  launch(dual_sums_kernel, L.grid, L.block, 0, current_stream(), vec_in(dy), mp, vec_in(x), mx,
+         vec_in(r), mr, pp, rows, G, C, parts);
   KILN_CUDA_CHECK_LAUNCH();
-  launch(dual_finish_kernel, finish_grid(C), kFinishBlock, 0, s,
-         f32_ptr(dweight_x, C, x, op, "dweight_x"), f32_ptr(dbias_x, C, x, op, "dbias_x"),
-         f32_ptr(dweight_r, C, x, op, "dweight_r"), f32_ptr(dbias_r, C, x, op, "dbias_r"), cp, pp,
-         f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
-         mr, kr, C, parts, double(rows), accumulate_params);
-  KILN_CUDA_CHECK_LAUNCH();
-  launch(dual_backward_apply_kernel, grid_for(vecs), kBlock, 0, s, vec_out(dx), vec_out(dr),
-         vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
-  KILN_CUDA_CHECK_LAUNCH();
+  dual_finish_apply<kMaskBits>(op, dx, dr, dweight_x, dbias_x, dweight_r, dbias_r, dy, mp, x,
+                               weight_x, mx, kx, r, weight_r, mr, kr, pp, parts,
+                               accumulate_params);
+}
+
+void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
+                                 const Tensor& dbias_x, const Tensor& dweight_r,
+                                 const Tensor& dbias_r, const Tensor& dy1, const Tensor& w1,
+                                 const Tensor& dy_rest, const Tensor& mask, const Tensor& x,
+                                 const Tensor& weight_x, const Tensor& mean_x,
+                                 const Tensor& invstd_x, const Tensor& r, const Tensor& weight_r,
+                                 const Tensor& mean_r, const Tensor& invstd_r,
+                                 bool accumulate_params) {
+  const char* op = "bn_nhwc_dual_backward_dgrad";
+  check_x(x, op);
+  for (auto [t, what] : {std::pair{&dx, "dx"}, std::pair{&dr, "dr"}, std::pair{&r, "r"}})
+    check_act(*t, x, op, what);
+  if (dy_rest.defined()) check_act(dy_rest, x, op, "dy_rest");
+  KILN_CHECK(dual_dgrad_supported(dy1, w1, x), op,
+             " (cuda): needs KILN_DUAL_DGRAD on, an sm_90 GPU, f16 channels-last dy1 (N, K, H, W), "
+             "w1 (K, C, 1, 1) and x (N, C, H, W) with K a multiple of 64 up to 2,048 and C of 128, "
+             "got dy1 ",
+             dy1.desc(), ", w1 ", w1.desc(), ", x ", x.desc());
+  const int64_t C = x.size(1), rows = x.numel() / C, vecs = x.numel() / kVec;
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+  mask_ptr(mask, vecs, x, op);  // checked here; the GEMM reads it by TMA
+  const float* mx = required(f32_ptr(mean_x, C, x, op, "mean_x"), op, "mean_x");
+  const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
+  const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
+  const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
+  const int parts = dgrad1x1_bn_wgmma_parts(rows, C);
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
+  Tensor g = empty_like(x);  // masked, for the apply pass
+  // The tail form's kernel always adds a residual: zeros when nothing else reached dy.
+  const Tensor rest = dy_rest.defined() ? dy_rest : zeros_like(x);
+  dgrad1x1_bn_sums_wgmma(g, partial, dy1, w1, rest, mask, x, mean_x, Tensor(), parts, r, mean_r);
+  dual_finish_apply<kNoMask>(op, dx, dr, dweight_x, dbias_x, dweight_r, dbias_r, g, nullptr, x,
+                             weight_x, mx, kx, r, weight_r, mr, kr,
+                             static_cast<const float*>(partial.raw_data()), parts,
+                             accumulate_params);
 }
 
 void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,

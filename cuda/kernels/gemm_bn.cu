@@ -184,7 +184,17 @@ bool use_wgmma(int64_t M, int64_t K, int64_t C) {
     return false;
   return mode == 2 || K > 128;
 }
+
+constinit RuntimeSwitch g_dual_dgrad{&Switches::dual_dgrad};  // KILN_DUAL_DGRAD
 }  // namespace
+
+bool dual_dgrad_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x) {
+  // The wgmma kernel's dual form: the 1x1 tail's shapes on that kernel, and the switch.
+  return g_dual_dgrad.get() && !dgrad_weight_3x3(w1) && dgrad1x1_bn_supported(dy1, w1, x, true) &&
+         use_wgmma(x.numel() / x.size(1), dy1.size(1), x.size(1));
+}
+bool dual_dgrad_enabled() { return g_dual_dgrad.get(); }
+void set_dual_dgrad_enabled(bool on) { g_dual_dgrad.set(on); }
 
 bool dgrad_weight_3x3(const Tensor& w1) {
   return w1.defined() && w1.dim() == 4 && w1.size(2) == 3 && w1.size(3) == 3;

@@ -38,6 +38,18 @@ __device__ inline uint4 tail_epilogue8_rounded(uint4 pv, uint4 xv, unsigned bits
   return out;
 }
 
+// The dual form's third sum (two batch norms meeting at the residual add, the second's input u):
+// s3 += g·(u − mean_u) for g's 8 halves as stored (the masked values dual_sums_kernel reads, in
+// its order) and u's.
+__device__ inline void dual_sum8(uint4 gv, uint4 uv, const float (&mu)[8], float (&s3)[8]) {
+  const float4 g0 = h4(uint2{gv.x, gv.y}), g1 = h4(uint2{gv.z, gv.w});
+  const float4 u0 = h4(uint2{uv.x, uv.y}), u1 = h4(uint2{uv.z, uv.w});
+  const float gf[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+  const float uf[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) s3[q] = fmaf(gf[q], uf[q] - mu[q], s3[q]);
+}
+
 // A batch norm's scale, shift and ReLU applied to 8 halves in place: relu(x·scale + shift)
 // rounded to f16, bit for bit what bn_nhwc_apply.cu's apply_kernel<Relu, false> stores (NaN
 // kept). The prologue of kiln's wgmma kernels, applied to an operand in shared memory.

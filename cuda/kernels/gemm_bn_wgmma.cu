@@ -73,6 +73,14 @@ constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStageOut + (2 * 2 * kSta
 // kTall: three stages of a 256 × 64 A box and a 128 × 64 B box.
 constexpr int kSmemTall = 3 * (2 * kBM * kBK * 2 + kTile) + 2 * kStageOut + (2 * 3 + 4) * 8 + 1024;
 static_assert(kSmemTall <= 227 * 1024, "tall tiles: within an SM's shared memory");
+// kDual: three stages, and each consumer warpgroup's buffer 16 KB longer (u's rows).
+constexpr int kSmemDual =
+    3 * kStageBytes + 2 * (kStageOut + kEpiX) + (2 * 2 * kStages + 4) * 8 + 1024;
+static_assert(kSmemDual <= 227 * 1024, "the dual form: within an SM's shared memory");
+static_assert((kStageOut + kEpiX) % 1024 == 0 && kStageOut % 1024 == 0,
+              "the dual form: u's boxes and the second warpgroup's buffer keep the swizzle's "
+              "alignment");
+static_assert(16 * 3 * kBN * 4 <= 2 * kStageOut, "three rows of 16 row sets' sums fit the buffers");
 // With the prologue, the factors of up to 2,048 channels (scale, then shift) after the barriers.
 constexpr int kSmemPrologue = kSmemBytes + 2 * 2048 * 4;
 
@@ -156,14 +164,16 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // The same products in the same order: the same bits.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
-          bool kTall = false>
+          bool kTall = false, bool kDual = false>
 __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     __half* __restrict__ g, float* __restrict__ partial, const __grid_constant__ CUtensorMap map_dy,
     const __grid_constant__ CUtensorMap map_wt, const __grid_constant__ CUtensorMap map_r,
     const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_mask,
-    const __half* __restrict__ r, const uint8_t* __restrict__ mask, const __half* __restrict__ x,
-    const float* __restrict__ mean, const float* __restrict__ scale_shift, int64_t M, int C, int K,
-    int parts, int img_h, int img_w, bool b_resident) {
+    const __grid_constant__ CUtensorMap map_u, const __half* __restrict__ r,
+    const uint8_t* __restrict__ mask, const __half* __restrict__ x,
+    const float* __restrict__ mean, const float* __restrict__ mean_u,
+    const float* __restrict__ scale_shift, int64_t M, int C, int K, int parts, int img_h,
+    int img_w, bool b_resident) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
@@ -171,17 +181,21 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
   static_assert(!kIm2col || (!kPrologue && kTmaEpi && (kStats || kWDirect)),
                 "the 3x3 convolution: the forward, or the data gradient with w read as it lies");
   static_assert(!kTall || (kIm2col && kPipeline), "tall tiles: the 3x3 GEMMs, pipelined");
-  // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage.
-  constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall ? 3 : kStages;
+  static_assert(!kDual || (kTmaEpi && kResidual && kBits && !kIm2col && !kPrologue),
+                "the dual form: the 1x1 block tail's, with the TMA epilogue");
+  // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage. kDual: three
+  // stages, whose freed 32 KB hold each consumer warpgroup's rows of u.
+  constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall || kDual ? 3 : kStages;
   constexpr int kAB = kTM * kBK * 2, kSB = kAB + kTile;
   // The mbarrier pairs: one per slot, up to 2·kStages slots of A alone with B resident.
   constexpr int kSlots = kTall ? kNS : 2 * kStages;
   const int KT = K / kBK;
   // B resident (b_resident, K ≤ 256): this CTA's B, the same for all its tiles, is loaded once
   // into KT 16 KB boxes at the end of the stages' memory, and the rest of it holds ns = 8 − KT
-  // slots of A alone (4 to 7) — instead of kStages slots of A and B, B loaded again per tile.
-  const bool bres = !kTall && !kIm2col && b_resident && KT <= kStages;
-  const int ns = bres ? 2 * kStages - KT : kNS;
+  // slots of A alone (4 to 7; kDual's three stages: 6 − KT, K ≤ 192) — instead of kNS slots of
+  // A and B, B loaded again per tile.
+  const bool bres = !kTall && !kIm2col && b_resident && KT <= kNS;
+  const int ns = bres ? 2 * kNS - KT : kNS;
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -194,12 +208,14 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     return base + uint32_t(bres ? (ns + kt) * kTile : s * kSB + kAB);
   };
   const uint32_t out0 = uint32_t(kNS * kSB);  // the two staging buffers
-  const uint32_t bars = base + out0 + 2 * kStageOut;
+  // kDual: each warpgroup's buffer holds u's 64 rows (two 64 × 64 boxes) after r, x and the mask.
+  constexpr int kEpiStride = kDual ? kStageOut + kEpiX : kStageOut;
+  const uint32_t bars = base + out0 + 2 * kEpiStride;
   auto full = [&](int s) { return bars + uint32_t(s * 8); };
   auto empty = [&](int s) { return bars + uint32_t((kSlots + s) * 8); };
   auto epi_full = [&](int c) { return bars + uint32_t((2 * kSlots + c) * 8); };
   auto epi_empty = [&](int c) { return bars + uint32_t((2 * kSlots + 2 + c) * 8); };
-  auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kStageOut); };
+  auto epi_buf = [&](int c) { return base + out0 + uint32_t(c * kEpiStride); };
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kSlots; ++s) {
@@ -228,7 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
           for (int half = 0; half < (kTall ? 2 : 1); ++half, ++u) {
             for (int c = 0; c < 2; ++c) {
               if (u > 0) mbar_wait(epi_empty(c), uint32_t((u - 1) & 1));  // round u-1 read
-              constexpr int kBytes = (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0);
+              constexpr int kBytes =
+                  (kResidual ? kEpiX : 0) + kEpiX + (kBits ? 64 * 16 : 0) + (kDual ? kEpiX : 0);
               mbar_expect_tx(epi_full(c), uint32_t(kBytes));
               const int m0 = int(tile * kTM + c * (kTM / 2) + half * 64);
               const uint32_t e = epi_buf(c);
@@ -238,6 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
                 tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
               }
               if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
+              if constexpr (kDual)
+                for (int h = 0; h < 2; ++h)
+                  tma_load_2d(e + kStageOut + h * (kEpiX / 2), &map_u, n0 + h * 64, m0,
+                              epi_full(c));
             }
           }
         }
@@ -290,13 +311,19 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
   // Consumers: warpgroup c computes rows c·64.. of each tile (kTall: c·128.., two halves).
   if constexpr (kTall) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int c = wg - 1, t = tid & 127, warp = t >> 5, lane = t & 31;
-  float* sc = reinterpret_cast<float*>(gbase + out0 + c * kStageOut);
+  float* sc = reinterpret_cast<float*>(gbase + out0 + c * kEpiStride);
   // The epilogue's thread layout: channel group cg (8 channels) of rows rr, rr + 8, ..., rr + 56.
   const int cg = t & 15, rr = t >> 4;
   const int c0 = n0 + cg * 8;
   float mu[8], s1[8] = {}, s2[8] = {};
+  // kDual: Σg·(u − mean_u), the second batch norm's, whose input u meets x at the residual add.
+  [[maybe_unused]] float mu_u[8], s3[8] = {};
 #pragma unroll
   for (int q = 0; q < 8; ++q) mu[q] = kStats ? 0.f : mean[c0 + q];
+  if constexpr (kDual) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) mu_u[q] = mean_u[c0 + q];
+  }
   // The forward's scale and shift of these channels, for a mask recomputed from x.
   [[maybe_unused]] float scale[8], shift[8];
   if constexpr (!kBits && !kStats) {
@@ -309,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
 
   // The prologue's factors, in shared memory after the barriers.
   [[maybe_unused]] const float* fss =
-      reinterpret_cast<const float*>(gbase + out0 + 2 * kStageOut + (2 * kSlots + 4) * 8);
+      reinterpret_cast<const float*>(gbase + out0 + 2 * kEpiStride + (2 * kSlots + 4) * 8);
   // kF16: K / 2 scale pairs, then K / 2 shift pairs, as half2.
   [[maybe_unused]] const __half2* fh = reinterpret_cast<const __half2*>(fss);
   if constexpr (kPrologue) {
@@ -341,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
         named_sync(1 + c, 128);  // the previous tile's values have been read
       else
         mbar_wait(epi_full(c), uint32_t(u & 1));
-      unsigned char* e = gbase + out0 + c * kStageOut;
+      unsigned char* e = gbase + out0 + c * kEpiStride;
 #pragma unroll
       for (int b = 0; b < kBN / 8; ++b) {
         const int off = (b / 8) * (kEpiX / 2) + (((b % 8) ^ (lane >> 2)) * 16) + (lane & 3) * 4;
@@ -375,8 +402,11 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
           bits = e[kEpiMask + row * 16 + cg];
         else
           bits = relu_bits8(xv, scale, shift);
-        reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] =
-            tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
+        const uint4 gv = tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
+        reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = gv;
+        if constexpr (kDual)
+          dual_sum8(gv, *reinterpret_cast<const uint4*>(e + kStageOut + row * 128 + chunk), mu_u,
+                    s3);
       }
       if constexpr (!kStats) {
         fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
@@ -518,21 +548,22 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
 
   // The 16 row sets (8 per warpgroup) of each channel, added in a fixed order into the CTA's
   // partial row; the staging buffers, now free, hold them.
+  constexpr int kSums = kDual ? 3 : 2;
   named_sync(3, 256);  // both consumer warpgroups are done with their buffers
-  float* red = reinterpret_cast<float*>(gbase + out0);  // [16 row sets][2][kBN]
+  float* red = reinterpret_cast<float*>(gbase + out0);  // [16 row sets][kSums][kBN]
   const int set = c * 8 + rr;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    red[(set * 2 + 0) * kBN + cg * 8 + q] = s1[q];
-    red[(set * 2 + 1) * kBN + cg * 8 + q] = s2[q];
+    red[(set * kSums + 0) * kBN + cg * 8 + q] = s1[q];
+    red[(set * kSums + 1) * kBN + cg * 8 + q] = s2[q];
+    if constexpr (kDual) red[(set * kSums + 2) * kBN + cg * 8 + q] = s3[q];
   }
   named_sync(3, 256);
-  const int ct = tid - 128;  // 0..255: (sum, column)
-  {
+  for (int ct = tid - 128; ct < kSums * kBN; ct += 256) {  // (sum, column)
     const int which = ct / kBN, col = ct % kBN;
     float v = 0.f;
-    for (int s = 0; s < 16; ++s) v += red[(s * 2 + which) * kBN + col];
-    partial[(int64_t(part) * 2 + which) * C + n0 + col] = v;
+    for (int s = 0; s < 16; ++s) v += red[(s * kSums + which) * kBN + col];
+    partial[(int64_t(part) * kSums + which) * C + n0 + col] = v;
   }
 #else
   __trap();  // built without sm_90a: dgrad1x1_bn_wgmma_available() is false, never launched
@@ -592,7 +623,8 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
 
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
-                            const Tensor& mean, const Tensor& scale_shift, int parts) {
+                            const Tensor& mean, const Tensor& scale_shift, int parts,
+                            const Tensor& u, const Tensor& mean_u) {
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
   cudaStream_t s = current_stream();
   const bool direct = g_w_direct.get();
@@ -608,32 +640,37 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K);
   const CUtensorMap map_w = direct ? tile_map(w.raw_data(), true, K, C, kBK, 64, true)
                                    : kmajor_map(wt.raw_data(), C, K);
-  const bool residual = r.defined(), bits = mask.defined();
-  // A mask recomputed from x or no residual: the TMA epilogue's forms only.
-  const bool tma_epi = g_tma_epi.get() || !residual || !bits;
+  const bool residual = r.defined(), bits = mask.defined(), dual = u.defined();
+  KILN_CHECK(!dual || (residual && bits && mean_u.defined()),
+             "dgrad1x1_bn_sums_wgmma: the dual form takes r, the mask and mean_u");
+  // A mask recomputed from x, no residual, or the dual form: the TMA epilogue's forms only.
+  const bool tma_epi = g_tma_epi.get() || !residual || !bits || dual;
   // The epilogue's operands per consumer warpgroup: 64 rows × 64 channels of r and x (twice),
   // 64 rows × 16 bytes (128 channels) of the mask. Unused without the TMA epilogue.
-  CUtensorMap map_r{}, map_x{}, map_mask{};
+  CUtensorMap map_r{}, map_x{}, map_mask{}, map_u{};
   if (tma_epi) {
     if (residual) map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
     map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
     if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
+    if (dual) map_u = tile_map(u.raw_data(), true, M, C, 64, 64, true);
   }
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
   const bool pipeline = g_pipeline.get();
-  auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect>() {
+  auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect, bool kDual = false>() {
     auto go = [&]<bool kPipeline>() {
-      constexpr auto kernel =
-          dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect, kPipeline>;
-      allow_smem_once<kernel>(kSmemBytes, "dgrad1x1_bn_sums");
+      constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect,
+                                                            kPipeline, false, false, false, false,
+                                                            kDual>;
+      constexpr int kSmem = kDual ? kSmemDual : kSmemBytes;
+      allow_smem_once<kernel>(kSmem, "dgrad1x1_bn_sums");
       const unsigned grid = unsigned(parts * (C / kBN));
       launch_whole_sm(
-          kernel, grid, kThreads, kSmemBytes, s, static_cast<__half*>(g.raw_data()),
-          static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask,
+          kernel, grid, kThreads, kSmem, s, static_cast<__half*>(g.raw_data()),
+          static_cast<float*>(partial.raw_data()), map_dy, map_w, map_r, map_x, map_mask, map_u,
           static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
           static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
-          static_cast<const float*>(ptr(scale_shift)), M, int(C), int(K), parts, 0, 0,
-          g_b_resident.get());
+          static_cast<const float*>(ptr(mean_u)), static_cast<const float*>(ptr(scale_shift)), M,
+          int(C), int(K), parts, 0, 0, g_b_resident.get());
     };
     if (pipeline)
       go.template operator()<true>();
@@ -641,7 +678,9 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
       go.template operator()<false>();
   };
   auto pick = [&]<bool kDirect>() {
-    if (!tma_epi)
+    if (dual)
+      run.template operator()<true, true, true, kDirect, true>();
+    else if (!tma_epi)
       run.template operator()<false, true, true, kDirect>();
     else if (residual && bits)
       run.template operator()<true, true, true, kDirect>();
@@ -675,7 +714,8 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
     allow_smem_once<kernel>(kSmem, "conv1x1_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, ss, M,
+                    map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
+                    nullptr, ss, M,
                     int(C), int(K), parts, 0, 0, g_b_resident.get());
   };
   if (ss != nullptr && prologue_f16_enabled())
@@ -793,7 +833,8 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
     allow_smem_once<kernel>(kSmemTall, "conv3x3_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemTall, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M,
+                    map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
+                    nullptr, nullptr, M,
                     int(C), int(K), parts, int(H), int(W), false);
     KILN_CUDA_CHECK_LAUNCH();
     bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
@@ -805,7 +846,8 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
     allow_smem_once<kernel>(kSmemBytes, "conv3x3_stats");
     launch_whole_sm(kernel, unsigned(parts * (C / kBN)), kThreads, kSmemBytes, current_stream(),
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
-                    map_x, map_w, none, none, none, nullptr, nullptr, nullptr, nullptr, nullptr, M,
+                    map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
+                    nullptr, nullptr, M,
                     int(C), int(K), parts, int(H), int(W), false);
   };
   if (g_pipeline.get())
@@ -860,10 +902,11 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
       launch_whole_sm(
           kernel, unsigned(parts * (C / kBN)), kThreads, kSmem, current_stream(),
           static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), map_dy,
-          map_w, map_r, map_x, map_mask, static_cast<const __half*>(ptr(r)),
+          map_w, map_r, map_x, map_mask, CUtensorMap{}, static_cast<const __half*>(ptr(r)),
           static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
-          static_cast<const float*>(mean.raw_data()), static_cast<const float*>(ptr(scale_shift)),
-          M, int(C), int(9 * Kc), parts, int(H), int(W), false);
+          static_cast<const float*>(mean.raw_data()), nullptr,
+          static_cast<const float*>(ptr(scale_shift)), M, int(C), int(9 * Kc), parts, int(H),
+          int(W), false);
     };
     if (tall)
       go.template operator()<true>();

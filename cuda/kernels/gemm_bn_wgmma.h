@@ -16,9 +16,13 @@ bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C);
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 // g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there (r may
 // be undefined: no residual; mask undefined: the ReLU mask recomputed from x and scale_shift).
+// u defined (the dual form, with r and the mask; bn_nhwc_dual_backward_dgrad): partial is
+// (parts, 3, C), the third row Σg·(u − mean_u), u (x's shape and layout) the second batch norm's
+// input; g and the first two rows are the same bits as without u.
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
-                            const Tensor& mean, const Tensor& scale_shift, int parts);
+                            const Tensor& mean, const Tensor& scale_shift, int parts,
+                            const Tensor& u = Tensor(), const Tensor& mean_u = Tensor());
 // The same for a 3x3 convolution (stride 1, padding 1): dy (N, K, H, W) through TMA's im2col
 // loads, w (K, C, 3, 3) channels-last; operands checked by the caller (dgrad3x3_bn_supported,
 // cuda/kernels.h); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C).

@@ -5,6 +5,8 @@
 // Outputs are pre-filled with NaN so an unwritten element fails.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/autograd.h"
@@ -222,6 +224,56 @@ TEST_CASE("conv2d: deterministic mode gives bit-identical backward-weight") {
   cuda::conv2d_backward_weight(b, dy, x, p);
   cuda::set_conv_deterministic(false);
   CHECK(a.to_vector<float>() == b.to_vector<float>());
+}
+
+// Deterministic mode chooses without timing (cuda/conv.h). With the algorithm cache cleared
+// between rounds every problem is searched and tuned again, as in another process, where a timed
+// choice between close candidates can come out the other way; deterministic mode must give the
+// same bits every round: forward, data gradient, weight gradient (=) and (+=, which the tuner
+// would otherwise time against beta = 0 plus an add), on ResNet-50's convolutions at batch 8.
+TEST_CASE("conv2d: deterministic mode chooses the same algorithms when searched again") {
+  cuda::set_conv_deterministic(true);
+  const bool wgrad1x1 = cuda::conv1x1_wgrad_enabled();  // cuDNN's 1x1 weight gradients too
+  cuda::set_conv1x1_wgrad_enabled(false);
+  const MemoryFormat fmt = MemoryFormat::ChannelsLast;
+  std::vector<std::vector<float>> first;
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    cuda::clear_conv_algo_cache();
+    Generator gen(15);  // the same operands every round
+    size_t k = 0;
+    for (const ConvCase& c : kResNet50) {
+      CAPTURE(c.name);
+      const int64_t ho = out_size(c);
+      const ConvParams p = params_of(c);
+      Tensor x = to_gpu(randn({8, c.c_in, c.hw, c.hw}, DType::f64, &gen), DType::f16, fmt);
+      Tensor w = to_gpu(randn({c.c_out, c.c_in, c.k, c.k}, DType::f64, &gen) *
+                            (1.0 / std::sqrt(double(c.c_in * c.k * c.k))),
+                        DType::f16, fmt);
+      Tensor dy = to_gpu(randn({8, c.c_out, ho, ho}, DType::f64, &gen), DType::f16, fmt);
+      Tensor y = nan_gpu(dy.shape(), DType::f16, fmt), dx = nan_gpu(x.shape(), DType::f16, fmt);
+      Tensor dw = nan_gpu(w.shape(), DType::f16, fmt);
+      Tensor dw_acc = to_gpu(randn(w.shape(), DType::f64, &gen), DType::f16, fmt);
+      cuda::conv2d_forward(y, x, w, Tensor(), p);
+      cuda::conv2d_backward_data(dx, dy, w, p);
+      cuda::conv2d_backward_weight(dw, dy, x, p);
+      cuda::conv2d_backward_weight(dw_acc, dy, x, p, /*accumulate=*/true);
+      for (const Tensor* t : {&y, &dx, &dw, &dw_acc}) {
+        std::vector<float> v = t->to_vector<float>();
+        CHECK(std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); }));
+        if (round == 0) {
+          first.push_back(std::move(v));
+        } else {
+          REQUIRE(k < first.size());
+          CHECK(v == first[k]);
+        }
+        ++k;
+      }
+    }
+  }
+  cuda::set_conv_deterministic(false);
+  cuda::set_conv1x1_wgrad_enabled(wgrad1x1);
+  cuda::clear_conv_algo_cache();
 }
 
 TEST_CASE("conv2d: a cached plan reused with other buffers computes on the new data") {

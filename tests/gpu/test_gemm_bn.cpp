@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/autograd.h"
 #include "cuda/backend.h"
@@ -724,4 +726,239 @@ TEST_CASE("the wgmma kernel with B resident gives the same bits as with B loaded
   cuda::set_gemm_b_resident_enabled(before);
   cuda::set_wgmma_pipeline_enabled(pipe_before);
   cuda::set_tail_gemm_mode(mode);
+}
+
+// ---- a downsample block's tail: two batch norms at the residual add (the dual form) ----
+
+namespace {
+
+// The dual tail's saved state: x (bn3's input) and r (the shortcut's bn input), each with its
+// statistics, the forward's ReLU bits of relu(bn(x) + bn(r)), and the next block's conv1 (w1:
+// K × C) with its output gradient dy1, and the other consumers' gradient rest.
+struct DualTail {
+  Tensor x, r, mask, wx, mx, ix, wr, mr, ir, dy1, w1, rest;
+};
+
+DualTail make_dual(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, uint64_t seed) {
+  manual_seed(seed);
+  DualTail t;
+  const Shape shape{n, c, h, w};
+  t.x = nhwc(F::add(F::mul(randn(shape), 1.5), 0.25));
+  t.r = nhwc(F::add(F::mul(randn(shape), 0.75), -0.5));
+  t.dy1 = nhwc(randn({n, k, h, w}));
+  t.w1 = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
+  t.rest = nhwc(randn(shape));
+  BnStatsFinalize fx = gputest::bn_finalize_of(t.x), fr = gputest::bn_finalize_of(t.r);
+  t.mask = empty({t.x.numel() / 8}, TensorOptions(DType::u8).with_device(kGpu));
+  Tensor out = empty_like(t.x);
+  cuda::bn_nhwc_dual_apply(out, t.x, fx, t.r, fr, t.mask);
+  t.wx = fx.weight;
+  t.mx = fx.save_mean;
+  t.ix = fx.save_invstd;
+  t.wr = fr.weight;
+  t.mr = fr.save_mean;
+  t.ir = fr.save_invstd;
+  return t;
+}
+
+struct DualGrads {
+  Tensor dx, dr, dwx, dbx, dwr, dbr;
+};
+
+DualGrads dual_outputs(const DualTail& t) {
+  const TensorOptions f32 = TensorOptions().with_device(kGpu);
+  const int64_t c = t.x.size(1);
+  return {empty_like(t.x), empty_like(t.r), empty({c}, f32),
+          empty({c}, f32), empty({c}, f32), empty({c}, f32)};
+}
+
+DualGrads run_dual_fused(const DualTail& t, const Tensor& rest) {
+  DualGrads o = dual_outputs(t);
+  cuda::bn_nhwc_dual_backward_dgrad(o.dx, o.dr, o.dwx, o.dbx, o.dwr, o.dbr, t.dy1, t.w1, rest,
+                                    t.mask, t.x, t.wx, t.mx, t.ix, t.r, t.wr, t.mr, t.ir);
+  return o;
+}
+
+// The path it replaces: cuDNN's dgrad added onto rest, then the dual backward's two passes.
+DualGrads run_dual_unfused(const DualTail& t) {
+  Tensor grad = t.rest.clone();
+  cuda::conv2d_backward_data(grad, t.dy1, t.w1, ConvParams{}, /*accumulate=*/true);
+  DualGrads o = dual_outputs(t);
+  cuda::bn_nhwc_dual_backward(o.dx, o.dr, o.dwx, o.dbx, o.dwr, o.dbr, grad, t.mask, t.x, t.wx,
+                              t.mx, t.ix, t.r, t.wr, t.mr, t.ir);
+  return o;
+}
+
+struct DualCase {
+  int64_t n, c, k, h, w;
+};
+// ResNet-50's four downsample tails and the next conv1 (C, K): layer 1 (256, 64), 2 (512, 128),
+// 3 (1024, 256), 4 (2048, 512) at small batches; 784 rows (6 tiles and 16 rows), 98 and 162
+// rows (one partial tile per column), and layer 3 at batch 16 (3,136 rows, several tiles a CTA).
+const DualCase kDualCases[] = {{4, 256, 64, 14, 14},  {2, 512, 128, 7, 7},  {2, 1024, 256, 9, 9},
+                               {2, 2048, 512, 7, 7},  {16, 1024, 256, 14, 14}};
+
+}  // namespace
+
+TEST_CASE("the GEMM's dual form: g and Σg, Σg·x̂ are the tail form's bits; Σg·(r − mean_r) right") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the wgmma kernel needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  for (const DualCase& cs : kDualCases) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.n);
+    const DualTail t = make_dual(cs.n, cs.c, cs.k, cs.h, cs.w, 131 + uint64_t(cs.c));
+    const int64_t M = cs.n * cs.h * cs.w;
+    const int parts = cuda::dgrad1x1_bn_wgmma_parts(M, cs.c);
+    const TensorOptions opt = TensorOptions().with_device(kGpu);
+    for (bool resident : {true, false}) {
+      CAPTURE(resident);
+      const bool before = cuda::gemm_b_resident_enabled();
+      cuda::set_gemm_b_resident_enabled(resident);
+      Tensor g2 = empty_like(t.x), g3 = empty_like(t.x);
+      Tensor p2 = empty({int64_t(parts) * 2 * cs.c}, opt);
+      Tensor p3 = empty({int64_t(parts) * 3 * cs.c}, opt);
+      cuda::dgrad1x1_bn_sums_wgmma(g2, p2, t.dy1, t.w1, t.rest, t.mask, t.x, t.mx, Tensor(), parts);
+      cuda::dgrad1x1_bn_sums_wgmma(g3, p3, t.dy1, t.w1, t.rest, t.mask, t.x, t.mx, Tensor(), parts,
+                                   t.r, t.mr);
+      cuda::set_gemm_b_resident_enabled(before);
+      KILN_CHECK_OK(testing::compare(g3, g2, 0, 0));
+      const Tensor q2 = p2.to(kCPU).reshape({parts, 2, cs.c});
+      const Tensor q3 = p3.to(kCPU).reshape({parts, 3, cs.c});
+      KILN_CHECK_OK(testing::compare(q3.narrow(1, 0, 2).contiguous(), q2, 0, 0));
+      // Σg·(r − mean_r) per channel in double on the CPU, from the g the kernel wrote.
+      const Tensor gh = f32(g3).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+      const Tensor rh = f32(t.r).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+      const Tensor mh = t.mr.to(kCPU);
+      std::vector<double> want(size_t(cs.c), 0.0), scale(size_t(cs.c), 0.0);
+      const float *gp = gh.data<float>(), *rp = rh.data<float>(), *mp = mh.data<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t ch = 0; ch < cs.c; ++ch) {
+          const double v = double(gp[m * cs.c + ch]) * (double(rp[m * cs.c + ch]) - mp[ch]);
+          want[size_t(ch)] += v;
+          scale[size_t(ch)] += std::abs(v);
+        }
+      const Tensor got = F::sum(q3.narrow(1, 2, 1), {0, 1});
+      const float* gotp = got.data<float>();
+      size_t bad = 0;
+      // f32 sums of M terms in chains of up to ~M / (16 · parts) plus 16 + parts: within
+      // 3e-5 of Σ|terms| (a wrong operand or row would be off by the order of the sum itself).
+      for (int64_t ch = 0; ch < cs.c; ++ch)
+        bad += std::abs(double(gotp[ch]) - want[size_t(ch)]) > 3e-5 * scale[size_t(ch)] + 1e-6;
+      CHECK(bad == 0);
+    }
+  }
+}
+
+TEST_CASE("bn_nhwc_dual_backward_dgrad equals cuDNN's dgrad then bn_nhwc_dual_backward") {
+  const bool before = cuda::dual_dgrad_enabled();
+  cuda::set_dual_dgrad_enabled(true);  // KILN_DUAL_DGRAD, off by default
+  for (const DualCase& cs : kDualCases) {
+    CAPTURE(cs.c);
+    CAPTURE(cs.n);
+    const DualTail t = make_dual(cs.n, cs.c, cs.k, cs.h, cs.w, 151 + uint64_t(cs.c));
+    if (!cuda::dgrad1x1_bn_wgmma_available()) {
+      MESSAGE("the dual form needs an sm_90 GPU and a build for sm_90a; skipped");
+      break;
+    }
+    const bool supported = cuda::dual_dgrad_supported(t.dy1, t.w1, t.x);
+    CHECK(supported);
+    if (!supported) continue;
+    const int64_t M = cs.n * cs.h * cs.w;
+    const DualGrads b = run_dual_unfused(t);
+    const DualGrads a = run_dual_fused(t, t.rest);
+    // As the tail test: G may round to the neighbouring f16 (another order of adds than
+    // cuDNN's), and the parameter gradients add M such terms.
+    const double atol = 6e-2 * std::max(1.0, std::sqrt(double(M) / 784.0));
+    KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(f32(a.dr), f32(b.dr), 5e-3, 5e-3));
+    for (auto [x, y] : {std::pair{a.dwx, b.dwx}, {a.dbx, b.dbx}, {a.dwr, b.dwr}, {a.dbr, b.dbr}})
+      KILN_CHECK_OK(testing::compare(x.to(kCPU), y.to(kCPU), atol, 1e-2));
+    // Nothing else reached dy: undefined rest is zero.
+    DualTail z = t;
+    z.rest = zeros_like(t.x);
+    const DualGrads c = run_dual_unfused(z);
+    const DualGrads d = run_dual_fused(t, Tensor());
+    KILN_CHECK_OK(testing::compare(f32(d.dx), f32(c.dx), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(f32(d.dr), f32(c.dr), 5e-3, 5e-3));
+    KILN_CHECK_OK(testing::compare(d.dwr.to(kCPU), c.dwr.to(kCPU), atol, 1e-2));
+    // Bit-reproducible.
+    const DualGrads e = run_dual_fused(t, t.rest);
+    for (auto [x, y] : {std::pair{a.dx, e.dx}, {a.dr, e.dr}, {a.dwx, e.dwx}, {a.dwr, e.dwr}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  cuda::set_dual_dgrad_enabled(before);
+}
+
+TEST_CASE("a downsample block's tail takes the next 1x1 convolution's data gradient") {
+  // relu(bn(x) + bn(r)) read by a 1x1 convolution and (as the next block's identity shortcut)
+  // by the loss directly: the gradients of x, r, both batch norms' parameters and w1, with the
+  // dual form and without it (KILN_DUAL_DGRAD off), and in f32 without any fusion.
+  const int64_t c = 256, k = 64;
+  manual_seed(171);
+  const Shape shape{4, c, 10, 12};
+  Tensor hx = F::add(F::mul(randn(shape), 1.5), 0.25), hr = F::mul(randn(shape), 0.75);
+  Tensor hw1 = F::mul(randn({k, c, 1, 1}), 0.1), hdy = randn({4, k, 10, 12}), hs = randn(shape);
+  Tensor hgx = uniform({c}, 0.5, 1.5), hbx = uniform({c}, -0.5, 0.5);
+  Tensor hgr = uniform({c}, 0.5, 1.5), hbr = uniform({c}, -0.5, 0.5);
+  struct Run {
+    Tensor x, r, w1, gx, bx, gr, br;
+  };
+  auto run = [&](bool dual, DType dt) {
+    const bool before = cuda::dual_dgrad_enabled();
+    cuda::set_dual_dgrad_enabled(dual);
+    auto leaf = [&](const Tensor& h, DType t, bool nhwc_layout) {
+      Tensor g = h.to(t).to(kGpu);
+      if (nhwc_layout) g = g.contiguous(MemoryFormat::ChannelsLast);
+      g = g.detach();
+      g.set_requires_grad(true);
+      return g;
+    };
+    Run q{leaf(hx.to(DType::f16), dt, true), leaf(hr.to(DType::f16), dt, true),
+          leaf(hw1.to(DType::f16), dt, true), leaf(hgx, DType::f32, false),
+          leaf(hbx, DType::f32, false),       leaf(hgr, DType::f32, false),
+          leaf(hbr, DType::f32, false)};
+    const TensorOptions opt = TensorOptions().with_device(kGpu);
+    F::BatchNormParams px{q.gx, q.bx, zeros({c}, opt), ones({c}, opt)};
+    F::BatchNormParams pr{q.gr, q.br, zeros({c}, opt), ones({c}, opt)};
+    auto stats = [](const Tensor& v) {
+      Tensor v32 = v.detach().to(DType::f32);
+      return F::ChannelStats{F::sum(v32, {0, 2, 3}), F::sum(F::mul(v32, v32), {0, 2, 3}),
+                             v.version()};
+    };
+    Tensor out;
+    if (dt == DType::f16) {
+      out = F::batch_norm_add_batch_norm_relu(q.x, stats(q.x), px, q.r, stats(q.r), pr, true);
+    } else {
+      out = F::relu(F::add(
+          F::batch_norm(q.x, q.gx, q.bx, px.running_mean, px.running_var, true),
+          F::batch_norm(q.r, q.gr, q.br, pr.running_mean, pr.running_var, true)));
+    }
+    Tensor y1 = F::conv2d(out, q.w1);
+    auto grad = [&](const Tensor& h) { return nhwc(h).to(dt); };
+    autograd::backward({y1, out}, {grad(hdy), grad(hs)}, false);
+    cuda::set_dual_dgrad_enabled(before);
+    return q;
+  };
+  const uint64_t n0 = F::dgrad_fusions();
+  const Run a = run(true, DType::f16);
+  const uint64_t n1 = F::dgrad_fusions();
+  const Run b = run(false, DType::f16);
+  const Run e = run(false, DType::f32);
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the dual form needs an sm_90 GPU and a build for sm_90a; only the unfused runs");
+    CHECK(n1 == n0);
+  } else {
+    CHECK(n1 == n0 + 1);  // the dual form took conv1's data gradient
+  }
+  CHECK(F::dgrad_fusions() == n1);  // the unfused runs took none
+  for (const Run* o : {&b, &e}) {
+    const double s = o == &e ? 10.0 : 1.0;  // against f32: the f16 path's own rounding too
+    KILN_CHECK_OK(testing::compare(f32(a.x.grad()), f32(o->x.grad()), 5e-3 * s, 5e-3 * s));
+    KILN_CHECK_OK(testing::compare(f32(a.r.grad()), f32(o->r.grad()), 5e-3 * s, 5e-3 * s));
+    KILN_CHECK_OK(testing::compare(f32(a.w1.grad()), f32(o->w1.grad()), 0.2 * s, 1e-2 * s));
+    for (auto [x, y] : {std::pair{a.gx, o->gx}, {a.bx, o->bx}, {a.gr, o->gr}, {a.br, o->br}})
+      KILN_CHECK_OK(testing::compare(x.grad().to(kCPU), y.grad().to(kCPU), 0.2 * s, 1e-2 * s));
+  }
 }

@@ -2,8 +2,8 @@
 // can run on this GPU, how long their plans take to build, how fast the best one runs against
 // the plain convolution, and whether its results match the unfused computation.
 //
-//   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1]
-//                     [--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]
+//   kiln-fusion-probe [--batch N] [--plans K] [--half-scale] [--tail-gemm] [--dual-tail] [--stem]
+//                     [--conv1x1] [--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]
 //
 // A developer's tool for deciding what cuda/ can fuse (docs/lab/batch-norm.md and
 // docs/lab/tail-gemm.md record its output); it exercises ResNet-50 bottleneck shapes: conv +
@@ -14,7 +14,8 @@
 // precompiled ConvBNfprop / ConvBNwgrad engines are documented for, instead of f32.
 // --tail-gemm instead times kiln's own GEMM with the block tail's batch-norm backward in its
 // epilogue (cuda::bn_nhwc_backward_dgrad) against what it replaces, on ResNet-50's four
-// identity-block tails.
+// identity-block tails; --dual-tail the same for the four downsample-block tails, whose two
+// batch norms' backward (cuda::bn_nhwc_dual_backward_dgrad) takes the next conv1's data gradient.
 // --conv1x1 times kiln's 1x1 forward GEMM with the batch-norm statistics in its epilogue
 // (cuda::conv1x1_forward_stats) against cuDNN's path (the GenStats plan the tuner keeps, else
 // the plain convolution and kiln's statistics pass), on ResNet-50's stride-1 1x1 convolutions.
@@ -40,6 +41,7 @@ struct ProbeArgs {
   int64_t batch = 256;
   int plans = 4;
   bool tail_gemm = false;
+  bool dual_tail = false;
   bool half_scale = false;
   bool stem = false;
   bool conv1x1 = false;
@@ -55,8 +57,8 @@ struct ProbeArgs {
 // False for --help (printed). Throws cli::UsageError.
 bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
   kiln::cli::Parser p("kiln-fusion-probe",
-                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--stem] [--conv1x1] "
-                      "[--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]",
+                      "[--batch N] [--plans K] [--half-scale] [--tail-gemm] [--dual-tail] [--stem] "
+                      "[--conv1x1] [--wgrad1x1] [--conv3x3] [--dgrad3x3] [--shape K,C,HW]",
                       "Which fused convolution + batch-norm graphs cuDNN runs on this GPU, and "
                       "how fast.");
   p.version(kiln::version_line("kiln-fusion-probe"));
@@ -66,6 +68,9 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "the scale-bias-ReLU prologue with f16 scale, bias and intermediates (default f32)");
   p.flag("--tail-gemm", &a.tail_gemm,
          "time kiln's dgrad GEMM with the block tail's BN backward against cuDNN + kiln's BN");
+  p.flag("--dual-tail", &a.dual_tail,
+         "time the downsample tails' dual BN backward with the next conv1's data gradient in "
+         "kiln's GEMM against cuDNN's dgrad + kiln's dual BN backward");
   p.flag("--stem", &a.stem,
          "time kiln's ResNet stem convolution (forward with BN statistics, weight gradient) "
          "against cuDNN's");
@@ -650,6 +655,25 @@ kiln::Tensor repeated_randn(int64_t n, int64_t ch, int64_t hw) {
       .contiguous(MemoryFormat::ChannelsLast);
 }
 
+// A batch norm of v (f16 channels-last) with its sums as the training step computes them, weight
+// 1 and bias 0, to be finalized by the call that takes it.
+kiln::BnStatsFinalize stats_of(const kiln::Tensor& v) {
+  using namespace kiln;
+  const int64_t c = v.size(1);
+  const TensorOptions f32 = TensorOptions().with_device(v.device());
+  BnStatsFinalize f;
+  f.save_mean = empty({c}, f32);
+  f.save_invstd = empty({c}, f32);
+  f.scale_shift = empty({2 * c}, f32);
+  f.sum = empty({c}, f32);
+  f.sqsum = empty({c}, f32);
+  cuda::bn_nhwc_stats(f.sum, f.sqsum, v);
+  f.weight = ones({c}, f32);
+  f.bias = zeros({c}, f32);
+  f.count = v.numel() / c;
+  return f;
+}
+
 // One identity-block tail at batch n: C channels at hw × hw, the next conv1 from C to K.
 void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   using namespace kiln;
@@ -658,16 +682,7 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
   Tensor y3 = act(c), z = act(c), r = act(c), dy1 = act(k);
   Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
-  BnStatsFinalize f;
-  f.save_mean = empty({c}, f32);
-  f.save_invstd = empty({c}, f32);
-  f.scale_shift = empty({2 * c}, f32);
-  f.sum = empty({c}, f32);
-  f.sqsum = empty({c}, f32);
-  cuda::bn_nhwc_stats(f.sum, f.sqsum, y3);  // as the training step computes them
-  f.weight = ones({c}, f32);
-  f.bias = zeros({c}, f32);
-  f.count = n * hw * hw;
+  BnStatsFinalize f = stats_of(y3);
   Tensor mask = empty({y3.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
   Tensor out = empty_like(y3);
   cuda::bn_nhwc_apply(out, y3, z, f, Activation::Relu, mask);
@@ -703,6 +718,51 @@ void probe_tail_gemm(int64_t n, int64_t c, int64_t k, int64_t hw) {
               "(%.2fx the unfused)\n",
               t_gemm, (gb * 3.0 + gb / 16.0 + gb * double(k) / double(c)) / t_gemm,
               gflop / t_gemm, t_fused, t_fused / t_unfused);
+}
+
+// One downsample-block tail at batch n: relu(bn(x) + bn(u)) with C channels at hw × hw, the next
+// conv1 from C to K: cuDNN's dgrad added onto the other gradient, then bn_nhwc_dual_backward,
+// against bn_nhwc_dual_backward_dgrad (the GEMM with all three sums, finish, apply).
+void probe_dual_tail(int64_t n, int64_t c, int64_t k, int64_t hw) {
+  using namespace kiln;
+  const Device gpu = Device::cuda(0);
+  auto act = [&](int64_t ch) { return repeated_randn(n, ch, hw); };
+  Tensor x = act(c), u = act(c), rest = act(c), dy1 = act(k);
+  Tensor w1 = F::mul(randn({k, c, 1, 1}), 0.05).to(DType::f16).to(gpu);
+  const TensorOptions f32 = TensorOptions().with_device(gpu);
+  BnStatsFinalize fx = stats_of(x), fu = stats_of(u);
+  Tensor mask = empty({x.numel() / 8}, TensorOptions(DType::u8).with_device(gpu));
+  {
+    Tensor out = empty_like(x);
+    cuda::bn_nhwc_dual_apply(out, x, fx, u, fu, mask);
+  }
+  Tensor grad = rest.clone(), dx = empty_like(x), du = empty_like(x);
+  Tensor dwx = empty({c}, f32), dbx = empty({c}, f32), dwu = empty({c}, f32), dbu = empty({c}, f32);
+  const double t_dgrad = median_ms(
+      [&] { cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, /*accumulate=*/true); });
+  const double t_unfused = median_ms([&] {
+    cuda::conv2d_backward_data(grad, dy1, w1, ConvParams{}, true);
+    cuda::bn_nhwc_dual_backward(dx, du, dwx, dbx, dwu, dbu, grad, mask, x, fx.weight,
+                                fx.save_mean, fx.save_invstd, u, fu.weight, fu.save_mean,
+                                fu.save_invstd);
+  });
+  const double gb = double(x.nbytes()) / 1e9;
+  std::printf("dual tail %4lld ch @%lldx%lld, conv1 -> %lld (T = %.0f MB)\n",
+              static_cast<long long>(c), static_cast<long long>(hw), static_cast<long long>(hw),
+              static_cast<long long>(k), gb * 1e3);
+  std::printf("   cuDNN dgrad (beta 1) %.3f ms; + bn_nhwc_dual_backward %.3f ms\n", t_dgrad,
+              t_unfused);
+  if (!cuda::dual_dgrad_supported(dy1, w1, x)) {
+    std::printf("   kiln's dual form: not for this shape or GPU\n");
+    return;
+  }
+  const double t_fused = median_ms([&] {
+    cuda::bn_nhwc_dual_backward_dgrad(dx, du, dwx, dbx, dwu, dbu, dy1, w1, rest, mask, x,
+                                      fx.weight, fx.save_mean, fx.save_invstd, u, fu.weight,
+                                      fu.save_mean, fu.save_invstd);
+  });
+  std::printf("   kiln GEMM + 3 sums, finish, apply %.3f ms (%.2fx the unfused)\n", t_fused,
+              t_fused / t_unfused);
 }
 
 // ResNet-50's stem at batch n (224 × 224): kiln's kernels (KILN_STEM_CONV's mode 2) against
@@ -868,16 +928,7 @@ void probe_dgrad3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
                  .to(gpu)
                  .contiguous(MemoryFormat::ChannelsLast);
   const TensorOptions f32 = TensorOptions().with_device(gpu);
-  BnStatsFinalize f;
-  f.save_mean = empty({k}, f32);
-  f.save_invstd = empty({k}, f32);
-  f.scale_shift = empty({2 * k}, f32);
-  f.sum = empty({k}, f32);
-  f.sqsum = empty({k}, f32);
-  cuda::bn_nhwc_stats(f.sum, f.sqsum, y1);
-  f.weight = ones({k}, f32);
-  f.bias = zeros({k}, f32);
-  f.count = n * hw * hw;
+  BnStatsFinalize f = stats_of(y1);
   cuda::bn_nhwc_finalize(f);
   Tensor grad = empty_like(y1), dx = empty_like(y1), g = empty_like(y1);
   Tensor dw = empty({k}, f32), db = empty({k}, f32);
@@ -985,6 +1036,15 @@ int main(int argc, char** argv) {
       } else {
         for (const auto& s : shapes) probe(s[0], s[1], s[2]);
       }
+      cudnnDestroy(h);
+      return 0;
+    }
+    if (args.dual_tail) {
+      // ResNet-50's four downsample tails (each layer's first block) and the next block's conv1;
+      // kiln's dual form (KILN_DUAL_DGRAD, which may be off) on for the call.
+      kiln::cuda::set_dual_dgrad_enabled(true);
+      for (auto [c, hw] : {std::pair<int64_t, int64_t>{256, 56}, {512, 28}, {1024, 14}, {2048, 7}})
+        probe_dual_tail(N, c, c / 4, hw);
       cudnnDestroy(h);
       return 0;
     }

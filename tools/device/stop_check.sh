@@ -6,10 +6,12 @@
 #   2. stopped: KILN_TRAIN_TEST_STOP=STOP raises SIGTERM after step STOP (exit 143 expected, a
 #      checkpoint with epoch_batches_done), then --resume to the end;
 #   3. killed: --checkpoint-steps CK, SIGKILL once the first checkpoint is on disk, then --resume;
+#   4. --deterministic: twice straight and once stopped and resumed, each compared bit for bit;
 # and for each the exit codes, the steps logged (each step once), the checkpoint's metadata and
-# the losses around the stop beside the straight run's (equal bits are not expected across
-# processes on the GPU: cuDNN's timed choices and its nondeterministic sums; README, Reproducibility).
-#   bash tools/device/stop_check.sh       (no data carried; about a minute)
+# the losses around the stop beside the straight run's (in the default mode equal bits are not
+# expected across processes on the GPU: cuDNN's timed choices and its unordered sums; with
+# --deterministic they are; README, Reproducibility).
+#   bash tools/device/stop_check.sh       (no data carried; about two minutes)
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -67,3 +69,33 @@ wait $pid
 echo "killed: rc $? (137 expected); $(meta /tmp/stop-c)" | tee -a "$S"
 job /tmp/stop-c --resume /tmp/stop-c/checkpoint.safetensors > "$L/stop-c2.log" 2>&1
 echo "resumed: rc $?; $(steps /tmp/stop-c)" | tee -a "$S"
+# 4. --deterministic: two straight runs, and a run stopped at STOP and resumed, must give the same
+# bits (model files compared with cmp, every step's loss); and the images/s of each epoch beside
+# the default mode's (run 1).
+same() {  # same DIR_A DIR_B: the model files and the per-step losses compared
+  python3 - "$1" "$2" <<'PY' 2>&1
+import filecmp, json, sys
+a, b = sys.argv[1:3]
+la = [json.loads(l)["loss"] for l in open(a + "/steps.jsonl")]
+lb = [json.loads(l)["loss"] for l in open(b + "/steps.jsonl")]
+first = next((i + 1 for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
+print(f"model files equal: {filecmp.cmp(a + '/model.safetensors', b + '/model.safetensors', shallow=False)}; "
+      f"losses of {len(la)} / {len(lb)} steps equal: {la == lb}"
+      + ("" if first is None else f" (first difference at step {first})"))
+PY
+}
+speed() {  # each epoch's images/s from DIR/log.jsonl
+  python3 -c 'import json,sys; print([round(json.loads(l)["images_per_s"]) for l in open(sys.argv[1])])' \
+    "$1/log.jsonl" 2>&1
+}
+job /tmp/stop-d1 --overwrite --deterministic > "$L/stop-d1.log" 2>&1
+echo "deterministic: rc $?; images/s per epoch $(speed /tmp/stop-d1) (default mode $(speed /tmp/stop-a))" |
+  tee -a "$S"
+job /tmp/stop-d2 --overwrite --deterministic > "$L/stop-d2.log" 2>&1
+echo "deterministic again: rc $?; $(same /tmp/stop-d1 /tmp/stop-d2)" | tee -a "$S"
+KILN_TRAIN_TEST_STOP=$STOP job /tmp/stop-d3 --overwrite --deterministic > "$L/stop-d3.log" 2>&1
+echo "deterministic, stopped at $STOP: rc $? (143 expected)" | tee -a "$S"
+job /tmp/stop-d3 --deterministic --resume /tmp/stop-d3/checkpoint.safetensors > "$L/stop-d4.log" 2>&1
+echo "deterministic, resumed: rc $?; $(same /tmp/stop-d1 /tmp/stop-d3)" | tee -a "$S"
+echo "default mode, straight against stopped and resumed: $(same /tmp/stop-a /tmp/stop-b)" |
+  tee -a "$S"

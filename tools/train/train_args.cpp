@@ -118,6 +118,11 @@ void add_flags(cli::Parser& p, Config& c, std::vector<std::string>& data) {
           "data-parallel over N local GPUs (CUDA + NCCL builds); under\n"
           "torchrun, mpirun or srun leave it out (README: launching)",
           1, kMaxProcesses);
+  p.flag("--deterministic", &c.deterministic,
+         "the same bits on every run with the same seed: on a GPU,\n"
+         "deterministic cuDNN algorithms chosen without timing and\n"
+         "fixed-order batch-norm sums (slower); JPEGs on the CPU decoder\n"
+         "unless --decoder nvjpeg (then --host-decode-fraction auto is 0)");
   p.flag("--sync-bn", &c.sync_bn,
          "data-parallel: BatchNorm statistics over all processes' batches");
   p.value("--world-size", "N", &c.world_size,

@@ -44,6 +44,7 @@
 #include "tools/train/train_dist.h"
 #include "tools/train/train_parts.h"
 #ifdef KILN_WITH_CUDA
+#include "cuda/conv.h"
 #include "cuda/graph.h"
 #include "cuda/runtime.h"
 #endif
@@ -262,9 +263,30 @@ class Trainer {
   std::string what_is_kept(int64_t epoch) const;
   int64_t skipped_steps() const;
 
+  // --deterministic on a GPU: cuDNN's deterministic mode for the run's lifetime, then as before.
+  struct DeterministicKernels {
+    bool on = false, before = false;
+    void enable() {
+#ifdef KILN_WITH_CUDA
+      before = cuda::conv_deterministic();
+      on = true;
+      cuda::set_conv_deterministic(true);
+#endif
+    }
+    DeterministicKernels() = default;
+    DeterministicKernels(const DeterministicKernels&) = delete;
+    DeterministicKernels& operator=(const DeterministicKernels&) = delete;
+    ~DeterministicKernels() {
+#ifdef KILN_WITH_CUDA
+      if (on) cuda::set_conv_deterministic(before);
+#endif
+    }
+  };
+
   const Config c_;
   DistEnv env_;
   Device dev_;
+  DeterministicKernels deterministic_;
   bool lead_ = true, talk_ = true, mixed_ = false, use_graph_ = false;
   bool scaled_ = false;  // f16 mixed precision: the dynamic loss scaler runs (and may skip)
   amp::Precision precision_ = amp::Precision::FP32;
@@ -361,6 +383,7 @@ void Trainer::choose_device() {
   if (c_.precision == "bf16" && !mixed_)
     cli::usage_error("--precision bf16 is a mixed precision: it needs --amp on (a CUDA device)");
   scaled_ = precision_ == amp::Precision::Mixed16;
+  if (c_.deterministic && dev_.is_cuda()) deterministic_.enable();
 }
 
 void Trainer::open_data() {
@@ -373,8 +396,11 @@ void Trainer::open_data() {
   o.augment = c_.augment;
   o.seed = c_.seed;
   o.workers = int(c_.workers);
-  o.decoder = c_.decoder;
-  o.host_decode_fraction = c_.host_decode_fraction;
+  // --deterministic: no choice made by timing. auto would pick the decoder by speed, and nvJPEG's
+  // adaptive share which files the CPU decodes (the two decoders' pixels differ in the last bits).
+  o.decoder = c_.deterministic && c_.decoder == "auto" ? "cpu" : c_.decoder;
+  o.host_decode_fraction = c_.deterministic && c_.host_decode_fraction < 0.0
+                               ? 0.0 : c_.host_decode_fraction;
   o.rank = env_.rank;
   o.world_size = env_.world_size;
   o.device = dev_;
@@ -577,14 +603,14 @@ void Trainer::print_plan() const {
   const int64_t world = env_.world_size;
   std::printf(
       "kiln-train: %s on %s (%ld train / %ld test images, %ld classes), %s%s, %ld "
-      "parameters, %s%s\n",
+      "parameters, %s%s%s\n",
       c_.arch.c_str(), data_->description().c_str(), long(data_->train_size()),
       long(data_->test_size()), long(data_->num_classes()), dev_.str().c_str(),
       world > 1 ? (" x " + std::to_string(world) + " processes").c_str() : "",
       long(model_->num_parameters()),
       !mixed_ ? "fp32" : scaled_ ? "mixed precision (fp16/fp32 masters)"
                                  : "mixed precision (bf16/fp32 masters)",
-      use_graph_ ? ", whole-step CUDA graph" : "");
+      use_graph_ ? ", whole-step CUDA graph" : "", c_.deterministic ? ", deterministic" : "");
   std::printf(
       "  epochs %ld, batch %ld%s, %s lr %g momentum %g wd %g, warmup %ld steps, %s "
       "schedule%s%s%s\n",

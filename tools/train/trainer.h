@@ -60,6 +60,10 @@
 // keep the default actions. --checkpoint-steps N writes the same mid-epoch checkpoint every N
 // steps, so a run killed outright (SIGKILL, a lost node) loses at most N steps.
 //
+// --deterministic: the same seed gives the same bits run after run (Config::deterministic); without
+// it a GPU run's timed algorithm choices and cuDNN's unordered sums differ between processes in
+// the last bits, and the trajectories part from there.
+//
 // --nproc N (CUDA + NCCL builds): main() re-runs the program as N processes
 // (tools/train/launcher.h); each one trains on GPU LOCAL_RANK with a DistributedSampler shard of
 // the data, gradients averaged by cuda::GradBucketer and the loss scaler's overflow flag agreed
@@ -128,6 +132,12 @@ struct Config {
   std::string dist_backend = "nccl";
   bool multiprocessing_distributed = false;  // main.py's: one process per local GPU (--nproc)
   bool quiet = false;  // no progress lines; the final result is still printed
+  // The same bits on every run of the same command (seed, data, machine, kiln build): on a GPU,
+  // cuda::set_conv_deterministic for the run (deterministic cuDNN algorithms chosen without
+  // timing, kiln's fixed-order statistics, cuBLASLt's first heuristic algorithm), ImageFolder
+  // JPEGs on the CPU decoder unless --decoder nvjpeg (then a fixed --host-decode-fraction, 0
+  // for auto). The CPU path is deterministic anyway.
+  bool deterministic = false;
 };
 
 inline constexpr int64_t kMaxWorkers = 1024;
