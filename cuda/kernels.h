@@ -442,8 +442,8 @@ void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tenso
                                  const Tensor& invstd_x, const Tensor& r, const Tensor& weight_r,
                                  const Tensor& mean_r, const Tensor& invstd_r,
                                  bool accumulate_params = false);
-// Whether the dual form runs (KILN_DUAL_DGRAD=1; off by default until its tests have run on a
-// GPU: docs/lab/norm-conv.md, what is left, item 5; set here for tests and A/B runs).
+// Whether the dual form runs (on by default since v27, docs/lab/norm-conv.md; KILN_DUAL_DGRAD=0
+// turns it off; set here for tests and A/B runs).
 bool dual_dgrad_enabled();
 void set_dual_dgrad_enabled(bool on);
 

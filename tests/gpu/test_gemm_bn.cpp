@@ -853,7 +853,7 @@ TEST_CASE("the GEMM's dual form: g and Σg, Σg·x̂ are the tail form's bits; �
 
 TEST_CASE("bn_nhwc_dual_backward_dgrad equals cuDNN's dgrad then bn_nhwc_dual_backward") {
   const bool before = cuda::dual_dgrad_enabled();
-  cuda::set_dual_dgrad_enabled(true);  // KILN_DUAL_DGRAD, off by default
+  cuda::set_dual_dgrad_enabled(true);  // KILN_DUAL_DGRAD (on by default; =0 turns it off)
   for (const DualCase& cs : kDualCases) {
     CAPTURE(cs.c);
     CAPTURE(cs.n);
