@@ -182,6 +182,35 @@ TEST_CASE("conv2d backward: f32 agrees with f64, NHWC agrees with NCHW, multi-im
   }
 }
 
+// The weight gradient adds each image's product into dw in image order, one round of images per
+// team of threads: the same bits on any thread count (as are x's gradient and the forward, one
+// image per thread). Grouped, strided and 1x1 geometries, batches not a multiple of the threads.
+TEST_CASE("conv2d backward: the same bits on 1 to 4 threads") {
+  for (const Cfg& c : {Cfg{7, 8, 9, 9, 12, 3, 3, 1, 1, 1, 1},
+                       Cfg{5, 6, 10, 8, 6, 3, 3, 2, 2, 1, 1, 1, 1, 3}, Cfg{9, 8, 6, 6, 16, 1, 1}}) {
+    CAPTURE(cfg_str(c));
+    const Tensor x0 = randn({c.n, c.c, c.h, c.w});
+    const Tensor w0 = randn({c.o, c.c / c.groups, c.kh, c.kw}), b0 = randn({c.o});
+    const Tensor g = randn(reference(c, x0, w0, b0).shape());
+    auto grads = [&] {
+      Tensor x = x0.detach().set_requires_grad(true), w = w0.detach().set_requires_grad(true);
+      Tensor b = b0.detach().set_requires_grad(true);
+      Tensor y = conv(c, x, w, b);
+      y.backward(g);
+      return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+    };
+    const auto one = testing::on_threads(1, grads);
+    for (int t : {2, 3, 4}) {
+      CAPTURE(t);
+      const auto many = testing::on_threads(t, grads);
+      for (size_t i = 0; i < one.size(); ++i) {
+        CAPTURE(i);
+        CHECK(testing::same_bits(many[i], one[i]));
+      }
+    }
+  }
+}
+
 namespace {
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

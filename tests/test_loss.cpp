@@ -6,6 +6,7 @@
 
 #include "ops/ops.h"
 #include "tests/gradcheck.h"
+#include "tests/test_util.h"
 
 using namespace kiln;
 using kiln::testing::compare;
@@ -67,6 +68,29 @@ TEST_CASE("cross_entropy matches the reference with i64 and i32 targets, with sm
   CHECK(std::isfinite(l.item()));
   // Row 0: -log p = (log(1+e), log(1+e)-1) -> log(1+e) - 0.05; row 1: (6000, 0) -> 5700.
   CHECK(l.item() == doctest::Approx((std::log1p(std::exp(1.0)) - 0.05 + 5700) / 2).epsilon(1e-6));
+}
+
+// Each row's loss is kept and the rows added in order (not an OpenMP reduction, whose order is
+// the runtime's): the loss and its gradient have the same bits on any thread count.
+TEST_CASE("cross_entropy: the same bits on 1 to 4 threads") {
+  const int64_t n = 1000, c = 100;  // n·c past the CPU kernels' parallel grain
+  const Tensor logits = randn({n, c}, DType::f64);  // f64: a reordered sum shows in the loss
+  std::vector<int64_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[size_t(i)] = (i * 37) % c;
+  const Tensor target = from_vector<int64_t>(t, {n}, DType::i64);
+  auto run = [&] {
+    Tensor x = logits.detach().set_requires_grad(true);
+    Tensor loss = F::cross_entropy(x, target, 0.1);
+    loss.backward();
+    return std::vector<Tensor>{loss.detach(), x.grad()};
+  };
+  const auto one = kiln::testing::on_threads(1, run);
+  for (int threads : {2, 3, 4}) {
+    CAPTURE(threads);
+    const auto many = kiln::testing::on_threads(threads, run);
+    CHECK(kiln::testing::same_bits(many[0], one[0]));
+    CHECK(kiln::testing::same_bits(many[1], one[1]));
+  }
 }
 
 TEST_CASE("cross_entropy gradients") {

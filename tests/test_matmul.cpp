@@ -66,6 +66,42 @@ TEST_CASE("Eigen's GEMM blocking does not follow the CPU's cache sizes") {
 #endif
 }
 
+// Products from n·k·m = 2^21 on are split into fixed 128 × 256 tiles of the output, each one
+// single-threaded Eigen GEMM (Eigen's own threads are off, EIGEN_DONT_PARALLELIZE): right at every
+// tile edge and transpose, and the same bits on any thread count.
+TEST_CASE("large products: tiled right, and the same bits on 1 to 4 threads") {
+  // Eigen would not split a GEMM itself, even on 4 threads.
+  CHECK(testing::on_threads(4, [] { return cpu::gemm_cache_sizes().threads; }) == 1);
+  for (DType dt : {DType::f32, DType::f64}) {
+    CAPTURE(dtype_name(dt));
+    // (n, k, m): tiles that end inside a row and a column tile, one row tile, one column tile.
+    for (auto [n, k, m] : std::vector<std::array<int64_t, 3>>{
+             {300, 130, 600}, {64, 700, 520}, {1000, 80, 200}, {129, 400, 257}}) {
+      CAPTURE(n);
+      CAPTURE(k);
+      CAPTURE(m);
+      REQUIRE(n * k * m >= (int64_t(1) << 21));
+      const Tensor a = randn({n, k}, dt), b = randn({k, m}, dt);
+      const Tensor at = a.t().contiguous().t(), bt = b.t().contiguous().t();  // transposed storage
+      const Tensor want = naive_matmul(a, b);
+      for (auto [x, y] : std::vector<std::pair<Tensor, Tensor>>{{a, b}, {at, b}, {a, bt}, {at, bt}}) {
+        const Tensor one = testing::on_threads(1, [&] { return F::matmul(x, y); });
+        KILN_CHECK_OK(compare(one, want, tol_for(dt), tol_for(dt)));
+        for (int t : {2, 3, 4}) {
+          CAPTURE(t);
+          CHECK(testing::same_bits(testing::on_threads(t, [&] { return F::matmul(x, y); }), one));
+        }
+      }
+    }
+    // Batched: tiles of each product spread over the threads together.
+    const Tensor a3 = randn({3, 150, 96}, dt), b3 = randn({3, 96, 300}, dt);
+    const Tensor one = testing::on_threads(1, [&] { return F::matmul(a3, b3); });
+    KILN_CHECK_OK(compare(one, naive_matmul(a3, b3), tol_for(dt), tol_for(dt)));
+    for (int t : {2, 3})
+      CHECK(testing::same_bits(testing::on_threads(t, [&] { return F::matmul(a3, b3); }), one));
+  }
+}
+
 TEST_CASE("matmul 2-D forward against a naive loop, f32 and f64") {
   // a hand-worked case first
   Tensor a = from_vector<double>({1, 2, 3, 4, 5, 6}, {2, 3});

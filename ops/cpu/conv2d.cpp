@@ -290,41 +290,49 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
       const T* dyp = dyc.data<T>();
       const T* xp = xc.data<T>();
       const int64_t wsize = g.o * g.k;
-      // One accumulator per thread, summed in thread order afterwards: deterministic for a
-      // given thread count.
+      // Each image's product into its thread's buffer, then added into dw in image order, one
+      // round of images at a time: dw = ((p0 + p1) + p2) + ... whatever the thread count, so a
+      // run gives the same bits on 1 thread or 64 (kiln-train --deterministic on the CPU).
       const int nthreads = thread_count(g);
       const int64_t per = col_scratch(g);
       std::vector<T> scratch = thread_scratch<T>("conv2d_backward_weight", per, nthreads, g);
-      // Zero-filled accumulators; a thread the runtime did not start leaves its own at zero.
       std::vector<T> partial = thread_scratch<T>("conv2d_backward_weight", wsize, nthreads, g);
+      T* out = dwc.data<T>();
+      std::fill(out, out + wsize, T(0));
       ParallelErrors errors;
 #pragma omp parallel num_threads(nthreads)
       {
-        T* acc = partial.data() + wsize * omp_get_thread_num();
-        T* col = scratch.data() + per * omp_get_thread_num();
+        // The team the runtime started: every thread runs every round (the barriers need it).
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        T* acc = partial.data() + wsize * t;
+        T* col = scratch.data() + per * t;
+        for (int64_t n0 = 0; n0 < g.n; n0 += team) {
+          const int64_t n = n0 + t, in_round = std::min<int64_t>(team, g.n - n0);
+          if (n < g.n)
+            errors.run([&] {
+              const T* img = xp + n * g.c * g.in_plane();
+              const T* cols = img;
+              if (!g.direct) {
+                im2col(g, img, col);
+                cols = col;
+              }
+              const T* gout = dyp + n * g.o * g.out_plane();
+              for (int64_t gr = 0; gr < g.groups; ++gr) {
+                MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
+                MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
+                MapM<T> am(acc + gr * g.og * g.k, g.og, g.k);
+                am.noalias() = dym * cm.transpose();
+              }
+            });
+#pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < g.n; ++n)
-          errors.run([&] {
-            const T* img = xp + n * g.c * g.in_plane();
-            const T* cols = img;
-            if (!g.direct) {
-              im2col(g, img, col);
-              cols = col;
-            }
-            const T* gout = dyp + n * g.o * g.out_plane();
-            for (int64_t gr = 0; gr < g.groups; ++gr) {
-              MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
-              MapCM<T> cm(cols + gr * g.k * g.out_plane(), g.k, g.out_plane());
-              MapM<T> am(acc + gr * g.og * g.k, g.og, g.k);
-              am.noalias() += dym * cm.transpose();
-            }
-          });
+          for (int64_t i = 0; i < wsize; ++i)
+            for (int64_t j = 0; j < in_round; ++j)  // in image order
+              out[i] += partial[size_t(j * wsize + i)];
+          // (the loop's implicit barrier: the buffers are free for the next round)
+        }
       }
       errors.rethrow("conv2d_backward_weight");
-      T* out = dwc.data<T>();
-      std::fill(out, out + wsize, T(0));
-      for (int t = 0; t < nthreads; ++t)  // in thread order: deterministic
-        for (int64_t i = 0; i < wsize; ++i) out[i] += partial[size_t(t * wsize + i)];
     });
   });
 }

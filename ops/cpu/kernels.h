@@ -38,15 +38,18 @@ namespace kiln::cpu {
 // out = op(a)·op(b) on Eigen's GEMM (op = transpose when the flag is set). a, b and out are
 // contiguous and either all 2-D or all 3-D with the same batch size; a stores op(a)'s matrix
 // transposed when trans_a is set (likewise b). out (..., n, m) is written (`=`). OpenMP: over
-// the batch for many small matrices, else inside Eigen's GEMM.
+// the products, and over fixed 128 × 256 tiles of the output of those with n·k·m ≥ 2^21, each
+// tile one single-threaded Eigen GEMM: the same bits on any thread count.
 void matmul(const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b);
 
 // The cache sizes in bytes (L1, L2, L3) Eigen's GEMMs block for, which set the order of their
 // sums: Eigen's fixed defaults, never the CPU's (EIGEN_NO_CPUID, CMakeLists.txt), so a portable
 // build gives the same bits on every x86-64 CPU. `queried` is what Eigen asked the CPU for (-1:
-// nothing, as it must be).
+// nothing, as it must be). `threads`: the threads Eigen would split one GEMM over (1: never, as
+// it must be: EIGEN_DONT_PARALLELIZE, CMakeLists.txt).
 struct GemmCacheSizes {
   int64_t l1, l2, l3, queried_l1;
+  int threads;
 };
 GemmCacheSizes gemm_cache_sizes();
 

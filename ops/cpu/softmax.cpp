@@ -73,9 +73,12 @@ void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor&
     const int32_t* t32 = i64 ? nullptr : target.data<int32_t>();
     const double eps = label_smoothing, off = eps / double(c), inv_n = 1.0 / double(n);
     const double g_mul = grad_scale * inv_n;
-    double total = 0;
+    // Each row's loss kept and the rows added in order afterwards: an OpenMP reduction adds the
+    // threads' partial sums in an order of the runtime's, so the loss would depend on the thread
+    // count.
+    std::vector<double> rows(static_cast<size_t>(n));
     int64_t hits = 0;
-#pragma omp parallel for if (n * c > kParallelGrain) schedule(static) reduction(+ : total, hits)
+#pragma omp parallel for if (n * c > kParallelGrain) schedule(static) reduction(+ : hits)
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = i64 ? t64[r] : int64_t(t32[r]);
       std::vector<double> lp(static_cast<size_t>(c));
@@ -88,9 +91,11 @@ void cross_entropy_forward(const Tensor& loss, const Tensor& grad, const Tensor&
         pg[r * c + j] = T((std::exp(lp[size_t(j)]) - q) * g_mul);
         if (px[r * c + j] > px[r * c + best]) best = j;
       }
-      total += row;
+      rows[size_t(r)] = row;
       hits += best == t;
     }
+    double total = 0;
+    for (const double row : rows) total += row;
     loss.data<T>()[0] = T(total * inv_n);
     if (correct.defined()) correct.data<int64_t>()[0] = hits;
   });
