@@ -56,14 +56,18 @@
 // |                          |                     | Imagenette; docs/lab/norm-conv.md, v26)         |
 // | KILN_GEMM_TALL           | 1                   | kiln's 3x3 GEMMs on 256-row tiles where those   |
 // |                          |                     | fill the SMs (on in v24; off since v25, whose   |
-// |                          |                     | Imagenette runs trained worse; not re-run on    |
-// |                          |                     | v26's calmer recipe; docs/lab/norm-conv.md)     |
+// |                          |                     | Imagenette runs trained worse; level in the     |
+// |                          |                     | step on 2026-12-05, so off; norm-conv.md v27)   |
 // | KILN_GEMM_B_RESIDENT     | 0                   | kiln's 1x1 GEMMs load B with every row tile,    |
 // |                          |                     | not once per CTA where K <= 256 (v25)           |
 // | KILN_DUAL_DGRAD          | 0                   | a downsample block's two batch norms' backward  |
 // |                          |                     | on cuDNN's conv1 data gradient and three passes,|
 // |                          |                     | not kiln's GEMM with all three sums in its      |
 // |                          |                     | epilogue (on since 2026-12-05; norm-conv.md v27)|
+// | KILN_STEM_POOL_TILE      | 0                   | the stem's batch norm + ReLU + max pool forward |
+// |                          |                     | one output per thread, each input normalised    |
+// |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
+// |                          |                     | memory (the same bits; docs/lab/stem.md)        |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -135,6 +139,7 @@ struct Switches {
   bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool dual_dgrad = true;
+  bool stem_pool_tile = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   bool pdl = true;

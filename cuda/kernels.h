@@ -337,6 +337,11 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
 // bn_nhwc_backward (relu, mask recomputed from x), is the backward.
 void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
                            const Tensor& scale_shift);
+// Whether bn_nhwc_relu_max_pool runs on 8 × 8-output tiles (each input normalised once into
+// shared memory; default) or one output per thread: the same bits either way.
+// KILN_STEM_POOL_TILE=0, or set here (tests, kiln-fusion-probe).
+bool stem_pool_tile_enabled();
+void set_stem_pool_tile_enabled(bool on);
 
 // Its backward: dy (the pool's output gradient) through the pool (the forward's indices) and
 // the ReLU (mask recomputed from x) to dx (=), with dweight and dbias (= or += with

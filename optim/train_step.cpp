@@ -20,7 +20,10 @@ ClassifierStep::ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLo
   KILN_CHECK(clip_grad_norm >= 0, "ClassifierStep: clip_grad_norm ", clip_grad_norm,
              " must be >= 0 (0: no clipping)");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
-  loss_sum_ = zeros({}, f32);
+  // Σ loss·N in f64: kiln-train logs each step's loss as the difference of two sums, which an
+  // f32 sum rounds to ~1e-4 of its size late in a long epoch (and a resumed run, its sum restarted,
+  // rounds otherwise).
+  loss_sum_ = zeros({}, TensorOptions(DType::f64).with_device(opt.device()));
   correct_sum_ = zeros({}, f32);
 }
 
@@ -43,7 +46,7 @@ void ClassifierStep::run(const Tensor& x, const Tensor& y) {
   scaler_.update();
   NoGradGuard no_grad;
   const double n = double(y.size(0));
-  F::add_(loss_sum_, loss.detach().to(DType::f32), n);
+  F::add_(loss_sum_, loss.detach().to(DType::f64), n);
   F::add_(correct_sum_, F::sum(F::eq(F::argmax(logits.detach(), 1), y).to(DType::f32)));
 }
 

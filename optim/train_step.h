@@ -41,7 +41,7 @@ class ClassifierStep {
   // rule over some of the parameters (optim::Muon over a group of `opt`). Device work only, as
   // the rest of run().
   void set_after_step(std::function<void()> f) { after_step_ = std::move(f); }
-  // Device accumulators since the last reset: Σ loss·N and Σ correct (f32 0-d each). The
+  // Device accumulators since the last reset: Σ loss·N (f64) and Σ correct (f32), 0-d each. The
   // caller counts samples on the host (a replayed graph runs no host code).
   const Tensor& loss_sum() const { return loss_sum_; }
   const Tensor& correct_sum() const { return correct_sum_; }

@@ -192,6 +192,115 @@ __global__ void __launch_bounds__(kBlock, 3)
   idx[o] = packed;
 }
 
+// The same output and positions from 8 × 8-output tiles (KILN_STEM_POOL_TILE, on): a block
+// normalises its 17 × 17-pixel input tile once into shared memory — relu(x·scale + shift) rounded
+// to f16, what the per-output kernel compares — and then compares each output's 9 stored values
+// with the per-output kernel's rule, so the bits are the same. Each input value is normalised
+// 289 / 256 = 1.13 times instead of 2.25, and the comparisons run on two channels at once: the
+// key (f16 bits, sign cleared) of two channels as one u16x2 word, max.u16x2 against the best so
+// far, and a lane that grew (strictly greater: the first position keeps a tie) takes the new bits
+// and position. kGC channel vectors (8 channels each) per block: 8, 4, 2 or 1, the largest that
+// divides C / 8. Grid (tiles across × tiles down, N, C / 8 / kGC).
+constexpr int kPoolTile = 8, kPoolIn = 2 * kPoolTile + 1, kPoolThreads = 256;
+
+// Lanes of a u16x2 word that are not zero, as 0xffff lanes. Each lane is at most 0x7fff, so adding
+// 0x7fff sets its bit 15 exactly when it is not zero, and carries nothing into the next lane.
+__device__ inline unsigned nonzero_lanes(unsigned d) {
+  return (((d + 0x7fff7fffu) & 0x80008000u) >> 15) * 0xffffu;
+}
+
+template <int kGC>
+__global__ void __launch_bounds__(kPoolThreads)
+    relu_max_pool_k3s2_tiled_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
+                                    const uint4* __restrict__ x,
+                                    const float* __restrict__ scale_shift, int H, int W, int OH,
+                                    int OW, int G, int tiles_w) {
+  pdl_start();
+  __shared__ uint4 tile[kPoolIn * kPoolIn * kGC];
+  const int tid = threadIdx.x;
+  const int oh0 = int(blockIdx.x) / tiles_w * kPoolTile, ow0 = int(blockIdx.x) % tiles_w * kPoolTile;
+  const int64_t n = blockIdx.y, C = int64_t(G) * kVec;
+  const int g0 = int(blockIdx.z) * kGC;
+  // A thread's channel vector is the same in both phases (kPoolThreads is a multiple of kGC).
+  const int gl = tid % kGC;
+  {
+    const Vec8 sc = load8f(scale_shift + (g0 + gl) * kVec);
+    const Vec8 sh = load8f(scale_shift + C + (g0 + gl) * kVec);
+    constexpr int kCount = kPoolIn * kPoolIn * kGC;
+    constexpr int kLoads = (kCount + kPoolThreads - 1) / kPoolThreads;
+    uint4 raw[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {  // every load issued before any value is used
+      const int i = tid + l * kPoolThreads, p = i / kGC;
+      const int h = 2 * oh0 - 1 + p / kPoolIn, w = 2 * ow0 - 1 + p % kPoolIn;
+      raw[l] = make_uint4(0, 0, 0, 0);
+      if (i < kCount && h >= 0 && h < H && w >= 0 && w < W)
+        raw[l] = x[((n * H + h) * W + w) * G + g0 + gl];
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = tid + l * kPoolThreads;
+      if (i >= kCount) break;
+      // Padding positions are normalised too (from zeros) but never compared: the second phase
+      // skips positions outside the image as the per-output kernel does.
+      const __half2* hv = reinterpret_cast<const __half2*>(&raw[l]);
+      uint4 out;
+      unsigned* o32 = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+      for (int j = 0; j < kVec / 2; ++j) {
+        const float2 f2 = __half22float2(hv[j]);
+        const float a = relu_keep_nan(fmaf(f2.x, sc.v[2 * j], sh.v[2 * j]));
+        const float b = relu_keep_nan(fmaf(f2.y, sc.v[2 * j + 1], sh.v[2 * j + 1]));
+        o32[j] = unsigned(__half_as_ushort(__float2half_rn(a))) |
+                 (unsigned(__half_as_ushort(__float2half_rn(b))) << 16);
+      }
+      tile[i] = out;
+    }
+  }
+  __syncthreads();
+  for (int o = tid; o < kPoolTile * kPoolTile * kGC; o += kPoolThreads) {
+    const int q = o / kGC, toh = q / kPoolTile, tow = q % kPoolTile;
+    const int oh = oh0 + toh, ow = ow0 + tow;
+    if (oh >= OH || ow >= OW) continue;
+    // The first position inside the image takes the values; then a strictly greater key.
+    const int kh0 = oh == 0 ? 1 : 0, kw0 = ow == 0 ? 1 : 0;
+    const bool row2 = 2 * oh + 1 < H, col2 = 2 * ow + 1 < W;  // window row / column 2 inside
+    auto at = [&](int kh, int kw) {
+      return tile[((2 * toh + kh) * kPoolIn + 2 * tow + kw) * kGC + gl];
+    };
+    const uint4 first = at(kh0, kw0);
+    unsigned bits[4] = {first.x, first.y, first.z, first.w};
+    unsigned key[4], arg[4];
+    const unsigned k0 = unsigned(kh0 * 3 + kw0) * 0x00010001u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      key[j] = bits[j] & 0x7fff7fffu;
+      arg[j] = k0;
+    }
+#pragma unroll
+    for (int k = 0; k < 9; ++k) {
+      const int kh = k / 3, kw = k % 3;
+      if (kh < kh0 || kw < kw0 || k == kh0 * 3 + kw0) continue;  // before the first, or it
+      if ((kh == 2 && !row2) || (kw == 2 && !col2)) continue;
+      const uint4 v = at(kh, kw);
+      const unsigned h[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned kk = h[j] & 0x7fff7fffu;
+        const unsigned m = __vmaxu2(kk, key[j]);
+        const unsigned grew = nonzero_lanes(m ^ key[j]);
+        key[j] = m;
+        bits[j] = (h[j] & grew) | (bits[j] & ~grew);
+        arg[j] = (unsigned(k) * 0x00010001u & grew) | (arg[j] & ~grew);
+      }
+    }
+    const int64_t out = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g0 + gl;
+    y[out] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+    // Positions 0-8, one byte a channel: bytes 0 and 2 of each word's two lanes.
+    idx[out] = make_uint2(__byte_perm(arg[0], arg[1], 0x6420), __byte_perm(arg[2], arg[3], 0x6420));
+  }
+}
+
 // ---- host side ----
 
 // f's pointers, checked against x's channels.
@@ -298,6 +407,13 @@ void bn_nhwc_dual_apply(const Tensor& y, const Tensor& x, const BnStatsFinalize&
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+constinit RuntimeSwitch g_stem_pool_tile{&Switches::stem_pool_tile};  // KILN_STEM_POOL_TILE
+}  // namespace
+
+bool stem_pool_tile_enabled() { return g_stem_pool_tile.get(); }
+void set_stem_pool_tile_enabled(bool on) { g_stem_pool_tile.set(on); }
+
 void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
                            const Tensor& scale_shift) {
   const char* op = "bn_nhwc_relu_max_pool";
@@ -319,10 +435,29 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
   const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
   if (y.numel() == 0) return;
   const int G = int(C / kVec);
-  const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
-  launch(relu_max_pool_k3s2_kernel, grid, kBlock, 0, current_stream(), vec_out(y),
-         static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH), int(OW),
-         G);
+  if (stem_pool_tile_enabled()) {
+    const int tiles_w = int((OW + kPoolTile - 1) / kPoolTile);
+    const int tiles = tiles_w * int((OH + kPoolTile - 1) / kPoolTile);
+    auto go = [&]<int kGC>() {
+      const dim3 grid{unsigned(tiles), unsigned(N), unsigned(G / kGC)};
+      launch(relu_max_pool_k3s2_tiled_kernel<kGC>, grid, kPoolThreads, 0, current_stream(),
+             vec_out(y), static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W),
+             int(OH), int(OW), G, tiles_w);
+    };
+    if (G % 8 == 0)
+      go.template operator()<8>();
+    else if (G % 4 == 0)
+      go.template operator()<4>();
+    else if (G % 2 == 0)
+      go.template operator()<2>();
+    else
+      go.template operator()<1>();
+  } else {
+    const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
+    launch(relu_max_pool_k3s2_kernel, grid, kBlock, 0, current_stream(), vec_out(y),
+           static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH),
+           int(OW), G);
+  }
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -4,7 +4,10 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
@@ -492,6 +495,56 @@ TEST_CASE("batch_norm_relu_max_pool: bit for bit the composition, and the f32 re
     // precisions may route a gradient to different (neighbouring, equally valid) positions.
     CHECK(rel_l2(x3.grad().to(DType::f32).to(kCPU), rx.grad()) < 2e-2);
   }
+}
+
+// The stem pool's two kernels (cuda::set_stem_pool_tile_enabled): the 8 × 8-output tiles in
+// shared memory against one output per thread, y and the window positions byte for byte. Values
+// from a small set (ties everywhere, and ReLU's zeros), ±0, ±inf and NaN in x; negative, zero and
+// positive scales; shapes with partial tiles on both edges, odd and even sizes, and C / 8 of 16,
+// 8, 6 and 3 (channel vectors per block 8, 8, 2 and 1).
+TEST_CASE("batch_norm_relu_max_pool: the tiled kernel gives the per-output kernel's bytes") {
+  const bool before = cuda::stem_pool_tile_enabled();
+  for (Shape shape : {Shape{2, 128, 20, 21}, Shape{3, 64, 33, 30}, Shape{2, 48, 9, 12},
+                      Shape{1, 24, 15, 15}, Shape{1, 64, 1, 1}, Shape{2, 64, 2, 17}}) {
+    CAPTURE(shape_str(shape));
+    const int64_t N = shape[0], C = shape[1], H = shape[2], W = shape[3];
+    std::vector<float> hx(size_t(N * C * H * W));
+    uint32_t state = 12345;
+    auto next = [&] {
+      state = state * 1664525u + 1013904223u;
+      return state >> 8;
+    };
+    const float special[] = {0.f, -0.f, INFINITY, -INFINITY, NAN, 1.f, -1.f, 0.5f};
+    for (float& v : hx) {
+      const uint32_t r = next();
+      v = r % 16 == 0 ? special[(r / 16) % 8] : float(int(r % 9) - 4) * 0.25f;
+    }
+    std::vector<float> hss(size_t(2 * C));
+    for (int64_t c = 0; c < C; ++c) {
+      const uint32_t r = next();
+      hss[size_t(c)] = c % 5 == 0 ? 0.f : (c % 3 == 0 ? -1.f : 1.f) * (0.5f + float(r % 7) / 4);
+      hss[size_t(C + c)] = float(int(r % 5) - 2) * 0.125f;
+    }
+    const Tensor x = from_vector<float>(hx, {N, C, H, W})
+                         .to(DType::f16)
+                         .to(kGpu)
+                         .contiguous(MemoryFormat::ChannelsLast);
+    const Tensor ss = from_vector<float>(hss, {2 * C}).to(kGpu);
+    const Shape out{N, C, (H - 1) / 2 + 1, (W - 1) / 2 + 1};
+    auto run = [&](bool tiled) {
+      cuda::set_stem_pool_tile_enabled(tiled);
+      const TensorOptions cl =
+          TensorOptions().with_device(kGpu).with_memory_format(MemoryFormat::ChannelsLast);
+      Tensor y = empty(out, cl.with_dtype(DType::f16)), idx = empty(out, cl.with_dtype(DType::u8));
+      cuda::bn_nhwc_relu_max_pool(y, idx, x, ss);
+      return std::pair{y, idx};
+    };
+    const auto [y0, i0] = run(false);
+    const auto [y1, i1] = run(true);
+    CHECK(bitwise_equal(y1, y0));
+    CHECK(bitwise_equal(i1, i0));
+  }
+  cuda::set_stem_pool_tile_enabled(before);
 }
 
 TEST_CASE("batch_norm_relu_max_pool: other pools, eval mode and NCHW take the composition") {

@@ -72,7 +72,8 @@ bool parse_probe_args(int argc, char** argv, ProbeArgs& a) {
          "time the downsample tails' dual BN backward with the next conv1's data gradient in "
          "kiln's GEMM against cuDNN's dgrad + kiln's dual BN backward");
   p.flag("--stem", &a.stem,
-         "time kiln's ResNet stem convolution (forward with BN statistics, weight gradient) "
+         "time kiln's ResNet stem convolution (forward with BN statistics, weight gradient; "
+         "then the batch norm + ReLU + max pool forward, both kernels) "
          "against cuDNN's");
   p.flag("--conv1x1", &a.conv1x1,
          "time kiln's 1x1 forward GEMM with BN statistics against cuDNN's path");
@@ -803,6 +804,22 @@ void probe_stem(int64_t n) {
               t[0][0], t[1][0], gflop / t[1][0]);
   std::printf("   weight gradient:      cuDNN path %.3f ms, kiln %.3f ms (%.0f TFLOP/s)\n",
               t[0][1], t[1][1], gflop / t[1][1]);
+  // The batch norm + ReLU + max pool forward after it, both kernels (KILN_STEM_POOL_TILE), on
+  // the convolution's y with a batch norm's factors: reads y, writes the pooled f16 and the u8
+  // positions.
+  Tensor ss = F::cat({uniform({64}, 0.5, 1.5), uniform({64}, -0.5, 0.5)}, 0).to(gpu);
+  const TensorOptions cl = f16.with_memory_format(MemoryFormat::ChannelsLast);
+  Tensor pooled = empty({n, 64, 56, 56}, cl), idx = empty({n, 64, 56, 56}, cl.with_dtype(DType::u8));
+  const bool tiled = cuda::stem_pool_tile_enabled();
+  double tp[2];
+  for (int on : {0, 1}) {
+    cuda::set_stem_pool_tile_enabled(on == 1);
+    tp[on] = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, y, ss); });
+  }
+  cuda::set_stem_pool_tile_enabled(tiled);
+  const double gb = double(y.nbytes() + pooled.nbytes() + idx.nbytes()) / 1e9;
+  std::printf("   bn + relu + max pool: per output %.3f ms (%.2f TB/s), 8x8 tiles %.3f ms "
+              "(%.2f TB/s)\n", tp[0], gb / tp[0], tp[1], gb / tp[1]);  // GB per ms = TB/s
 }
 
 // One stride-1 1x1 convolution at batch n: k → c channels at hw × hw. cuDNN's path is what

@@ -40,7 +40,8 @@ class BucketedStep final : public StepRunner {
         max_grad_norm_(max_grad_norm),
         buckets_(comm, model.parameters()) {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
-    loss_sum_ = zeros({}, f32);
+    // Σ loss·N in f64, as optim::ClassifierStep's (optim/train_step.cpp says why).
+    loss_sum_ = zeros({}, TensorOptions(DType::f64).with_device(opt.device()));
     correct_sum_ = zeros({}, f32);
   }
 
@@ -57,7 +58,7 @@ class BucketedStep final : public StepRunner {
     scaler_.step(opt_);
     scaler_.update();
     NoGradGuard no_grad;
-    F::add_(loss_sum_, loss.detach().to(DType::f32), double(y.size(0)));
+    F::add_(loss_sum_, loss.detach().to(DType::f64), double(y.size(0)));
     F::add_(correct_sum_, F::sum(F::eq(F::argmax(logits.detach(), 1), y).to(DType::f32)));
   }
   const Tensor& loss_sum() const override { return loss_sum_; }
