@@ -84,7 +84,8 @@ TEST_CASE("large products: tiled right, and the same bits on 1 to 4 threads") {
       const Tensor a = randn({n, k}, dt), b = randn({k, m}, dt);
       const Tensor at = a.t().contiguous().t(), bt = b.t().contiguous().t();  // transposed storage
       const Tensor want = naive_matmul(a, b);
-      for (auto [x, y] : std::vector<std::pair<Tensor, Tensor>>{{a, b}, {at, b}, {a, bt}, {at, bt}}) {
+      for (auto [x, y] :
+           std::vector<std::pair<Tensor, Tensor>>{{a, b}, {at, b}, {a, bt}, {at, bt}}) {
         const Tensor one = testing::on_threads(1, [&] { return F::matmul(x, y); });
         KILN_CHECK_OK(compare(one, want, tol_for(dt), tol_for(dt)));
         for (int t : {2, 3, 4}) {

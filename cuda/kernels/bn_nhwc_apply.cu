@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(kPoolThreads)
   pdl_start();
   __shared__ uint4 tile[kPoolIn * kPoolIn * kGC];
   const int tid = threadIdx.x;
-  const int oh0 = int(blockIdx.x) / tiles_w * kPoolTile, ow0 = int(blockIdx.x) % tiles_w * kPoolTile;
+  const int oh0 = int(blockIdx.x) / tiles_w * kPoolTile;
+  const int ow0 = int(blockIdx.x) % tiles_w * kPoolTile;
   const int64_t n = blockIdx.y, C = int64_t(G) * kVec;
   const int g0 = int(blockIdx.z) * kGC;
   // A thread's channel vector is the same in both phases (kPoolThreads is a multiple of kGC).
@@ -297,7 +298,8 @@ __global__ void __launch_bounds__(kPoolThreads)
     const int64_t out = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g0 + gl;
     y[out] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
     // Positions 0-8, one byte a channel: bytes 0 and 2 of each word's two lanes.
-    idx[out] = make_uint2(__byte_perm(arg[0], arg[1], 0x6420), __byte_perm(arg[2], arg[3], 0x6420));
+    idx[out] =
+        make_uint2(__byte_perm(arg[0], arg[1], 0x6420), __byte_perm(arg[2], arg[3], 0x6420));
   }
 }
 

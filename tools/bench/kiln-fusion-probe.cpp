@@ -809,7 +809,8 @@ void probe_stem(int64_t n) {
   // positions.
   Tensor ss = F::cat({uniform({64}, 0.5, 1.5), uniform({64}, -0.5, 0.5)}, 0).to(gpu);
   const TensorOptions cl = f16.with_memory_format(MemoryFormat::ChannelsLast);
-  Tensor pooled = empty({n, 64, 56, 56}, cl), idx = empty({n, 64, 56, 56}, cl.with_dtype(DType::u8));
+  Tensor pooled = empty({n, 64, 56, 56}, cl);
+  Tensor idx = empty({n, 64, 56, 56}, cl.with_dtype(DType::u8));
   const bool tiled = cuda::stem_pool_tile_enabled();
   double tp[2];
   for (int on : {0, 1}) {
