@@ -192,6 +192,15 @@ class ParallelErrors {
   std::exception_ptr error_;
 };
 
+// An image's columns for the GEMM: the image itself where the geometry is direct, else its
+// im2col in col.
+template <typename T>
+const T* columns_of(const Geometry& g, const T* img, T* col) {
+  if (g.direct) return img;
+  im2col(g, img, col);
+  return col;
+}
+
 int thread_count(const Geometry& g) { return g.n > 1 ? omp_get_max_threads() : 1; }
 
 }  // namespace
@@ -217,12 +226,7 @@ void conv2d_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < g.n; ++n)
           errors.run([&] {
-            const T* img = xp + n * g.c * g.in_plane();
-            const T* cols = img;
-            if (!g.direct) {
-              im2col(g, img, col);
-              cols = col;
-            }
+            const T* cols = columns_of(g, xp + n * g.c * g.in_plane(), col);
             T* out = yp + n * g.o * g.out_plane();
             for (int64_t gr = 0; gr < g.groups; ++gr) {
               MapCM<T> wm(wp + gr * g.og * g.k, g.og, g.k);
@@ -310,12 +314,7 @@ void conv2d_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
           const int64_t n = n0 + t, in_round = std::min<int64_t>(team, g.n - n0);
           if (n < g.n)
             errors.run([&] {
-              const T* img = xp + n * g.c * g.in_plane();
-              const T* cols = img;
-              if (!g.direct) {
-                im2col(g, img, col);
-                cols = col;
-              }
+              const T* cols = columns_of(g, xp + n * g.c * g.in_plane(), col);
               const T* gout = dyp + n * g.o * g.out_plane();
               for (int64_t gr = 0; gr < g.groups; ++gr) {
                 MapCM<T> dym(gout + gr * g.og * g.out_plane(), g.og, g.out_plane());
