@@ -20,9 +20,9 @@ ClassifierStep::ClassifierStep(nn::Module& model, FusedOptimizer& opt, DynamicLo
   KILN_CHECK(clip_grad_norm >= 0, "ClassifierStep: clip_grad_norm ", clip_grad_norm,
              " must be >= 0 (0: no clipping)");
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(opt.device());
-  // Σ loss·N in f64: kiln-train logs each step's loss as the difference of two sums, which an
-  // f32 sum rounds to ~1e-4 of its size late in a long epoch (and a resumed run, its sum restarted,
-  // rounds otherwise).
+  // Σ loss·N in f64: kiln-train logs each step's loss as the difference of two readings of this
+  // sum. In f32, late in an ImageNet-sized epoch, that difference kept only ~3 digits, and a
+  // resumed run (its sum restarted) rounded it otherwise.
   loss_sum_ = zeros({}, TensorOptions(DType::f64).with_device(opt.device()));
   correct_sum_ = zeros({}, f32);
 }
