@@ -44,7 +44,9 @@
 // |                          |                     | gradients then take x as A where it fits        |
 // | KILN_PROLOGUE_F16        | 1                   | with KILN_CONV_PROLOGUE=1: the factors applied  |
 // |                          |                     | in f16 (an experiment: level in speed, not the  |
-// |                          |                     | composition's bits; v23)                        |
+// |                          |                     | composition's bits; v23). Not for a default:    |
+// |                          |                     | its shift overflows f16 on a near-constant      |
+// |                          |                     | channel (norm-conv.md, "f16 factors")           |
 // | KILN_CONV3X3             | 1                   | stride-1 padding-1 3x3 convolutions (C a        |
 // |                          |                     | multiple of 128) on kiln's implicit GEMM, not   |
 // |                          |                     | cuDNN (level at b256; off by default; v23)      |

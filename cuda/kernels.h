@@ -301,7 +301,10 @@ bool conv1x1_bn_relu_supported(const Tensor& x, const Tensor& w);
 bool conv1x1_bn_relu_enabled();
 // KILN_PROLOGUE_F16=1 (an experiment, off by default): the prologue's factors in f16 and one
 // half-precision fused multiply-add and ReLU per pair of values — about a seventh of the
-// instructions of the f32 form, and no longer the composition's bits (close to them).
+// instructions of the f32 form, and no longer the composition's bits (close to them). The shift
+// β − μ·scale can exceed f16's range (a near-constant channel with a large mean: every output 0),
+// so this affine form is not for a default; docs/lab/norm-conv.md, "f16 factors", has the
+// centred form that is safe.
 bool prologue_f16_enabled();
 void set_prologue_f16_enabled(bool on);
 void set_conv1x1_bn_relu_enabled(bool on);
