@@ -12,7 +12,8 @@
 # side by tools/bench/ncu_step_summary.py. VERIFY=1 runs kiln-bench --verify-graph at batch 64.
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
 # batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
-# --tail-gemm" runs kiln-fusion-probe's modes named. CONFIGS="default VAR=0 ..." alternates
+# --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
+# forward alone on those shapes (below). CONFIGS="default VAR=0 ..." alternates
 # configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh). Filters in SANITIZE
 # must not contain spaces (the list splits on them). Run from the repository root with .deps
 # (and .bench) carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
@@ -31,7 +32,8 @@ finish() {
 SUITES=${SUITES:-}
 . tools/device/lib.sh
 # shellcheck disable=SC2086
-kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} || { finish; exit 1; }
+kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} ${NCU_PROBE:+kiln-fusion-probe} ||
+  { finish; exit 1; }
 # shellcheck disable=SC2086
 kiln_suites $SUITES
 # shellcheck disable=SC2086
@@ -70,6 +72,23 @@ if [ "${NCU:-0}" = 1 ]; then
       --kernels 25 >> "$S" 2>&1
   fi
   python3 tools/bench/ncu_step_summary.py $L/step-on.csv --kernels 40 >> "$S" 2>&1
+fi
+# NCU_PROBE="256,1024,14 128,512,28": the 1x1 forward with statistics alone on each shape
+# (kiln-fusion-probe --conv1x1 --shape K,C,HW; its third launch) under ncu's speed-of-light, warp
+# state and scheduler sections, once as built and once under NCU_PROBE_ENV (e.g.
+# KILN_GEMM_PINGPONG=1) when set: the stall reasons that say what bounds the kernel.
+if [ -n "${NCU_PROBE:-}" ]; then
+  for shape in $NCU_PROBE; do
+    for e in KILN_UNUSED=0 ${NCU_PROBE_ENV:-}; do
+      log=$L/ncu-probe-${shape//,/-}-${e%%=*}.txt
+      env "$e" timeout 120 ncu -k regex:dgrad1x1_bn_sums_wgmma --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy $B/kiln-fusion-probe --conv1x1 --shape "$shape" > "$log" 2>&1
+      echo "ncu probe $shape $e: rc $?" | tee -a "$S"
+      grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp" "$log" |
+        head -30 | tee -a "$S"
+    done
+  done
 fi
 if [ "${TORCH:-0}" = 1 ] && [ -f .bench/torch_resnet50_quick.py ]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 .bench/torch_resnet50_quick.py ${TORCH_MODE:-eager} 64,256 2>&1 |
