@@ -19,7 +19,9 @@
 // "y's rounding" is the yardstick: what storing y in f16 (before any factor) already moves the
 // exact output by, the same units.
 //
-// Build and run (links the CPU library for the checkpoint reader):
+// Build and run (links a CPU-only build's library for the checkpoint reader; x86-64, for
+// __float128):
+//   KILN_CUDA=OFF KILN_BUILD_DIR=build-cpu bash tools/kiln.sh build
 //   g++ -O2 -std=c++20 -I. -Ibuild-cpu/include tools/bench/bn_f16_factors.cpp
 //       build-cpu/libkiln.a -ljpeg -lz -fopenmp -pthread -o /tmp/bnf16   (one line)
 //   /tmp/bnf16 [CHECKPOINT.safetensors]   (kiln-train's model.safetensors: its batch norms)
