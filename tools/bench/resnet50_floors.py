@@ -10,7 +10,11 @@ summed, beside the measured time. BW and PEAK are what the best kernels in the s
 reach, not the datasheet's: 4.0 TB/s (kiln's apply passes: 3.9-4.1) and 660 TFLOP/s (cuDNN's
 best 3x3 plan in situ, docs/lab/norm-conv.md v23: 673).
 
-    python3 tools/bench/resnet50_floors.py [--bw TB/s] [--peak TFLOP/s] [--calls]
+    python3 tools/bench/resnet50_floors.py [--bw TB/s] [--peak TFLOP/s] [--calls] [--fit]
+
+--fit: the 1x1 forward's time per 128 x 128 tile as a line in K (a fixed part plus the MMAs),
+through two of v21's probe times (docs/lab/norm-conv/calls-2026-12-04b.txt, call G), and how it
+predicts the other two (docs/lab/norm-conv.md, "The 1x1 forward on a ping-pong schedule").
 """
 import argparse
 
@@ -86,12 +90,41 @@ def calls():
     return out
 
 
+# v21's probe (call G), kiln's 1x1 forward with statistics alone at batch 256: (K, C, side) -> ms.
+PROBE_V21 = {(256, 1024, 14): 0.068, (512, 2048, 7): 0.060, (1024, 256, 14): 0.054,
+             (2048, 512, 7): 0.050}
+SMS = 132
+
+
+def tile_fit():
+    """Per-tile time = fixed + K * slope, through the K = 256 and K = 2048 shapes."""
+    def per_tile(shape, ms):
+        k, c, side = shape
+        tiles = -(-N * side * side // 128) * (c // 128)
+        return ms * 1e3 * SMS / tiles  # µs a tile on each SM
+    pts = {shape: per_tile(shape, ms) for shape, ms in PROBE_V21.items()}
+    (k0, y0), (k1, y1) = [(s[0], pts[s]) for s in ((256, 1024, 14), (2048, 512, 7))]
+    slope = (y1 - y0) / (k1 - k0)
+    fixed = y0 - slope * k0
+    rate = 2 * 128 * 128 / slope / 1e6 * SMS  # TFLOP/s of the MMAs over all SMs
+    print(f"per 128 x 128 tile: {fixed:.2f} µs fixed + MMAs at {rate:.0f} TFLOP/s "
+          f"(through K = {k0} and {k1})")
+    for shape, y in pts.items():
+        pred = fixed + slope * shape[0]
+        print(f"  {shape[0]:5d} -> {shape[1]:5d} @{shape[2]:<3d} measured {y:6.2f} µs a tile, "
+              f"line {pred:6.2f} ({(pred / y - 1) * 100:+.1f}%), fixed part {fixed / y:.0%}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bw", type=float, default=4.0, help="TB/s (default 4.0)")
     ap.add_argument("--peak", type=float, default=660.0, help="TFLOP/s (default 660)")
     ap.add_argument("--calls", action="store_true", help="also list every call")
+    ap.add_argument("--fit", action="store_true", help="the 1x1 forward's per-tile line only")
     a = ap.parse_args()
+    if a.fit:
+        tile_fit()
+        return
     bw, peak = a.bw * 1e12, a.peak * 1e12
     rows = {}
     for cls, lab, flop, byt in calls():
