@@ -10,11 +10,16 @@ summed, beside the measured time. BW and PEAK are what the best kernels in the s
 reach, not the datasheet's: 4.0 TB/s (kiln's apply passes: 3.9-4.1) and 660 TFLOP/s (cuDNN's
 best 3x3 plan in situ, docs/lab/norm-conv.md v23: 673).
 
-    python3 tools/bench/resnet50_floors.py [--bw TB/s] [--peak TFLOP/s] [--calls] [--fit]
+    python3 tools/bench/resnet50_floors.py [--bw TB/s] [--peak TFLOP/s] [--calls] [--fit] [--step]
 
 --fit: the 1x1 forward's time per 128 x 128 tile as a line in K (a fixed part plus the MMAs),
 through two of v21's probe times (docs/lab/norm-conv/calls-2026-12-04b.txt, call G), and how it
 predicts the other two (docs/lab/norm-conv.md, "The 1x1 forward on a ping-pong schedule").
+
+--step: every other call of the step too, in the structure v28 runs (the stem, cuDNN's and
+cuBLASLt's convolutions, the batch-norm passes, the optimizer), grouped, each group against the
+same profile's kernels; kiln's GEMMs as one line; then cuDNN's convolutions by kind
+(docs/performance.md, "The whole step against its floors").
 """
 import argparse
 
@@ -90,6 +95,183 @@ def calls():
     return out
 
 
+# --step: the rest of v28's step, measured in the same profile (call B), by group. Each group's
+# measured time is the sum of the kernels named beside it, or of the profile's phase.
+MEASURED_STEP = {
+    "stem convolution + statistics": (0.376, 1),  # stem_conv_stats_kernel
+    "stem weight gradient": (0.295, 1),  # stem_wgrad_kernel
+    "stem BN + ReLU + max pool, forward": (0.233, 1),  # relu_max_pool_k3s2_tiled_kernel<8>
+    "stem BN + ReLU + max pool, backward": (0.260 + 0.306, 2),  # pool_relu_sums, pool_relu_apply
+    "forward convolutions on cuDNN / cuBLASLt": (2.887, 26),  # the phase "forward conv/GEMM"
+    "gradient convolutions on cuDNN / cuBLASLt": (4.530, 37),  # the phase "backward conv/GEMM"
+    # apply_kernel<1, 0> (28), cuDNN's batchnorm_fwtr (4), apply_kernel<1, 1> (12), dual_apply (4)
+    "batch-norm passes, forward": (0.737 + 0.257 + 1.560 + 0.587, 48),
+    # backward_apply_kernel<0, 0> (31) and <1, 0> (8), backward_sums_kernel<1> (8),
+    # dual_backward_apply_kernel (4), cuDNN's batchnorm_relu_bwtr (4)
+    "batch-norm passes, backward": (1.863 + 0.640 + 0.444 + 1.032 + 0.324, 55),
+    "optimizer": (0.148, 1),  # step_kernel<0>
+}
+# cuDNN's convolutions split by kind. The profile names kernels, not calls, so the split is
+# inferred from the kernels' names and call counts: xmma wgrad (19 calls) and one nvjet TNT GEMM
+# for the 20 weight gradients; xmma dgrad (12) for the 3x3 and stride-2 downsample data
+# gradients; nvjet NNT (4) and the one "badd" NNT for the 1x1 data gradients of layer 1; GenStats
+# (22) for the 3x3 and layer 1-2 conv1 forwards (23 calls by the architecture) and nvjet TNN (3)
+# for the stride-2 downsample forwards.
+CUDNN_SPLIT = [  # (group, label predicate, what, measured ms)
+    ("forward convolutions on cuDNN / cuBLASLt", lambda lab: "downsample/2" not in lab,
+     "3x3 and layers 1-2's conv1 (GenStats)", 2.622),
+    ("forward convolutions on cuDNN / cuBLASLt", lambda lab: "downsample/2" in lab,
+     "stride-2 downsample (nvjet TNN)", 0.205),
+    ("gradient convolutions on cuDNN / cuBLASLt", lambda lab: "wgrad" in lab,
+     "weight gradients (xmma wgrad, nvjet TNT)", 2.236 + 0.052),
+    ("gradient convolutions on cuDNN / cuBLASLt",
+     lambda lab: "dgrad" in lab and ("conv2" in lab or ("downsample" in lab and lab[1] != "1")),
+     "3x3 and stride-2 data gradients (xmma dgrad)", 1.576),
+    ("gradient convolutions on cuDNN / cuBLASLt",
+     lambda lab: "dgrad" in lab and not ("conv2" in lab or ("downsample" in lab and lab[1] != "1")),
+     "layer 1's 1x1 data gradients (nvjet NNT)", 0.494 + 0.086),
+]
+STEP_NCU_MS = 25.985  # the profile's 466 kernels summed
+SMALL_MS = 0.605  # its 164 kernels under 5 µs (finalize and finish kernels, counters)
+PARAMS = 25_557_032  # torchvision's ResNet-50
+
+
+def step_calls():
+    """The step's other calls, as kiln runs them in v28: (group, label, FLOP, bytes)."""
+    out = []
+    m0 = N * 112 * 112  # the stem's output pixels
+    x_bytes = 2 * N * 224 * 224 * 3
+    y0 = 2 * m0 * 64
+    stem_flop = 2 * m0 * 64 * 147
+    out.append(("stem convolution + statistics", "7x7/2 3->64", stem_flop, x_bytes + y0))
+    out.append(("stem weight gradient", "7x7/2 3->64", stem_flop, x_bytes + y0 + 4 * 64 * 147))
+    out.append(("stem BN + ReLU + max pool, forward", "read y, write the pooled", 0, y0 + y0 // 4))
+    out.append(("stem BN + ReLU + max pool, backward", "sums: read dp, y", 0, y0 + y0 // 4))
+    out.append(("stem BN + ReLU + max pool, backward", "apply: read dp, y; write dy", 0,
+                2 * y0 + y0 // 4))
+    fwd, grad = "forward convolutions on cuDNN / cuBLASLt", "gradient convolutions on cuDNN / cuBLASLt"
+    fpass, bpass = "batch-norm passes, forward", "batch-norm passes, backward"
+    for l, b, c, st, cin, side in blocks():
+        mi, mo = N * side * side, N * (side // st) ** 2
+        tag = f"L{l}b{b}"
+        f3 = 2 * mo * 9 * c * c
+        # conv2 (3x3): forward with GenStats on cuDNN; weight gradient on cuDNN; data gradient
+        # on cuDNN except kiln's stride-1 C >= 256 calls (the class above).
+        out.append((fwd, f"{tag} conv2 3x3/{st} {c}", f3, 2 * (mi * c + mo * c + 9 * c * c)))
+        out.append((grad, f"{tag} conv2 wgrad", f3, 2 * (mi * c + mo * c) + 4 * 9 * c * c))
+        if not (c >= 256 and st == 1):
+            out.append((grad, f"{tag} conv2 dgrad", f3, 2 * (mi * c + mo * c + 9 * c * c)))
+        # conv1 (1x1, at the input's size): forward on cuDNN where C < 256.
+        if c < 256:
+            out.append((fwd, f"{tag} conv1 {cin}->{c}", 2 * mi * cin * c,
+                        2 * (mi * cin + mi * c + cin * c)))
+        if cin == 64:  # layer 1's first conv1: both gradients on cuDNN
+            f1 = 2 * mi * 64 * c
+            out.append((grad, f"{tag} conv1 wgrad", f1, 4 * mi * 64 + 4 * 64 * c))
+            out.append((grad, f"{tag} conv1 dgrad", f1, 4 * mi * 64 + 2 * 64 * c))
+        if c < 128:  # layer 1's conv3 data gradient (bn2 has C = 64: no inner form)
+            out.append((grad, f"{tag} conv3 dgrad", 2 * mo * 4 * c * c,
+                        2 * (mo * 4 * c + mo * c + 4 * c * c)))
+        if b == 0:  # the downsample (1x1, stride st)
+            fd = 2 * mo * cin * 4 * c
+            if st == 2:
+                out.append((fwd, f"{tag} downsample/2", fd, 2 * (mo * cin + mo * 4 * c + cin * 4 * c)))
+                out.append((grad, f"{tag} downsample wgrad", fd, 2 * (mo * cin + mo * 4 * c) + 4 * cin * 4 * c))
+            out.append((grad, f"{tag} downsample dgrad", fd, 2 * (mo * 4 * c + mo * cin + cin * 4 * c)))
+        # Batch-norm passes (2 bytes an element). Forward: bn1 and bn2 read y and write
+        # relu(bn(y)); the tail reads y3 and x (or the downsample's u), writes the block's output
+        # and its mask bits.
+        t4 = mo * 4 * c
+        out.append((fpass, f"{tag} bn1 + ReLU", 0, 4 * mi * c))
+        out.append((fpass, f"{tag} bn2 + ReLU", 0, 4 * mo * c))
+        out.append((fpass, f"{tag} tail", 0, 6 * t4 + t4 // 8))
+        # Backward: where a GEMM gave the sums, one apply (read g and y, write dy); else a sums
+        # pass (read g and y) and the apply. The identity tail reads g, y3 and the mask and
+        # writes dy3; the dual tail also reads u and writes du.
+        out.append((bpass, f"{tag} tail", 0, (10 if b == 0 else 6) * t4 + t4 // 8))
+        out.append((bpass, f"{tag} bn2", 0, (6 if c >= 128 else 10) * mo * c))
+        out.append((bpass, f"{tag} bn1", 0, (6 if c >= 256 and st == 1 else 10) * mi * c))
+    sgd = PARAMS * (4 + 2 + 4 + 4 + 4 + 2)  # read master, grad, momentum; write them and the f16
+    out.append(("optimizer", "SGD, f32 master and momentum, f16 gradient and copy", 0, sgd))
+    return out
+
+
+def pattern_share(group, lab):
+    """The share of a batch-norm pass's floor that the rest of the NormConvolution pattern removes
+    at most (docs/lab/norm-conv.md, "What is left"), counted in tensors moved:
+    - forward bn1 / bn2 apply (read y, write a): all of it, a prologue on the next convolution
+      (its weight gradient then reads y where it read a: the same bytes);
+    - a backward apply after sums from a GEMM's epilogue (read g and y, write dy; two GEMMs read
+      dy: 5 tensors) with dy formed in both GEMMs' loads instead (they read g and y: 4): 1 of its
+      3, and 1 of the dual tail's 5 (it also reads u and writes du);
+    - a backward sums pass + apply (10 bytes an element) whose sums move into the data gradient's
+      epilogue as well: 4 + 2 of 10.
+    The block tails' forward stays: it is the pattern's ScaleBiasAddRelu."""
+    if group == "batch-norm passes, forward":
+        return 0.0 if "tail" in lab else 1.0
+    if group != "batch-norm passes, backward":
+        return 0.0
+    l, b = int(lab[1]), int(lab[3])
+    if "tail" in lab:
+        return 1 / 5 if b == 0 else 1 / 3
+    if "bn2" in lab:
+        return 1 / 3 if l >= 2 else 0.6
+    return 1 / 3 if l >= 3 and b >= 1 else 0.6  # bn1: kiln's 3x3 dgrad gives its sums there
+
+
+def step_table(bw, peak, list_calls):
+    """Every group of v28's step against its floor; kiln's GEMMs as one line."""
+    groups = {}
+    for grp, lab, flop, byt in step_calls():
+        t = max(byt / bw, flop / peak)
+        g = groups.setdefault(grp, [0, 0.0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += flop
+        g[2] += byt
+        g[3] += t
+        if list_calls:
+            print(f"  {grp:42s} {lab:28s} {flop / 1e9:6.1f} GFLOP {byt / 1e6:7.1f} MB "
+                  f"{t * 1e3:6.3f} ms")
+    gemm_floor = sum(max(byt / bw, flop / peak) for _, _, flop, byt in calls())
+    gemm_ms = sum(ms for ms, _ in MEASURED.values())
+    print(f"the step's groups against their floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} "
+          f"TFLOP/s, batch {N}; measured: v28, one eager step under ncu")
+    print(f"{'group':42s} {'calls':>5s} {'GFLOP':>6s} {'GB':>6s} {'floor ms':>8s} "
+          f"{'measured':>8s} {'above':>6s}")
+    print(f"{'kiln GEMMs with the BN (the table above)':42s} {'':5s} {'':6s} {'':6s} "
+          f"{gemm_floor * 1e3:8.3f} {gemm_ms:8.3f} {gemm_ms - gemm_floor * 1e3:6.3f}")
+    tf, tm = gemm_floor * 1e3, gemm_ms
+    for grp, (n, flop, byt, t) in groups.items():
+        ms, mc = MEASURED_STEP[grp]
+        tf += t * 1e3
+        tm += ms
+        note = "" if mc == n else f"  (profile: {mc} calls)"
+        print(f"{grp:42s} {n:5d} {flop / 1e9:6.0f} {byt / 1e9:6.2f} {t * 1e3:8.3f} {ms:8.3f} "
+              f"{ms - t * 1e3:6.3f}{note}")
+    rest = STEP_NCU_MS - tm - SMALL_MS
+    print(f"{'kernels under 5 µs (no floor counted)':42s} {164:5d} {'':6s} {'':6s} {SMALL_MS:8.3f} "
+          f"{SMALL_MS:8.3f} {0:6.3f}")
+    print(f"{'the rest (loss, counters, others; as measured)':42s} {'':5s} {'':6s} {'':6s} "
+          f"{rest:8.3f} {rest:8.3f} {0:6.3f}")
+    tf += SMALL_MS + rest
+    tm += SMALL_MS + rest
+    print(f"{'the step':42s} {'':5s} {'':6s} {'':6s} {tf:8.3f} {tm:8.3f} {tm - tf:6.3f}")
+    fwd = sum(max(byt / bw, flop / peak) * pattern_share(g, lab)
+              for g, lab, flop, byt in step_calls() if g.endswith("forward")) * 1e3
+    bwd = sum(max(byt / bw, flop / peak) * pattern_share(g, lab)
+              for g, lab, flop, byt in step_calls() if g.endswith("backward")) * 1e3
+    print(f"the rest of the NormConvolution pattern, at most and free of cost to the GEMMs: "
+          f"forward prologues -{fwd:.3f}, backward -{bwd:.3f}; the step's floor then "
+          f"{tf - fwd - bwd:.3f} ms")
+    print("cuDNN's convolutions by kind (the kernels' mapping to calls inferred: see CUDNN_SPLIT)")
+    for grp, pred, what, ms in CUDNN_SPLIT:
+        sel = [(flop, byt) for g, lab, flop, byt in step_calls() if g == grp and pred(lab)]
+        t = sum(max(byt / bw, flop / peak) for flop, byt in sel) * 1e3
+        flop = sum(f for f, _ in sel)
+        print(f"  {what:46s} {len(sel):3d} calls {flop / 1e9:6.0f} GFLOP  floor {t:6.3f}  "
+              f"measured {ms:6.3f}  above {ms - t:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
+
+
 # v21's probe (call G), kiln's 1x1 forward with statistics alone at batch 256: (K, C, side) -> ms.
 PROBE_V21 = {(256, 1024, 14): 0.068, (512, 2048, 7): 0.060, (1024, 256, 14): 0.054,
              (2048, 512, 7): 0.050}
@@ -121,11 +303,15 @@ def main():
     ap.add_argument("--peak", type=float, default=660.0, help="TFLOP/s (default 660)")
     ap.add_argument("--calls", action="store_true", help="also list every call")
     ap.add_argument("--fit", action="store_true", help="the 1x1 forward's per-tile line only")
+    ap.add_argument("--step", action="store_true", help="the whole step's groups, kiln's GEMMs as one")
     a = ap.parse_args()
     if a.fit:
         tile_fit()
         return
     bw, peak = a.bw * 1e12, a.peak * 1e12
+    if a.step:
+        step_table(bw, peak, a.calls)
+        return
     rows = {}
     for cls, lab, flop, byt in calls():
         t = max(byt / bw, flop / peak)
