@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Roofline floors of kiln's own GEMM kernels in ResNet-50's training step (batch 256, f16).
+"""Roofline floors of ResNet-50's training step (batch 256, f16): kiln's GEMMs, or every call.
 
 For each kernel class of the v28 profile that kiln owns (docs/performance.md, "Where the step's
 time goes now"; per-kernel sums in docs/lab/norm-conv/calls-2026-12-05b.txt, call B), this
