@@ -131,6 +131,21 @@ CUDNN_SPLIT = [  # (group, label predicate, what, measured ms)
      lambda lab: "dgrad" in lab and not ("conv2" in lab or ("downsample" in lab and lab[1] != "1")),
      "layer 1's 1x1 data gradients (nvjet NNT)", 0.494 + 0.086),
 ]
+# The GenStats kernel's calls split further by an older profile pair: v23's call U
+# (docs/lab/norm-conv/calls-2026-12-04d.txt) profiled the step with KILN_CONV3X3 off (GenStats:
+# 22 calls, 2.420 ms) and on (13 calls, 1.485 ms; kiln's GEMM: 10 calls). The switch moves the ten
+# stride-1 3x3 forwards of layers 2-4, so the 13 left are exactly the others (layer 1's 3x3s, the
+# stride-2 3x3s, layers 1-2's conv1): 1.485 ms. With the switch off, 9 of the ten were GenStats
+# calls (22 - 13) and took 2.420 - 1.485 ms; the tenth ran on another kernel of that process.
+def _stride1_3x3_l234(lab):
+    return "conv2 3x3/1" in lab and lab[1] in "234" and lab[3] != "0"
+
+
+GENSTATS_SPLIT_V23 = [  # (predicate, what, calls measured, measured ms)
+    (_stride1_3x3_l234, "the ten stride-1 3x3s of layers 2-4 (9 measured)", 9, 2.420 - 1.485),
+    (lambda lab: not _stride1_3x3_l234(lab) and "downsample" not in lab,
+     "layer 1's 3x3s, the stride-2 3x3s, layers 1-2's conv1", 13, 1.485),
+]
 STEP_NCU_MS = 25.985  # the profile's 466 kernels summed
 SMALL_MS = 0.605  # its 164 kernels under 5 µs (finalize and finish kernels, counters)
 PARAMS = 25_557_032  # torchvision's ResNet-50
@@ -270,32 +285,16 @@ def step_table(bw, peak, list_calls):
         flop = sum(f for f, _ in sel)
         print(f"  {what:46s} {len(sel):3d} calls {flop / 1e9:6.0f} GFLOP  floor {t:6.3f}  "
               f"measured {ms:6.3f}  above {ms - t:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
-
-
-# v21's probe (call G), kiln's 1x1 forward with statistics alone at batch 256: (K, C, side) -> ms.
-PROBE_V21 = {(256, 1024, 14): 0.068, (512, 2048, 7): 0.060, (1024, 256, 14): 0.054,
-             (2048, 512, 7): 0.050}
-SMS = 132
-
-
-def tile_fit():
-    """Per-tile time = fixed + K * slope, through the K = 256 and K = 2048 shapes."""
-    def per_tile(shape, ms):
-        k, c, side = shape
-        tiles = -(-N * side * side // 128) * (c // 128)
-        return ms * 1e3 * SMS / tiles  # µs a tile on each SM
-    pts = {shape: per_tile(shape, ms) for shape, ms in PROBE_V21.items()}
-    (k0, y0), (k1, y1) = [(s[0], pts[s]) for s in ((256, 1024, 14), (2048, 512, 7))]
-    slope = (y1 - y0) / (k1 - k0)
-    fixed = y0 - slope * k0
-    rate = 2 * 128 * 128 / slope / 1e6 * SMS  # TFLOP/s of the MMAs over all SMs
-    print(f"per 128 x 128 tile: {fixed:.2f} µs fixed + MMAs at {rate:.0f} TFLOP/s "
-          f"(through K = {k0} and {k1})")
-    for shape, y in pts.items():
-        pred = fixed + slope * shape[0]
-        print(f"  {shape[0]:5d} -> {shape[1]:5d} @{shape[2]:<3d} measured {y:6.2f} µs a tile, "
-              f"line {pred:6.2f} ({(pred / y - 1) * 100:+.1f}%), fixed part {fixed / y:.0%}")
-
+    print("the GenStats calls split by v23's call U (KILN_CONV3X3 off and on; see GENSTATS_SPLIT_V23)")
+    fwd = "forward convolutions on cuDNN / cuBLASLt"
+    for pred, what, n, ms in GENSTATS_SPLIT_V23:
+        sel = [(flop, byt) for g, lab, flop, byt in step_calls() if g == fwd and pred(lab)]
+        # Where fewer calls were measured than the group has (all of one shape), scale the floor.
+        share = n / len(sel)
+        t = sum(max(byt / bw, flop / peak) for flop, byt in sel) * 1e3 * share
+        flop = sum(f for f, _ in sel) * share
+        print(f"  {what:52s} {n:3d} calls  floor {t:6.3f}  measured {ms:6.3f}  "
+              f"above {ms - t:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
