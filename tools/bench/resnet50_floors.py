@@ -234,6 +234,18 @@ def pattern_share(group, lab):
     return 1 / 3 if l >= 3 and b >= 1 else 0.6  # bn1: kiln's 3x3 dgrad gives its sums there
 
 
+def selected(bw, peak, keep):
+    """(calls, FLOP, floor ms) of the step's other calls (step_calls) for which keep(group, label)."""
+    sel = [(flop, byt) for g, lab, flop, byt in step_calls() if keep(g, lab)]
+    return (len(sel), sum(f for f, _ in sel),
+            sum(max(byt / bw, flop / peak) for flop, byt in sel) * 1e3)
+
+
+def split_line(what, n, flop, floor, ms):
+    print(f"  {what:52s} {n:3d} calls {flop / 1e9:6.0f} GFLOP  floor {floor:6.3f}  "
+          f"measured {ms:6.3f}  above {ms - floor:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
+
+
 def step_table(bw, peak, list_calls):
     """Every group of v28's step against its floor; kiln's GEMMs as one line."""
     groups = {}
@@ -280,21 +292,15 @@ def step_table(bw, peak, list_calls):
           f"{tf - fwd - bwd:.3f} ms")
     print("cuDNN's convolutions by kind (the kernels' mapping to calls inferred: see CUDNN_SPLIT)")
     for grp, pred, what, ms in CUDNN_SPLIT:
-        sel = [(flop, byt) for g, lab, flop, byt in step_calls() if g == grp and pred(lab)]
-        t = sum(max(byt / bw, flop / peak) for flop, byt in sel) * 1e3
-        flop = sum(f for f, _ in sel)
-        print(f"  {what:46s} {len(sel):3d} calls {flop / 1e9:6.0f} GFLOP  floor {t:6.3f}  "
-              f"measured {ms:6.3f}  above {ms - t:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
+        split_line(what, *selected(bw, peak, lambda g, lab: g == grp and pred(lab)), ms)
     print("the GenStats calls split by v23's call U (KILN_CONV3X3 off and on; see GENSTATS_SPLIT_V23)")
-    fwd = "forward convolutions on cuDNN / cuBLASLt"
+    fwd_group = "forward convolutions on cuDNN / cuBLASLt"
     for pred, what, n, ms in GENSTATS_SPLIT_V23:
-        sel = [(flop, byt) for g, lab, flop, byt in step_calls() if g == fwd and pred(lab)]
-        # Where fewer calls were measured than the group has (all of one shape), scale the floor.
-        share = n / len(sel)
-        t = sum(max(byt / bw, flop / peak) for flop, byt in sel) * 1e3 * share
-        flop = sum(f for f, _ in sel) * share
-        print(f"  {what:52s} {n:3d} calls  floor {t:6.3f}  measured {ms:6.3f}  "
-              f"above {ms - t:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
+        count, flop, floor = selected(bw, peak, lambda g, lab: g == fwd_group and pred(lab))
+        # Fewer calls measured than the group has (all of one shape): the floor scaled.
+        share = n / count
+        split_line(what, n, flop * share, floor * share, ms)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
