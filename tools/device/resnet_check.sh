@@ -5,6 +5,7 @@
 # side, and PyTorch's anchor last.
 #   SUITES="gpu_test_gemm_bn" SANITIZE="gpu_test_gemm_bn:*mask from x*" SWITCH=KILN_FUSED_DGRAD_RELU \
 #     MODELS="resnet50:256:3 resnet50:64:1" NCU=1 VERIFY=1 TORCH=1 bash tools/device/resnet_check.sh
+# SUITES=all builds and runs every GPU suite.
 # SANITIZE="suite:filter ..." runs each suite's test cases matching the doctest filter under each
 # tool of SANITIZE_TOOLS (default memcheck). MODELS lists model:batch:rounds for ab_switch.sh
 # (off is SWITCH=0, on the default). NCU=1 profiles one eager b256 step with the default and,
@@ -30,6 +31,10 @@ finish() {
   echo "resnet_check: $(( $(date +%s) - t0 )) s" | tee -a "$S"
 }
 SUITES=${SUITES:-}
+# SUITES=all: every GPU suite (tests/gpu/test_NAME.cpp builds gpu_test_NAME).
+if [ "$SUITES" = all ]; then
+  SUITES=$(ls tests/gpu/test_*.cpp | sed 's|tests/gpu/test_|gpu_test_|; s|\.cpp$||' | tr '\n' ' ')
+fi
 . tools/device/lib.sh
 # shellcheck disable=SC2086
 kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} ${NCU_PROBE:+kiln-fusion-probe} ||
