@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -68,21 +67,15 @@ std::vector<json::Value> read_log(const fs::path& p) {
   return lines;
 }
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  const Tensor ca = a.contiguous(), cb = b.contiguous();
-  return ca.dtype() == cb.dtype() && ca.shape() == cb.shape() &&
-         std::memcmp(ca.raw_data(), cb.raw_data(), ca.nbytes()) == 0;
-}
+using kiln::testing::same_bits;
 
 void check_same_bits(const SafetensorsData& a, const SafetensorsData& b) {
   REQUIRE(a.tensors.size() == b.tensors.size());
   for (size_t i = 0; i < a.tensors.size(); ++i) {
     const auto& [name, ta] = a.tensors[i];
-    const Tensor tb = b.tensors[i].second.contiguous();
     INFO(name);
     CHECK(name == b.tensors[i].first);
-    REQUIRE(ta.nbytes() == tb.nbytes());
-    CHECK(std::memcmp(ta.contiguous().raw_data(), tb.raw_data(), ta.nbytes()) == 0);
+    CHECK(same_bits(ta, b.tensors[i].second));
   }
 }
 
