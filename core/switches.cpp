@@ -14,6 +14,9 @@ Switches read_switches() {
   s.fused_dgrad = !is(std::getenv("KILN_FUSED_DGRAD"), "0");
   s.fused_dgrad_relu = !is(std::getenv("KILN_FUSED_DGRAD_RELU"), "0");
   s.conv1x1_stats = !is(std::getenv("KILN_CONV1X1_STATS"), "0");
+  const char* mc = std::getenv("KILN_STATS_MIN_C");
+  const long min_c = mc ? std::strtol(mc, nullptr, 10) : 0;
+  if (min_c > 0) s.stats_min_channels = min_c;
   const char* tg = std::getenv("KILN_TAIL_GEMM");
   s.tail_gemm = is(tg, "mma") ? 0 : is(tg, "mixed") ? 1 : 2;
   s.tail_tma_epi = !is(std::getenv("KILN_TAIL_TMA_EPI"), "0");

@@ -67,21 +67,21 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // norm kernels run. From cuDNN's GenStats epilogue where a plan for it beats the plain
 // convolution plus a statistics pass. Otherwise the plain convolution and kiln's fixed-order
 // pass (bn_nhwc_stats) — always in deterministic mode (the epilogue adds across thread blocks in
-// no fixed order), else from kStatsPassMinChannels channels up; below that false, and cuDNN's
+// no fixed order), else from stats_min_channels() (256) up; below that false, and cuDNN's
 // fused BN runs. Its semi-persistent kernels keep part of a small-channel tensor on chip between
 // their two phases and beat kiln's two passes there (layer 1's BN+ReLU backward: 126 vs 147 µs);
 // from 256 channels up kiln's kernels are faster per kernel (layers 3-4, in-situ profile: BN
 // 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (v12 in
-// docs/lab/batch-norm.md).
-constexpr int64_t kStatsPassMinChannels = 256;
+// docs/lab/batch-norm.md). KILN_STATS_MIN_C moves the bar, for measuring.
+int64_t stats_min_channels() { return switches().stats_min_channels; }
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,
                 const Tensor& w, const ConvParams& p) {
   const bool deterministic = conv_deterministic();
   // kiln's 1x1 GEMM with the statistics in its epilogue (fixed-order sums, so deterministic mode
-  // takes it too), where kiln's BN kernels would run anyway: below kStatsPassMinChannels cuDNN's
+  // takes it too), where kiln's BN kernels would run anyway: below stats_min_channels() cuDNN's
   // fused BN stays, as for the statistics pass.
-  if ((deterministic || y.size(1) >= kStatsPassMinChannels) &&
+  if ((deterministic || y.size(1) >= stats_min_channels()) &&
       conv1x1_stats_supported(y, x, w, p)) {
     conv1x1_forward_stats(y, sum, sqsum, x, w, p);
     return true;
@@ -94,7 +94,7 @@ bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const T
   }
   if (!deterministic && conv2d_forward_stats(y, sum, sqsum, x, w, p)) return true;
   if (!bn_nhwc_supported(y) || y.numel() == 0) return false;
-  if (!deterministic && y.size(1) < kStatsPassMinChannels)
+  if (!deterministic && y.size(1) < stats_min_channels())
     return false;
   conv2d_forward(y, x, w, Tensor(), p);
   bn_nhwc_stats(sum, sqsum, y);
