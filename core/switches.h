@@ -18,12 +18,12 @@
 // |                          |                     | cuDNN (GenStats epilogue or the statistics      |
 // |                          |                     | pass), not kiln's wgmma kernel (before          |
 // |                          |                     | 2026-12-04)                                     |
-// | KILN_STATS_MIN_C         | 64 … 2048           | the fewest output channels at which a           |
+// | KILN_STATS_MIN_C         | N > 0 (default 256) | the fewest output channels at which a           |
 // |                          |                     | convolution into a batch norm gives kiln's BN   |
 // |                          |                     | kernels its statistics (kiln's 1x1 GEMM, or the |
 // |                          |                     | plain convolution and the statistics pass) even |
-// |                          |                     | where cuDNN's fused BN could run (default 256;  |
-// |                          |                     | 128 puts layer 2's conv1s on kiln's 1x1 GEMM)   |
+// |                          |                     | where cuDNN's fused BN could run (128 puts      |
+// |                          |                     | layer 2's conv1s on kiln's 1x1 GEMM)            |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before v14)                                     |
