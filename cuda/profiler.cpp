@@ -20,6 +20,7 @@ namespace {
 
 struct Pending {
   const char* name;
+  std::string shape;  // the op's main input, as Tensor::desc() gives it
   cudaEvent_t start, stop;
 };
 struct Totals {
@@ -29,9 +30,10 @@ struct Totals {
 
 std::atomic<bool> g_enabled{false};
 std::mutex g_mutex;
-std::vector<cudaEvent_t> g_free_events;  // guarded by g_mutex
-std::vector<Pending> g_pending;          // guarded by g_mutex
-std::map<std::string, Totals> g_totals;  // guarded by g_mutex
+std::vector<cudaEvent_t> g_free_events;        // guarded by g_mutex
+std::vector<Pending> g_pending;                // guarded by g_mutex
+std::map<std::string, Totals> g_totals;        // by op; guarded by g_mutex
+std::map<std::string, Totals> g_shape_totals;  // by op and input; guarded by g_mutex
 thread_local const char* t_last_op = nullptr;
 
 cudaEvent_t take_event() {
@@ -54,9 +56,10 @@ void drain_pending() {
     CUDA_CHECK(cudaEventSynchronize(p.stop));
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, p.start, p.stop));
-    Totals& t = g_totals[p.name];
-    ++t.calls;
-    t.total_ms += ms;
+    for (Totals* t : {&g_totals[p.name], &g_shape_totals[std::string(p.name) + "  " + p.shape]}) {
+      ++t->calls;
+      t->total_ms += ms;
+    }
     g_free_events.push_back(p.start);
     g_free_events.push_back(p.stop);
   }
@@ -104,28 +107,38 @@ void profiler_reset() {
   std::lock_guard<std::mutex> lock(g_mutex);
   drain_pending();
   g_totals.clear();
+  g_shape_totals.clear();
 }
 
-std::string profiler_report() {
+std::string profiler_report(bool by_input) {
   std::lock_guard<std::mutex> lock(g_mutex);
   drain_pending();
-  std::vector<std::pair<std::string, Totals>> rows(g_totals.begin(), g_totals.end());
+  const auto& table = by_input ? g_shape_totals : g_totals;
+  std::vector<std::pair<std::string, Totals>> rows(table.begin(), table.end());
   std::sort(rows.begin(), rows.end(),
             [](const auto& a, const auto& b) { return a.second.total_ms > b.second.total_ms; });
   double all = 0;
   for (const auto& r : rows) all += r.second.total_ms;
+  int width = 32;
+  for (const auto& r : rows) width = std::max(width, int(r.first.size()));
   std::string out;
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-32s %10s %14s %12s %8s\n", "op", "calls", "total ms",
-                "mean ms", "%");
+  char line[128];
+  auto name_column = [&](const std::string& name) {
+    out += name;
+    out.append(size_t(width - int(name.size())), ' ');
+  };
+  name_column("op");
+  std::snprintf(line, sizeof(line), " %10s %14s %12s %8s\n", "calls", "total ms", "mean ms", "%");
   out += line;
   for (const auto& [name, t] : rows) {
-    std::snprintf(line, sizeof(line), "%-32s %10lld %14.3f %12.4f %7.2f%%\n", name.c_str(),
+    name_column(name);
+    std::snprintf(line, sizeof(line), " %10lld %14.3f %12.4f %7.2f%%\n",
                   static_cast<long long>(t.calls), t.total_ms, t.total_ms / double(t.calls),
                   all > 0 ? 100.0 * t.total_ms / all : 0.0);
     out += line;
   }
-  std::snprintf(line, sizeof(line), "%-32s %10s %14.3f\n", "total", "", all);
+  name_column("total");
+  std::snprintf(line, sizeof(line), " %10s %14.3f\n", "", all);
   out += line;
   return out;
 }
@@ -152,7 +165,7 @@ ProfileOp::~ProfileOp() {
     cudaEvent_t stop = take_event();
     CUDA_CHECK(cudaEventRecord(stop, static_cast<cudaStream_t>(stream_)));
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_pending.push_back({name_, static_cast<cudaEvent_t>(start_), stop});
+    g_pending.push_back({name_, std::move(shape_), static_cast<cudaEvent_t>(start_), stop});
   } catch (const Error&) {
   }
 }

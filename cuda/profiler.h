@@ -35,8 +35,10 @@ bool profiler_enabled();
 // Clears the table (pending events included).
 void profiler_reset();
 // A table like torch.profiler's key_averages(): op, calls, total ms, mean ms, % of total; rows
-// sorted by total time. Synchronises on the pending events.
-std::string profiler_report();
+// sorted by total time. by_input: one row per op and main input (its Tensor::desc(), as
+// torch.profiler's group_by_input_shape), so that, say, each convolution shape has its own row.
+// Synchronises on the pending events.
+std::string profiler_report(bool by_input = false);
 
 // Times its own lifetime on the current stream; `name` null means disabled (no work at all).
 // `name` must outlive the report (a string literal).
@@ -86,7 +88,7 @@ class NvtxRange {
 inline void enable_profiler(bool) {}
 inline bool profiler_enabled() { return false; }
 inline void profiler_reset() {}
-inline std::string profiler_report() { return "kiln profiler: built without CUDA\n"; }
+inline std::string profiler_report(bool = false) { return "kiln profiler: built without CUDA\n"; }
 #define KILN_PROFILE_OP(name, shape) ((void)0)
 
 #endif

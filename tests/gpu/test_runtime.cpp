@@ -254,24 +254,40 @@ TEST_CASE("profiler: op table and NVTX ranges") {
   }
   cuda::enable_profiler(true);
   CHECK(cuda::profiler_enabled());
+  Tensor u = empty({1 << 10}, gpu_opts(DType::f32));
   for (int i = 0; i < 3; ++i) {
     cuda::NvtxRange range("fill step");
     KILN_PROFILE_OP("test_fill", t.shape_str());
     t.fill_(double(i));
+  }
+  {
+    KILN_PROFILE_OP("test_fill", u.shape_str());
+    u.fill_(1.0);
   }
   cuda::enable_profiler(false);
   std::string report = cuda::profiler_report();
   MESSAGE(report);
   CHECK(report.find("test_fill") != std::string::npos);
   CHECK(report.find("not_recorded") == std::string::npos);
-  // the row reads: name, 3 calls
+  // the row reads: name, 4 calls (both inputs)
   size_t at = report.find("test_fill");
-  CHECK(report.substr(at, 60).find(" 3 ") != std::string::npos);
+  CHECK(report.substr(at, 60).find(" 4 ") != std::string::npos);
+  // By input: a row for each shape, 3 calls and 1.
+  const std::string by_input = cuda::profiler_report(true);
+  MESSAGE(by_input);
+  at = by_input.find("test_fill  " + t.shape_str());
+  REQUIRE(at != std::string::npos);
+  CHECK(by_input.substr(at, 80).find(" 3 ") != std::string::npos);
+  at = by_input.find("test_fill  " + u.shape_str());
+  REQUIRE(at != std::string::npos);
+  CHECK(by_input.substr(at, 80).find(" 1 ") != std::string::npos);
   cuda::profiler_reset();
   CHECK(cuda::profiler_report().find("test_fill") == std::string::npos);
+  CHECK(cuda::profiler_report(true).find("test_fill") == std::string::npos);
 }
 
-TEST_CASE("programmatic dependent launch: each kernel still sees all of the previous one's writes") {
+TEST_CASE(
+    "programmatic dependent launch: each kernel still sees all of the previous one's writes") {
   const cudaDeviceProp& props = cuda::context().props;
   if (props.major < 9) CHECK_FALSE(cuda::pdl_enabled());
   const bool was = cuda::pdl_enabled();

@@ -248,6 +248,8 @@ int main(int argc, char** argv) {
     p.flag("--eager-only", &eager_only, "with --model: eager rows only");
     p.flag("--graph-only", &graph_only, "with --model: CUDA-graph rows only");
     p.flag("--profile", &mo.profile, "with --model: per-op GPU time table of a few eager steps");
+    p.flag("--profile-by-input", &mo.profile_by_input,
+           "with --profile: also a row per op and input shape");
     p.value("--nproc", "N", &nproc,
             "with --model: data-parallel over N local GPUs (batch per GPU);\n"
             "under torchrun, mpirun or srun leave it out (README: launching)",
@@ -283,6 +285,8 @@ int main(int argc, char** argv) {
     if (any_conv) mo.verify_deterministic = false;
     if (ops && !model.empty()) kiln::cli::usage_error("--ops and --model exclude each other");
     if (nproc > 1 && model.empty()) kiln::cli::usage_error("--nproc needs --model");
+    if (mo.profile_by_input && !mo.profile)
+      kiln::cli::usage_error("--profile-by-input needs --profile");
     if (kiln::plan_local_launch(nproc, kiln::DistEnv::from_env(), kiln::cuda_device_count())) {
       // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
       std::vector<std::string> args{"/proc/self/exe"};

@@ -166,6 +166,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
           if (report)
             std::printf("per-op profile of 5 eager steps, %s batch %ld:\n%s", o.model.c_str(),
                       long(batch), cuda::profiler_report().c_str());
+          if (report && o.profile_by_input)
+            std::printf("the same steps by op and input:\n%s", cuda::profiler_report(true).c_str());
         }
       } else {
         cuda::GraphStep g([&] { step_once(x, y); }, {.warmup_steps = 3});

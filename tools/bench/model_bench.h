@@ -19,6 +19,7 @@ struct ModelBenchOptions {
   int64_t image_size = 224;
   bool eager = true, graph = true;
   bool profile = false;  // after the eager rows: a per-op table of a few eager steps
+  bool profile_by_input = false;  // with profile: also a row per op and input shape
   int warmup = 8, windows = 5, steps_per_window = 10;
   double gflop_per_image = 24.3;  // forward + backward at 224x224 (models::train_gflop_per_image)
   amp::Precision precision = amp::Precision::Mixed16;  // or MixedBF16 (no loss scaler)

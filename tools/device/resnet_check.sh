@@ -16,7 +16,10 @@
 # --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
 # forward alone on those shapes (below). CONFIGS="default VAR=0 ..." alternates
 # configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh). Filters in SANITIZE
-# must not contain spaces (the list splits on them). Run from the repository root with .deps
+# must not contain spaces (the list splits on them). OPS=1 times every op of 5 eager b256 steps
+# by op and by op and input shape (kiln-bench --profile --profile-by-input; CUDA events around
+# each op): which call of the step a kernel class is; OPS_ENV="VAR=value" adds a second
+# table under that setting. Run from the repository root with .deps
 # (and .bench) carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
@@ -93,6 +96,14 @@ if [ -n "${NCU_PROBE:-}" ]; then
       grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp" "$log" |
         head -30 | tee -a "$S"
     done
+  done
+fi
+if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
+  for e in KILN_UNUSED=0 ${OPS_ENV:-}; do
+    env "$e" timeout 300 $B/kiln-bench --model resnet50 --batches 256 --eager-only --profile \
+      --profile-by-input > $L/ops-${e%%=*}.log 2>&1
+    echo "ops profile $e: rc $?" | tee -a "$S"
+    sed -n '/^per-op profile/,$p' $L/ops-${e%%=*}.log >> "$S"
   done
 fi
 if [ "${TORCH:-0}" = 1 ] && [ -f .bench/torch_resnet50_quick.py ]; then
