@@ -33,6 +33,8 @@ Switches read_switches() {
   s.prologue_f16 = is(std::getenv("KILN_PROLOGUE_F16"), "1");
   const char* sc = std::getenv("KILN_STEM_CONV");
   s.stem_conv = is(sc, "0") ? 0 : is(sc, "forward") ? 1 : 2;
+  const char* sw = std::getenv("KILN_STEM_WGMMA");
+  s.stem_wgmma = is(sw, "0") ? 0 : is(sw, "forward") ? 1 : 2;
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.grad_overwrite = !is(std::getenv("KILN_GRAD_OVERWRITE"), "0");

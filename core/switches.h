@@ -80,6 +80,9 @@
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
 // |                          |                     | forward only, its weight gradient on cuDNN      |
+// | KILN_STEM_WGMMA          | 0, forward          | kiln's stem convolution kernels multiply on     |
+// |                          |                     | mma.sync, not wgmma / only the forward on wgmma |
+// |                          |                     | (before 2026-12-05's v29)                       |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -151,6 +154,7 @@ struct Switches {
   bool stem_pool_tile = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
+  int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient
   bool pdl = true;
   bool accumulate_grads = true;
   bool grad_overwrite = true;

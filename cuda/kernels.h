@@ -100,6 +100,13 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
 // KILN_STEM_CONV=0 / forward, or set here (tests).
 int stem_conv_mode();
 void set_stem_conv_mode(int mode);
+// Where kiln's stem kernels multiply on Hopper's wgmma (cuda/kernels/stem_conv_wgmma.cu) rather
+// than mma.sync: 0 neither, 1 the forward, 2 (default) the forward and the weight gradient; the
+// same tiles and epilogues, their own bits. wgmma only where built for sm_90a and running on
+// sm_90: stem_wgmma_mode() says what runs (0 elsewhere). KILN_STEM_WGMMA=0 / forward, or set
+// here (tests).
+int stem_wgmma_mode();
+void set_stem_wgmma_mode(int mode);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

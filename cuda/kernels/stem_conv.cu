@@ -30,54 +30,15 @@
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/mma.cuh"
+#include "cuda/kernels/stem_conv.cuh"
 
 namespace kiln::cuda {
 namespace {
 
-constexpr int kCout = 64, kKh = 7;
-constexpr int kTileH = 8, kTileW = 16;     // output pixels per tile
-constexpr int kThreads = 128;              // 4 warps, 2 output rows each
-constexpr int kPatchH = 2 * kTileH + 5;    // 21 input rows: (8 − 1)·2 + 7
-constexpr int kPatchW = 2 * kTileW + 6;    // 38 input columns: (16 − 1)·2 + 8
-constexpr int kPatch = kPatchH * kPatchW;  // pixels of 4 halves (8 bytes)
-constexpr int kK = kKh * 8 * 4;            // 224
-constexpr int kPitchW = kK + 8;            // halves per weight row: conflict-free ldmatrix
-constexpr int kStage = 32 * kCout;         // halves a warp stages per tile
+using namespace stem;
+
+constexpr int kPitchW = kK + 8;  // halves per weight row: conflict-free ldmatrix
 constexpr int kSmemBytes = kCout * kPitchW * 2 + kPatch * 8 + 4 * kStage * 2;  // 52,464
-
-struct StemGeom {
-  int H, W, OH, OW;
-  int tiles_w, tiles_img, tiles;
-  int64_t wn, wc, wh, ww;  // the weight's strides, elements
-};
-
-// The input patch of output tile (oh0, ow0) of image n into shared memory: rows 2·oh0 − 3..,
-// columns 2·ow0 − 3.., 3 channels padded to 4, zeros outside the image. Every load of the thread
-// is issued before its first store, so their latencies overlap (a loop of load-then-store
-// waits for each in turn).
-__device__ inline void load_patch(uint2* patch, const __half* __restrict__ x, const StemGeom& g,
-                                  int n, int oh0, int ow0) {
-  constexpr int kIters = (kPatch + kThreads - 1) / kThreads;
-  const unsigned short* xs = reinterpret_cast<const unsigned short*>(x);
-  const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
-  unsigned lo[kIters], hi[kIters];
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int i = int(threadIdx.x) + it * kThreads;
-    const int ih = ih0 + i / kPatchW, iw = iw0 + i % kPatchW;
-    lo[it] = hi[it] = 0u;
-    if (i < kPatch && ih >= 0 && ih < g.H && iw >= 0 && iw < g.W) {
-      const unsigned short* p = xs + ((int64_t(n) * g.H + ih) * g.W + iw) * 3;
-      lo[it] = unsigned(p[0]) | (unsigned(p[1]) << 16);
-      hi[it] = unsigned(p[2]);
-    }
-  }
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int i = int(threadIdx.x) + it * kThreads;
-    if (i < kPatch) patch[i] = uint2{lo[it], hi[it]};
-  }
-}
 
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_kernel(__half* __restrict__ y, float* __restrict__ partial,
@@ -102,7 +63,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   float s1[16], s2[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) s1[i] = s2[i] = 0.f;
-  const int gq = lane >> 2, tq = lane & 3;  // the fragment's row group and column pair
   const int lj = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
@@ -141,62 +101,11 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
     }
 
-    // Round to f16, add the rounded values into the statistics, stage the warp's 32 pixels
-    // (pixel p = 16·mi + column; chunk j of 8 channels at j XOR p % 8: conflict-free), then write
-    // them out 16 bytes per lane, each pixel's 128 bytes contiguous.
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const __half2 v = __floats2half2_rn(acc[mi][j][2 * h], acc[mi][j][2 * h + 1]);
-          const float2 f = __half22float2(v);
-          s1[2 * j] += f.x;
-          s1[2 * j + 1] += f.y;
-          s2[2 * j] += f.x * f.x;
-          s2[2 * j + 1] += f.y * f.y;
-          const int p = 16 * mi + gq + 8 * h;
-          *reinterpret_cast<__half2*>(stage + p * kCout + ((j ^ (p & 7)) * 8) + 2 * tq) = v;
-        }
-    __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 8; ++it) {
-      const int idx = it * 32 + lane, p = idx >> 3, chunk = idx & 7;
-      const int oh = oh0 + warp * 2 + (p >> 4), ow = ow0 + (p & 15);
-      const uint4 v = *reinterpret_cast<const uint4*>(stage + p * kCout + ((chunk ^ (p & 7)) * 8));
-      *reinterpret_cast<uint4*>(y + ((int64_t(n) * g.OH + oh) * g.OW + ow) * kCout + chunk * 8) = v;
-    }
-    __syncwarp();
+    store_tile([&](int mi, int j, int q) { return acc[mi][j][q]; }, s1, s2, stage, y, g, n, oh0,
+               ow0);
   }
 
-  // The statistics: the 8 lanes of each column pair added in a fixed order, then the 4 warps,
-  // into this CTA's partial row (2, 64).
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-      s1[i] += __shfl_xor_sync(0xffffffffu, s1[i], m);
-      s2[i] += __shfl_xor_sync(0xffffffffu, s2[i], m);
-    }
-  __syncthreads();  // every warp is done with the patch and its staging
-  float* red = reinterpret_cast<float*>(stage_all);  // [4 warps][2][64]
-  if (gq == 0) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        red[(warp * 2 + 0) * kCout + 8 * j + 2 * tq + e] = s1[2 * j + e];
-        red[(warp * 2 + 1) * kCout + 8 * j + 2 * tq + e] = s2[2 * j + e];
-      }
-  }
-  __syncthreads();
-  {
-    const int which = tid >> 6, c = tid & 63;
-    float v = 0.f;
-    for (int wv = 0; wv < 4; ++wv) v += red[(wv * 2 + which) * kCout + c];
-    partial[int64_t(blockIdx.x) * 2 * kCout + which * kCout + c] = v;
-  }
+  write_partial_stats(s1, s2, reinterpret_cast<float*>(stage_all), partial);
 }
 
 // sum (=) and sqsum (=): the parts' partial rows added in order.
@@ -357,6 +266,7 @@ bool stem_shapes(const Tensor& y, const Tensor& x, const Tensor& w, const ConvPa
 }
 
 constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
+constinit RuntimeSetting<int> g_stem_wgmma{&Switches::stem_wgmma};  // KILN_STEM_WGMMA
 
 }  // namespace
 
@@ -364,6 +274,12 @@ int stem_conv_mode() { return g_stem_conv.get(); }
 void set_stem_conv_mode(int mode) {
   KILN_CHECK(mode >= 0 && mode <= 2, "set_stem_conv_mode: mode ", mode, " is not 0, 1 or 2");
   g_stem_conv.set(mode);
+}
+
+int stem_wgmma_mode() { return conv_wgmma_available() ? g_stem_wgmma.get() : 0; }
+void set_stem_wgmma_mode(int mode) {
+  KILN_CHECK(mode >= 0 && mode <= 2, "set_stem_wgmma_mode: mode ", mode, " is not 0, 1 or 2");
+  g_stem_wgmma.set(mode);
 }
 
 bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
@@ -388,16 +304,23 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   float* ps = f32_ptr(sum, kCout, x, op, "sum");
   float* pq = f32_ptr(sqsum, kCout, x, op, "sqsum");
   const StemGeom g = stem_geom(x, w, y.size(2), y.size(3));
-  const int parts = stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
+  const bool wgmma = stem_wgmma_mode() >= 1;
+  const int parts =
+      wgmma ? conv_wgmma_parts(g.tiles) : stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
-  launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s, static_cast<__half*>(y.raw_data()),
-         static_cast<float*>(partial.raw_data()), static_cast<const __half*>(x.raw_data()),
-         static_cast<const __half*>(w.raw_data()), g);
-  KILN_CUDA_CHECK_LAUNCH();
-  launch(stem_stats_finish_kernel, 1, 2 * kCout, 0, s, ps, pq,
-         static_cast<const float*>(partial.raw_data()), parts);
+  __half* yp = static_cast<__half*>(y.raw_data());
+  float* pp = static_cast<float*>(partial.raw_data());
+  const __half* xp = static_cast<const __half*>(x.raw_data());
+  const __half* wp = static_cast<const __half*>(w.raw_data());
+  if (wgmma) {
+    conv_wgmma(yp, pp, xp, wp, g, parts, s);
+  } else {
+    launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s, yp, pp, xp, wp, g);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  launch(stem_stats_finish_kernel, 1, 2 * kCout, 0, s, ps, pq, pp, parts);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -409,15 +332,22 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
              "a multiple of 8 and columns of 16; got dw ",
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
   const StemGeom g = stem_geom(x, dw, dy.size(2), dy.size(3));
-  const int parts = stem_parts<stem_wgrad_kernel>(kWgSmemBytes, g.tiles);
+  const bool wgmma = stem_wgmma_mode() == 2;
+  const int parts = wgmma ? wgrad_wgmma_parts(g.tiles)
+                          : stem_parts<stem_wgrad_kernel>(kWgSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * kCout * kK}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
-  launch(stem_wgrad_kernel, parts, kThreads, kWgSmemBytes, s,
-         static_cast<float*>(partial.raw_data()), static_cast<const __half*>(dy.raw_data()),
-         static_cast<const __half*>(x.raw_data()), g);
-  KILN_CUDA_CHECK_LAUNCH();
-  const float* pp = static_cast<const float*>(partial.raw_data());
+  float* pw = static_cast<float*>(partial.raw_data());
+  const __half* dyp = static_cast<const __half*>(dy.raw_data());
+  const __half* xp = static_cast<const __half*>(x.raw_data());
+  if (wgmma) {
+    wgrad_wgmma(pw, dyp, xp, g, parts, s);
+  } else {
+    launch(stem_wgrad_kernel, parts, kThreads, kWgSmemBytes, s, pw, dyp, xp, g);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  const float* pp = pw;
   const unsigned blocks = unsigned((kCout * 3 * kKh * kKh + 255) / 256);
   if (dw.dtype() == DType::f16)
     launch(stem_wgrad_finish_kernel<__half>, blocks, 256, 0, s, static_cast<__half*>(dw.raw_data()),

@@ -216,6 +216,28 @@ __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
+// The same with A in registers (this warp's 16 rows, as mma.sync's m16n8k16 A operand) and B
+// 16 × 64 in shared memory (K-major, kTransB 0, or N-major, 1): D 64 × 64 f32.
+template <int kTransB>
+__device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4],
+                                          uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "
+      "%36, p, 1, 1, %37;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kTransB));
+}
+
 // The prologue of kiln's wgmma kernels: relu(x·scale + shift) in place (bn_relu8) on one box of
 // 64 channels × kRows rows in the 128-byte swizzle at generic address `box` (1,024-byte
 // aligned), by kThreads threads (a multiple of 64) of which this is `t`. Row r's 16-byte chunk j

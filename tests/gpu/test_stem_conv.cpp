@@ -3,10 +3,12 @@
 // convolution, the statistics against f64 sums of the y it wrote, bit-reproducible, either weight
 // layout, the path F::conv2d takes, and the shapes it leaves to cuDNN. Its weight gradient
 // (cuda::stem_conv_backward_weight) against cuDNN's and the CPU's, written and added, f16 and f32,
-// either layout, bit-reproducible, and through autograd.
+// either layout, bit-reproducible, and through autograd. Both kernels with their multiply on
+// wgmma and on mma.sync where the GPU has both, and the two against each other.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "cuda/conv.h"
@@ -69,51 +71,135 @@ struct Case {
 };
 constexpr Case kCases[] = {{2, 32, 32}, {3, 48, 64}, {8, 224, 224}, {1, 31, 63}};
 
+// The multiplies this GPU runs the stem's kernels on: mma.sync, and wgmma where available (sm_90,
+// a build for sm_90a). Restores the setting it found.
+class Multiplies {
+ public:
+  Multiplies() : before_(cuda::stem_wgmma_mode()) {
+    cuda::set_stem_wgmma_mode(2);
+    if (cuda::stem_wgmma_mode() == 2) list_.push_back(true);
+    list_.push_back(false);
+  }
+  ~Multiplies() { cuda::set_stem_wgmma_mode(before_); }
+  // Each multiply's name, with the setting made for it.
+  std::vector<const char*> each() const {
+    std::vector<const char*> names;
+    for (bool on : list_) names.push_back(on ? "wgmma" : "mma.sync");
+    return names;
+  }
+  static void use(const char* name) {
+    cuda::set_stem_wgmma_mode(std::string(name) == "wgmma" ? 2 : 0);
+  }
+
+ private:
+  int before_;
+  std::vector<bool> list_;
+};
+
+// The weight gradient of dy through the stem, on cuDNN (mode 0) or kiln's kernel (mode 2), into
+// a fresh dw of `dtype` and layout `fmt`: written, or added onto `base` when base is defined.
+Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFormat fmt,
+             const Tensor& base = Tensor()) {
+  // A fresh tensor either way: base.to(dtype).contiguous(fmt) may be base itself, which the
+  // kernel would then add into.
+  Tensor dw = gputest::nan_output({64, 3, 7, 7}, dtype, fmt);
+  if (base.defined()) dw.copy_(base.to(dtype));
+  const int before = cuda::stem_conv_mode();
+  cuda::set_stem_conv_mode(mode);
+  cuda::conv2d_backward_weight(dw, dy, x, stem_params(), /*accumulate=*/base.defined());
+  cuda::set_stem_conv_mode(before);
+  return dw;
+}
+
 }  // namespace
 
 TEST_CASE("the stem convolution equals cuDNN's and the CPU's; its statistics are y's") {
-  for (Case cs : kCases) {
-    CAPTURE(cs.h);
-    CAPTURE(cs.w);
-    const Stem s = make_stem(cs.n, cs.h, cs.w, 7 + uint64_t(cs.h));
-    const Out o = run_kernel(s);
-    // cuDNN: the same products, added in another order, so y may round to the neighbouring f16.
-    const int mode = cuda::stem_conv_mode();
-    cuda::set_stem_conv_mode(0);
-    Tensor ref = F::conv2d(s.x, s.w, Tensor(), 2, 3);
-    cuda::set_stem_conv_mode(mode);
-    KILN_CHECK_OK(testing::compare(f32(o.y), f32(ref), 4e-3, 2e-3));
-    // The f32 CPU convolution of the same f16 values.
-    Tensor cpu = F::conv2d(f32(s.x), f32(s.w), Tensor(), 2, 3);
-    KILN_CHECK_OK(testing::compare(f32(o.y), cpu, 1e-2, 2e-3));
-    // Σy and Σy² of the y it wrote, in f64.
-    Tensor yc = f32(o.y).permute({0, 2, 3, 1}).contiguous();
-    const float* yp = yc.data<float>();
-    const int64_t rows = yc.numel() / 64;
-    std::vector<double> sum(64, 0.0), sq(64, 0.0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int c = 0; c < 64; ++c) {
-        const double v = yp[r * 64 + c];
-        sum[size_t(c)] += v;
-        sq[size_t(c)] += v * v;
-      }
-    Tensor want_sum = from_vector(sum, {64}, TensorOptions(DType::f32));
-    Tensor want_sq = from_vector(sq, {64}, TensorOptions(DType::f32));
-    // f32 sums of `rows` terms: the sum's error is bounded by its scale, sqrt(rows)·|y|.
-    const double tol = 1e-5 * double(rows);
-    KILN_CHECK_OK(testing::compare(o.sum.to(kCPU), want_sum, tol, 1e-5));
-    KILN_CHECK_OK(testing::compare(o.sqsum.to(kCPU), want_sq, tol, 1e-5));
-  }
+  const Multiplies multiplies;
+  for (const char* mul : multiplies.each())
+    for (Case cs : kCases) {
+      CAPTURE(mul);
+      CAPTURE(cs.h);
+      CAPTURE(cs.w);
+      Multiplies::use(mul);
+      const Stem s = make_stem(cs.n, cs.h, cs.w, 7 + uint64_t(cs.h));
+      const Out o = run_kernel(s);
+      // cuDNN: the same products, added in another order, so y may round to the neighbouring f16.
+      const int mode = cuda::stem_conv_mode();
+      cuda::set_stem_conv_mode(0);
+      Tensor ref = F::conv2d(s.x, s.w, Tensor(), 2, 3);
+      cuda::set_stem_conv_mode(mode);
+      KILN_CHECK_OK(testing::compare(f32(o.y), f32(ref), 4e-3, 2e-3));
+      // The f32 CPU convolution of the same f16 values.
+      Tensor cpu = F::conv2d(f32(s.x), f32(s.w), Tensor(), 2, 3);
+      KILN_CHECK_OK(testing::compare(f32(o.y), cpu, 1e-2, 2e-3));
+      // Σy and Σy² of the y it wrote, in f64.
+      Tensor yc = f32(o.y).permute({0, 2, 3, 1}).contiguous();
+      const float* yp = yc.data<float>();
+      const int64_t rows = yc.numel() / 64;
+      std::vector<double> sum(64, 0.0), sq(64, 0.0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 64; ++c) {
+          const double v = yp[r * 64 + c];
+          sum[size_t(c)] += v;
+          sq[size_t(c)] += v * v;
+        }
+      Tensor want_sum = from_vector(sum, {64}, TensorOptions(DType::f32));
+      Tensor want_sq = from_vector(sq, {64}, TensorOptions(DType::f32));
+      // f32 sums of `rows` terms: the sum's error is bounded by its scale, sqrt(rows)·|y|.
+      const double tol = 1e-5 * double(rows);
+      KILN_CHECK_OK(testing::compare(o.sum.to(kCPU), want_sum, tol, 1e-5));
+      KILN_CHECK_OK(testing::compare(o.sqsum.to(kCPU), want_sq, tol, 1e-5));
+    }
 }
 
 TEST_CASE("the stem convolution is bit-reproducible and takes either weight layout") {
   const Stem a = make_stem(4, 64, 96, 21), b = make_stem(4, 64, 96, 21, /*w_channels_last=*/true);
   REQUIRE(b.w.is_contiguous(MemoryFormat::ChannelsLast));
-  const Out o1 = run_kernel(a), o2 = run_kernel(a), o3 = run_kernel(b);
-  for (const Out* o : {&o2, &o3}) {
-    KILN_CHECK_OK(testing::compare(o->y, o1.y, 0, 0));
-    KILN_CHECK_OK(testing::compare(o->sum, o1.sum, 0, 0));
-    KILN_CHECK_OK(testing::compare(o->sqsum, o1.sqsum, 0, 0));
+  const Multiplies multiplies;
+  for (const char* mul : multiplies.each()) {
+    CAPTURE(mul);
+    Multiplies::use(mul);
+    const Out o1 = run_kernel(a), o2 = run_kernel(a), o3 = run_kernel(b);
+    for (const Out* o : {&o2, &o3}) {
+      KILN_CHECK_OK(testing::compare(o->y, o1.y, 0, 0));
+      KILN_CHECK_OK(testing::compare(o->sum, o1.sum, 0, 0));
+      KILN_CHECK_OK(testing::compare(o->sqsum, o1.sqsum, 0, 0));
+    }
+  }
+}
+
+TEST_CASE("the stem convolution's two multiplies agree") {
+  const Multiplies multiplies;
+  if (multiplies.each().size() < 2) {
+    MESSAGE("the wgmma multiply needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  // ResNet-50's shape at batch 8 (784 tiles: several per CTA) and one with borders on all sides.
+  for (Case cs : {Case{8, 224, 224}, Case{3, 48, 64}}) {
+    CAPTURE(cs.h);
+    const Stem s = make_stem(cs.n, cs.h, cs.w, 61 + uint64_t(cs.h));
+    Multiplies::use("wgmma");
+    const Out wg = run_kernel(s);
+    Multiplies::use("mma.sync");
+    const Out ms = run_kernel(s);
+    // The same products in the same k16 steps: y at most one f16 step apart (the tensor cores'
+    // order within a step may differ), the statistics of those y within their rounding.
+    KILN_CHECK_OK(testing::compare(f32(wg.y), f32(ms.y), 2e-3, 1e-3));
+    const double rows = double(wg.y.numel() / 64);
+    KILN_CHECK_OK(testing::compare(wg.sum.to(kCPU), ms.sum.to(kCPU), 1e-5 * rows, 1e-4));
+    KILN_CHECK_OK(testing::compare(wg.sqsum.to(kCPU), ms.sqsum.to(kCPU), 1e-5 * rows, 1e-4));
+    const Tensor same = F::eq(wg.y, ms.y).to(DType::f32).to(kCPU);
+    MESSAGE("y equal bit for bit at ", F::sum(same).item<float>(), " of ", same.numel(), " values");
+    // The weight gradients, f32: the same products, the pixels added in other groups.
+    const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
+    Tensor dy =
+        randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    Multiplies::use("wgmma");
+    const Tensor dw_wg = wgrad(dy, s.x, 2, DType::f32, MemoryFormat::Contiguous);
+    Multiplies::use("mma.sync");
+    const Tensor dw_ms = wgrad(dy, s.x, 2, DType::f32, MemoryFormat::Contiguous);
+    const double scale = std::sqrt(double(cs.n * oh * ow));
+    KILN_CHECK_OK(testing::compare(f32(dw_wg), f32(dw_ms), 1e-4 * scale, 1e-4));
   }
 }
 
@@ -150,61 +236,46 @@ TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on
                        doctest::Contains("output rows a multiple of 8"), Error);
 }
 
-namespace {
-
-// The weight gradient of dy through the stem, on cuDNN (mode 0) or kiln's kernel (mode 2), into
-// a fresh dw of `dtype` and layout `fmt`: written, or added onto `base` when base is defined.
-Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFormat fmt,
-             const Tensor& base = Tensor()) {
-  // A fresh tensor either way: base.to(dtype).contiguous(fmt) may be base itself, which the
-  // kernel would then add into.
-  Tensor dw = gputest::nan_output({64, 3, 7, 7}, dtype, fmt);
-  if (base.defined()) dw.copy_(base.to(dtype));
-  const int before = cuda::stem_conv_mode();
-  cuda::set_stem_conv_mode(mode);
-  cuda::conv2d_backward_weight(dw, dy, x, stem_params(), /*accumulate=*/base.defined());
-  cuda::set_stem_conv_mode(before);
-  return dw;
-}
-
-}  // namespace
-
 TEST_CASE("the stem's weight gradient equals cuDNN's and the CPU's, written or added") {
-  for (Case cs : kCases) {
-    CAPTURE(cs.h);
-    CAPTURE(cs.w);
-    const Stem s = make_stem(cs.n, cs.h, cs.w, 41 + uint64_t(cs.h));
-    const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
-    Tensor dy =
-        randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
-    REQUIRE(cuda::stem_wgrad_supported(gputest::nan_output({64, 3, 7, 7}, DType::f16), dy, s.x,
-                                       stem_params()));
-    // The f32 CPU gradient of the same f16 values, through autograd.
-    Tensor xc = f32(s.x), wc = f32(s.w).detach();
-    wc.set_requires_grad(true);
-    F::conv2d(xc, wc, Tensor(), 2, 3).backward(f32(dy));
-    const Tensor cpu = wc.grad();
-    // dW's entries add M = N·OH·OW products of size ~1: ~sqrt(M) in size, one f16 step 2^-11 of
-    // that; the two GPU sums differ in order only.
-    const double scale = std::sqrt(double(cs.n * oh * ow));
-    for (auto fmt : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-      const Tensor mine = wgrad(dy, s.x, 2, DType::f16, fmt);
-      const Tensor ref = wgrad(dy, s.x, 0, DType::f16, fmt);
-      KILN_CHECK_OK(testing::compare(f32(mine), f32(ref), 2e-3 * scale, 2e-3));
-      KILN_CHECK_OK(testing::compare(f32(mine), cpu, 2e-3 * scale, 2e-3));
-      const Tensor mine32 = wgrad(dy, s.x, 2, DType::f32, fmt);
-      KILN_CHECK_OK(testing::compare(f32(mine32), cpu, 1e-4 * scale, 1e-4));
-      // Added onto a gradient already there: base + dW, rounded once.
-      const Tensor base = F::mul(randn({64, 3, 7, 7}), scale).to(DType::f16).to(kGpu);
-      const Tensor added = wgrad(dy, s.x, 2, DType::f16, fmt, base);
-      KILN_CHECK_OK(
-          testing::compare(f32(added), F::add(f32(base), f32(mine32)), 2e-3 * scale, 2e-3));
-      // Bit-reproducible, and the same bits in either layout.
-      KILN_CHECK_OK(testing::compare(wgrad(dy, s.x, 2, DType::f16, fmt), mine, 0, 0));
-      KILN_CHECK_OK(testing::compare(
-          mine.contiguous(), wgrad(dy, s.x, 2, DType::f16, MemoryFormat::Contiguous), 0, 0));
+  const Multiplies multiplies;
+  for (const char* mul : multiplies.each())
+    for (Case cs : kCases) {
+      CAPTURE(mul);
+      CAPTURE(cs.h);
+      Multiplies::use(mul);
+      CAPTURE(cs.w);
+      const Stem s = make_stem(cs.n, cs.h, cs.w, 41 + uint64_t(cs.h));
+      const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
+      Tensor dy =
+          randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+      REQUIRE(cuda::stem_wgrad_supported(gputest::nan_output({64, 3, 7, 7}, DType::f16), dy, s.x,
+                                         stem_params()));
+      // The f32 CPU gradient of the same f16 values, through autograd.
+      Tensor xc = f32(s.x), wc = f32(s.w).detach();
+      wc.set_requires_grad(true);
+      F::conv2d(xc, wc, Tensor(), 2, 3).backward(f32(dy));
+      const Tensor cpu = wc.grad();
+      // dW's entries add M = N·OH·OW products of size ~1: ~sqrt(M) in size, one f16 step 2^-11 of
+      // that; the two GPU sums differ in order only.
+      const double scale = std::sqrt(double(cs.n * oh * ow));
+      for (auto fmt : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+        const Tensor mine = wgrad(dy, s.x, 2, DType::f16, fmt);
+        const Tensor ref = wgrad(dy, s.x, 0, DType::f16, fmt);
+        KILN_CHECK_OK(testing::compare(f32(mine), f32(ref), 2e-3 * scale, 2e-3));
+        KILN_CHECK_OK(testing::compare(f32(mine), cpu, 2e-3 * scale, 2e-3));
+        const Tensor mine32 = wgrad(dy, s.x, 2, DType::f32, fmt);
+        KILN_CHECK_OK(testing::compare(f32(mine32), cpu, 1e-4 * scale, 1e-4));
+        // Added onto a gradient already there: base + dW, rounded once.
+        const Tensor base = F::mul(randn({64, 3, 7, 7}), scale).to(DType::f16).to(kGpu);
+        const Tensor added = wgrad(dy, s.x, 2, DType::f16, fmt, base);
+        KILN_CHECK_OK(
+            testing::compare(f32(added), F::add(f32(base), f32(mine32)), 2e-3 * scale, 2e-3));
+        // Bit-reproducible, and the same bits in either layout.
+        KILN_CHECK_OK(testing::compare(wgrad(dy, s.x, 2, DType::f16, fmt), mine, 0, 0));
+        KILN_CHECK_OK(testing::compare(
+            mine.contiguous(), wgrad(dy, s.x, 2, DType::f16, MemoryFormat::Contiguous), 0, 0));
+      }
     }
-  }
 }
 
 TEST_CASE("autograd through the stem: kiln's kernels give cuDNN's gradients") {

@@ -1,0 +1,248 @@
+// The ResNet stem's convolution on Hopper's wgmma: the forward with statistics and the weight
+// gradient (contracts in cuda/kernels.h: stem_conv_forward_stats, stem_conv_backward_weight).
+// The same implicit GEMMs, tiles, patch and epilogues as the mma.sync kernels of
+// cuda/kernels/stem_conv.cu (cuda/kernels/stem_conv.cuh has what they share); only the multiply
+// differs. There each warp loaded both operands from shared memory by ldmatrix for every k16
+// step, and mma.sync on sm_90 runs below wgmma's rate. Here a CTA's 4 warps are one warpgroup;
+// one operand stays in registers, loaded by the same ldmatrix as before (wgmma's register A is
+// mma.sync's m16n8k16 A, per warp), and the tensor cores read the other from shared memory
+// through a descriptor, in the 128-byte swizzle.
+//
+// Forward: A = output pixels × K (the patch's 16-byte chunks), B = the weight (64 channels × K,
+// K-major, K padded to 256 in four 64-column boxes). A k16 step is two wgmma m64n64k16, one per
+// output row of each warp (warp w's 16 rows of wgmma mi are output row 2w + mi of the tile, as
+// the m16 tile mi was); wgmma's accumulators repeat mma.sync's C layout per warp, so the epilogue
+// is the same code.
+//
+// Weight gradient, turned around so that the patch is the register operand: dWᵀ (K × 64) =
+// Σ patchesᵀ · dy. A = K × pixels: warp w's rows of m64 tile t are K = 64t + 16w.., kernel row
+// kh = K / 32, columns kw0..kw0 + 3 (kw0 = 0 or 4), loaded by ldmatrix.trans of the patch's
+// chunks (K 224-255 are past the kernel: any chunk, results dropped). B = the tile's dy, 128
+// pixels × 64 channels (N-major), staged by cp.async in the swizzle. A k16 step (one output row
+// of the tile, 16 pixels) is four wgmma m64n64k16. Each CTA writes its partial as the mma.sync
+// kernel's, so the same finishing kernel adds them.
+//
+// Both keep one wgmma group in flight: step s's fragments are loaded while step s − 1
+// multiplies.
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/kernels.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/kernels/mma.cuh"
+#include "cuda/kernels/stem_conv.cuh"
+#include "cuda/kernels/wgmma.cuh"
+
+namespace kiln::cuda::stem {
+namespace {
+
+using namespace sm90;
+
+constexpr int kSteps = kK / 16;              // 14 k16 steps
+constexpr int kBoxBytes = kCout * 128;       // 64 channels × 64 k of f16: 8 KB
+constexpr int kWeightBytes = 4 * kBoxBytes;  // K padded to 256
+constexpr int kSmemBytes = 1024 + kWeightBytes + kPatch * 8 + 4 * kStage * 2;  // 56,560
+static_assert(kSteps * 16 == kK && kK <= 256, "the weight's K fits the four boxes");
+
+__global__ void __launch_bounds__(kThreads, 3)
+    stem_conv_stats_wgmma_kernel(__half* __restrict__ y, float* __restrict__ partial,
+                                 const __half* __restrict__ x, const __half* __restrict__ w,
+                                 StemGeom g) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_start();
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle wants the weight's boxes 1,024-byte aligned.
+  const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  unsigned char* wsm = smem_raw + pad;                          // 4 boxes [64][128 B]
+  uint2* patch = reinterpret_cast<uint2*>(wsm + kWeightBytes);  // [21][38] × 4 halves
+  __half* stage_all = reinterpret_cast<__half*>(wsm + kWeightBytes + kPatch * 8);
+  const uint32_t w_addr = raw + pad, patch_addr = w_addr + kWeightBytes;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  __half* stage = stage_all + warp * kStage;  // [32 pixels][64 channels], 16-byte chunks swizzled
+
+  // The weight as B, K-major: channel n's k = kh·32 + kw·4 + c (zero for kw = 7, c = 3 and
+  // k ≥ 224) at box k / 64, row n, 16-byte chunk (k % 64) / 8 XOR n % 8.
+  for (int i = tid; i < kCout * 256; i += kThreads) {
+    const int n = i >> 8, k = i & 255, kh = k >> 5, kw = (k >> 2) & 7, c = k & 3;
+    __half v = __ushort_as_half(0);
+    if (k < kK && kw < 7 && c < 3) v = w[n * g.wn + c * g.wc + kh * g.wh + kw * g.ww];
+    *reinterpret_cast<__half*>(wsm + (k >> 6) * kBoxBytes + n * 128 +
+                               ((((k & 63) >> 3) ^ (n & 7)) << 4) + (k & 7) * 2) = v;
+  }
+  fence_proxy_async();  // the weight's generic stores, before the tensor cores read it
+
+  float s1[16], s2[16];  // this thread's statistics, as the mma.sync kernel's
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s1[i] = s2[i] = 0.f;
+  const int lj = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
+
+  for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
+    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    __syncthreads();  // the previous tile's patch has been read (and the weight is in)
+    load_patch(patch, x, g, n, oh0, ow0);
+    __syncthreads();
+
+    float d[2][32];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) d[mi][i] = 0.f;
+    uint32_t a[2][2][4];  // [step parity][mi]: the fragments of one step in flight, one loading
+    auto load_a = [&](uint32_t(&fr)[2][4], int s) {
+      const int kh = s >> 1, kw0 = (s & 1) * 4 + 2 * (lj >> 1);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        // Row lr + 8·(lj & 1) of the warp's 16 = output column; its pixels 2·col + kw0, + 1.
+        const int row = 2 * (warp * 2 + mi) + kh, col = 2 * (lr + 8 * (lj & 1)) + kw0;
+        ldmatrix_x4(fr[mi], patch_addr + uint32_t((row * kPatchW + col) * 8));
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      load_a(a[s & 1], s);
+      wgmma_fence();  // the fragments were written by this thread
+      const uint64_t db = make_desc(w_addr + uint32_t((s >> 2) * kBoxBytes + (s & 3) * 32));
+      wgmma_m64n64k16_rs<0>(d[0], a[s & 1][0], db);
+      wgmma_m64n64k16_rs<0>(d[1], a[s & 1][1], db);
+      wgmma_commit();
+      wgmma_wait1();  // step s − 1 is done: its fragments may be loaded over
+    }
+    wgmma_wait0();
+
+    store_tile([&](int mi, int j, int q) { return d[mi][4 * j + q]; }, s1, s2, stage, y, g, n, oh0,
+               ow0);
+  }
+
+  write_partial_stats(s1, s2, reinterpret_cast<float*>(stage_all), partial);
+#else
+  __trap();  // built without sm_90a: conv_wgmma_available() is false, never launched
+#endif
+}
+
+constexpr int kDyBytes = kTileH * kTileW * 128;             // 128 pixels × 64 channels
+constexpr int kWgSmemBytes = 1024 + kDyBytes + kPatch * 8;  // 23,792
+constexpr int kMTiles = 4;                                  // K 0-255 in m64 tiles
+
+__global__ void __launch_bounds__(kThreads, 2)
+    stem_wgrad_wgmma_kernel(float* __restrict__ partial, const __half* __restrict__ dy,
+                            const __half* __restrict__ x, StemGeom g) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_start();
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  unsigned char* sdy = smem_raw + pad;                      // [128 pixels][128 B], swizzled
+  uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBytes);  // [21][38] × 4 halves
+  const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBytes;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3, lj = lane >> 3, lr = lane & 7;
+
+  // This warp's A rows in m64 tile t: K = 64t + 16w.., kernel row kh_t, columns kw0_t.. (K past
+  // the kernel read row 6's chunks: any in-bounds chunk, dropped at the end).
+  int a_off[kMTiles];  // the patch chunk of pixel (0, 0) for this lane, in 8-byte pixels
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t) {
+    const int k0 = 64 * t + 16 * warp, kh = std::min(k0 >> 5, kKh - 1), kw0 = (k0 & 31) >> 2;
+    // Matrix lj: pixels (columns) lr + 8·(lj >> 1), kernel columns kw0 + 2·(lj & 1), + 1.
+    a_off[t] = kh * kPatchW + 2 * (lr + 8 * (lj >> 1)) + kw0 + 2 * (lj & 1);
+  }
+
+  float d[kMTiles][32];
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[t][i] = 0.f;
+
+  for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
+    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    __syncthreads();  // the previous tile's patch and dy have been read (its wgmmas waited for)
+    // dy's 128 pixels × 128 bytes, 16 bytes per copy: pixel p's chunk c at c XOR p % 8.
+    for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {
+      const int pix = i >> 3, chunk = i & 7;
+      const int64_t src =
+          ((int64_t(n) * g.OH + oh0 + (pix >> 4)) * g.OW + ow0 + (pix & 15)) * kCout + chunk * 8;
+      cp_async16(sdy + pix * 128 + ((chunk ^ (pix & 7)) << 4), dy + src, true);
+    }
+    cp_async_commit();
+    load_patch(patch, x, g, n, oh0, ow0);
+    cp_async_wait_all();
+    fence_proxy_async();  // dy's copies, before the tensor cores read them
+    __syncthreads();
+
+    uint32_t a[2][kMTiles][4];  // [step parity][t]
+#pragma unroll
+    for (int r = 0; r < kTileH; ++r) {  // k16 step r: the 16 pixels of output row r of the tile
+#pragma unroll
+      for (int t = 0; t < kMTiles; ++t)
+        ldmatrix_x4_trans(a[r & 1][t], patch_addr + uint32_t((a_off[t] + 2 * r * kPatchW) * 8));
+      wgmma_fence();  // the fragments were written by this thread
+      const uint64_t db = make_desc_nmajor(dy_addr + uint32_t(r * 16 * 128));
+#pragma unroll
+      for (int t = 0; t < kMTiles; ++t) wgmma_m64n64k16_rs<1>(d[t], a[r & 1][t], db);
+      wgmma_commit();
+      wgmma_wait1();  // step r − 1 is done: its fragments may be loaded over
+    }
+    wgmma_wait0();  // dy is read before the next tile's copies
+  }
+
+  // This CTA's 64 × 224 partial, k = kh·32 + kw·4 + c as the forward's weight rows: d[t][4j + q]
+  // is K row 64t + 16w + gq + 8·(q / 2), channel 8j + 2·tq + q % 2.
+  float* out = partial + int64_t(blockIdx.x) * kCout * kK;
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int k = 64 * t + 16 * warp + gq + 8 * (q >> 1);
+        if (k < kK) out[(8 * j + 2 * tq + (q & 1)) * kK + k] = d[t][4 * j + q];
+      }
+#else
+  __trap();  // built without sm_90a: conv_wgmma_available() is false, never launched
+#endif
+}
+}  // namespace
+
+bool conv_wgmma_available() {
+#if defined(KILN_WGMMA_SM90A)
+  const cudaDeviceProp& p = context().props;
+  return p.major == 9 && p.minor == 0;
+#else
+  return false;
+#endif
+}
+
+int conv_wgmma_parts(int tiles) {
+  allow_smem_once<stem_conv_stats_wgmma_kernel>(kSmemBytes, "stem_conv_forward_stats");
+  const int64_t wave =
+      int64_t(context().props.multiProcessorCount) *
+      resident_blocks_per_sm(reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel), kThreads,
+                             kSmemBytes);
+  return int(std::clamp<int64_t>(wave, 1, tiles));
+}
+
+void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
+                int parts, cudaStream_t stream) {
+  launch(stem_conv_stats_wgmma_kernel, parts, kThreads, kSmemBytes, stream, y, partial, x, w, g);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+int wgrad_wgmma_parts(int tiles) {
+  const int64_t wave =
+      int64_t(context().props.multiProcessorCount) *
+      resident_blocks_per_sm(reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel), kThreads,
+                             kWgSmemBytes);
+  return int(std::clamp<int64_t>(wave, 1, tiles));
+}
+
+void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
+                 cudaStream_t stream) {
+  launch(stem_wgrad_wgmma_kernel, parts, kThreads, kWgSmemBytes, stream, partial, dy, x, g);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda::stem
