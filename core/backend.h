@@ -154,15 +154,20 @@ struct BatchNormStatsPaths {
   // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
   // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
   // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then
-  // max_pool2d_forward; the normalised tensor is never written.
-  void (*relu_max_pool)(TensorRef y, TensorRef indices, TensorRef x,
+  // max_pool2d_forward; the normalised tensor is never written. at_max (=), when defined (x's
+  // dtype, y's shape and layout): x at each maximum, for relu_max_pool_backward.
+  void (*relu_max_pool)(TensorRef y, TensorRef indices, TensorRef at_max, TensorRef x,
                         TensorRef scale_shift) = nullptr;
+  // Optional: whether relu_max_pool_backward on x would use at_max (the op then allocates it for
+  // the forward and keeps it for the backward); null: never.
+  bool (*relu_max_pool_at_max)(TensorRef x) = nullptr;
   // Optional (FastPath::BatchNormReluMaxPoolBackward): dy (y's gradient) through the pool and
-  // the ReLU (mask recomputed from x) to dx (=); dweight, dbias as backward's.
+  // the ReLU (mask recomputed from x) to dx (=); dweight, dbias as backward's; at_max the
+  // forward's, or undefined.
   void (*relu_max_pool_backward)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy,
-                                 TensorRef indices, TensorRef x, TensorRef weight,
-                                 TensorRef save_mean, TensorRef save_invstd,
-                                 TensorRef scale_shift, GradientMode mode) = nullptr;
+                                 TensorRef indices, TensorRef at_max, TensorRef x, TensorRef weight,
+                                 TensorRef save_mean, TensorRef save_invstd, TensorRef scale_shift,
+                                 GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormReluConv1x1, both or neither): a stride-1, unpadded 1x1
   // convolution without bias of relu(x·scale + shift) (a ResNet bottleneck's bn2 into conv3),
   // the normalised tensor never written. relu_conv1x1_forward_stats: y (N, O, H, W) (=) =

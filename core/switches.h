@@ -76,6 +76,9 @@
 // |                          |                     | one output per thread, each input normalised    |
 // |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
 // |                          |                     | memory (the same bits; docs/lab/stem.md)        |
+// | KILN_STEM_POOL_AT_MAX    | 0                   | the stem pool's backward sums read all of x,    |
+// |                          |                     | not x at each maximum saved by the forward      |
+// |                          |                     | (the pool's outputs; docs/lab/stem.md)          |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -152,6 +155,7 @@ struct Switches {
   bool gemm_b_resident = true;
   bool dual_dgrad = true;
   bool stem_pool_tile = true;
+  bool stem_pool_at_max = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient

@@ -183,13 +183,12 @@ void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& d
                          mask.defined() ? Tensor() : scale_shift);
 }
 
-void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight,
-                                     const Tensor& dbias, const Tensor& dy,
-                                     const Tensor& indices, const Tensor& x,
-                                     const Tensor& weight, const Tensor& save_mean,
+void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                                     const Tensor& dy, const Tensor& indices, const Tensor& at_max,
+                                     const Tensor& x, const Tensor& weight, const Tensor& save_mean,
                                      const Tensor& save_invstd, const Tensor& scale_shift,
                                      GradientMode mode) {
-  bn_nhwc_relu_max_pool_backward(dx, dweight, dbias, dy, indices, x, weight, save_mean,
+  bn_nhwc_relu_max_pool_backward(dx, dweight, dbias, dy, indices, at_max, x, weight, save_mean,
                                  save_invstd, scale_shift, mode == GradientMode::Accumulate);
 }
 
@@ -295,6 +294,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
   p.backward_dgrad = bn_stats_backward_dgrad;
   p.dual_backward_dgrad = bn_stats_dual_backward_dgrad;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
+  p.relu_max_pool_at_max = relu_max_pool_backward_uses_at_max;
   p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;
   p.relu_conv1x1_forward_stats = bn_relu_conv1x1_forward_stats;
   p.relu_conv1x1_backward_weight = bn_relu_conv1x1_backward_weight;

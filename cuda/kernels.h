@@ -344,22 +344,37 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
 // shift), 3x3, stride 2, padding 1) and indices (=) (u8, y's shape, channels-last: the window
 // position 0-8 of each maximum), bit for bit bn_nhwc_apply(relu) then max_pool2d_forward; the
 // normalised tensor is never written. max_pool2d_backward with these indices, then
-// bn_nhwc_backward (relu, mask recomputed from x), is the backward.
-void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
-                           const Tensor& scale_shift);
+// bn_nhwc_backward (relu, mask recomputed from x), is the backward. at_max (=), when defined (f16,
+// y's shape and layout): x itself at each maximum, the one input value per output and channel
+// through which the gradient flows — what the backward's sums need (below).
+void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& at_max,
+                           const Tensor& x, const Tensor& scale_shift);
 // Whether bn_nhwc_relu_max_pool runs on 8 × 8-output tiles (each input normalised once into
 // shared memory; default) or one output per thread: the same bits either way.
 // KILN_STEM_POOL_TILE=0, or set here (tests, kiln-fusion-probe).
 bool stem_pool_tile_enabled();
 void set_stem_pool_tile_enabled(bool on);
+// Whether the stem pool's forward saves at_max for its backward (default) or the backward's sums
+// read all of x. KILN_STEM_POOL_AT_MAX=0, or set here (tests, kiln-fusion-probe).
+bool stem_pool_at_max_enabled();
+void set_stem_pool_at_max_enabled(bool on);
+// Whether bn_nhwc_relu_max_pool_backward on x would sum from at_max: the switch on and x's
+// channels in its own kernels' layout (else it runs the composition, which reads all of x).
+bool relu_max_pool_backward_uses_at_max(const Tensor& x);
 
 // Its backward: dy (the pool's output gradient) through the pool (the forward's indices) and
 // the ReLU (mask recomputed from x) to dx (=), with dweight and dbias (= or += with
 // accumulate_params, when defined) — what max_pool2d_backward then bn_nhwc_backward give, in two
-// passes that rebuild the pool's gradient from dy instead of writing and reading it.
+// passes that rebuild the pool's gradient from dy instead of writing and reading it. With at_max
+// (the forward's, or undefined) the batch norm's sums Σg and Σg·(x − mean) run over the pool's
+// outputs — dy masked by the ReLU at x = at_max, one term per output — reading dy and at_max
+// (a quarter of x's bytes each) instead of all of x with dy and indices; a pixel that is the
+// maximum of several windows then adds their gradients in f32 where the composition rounds their
+// sum to f16 first, so dweight and dbias agree with it to rounding. dx is rebuilt from indices and
+// x either way.
 void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                                    const Tensor& dy, const Tensor& indices, const Tensor& x,
-                                    const Tensor& weight, const Tensor& save_mean,
+                                    const Tensor& dy, const Tensor& indices, const Tensor& at_max,
+                                    const Tensor& x, const Tensor& weight, const Tensor& save_mean,
                                     const Tensor& save_invstd, const Tensor& scale_shift,
                                     bool accumulate_params = false);
 

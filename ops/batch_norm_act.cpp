@@ -366,16 +366,24 @@ class BatchNormReluConv1x1Backward final : public Node {
   SavedTensor x_, weight_, w_, save_mean_, save_invstd_, scale_shift_;
 };
 
-// Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias.
+// Backward of batch_norm_relu_max_pool's fused path. Inputs: x, weight, bias. at_max: x at each
+// maximum, where the backend asked for it (relu_max_pool_at_max), else undefined.
 class BatchNormReluMaxPoolBackward final : public Node {
  public:
-  BatchNormReluMaxPoolBackward(const Tensor& x, const Tensor& indices, const Tensor& weight,
-                               const BnStatsFinalize& f, const PoolParams& p)
-      : x_(x), indices_(indices), weight_(weight), save_mean_(f.save_mean),
-        save_invstd_(f.save_invstd), scale_shift_(f.scale_shift), p_(p) {}
+  BatchNormReluMaxPoolBackward(const Tensor& x, const Tensor& indices, const Tensor& at_max,
+                               const Tensor& weight, const BnStatsFinalize& f, const PoolParams& p)
+      : x_(x),
+        indices_(indices),
+        at_max_(at_max),
+        weight_(weight),
+        save_mean_(f.save_mean),
+        save_invstd_(f.save_invstd),
+        scale_shift_(f.scale_shift),
+        p_(p) {}
   std::string name() const override { return "BatchNormReluMaxPoolBackward"; }
   void release_saved() override {
-    for (SavedTensor* s : {&x_, &indices_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
+    for (SavedTensor* s :
+         {&x_, &indices_, &at_max_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
   }
   bool can_accumulate_into(size_t i) const override { return i == 1 || i == 2; }
@@ -396,8 +404,8 @@ class BatchNormReluMaxPoolBackward final : public Node {
     const BatchNormStatsPaths& bn = *be.batch_norm_stats;
     if (bn.relu_max_pool_backward &&
         supports(be, FastPath::BatchNormReluMaxPoolBackward, {&x})) {
-      bn.relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), x, weight_.get(*this),
-                                save_mean_.get(*this), save_invstd_.get(*this),
+      bn.relu_max_pool_backward(dx, dw, db, dy, indices_.get(*this), at_max_.get(*this), x,
+                                weight_.get(*this), save_mean_.get(*this), save_invstd_.get(*this),
                                 scale_shift_.get(*this), mode);
     } else {
       Tensor dact = empty_like(x);  // the gradient at the ReLU's output
@@ -410,7 +418,7 @@ class BatchNormReluMaxPoolBackward final : public Node {
   }
 
  private:
-  SavedTensor x_, indices_, weight_, save_mean_, save_invstd_, scale_shift_;
+  SavedTensor x_, indices_, at_max_, weight_, save_mean_, save_invstd_, scale_shift_;
   PoolParams p_;
 };
 
@@ -636,9 +644,14 @@ Tensor batch_norm_relu_max_pool(const Tensor& x, const ChannelStats& stats,
             MemoryFormat::ChannelsLast);
     Tensor y = empty(out, nhwc);
     Tensor indices = empty(out, nhwc.with_dtype(max_pool2d_indices_dtype(p)));
-    be.batch_norm_stats->relu_max_pool(y, indices, x.detach(), f.scale_shift);
-    if (autograd::any_requires_grad({x, bn.weight, bn.bias})) {
-      auto node = std::make_shared<BatchNormReluMaxPoolBackward>(x.detach(), indices,
+    const bool grad = autograd::any_requires_grad({x, bn.weight, bn.bias});
+    const Tensor at_max = grad && be.batch_norm_stats->relu_max_pool_at_max &&
+                                  be.batch_norm_stats->relu_max_pool_at_max(x)
+                              ? empty(out, nhwc)
+                              : Tensor();
+    be.batch_norm_stats->relu_max_pool(y, indices, at_max, x.detach(), f.scale_shift);
+    if (grad) {
+      auto node = std::make_shared<BatchNormReluMaxPoolBackward>(x.detach(), indices, at_max,
                                                                  bn.weight.detach(), f, p);
       node->set_inputs({x, bn.weight, bn.bias});
       autograd::set_history(y, node);

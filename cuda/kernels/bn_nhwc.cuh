@@ -209,6 +209,16 @@ inline void check_act(const Tensor& t, const Tensor& x, const char* op, const ch
              t.defined() ? t.desc() : "undefined");
 }
 
+// A tensor of the stem pool's output shape `out` (y, its gradient, the positions, at_max):
+// dtype `dt`, channels-last, on x's device.
+inline void check_pooled(const Tensor& t, DType dt, const Shape& out, const Tensor& x,
+                         const char* op, const char* what) {
+  KILN_CHECK(t.defined() && t.dtype() == dt && t.shape() == out && t.device() == x.device() &&
+                 t.is_contiguous(MemoryFormat::ChannelsLast),
+             op, " (cuda): ", what, " must be ", dtype_name(dt), " channels-last ", shape_str(out),
+             " for x ", x.desc(), ", got ", t.defined() ? t.desc() : "undefined");
+}
+
 // Blocks of `kernel` (kBlock threads, no dynamic shared memory) resident on one SM of the
 // current device.
 inline int resident_blocks(const void* kernel) {

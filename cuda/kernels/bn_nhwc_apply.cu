@@ -122,6 +122,22 @@ __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict
 
 // ---- batch norm + ReLU + 3x3/2 max pool (the ResNet stem) ----
 
+// x's raw f16 bits at each of 8 channels' maxima (positions pos[j] 0-8 of the 3x3/2 window of
+// output (oh, ow); channels c0..c0 + 7): what the backward's sums read instead of all of x
+// (at_max in cuda/kernels.h). The loads hit the rows the kernel has just read (L1 / L2).
+__device__ inline uint4 x_at_max(const uint4* __restrict__ x, int64_t n, int H, int W, int64_t C,
+                                 int64_t c0, int oh, int ow, const unsigned (&pos)[kVec]) {
+  const unsigned short* xh = reinterpret_cast<const unsigned short*>(x);
+  unsigned w32[kVec / 2];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const int h = 2 * oh - 1 + int(pos[j]) / 3, w = 2 * ow - 1 + int(pos[j]) % 3;
+    const unsigned b = xh[((n * H + h) * W + w) * C + c0 + j];
+    w32[j / 2] = j % 2 ? w32[j / 2] | (b << 16) : b;
+  }
+  return make_uint4(w32[0], w32[1], w32[2], w32[3]);
+}
+
 // y = max_pool2d(relu(x·scale + shift), 3x3, stride 2, pad 1) and the window position (0-8) of
 // each maximum, bit for bit what apply_kernel<true, false> followed by max_pool_fwd_nhwc give:
 // each normalised value is rounded to f16 before the comparison, positions are visited in the
@@ -133,8 +149,9 @@ __global__ void dual_apply_kernel(uint4* __restrict__ y, const uint4* __restrict
 // registers) took it from 406 to 310 µs on the ResNet-50 stem at batch 256 (docs/lab/stem.md, v13).
 __global__ void __launch_bounds__(kBlock, 3)
     relu_max_pool_k3s2_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
-                              const uint4* __restrict__ x, const float* __restrict__ scale_shift,
-                              int H, int W, int OH, int OW, int G) {
+                              uint4* __restrict__ at_max, const uint4* __restrict__ x,
+                              const float* __restrict__ scale_shift, int H, int W, int OH, int OW,
+                              int G) {
   pdl_start();
   const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= OH * OW * G) return;
@@ -190,6 +207,7 @@ __global__ void __launch_bounds__(kBlock, 3)
   const int64_t o = (n * OH + oh) * int64_t(OW) * G + int64_t(ow) * G + g;
   y[o] = out;
   idx[o] = packed;
+  if (at_max != nullptr) at_max[o] = x_at_max(x, n, H, W, C, int64_t(g) * kVec, oh, ow, arg);
 }
 
 // The same output and positions from 8 × 8-output tiles (KILN_STEM_POOL_TILE, on): a block
@@ -212,7 +230,7 @@ __device__ inline unsigned nonzero_lanes(unsigned d) {
 template <int kGC>
 __global__ void __launch_bounds__(kPoolThreads)
     relu_max_pool_k3s2_tiled_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
-                                    const uint4* __restrict__ x,
+                                    uint4* __restrict__ at_max, const uint4* __restrict__ x,
                                     const float* __restrict__ scale_shift, int H, int W, int OH,
                                     int OW, int G, int tiles_w) {
   pdl_start();
@@ -300,6 +318,12 @@ __global__ void __launch_bounds__(kPoolThreads)
     // Positions 0-8, one byte a channel: bytes 0 and 2 of each word's two lanes.
     idx[out] =
         make_uint2(__byte_perm(arg[0], arg[1], 0x6420), __byte_perm(arg[2], arg[3], 0x6420));
+    if (at_max != nullptr) {
+      unsigned pos[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) pos[j] = (arg[j / 2] >> (16 * (j % 2))) & 0xffffu;
+      at_max[out] = x_at_max(x, n, H, W, C, int64_t(g0 + gl) * kVec, oh, ow, pos);
+    }
   }
 }
 
@@ -416,22 +440,24 @@ constinit RuntimeSwitch g_stem_pool_tile{&Switches::stem_pool_tile};  // KILN_ST
 bool stem_pool_tile_enabled() { return g_stem_pool_tile.get(); }
 void set_stem_pool_tile_enabled(bool on) { g_stem_pool_tile.set(on); }
 
-void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& x,
-                           const Tensor& scale_shift) {
+namespace {
+constinit RuntimeSwitch g_stem_pool_at_max{&Switches::stem_pool_at_max};  // KILN_STEM_POOL_AT_MAX
+}  // namespace
+
+bool stem_pool_at_max_enabled() { return g_stem_pool_at_max.get(); }
+void set_stem_pool_at_max_enabled(bool on) { g_stem_pool_at_max.set(on); }
+
+void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& at_max,
+                           const Tensor& x, const Tensor& scale_shift) {
   const char* op = "bn_nhwc_relu_max_pool";
   check_x(x, op);
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1;  // 3x3, stride 2, pad 1
   const Shape out{N, C, OH, OW};
-  KILN_CHECK(y.defined() && y.dtype() == DType::f16 && y.shape() == out &&
-                 y.device() == x.device() && y.is_contiguous(MemoryFormat::ChannelsLast),
-             op, " (cuda): y must be f16 channels-last ", shape_str(out), " for x ", x.desc(),
-             ", got ", y.defined() ? y.desc() : "undefined");
-  KILN_CHECK(indices.defined() && indices.dtype() == DType::u8 && indices.shape() == out &&
-                 indices.device() == x.device() &&
-                 indices.is_contiguous(MemoryFormat::ChannelsLast),
-             op, " (cuda): indices must be u8 channels-last ", shape_str(out), ", got ",
-             indices.defined() ? indices.desc() : "undefined");
+  check_pooled(y, DType::f16, out, x, op, "y");
+  check_pooled(indices, DType::u8, out, x, op, "indices");
+  if (at_max.defined()) check_pooled(at_max, DType::f16, out, x, op, "at_max");
+  uint4* am = at_max.defined() ? vec_out(at_max) : nullptr;
   KILN_CHECK(N <= 65535 && OH * OW * (C / kVec) < (int64_t(1) << 31), op,
              " (cuda): x ", x.desc(), " is too large for this kernel");
   const float* ss = required(f32_ptr(scale_shift, 2 * C, x, op, "scale_shift"), op, "scale_shift");
@@ -443,7 +469,7 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
     auto go = [&]<int kGC>() {
       const dim3 grid{unsigned(tiles), unsigned(N), unsigned(G / kGC)};
       launch(relu_max_pool_k3s2_tiled_kernel<kGC>, grid, kPoolThreads, 0, current_stream(),
-             vec_out(y), static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W),
+             vec_out(y), static_cast<uint2*>(indices.raw_data()), am, vec_in(x), ss, int(H), int(W),
              int(OH), int(OW), G, tiles_w);
     };
     if (G % 8 == 0)
@@ -457,7 +483,7 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
   } else {
     const dim3 grid{grid_for(OH * OW * G), unsigned(N)};
     launch(relu_max_pool_k3s2_kernel, grid, kBlock, 0, current_stream(), vec_out(y),
-           static_cast<uint2*>(indices.raw_data()), vec_in(x), ss, int(H), int(W), int(OH),
+           static_cast<uint2*>(indices.raw_data()), am, vec_in(x), ss, int(H), int(W), int(OH),
            int(OW), G);
   }
   KILN_CUDA_CHECK_LAUNCH();

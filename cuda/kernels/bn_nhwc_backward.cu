@@ -548,9 +548,23 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+// Whether the stem pool's backward runs its own kernels on x (kBlock a multiple of x's channel
+// vectors, the 2x2 blocks' items in 32 bits), else the composition's passes.
+bool pool_backward_fused(const Tensor& x) {
+  const int64_t G = x.size(1) / kVec;
+  const int64_t items = x.size(0) * ((x.size(2) + 1) / 2) * ((x.size(3) + 1) / 2) * G;
+  return G > 0 && kBlock % G == 0 && items < (int64_t(1) << 31);
+}
+}  // namespace
+
+bool relu_max_pool_backward_uses_at_max(const Tensor& x) {
+  return stem_pool_at_max_enabled() && x.dim() == 4 && pool_backward_fused(x);
+}
+
 void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                                    const Tensor& dy, const Tensor& indices, const Tensor& x,
-                                    const Tensor& weight, const Tensor& save_mean,
+                                    const Tensor& dy, const Tensor& indices, const Tensor& at_max,
+                                    const Tensor& x, const Tensor& weight, const Tensor& save_mean,
                                     const Tensor& save_invstd, const Tensor& scale_shift,
                                     bool accumulate_params) {
   const char* op = "bn_nhwc_relu_max_pool_backward";
@@ -559,17 +573,11 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t OH = (H - 1) / 2 + 1, OW = (W - 1) / 2 + 1, G = C / kVec;
   const Shape out{N, C, OH, OW};
-  KILN_CHECK(dy.defined() && dy.dtype() == DType::f16 && dy.shape() == out &&
-                 dy.device() == x.device() && dy.is_contiguous(MemoryFormat::ChannelsLast),
-             op, " (cuda): dy must be f16 channels-last ", shape_str(out), ", got ",
-             dy.defined() ? dy.desc() : "undefined");
-  KILN_CHECK(indices.defined() && indices.dtype() == DType::u8 && indices.shape() == out &&
-                 indices.device() == x.device() &&
-                 indices.is_contiguous(MemoryFormat::ChannelsLast),
-             op, " (cuda): indices must be u8 channels-last ", shape_str(out), ", got ",
-             indices.defined() ? indices.desc() : "undefined");
+  check_pooled(dy, DType::f16, out, x, op, "dy");
+  check_pooled(indices, DType::u8, out, x, op, "indices");
+  if (at_max.defined()) check_pooled(at_max, DType::f16, out, x, op, "at_max");
   const int64_t BH = (H + 1) / 2, BW = (W + 1) / 2, items = N * BH * BW * G;
-  if (kBlock % G != 0 || items >= (int64_t(1) << 31)) {
+  if (!pool_backward_fused(x)) {
     // A channel count this layout does not keep per thread: the two passes it replaces.
     Tensor dact = empty_like(x);
     PoolParams p;
@@ -591,20 +599,33 @@ void bn_nhwc_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, con
   float* dw = f32_ptr(dweight, C, x, op, "dweight");
   float* db = f32_ptr(dbias, C, x, op, "dbias");
   const StemPoolGeom geom{int(H), int(W), int(OH), int(OW), int(G), int(BH), int(BW)};
-  // One wave of resident blocks, as sums_launch.
-  const int64_t resident = int64_t(context().props.multiProcessorCount) *
-                           resident_blocks(reinterpret_cast<const void*>(pool_relu_sums_kernel));
-  const int parts = int(std::min<int64_t>({kMaxParts, resident, (items + kBlock - 1) / kBlock}));
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-  Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
-  Tensor coef = empty({3 * C}, f32);
-  float* pp = static_cast<float*>(partial.raw_data());
-  float* cp = static_cast<float*>(coef.raw_data());
   const auto* ip = static_cast<const uint2*>(indices.raw_data());
   cudaStream_t s = current_stream();
-  launch(pool_relu_sums_kernel, parts, kBlock, 0, s, vec_in(dy), ip, vec_in(x), mean, ss, pp, geom,
-         int(items));
+  Tensor partial;
+  int parts = 0;
+  if (at_max.defined()) {
+    // The sums over the pool's outputs: the generic sums kernel on (dy, at_max), whose rows are
+    // the outputs' pixels; the finishing kernel still divides by x's pixel count.
+    const SumsLaunch L = sums_launch(
+        N * OH * OW, G, reinterpret_cast<const void*>(backward_sums_kernel<kMaskFromX>));
+    parts = L.parts;
+    partial = empty({int64_t(parts) * 2 * C}, f32);
+    launch(backward_sums_kernel<kMaskFromX>, L.grid, L.block, 0, s, vec_in(dy), vec_in(at_max),
+           nullptr, mean, ss, static_cast<float*>(partial.raw_data()), N * OH * OW, G, C, parts);
+  } else {
+    // One wave of resident blocks, as sums_launch.
+    const int64_t resident = int64_t(context().props.multiProcessorCount) *
+                             resident_blocks(reinterpret_cast<const void*>(pool_relu_sums_kernel));
+    parts = int(std::min<int64_t>({kMaxParts, resident, (items + kBlock - 1) / kBlock}));
+    partial = empty({int64_t(parts) * 2 * C}, f32);
+    launch(pool_relu_sums_kernel, parts, kBlock, 0, s, vec_in(dy), ip, vec_in(x), mean, ss,
+           static_cast<float*>(partial.raw_data()), geom, int(items));
+  }
   KILN_CUDA_CHECK_LAUNCH();
+  Tensor coef = empty({3 * C}, f32);
+  const float* pp = static_cast<const float*>(partial.raw_data());
+  float* cp = static_cast<float*>(coef.raw_data());
   launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s, dw, db, cp, pp, w, mean,
          invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();

@@ -3,9 +3,11 @@
 // and every gradient, with and without the residual.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -408,6 +410,75 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
          std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
 }
 
+// How many of at_max's values (N, C, OH, OW) differ from x (N, C, H, W) at the window position
+// idx gives (3x3, stride 2, padding 1): the same value, or both NaN; ±0 told apart.
+int64_t at_max_mismatches(const Tensor& at_max, const Tensor& idx, const Tensor& x) {
+  auto host = [](const Tensor& t) {
+    return t.detach().to(DType::f32).to(kCPU).contiguous().to_vector<float>();
+  };
+  const std::vector<float> am = host(at_max), pos = host(idx), xv = host(x);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t OH = at_max.size(2), OW = at_max.size(3);
+  int64_t bad = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          const size_t o = size_t(((n * C + c) * OH + oh) * OW + ow);
+          const int k = int(pos[o]);
+          const int64_t h = 2 * oh - 1 + k / 3, w = 2 * ow - 1 + k % 3;
+          if (k > 8 || h < 0 || h >= H || w < 0 || w >= W) {
+            ++bad;
+            continue;
+          }
+          const float want = xv[size_t(((n * C + c) * H + h) * W + w)], got = am[o];
+          const bool same = (std::isnan(want) && std::isnan(got)) ||
+                            (want == got && std::signbit(want) == std::signbit(got));
+          if (!same) ++bad;
+        }
+  return bad;
+}
+
+// The stem pool's dweight and dbias (dw, db) against another path's (dw0, db0) for the f16 input
+// hx (N, C, H, W) and the pool's output gradient hdy (host f32). With KILN_STEM_POOL_AT_MAX the
+// sums run over the pool's outputs and skip the composition's rounding of each pixel's gradient
+// (the sum over the windows whose maximum it is) to f16: at most 2^-11 of it
+// (docs/lab/stem/pool_sums_emu.py measures ~3e-4 of the largest sum). So per channel
+// |Δdbias| ≤ 2^-11·Σ|dy| and |Δdweight| ≤ invstd·2^-11·Σ|dy|·max|x − mean| — rigorous, if ~20x
+// loose — beside f32's rounding (the 1e-3 + 1e-4·|value| of the paths' other comparisons).
+void check_pool_param_grads(const Tensor& dw, const Tensor& db, const Tensor& dw0,
+                            const Tensor& db0, const Tensor& hx, const Tensor& hdy) {
+  auto host = [](const Tensor& t) {
+    return t.detach().to(DType::f32).to(kCPU).contiguous().to_vector<float>();
+  };
+  const std::vector<float> x = host(hx.to(DType::f16)), d = host(hdy.to(DType::f16));
+  const std::vector<float> w = host(dw), b = host(db), w0 = host(dw0), b0 = host(db0);
+  const int64_t N = hx.size(0), C = hx.size(1), HW = hx.size(2) * hx.size(3);
+  const int64_t OHW = hdy.size(2) * hdy.size(3);
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0, sq = 0, dabs = 0, xdev = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < HW; ++i) {
+        const double v = x[size_t((n * C + c) * HW + i)];
+        s += v;
+        sq += v * v;
+      }
+    const double cnt = double(N * HW), mean = s / cnt;
+    const double invstd = 1.0 / std::sqrt(std::max(sq / cnt - mean * mean, 0.0) + 1e-5);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t i = 0; i < HW; ++i)
+        xdev = std::max(xdev, std::fabs(double(x[size_t((n * C + c) * HW + i)]) - mean));
+      for (int64_t i = 0; i < OHW; ++i) dabs += std::fabs(d[size_t((n * C + c) * OHW + i)]);
+    }
+    const double u = std::ldexp(1.0, -11);
+    const size_t k = size_t(c);
+    CAPTURE(c);
+    CHECK(std::fabs(b[k] - b0[k]) <= u * dabs + 1e-3 + 1e-4 * std::fabs(b0[k]));
+    CHECK(std::fabs(w[k] - w0[k]) <=
+          1.01 * invstd * u * dabs * xdev + 1e-3 + 1e-4 * std::fabs(w0[k]));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("batch_norm_relu_max_pool: bit for bit the composition, and the f32 reference") {
@@ -450,11 +521,12 @@ TEST_CASE("batch_norm_relu_max_pool: bit for bit the composition, and the f32 re
     CHECK(bitwise_equal(p.running_mean, p2.running_mean));
     CHECK(bitwise_equal(p.running_var, p2.running_var));
     // The backward adds the per-channel sums in another order than the composition's two
-    // kernels (C = 64; C = 24 runs the composition's kernels and is bitwise equal): the same
-    // pooled gradients, coefficients within f32 rounding.
+    // kernels (C = 64; C = 24 runs the composition's kernels and is bitwise equal), and by
+    // default over the pool's outputs (check_pool_param_grads): the same pooled gradients,
+    // coefficients within rounding.
     KILN_CHECK_OK(testing::compare(x.grad().to(DType::f32), x2.grad().to(DType::f32), 2e-3, 2e-3));
-    KILN_CHECK_OK(testing::compare(p.weight.grad(), p2.weight.grad(), 1e-3, 1e-4));
-    KILN_CHECK_OK(testing::compare(p.bias.grad(), p2.bias.grad(), 1e-3, 1e-4));
+    check_pool_param_grads(p.weight.grad(), p.bias.grad(), p2.weight.grad(), p2.bias.grad(), hx,
+                           hdy);
     if (C % 8 == 0 && 256 % (C / 8) != 0) CHECK(bitwise_equal(x.grad(), x2.grad()));
     // Repeatable bit for bit (a fixed summation order); a second backward adds its parameter
     // gradients into the existing .grad (autograd's accumulate-into targets).
@@ -531,20 +603,115 @@ TEST_CASE("batch_norm_relu_max_pool: the tiled kernel gives the per-output kerne
                          .contiguous(MemoryFormat::ChannelsLast);
     const Tensor ss = from_vector<float>(hss, {2 * C}).to(kGpu);
     const Shape out{N, C, (H - 1) / 2 + 1, (W - 1) / 2 + 1};
-    auto run = [&](bool tiled) {
+    const TensorOptions cl =
+        TensorOptions().with_device(kGpu).with_memory_format(MemoryFormat::ChannelsLast);
+    auto run = [&](bool tiled, bool with_at_max) {
       cuda::set_stem_pool_tile_enabled(tiled);
-      const TensorOptions cl =
-          TensorOptions().with_device(kGpu).with_memory_format(MemoryFormat::ChannelsLast);
       Tensor y = empty(out, cl.with_dtype(DType::f16)), idx = empty(out, cl.with_dtype(DType::u8));
-      cuda::bn_nhwc_relu_max_pool(y, idx, x, ss);
-      return std::pair{y, idx};
+      Tensor am = with_at_max ? empty(out, cl.with_dtype(DType::f16)) : Tensor();
+      cuda::bn_nhwc_relu_max_pool(y, idx, am, x, ss);
+      return std::tuple{y, idx, am};
     };
-    const auto [y0, i0] = run(false);
-    const auto [y1, i1] = run(true);
+    const auto [y0, i0, a0] = run(false, true);
+    const auto [y1, i1, a1] = run(true, true);
     CHECK(bitwise_equal(y1, y0));
     CHECK(bitwise_equal(i1, i0));
+    // x at each maximum (the backward's sums read it): both kernels, against x on the host.
+    CHECK(bitwise_equal(a1, a0));
+    CHECK(at_max_mismatches(a1, i1, x) == 0);
+    CHECK(at_max_mismatches(a0, i0, x) == 0);
+    // Without at_max, y and the positions are the same bytes.
+    for (bool tiled : {false, true}) {
+      const auto [y2, i2, a2] = run(tiled, false);
+      CHECK(bitwise_equal(y2, y0));
+      CHECK(bitwise_equal(i2, i0));
+    }
   }
   cuda::set_stem_pool_tile_enabled(before);
+}
+
+// The backward's batch-norm sums over the pool's outputs from x at each maximum
+// (KILN_STEM_POOL_AT_MAX, on) against the sums over every input pixel (off): dweight and dbias
+// within the bound of check_pool_param_grads (a pixel that is the maximum of several windows
+// rounds their gradients' sum to f16 on the old path only), dx to f16 rounding; and the sums
+// themselves against the pooled form in double on the host.
+TEST_CASE("batch_norm_relu_max_pool: the backward's sums over the pool's outputs") {
+  const bool before = cuda::stem_pool_at_max_enabled();
+  // at_max is asked for only where the backward's own kernels would read it: not with the switch
+  // off, nor for a channel count whose backward is the composition (C / 8 = 3 does not divide 256).
+  {
+    const TensorOptions cl =
+        TensorOptions(DType::f16).with_device(kGpu).with_memory_format(MemoryFormat::ChannelsLast);
+    const Tensor x64 = empty({2, 64, 9, 9}, cl), x24 = empty({2, 24, 9, 9}, cl);
+    cuda::set_stem_pool_at_max_enabled(true);
+    CHECK(cuda::relu_max_pool_backward_uses_at_max(x64));
+    CHECK_FALSE(cuda::relu_max_pool_backward_uses_at_max(x24));
+    cuda::set_stem_pool_at_max_enabled(false);
+    CHECK_FALSE(cuda::relu_max_pool_backward_uses_at_max(x64));
+  }
+  for (Shape shape : {Shape{4, 64, 15, 14}, Shape{2, 128, 9, 12}, Shape{3, 64, 16, 16}}) {
+    CAPTURE(shape_str(shape));
+    const int64_t C = shape[1];
+    const Shape out{shape[0], C, (shape[2] - 1) / 2 + 1, (shape[3] - 1) / 2 + 1};
+    Tensor hx = F::add(randn(shape), 0.3), hw = uniform({C}, 0.5, 1.5);
+    Tensor hb = uniform({C}, -0.5, 0.5), hdy = randn(out);
+    const Tensor dy = hdy.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    const TensorOptions opt = TensorOptions().with_device(kGpu);
+    auto run = [&](bool at_max) {
+      cuda::set_stem_pool_at_max_enabled(at_max);
+      Tensor x = gpu_leaf(hx, DType::f16, true);
+      F::BatchNormParams p{gpu_leaf(hw, DType::f32, false),
+                           gpu_leaf(hb, DType::f32, false),
+                           zeros({C}, opt),
+                           ones({C}, opt),
+                           0.1,
+                           1e-5};
+      F::batch_norm_relu_max_pool(x, F::ChannelStats{}, p, true, 3, 2, 1).backward(dy);
+      return std::tuple{x.grad(), p.weight.grad(), p.bias.grad()};
+    };
+    const auto [dx0, dw0, db0] = run(false);
+    const auto [dx1, dw1, db1] = run(true);
+    check_pool_param_grads(dw1, db1, dw0, db0, hx, hdy);
+    KILN_CHECK_OK(testing::compare(dx1.to(DType::f32), dx0.to(DType::f32), 2e-3, 2e-3));
+    const auto [dx2, dw2, db2] = run(true);  // a fixed summation order: repeatable
+    CHECK(bitwise_equal(dx2, dx1));
+    CHECK(bitwise_equal(dw2, dw1));
+    CHECK(bitwise_equal(db2, db1));
+
+    // The kernels alone, against Σ over outputs of g = dy·[x·scale + shift > 0] at x = at_max
+    // (f32 fma, as the kernel decides) in double: dbias = Σg, dweight = invstd·Σg·(at_max − mean).
+    const Tensor x = hx.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+    const Tensor mean = uniform({C}, -0.2, 0.2).to(kGpu), invstd = uniform({C}, 0.5, 2.0).to(kGpu);
+    const Tensor ss = F::cat({uniform({C}, 0.5, 1.5), uniform({C}, -0.5, 0.5)}, 0).to(kGpu);
+    const TensorOptions cl = opt.with_memory_format(MemoryFormat::ChannelsLast);
+    Tensor y = empty(out, cl.with_dtype(DType::f16)), idx = empty(out, cl.with_dtype(DType::u8));
+    Tensor am = empty(out, cl.with_dtype(DType::f16));
+    cuda::bn_nhwc_relu_max_pool(y, idx, am, x, ss);
+    Tensor dx = empty_like(x), dw = empty({C}, opt), db = empty({C}, opt);
+    cuda::bn_nhwc_relu_max_pool_backward(dx, dw, db, dy, idx, am, x, Tensor(), mean, invstd, ss);
+    auto host = [](const Tensor& t) {
+      return t.detach().to(DType::f32).to(kCPU).contiguous().to_vector<float>();
+    };
+    const std::vector<float> a = host(am), d = host(dy), m = host(mean), k = host(invstd),
+                             f = host(ss), gw = host(dw), gb = host(db);
+    const int64_t per = out[0] * out[2] * out[3], hw2 = out[2] * out[3];
+    for (int64_t c = 0; c < C; ++c) {
+      double s1 = 0, s2 = 0, abs1 = 0, abs2 = 0;
+      for (int64_t i = 0; i < per; ++i) {
+        const size_t o = size_t(((i / hw2) * C + c) * hw2 + i % hw2);
+        if (!(std::fma(a[o], f[size_t(c)], f[size_t(C + c)]) > 0.f)) continue;
+        const double t2 = double(d[o]) * (double(a[o]) - double(m[size_t(c)]));
+        s1 += d[o];
+        s2 += t2;
+        abs1 += std::fabs(d[o]);
+        abs2 += std::fabs(t2);
+      }
+      CAPTURE(c);
+      CHECK(std::fabs(gb[size_t(c)] - s1) <= 1e-5 * abs1 + 1e-6);
+      CHECK(std::fabs(gw[size_t(c)] - s2 * k[size_t(c)]) <= 1e-5 * abs2 * k[size_t(c)] + 1e-6);
+    }
+  }
+  cuda::set_stem_pool_at_max_enabled(before);
 }
 
 TEST_CASE("batch_norm_relu_max_pool: other pools, eval mode and NCHW take the composition") {

@@ -811,16 +811,37 @@ void probe_stem(int64_t n) {
   const TensorOptions cl = f16.with_memory_format(MemoryFormat::ChannelsLast);
   Tensor pooled = empty({n, 64, 56, 56}, cl);
   Tensor idx = empty({n, 64, 56, 56}, cl.with_dtype(DType::u8));
+  Tensor at_max = empty({n, 64, 56, 56}, cl);
   const bool tiled = cuda::stem_pool_tile_enabled();
   double tp[2];
   for (int on : {0, 1}) {
     cuda::set_stem_pool_tile_enabled(on == 1);
-    tp[on] = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, y, ss); });
+    tp[on] = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, Tensor(), y, ss); });
   }
   cuda::set_stem_pool_tile_enabled(tiled);
+  // The tiled kernel again, also writing x at each maximum (KILN_STEM_POOL_AT_MAX's forward).
+  const double tpa = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, at_max, y, ss); });
   const double gb = double(y.nbytes() + pooled.nbytes() + idx.nbytes()) / 1e9;
-  std::printf("   bn + relu + max pool: per output %.3f ms (%.2f TB/s), 8x8 tiles %.3f ms "
-              "(%.2f TB/s)\n", tp[0], gb / tp[0], tp[1], gb / tp[1]);  // GB per ms = TB/s
+  std::printf(
+      "   bn + relu + max pool: per output %.3f ms (%.2f TB/s), 8x8 tiles %.3f ms "
+      "(%.2f TB/s), 8x8 tiles + at_max %.3f ms\n",
+      tp[0], gb / tp[0], tp[1], gb / tp[1],
+      tpa);  // GB per ms = TB/s
+  // Its backward: dx and the batch norm's parameter gradients from the pool's output gradient,
+  // the sums over every input pixel (reading x) or over the outputs (reading at_max).
+  Tensor dpool = repeated_randn(n, 64, 56), dx = empty_like(y);
+  Tensor dwt = empty({64}, f32), dbt = empty({64}, f32);
+  Tensor mean = uniform({64}, -0.2, 0.2).to(gpu), invstd = uniform({64}, 0.5, 2.0).to(gpu);
+  double tb[2];
+  for (int on : {0, 1})
+    tb[on] = median_ms([&] {
+      cuda::bn_nhwc_relu_max_pool_backward(dx, dwt, dbt, dpool, idx, on ? at_max : Tensor(), y,
+                                           Tensor(), mean, invstd, ss);
+    });
+  std::printf(
+      "   its backward (sums, finish, apply): sums over x %.3f ms, over the outputs "
+      "from at_max %.3f ms\n",
+      tb[0], tb[1]);
 }
 
 // One stride-1 1x1 convolution at batch n: k → c channels at hw × hw. cuDNN's path is what
