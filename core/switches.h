@@ -78,14 +78,14 @@
 // |                          |                     | memory (the same bits; docs/lab/stem.md)        |
 // | KILN_STEM_POOL_AT_MAX    | 0                   | the stem pool's backward sums read all of x,    |
 // |                          |                     | not x at each maximum saved by the forward      |
-// |                          |                     | (the pool's outputs; docs/lab/stem.md)          |
+// |                          |                     | (before v29; docs/lab/stem.md)                  |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
 // |                          |                     | forward only, its weight gradient on cuDNN      |
 // | KILN_STEM_WGMMA          | 0, forward          | kiln's stem convolution kernels multiply on     |
 // |                          |                     | mma.sync, not wgmma / only the forward on wgmma |
-// |                          |                     | (before 2026-12-05's v29)                       |
+// |                          |                     | (before v29)                                    |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
