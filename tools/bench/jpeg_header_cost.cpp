@@ -50,10 +50,11 @@ int main(int argc, char** argv) {
       decode_jpeg_resampled(f.data(), f.size(), "file", boxf, box, 224, 224, false, dst.data());
     }
     const auto t2 = now();
-    std::printf("%zu files: header %.1f us, header + crop decode %.1f us (the header %.2f%%; "
-                "widths %lld)\n",
-                files.size(), us(t0, t1), us(t1, t2), 100.0 * us(t0, t1) / us(t1, t2),
-                static_cast<long long>(widths));
+    std::printf(
+        "%zu files: header %.1f us, header + crop decode %.1f us (the header %.2f%%; "
+        "widths %lld)\n",
+        files.size(), us(t0, t1), us(t1, t2), 100.0 * us(t0, t1) / us(t1, t2),
+        static_cast<long long>(widths));
   }
   return 0;
 }
