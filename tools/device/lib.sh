@@ -2,10 +2,20 @@
 # sourced after the script sets B (the build folder), L (its log folder) and S (its summary).
 # Each step writes its logs under $L and a line per result to $S (and stdout).
 
+# kiln_need_dirs NAME: B, L and S must be set (a caller that sources this file alone, without a
+# script that sets them, gets this message instead of cmake's about an empty build folder).
+kiln_need_dirs() {
+  [ -n "${B:-}" ] && [ -n "${L:-}" ] && [ -n "${S:-}" ] && return 0
+  echo "$1: set B (the build folder), L (a log folder) and S (a summary file) before" \
+    "sourcing tools/device/lib.sh" >&2
+  return 1
+}
+
 # kiln_build TARGETS...: configure (sm_90, -march=native, headers from .deps/include) and build
 # the targets; on failure the first errors go to the summary and it returns 1.
 kiln_build() {
   local t0
+  kiln_need_dirs kiln_build || return 2
   t0=$(date +%s)
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" \
@@ -19,6 +29,7 @@ kiln_build() {
 # kiln_suites SUITES...: each doctest suite (300 s at most), its totals and first failures.
 kiln_suites() {
   local t
+  kiln_need_dirs kiln_suites || return 2
   for t in "$@"; do
     timeout 300 "$B/$t" > "$L/$t.log" 2>&1
     echo "$t: rc $?; $(grep -E "^\[doctest\] (test cases|assertions)" "$L/$t.log" | tr '\n' ' ')" |
@@ -31,6 +42,7 @@ kiln_suites() {
 # spaces: the list splits on them) under each tool of SANITIZE_TOOLS (default memcheck).
 kiln_sanitize() {
   local spec suite filter tool log
+  kiln_need_dirs kiln_sanitize || return 2
   for spec in "$@"; do
     suite=${spec%%:*}
     filter=${spec#*:}
