@@ -3,9 +3,11 @@
 # convergence check for ResNet-50 step changes that ResNet-18's Fashion-MNIST recipe does not
 # exercise (docs/lab/norm-conv.md). Builds kiln-train, then for each seed of SEEDS runs the
 # default and then OFF (VAR=0 settings, comma-separated) for EPOCHS epochs on DATA (default
-# .deps/fashion-mnist, carried), with ARGS added to the recipe; one log per run and a summary
-# line each in $OUT/r50.txt. CONFIGS="default VAR=0 VAR=0,VAR2=0 ..." instead of OFF: those
-# configurations in turn for each seed (each a comma-separated list of settings, or default).
+# .deps/fashion-mnist, carried), with ARGS added to the recipe; one log per run (all of them
+# with the build's in $OUT/r50-logs.tgz), a summary line each in $OUT/r50.txt and, last, each
+# configuration's mean and its per-seed difference from the first (tools/bench/seed_summary.py).
+# CONFIGS="default VAR=0 VAR=0,VAR2=0 ..." instead of OFF: those configurations in turn for each
+# seed (each a comma-separated list of settings, or default).
 #   OFF=KILN_CONV1X1_STATS=0,KILN_FUSED_DGRAD_RELU=0 SEEDS="0 1" EPOCHS=6 bash tools/device/r50_seeds.sh
 #   python3 -m zipfile -e .imagenette/imagenette112.zip /tmp/ &&
 #     DATA=/tmp/imn112 ARGS="--image-size 112 --label-smoothing 0.1 --workers 16
@@ -23,10 +25,16 @@ OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
 B=${B:-build-gpu}
 S="$OUT/r50.txt"
-L=$OUT
+# The build's and each run's logs go to L and come back as one archive: a call returns at most 8
+# files, and a log per run in $OUT pushed the summary itself out (2026-12-05, third record).
+L=/tmp/r50-logs
+mkdir -p "$L"
 DATA=${DATA:-.deps/fashion-mnist}
 . tools/device/lib.sh
-kiln_build kiln-train || exit 1
+finish() {
+  tar -czf "$OUT/r50-logs.tgz" -C /tmp r50-logs
+}
+kiln_build kiln-train || { finish; exit 1; }
 read -r -a args <<< "${ARGS:---workers 8}"
 configs=${CONFIGS:-"default ${OFF:?OFF=VAR=0,... (the switches of the 'off' side), or CONFIGS}"}
 # The highest training loss of the first 300 steps (four epochs of the Imagenette recipe) and
@@ -46,7 +54,7 @@ for seed in ${SEEDS:-0 1}; do
     # The names of the old on/off form when OFF is given.
     side=${config//[=,]/_}
     [ -z "${CONFIGS:-}" ] && { [ "$config" = default ] && side=on || side=off; }
-    log="$OUT/r50-$side-$seed.log"
+    log="$L/r50-$side-$seed.log"
     s0=$(date +%s)
     env "${vars[@]}" timeout ${RUN_TIMEOUT:-120} $B/kiln-train "$DATA" --arch "${ARCH:-resnet50}" \
       --epochs ${EPOCHS:-6} -b 128 --lr 0.1 --wd 5e-4 --warmup-epochs 1 --seed "$seed" \
@@ -56,3 +64,6 @@ for seed in ${SEEDS:-0 1}; do
       "$(early_peak "/tmp/r50-$side-$seed/steps.jsonl")" | tee -a "$S"
   done
 done
+# Each configuration's runs, mean and spread, and its per-seed difference from the first's.
+python3 tools/bench/seed_summary.py "$S" | tee -a "$S"
+finish
