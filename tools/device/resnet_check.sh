@@ -14,7 +14,8 @@
 # TORCH=1 runs .bench/torch_resnet50_quick.py (carried; the project's shared bench/) eager at
 # batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
 # --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
-# forward alone on those shapes (below). CONFIGS="default VAR=0 ..." alternates
+# forward alone on those shapes (below); NCU_KERNELS="MODE:KERNEL ..." runs ncu on a kernel in a
+# kiln-fusion-probe mode (below). CONFIGS="default VAR=0 ..." alternates
 # configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh). Filters in SANITIZE
 # must not contain spaces (the list splits on them). OPS=1 times every op of 5 eager b256 steps
 # by op and by op and input shape (kiln-bench --profile --profile-by-input; CUDA events around
@@ -40,7 +41,8 @@ if [ "$SUITES" = all ]; then
 fi
 . tools/device/lib.sh
 # shellcheck disable=SC2086
-kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} ${NCU_PROBE:+kiln-fusion-probe} ||
+kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} ${NCU_PROBE:+kiln-fusion-probe} \
+  ${NCU_KERNELS:+kiln-fusion-probe} ||
   { finish; exit 1; }
 # shellcheck disable=SC2086
 kiln_suites $SUITES
@@ -96,6 +98,22 @@ if [ -n "${NCU_PROBE:-}" ]; then
       grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp" "$log" |
         head -30 | tee -a "$S"
     done
+  done
+fi
+# NCU_KERNELS="--stem:stem_conv_stats_wgmma --stem:stem_wgrad_wgmma": each kernel (a regex of
+# its name) in the kiln-fusion-probe mode before the colon, its third launch, under the same ncu
+# sections as NCU_PROBE: what bounds a kernel that the probe only times.
+if [ -n "${NCU_KERNELS:-}" ]; then
+  for spec in $NCU_KERNELS; do
+    mode=${spec%%:*}
+    kernel=${spec#*:}
+    log=$L/ncu-kernel-${kernel//[^A-Za-z0-9_]/_}.txt
+    timeout 180 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section MemoryWorkloadAnalysis $B/kiln-fusion-probe "$mode" > "$log" 2>&1
+    echo "ncu $kernel ($mode): rc $?" | tee -a "$S"
+    grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
+      "$log" | head -40 | tee -a "$S"
   done
 fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
