@@ -29,6 +29,7 @@
 #include "core/switches.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/gemm_bn_wgmma.h"
 #include "cuda/kernels/mma.cuh"
 #include "cuda/kernels/stem_conv.cuh"
 
@@ -276,7 +277,7 @@ void set_stem_conv_mode(int mode) {
   g_stem_conv.set(mode);
 }
 
-int stem_wgmma_mode() { return conv_wgmma_available() ? g_stem_wgmma.get() : 0; }
+int stem_wgmma_mode() { return dgrad1x1_bn_wgmma_available() ? g_stem_wgmma.get() : 0; }
 void set_stem_wgmma_mode(int mode) {
   KILN_CHECK(mode >= 0 && mode <= 2, "set_stem_wgmma_mode: mode ", mode, " is not 0, 1 or 2");
   g_stem_wgmma.set(mode);

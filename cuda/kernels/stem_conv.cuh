@@ -126,8 +126,8 @@ __device__ inline void write_partial_stats(float (&s1)[16], float (&s2)[16], flo
 
 // ---- the kernels on wgmma (cuda/kernels/stem_conv_wgmma.cu) ----
 
-// Whether they were built (sm_90a) and the current device is sm_90.
-bool conv_wgmma_available();
+// Whether they can run is dgrad1x1_bn_wgmma_available() (cuda/kernels/gemm_bn_wgmma.h): the same
+// sm_90a object library and the same device test.
 // CTAs of its one wave for `tiles` tiles (at most one per tile).
 int conv_wgmma_parts(int tiles);
 // y (=) and the CTAs' partial rows (parts, 2, 64) of the statistics, as the mma.sync forward's.

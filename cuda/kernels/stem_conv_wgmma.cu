@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   write_partial_stats(s1, s2, reinterpret_cast<float*>(stage_all), partial);
 #else
-  __trap();  // built without sm_90a: conv_wgmma_available() is false, never launched
+  __trap();  // built without sm_90a: dgrad1x1_bn_wgmma_available() is false, never launched
 #endif
 }
 
@@ -202,19 +202,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (k < kK) out[(8 * j + 2 * tq + (q & 1)) * kK + k] = d[t][4 * j + q];
       }
 #else
-  __trap();  // built without sm_90a: conv_wgmma_available() is false, never launched
+  __trap();  // built without sm_90a: dgrad1x1_bn_wgmma_available() is false, never launched
 #endif
 }
 }  // namespace
-
-bool conv_wgmma_available() {
-#if defined(KILN_WGMMA_SM90A)
-  const cudaDeviceProp& p = context().props;
-  return p.major == 9 && p.minor == 0;
-#else
-  return false;
-#endif
-}
 
 int conv_wgmma_parts(int tiles) {
   allow_smem_once<stem_conv_stats_wgmma_kernel>(kSmemBytes, "stem_conv_forward_stats");
