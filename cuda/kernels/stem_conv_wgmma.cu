@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[mi][i] = 0.f;
+    wgmma_fence_operands(d[0]);
+    wgmma_fence_operands(d[1]);
     uint32_t a[2][2][4];  // [step parity][mi]: the fragments of one step in flight, one loading
     auto load_a = [&](uint32_t(&fr)[2][4], int s) {
       const int kh = s >> 1, kw0 = (s & 1) * 4 + 2 * (lj >> 1);

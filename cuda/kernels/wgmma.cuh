@@ -78,6 +78,14 @@ __device__ inline void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Pins the accumulators' last writes (their zeroing, say) before the next wgmma_fence(): without
+// it the compiler may sink the zeroing past the fence, and ptxas then serialises the wgmmas by
+// inserting its own arrive and wait (its warnings C7519 and C7517).
+template <int N>
+__device__ inline void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 __device__ inline void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }

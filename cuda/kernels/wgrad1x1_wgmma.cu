@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float d[kNd];
 #pragma unroll
   for (int i = 0; i < kNd; ++i) d[i] = 0.f;
+  wgmma_fence_operands(d);
   auto issue = [&](int j) {
     const int s = j % S;
     mbar_wait(kPro == 1 || kPro == 2 ? ready(s) : full(s), uint32_t((j / S) & 1));
