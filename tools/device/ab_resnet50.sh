@@ -4,11 +4,11 @@
 # `kiln-bench --model resnet50 --batches N --graph-only` between it and this tree's build,
 # ROUNDS times each at each of BATCHES (default 256). PROBE="--stem ..." first runs those
 # kiln-fusion-probe modes on both sides (for a change no switch turns off: a compiler barrier,
-# a launch bound).
-# The device's copy of the tree has no history, so BASE travels as a folder: here, before the
-# call, `bash tools/device/ab_resnet50.sh --prepare BASE` writes .ab-base/ (BASE's version of
-# every file that differs from the working tree, and the list of files BASE lacks); carry
-# .ab-base, and on the device the script builds this tree with those files put back.
+# a launch bound); it builds kiln-fusion-probe on both sides.
+# The device's copy of the history stops where the session began, so BASE travels as a folder:
+# here, before the call, `bash tools/device/ab_resnet50.sh --prepare BASE` writes .ab-base/
+# (BASE's version of every file that differs from the working tree, and the list of files BASE
+# lacks); carry .ab-base, and on the device the script builds this tree with those files put back.
 #   bash tools/device/ab_resnet50.sh --prepare f912d02   # here
 #   ROUNDS=2 BATCHES="64 256" PROBE="--stem" bash tools/device/ab_resnet50.sh   # device, carry .ab-base
 set -uo pipefail
@@ -47,7 +47,10 @@ cmake -S "$W" -B "$W/b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DKILN_NATIVE=ON -DKILN_DEPS_DIR="$PWD/.deps/include" \
   > /dev/null 2>&1 && ninja -C "$W/b" -j 16 kiln-bench ${PROBE:+kiln-fusion-probe} > /dev/null 2>&1 ||
   { echo "build of $BASE failed"; exit 1; }
-name() { [ "$1" = base ] && echo "$BASE" || git rev-parse --short HEAD 2> /dev/null || echo "this tree"; }
+if [ -n "$PROBE" ]; then
+  ninja -C "$B" -j 16 kiln-fusion-probe > /dev/null 2>&1 || { echo "build of kiln-fusion-probe in $B failed"; exit 1; }
+fi
+name() { [ "$1" = base ] && echo "$BASE" || echo "this tree"; }  # (the device copy's git HEAD may be stale)
 for mode in $PROBE; do
   for side in base this; do
     dir=$B; [ $side = base ] && dir=$W/b
