@@ -15,13 +15,13 @@
 # batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
 # --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
 # forward alone on those shapes (below); NCU_KERNELS="MODE:KERNEL ..." runs ncu on a kernel in a
-# kiln-fusion-probe mode (below). CONFIGS="default VAR=0 ..." alternates
-# configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh). Filters in SANITIZE
-# must not contain spaces (the list splits on them). OPS=1 times every op of 5 eager b256 steps
-# by op and by op and input shape (kiln-bench --profile --profile-by-input; CUDA events around
-# each op): which call of the step a kernel class is; OPS_ENV="VAR=value" adds a second
-# table under that setting. Run from the repository root with .deps
-# (and .bench) carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
+# kiln-fusion-probe mode (below; NCU_STALLS=1 adds its stall reasons). CONFIGS="default VAR=0
+# ..." alternates configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh).
+# Filters in SANITIZE must not contain spaces (the list splits on them). OPS=1 times every op of
+# 5 eager b256 steps by op and by op and input shape (kiln-bench --profile --profile-by-input;
+# CUDA events around each op): which call of the step a kernel class is; OPS_ENV="VAR=value"
+# adds a second table under that setting. Run from the repository root with .deps (and .bench)
+# carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -102,18 +102,35 @@ if [ -n "${NCU_PROBE:-}" ]; then
 fi
 # NCU_KERNELS="--stem:stem_conv_stats_wgmma --stem:stem_wgrad_wgmma": each kernel (a regex of
 # its name) in the kiln-fusion-probe mode before the colon, its third launch, under the same ncu
-# sections as NCU_PROBE: what bounds a kernel that the probe only times.
+# sections as NCU_PROBE: what bounds a kernel that the probe only times. NCU_STALLS=1 adds the
+# share of active warps stalled for each reason (the WarpStateStats section's text names only
+# the total), largest first.
+STALLS="long_scoreboard short_scoreboard barrier membar wait mio_throttle lg_throttle \
+  math_pipe_throttle tex_throttle dispatch_stall no_instruction not_selected selected sleeping \
+  branch_resolving drain misc imc_miss"
+stall_metrics=""
+for r in $STALLS; do
+  stall_metrics="$stall_metrics${stall_metrics:+,}smsp__warp_issue_stalled_${r}_per_warp_active.pct"
+done
 if [ -n "${NCU_KERNELS:-}" ]; then
   for spec in $NCU_KERNELS; do
     mode=${spec%%:*}
     kernel=${spec#*:}
     log=$L/ncu-kernel-${kernel//[^A-Za-z0-9_]/_}.txt
+    extra=()
+    [ "${NCU_STALLS:-0}" = 1 ] && extra=(--metrics "$stall_metrics")
     timeout 180 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
       --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section MemoryWorkloadAnalysis $B/kiln-fusion-probe "$mode" > "$log" 2>&1
+      --section MemoryWorkloadAnalysis "${extra[@]}" $B/kiln-fusion-probe "$mode" > "$log" 2>&1
     echo "ncu $kernel ($mode): rc $?" | tee -a "$S"
     grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
-      "$log" | head -40 | tee -a "$S"
+      "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
+    if [ "${NCU_STALLS:-0}" = 1 ]; then
+      echo "stalls, % of active warps (largest first):" | tee -a "$S"
+      grep -E "^ +smsp__warp_issue_stalled_" "$log" |
+        sed -E 's/^ *smsp__warp_issue_stalled_(.*)_per_warp_active\.pct +%? +([0-9.,]+).*/\2 \1/' |
+        tr -d ',' | sort -rn | head -8 | tee -a "$S"
+    fi
   done
 fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
