@@ -15,8 +15,9 @@
 # batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
 # --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
 # forward alone on those shapes (below); NCU_KERNELS="MODE:KERNEL ..." runs ncu on a kernel in a
-# kiln-fusion-probe mode (below; NCU_STALLS=1 adds its stall reasons). CONFIGS="default VAR=0
-# ..." alternates configurations ROUNDS times at each of BATCHES (tools/device/resnet_ab.sh).
+# kiln-fusion-probe mode (below; NCU_STALLS=1 adds the stall reasons to both).
+# CONFIGS="default VAR=0 ..." alternates configurations ROUNDS times at each of BATCHES
+# (tools/device/resnet_ab.sh).
 # Filters in SANITIZE must not contain spaces (the list splits on them). OPS=1 times every op of
 # 5 eager b256 steps by op and by op and input shape (kiln-bench --profile --profile-by-input;
 # CUDA events around each op): which call of the step a kernel class is; OPS_ENV="VAR=value"
@@ -83,6 +84,24 @@ if [ "${NCU:-0}" = 1 ]; then
   fi
   python3 tools/bench/ncu_step_summary.py $L/step-on.csv --kernels 40 >> "$S" 2>&1
 fi
+# NCU_STALLS=1: ncu also takes the share of active warps stalled for each reason (the
+# WarpStateStats section's text names only the total), printed largest first by ncu_stalls.
+STALLS="long_scoreboard short_scoreboard barrier membar wait mio_throttle lg_throttle \
+  math_pipe_throttle tex_throttle dispatch_stall no_instruction not_selected selected sleeping \
+  branch_resolving drain misc imc_miss"
+stall_args=()
+if [ "${NCU_STALLS:-0}" = 1 ]; then
+  m=""
+  for r in $STALLS; do m="$m${m:+,}smsp__warp_issue_stalled_${r}_per_warp_active.pct"; done
+  stall_args=(--metrics "$m")
+fi
+ncu_stalls() {
+  [ "${NCU_STALLS:-0}" = 1 ] || return 0
+  echo "stalls, % of active warps (largest first):" | tee -a "$S"
+  grep -E "^ +smsp__warp_issue_stalled_" "$1" |
+    sed -E 's/^ *smsp__warp_issue_stalled_(.*)_per_warp_active\.pct +%? +([0-9.,]+).*/\2 \1/' |
+    tr -d ',' | sort -rn | head -8 | tee -a "$S"
+}
 # NCU_PROBE="256,1024,14 128,512,28": the 1x1 forward with statistics alone on each shape
 # (kiln-fusion-probe --conv1x1 --shape K,C,HW; its third launch) under ncu's speed-of-light, warp
 # state and scheduler sections, once as built and once under NCU_PROBE_ENV (e.g.
@@ -93,44 +112,30 @@ if [ -n "${NCU_PROBE:-}" ]; then
       log=$L/ncu-probe-${shape//,/-}-${e%%=*}.txt
       env "$e" timeout 120 ncu -k regex:dgrad1x1_bn_sums_wgmma --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section Occupancy $B/kiln-fusion-probe --conv1x1 --shape "$shape" > "$log" 2>&1
+        --section Occupancy "${stall_args[@]}" $B/kiln-fusion-probe --conv1x1 --shape "$shape" \
+        > "$log" 2>&1
       echo "ncu probe $shape $e: rc $?" | tee -a "$S"
       grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp" "$log" |
-        head -30 | tee -a "$S"
+        grep -v "smsp__warp_issue_stalled" | head -30 | tee -a "$S"
+      ncu_stalls "$log"
     done
   done
 fi
 # NCU_KERNELS="--stem:stem_conv_stats_wgmma --stem:stem_wgrad_wgmma": each kernel (a regex of
 # its name) in the kiln-fusion-probe mode before the colon, its third launch, under the same ncu
-# sections as NCU_PROBE: what bounds a kernel that the probe only times. NCU_STALLS=1 adds the
-# share of active warps stalled for each reason (the WarpStateStats section's text names only
-# the total), largest first.
-STALLS="long_scoreboard short_scoreboard barrier membar wait mio_throttle lg_throttle \
-  math_pipe_throttle tex_throttle dispatch_stall no_instruction not_selected selected sleeping \
-  branch_resolving drain misc imc_miss"
-stall_metrics=""
-for r in $STALLS; do
-  stall_metrics="$stall_metrics${stall_metrics:+,}smsp__warp_issue_stalled_${r}_per_warp_active.pct"
-done
+# sections as NCU_PROBE (and NCU_STALLS): what bounds a kernel that the probe only times.
 if [ -n "${NCU_KERNELS:-}" ]; then
   for spec in $NCU_KERNELS; do
     mode=${spec%%:*}
     kernel=${spec#*:}
     log=$L/ncu-kernel-${kernel//[^A-Za-z0-9_]/_}.txt
-    extra=()
-    [ "${NCU_STALLS:-0}" = 1 ] && extra=(--metrics "$stall_metrics")
     timeout 180 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
       --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section MemoryWorkloadAnalysis "${extra[@]}" $B/kiln-fusion-probe "$mode" > "$log" 2>&1
+      --section MemoryWorkloadAnalysis "${stall_args[@]}" $B/kiln-fusion-probe "$mode" > "$log" 2>&1
     echo "ncu $kernel ($mode): rc $?" | tee -a "$S"
     grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
       "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
-    if [ "${NCU_STALLS:-0}" = 1 ]; then
-      echo "stalls, % of active warps (largest first):" | tee -a "$S"
-      grep -E "^ +smsp__warp_issue_stalled_" "$log" |
-        sed -E 's/^ *smsp__warp_issue_stalled_(.*)_per_warp_active\.pct +%? +([0-9.,]+).*/\2 \1/' |
-        tr -d ',' | sort -rn | head -8 | tee -a "$S"
-    fi
+    ncu_stalls "$log"
   done
 fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
