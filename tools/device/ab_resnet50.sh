@@ -26,6 +26,8 @@ if [ "${1:-}" = --prepare ]; then
       echo "$f" >> .ab-base/absent
     fi
   done
+  # Files not yet added travel with the tree too (the call copies what git does not ignore).
+  git ls-files --others --exclude-standard >> .ab-base/absent
   echo "ab_resnet50: .ab-base holds $(find .ab-base/tree -type f | wc -l) files of $(cat .ab-base/name)," \
     "$(wc -l < .ab-base/absent) absent there; carry .ab-base"
   exit 0
