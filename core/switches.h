@@ -18,12 +18,12 @@
 // |                          |                     | cuDNN (GenStats epilogue or the statistics      |
 // |                          |                     | pass), not kiln's wgmma kernel (before          |
 // |                          |                     | 2026-12-04)                                     |
-// | KILN_STATS_MIN_C         | N > 0 (default 256) | the fewest output channels at which a           |
+// | KILN_STATS_MIN_C         | N > 0 (default 128) | the fewest output channels at which a           |
 // |                          |                     | convolution into a batch norm gives kiln's BN   |
 // |                          |                     | kernels its statistics (kiln's 1x1 GEMM, or the |
 // |                          |                     | plain convolution and the statistics pass) even |
-// |                          |                     | where cuDNN's fused BN could run (128 puts      |
-// |                          |                     | layer 2's conv1s on kiln's 1x1 GEMM)            |
+// |                          |                     | where cuDNN's fused BN could run (256 was the   |
+// |                          |                     | default before v31: layer 2 on cuDNN's BN)      |
 // | KILN_PDL                 | 0                   | kiln's kernels launch only after the previous   |
 // |                          |                     | kernel ends (no programmatic dependent launch;  |
 // |                          |                     | before v14)                                     |
@@ -142,7 +142,7 @@ struct Switches {
   bool fused_dgrad = true;
   bool fused_dgrad_relu = true;
   bool conv1x1_stats = true;
-  int64_t stats_min_channels = 256;
+  int64_t stats_min_channels = 128;
   int tail_gemm = 2;  // 0 mma.sync only, 1 wgmma where mma.sync does not go, 2 wgmma everywhere
   bool tail_tma_epi = true;
   bool tail_w_direct = true;

@@ -67,12 +67,14 @@ void conv_wgrad(const Tensor& dw, const Tensor& dy, const Tensor& x, const ConvP
 // norm kernels run. From cuDNN's GenStats epilogue where a plan for it beats the plain
 // convolution plus a statistics pass. Otherwise the plain convolution and kiln's fixed-order
 // pass (bn_nhwc_stats) — always in deterministic mode (the epilogue adds across thread blocks in
-// no fixed order), else from stats_min_channels() (256) up; below that false, and cuDNN's
+// no fixed order), else from stats_min_channels() (128) up; below that false, and cuDNN's
 // fused BN runs. Its semi-persistent kernels keep part of a small-channel tensor on chip between
 // their two phases and beat kiln's two passes there (layer 1's BN+ReLU backward: 126 vs 147 µs);
 // from 256 channels up kiln's kernels are faster per kernel (layers 3-4, in-situ profile: BN
 // 12.2 vs 13.1 ms per step), though the whole step's gain was within noise (v12 in
-// docs/lab/batch-norm.md). KILN_STATS_MIN_C moves the bar, for measuring.
+// docs/lab/batch-norm.md). At 128 (v31; 256 before) layer 2's conv1s run on kiln's 1x1 GEMM with
+// the statistics in its epilogue: b64 −0.06 to −0.08 ms a step, b256 level, on an H100
+// (docs/lab/norm-conv.md). KILN_STATS_MIN_C moves the bar.
 int64_t stats_min_channels() { return switches().stats_min_channels; }
 
 bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const Tensor& x,

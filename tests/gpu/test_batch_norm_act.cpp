@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/switches.h"
 #include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
@@ -354,11 +355,11 @@ TEST_CASE("bn_nhwc_stats: per-channel sum and sum of squares, in a fixed order")
   CHECK_THROWS_AS(cuda::bn_nhwc_stats(s12, q8, x8), Error);
 }
 
-TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels up") {
+TEST_CASE("conv2d without the epilogue: kiln's statistics pass from KILN_STATS_MIN_C channels up") {
   // The legacy API has no epilogue, so the statistics come from kiln's pass or not at all.
   const cuda::ConvBackend before = cuda::conv_backend();
   cuda::set_conv_backend(cuda::ConvBackend::Off);
-  for (int64_t c_out : {64, 256}) {
+  for (int64_t c_out : {64, 128, 256}) {
     CAPTURE(c_out);
     manual_seed(uint64_t(c_out));
     Tensor x = gpu_leaf(randn({8, 32, 7, 6}), DType::f16, true);
@@ -368,7 +369,7 @@ TEST_CASE("conv2d without the epilogue: kiln's statistics pass from 256 channels
     // (on first sight the tuner's timing runs may leave another algorithm's result in y)
     Tensor plain = F::conv2d(x.detach(), w.detach(), Tensor(), 1, 0);
     KILN_CHECK_OK(testing::compare(y.to(DType::f32), plain.to(DType::f32), 1e-3, 1e-3));
-    if (c_out < 256) {
+    if (c_out < switches().stats_min_channels) {
       CHECK_FALSE(stats.defined());  // cuDNN's fused batch norm runs instead
       continue;
     }
