@@ -67,8 +67,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int lj = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
-    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    const auto [n, oh0, ow0] = stem_tile(g, tile);
     __syncthreads();  // the previous tile's patch has been read (and the weights are in)
     load_patch(patch, x, g, n, oh0, ow0);
     __syncthreads();
@@ -145,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int q = 0; q < 4; ++q) acc[mt][kh][q] = 0.f;
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
-    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    const auto [n, oh0, ow0] = stem_tile(g, tile);
     __syncthreads();  // the previous tile's patch and dy have been read
     // dy's 128 pixels × 128 bytes, 16 bytes per copy.
     for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {

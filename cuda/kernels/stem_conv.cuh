@@ -24,6 +24,16 @@ struct StemGeom {
   int64_t wn, wc, wh, ww;  // the weight's strides, elements
 };
 
+// Output tile `tile` of g (row-major over images, then tile rows, then tile columns): its image n
+// and its first output row and column.
+struct StemTile {
+  int n, oh0, ow0;
+};
+__device__ inline StemTile stem_tile(const StemGeom& g, int tile) {
+  const int rem = tile % g.tiles_img;
+  return {tile / g.tiles_img, (rem / g.tiles_w) * kTileH, (rem % g.tiles_w) * kTileW};
+}
+
 // The input patch of output tile (oh0, ow0) of image n into shared memory: rows 2·oh0 − 3..,
 // columns 2·ow0 − 3.., 3 channels padded to 4, zeros outside the image. Every load of the thread
 // is issued before its first store, so their latencies overlap (a loop of load-then-store

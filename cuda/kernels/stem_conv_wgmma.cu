@@ -79,8 +79,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int lj = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
-    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    const auto [n, oh0, ow0] = stem_tile(g, tile);
     __syncthreads();  // the previous tile's patch has been read (and the weight is in)
     load_patch(patch, x, g, n, oh0, ow0);
     __syncthreads();
@@ -159,8 +158,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = 0; i < 32; ++i) d[t][i] = 0.f;
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-    const int n = tile / g.tiles_img, rem = tile % g.tiles_img;
-    const int oh0 = (rem / g.tiles_w) * kTileH, ow0 = (rem % g.tiles_w) * kTileW;
+    const auto [n, oh0, ow0] = stem_tile(g, tile);
     __syncthreads();  // the previous tile's patch and dy have been read (its wgmmas waited for)
     // dy's 128 pixels × 128 bytes, 16 bytes per copy: pixel p's chunk c at c XOR p % 8.
     for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {

@@ -15,7 +15,8 @@
 # batches 64 and 256 (TORCH_MODE=compile adds torch.compile at 256). PROBE="--conv1x1
 # --tail-gemm" runs kiln-fusion-probe's modes named; NCU_PROBE="K,C,HW ..." runs ncu on the 1x1
 # forward alone on those shapes (below); NCU_KERNELS="MODE:KERNEL ..." runs ncu on a kernel in a
-# kiln-fusion-probe mode (below; NCU_STALLS=1 adds the stall reasons to both).
+# kiln-fusion-probe mode (below; NCU_STALLS=1 adds the stall reasons to both; NCU_SASS=1 adds,
+# for each, where its warps wait instruction by instruction: tools/bench/ncu_sass_top.py).
 # CONFIGS="default VAR=0 ..." alternates configurations ROUNDS times at each of BATCHES
 # (tools/device/resnet_ab.sh).
 # Filters in SANITIZE must not contain spaces (the list splits on them). OPS=1 times every op of
@@ -102,6 +103,21 @@ ncu_stalls() {
     sed -E 's/^ *smsp__warp_issue_stalled_(.*)_per_warp_active\.pct +%? +([0-9.,]+).*/\2 \1/' |
     tr -d ',' | sort -rn | head -8 | tee -a "$S"
 }
+# NCU_SASS=1: one more ncu run of the same launch with the source counters (warp-state samples
+# per SASS instruction; the report in /tmp, not among the logs), the source page exported as CSV
+# among the logs, and its summary by opcode and instruction.
+# ncu_sass KERNEL_REGEX LOGNAME BINARY ARGS...
+ncu_sass() {
+  [ "${NCU_SASS:-0}" = 1 ] || return 0
+  local k=$1 name=$2
+  shift 2
+  timeout 300 ncu -k "regex:$k" --launch-skip 2 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats -o "/tmp/ncu-sass-$name" -f "$@" > "$L/sass-$name.log" 2>&1 &&
+    ncu -i "/tmp/ncu-sass-$name.ncu-rep" --page source --csv --print-source sass > "$L/sass-$name.csv" \
+      2>> "$L/sass-$name.log"
+  echo "ncu sass $name: rc $?" | tee -a "$S"
+  python3 tools/bench/ncu_sass_top.py "$L/sass-$name.csv" 2>&1 | tee -a "$S"
+}
 # NCU_PROBE="256,1024,14 128,512,28": the 1x1 forward with statistics alone on each shape
 # (kiln-fusion-probe --conv1x1 --shape K,C,HW; its third launch) under ncu's speed-of-light, warp
 # state and scheduler sections, once as built and once under NCU_PROBE_ENV (e.g.
@@ -119,6 +135,7 @@ if [ -n "${NCU_PROBE:-}" ]; then
         grep -v "smsp__warp_issue_stalled" | head -30 | tee -a "$S"
       ncu_stalls "$log"
     done
+    ncu_sass dgrad1x1_bn_sums_wgmma "probe-${shape//,/-}" $B/kiln-fusion-probe --conv1x1 --shape "$shape"
   done
 fi
 # NCU_KERNELS="--stem:stem_conv_stats_wgmma --stem:stem_wgrad_wgmma": each kernel (a regex of
@@ -136,6 +153,7 @@ if [ -n "${NCU_KERNELS:-}" ]; then
     grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
       "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
     ncu_stalls "$log"
+    ncu_sass "$kernel" "${kernel//[^A-Za-z0-9_]/_}" $B/kiln-fusion-probe "$mode"
   done
 fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
