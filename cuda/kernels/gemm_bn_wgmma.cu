@@ -196,6 +196,20 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
   // A and B, B loaded again per tile.
   const bool bres = !kTall && !kIm2col && b_resident && KT <= kNS;
   const int ns = bres ? 2 * kNS - KT : kNS;
+  // A place in the ring of ns slots, k-step by k-step: the slot, and the parity of the round
+  // through the ring, which is the phase its mbarriers are in. Each role walks the ring in
+  // order, so it is advanced, never divided out: ns is known only at run time, and j % ns and
+  // j / ns cost an integer division per k-step on the consumers' path (ncu, v32).
+  struct Ring {
+    int slot = 0;
+    uint32_t round = 0;
+  };
+  auto advance = [ns](Ring& r) {
+    if (++r.slot == ns) {
+      r.slot = 0;
+      r.round ^= 1u;
+    }
+  };
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -267,6 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     }
     if (tid != 0) return;
     int j = 0;
+    Ring put;
     [[maybe_unused]] const int cblocks = K / (9 * kBK);  // kIm2col: k-steps per tap
     for (int64_t tile = part; tile < row_tiles; tile += parts) {
       const int m0 = int(tile * kTM);
@@ -278,9 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
         ph = (m0 - pn * hw) / img_w;
         pw = m0 - pn * hw - ph * img_w;
       }
-      for (int kt = 0; kt < KT; ++kt, ++j) {
-        const int s = j % ns;
-        if (j >= ns) mbar_wait(empty(s), uint32_t((j / ns - 1) & 1));
+      for (int kt = 0; kt < KT; ++kt, ++j, advance(put)) {
+        const int s = put.slot;
+        if (j >= ns) mbar_wait(empty(s), put.round ^ 1u);  // the round before's MMAs are done
         const bool load_b = !bres || j < KT;  // B resident: with the first tile only
         mbar_expect_tx(full(s), uint32_t(load_b ? kSB : kAB));
         [[maybe_unused]] const int tap = kIm2col ? kt / cblocks : 0;
@@ -353,7 +368,12 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     named_sync(3, 256);
   }
 
-  int j = 0, u = 0;  // u: this CTA's 64-row epilogue rounds so far (the TMA epilogue's phase)
+  int u = 0;  // this CTA's 64-row epilogue rounds so far (the TMA epilogue's phase)
+  Ring got, done;  // the next slot to wait for full, and the next to release
+  auto release = [&]() {
+    mbar_arrive(empty(done.slot));
+    advance(done);
+  };
   // The epilogue of 64 rows from m0 on, whose accumulators are d.
   auto epilogue = [&](float (&d)[64], const int64_t m0) {
     // Fragment layout: register 4b + {0, 1} holds row 16·warp + lane / 4, columns
@@ -440,9 +460,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
 #pragma unroll
       for (int i = 0; i < 64; ++i) d1[i] = 0.f;
     }
-    auto issue = [&](int jj, int kt) {
-      const int s = jj % ns;
-      mbar_wait(full(s), uint32_t((jj / ns) & 1));
+    auto issue = [&](int kt) {
+      const int s = got.slot;
+      mbar_wait(full(s), got.round);
+      advance(got);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -502,8 +523,9 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
         wgmma_commit();
       };
       auto step = [&](uint32_t(&a)[4][4], int kt) {
-        const int jj = j + kt, s = jj % ns;
-        mbar_wait(full(s), uint32_t((jj / ns) & 1));
+        const int s = got.slot;
+        mbar_wait(full(s), got.round);
+        advance(got);
         form(a, s, kt);
         mma(a, s, kt);
       };
@@ -512,34 +534,32 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       step(a0, 0);
       step(a1, 1);
       wgmma_wait1();
-      mbar_arrive(empty(j % ns));
+      release();  // k-step 0's slot
       for (int kt = 2; kt < KT; kt += 2) {
         step(a0, kt);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % ns));
+        release();  // k-step kt − 1's
         step(a1, kt + 1);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt) % ns));
+        release();  // k-step kt's
       }
       wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % ns));
-      j += KT;
+      release();  // k-step KT − 1's
     } else if constexpr (kPipeline) {
       // One wgmma group in flight: k-step kt is issued before k-step kt - 1's slot is released.
-      issue(j, 0);
+      issue(0);
       for (int kt = 1; kt < KT; ++kt) {
-        issue(j + kt, kt);
+        issue(kt);
         wgmma_wait1();
-        mbar_arrive(empty((j + kt - 1) % ns));
+        release();  // k-step kt − 1's slot
       }
       wgmma_wait0();
-      mbar_arrive(empty((j + KT - 1) % ns));
-      j += KT;
+      release();  // k-step KT − 1's
     } else {
-      for (int kt = 0; kt < KT; ++kt, ++j) {
-        issue(j, kt);
+      for (int kt = 0; kt < KT; ++kt) {
+        issue(kt);
         wgmma_wait0();
-        mbar_arrive(empty(j % ns));
+        release();
       }
     }
     epilogue(d, mt);
