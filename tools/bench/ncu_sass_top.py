@@ -6,7 +6,7 @@ Collect and export (tools/device/resnet_check.sh does both with NCU_SASS=1):
         --section WarpStateStats -o rep -f BINARY ARGS...
     ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
 then
-    python3 tools/bench/ncu_sass_top.py rep.csv [--top 25]
+    python3 tools/bench/ncu_sass_top.py rep.csv [--top 25]   (rep.csv.gz too)
 
 Prints the warp-state samples summed by opcode (the SASS mnemonic without its modifiers, so
 LDG.E.128 and LDG.E count as LDG) and the instructions with the most samples, each with its
@@ -17,6 +17,7 @@ waiting on the LDSM before it shows the LDSM's latency at the HGMMA).
 """
 import argparse
 import csv
+import gzip
 import re
 import sys
 from collections import defaultdict
@@ -57,16 +58,17 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    with open(args.csv, newline="") as f:
+    opener = gzip.open if args.csv.endswith(".gz") else open
+    with opener(args.csv, "rt", newline="") as f:
         names, rows = read(f)
     col = {n: i for i, n in enumerate(names)}
     i_all = next(i for i, n in enumerate(names) if ALL.search(n))
     i_addr = next(i for i, n in enumerate(names) if "address" in n.lower())
     i_src = col.get("Source", i_addr + 1)
     # Per-reason columns, where this ncu version exports them (names with "stall" that are not
-    # the two totals).
-    reasons = [i for i, n in enumerate(names)
-               if "stall" in n.lower() and "sampling" not in n.lower()]
+    # the two totals, nor the not-issued share of each reason).
+    reasons = [i for i, n in enumerate(names) if "stall" in n.lower()
+               and "sampling" not in n.lower() and "not issued" not in n.lower()]
     insts = []
     for r in rows:
         if len(r) <= max(i_all, i_src):
@@ -84,7 +86,8 @@ def main():
         print(f"  {100 * s / total:5.1f}%  {op}")
     print(f"the {args.top} instructions with the most samples:")
     for addr, src, s, rs in sorted(insts, key=lambda t: -t[2])[: args.top]:
-        why = ", ".join(f"{n} {100 * v / s:.0f}%" for v, n in sorted(rs, reverse=True)[:2] if v > 0)
+        why = ", ".join(f"{n} {100 * v / s:.0f}%" for v, n in sorted(rs, reverse=True)[:2]
+                        if v >= 0.05 * s)
         print(f"  {100 * s / total:5.1f}%  {addr:>6}  {src[:70]}" + (f"  ({why})" if why else ""))
 
 
