@@ -7,6 +7,9 @@ Collect and export (tools/device/resnet_check.sh does both with NCU_SASS=1):
     ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
 then
     python3 tools/bench/ncu_sass_top.py rep.csv [--top 25]   (rep.csv.gz too)
+    python3 tools/bench/ncu_sass_top.py rep.csv --range 0x7f8a2025ef00 0x7f8a2025f0f0
+      (also the share of the samples at the addresses from the first to the second, inclusive:
+      a stretch of code read off the listing, such as one inlined helper)
 
 Prints the warp-state samples summed by opcode (the SASS mnemonic without its modifiers, so
 LDG.E.128 and LDG.E count as LDG) and the instructions with the most samples, each with its
@@ -57,6 +60,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--range", nargs=2, action="append", default=[], metavar=("FIRST", "LAST"),
+                    help="also print the share of samples at addresses FIRST..LAST (hex)")
     args = ap.parse_args()
     opener = gzip.open if args.csv.endswith(".gz") else open
     with opener(args.csv, "rt", newline="") as f:
@@ -84,6 +89,11 @@ def main():
     print(f"{len(insts)} instructions, {int(total)} samples; by opcode:")
     for op, s in sorted(by_op.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {100 * s / total:5.1f}%  {op}")
+    for first, last in args.range:
+        lo, hi = int(first, 16), int(last, 16)
+        inside = [(a, s) for a, _, s, _ in insts if lo <= int(a, 16) <= hi]
+        print(f"{first}..{last}: {len(inside)} instructions, "
+              f"{100 * sum(s for _, s in inside) / total:.1f}% of the samples")
     print(f"the {args.top} instructions with the most samples:")
     for addr, src, s, rs in sorted(insts, key=lambda t: -t[2])[: args.top]:
         why = ", ".join(f"{n} {100 * v / s:.0f}%" for v, n in sorted(rs, reverse=True)[:2]
