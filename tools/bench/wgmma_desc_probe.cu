@@ -31,14 +31,13 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,                    \
-                   cudaGetErrorString(e_));                                              \
-      std::exit(2);                                                                      \
-    }                                                                                    \
+#define CHECK(x)                                                                               \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
   } while (0)
 
 namespace {
@@ -83,9 +82,9 @@ __global__ void probe_kernel(const unsigned char* a_src, int a_bytes, const unsi
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db));
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -144,9 +143,8 @@ int main() {
   CHECK(cudaMalloc(&d_b, 2048));
   CHECK(cudaMalloc(&d_out, kM * kN * sizeof(float)));
 
-  const Case cases[] = {{"canonical", false, 0},
-                        {"overlap, at P", true, 0},
-                        {"overlap, 32 bytes into P", true, 16}};
+  const Case cases[] = {
+      {"canonical", false, 0}, {"overlap, at P", true, 0}, {"overlap, 32 bytes into P", true, 16}};
   bool control_ok[2] = {false, false};
   for (int conv = 0; conv < 2; ++conv) {
     // conv 0: lead = between core matrices adjacent in K, stride = adjacent in M / N (PTX's
@@ -197,9 +195,10 @@ int main() {
         }
       const bool ok = wrong == 0;
       if (!cs.overlap) control_ok[conv] = ok;
-      std::printf("%-26s offsets %s: %s (%d of %d elements differ; max |error| %.3g, max |D| %.3g)\n",
-                  cs.name, conv ? "swapped " : "as PTX's", ok ? "MATCH" : "differs", wrong,
-                  kM * kN, worst, scale);
+      std::printf(
+          "%-26s offsets %s: %s (%d of %d elements differ; max |error| %.3g, max |D| %.3g)\n",
+          cs.name, conv ? "swapped " : "as PTX's", ok ? "MATCH" : "differs", wrong, kM * kN, worst,
+          scale);
     }
   }
   CHECK(cudaFree(d_a));
