@@ -43,8 +43,8 @@
 namespace {
 
 constexpr int kM = 64, kN = 64, kK = 16;
-constexpr int kABytes = 4096;  // room for every A layout below
-constexpr int kBOffset = 4096;
+constexpr int kABytes = 4096;                    // room for every A layout below
+[[maybe_unused]] constexpr int kBOffset = 4096;  // B's place in shared memory
 
 // A no-swizzle shared-memory descriptor: start >> 4 (bits 0-13), leading byte offset >> 4
 // (16-29), stride byte offset >> 4 (32-45), layout 0 (62-63: no swizzle).
@@ -129,7 +129,6 @@ int main() {
   }
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> small(-8, 8);  // exact in f16, and their sums in f32
-  auto half_of = [](int v) { return __float2half(float(v) / 4.f); };
 
   // B (k × n = 16 × 64) and A (64 × 16) for the canonical case; P for the overlap cases.
   std::vector<float> b(kK * kN), a(kM * kK), p(8 * kM + 32);
