@@ -46,12 +46,14 @@ constexpr int kM = 64, kN = 64, kK = 16;
 constexpr int kABytes = 4096;                    // room for every A layout below
 [[maybe_unused]] constexpr int kBOffset = 4096;  // B's place in shared memory
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // A no-swizzle shared-memory descriptor: start >> 4 (bits 0-13), leading byte offset >> 4
 // (16-29), stride byte offset >> 4 (32-45), layout 0 (62-63: no swizzle).
 __device__ uint64_t desc(uint32_t addr, uint32_t lead, uint32_t stride) {
   return uint64_t((addr >> 4) & 0x3FFF) | uint64_t((lead >> 4) & 0x3FFF) << 16 |
          uint64_t((stride >> 4) & 0x3FFF) << 32;
 }
+#endif
 
 __global__ void probe_kernel(const unsigned char* a_src, int a_bytes, const unsigned char* b_src,
                              int b_bytes, uint32_t a_start, uint32_t a_lead, uint32_t a_stride,
