@@ -6,7 +6,8 @@
 // M-neighbouring one 128 bytes on. If the tensor cores take a leading byte offset of 16, the
 // stem's A needs no ldmatrix and no registers: one descriptor per k-step.
 //
-//   nvcc -O2 -std=c++17 -arch=sm_90a tools/bench/wgmma_desc_probe.cu -o wgmma_desc_probe
+//   nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a \
+//     tools/bench/wgmma_desc_probe.cu -o wgmma_desc_probe
 //   ./wgmma_desc_probe
 //
 // One warpgroup runs one m64n64k16 wgmma with A and B from shared memory (no swizzle, K-major)
