@@ -6,7 +6,7 @@
 // M-neighbouring one 128 bytes on. If the tensor cores take a leading byte offset of 16, the
 // stem's A needs no ldmatrix and no registers: one descriptor per k-step.
 //
-//   nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a \
+//   nvcc -O2 -std=c++20 -I. -gencode arch=compute_90a,code=sm_90a \
 //     tools/bench/wgmma_desc_probe.cu -o wgmma_desc_probe
 //   ./wgmma_desc_probe
 //
@@ -32,6 +32,8 @@
 #include <random>
 #include <vector>
 
+#include "cuda/kernels/wgmma.cuh"  // kiln's PTX wrappers (device code only is used)
+
 #define CHECK(x)                                                                               \
   do {                                                                                         \
     cudaError_t e_ = (x);                                                                      \
@@ -42,6 +44,8 @@
   } while (0)
 
 namespace {
+
+using namespace kiln::cuda::sm90;
 
 constexpr int kM = 64, kN = 64, kK = 16;
 constexpr int kABytes = 4096;                    // room for every A layout below
@@ -63,7 +67,7 @@ __global__ void probe_kernel(const unsigned char* a_src, int a_bytes, const unsi
   __shared__ __align__(1024) unsigned char smem[kABytes + 2048];
   for (int i = threadIdx.x; i < a_bytes; i += blockDim.x) smem[i] = a_src[i];
   for (int i = threadIdx.x; i < b_bytes; i += blockDim.x) smem[kBOffset + i] = b_src[i];
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes, async reads
+  fence_proxy_async();  // the generic proxy's writes, before the tensor cores read them
   __syncthreads();
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
   const uint64_t da = desc(base + a_start, a_lead, a_stride);
@@ -71,26 +75,11 @@ __global__ void probe_kernel(const unsigned char* a_src, int a_bytes, const unsi
   float d[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, "
-      "0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db));
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wgmma_fence_operands(d);
+  wgmma_fence();
+  wgmma_m64n64k16<0, 0>(d, da, db);
+  wgmma_commit();
+  wgmma_wait0();
   // D's fragments: register 4j + {0, 1} is row 16·warp + lane / 4, columns 8j + 2·(lane % 4)
   // + {0, 1}; 4j + {2, 3} the row 8 below.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
