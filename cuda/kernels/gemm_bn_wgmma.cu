@@ -406,27 +406,40 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       named_sync(1 + c, 128);
       // Rows rr + 8·i (row % 8 = rr), channels c0..c0+7: 16-byte chunk cg % 8 of box cg / 8.
       const int chunk = (cg / 8) * (kEpiX / 2) + (((cg % 8) ^ rr) * 16);
+      if constexpr (kStats) {
+        // Statistics: every value kept, Σy and Σy·(y − 0). The eight rows' loads first (rows
+        // past M read the buffer's stale bytes and are not used), so that their latencies
+        // overlap: one after another, each sum waited for its row (ncu, v33).
+        uint4 pv[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int row = rr + 8 * i;
-        const int64_t m = m0 + row;
-        if (m >= M) break;
-        const uint4 pv = *reinterpret_cast<const uint4*>(e + row * 128 + chunk);
-        // Statistics: every value kept, Σy and Σy·(y − 0).
-        const uint4 xv =
-            kStats ? pv : *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
-        unsigned bits;
-        if constexpr (kStats)
-          bits = 0xffu;
-        else if constexpr (kBits)
-          bits = e[kEpiMask + row * 16 + cg];
-        else
-          bits = relu_bits8(xv, scale, shift);
-        const uint4 gv = tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
-        reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = gv;
-        if constexpr (kDual)
-          dual_sum8(gv, *reinterpret_cast<const uint4*>(e + kStageOut + row * 128 + chunk), mu_u,
-                    s3);
+        for (int i = 0; i < 8; ++i)
+          pv[i] = *reinterpret_cast<const uint4*>(e + (rr + 8 * i) * 128 + chunk);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int64_t m = m0 + rr + 8 * i;
+          if (m >= M) break;
+          const uint4 gv = tail_epilogue8_rounded(pv[i], pv[i], 0xffu, mu, s1, s2);
+          reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = gv;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int row = rr + 8 * i;
+          const int64_t m = m0 + row;
+          if (m >= M) break;
+          const uint4 pv = *reinterpret_cast<const uint4*>(e + row * 128 + chunk);
+          const uint4 xv = *reinterpret_cast<const uint4*>(e + kEpiX + row * 128 + chunk);
+          unsigned bits;
+          if constexpr (kBits)
+            bits = e[kEpiMask + row * 16 + cg];
+          else
+            bits = relu_bits8(xv, scale, shift);
+          const uint4 gv = tail_epilogue8_rounded(pv, xv, bits, mu, s1, s2);
+          reinterpret_cast<uint4*>(g)[m * (C / 8) + c0 / 8] = gv;
+          if constexpr (kDual)
+            dual_sum8(gv, *reinterpret_cast<const uint4*>(e + kStageOut + row * 128 + chunk),
+                      mu_u, s3);
+        }
       }
       if constexpr (!kStats) {
         fence_proxy_async();  // the writes over r before the next tile's TMA into this buffer
@@ -465,16 +478,16 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       mbar_wait(full(s), got.round);
       advance(got);
       wgmma_fence();
+      const uint64_t da0 = make_desc(a_tile(s) + uint32_t(c * (kTM / 2) * 128));
+      const uint64_t db0 = kWDirect ? make_desc_nmajor(b_tile(s, kt)) : make_desc(b_tile(s, kt));
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t da = make_desc(a_tile(s) + uint32_t(c * (kTM / 2) * 128 + kk * 32));
+        const uint64_t da = desc_advance(da0, uint32_t(kk * 32));
         // B's 16 rows of k: 32 bytes into each K-major row, or 16 rows of 128 bytes N-major.
-        const uint64_t db = kWDirect ? make_desc_nmajor(b_tile(s, kt) + uint32_t(kk * 16 * 128))
-                                     : make_desc(b_tile(s, kt) + uint32_t(kk * 32));
+        const uint64_t db = desc_advance(db0, uint32_t(kWDirect ? kk * 16 * 128 : kk * 32));
         wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d, da, db);
         if constexpr (kTall) {
-          const uint64_t da1 =
-              make_desc(a_tile(s) + uint32_t((c * (kTM / 2) + 64) * 128 + kk * 32));
+          const uint64_t da1 = desc_advance(da0, uint32_t(64 * 128 + kk * 32));
           wgmma_m64n128k16<0, kWDirect ? 1 : 0>(d1, da1, db);
         }
       }
@@ -517,9 +530,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       };
       auto mma = [&](const uint32_t(&a)[4][4], int s, int kt) {
         wgmma_fence();  // the fragments were written by this thread
+        const uint64_t db0 = make_desc(b_tile(s, kt));
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n128k16_rs<0>(d, a[kk], make_desc(b_tile(s, kt) + uint32_t(kk * 32)));
+          wgmma_m64n128k16_rs<0>(d, a[kk], desc_advance(db0, uint32_t(kk * 32)));
         wgmma_commit();
       };
       auto step = [&](uint32_t(&a)[4][4], int kt) {

@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   uint2* patch = reinterpret_cast<uint2*>(wsm + kWeightBytes);  // [21][38] × 4 halves
   __half* stage_all = reinterpret_cast<__half*>(wsm + kWeightBytes + kPatch * 8);
   const uint32_t w_addr = raw + pad, patch_addr = w_addr + kWeightBytes;
+  const uint64_t w_desc = make_desc(w_addr);  // advanced per k-step (desc_advance)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __half* stage = stage_all + warp * kStage;  // [32 pixels][64 channels], 16-byte chunks swizzled
 
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int s = 0; s < kSteps; ++s) {
       load_a(a[s & 1], s);
       wgmma_fence();  // the fragments were written by this thread
-      const uint64_t db = make_desc(w_addr + uint32_t((s >> 2) * kBoxBytes + (s & 3) * 32));
+      const uint64_t db = desc_advance(w_desc, uint32_t((s >> 2) * kBoxBytes + (s & 3) * 32));
       wgmma_m64n64k16_rs<0>(d[0], a[s & 1][0], db);
       wgmma_m64n64k16_rs<0>(d[1], a[s & 1][1], db);
       wgmma_commit();
@@ -138,6 +139,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   unsigned char* sdy = smem_raw + pad;                      // [128 pixels][128 B], swizzled
   uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBytes);  // [21][38] × 4 halves
   const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBytes;
+  const uint64_t dy_desc = make_desc_nmajor(dy_addr);  // advanced per k-step
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3, lj = lane >> 3, lr = lane & 7;
 
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int t = 0; t < kMTiles; ++t)
         ldmatrix_x4_trans(a[r & 1][t], patch_addr + uint32_t((a_off[t] + 2 * r * kPatchW) * 8));
       wgmma_fence();  // the fragments were written by this thread
-      const uint64_t db = make_desc_nmajor(dy_addr + uint32_t(r * 16 * 128));
+      const uint64_t db = desc_advance(dy_desc, uint32_t(r * 16 * 128));
 #pragma unroll
       for (int t = 0; t < kMTiles; ++t) wgmma_m64n64k16_rs<1>(d[t], a[r & 1][t], db);
       wgmma_commit();

@@ -116,6 +116,14 @@ __device__ inline uint64_t make_desc_nmajor(uint32_t addr) {
   d |= uint64_t(1) << 62;
   return d;
 }
+// A descriptor moved `bytes` (a multiple of 16) on within its tile: the start address field
+// alone changes. Shared addresses lie below 2^18, so the field (address >> 4, 14 bits) cannot
+// carry out of the low word, and the result equals make_desc of the moved address. Computed
+// once per k-step and advanced per wgmma, a descriptor costs one add on the consumers' path
+// instead of a mask, a shift and the ORs (ncu, v33).
+__device__ inline uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
 // D (64 × 128 f32, the warpgroup's fragments) += A (64 × 16) · B (16 × 128), both in shared
 // memory: A K-major (kTransA 0) or M-major (1), B K-major (kTransB 0) or N-major (1).
 template <int kTransA, int kTransB>

@@ -141,11 +141,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = j % S;
     mbar_wait(kPro == 1 || kPro == 2 ? ready(s) : full(s), uint32_t((j / S) & 1));
     wgmma_fence();
+    const uint64_t da0 = make_desc_nmajor(a_slot(s) + uint32_t(c * kBox));
+    const uint64_t db0 = make_desc_nmajor(b_slot(s));
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       // 16 rows of the k-step: 16 rows of 128 bytes into each box, M- and N-major alike.
-      const uint64_t da = make_desc_nmajor(a_slot(s) + uint32_t(c * kBox + kk * 16 * 128));
-      const uint64_t db = make_desc_nmajor(b_slot(s) + uint32_t(kk * 16 * 128));
+      const uint64_t da = desc_advance(da0, uint32_t(kk * 16 * 128));
+      const uint64_t db = desc_advance(db0, uint32_t(kk * 16 * 128));
       if constexpr (kBN == 128)
         wgmma_m64n128k16<1, 1>(d, da, db);
       else
@@ -189,9 +191,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(full(s), uint32_t((j / S) & 1));
       form(a, s);
       wgmma_fence();  // the fragments were written by this thread
+      const uint64_t db0 = make_desc_nmajor(b_slot(s));
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16_rs<1>(d, a[kk], make_desc_nmajor(b_slot(s) + uint32_t(kk * 16 * 128)));
+        wgmma_m64n128k16_rs<1>(d, a[kk], desc_advance(db0, uint32_t(kk * 16 * 128)));
       wgmma_commit();
     };
     if (n > 0) {
