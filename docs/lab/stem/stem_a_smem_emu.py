@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # Emulates the index math of the stem forward with A read from the patch by descriptor
-# (docs/lab/stem/stem-a-smem.patch, KILN_STEM_A_SMEM): the no-swizzle K-major descriptor (core
+# (docs/lab/stem/stem-forms.patch, KILN_STEM_A_SMEM): the no-swizzle K-major descriptor (core
 # matrix (m/8, k/8) at start + (m/8)·stride + (k/8)·leading, its row m%8 at 16 bytes a row; the
 # convention tools/bench/wgmma_desc_probe.cu confirmed on an H100, overlapping core matrices
 # included), the two wgmmas per k16 step, wgmma's accumulator fragments, and the accessor that
