@@ -86,6 +86,10 @@
 // | KILN_STEM_WGMMA          | 0, forward          | kiln's stem convolution kernels multiply on     |
 // |                          |                     | mma.sync, not wgmma / only the forward on wgmma |
 // |                          |                     | (before v29)                                    |
+// | KILN_STEM_A_SMEM         | 0                   | the stem forward's wgmma loads its patch by     |
+// |                          |                     | 2-byte loads and its A into registers by        |
+// |                          |                     | ldmatrix, not by 16-byte copies and read by     |
+// |                          |                     | descriptor (the same bits; before v34)          |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -159,6 +163,7 @@ struct Switches {
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient
+  bool stem_a_smem = true;
   bool pdl = true;
   bool accumulate_grads = true;
   bool grad_overwrite = true;

@@ -107,6 +107,13 @@ void set_stem_conv_mode(int mode);
 // here (tests).
 int stem_wgmma_mode();
 void set_stem_wgmma_mode(int mode);
+// Whether the stem forward's wgmma copies each row of a tile's input patch from x in 16-byte
+// chunks (unpacked in shared memory) and reads its A operand from the patch by descriptor
+// (default), or loads the patch by 2-byte loads and A into registers by ldmatrix (the form before
+// v34); the same bits. KILN_STEM_A_SMEM=0, or set here (tests); it matters only where
+// stem_wgmma_mode() >= 1.
+bool stem_a_smem_enabled();
+void set_stem_a_smem_enabled(bool on);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

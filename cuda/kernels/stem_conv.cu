@@ -266,6 +266,7 @@ bool stem_shapes(const Tensor& y, const Tensor& x, const Tensor& w, const ConvPa
 
 constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
 constinit RuntimeSetting<int> g_stem_wgmma{&Switches::stem_wgmma};  // KILN_STEM_WGMMA
+constinit RuntimeSwitch g_stem_a_smem{&Switches::stem_a_smem};      // KILN_STEM_A_SMEM
 
 }  // namespace
 
@@ -280,6 +281,9 @@ void set_stem_wgmma_mode(int mode) {
   KILN_CHECK(mode >= 0 && mode <= 2, "set_stem_wgmma_mode: mode ", mode, " is not 0, 1 or 2");
   g_stem_wgmma.set(mode);
 }
+
+bool stem_a_smem_enabled() { return g_stem_a_smem.get(); }
+void set_stem_a_smem_enabled(bool on) { g_stem_a_smem.set(on); }
 
 bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
   return stem_shapes(y, x, w, p) && x.dtype() == DType::f16 && w.dtype() == DType::f16 &&
@@ -304,8 +308,9 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   float* pq = f32_ptr(sqsum, kCout, x, op, "sqsum");
   const StemGeom g = stem_geom(x, w, y.size(2), y.size(3));
   const bool wgmma = stem_wgmma_mode() >= 1;
-  const int parts =
-      wgmma ? conv_wgmma_parts(g.tiles) : stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
+  const bool a_smem = wgmma && stem_a_smem_enabled();
+  const int parts = wgmma ? conv_wgmma_parts(g.tiles, a_smem)
+                          : stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
   cudaStream_t s = current_stream();
@@ -314,7 +319,7 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   const __half* xp = static_cast<const __half*>(x.raw_data());
   const __half* wp = static_cast<const __half*>(w.raw_data());
   if (wgmma) {
-    conv_wgmma(yp, pp, xp, wp, g, parts, s);
+    conv_wgmma(yp, pp, xp, wp, g, parts, a_smem, s);
   } else {
     launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s, yp, pp, xp, wp, g);
     KILN_CUDA_CHECK_LAUNCH();

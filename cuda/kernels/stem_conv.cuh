@@ -138,11 +138,13 @@ __device__ inline void write_partial_stats(float (&s1)[16], float (&s2)[16], flo
 
 // Whether they can run is dgrad1x1_bn_wgmma_available() (cuda/kernels/gemm_bn_wgmma.h): the same
 // sm_90a object library and the same device test.
-// CTAs of its one wave for `tiles` tiles (at most one per tile).
-int conv_wgmma_parts(int tiles);
+// CTAs of its one wave for `tiles` tiles (at most one per tile); a_smem: the form with the patch
+// from 16-byte copies (load_patch_wide) and A read from it by descriptor (KILN_STEM_A_SMEM), not
+// from 2-byte loads and ldmatrix fragments.
+int conv_wgmma_parts(int tiles, bool a_smem);
 // y (=) and the CTAs' partial rows (parts, 2, 64) of the statistics, as the mma.sync forward's.
 void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
-                int parts, cudaStream_t stream);
+                int parts, bool a_smem, cudaStream_t stream);
 // The weight gradient's CTAs for `tiles` tiles, and its partials (parts, 64, kK) as the mma.sync
 // kernel's.
 int wgrad_wgmma_parts(int tiles);

@@ -24,6 +24,20 @@
 //
 // Both keep one wgmma group in flight: step s's fragments are loaded while step s − 1
 // multiplies.
+//
+// The forward's A from shared memory (kASmem; the default since v34, KILN_STEM_A_SMEM=0 the
+// register form): the patch arrives by 16-byte copies of its rows (load_patch_wide, 336 copies a
+// tile where load_patch issues 2,394 2-byte loads), and at k16 step (kh, kw0) the
+// A row of output pixel (row i, column c) is 16 contiguous halves of the patch (pixels 2c + kw0
+// .. + 3 of patch row 2i + kh), and column c + 1's row starts 16 bytes on. So 8 consecutive
+// columns of one output row are one no-swizzle core matrix, its K-neighbour is 16 bytes on (the
+// two overlap: tools/bench/wgmma_desc_probe.cu found wgmma reads that exactly), and the same
+// columns of the next output row are two patch rows (608 bytes) on. One descriptor (leading
+// offset 16, stride 608) is then an m64 tile of 8 output rows × 8 columns: wgmma mi takes the
+// tile's columns 8·mi.., where the register form's mi is an output row pair. The accumulators
+// hold the same pixels in another order, which the epilogue's accessor undoes, so store_tile
+// sums and writes them in the register form's order. No ldmatrix, no fragments: the 28
+// wgmmas of a tile are issued in one group.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -45,6 +59,85 @@ constexpr int kWeightBytes = 4 * kBoxBytes;  // K padded to 256
 constexpr int kSmemBytes = 1024 + kWeightBytes + kPatch * 8 + 4 * kStage * 2;  // 56,560
 static_assert(kSteps * 16 == kK && kK <= 256, "the weight's K fits the four boxes");
 
+// load_patch's patch from wider loads (the form with A from shared memory): each input row of
+// the patch is one contiguous span of x, 38 pixels × 6 bytes, starting anywhere in a 16-byte
+// chunk. So its 16-byte chunks are copied by cp.async into `raw` (kPatchH rows of kRawRow
+// bytes; up to 16 chunks a row) and then unpacked in shared memory into the 8-byte pixels of the
+// patch: 21 × 16 copies a tile where load_patch issues 3 loads for each of its 798 pixels. Only
+// chunks inside x are copied whole; at x's two ends a chunk is copied 2 bytes at a time, those
+// of the row's pixels only, so nothing outside x is read. Waits for every cp.async of the thread
+// (a caller's pending copies too) and has one __syncthreads between the copy and the unpack;
+// `raw` is free again when it returns. Puts the same values as load_patch in the patch.
+constexpr int kRawRow = 256;                  // 16 chunks: 228 bytes + up to 14 of offset
+constexpr int kRawBytes = kPatchH * kRawRow;  // 5,376
+__device__ inline void load_patch_wide(uint2* patch, unsigned char* raw,
+                                       const __half* __restrict__ x, const StemGeom& g, int n,
+                                       int oh0, int ow0) {
+  const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
+  const int c0 = iw0 < 0 ? -iw0 : 0,
+            c1 = g.W - iw0 < kPatchW ? g.W - iw0 : kPatchW;  // columns in x
+  const uintptr_t xa = reinterpret_cast<uintptr_t>(x);
+  const uintptr_t xend = xa + uintptr_t(int64_t(g.tiles / g.tiles_img) * g.H * g.W * 6);
+  // Patch row r's column 0 (maybe before x: only columns c0..c1 − 1 are read), as an address.
+  auto origin = [&](int r) {
+    return xa + uintptr_t((int64_t(n) * g.H + ih0 + r) * g.W * 6 + int64_t(iw0) * 6);
+  };
+  constexpr int kSlots = kPatchH * 16;
+#pragma unroll
+  for (int it = 0; it < (kSlots + kThreads - 1) / kThreads; ++it) {
+    const int slot = int(threadIdx.x) + it * kThreads, r = slot >> 4, k = slot & 15;
+    const int ih = ih0 + r;
+    if (slot >= kSlots || ih < 0 || ih >= g.H || c1 <= c0) continue;
+    const uintptr_t first = origin(r) + uintptr_t(6 * c0), end = origin(r) + uintptr_t(6 * c1);
+    const uintptr_t src = (first & ~uintptr_t(15)) + uintptr_t(16 * k);
+    if (src >= end) continue;
+    unsigned char* dst = raw + r * kRawRow + 16 * k;
+    if (src >= xa && src + 16 <= xend) {
+      cp_async16(dst, reinterpret_cast<const void*>(src), true);
+    } else {  // a chunk past one of x's ends: the row's own bytes, 2 at a time
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const uintptr_t a = src + uintptr_t(2 * e);
+        if (a >= first && a < end)
+          reinterpret_cast<unsigned short*>(dst)[e] = *reinterpret_cast<const unsigned short*>(a);
+      }
+    }
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  constexpr int kIters = (kPatch + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = int(threadIdx.x) + it * kThreads;
+    if (i >= kPatch) break;
+    const int r = i / kPatchW, c = i % kPatchW, ih = ih0 + r;
+    uint2 v{0u, 0u};
+    if (ih >= 0 && ih < g.H && c >= c0 && c < c1) {
+      const uintptr_t first = origin(r) + uintptr_t(6 * c0);
+      const unsigned short* p = reinterpret_cast<const unsigned short*>(
+          raw + r * kRawRow + int(origin(r) + uintptr_t(6 * c) - (first & ~uintptr_t(15))));
+      v = uint2{unsigned(p[0]) | (unsigned(p[1]) << 16), unsigned(p[2])};
+    }
+    patch[i] = v;
+  }
+}
+
+static_assert(kRawBytes <= 4 * kStage * 2,
+              "the forward stages the patch's raw rows in y's staging");
+
+// No-swizzle descriptor of the forward's A at shared address `addr` (kASmem): leading byte
+// offset 16 (the K-neighbouring core matrix, 2 pixels on), stride byte offset two patch rows
+// (the next output row's core matrix), layout 0 (no swizzle) in bits 62-63.
+constexpr uint32_t kARowPairBytes = 2 * kPatchW * 8;  // 608
+static_assert(kARowPairBytes % 16 == 0 && (kPatchW * 8) % 16 == 0,
+              "the A descriptor's offsets and starts are 16-byte multiples");
+__device__ inline uint64_t make_desc_patch(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(16 >> 4) << 16 |
+         uint64_t(kARowPairBytes >> 4) << 32;
+}
+
+template <bool kASmem>
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_wgmma_kernel(__half* __restrict__ y, float* __restrict__ partial,
                                  const __half* __restrict__ x, const __half* __restrict__ w,
@@ -81,8 +174,13 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
     const auto [n, oh0, ow0] = stem_tile(g, tile);
-    __syncthreads();  // the previous tile's patch has been read (and the weight is in)
-    load_patch(patch, x, g, n, oh0, ow0);
+    __syncthreads();  // the previous tile's patch and staging have been read (the weight is in)
+    if constexpr (kASmem) {  // its raw rows staged where the epilogue stages y
+      load_patch_wide(patch, reinterpret_cast<unsigned char*>(stage_all), x, g, n, oh0, ow0);
+      fence_proxy_async();  // the patch's stores, before the tensor cores read it
+    } else {
+      load_patch(patch, x, g, n, oh0, ow0);
+    }
     __syncthreads();
 
     float d[2][32];
@@ -92,6 +190,27 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int i = 0; i < 32; ++i) d[mi][i] = 0.f;
     wgmma_fence_operands(d[0]);
     wgmma_fence_operands(d[1]);
+    if constexpr (kASmem) {
+      // wgmma mi: output rows 0-7 of the tile, columns 8·mi.. (warp w's accumulator rows
+      // 16w + gq + 8h are output row 2w + h, column 8·mi + gq).
+      const uint64_t a_desc = make_desc_patch(patch_addr);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int kh = s >> 1, kw0 = (s & 1) * 4;
+        const uint64_t db = desc_advance(w_desc, uint32_t((s >> 2) * kBoxBytes + (s & 3) * 32));
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+          wgmma_m64n64k16<0, 0>(
+              d[mi], desc_advance(a_desc, uint32_t((kh * kPatchW + 16 * mi + kw0) * 8)), db);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      // store_tile's (row 2w + r, column half h) is accumulator (mi = h, row half r).
+      store_tile([&](int r, int j, int q) { return d[q >> 1][4 * j + 2 * r + (q & 1)]; }, s1, s2,
+                 stage, y, g, n, oh0, ow0);
+      continue;
+    }
     uint32_t a[2][2][4];  // [step parity][mi]: the fragments of one step in flight, one loading
     auto load_a = [&](uint32_t(&fr)[2][4], int s) {
       const int kh = s >> 1, kw0 = (s & 1) * 4 + 2 * (lj >> 1);
@@ -207,20 +326,32 @@ __global__ void __launch_bounds__(kThreads, 2)
   __trap();  // built without sm_90a: dgrad1x1_bn_wgmma_available() is false, never launched
 #endif
 }
+
+// The forward's kernel (a_smem: the patch by 16-byte copies, A read from it), its shared memory
+// allowed on this device.
+const void* conv_kernel(bool a_smem) {
+  const char* op = "stem_conv_forward_stats";
+  allow_smem_once<stem_conv_stats_wgmma_kernel<false>>(kSmemBytes, op);
+  allow_smem_once<stem_conv_stats_wgmma_kernel<true>>(kSmemBytes, op);
+  return a_smem ? reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<true>)
+                : reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<false>);
+}
 }  // namespace
 
-int conv_wgmma_parts(int tiles) {
-  allow_smem_once<stem_conv_stats_wgmma_kernel>(kSmemBytes, "stem_conv_forward_stats");
-  const int64_t wave =
-      int64_t(context().props.multiProcessorCount) *
-      resident_blocks_per_sm(reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel), kThreads,
-                             kSmemBytes);
+int conv_wgmma_parts(int tiles, bool a_smem) {
+  const int64_t wave = int64_t(context().props.multiProcessorCount) *
+                       resident_blocks_per_sm(conv_kernel(a_smem), kThreads, kSmemBytes);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
 void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
-                int parts, cudaStream_t stream) {
-  launch(stem_conv_stats_wgmma_kernel, parts, kThreads, kSmemBytes, stream, y, partial, x, w, g);
+                int parts, bool a_smem, cudaStream_t stream) {
+  if (a_smem)
+    launch(stem_conv_stats_wgmma_kernel<true>, parts, kThreads, kSmemBytes, stream, y, partial, x,
+           w, g);
+  else
+    launch(stem_conv_stats_wgmma_kernel<false>, parts, kThreads, kSmemBytes, stream, y, partial, x,
+           w, g);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -72,28 +72,35 @@ struct Case {
 constexpr Case kCases[] = {{2, 32, 32}, {3, 48, 64}, {8, 224, 224}, {1, 31, 63}};
 
 // The multiplies this GPU runs the stem's kernels on: mma.sync, and wgmma where available (sm_90,
-// a build for sm_90a). Restores the setting it found.
+// a build for sm_90a), its forward in both forms: the patch by 16-byte copies and A read from it
+// (the default), and the patch by 2-byte loads and A from registers (KILN_STEM_A_SMEM=0; the
+// weight gradient is the same kernel both ways). Restores the settings it found.
 class Multiplies {
  public:
-  Multiplies() : before_(cuda::stem_wgmma_mode()) {
+  Multiplies() : before_(cuda::stem_wgmma_mode()), a_smem_before_(cuda::stem_a_smem_enabled()) {
     cuda::set_stem_wgmma_mode(2);
-    if (cuda::stem_wgmma_mode() == 2) list_.push_back(true);
-    list_.push_back(false);
+    if (cuda::stem_wgmma_mode() == 2) {
+      list_.push_back("wgmma");
+      list_.push_back("wgmma, A from registers");
+    }
+    list_.push_back("mma.sync");
   }
-  ~Multiplies() { cuda::set_stem_wgmma_mode(before_); }
-  // Each multiply's name, with the setting made for it.
-  std::vector<const char*> each() const {
-    std::vector<const char*> names;
-    for (bool on : list_) names.push_back(on ? "wgmma" : "mma.sync");
-    return names;
+  ~Multiplies() {
+    cuda::set_stem_wgmma_mode(before_);
+    cuda::set_stem_a_smem_enabled(a_smem_before_);
   }
+  // Each multiply's name, for use().
+  const std::vector<const char*>& each() const { return list_; }
   static void use(const char* name) {
-    cuda::set_stem_wgmma_mode(std::string(name) == "wgmma" ? 2 : 0);
+    const std::string n(name);
+    cuda::set_stem_wgmma_mode(n == "mma.sync" ? 0 : 2);
+    cuda::set_stem_a_smem_enabled(n != "wgmma, A from registers");
   }
 
  private:
   int before_;
-  std::vector<bool> list_;
+  bool a_smem_before_;
+  std::vector<const char*> list_;
 };
 
 // The weight gradient of dy through the stem, on cuDNN (mode 0) or kiln's kernel (mode 2), into
@@ -201,6 +208,42 @@ TEST_CASE("the stem convolution's two multiplies agree") {
     const double scale = std::sqrt(double(cs.n * oh * ow));
     KILN_CHECK_OK(testing::compare(f32(dw_wg), f32(dw_ms), 1e-4 * scale, 1e-4));
   }
+}
+
+TEST_CASE("the stem forward's patch by 16-byte copies, A read from it, gives the register "
+          "form's bits") {
+  const Multiplies multiplies;
+  if (multiplies.each().size() < 3) {
+    MESSAGE("the wgmma multiply needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  // Every case of kCases (borders on every side, several tiles per CTA, an odd input size), x
+  // whole and x as the last n images of a batch 1 or 2 larger: there x starts inside its
+  // storage, 6·h·w bytes per image in (6 and 12 bytes past a 16-byte boundary for 31 × 63; on
+  // one for the even sizes), and ends where the storage ends, so the copies meet both of x's
+  // ends off a 16-byte boundary (compute-sanitizer's memcheck sees a read past x).
+  for (Case cs : kCases)
+    for (int64_t skip : {0, 1, 2}) {
+      CAPTURE(cs.n);
+      CAPTURE(cs.h);
+      CAPTURE(cs.w);
+      CAPTURE(skip);
+      const Stem whole = make_stem(cs.n + skip, cs.h, cs.w, 131 + uint64_t(cs.h));
+      Stem s = whole;
+      s.x = whole.x.narrow(0, skip, cs.n);
+      REQUIRE(s.x.is_contiguous(MemoryFormat::ChannelsLast));
+      Multiplies::use("wgmma, A from registers");
+      const Out reg = run_kernel(s);
+      Multiplies::use("wgmma");
+      const Out sm = run_kernel(s);
+      // The same patch, the same k16 steps in the same order into the same accumulators, and the
+      // epilogue sums the same pixels in the same order: the same bits. Near first, so that a
+      // layout mistake or a wrong pixel reads as one (far beyond this tolerance).
+      KILN_CHECK_OK(testing::compare(f32(sm.y), f32(reg.y), 2e-3, 1e-3));
+      KILN_CHECK_OK(testing::compare(sm.y, reg.y, 0, 0));
+      KILN_CHECK_OK(testing::compare(sm.sum, reg.sum, 0, 0));
+      KILN_CHECK_OK(testing::compare(sm.sqsum, reg.sqsum, 0, 0));
+    }
 }
 
 TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on cuDNN") {

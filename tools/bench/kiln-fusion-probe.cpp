@@ -804,6 +804,25 @@ void probe_stem(int64_t n) {
               t[0][0], t[1][0], gflop / t[1][0]);
   std::printf("   weight gradient:      cuDNN path %.3f ms, kiln %.3f ms (%.0f TFLOP/s)\n",
               t[0][1], t[1][1], gflop / t[1][1]);
+  // kiln's forward on wgmma both ways: the patch by 2-byte loads and A from ldmatrix fragments
+  // (KILN_STEM_A_SMEM=0), or the patch by 16-byte copies and A read from it by descriptor (the
+  // default). Two rounds, each way in turn.
+  if (cuda::stem_wgmma_mode() >= 1) {
+    const bool a_smem = cuda::stem_a_smem_enabled();
+    cuda::set_stem_conv_mode(2);
+    for (int round = 0; round < 2; ++round) {
+      double tf[2];
+      for (int on : {0, 1}) {
+        cuda::set_stem_a_smem_enabled(on == 1);
+        tf[on] = median_ms(fwd);
+      }
+      std::printf("   round %d, forward: patch by 2-byte loads, A from registers %.3f ms; by "
+                  "16-byte copies, A from shared memory %.3f ms\n",
+                  round + 1, tf[0], tf[1]);
+    }
+    cuda::set_stem_a_smem_enabled(a_smem);
+    cuda::set_stem_conv_mode(mode);
+  }
   // The batch norm + ReLU + max pool forward after it, both kernels (KILN_STEM_POOL_TILE), on
   // the convolution's y with a batch norm's factors: reads y, writes the pooled f16 and the u8
   // positions.
