@@ -90,9 +90,6 @@
 // |                          |                     | 2-byte loads and its A into registers by        |
 // |                          |                     | ldmatrix, not by 16-byte copies and read by     |
 // |                          |                     | descriptor (the same bits; before v34)          |
-// | KILN_STEM_PREFETCH       | 1                   | the stem's wgmma kernels copy the next tile's   |
-// |                          |                     | input while this tile multiplies (the same      |
-// |                          |                     | bits; off until measured; docs/lab/stem.md)     |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -167,7 +164,6 @@ struct Switches {
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient
   bool stem_a_smem = true;
-  bool stem_prefetch = false;
   bool pdl = true;
   bool accumulate_grads = true;
   bool grad_overwrite = true;

@@ -114,12 +114,6 @@ void set_stem_wgmma_mode(int mode);
 // stem_wgmma_mode() >= 1.
 bool stem_a_smem_enabled();
 void set_stem_a_smem_enabled(bool on);
-// Whether the stem's wgmma kernels copy the next tile's input (the weight gradient: its dy and
-// patch rows; the forward, in its form with A from shared memory: its patch rows) by cp.async
-// while the current tile multiplies, instead of loading each tile's between two barriers at its
-// start; the same operands, so the same bits. KILN_STEM_PREFETCH=1, or set here (tests).
-bool stem_prefetch_enabled();
-void set_stem_prefetch_enabled(bool on);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

@@ -267,7 +267,6 @@ bool stem_shapes(const Tensor& y, const Tensor& x, const Tensor& w, const ConvPa
 constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};  // KILN_STEM_CONV
 constinit RuntimeSetting<int> g_stem_wgmma{&Switches::stem_wgmma};  // KILN_STEM_WGMMA
 constinit RuntimeSwitch g_stem_a_smem{&Switches::stem_a_smem};      // KILN_STEM_A_SMEM
-constinit RuntimeSwitch g_stem_prefetch{&Switches::stem_prefetch};  // KILN_STEM_PREFETCH
 
 }  // namespace
 
@@ -285,9 +284,6 @@ void set_stem_wgmma_mode(int mode) {
 
 bool stem_a_smem_enabled() { return g_stem_a_smem.get(); }
 void set_stem_a_smem_enabled(bool on) { g_stem_a_smem.set(on); }
-
-bool stem_prefetch_enabled() { return g_stem_prefetch.get(); }
-void set_stem_prefetch_enabled(bool on) { g_stem_prefetch.set(on); }
 
 bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
   return stem_shapes(y, x, w, p) && x.dtype() == DType::f16 && w.dtype() == DType::f16 &&
@@ -313,8 +309,7 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   const StemGeom g = stem_geom(x, w, y.size(2), y.size(3));
   const bool wgmma = stem_wgmma_mode() >= 1;
   const bool a_smem = wgmma && stem_a_smem_enabled();
-  const bool prefetch = a_smem && stem_prefetch_enabled();
-  const int parts = wgmma ? conv_wgmma_parts(g.tiles, a_smem, prefetch)
+  const int parts = wgmma ? conv_wgmma_parts(g.tiles, a_smem)
                           : stem_parts<stem_conv_stats_kernel>(kSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * 2 * kCout}, TensorOptions(DType::f32).with_device(x.device()));
@@ -324,7 +319,7 @@ void stem_conv_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& s
   const __half* xp = static_cast<const __half*>(x.raw_data());
   const __half* wp = static_cast<const __half*>(w.raw_data());
   if (wgmma) {
-    conv_wgmma(yp, pp, xp, wp, g, parts, a_smem, prefetch, s);
+    conv_wgmma(yp, pp, xp, wp, g, parts, a_smem, s);
   } else {
     launch(stem_conv_stats_kernel, parts, kThreads, kSmemBytes, s, yp, pp, xp, wp, g);
     KILN_CUDA_CHECK_LAUNCH();
@@ -342,8 +337,7 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
   const StemGeom g = stem_geom(x, dw, dy.size(2), dy.size(3));
   const bool wgmma = stem_wgmma_mode() == 2;
-  const bool prefetch = wgmma && stem_prefetch_enabled();
-  const int parts = wgmma ? wgrad_wgmma_parts(g.tiles, prefetch)
+  const int parts = wgmma ? wgrad_wgmma_parts(g.tiles)
                           : stem_parts<stem_wgrad_kernel>(kWgSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * kCout * kK}, TensorOptions(DType::f32).with_device(x.device()));
@@ -352,7 +346,7 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
   const __half* dyp = static_cast<const __half*>(dy.raw_data());
   const __half* xp = static_cast<const __half*>(x.raw_data());
   if (wgmma) {
-    wgrad_wgmma(pw, dyp, xp, g, parts, prefetch, s);
+    wgrad_wgmma(pw, dyp, xp, g, parts, s);
   } else {
     launch(stem_wgrad_kernel, parts, kThreads, kWgSmemBytes, s, pw, dyp, xp, g);
     KILN_CUDA_CHECK_LAUNCH();

@@ -140,17 +140,15 @@ __device__ inline void write_partial_stats(float (&s1)[16], float (&s2)[16], flo
 // sm_90a object library and the same device test.
 // CTAs of its one wave for `tiles` tiles (at most one per tile); a_smem: the form with the patch
 // from 16-byte copies (load_patch_wide) and A read from it by descriptor (KILN_STEM_A_SMEM), not
-// from 2-byte loads and ldmatrix fragments; prefetch (with a_smem): the next tile's patch rows
-// copied while this tile multiplies and stores (KILN_STEM_PREFETCH).
-int conv_wgmma_parts(int tiles, bool a_smem, bool prefetch);
+// from 2-byte loads and ldmatrix fragments.
+int conv_wgmma_parts(int tiles, bool a_smem);
 // y (=) and the CTAs' partial rows (parts, 2, 64) of the statistics, as the mma.sync forward's.
 void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
-                int parts, bool a_smem, bool prefetch, cudaStream_t stream);
+                int parts, bool a_smem, cudaStream_t stream);
 // The weight gradient's CTAs for `tiles` tiles, and its partials (parts, 64, kK) as the mma.sync
-// kernel's; prefetch: the next tile's dy and patch rows copied while this tile multiplies
-// (KILN_STEM_PREFETCH).
-int wgrad_wgmma_parts(int tiles, bool prefetch);
+// kernel's.
+int wgrad_wgmma_parts(int tiles);
 void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
-                 bool prefetch, cudaStream_t stream);
+                 cudaStream_t stream);
 
 }  // namespace kiln::cuda::stem

@@ -65,48 +65,34 @@ static_assert(kSteps * 16 == kK && kK <= 256, "the weight's K fits the four boxe
 // bytes; up to 16 chunks a row) and then unpacked in shared memory into the 8-byte pixels of the
 // patch: 21 × 16 copies a tile where load_patch issues 3 loads for each of its 798 pixels. Only
 // chunks inside x are copied whole; at x's two ends a chunk is copied 2 bytes at a time, those
-// of the row's pixels only, so nothing outside x is read.
+// of the row's pixels only, so nothing outside x is read. Waits for every cp.async of the thread
+// (a caller's pending copies too) and has one __syncthreads between the copy and the unpack;
+// `raw` is free again when it returns. Puts the same values as load_patch in the patch.
 constexpr int kRawRow = 256;                  // 16 chunks: 228 bytes + up to 14 of offset
 constexpr int kRawBytes = kPatchH * kRawRow;  // 5,376
-
-// Where output tile (n, oh0, ow0)'s patch rows lie in x: rows ih0.., columns c0..c1 − 1 of the
-// patch inside x; origin(r) is patch row r's column 0 as an address (maybe before x).
-struct PatchRows {
-  uintptr_t xa, xend;
-  int64_t row0;  // x's element offset of patch row 0, column 0 (maybe negative)
-  int ih0, c0, c1, H, W;
-  __device__ PatchRows(const __half* x, const StemGeom& g, int n, int oh0, int ow0)
-      : xa(reinterpret_cast<uintptr_t>(x)),
-        xend(xa + uintptr_t(int64_t(g.tiles / g.tiles_img) * g.H * g.W * 6)),
-        ih0(2 * oh0 - 3),
-        c0(2 * ow0 - 3 < 0 ? 3 - 2 * ow0 : 0),
-        c1(g.W - (2 * ow0 - 3) < kPatchW ? g.W - (2 * ow0 - 3) : kPatchW),
-        H(g.H),
-        W(g.W) {
-    row0 = ((int64_t(n) * g.H + ih0) * g.W + (2 * ow0 - 3)) * 3;
-  }
-  __device__ uintptr_t origin(int r) const {
-    return xa + uintptr_t((row0 + int64_t(r) * W * 3) * 2);
-  }
-  __device__ bool row_in(int r) const { return ih0 + r >= 0 && ih0 + r < H && c1 > c0; }
-};
-
-// The copies of tile (n, oh0, ow0)'s patch rows into `raw`: cp.async for the chunks inside x
-// (committed as one group), 2-byte loads and stores for the chunks at x's ends.
-__device__ inline void copy_patch_rows(unsigned char* raw, const __half* __restrict__ x,
-                                       const StemGeom& g, int n, int oh0, int ow0) {
-  const PatchRows pr(x, g, n, oh0, ow0);
+__device__ inline void load_patch_wide(uint2* patch, unsigned char* raw,
+                                       const __half* __restrict__ x, const StemGeom& g, int n,
+                                       int oh0, int ow0) {
+  const int ih0 = 2 * oh0 - 3, iw0 = 2 * ow0 - 3;
+  const int c0 = iw0 < 0 ? -iw0 : 0,
+            c1 = g.W - iw0 < kPatchW ? g.W - iw0 : kPatchW;  // columns in x
+  const uintptr_t xa = reinterpret_cast<uintptr_t>(x);
+  const uintptr_t xend = xa + uintptr_t(int64_t(g.tiles / g.tiles_img) * g.H * g.W * 6);
+  // Patch row r's column 0 (maybe before x: only columns c0..c1 − 1 are read), as an address.
+  auto origin = [&](int r) {
+    return xa + uintptr_t((int64_t(n) * g.H + ih0 + r) * g.W * 6 + int64_t(iw0) * 6);
+  };
   constexpr int kSlots = kPatchH * 16;
 #pragma unroll
   for (int it = 0; it < (kSlots + kThreads - 1) / kThreads; ++it) {
     const int slot = int(threadIdx.x) + it * kThreads, r = slot >> 4, k = slot & 15;
-    if (slot >= kSlots || !pr.row_in(r)) continue;
-    const uintptr_t first = pr.origin(r) + uintptr_t(6 * pr.c0);
-    const uintptr_t end = pr.origin(r) + uintptr_t(6 * pr.c1);
+    const int ih = ih0 + r;
+    if (slot >= kSlots || ih < 0 || ih >= g.H || c1 <= c0) continue;
+    const uintptr_t first = origin(r) + uintptr_t(6 * c0), end = origin(r) + uintptr_t(6 * c1);
     const uintptr_t src = (first & ~uintptr_t(15)) + uintptr_t(16 * k);
     if (src >= end) continue;
     unsigned char* dst = raw + r * kRawRow + 16 * k;
-    if (src >= pr.xa && src + 16 <= pr.xend) {
+    if (src >= xa && src + 16 <= xend) {
       cp_async16(dst, reinterpret_cast<const void*>(src), true);
     } else {  // a chunk past one of x's ends: the row's own bytes, 2 at a time
 #pragma unroll
@@ -118,40 +104,23 @@ __device__ inline void copy_patch_rows(unsigned char* raw, const __half* __restr
     }
   }
   cp_async_commit();
-}
-
-// The patch of tile (n, oh0, ow0) from its rows in `raw` (every copy of copy_patch_rows in and
-// visible to this thread: after cp_async_wait and a __syncthreads).
-__device__ inline void unpack_patch(uint2* patch, const unsigned char* raw,
-                                    const __half* __restrict__ x, const StemGeom& g, int n, int oh0,
-                                    int ow0) {
-  const PatchRows pr(x, g, n, oh0, ow0);
+  cp_async_wait_all();
+  __syncthreads();
   constexpr int kIters = (kPatch + kThreads - 1) / kThreads;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int i = int(threadIdx.x) + it * kThreads;
     if (i >= kPatch) break;
-    const int r = i / kPatchW, c = i % kPatchW;
+    const int r = i / kPatchW, c = i % kPatchW, ih = ih0 + r;
     uint2 v{0u, 0u};
-    if (pr.row_in(r) && c >= pr.c0 && c < pr.c1) {
-      const uintptr_t first = pr.origin(r) + uintptr_t(6 * pr.c0);
+    if (ih >= 0 && ih < g.H && c >= c0 && c < c1) {
+      const uintptr_t first = origin(r) + uintptr_t(6 * c0);
       const unsigned short* p = reinterpret_cast<const unsigned short*>(
-          raw + r * kRawRow + int(pr.origin(r) + uintptr_t(6 * c) - (first & ~uintptr_t(15))));
+          raw + r * kRawRow + int(origin(r) + uintptr_t(6 * c) - (first & ~uintptr_t(15))));
       v = uint2{unsigned(p[0]) | (unsigned(p[1]) << 16), unsigned(p[2])};
     }
     patch[i] = v;
   }
-}
-
-// Both at once: waits for every cp.async of the thread (a caller's pending copies too), with one
-// __syncthreads between the copy and the unpack; `raw` is free again when it returns.
-__device__ inline void load_patch_wide(uint2* patch, unsigned char* raw,
-                                       const __half* __restrict__ x, const StemGeom& g, int n,
-                                       int oh0, int ow0) {
-  copy_patch_rows(raw, x, g, n, oh0, ow0);
-  cp_async_wait_all();
-  __syncthreads();
-  unpack_patch(patch, raw, x, g, n, oh0, ow0);
 }
 
 static_assert(kRawBytes <= 4 * kStage * 2,
@@ -168,13 +137,7 @@ __device__ inline uint64_t make_desc_patch(uint32_t addr) {
          uint64_t(kARowPairBytes >> 4) << 32;
 }
 
-// The forward's shared memory: + the next tile's raw patch rows where it prefetches them.
-template <bool kPrefetch>
-constexpr int fwd_smem_bytes() {
-  return kSmemBytes + (kPrefetch ? kRawBytes : 0);
-}
-
-template <bool kASmem, bool kPrefetch>
+template <bool kASmem>
 __global__ void __launch_bounds__(kThreads, 3)
     stem_conv_stats_wgmma_kernel(__half* __restrict__ y, float* __restrict__ partial,
                                  const __half* __restrict__ x, const __half* __restrict__ w,
@@ -192,15 +155,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   const uint64_t w_desc = make_desc(w_addr);  // advanced per k-step (desc_advance)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __half* stage = stage_all + warp * kStage;  // [32 pixels][64 channels], 16-byte chunks swizzled
-  // kPrefetch: the next tile's patch rows, copied while this tile multiplies and stores.
-  unsigned char* pre_raw = reinterpret_cast<unsigned char*>(stage_all + 4 * kStage);
-  static_assert(!kPrefetch || kASmem, "the prefetch is the form with A from shared memory's");
-  if constexpr (kPrefetch) {
-    if (int(blockIdx.x) < g.tiles) {
-      const auto [n, oh0, ow0] = stem_tile(g, int(blockIdx.x));
-      copy_patch_rows(pre_raw, x, g, n, oh0, ow0);
-    }
-  }
 
   // The weight as B, K-major: channel n's k = kh·32 + kw·4 + c (zero for kw = 7, c = 3 and
   // k ≥ 224) at box k / 64, row n, 16-byte chunk (k % 64) / 8 XOR n % 8.
@@ -220,26 +174,14 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
     const auto [n, oh0, ow0] = stem_tile(g, tile);
-    if constexpr (kPrefetch) {
-      cp_async_wait_all();
-      __syncthreads();  // the tile's rows are in; the previous tile's patch has been read
-      unpack_patch(patch, pre_raw, x, g, n, oh0, ow0);
+    __syncthreads();  // the previous tile's patch and staging have been read (the weight is in)
+    if constexpr (kASmem) {  // its raw rows staged where the epilogue stages y
+      load_patch_wide(patch, reinterpret_cast<unsigned char*>(stage_all), x, g, n, oh0, ow0);
       fence_proxy_async();  // the patch's stores, before the tensor cores read it
-      __syncthreads();      // the patch is in; pre_raw is free
-      if (tile + int(gridDim.x) < g.tiles) {
-        const auto [n1, oh1, ow1] = stem_tile(g, tile + int(gridDim.x));
-        copy_patch_rows(pre_raw, x, g, n1, oh1, ow1);
-      }
     } else {
-      __syncthreads();  // the previous tile's patch and staging have been read (the weight is in)
-      if constexpr (kASmem) {  // its raw rows staged where the epilogue stages y
-        load_patch_wide(patch, reinterpret_cast<unsigned char*>(stage_all), x, g, n, oh0, ow0);
-        fence_proxy_async();  // the patch's stores, before the tensor cores read it
-      } else {
-        load_patch(patch, x, g, n, oh0, ow0);
-      }
-      __syncthreads();
+      load_patch(patch, x, g, n, oh0, ow0);
     }
+    __syncthreads();
 
     float d[2][32];
 #pragma unroll
@@ -305,17 +247,6 @@ constexpr int kDyBytes = kTileH * kTileW * 128;             // 128 pixels × 64 
 constexpr int kWgSmemBytes = 1024 + kDyBytes + kPatch * 8;  // 23,792
 constexpr int kMTiles = 4;                                  // K 0-255 in m64 tiles
 
-// The weight gradient's shared memory: kPrefetch adds a second dy buffer (the next tile's) and
-// the next tile's raw patch rows.
-template <bool kPrefetch>
-constexpr int wg_smem_bytes() {
-  return kWgSmemBytes + (kPrefetch ? kDyBytes + kRawBytes : 0);
-}
-
-// kPrefetch: the next tile's dy and patch rows are copied by cp.async while this tile
-// multiplies (dy in two buffers, the rows unpacked at the tile's start), instead of loaded
-// between two barriers at the tile's start; the same dy and patch, so the same bits.
-template <bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 2)
     stem_wgrad_wgmma_kernel(float* __restrict__ partial, const __half* __restrict__ dy,
                             const __half* __restrict__ x, StemGeom g) {
@@ -324,22 +255,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
-  constexpr int kDyBufs = kPrefetch ? 2 : 1;
-  unsigned char* sdy = smem_raw + pad;  // kDyBufs × [128 pixels][128 B], swizzled
-  uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBufs * kDyBytes);  // [21][38] × 4 halves
-  unsigned char* pre_raw = sdy + kDyBufs * kDyBytes + kPatch * 8;     // kPrefetch: [21][256 B]
-  const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBufs * kDyBytes;
+  unsigned char* sdy = smem_raw + pad;                      // [128 pixels][128 B], swizzled
+  uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBytes);  // [21][38] × 4 halves
+  const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBytes;
+  const uint64_t dy_desc = make_desc_nmajor(dy_addr);  // advanced per k-step
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // dy's 128 pixels × 128 bytes of tile (n, oh0, ow0) into buffer `buf`, 16 bytes per copy:
-  // pixel p's chunk c at c XOR p % 8.
-  auto copy_dy = [&](int buf, int n, int oh0, int ow0) {
-    for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {
-      const int pix = i >> 3, chunk = i & 7;
-      const int64_t src =
-          ((int64_t(n) * g.OH + oh0 + (pix >> 4)) * g.OW + ow0 + (pix & 15)) * kCout + chunk * 8;
-      cp_async16(sdy + buf * kDyBytes + pix * 128 + ((chunk ^ (pix & 7)) << 4), dy + src, true);
-    }
-  };
   const int gq = lane >> 2, tq = lane & 3, lj = lane >> 3, lr = lane & 7;
 
   // This warp's A rows in m64 tile t: K = 64t + 16w.., kernel row kh_t, columns kw0_t.. (K past
@@ -358,37 +278,21 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[t][i] = 0.f;
 
-  if constexpr (kPrefetch) {
-    if (int(blockIdx.x) < g.tiles) {
-      const auto [n, oh0, ow0] = stem_tile(g, int(blockIdx.x));
-      copy_dy(0, n, oh0, ow0);
-      copy_patch_rows(pre_raw, x, g, n, oh0, ow0);  // commits dy's copies with its own
-    }
-  }
-  int buf = 0;  // the dy buffer of this tile
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
     const auto [n, oh0, ow0] = stem_tile(g, tile);
-    if constexpr (kPrefetch) {
-      cp_async_wait_all();
-      __syncthreads();  // the tile's dy and rows are in; the previous tile's patch has been read
-      unpack_patch(patch, pre_raw, x, g, n, oh0, ow0);
-      fence_proxy_async();  // dy's copies, before the tensor cores read them
-      __syncthreads();      // the patch is in; pre_raw and the other dy buffer are free
-      if (tile + int(gridDim.x) < g.tiles) {
-        const auto [n1, oh1, ow1] = stem_tile(g, tile + int(gridDim.x));
-        copy_dy(buf ^ 1, n1, oh1, ow1);
-        copy_patch_rows(pre_raw, x, g, n1, oh1, ow1);
-      }
-    } else {
-      __syncthreads();  // the previous tile's patch and dy have been read (its wgmmas waited for)
-      copy_dy(0, n, oh0, ow0);
-      cp_async_commit();
-      load_patch(patch, x, g, n, oh0, ow0);
-      cp_async_wait_all();
-      fence_proxy_async();  // dy's copies, before the tensor cores read them
-      __syncthreads();
+    __syncthreads();  // the previous tile's patch and dy have been read (its wgmmas waited for)
+    // dy's 128 pixels × 128 bytes, 16 bytes per copy: pixel p's chunk c at c XOR p % 8.
+    for (int i = tid; i < kTileH * kTileW * 8; i += kThreads) {
+      const int pix = i >> 3, chunk = i & 7;
+      const int64_t src =
+          ((int64_t(n) * g.OH + oh0 + (pix >> 4)) * g.OW + ow0 + (pix & 15)) * kCout + chunk * 8;
+      cp_async16(sdy + pix * 128 + ((chunk ^ (pix & 7)) << 4), dy + src, true);
     }
-    const uint64_t dy_desc = make_desc_nmajor(dy_addr + uint32_t(buf * kDyBytes));
+    cp_async_commit();
+    load_patch(patch, x, g, n, oh0, ow0);
+    cp_async_wait_all();
+    fence_proxy_async();  // dy's copies, before the tensor cores read them
+    __syncthreads();
 
     uint32_t a[2][kMTiles][4];  // [step parity][t]
 #pragma unroll
@@ -404,7 +308,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       wgmma_wait1();  // step r − 1 is done: its fragments may be loaded over
     }
     wgmma_wait0();  // dy is read before the next tile's copies
-    if constexpr (kPrefetch) buf ^= 1;
   }
 
   // This CTA's 64 × 224 partial, k = kh·32 + kw·4 + c as the forward's weight rows: d[t][4j + q]
@@ -424,64 +327,45 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-// The forward's kernel (a_smem: the patch by 16-byte copies, A read from it; prefetch: the next
-// tile's rows copied under this tile's work), its shared memory allowed on this device.
-const void* conv_kernel(bool a_smem, bool prefetch) {
+// The forward's kernel (a_smem: the patch by 16-byte copies, A read from it), its shared memory
+// allowed on this device.
+const void* conv_kernel(bool a_smem) {
   const char* op = "stem_conv_forward_stats";
-  allow_smem_once<stem_conv_stats_wgmma_kernel<false, false>>(fwd_smem_bytes<false>(), op);
-  allow_smem_once<stem_conv_stats_wgmma_kernel<true, false>>(fwd_smem_bytes<false>(), op);
-  allow_smem_once<stem_conv_stats_wgmma_kernel<true, true>>(fwd_smem_bytes<true>(), op);
-  if (!a_smem) return reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<false, false>);
-  return prefetch ? reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<true, true>)
-                  : reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<true, false>);
-}
-
-// The weight gradient's kernel, its shared memory allowed on this device.
-const void* wgrad_kernel(bool prefetch) {
-  const char* op = "stem_conv_backward_weight";
-  allow_smem_once<stem_wgrad_wgmma_kernel<false>>(wg_smem_bytes<false>(), op);
-  allow_smem_once<stem_wgrad_wgmma_kernel<true>>(wg_smem_bytes<true>(), op);
-  return prefetch ? reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<true>)
-                  : reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<false>);
+  allow_smem_once<stem_conv_stats_wgmma_kernel<false>>(kSmemBytes, op);
+  allow_smem_once<stem_conv_stats_wgmma_kernel<true>>(kSmemBytes, op);
+  return a_smem ? reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<true>)
+                : reinterpret_cast<const void*>(stem_conv_stats_wgmma_kernel<false>);
 }
 }  // namespace
 
-int conv_wgmma_parts(int tiles, bool a_smem, bool prefetch) {
-  const int smem = a_smem && prefetch ? fwd_smem_bytes<true>() : fwd_smem_bytes<false>();
+int conv_wgmma_parts(int tiles, bool a_smem) {
   const int64_t wave = int64_t(context().props.multiProcessorCount) *
-                       resident_blocks_per_sm(conv_kernel(a_smem, prefetch), kThreads, smem);
+                       resident_blocks_per_sm(conv_kernel(a_smem), kThreads, kSmemBytes);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
 void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
-                int parts, bool a_smem, bool prefetch, cudaStream_t stream) {
-  auto go = [&](auto kernel, int smem) {
-    launch(kernel, parts, kThreads, smem, stream, y, partial, x, w, g);
-  };
-  if (!a_smem)
-    go(stem_conv_stats_wgmma_kernel<false, false>, fwd_smem_bytes<false>());
-  else if (prefetch)
-    go(stem_conv_stats_wgmma_kernel<true, true>, fwd_smem_bytes<true>());
+                int parts, bool a_smem, cudaStream_t stream) {
+  if (a_smem)
+    launch(stem_conv_stats_wgmma_kernel<true>, parts, kThreads, kSmemBytes, stream, y, partial, x,
+           w, g);
   else
-    go(stem_conv_stats_wgmma_kernel<true, false>, fwd_smem_bytes<false>());
+    launch(stem_conv_stats_wgmma_kernel<false>, parts, kThreads, kSmemBytes, stream, y, partial, x,
+           w, g);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-int wgrad_wgmma_parts(int tiles, bool prefetch) {
-  const int smem = prefetch ? wg_smem_bytes<true>() : wg_smem_bytes<false>();
-  const int64_t wave = int64_t(context().props.multiProcessorCount) *
-                       resident_blocks_per_sm(wgrad_kernel(prefetch), kThreads, smem);
+int wgrad_wgmma_parts(int tiles) {
+  const int64_t wave =
+      int64_t(context().props.multiProcessorCount) *
+      resident_blocks_per_sm(reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel), kThreads,
+                             kWgSmemBytes);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
 void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
-                 bool prefetch, cudaStream_t stream) {
-  if (prefetch)
-    launch(stem_wgrad_wgmma_kernel<true>, parts, kThreads, wg_smem_bytes<true>(), stream, partial,
-           dy, x, g);
-  else
-    launch(stem_wgrad_wgmma_kernel<false>, parts, kThreads, wg_smem_bytes<false>(), stream, partial,
-           dy, x, g);
+                 cudaStream_t stream) {
+  launch(stem_wgrad_wgmma_kernel, parts, kThreads, kWgSmemBytes, stream, partial, dy, x, g);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

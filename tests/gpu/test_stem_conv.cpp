@@ -8,7 +8,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -244,50 +243,6 @@ TEST_CASE("the stem forward's patch by 16-byte copies, A read from it, gives the
       KILN_CHECK_OK(testing::compare(sm.y, reg.y, 0, 0));
       KILN_CHECK_OK(testing::compare(sm.sum, reg.sum, 0, 0));
       KILN_CHECK_OK(testing::compare(sm.sqsum, reg.sqsum, 0, 0));
-    }
-}
-
-TEST_CASE("the stem's kernels with the next tile prefetched give the same bits") {
-  const Multiplies multiplies;
-  if (multiplies.each().size() < 3) {
-    MESSAGE("the wgmma multiply needs an sm_90 GPU and a build for sm_90a; skipped");
-    return;
-  }
-  Multiplies::use("wgmma");
-  const bool before = cuda::stem_prefetch_enabled();
-  // Every case of kCases and a batch of 32 at 224 × 224 (3,136 tiles: 8–12 per CTA, so most
-  // tiles are prefetched by the one before), x whole and as the last images of a batch 1 larger
-  // (x then starts inside its storage, off a 16-byte boundary for 31 × 63).
-  std::vector<Case> cases(std::begin(kCases), std::end(kCases));
-  cases.push_back({32, 224, 224});
-  for (Case cs : cases)
-    for (int64_t skip : {0, 1}) {
-      CAPTURE(cs.n);
-      CAPTURE(cs.h);
-      CAPTURE(cs.w);
-      CAPTURE(skip);
-      const Stem whole = make_stem(cs.n + skip, cs.h, cs.w, 171 + uint64_t(cs.w));
-      Stem s = whole;
-      s.x = whole.x.narrow(0, skip, cs.n);
-      const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
-      const Tensor dy =
-          randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
-      cuda::set_stem_prefetch_enabled(false);
-      const Out base = run_kernel(s);
-      const Tensor dw_base = wgrad(dy, s.x, 2, DType::f32, MemoryFormat::Contiguous);
-      cuda::set_stem_prefetch_enabled(true);
-      const Out pre = run_kernel(s);
-      const Tensor dw_pre = wgrad(dy, s.x, 2, DType::f32, MemoryFormat::Contiguous);
-      cuda::set_stem_prefetch_enabled(before);
-      // The same operands in shared memory and the same CTAs over the same tiles, so the same
-      // bits; near first, so that a tile's operands from another tile read as such.
-      KILN_CHECK_OK(testing::compare(f32(pre.y), f32(base.y), 2e-3, 1e-3));
-      KILN_CHECK_OK(testing::compare(pre.y, base.y, 0, 0));
-      KILN_CHECK_OK(testing::compare(pre.sum, base.sum, 0, 0));
-      KILN_CHECK_OK(testing::compare(pre.sqsum, base.sqsum, 0, 0));
-      const double scale = std::sqrt(double(cs.n * oh * ow));
-      KILN_CHECK_OK(testing::compare(f32(dw_pre), f32(dw_base), 1e-3 * scale, 1e-3));
-      KILN_CHECK_OK(testing::compare(dw_pre, dw_base, 0, 0));
     }
 }
 

@@ -821,20 +821,6 @@ void probe_stem(int64_t n) {
                   round + 1, tf[0], tf[1]);
     }
     cuda::set_stem_a_smem_enabled(a_smem);
-    // Both kernels with the next tile's input prefetched (KILN_STEM_PREFETCH) or not.
-    const bool pre = cuda::stem_prefetch_enabled();
-    for (int round = 0; round < 2; ++round) {
-      double tp[2][2];  // [prefetch][forward, weight gradient]
-      for (int on : {0, 1}) {
-        cuda::set_stem_prefetch_enabled(on == 1);
-        tp[on][0] = median_ms(fwd);
-        tp[on][1] = median_ms(wgrad);
-      }
-      std::printf("   round %d, next tile prefetched no / yes: forward %.3f / %.3f ms, weight "
-                  "gradient %.3f / %.3f ms\n",
-                  round + 1, tp[0][0], tp[1][0], tp[0][1], tp[1][1]);
-    }
-    cuda::set_stem_prefetch_enabled(pre);
     cuda::set_stem_conv_mode(mode);
   }
   // The batch norm + ReLU + max pool forward after it, both kernels (KILN_STEM_POOL_TILE), on
