@@ -247,6 +247,31 @@ constexpr int kDyBytes = kTileH * kTileW * 128;             // 128 pixels × 64 
 constexpr int kWgSmemBytes = 1024 + kDyBytes + kPatch * 8;  // 23,792
 constexpr int kMTiles = 4;                                  // K 0-255 in m64 tiles
 
+// The weight gradient's forms (KILN_STEM_WGRAD_FORM): 0, A from registers (ldmatrix.trans of
+// the patch, loaded by 2-byte loads); 1, A read from the patch by descriptor; 2, the same with
+// the patch by 16-byte copies (load_patch_wide). A from shared memory, m64 tile p is kernel
+// columns 2p, 2p + 1 of every kernel row: its M row 8·kh + 4·(kw − 2p) + c at output pixel j of
+// output row r is patch halves ((2r + kh)·38 + 2j + kw)·4 + c, so 8 M rows (one kh) × 8 pixels
+// are one MN-major core matrix of 128 contiguous bytes (M 16 bytes a pixel, pixels 16 bytes
+// apart), the next 8 pixels 128 bytes on (leading offset) and the next kernel row one patch row
+// (304 bytes) on (stride offset). kh = 7 is past the kernel (results dropped, as the register
+// form's K 224-255): at r = 7 it reads one row past the patch, `kTailBytes` kept zero.
+constexpr int kTailBytes = kPatchW * 8;  // 304
+template <int kForm>
+constexpr int wg_smem_bytes() {
+  return kWgSmemBytes + (kForm >= 1 ? kTailBytes : 0) + (kForm == 2 ? kRawBytes : 0);
+}
+static_assert(kTailBytes % 16 == 0, "the A descriptor's offsets are 16-byte multiples");
+
+// MN-major no-swizzle descriptor of the weight gradient's A at shared address `addr`: leading
+// byte offset 128 (the next 8 pixels: K), stride byte offset one patch row (the next kernel row:
+// M), layout 0 (no swizzle).
+__device__ inline uint64_t make_desc_patch_mn(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(128 >> 4) << 16 |
+         uint64_t(kTailBytes >> 4) << 32;
+}
+
+template <int kForm>
 __global__ void __launch_bounds__(kThreads, 2)
     stem_wgrad_wgmma_kernel(float* __restrict__ partial, const __half* __restrict__ dy,
                             const __half* __restrict__ x, StemGeom g) {
@@ -257,7 +282,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
   unsigned char* sdy = smem_raw + pad;                      // [128 pixels][128 B], swizzled
   uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBytes);  // [21][38] × 4 halves
+  // kForm 2: the patch's raw rows, after the patch and its zero tail row.
+  unsigned char* patch_raw = sdy + kDyBytes + kPatch * 8 + kTailBytes;
   const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBytes;
+  if constexpr (kForm >= 1) {
+    for (int i = int(threadIdx.x); i < kPatchW; i += kThreads) patch[kPatch + i] = uint2{0u, 0u};
+  }
   const uint64_t dy_desc = make_desc_nmajor(dy_addr);  // advanced per k-step
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3, lj = lane >> 3, lr = lane & 7;
@@ -289,29 +319,49 @@ __global__ void __launch_bounds__(kThreads, 2)
       cp_async16(sdy + pix * 128 + ((chunk ^ (pix & 7)) << 4), dy + src, true);
     }
     cp_async_commit();
-    load_patch(patch, x, g, n, oh0, ow0);
+    if constexpr (kForm == 2)
+      load_patch_wide(patch, patch_raw, x, g, n, oh0, ow0);  // waits for dy's copies too
+    else
+      load_patch(patch, x, g, n, oh0, ow0);
     cp_async_wait_all();
-    fence_proxy_async();  // dy's copies, before the tensor cores read them
+    fence_proxy_async();  // dy's copies (and the patch's stores), before the tensor cores
     __syncthreads();
 
-    uint32_t a[2][kMTiles][4];  // [step parity][t]
+    if constexpr (kForm >= 1) {
+      // wgmma p: kernel columns 2p, 2p + 1; step r's A starts at patch row 2r, pixel 2p.
+      const uint64_t a_desc = make_desc_patch_mn(patch_addr);
+      wgmma_fence();
 #pragma unroll
-    for (int r = 0; r < kTileH; ++r) {  // k16 step r: the 16 pixels of output row r of the tile
+      for (int r = 0; r < kTileH; ++r) {
+        const uint64_t db = desc_advance(dy_desc, uint32_t(r * 16 * 128));
 #pragma unroll
-      for (int t = 0; t < kMTiles; ++t)
-        ldmatrix_x4_trans(a[r & 1][t], patch_addr + uint32_t((a_off[t] + 2 * r * kPatchW) * 8));
-      wgmma_fence();  // the fragments were written by this thread
-      const uint64_t db = desc_advance(dy_desc, uint32_t(r * 16 * 128));
-#pragma unroll
-      for (int t = 0; t < kMTiles; ++t) wgmma_m64n64k16_rs<1>(d[t], a[r & 1][t], db);
+        for (int p = 0; p < kMTiles; ++p)
+          wgmma_m64n64k16<1, 1>(d[p], desc_advance(a_desc, uint32_t(2 * r * kTailBytes + 16 * p)),
+                                db);
+      }
       wgmma_commit();
-      wgmma_wait1();  // step r − 1 is done: its fragments may be loaded over
+      wgmma_wait0();  // dy and the patch are read before the next tile's copies
+    } else {
+      uint32_t a[2][kMTiles][4];  // [step parity][t]
+#pragma unroll
+      for (int r = 0; r < kTileH; ++r) {  // k16 step r: the 16 pixels of output row r of the tile
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t)
+          ldmatrix_x4_trans(a[r & 1][t], patch_addr + uint32_t((a_off[t] + 2 * r * kPatchW) * 8));
+        wgmma_fence();  // the fragments were written by this thread
+        const uint64_t db = desc_advance(dy_desc, uint32_t(r * 16 * 128));
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t) wgmma_m64n64k16_rs<1>(d[t], a[r & 1][t], db);
+        wgmma_commit();
+        wgmma_wait1();  // step r − 1 is done: its fragments may be loaded over
+      }
+      wgmma_wait0();  // dy is read before the next tile's copies
     }
-    wgmma_wait0();  // dy is read before the next tile's copies
   }
 
   // This CTA's 64 × 224 partial, k = kh·32 + kw·4 + c as the forward's weight rows: d[t][4j + q]
-  // is K row 64t + 16w + gq + 8·(q / 2), channel 8j + 2·tq + q % 2.
+  // is K row 64t + 16w + gq + 8·(q / 2) (A from registers) or 64w + 32·(q / 2) + 8t + gq (A from
+  // shared memory: kh = 2w + q / 2, kw = 2t + gq / 4, c = gq % 4), channel 8j + 2·tq + q % 2.
   float* out = partial + int64_t(blockIdx.x) * kCout * kK;
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t)
@@ -319,7 +369,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int k = 64 * t + 16 * warp + gq + 8 * (q >> 1);
+        const int k = kForm >= 1 ? 64 * warp + 32 * (q >> 1) + 8 * t + gq
+                                 : 64 * t + 16 * warp + gq + 8 * (q >> 1);
         if (k < kK) out[(8 * j + 2 * tq + (q & 1)) * kK + k] = d[t][4 * j + q];
       }
 #else
@@ -355,17 +406,35 @@ void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, con
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-int wgrad_wgmma_parts(int tiles) {
-  const int64_t wave =
-      int64_t(context().props.multiProcessorCount) *
-      resident_blocks_per_sm(reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel), kThreads,
-                             kWgSmemBytes);
+namespace {
+// The weight gradient's kernel of form `form`, its shared memory allowed on this device.
+const void* wgrad_kernel(int form) {
+  const char* op = "stem_conv_backward_weight";
+  allow_smem_once<stem_wgrad_wgmma_kernel<0>>(wg_smem_bytes<0>(), op);
+  allow_smem_once<stem_wgrad_wgmma_kernel<1>>(wg_smem_bytes<1>(), op);
+  allow_smem_once<stem_wgrad_wgmma_kernel<2>>(wg_smem_bytes<2>(), op);
+  const void* kernels[3] = {reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<0>),
+                            reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<1>),
+                            reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<2>)};
+  return kernels[form];
+}
+constexpr int kWgSmem[3] = {wg_smem_bytes<0>(), wg_smem_bytes<1>(), wg_smem_bytes<2>()};
+}  // namespace
+
+int wgrad_wgmma_parts(int tiles, int form) {
+  const int64_t wave = int64_t(context().props.multiProcessorCount) *
+                       resident_blocks_per_sm(wgrad_kernel(form), kThreads, kWgSmem[form]);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
 void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
-                 cudaStream_t stream) {
-  launch(stem_wgrad_wgmma_kernel, parts, kThreads, kWgSmemBytes, stream, partial, dy, x, g);
+                 int form, cudaStream_t stream) {
+  if (form == 2)
+    launch(stem_wgrad_wgmma_kernel<2>, parts, kThreads, kWgSmem[2], stream, partial, dy, x, g);
+  else if (form == 1)
+    launch(stem_wgrad_wgmma_kernel<1>, parts, kThreads, kWgSmem[1], stream, partial, dy, x, g);
+  else
+    launch(stem_wgrad_wgmma_kernel<0>, parts, kThreads, kWgSmem[0], stream, partial, dy, x, g);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -246,6 +246,47 @@ TEST_CASE("the stem forward's patch by 16-byte copies, A read from it, gives the
     }
 }
 
+TEST_CASE("the stem's weight gradient with A from shared memory gives the register form's bits") {
+  const Multiplies multiplies;
+  if (multiplies.each().size() < 3) {
+    MESSAGE("the wgmma multiply needs an sm_90 GPU and a build for sm_90a; skipped");
+    return;
+  }
+  Multiplies::use("wgmma");
+  const int before = cuda::stem_wgrad_form();
+  // Every case of kCases, x whole and as the last images of a batch 1 or 2 larger (x then starts
+  // off a 16-byte boundary for 31 × 63, and ends where its storage does), f32 and f16 dw.
+  for (Case cs : kCases)
+    for (int64_t skip : {0, 1, 2}) {
+      CAPTURE(cs.n);
+      CAPTURE(cs.h);
+      CAPTURE(cs.w);
+      CAPTURE(skip);
+      const Stem whole = make_stem(cs.n + skip, cs.h, cs.w, 191 + uint64_t(cs.w));
+      Stem s = whole;
+      s.x = whole.x.narrow(0, skip, cs.n);
+      const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
+      const Tensor dy =
+          randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+      for (DType dt : {DType::f32, DType::f16}) {
+        CAPTURE(dt == DType::f32);
+        cuda::set_stem_wgrad_form(0);
+        const Tensor want = wgrad(dy, s.x, 2, dt, MemoryFormat::Contiguous);
+        for (int form : {1, 2}) {
+          CAPTURE(form);
+          cuda::set_stem_wgrad_form(form);
+          const Tensor got = wgrad(dy, s.x, 2, dt, MemoryFormat::Contiguous);
+          // The same products into the same accumulators in the same order: the same bits. Near
+          // first, so that a wrong kernel position or pixel reads as one.
+          const double scale = std::sqrt(double(cs.n * oh * ow));
+          KILN_CHECK_OK(testing::compare(f32(got), f32(want), 1e-3 * scale, 1e-3));
+          KILN_CHECK_OK(testing::compare(got, want, 0, 0));
+        }
+      }
+    }
+  cuda::set_stem_wgrad_form(before);
+}
+
 TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on cuDNN") {
   const Stem s = make_stem(2, 64, 64, 31);
   F::ChannelStats stats;
