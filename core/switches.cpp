@@ -37,8 +37,7 @@ Switches read_switches() {
   const char* sw = std::getenv("KILN_STEM_WGMMA");
   s.stem_wgmma = is(sw, "0") ? 0 : is(sw, "forward") ? 1 : 2;
   s.stem_a_smem = !is(std::getenv("KILN_STEM_A_SMEM"), "0");
-  const char* wf = std::getenv("KILN_STEM_WGRAD_FORM");
-  s.stem_wgrad_form = is(wf, "1") ? 1 : is(wf, "2") ? 2 : 0;
+  s.stem_wgrad_a_smem = !is(std::getenv("KILN_STEM_WGRAD_A_SMEM"), "0");
   s.pdl = !is(std::getenv("KILN_PDL"), "0");
   s.accumulate_grads = !is(std::getenv("KILN_ACCUMULATE_GRADS"), "0");
   s.grad_overwrite = !is(std::getenv("KILN_GRAD_OVERWRITE"), "0");

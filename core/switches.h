@@ -90,10 +90,9 @@
 // |                          |                     | 2-byte loads and its A into registers by        |
 // |                          |                     | ldmatrix, not by 16-byte copies and read by     |
 // |                          |                     | descriptor (the same bits; before v34)          |
-// | KILN_STEM_WGRAD_FORM     | 1, 2                | the stem's weight gradient reads A from the     |
-// |                          |                     | patch by descriptor / the same with the patch   |
-// |                          |                     | by 16-byte copies (the same bits; off until     |
-// |                          |                     | measured; docs/lab/stem.md)                     |
+// | KILN_STEM_WGRAD_A_SMEM   | 0                   | the stem's weight gradient loads A into         |
+// |                          |                     | registers by ldmatrix.trans, not read from the  |
+// |                          |                     | patch by descriptor (the same bits; before v35) |
 // | KILN_GRAD_OVERWRITE      | 0                   | ClassifierStep's backward adds onto the .grads  |
 // |                          |                     | zero_grad just zeroed (before v16)              |
 // | KILN_ACCUMULATE_GRADS    | 0                   | autograd sums gradients with separate adds      |
@@ -168,7 +167,7 @@ struct Switches {
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient
   bool stem_a_smem = true;
-  int stem_wgrad_form = 0;  // 0 A from registers, 1 from the patch by descriptor, 2 + 16-byte copies
+  bool stem_wgrad_a_smem = true;
   bool pdl = true;
   bool accumulate_grads = true;
   bool grad_overwrite = true;

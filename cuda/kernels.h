@@ -114,12 +114,12 @@ void set_stem_wgmma_mode(int mode);
 // stem_wgmma_mode() >= 1.
 bool stem_a_smem_enabled();
 void set_stem_a_smem_enabled(bool on);
-// The stem weight gradient's form on wgmma: 0 (default) A from registers loaded by ldmatrix.trans
-// from the patch, 1 A read from the patch in shared memory by descriptor (MN-major), 2 the same
-// with the patch by 16-byte copies; the same bits. KILN_STEM_WGRAD_FORM=1 / 2, or set here
-// (tests); it matters only where stem_wgmma_mode() == 2.
-int stem_wgrad_form();
-void set_stem_wgrad_form(int form);
+// Whether the stem weight gradient's wgmma reads its A operand from the input patch in shared
+// memory by descriptor (MN-major; default) or from registers loaded by ldmatrix.trans (the form
+// before v35); the same bits. KILN_STEM_WGRAD_A_SMEM=0, or set here (tests); it matters only
+// where stem_wgmma_mode() == 2.
+bool stem_wgrad_a_smem_enabled();
+void set_stem_wgrad_a_smem_enabled(bool on);
 
 // ---- pooling (cuda/kernels/pool.cu) ----
 // Max pooling saves, per output, the window-local position i*kernel_w + j of the window's first

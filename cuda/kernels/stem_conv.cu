@@ -264,10 +264,10 @@ bool stem_shapes(const Tensor& y, const Tensor& x, const Tensor& w, const ConvPa
          x.is_contiguous(MemoryFormat::ChannelsLast) && y.is_contiguous(MemoryFormat::ChannelsLast);
 }
 
-constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};         // KILN_STEM_CONV
-constinit RuntimeSetting<int> g_stem_wgmma{&Switches::stem_wgmma};       // KILN_STEM_WGMMA
-constinit RuntimeSwitch g_stem_a_smem{&Switches::stem_a_smem};           // KILN_STEM_A_SMEM
-constinit RuntimeSetting<int> g_wgrad_form{&Switches::stem_wgrad_form};  // KILN_STEM_WGRAD_FORM
+constinit RuntimeSetting<int> g_stem_conv{&Switches::stem_conv};       // KILN_STEM_CONV
+constinit RuntimeSetting<int> g_stem_wgmma{&Switches::stem_wgmma};     // KILN_STEM_WGMMA
+constinit RuntimeSwitch g_stem_a_smem{&Switches::stem_a_smem};         // KILN_STEM_A_SMEM
+constinit RuntimeSwitch g_wgrad_a_smem{&Switches::stem_wgrad_a_smem};  // KILN_STEM_WGRAD_A_SMEM
 
 }  // namespace
 
@@ -286,11 +286,8 @@ void set_stem_wgmma_mode(int mode) {
 bool stem_a_smem_enabled() { return g_stem_a_smem.get(); }
 void set_stem_a_smem_enabled(bool on) { g_stem_a_smem.set(on); }
 
-int stem_wgrad_form() { return g_wgrad_form.get(); }
-void set_stem_wgrad_form(int form) {
-  KILN_CHECK(form >= 0 && form <= 2, "set_stem_wgrad_form: form ", form, " is not 0, 1 or 2");
-  g_wgrad_form.set(form);
-}
+bool stem_wgrad_a_smem_enabled() { return g_wgrad_a_smem.get(); }
+void set_stem_wgrad_a_smem_enabled(bool on) { g_wgrad_a_smem.set(on); }
 
 bool stem_conv_supported(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) {
   return stem_shapes(y, x, w, p) && x.dtype() == DType::f16 && w.dtype() == DType::f16 &&
@@ -344,8 +341,8 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
   const StemGeom g = stem_geom(x, dw, dy.size(2), dy.size(3));
   const bool wgmma = stem_wgmma_mode() == 2;
-  const int form = wgmma ? stem_wgrad_form() : 0;
-  const int parts = wgmma ? wgrad_wgmma_parts(g.tiles, form)
+  const bool a_smem = wgmma && stem_wgrad_a_smem_enabled();
+  const int parts = wgmma ? wgrad_wgmma_parts(g.tiles, a_smem)
                           : stem_parts<stem_wgrad_kernel>(kWgSmemBytes, g.tiles);
   Tensor partial =
       empty({int64_t(parts) * kCout * kK}, TensorOptions(DType::f32).with_device(x.device()));
@@ -354,7 +351,7 @@ void stem_conv_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor&
   const __half* dyp = static_cast<const __half*>(dy.raw_data());
   const __half* xp = static_cast<const __half*>(x.raw_data());
   if (wgmma) {
-    wgrad_wgmma(pw, dyp, xp, g, parts, form, s);
+    wgrad_wgmma(pw, dyp, xp, g, parts, a_smem, s);
   } else {
     launch(stem_wgrad_kernel, parts, kThreads, kWgSmemBytes, s, pw, dyp, xp, g);
     KILN_CUDA_CHECK_LAUNCH();

@@ -146,10 +146,10 @@ int conv_wgmma_parts(int tiles, bool a_smem);
 void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, const StemGeom& g,
                 int parts, bool a_smem, cudaStream_t stream);
 // The weight gradient's CTAs for `tiles` tiles, and its partials (parts, 64, kK) as the mma.sync
-// kernel's; form: 0 A from registers, 1 A read from the patch by descriptor, 2 the same with the
-// patch by 16-byte copies (KILN_STEM_WGRAD_FORM).
-int wgrad_wgmma_parts(int tiles, int form);
+// kernel's; a_smem: A read from the patch by descriptor (KILN_STEM_WGRAD_A_SMEM), not loaded
+// into registers by ldmatrix.trans.
+int wgrad_wgmma_parts(int tiles, bool a_smem);
 void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
-                 int form, cudaStream_t stream);
+                 bool a_smem, cudaStream_t stream);
 
 }  // namespace kiln::cuda::stem

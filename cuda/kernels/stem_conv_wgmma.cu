@@ -247,19 +247,19 @@ constexpr int kDyBytes = kTileH * kTileW * 128;             // 128 pixels × 64 
 constexpr int kWgSmemBytes = 1024 + kDyBytes + kPatch * 8;  // 23,792
 constexpr int kMTiles = 4;                                  // K 0-255 in m64 tiles
 
-// The weight gradient's forms (KILN_STEM_WGRAD_FORM): 0, A from registers (ldmatrix.trans of
-// the patch, loaded by 2-byte loads); 1, A read from the patch by descriptor; 2, the same with
-// the patch by 16-byte copies (load_patch_wide). A from shared memory, m64 tile p is kernel
+// The weight gradient's A read from the patch by descriptor (kASmem; the default since v35,
+// KILN_STEM_WGRAD_A_SMEM=0 the register form, A loaded by ldmatrix.trans): m64 tile p is kernel
 // columns 2p, 2p + 1 of every kernel row: its M row 8·kh + 4·(kw − 2p) + c at output pixel j of
 // output row r is patch halves ((2r + kh)·38 + 2j + kw)·4 + c, so 8 M rows (one kh) × 8 pixels
 // are one MN-major core matrix of 128 contiguous bytes (M 16 bytes a pixel, pixels 16 bytes
 // apart), the next 8 pixels 128 bytes on (leading offset) and the next kernel row one patch row
 // (304 bytes) on (stride offset). kh = 7 is past the kernel (results dropped, as the register
-// form's K 224-255): at r = 7 it reads one row past the patch, `kTailBytes` kept zero.
+// form's K 224-255): at r = 7 it reads one row past the patch, `kTailBytes` kept zero. The 32
+// wgmmas of a tile are issued as one group: no ldmatrix, no fence waiting for it.
 constexpr int kTailBytes = kPatchW * 8;  // 304
-template <int kForm>
+template <bool kASmem>
 constexpr int wg_smem_bytes() {
-  return kWgSmemBytes + (kForm >= 1 ? kTailBytes : 0) + (kForm == 2 ? kRawBytes : 0);
+  return kWgSmemBytes + (kASmem ? kTailBytes : 0);
 }
 static_assert(kTailBytes % 16 == 0, "the A descriptor's offsets are 16-byte multiples");
 
@@ -271,7 +271,7 @@ __device__ inline uint64_t make_desc_patch_mn(uint32_t addr) {
          uint64_t(kTailBytes >> 4) << 32;
 }
 
-template <int kForm>
+template <bool kASmem>
 __global__ void __launch_bounds__(kThreads, 2)
     stem_wgrad_wgmma_kernel(float* __restrict__ partial, const __half* __restrict__ dy,
                             const __half* __restrict__ x, StemGeom g) {
@@ -282,10 +282,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
   unsigned char* sdy = smem_raw + pad;                      // [128 pixels][128 B], swizzled
   uint2* patch = reinterpret_cast<uint2*>(sdy + kDyBytes);  // [21][38] × 4 halves
-  // kForm 2: the patch's raw rows, after the patch and its zero tail row.
-  unsigned char* patch_raw = sdy + kDyBytes + kPatch * 8 + kTailBytes;
   const uint32_t dy_addr = raw + pad, patch_addr = dy_addr + kDyBytes;
-  if constexpr (kForm >= 1) {
+  if constexpr (kASmem) {  // the zero row past the patch
     for (int i = int(threadIdx.x); i < kPatchW; i += kThreads) patch[kPatch + i] = uint2{0u, 0u};
   }
   const uint64_t dy_desc = make_desc_nmajor(dy_addr);  // advanced per k-step
@@ -319,15 +317,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       cp_async16(sdy + pix * 128 + ((chunk ^ (pix & 7)) << 4), dy + src, true);
     }
     cp_async_commit();
-    if constexpr (kForm == 2)
-      load_patch_wide(patch, patch_raw, x, g, n, oh0, ow0);  // waits for dy's copies too
-    else
-      load_patch(patch, x, g, n, oh0, ow0);
+    load_patch(patch, x, g, n, oh0, ow0);
     cp_async_wait_all();
     fence_proxy_async();  // dy's copies (and the patch's stores), before the tensor cores
     __syncthreads();
 
-    if constexpr (kForm >= 1) {
+    if constexpr (kASmem) {
       // wgmma p: kernel columns 2p, 2p + 1; step r's A starts at patch row 2r, pixel 2p.
       const uint64_t a_desc = make_desc_patch_mn(patch_addr);
       wgmma_fence();
@@ -369,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int k = kForm >= 1 ? 64 * warp + 32 * (q >> 1) + 8 * t + gq
-                                 : 64 * t + 16 * warp + gq + 8 * (q >> 1);
+        const int k = kASmem ? 64 * warp + 32 * (q >> 1) + 8 * t + gq
+                             : 64 * t + 16 * warp + gq + 8 * (q >> 1);
         if (k < kK) out[(8 * j + 2 * tq + (q & 1)) * kK + k] = d[t][4 * j + q];
       }
 #else
@@ -407,34 +402,32 @@ void conv_wgmma(__half* y, float* partial, const __half* x, const __half* w, con
 }
 
 namespace {
-// The weight gradient's kernel of form `form`, its shared memory allowed on this device.
-const void* wgrad_kernel(int form) {
+// The weight gradient's kernel (a_smem: A read from the patch), its shared memory allowed on this
+// device.
+const void* wgrad_kernel(bool a_smem) {
   const char* op = "stem_conv_backward_weight";
-  allow_smem_once<stem_wgrad_wgmma_kernel<0>>(wg_smem_bytes<0>(), op);
-  allow_smem_once<stem_wgrad_wgmma_kernel<1>>(wg_smem_bytes<1>(), op);
-  allow_smem_once<stem_wgrad_wgmma_kernel<2>>(wg_smem_bytes<2>(), op);
-  const void* kernels[3] = {reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<0>),
-                            reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<1>),
-                            reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<2>)};
-  return kernels[form];
+  allow_smem_once<stem_wgrad_wgmma_kernel<false>>(wg_smem_bytes<false>(), op);
+  allow_smem_once<stem_wgrad_wgmma_kernel<true>>(wg_smem_bytes<true>(), op);
+  return a_smem ? reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<true>)
+                : reinterpret_cast<const void*>(stem_wgrad_wgmma_kernel<false>);
 }
-constexpr int kWgSmem[3] = {wg_smem_bytes<0>(), wg_smem_bytes<1>(), wg_smem_bytes<2>()};
 }  // namespace
 
-int wgrad_wgmma_parts(int tiles, int form) {
+int wgrad_wgmma_parts(int tiles, bool a_smem) {
+  const int smem = a_smem ? wg_smem_bytes<true>() : wg_smem_bytes<false>();
   const int64_t wave = int64_t(context().props.multiProcessorCount) *
-                       resident_blocks_per_sm(wgrad_kernel(form), kThreads, kWgSmem[form]);
+                       resident_blocks_per_sm(wgrad_kernel(a_smem), kThreads, smem);
   return int(std::clamp<int64_t>(wave, 1, tiles));
 }
 
 void wgrad_wgmma(float* partial, const __half* dy, const __half* x, const StemGeom& g, int parts,
-                 int form, cudaStream_t stream) {
-  if (form == 2)
-    launch(stem_wgrad_wgmma_kernel<2>, parts, kThreads, kWgSmem[2], stream, partial, dy, x, g);
-  else if (form == 1)
-    launch(stem_wgrad_wgmma_kernel<1>, parts, kThreads, kWgSmem[1], stream, partial, dy, x, g);
+                 bool a_smem, cudaStream_t stream) {
+  if (a_smem)
+    launch(stem_wgrad_wgmma_kernel<true>, parts, kThreads, wg_smem_bytes<true>(), stream, partial,
+           dy, x, g);
   else
-    launch(stem_wgrad_wgmma_kernel<0>, parts, kThreads, kWgSmem[0], stream, partial, dy, x, g);
+    launch(stem_wgrad_wgmma_kernel<false>, parts, kThreads, wg_smem_bytes<false>(), stream, partial,
+           dy, x, g);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -253,7 +253,7 @@ TEST_CASE("the stem's weight gradient with A from shared memory gives the regist
     return;
   }
   Multiplies::use("wgmma");
-  const int before = cuda::stem_wgrad_form();
+  const bool before = cuda::stem_wgrad_a_smem_enabled();
   // Every case of kCases, x whole and as the last images of a batch 1 or 2 larger (x then starts
   // off a 16-byte boundary for 31 × 63, and ends where its storage does), f32 and f16 dw.
   for (Case cs : kCases)
@@ -270,21 +270,18 @@ TEST_CASE("the stem's weight gradient with A from shared memory gives the regist
           randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
       for (DType dt : {DType::f32, DType::f16}) {
         CAPTURE(dt == DType::f32);
-        cuda::set_stem_wgrad_form(0);
+        cuda::set_stem_wgrad_a_smem_enabled(false);
         const Tensor want = wgrad(dy, s.x, 2, dt, MemoryFormat::Contiguous);
-        for (int form : {1, 2}) {
-          CAPTURE(form);
-          cuda::set_stem_wgrad_form(form);
-          const Tensor got = wgrad(dy, s.x, 2, dt, MemoryFormat::Contiguous);
-          // The same products into the same accumulators in the same order: the same bits. Near
-          // first, so that a wrong kernel position or pixel reads as one.
-          const double scale = std::sqrt(double(cs.n * oh * ow));
-          KILN_CHECK_OK(testing::compare(f32(got), f32(want), 1e-3 * scale, 1e-3));
-          KILN_CHECK_OK(testing::compare(got, want, 0, 0));
-        }
+        cuda::set_stem_wgrad_a_smem_enabled(true);
+        const Tensor got = wgrad(dy, s.x, 2, dt, MemoryFormat::Contiguous);
+        // The same products into the same accumulators in the same order: the same bits. Near
+        // first, so that a wrong kernel position or pixel reads as one.
+        const double scale = std::sqrt(double(cs.n * oh * ow));
+        KILN_CHECK_OK(testing::compare(f32(got), f32(want), 1e-3 * scale, 1e-3));
+        KILN_CHECK_OK(testing::compare(got, want, 0, 0));
       }
     }
-  cuda::set_stem_wgrad_form(before);
+  cuda::set_stem_wgrad_a_smem_enabled(before);
 }
 
 TEST_CASE("F::conv2d with statistics takes the stem kernel; other shapes stay on cuDNN") {

@@ -823,22 +823,22 @@ void probe_stem(int64_t n) {
     cuda::set_stem_a_smem_enabled(a_smem);
     cuda::set_stem_conv_mode(mode);
   }
-  // The weight gradient's three forms (KILN_STEM_WGRAD_FORM): A from registers, A read from the
-  // patch by descriptor, the same with the patch by 16-byte copies. Two rounds.
+  // The weight gradient both ways (KILN_STEM_WGRAD_A_SMEM): A from registers by ldmatrix.trans,
+  // or read from the patch by descriptor (the default). Two rounds.
   if (cuda::stem_wgmma_mode() == 2) {
-    const int form = cuda::stem_wgrad_form();
+    const bool a_smem = cuda::stem_wgrad_a_smem_enabled();
     cuda::set_stem_conv_mode(2);
     for (int round = 0; round < 2; ++round) {
-      double tw[3];
-      for (int f : {0, 1, 2}) {
-        cuda::set_stem_wgrad_form(f);
-        tw[f] = median_ms(wgrad);
+      double tw[2];
+      for (int on : {0, 1}) {
+        cuda::set_stem_wgrad_a_smem_enabled(on == 1);
+        tw[on] = median_ms(wgrad);
       }
       std::printf("   round %d, weight gradient: A from registers %.3f ms, A from shared memory "
-                  "%.3f ms, + patch by 16-byte copies %.3f ms\n",
-                  round + 1, tw[0], tw[1], tw[2]);
+                  "%.3f ms\n",
+                  round + 1, tw[0], tw[1]);
     }
-    cuda::set_stem_wgrad_form(form);
+    cuda::set_stem_wgrad_a_smem_enabled(a_smem);
     cuda::set_stem_conv_mode(mode);
   }
   // The batch norm + ReLU + max pool forward after it, both kernels (KILN_STEM_POOL_TILE), on
