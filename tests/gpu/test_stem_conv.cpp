@@ -103,6 +103,16 @@ class Multiplies {
   std::vector<const char*> list_;
 };
 
+// A stem of case cs whose x is the last cs.n images of a batch `skip` larger: x then starts
+// 6·h·w·skip bytes into its storage (off a 16-byte boundary for odd sizes) and ends where the
+// storage ends.
+Stem offset_stem(const Case& cs, int64_t skip, uint64_t seed) {
+  Stem s = make_stem(cs.n + skip, cs.h, cs.w, seed);
+  s.x = s.x.narrow(0, skip, cs.n);
+  REQUIRE(s.x.is_contiguous(MemoryFormat::ChannelsLast));
+  return s;
+}
+
 // The weight gradient of dy through the stem, on cuDNN (mode 0) or kiln's kernel (mode 2), into
 // a fresh dw of `dtype` and layout `fmt`: written, or added onto `base` when base is defined.
 Tensor wgrad(const Tensor& dy, const Tensor& x, int mode, DType dtype, MemoryFormat fmt,
@@ -228,10 +238,7 @@ TEST_CASE("the stem forward's patch by 16-byte copies, A read from it, gives the
       CAPTURE(cs.h);
       CAPTURE(cs.w);
       CAPTURE(skip);
-      const Stem whole = make_stem(cs.n + skip, cs.h, cs.w, 131 + uint64_t(cs.h));
-      Stem s = whole;
-      s.x = whole.x.narrow(0, skip, cs.n);
-      REQUIRE(s.x.is_contiguous(MemoryFormat::ChannelsLast));
+      const Stem s = offset_stem(cs, skip, 131 + uint64_t(cs.h));
       Multiplies::use("wgmma, A from registers");
       const Out reg = run_kernel(s);
       Multiplies::use("wgmma");
@@ -262,9 +269,7 @@ TEST_CASE("the stem's weight gradient with A from shared memory gives the regist
       CAPTURE(cs.h);
       CAPTURE(cs.w);
       CAPTURE(skip);
-      const Stem whole = make_stem(cs.n + skip, cs.h, cs.w, 191 + uint64_t(cs.w));
-      Stem s = whole;
-      s.x = whole.x.narrow(0, skip, cs.n);
+      const Stem s = offset_stem(cs, skip, 191 + uint64_t(cs.w));
       const int64_t oh = (cs.h - 1) / 2 + 1, ow = (cs.w - 1) / 2 + 1;
       const Tensor dy =
           randn({cs.n, 64, oh, ow}).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
