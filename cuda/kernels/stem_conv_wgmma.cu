@@ -14,15 +14,16 @@
 // the m16 tile mi was); wgmma's accumulators repeat mma.sync's C layout per warp, so the epilogue
 // is the same code.
 //
-// Weight gradient, turned around so that the patch is the register operand: dWᵀ (K × 64) =
-// Σ patchesᵀ · dy. A = K × pixels: warp w's rows of m64 tile t are K = 64t + 16w.., kernel row
-// kh = K / 32, columns kw0..kw0 + 3 (kw0 = 0 or 4), loaded by ldmatrix.trans of the patch's
+// Weight gradient, turned around so that the patch is the A operand: dWᵀ (K × 64) =
+// Σ patchesᵀ · dy. By default A is read from the patch by descriptor (below, v35); in the
+// register form (KILN_STEM_WGRAD_A_SMEM=0) warp w's rows of m64 tile t are K = 64t + 16w.., kernel
+// row kh = K / 32, columns kw0..kw0 + 3 (kw0 = 0 or 4), loaded by ldmatrix.trans of the patch's
 // chunks (K 224-255 are past the kernel: any chunk, results dropped). B = the tile's dy, 128
 // pixels × 64 channels (N-major), staged by cp.async in the swizzle. A k16 step (one output row
 // of the tile, 16 pixels) is four wgmma m64n64k16. Each CTA writes its partial as the mma.sync
 // kernel's, so the same finishing kernel adds them.
 //
-// Both keep one wgmma group in flight: step s's fragments are loaded while step s − 1
+// The register forms keep one wgmma group in flight: step s's fragments are loaded while step s − 1
 // multiplies.
 //
 // The forward's A from shared memory (kASmem; the default since v34, KILN_STEM_A_SMEM=0 the
