@@ -23,8 +23,8 @@
 // of the tile, 16 pixels) is four wgmma m64n64k16. Each CTA writes its partial as the mma.sync
 // kernel's, so the same finishing kernel adds them.
 //
-// The register forms keep one wgmma group in flight: step s's fragments are loaded while step s − 1
-// multiplies.
+// The register forms keep one wgmma group in flight: step s's fragments are loaded while
+// step s − 1 multiplies.
 //
 // The forward's A from shared memory (kASmem; the default since v34, KILN_STEM_A_SMEM=0 the
 // register form): the patch arrives by 16-byte copies of its rows (load_patch_wide, 336 copies a
