@@ -31,6 +31,7 @@ Switches read_switches() {
   s.dual_dgrad = !is(std::getenv("KILN_DUAL_DGRAD"), "0");
   s.stem_pool_tile = !is(std::getenv("KILN_STEM_POOL_TILE"), "0");
   s.stem_pool_at_max = !is(std::getenv("KILN_STEM_POOL_AT_MAX"), "0");
+  s.stem_pool_raw_tile = !is(std::getenv("KILN_STEM_POOL_RAW_TILE"), "0");
   s.prologue_f16 = is(std::getenv("KILN_PROLOGUE_F16"), "1");
   const char* sc = std::getenv("KILN_STEM_CONV");
   s.stem_conv = is(sc, "0") ? 0 : is(sc, "forward") ? 1 : 2;

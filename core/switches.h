@@ -79,6 +79,9 @@
 // | KILN_STEM_POOL_AT_MAX    | 0                   | the stem pool's backward sums read all of x,    |
 // |                          |                     | not x at each maximum saved by the forward      |
 // |                          |                     | (before v29; docs/lab/stem.md)                  |
+// | KILN_STEM_POOL_RAW_TILE  | 0                   | the pool forward gathers x at each maximum from |
+// |                          |                     | global memory, not from its input tile kept in  |
+// |                          |                     | shared memory (the same bits)                   |
 // | KILN_STEM_CONV           | 0, forward          | the ResNet stem's 7x7/2 convolution on cuDNN    |
 // |                          |                     | (channel pad, plain kernel, statistics pass;    |
 // |                          |                     | before v18) / kiln's kernel for the             |
@@ -163,6 +166,7 @@ struct Switches {
   bool dual_dgrad = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
+  bool stem_pool_raw_tile = true;
   bool prologue_f16 = false;
   int stem_conv = 2;  // 0 cuDNN, 1 kiln's kernel forward only, 2 forward and weight gradient
   int stem_wgmma = 2;  // 0 mma.sync, 1 the forward on wgmma, 2 the forward and weight gradient

@@ -371,6 +371,11 @@ void set_stem_pool_tile_enabled(bool on);
 // read all of x. KILN_STEM_POOL_AT_MAX=0, or set here (tests, kiln-fusion-probe).
 bool stem_pool_at_max_enabled();
 void set_stem_pool_at_max_enabled(bool on);
+// Whether the tiled forward, writing at_max, keeps its input tile as read in shared memory and
+// takes at_max from there (default) or gathers it from x in global memory: the same bits.
+// KILN_STEM_POOL_RAW_TILE=0, or set here (tests, kiln-fusion-probe).
+bool stem_pool_raw_tile_enabled();
+void set_stem_pool_raw_tile_enabled(bool on);
 // Whether bn_nhwc_relu_max_pool_backward on x would sum from at_max: the switch on and x's
 // channels in its own kernels' layout (else it runs the composition, which reads all of x).
 bool relu_max_pool_backward_uses_at_max(const Tensor& x);

@@ -227,14 +227,19 @@ __device__ inline unsigned nonzero_lanes(unsigned d) {
   return (((d + 0x7fff7fffu) & 0x80008000u) >> 15) * 0xffffu;
 }
 
-template <int kGC>
+// kRaw (KILN_STEM_POOL_RAW_TILE, on; with at_max and kGC ≤ 4): the input tile is also kept as it
+// was read, and at_max takes x at each maximum from there instead of from global memory (8
+// scattered 2-byte loads an output). The same bits either way.
+template <int kGC, bool kRaw>
 __global__ void __launch_bounds__(kPoolThreads)
     relu_max_pool_k3s2_tiled_kernel(uint4* __restrict__ y, uint2* __restrict__ idx,
                                     uint4* __restrict__ at_max, const uint4* __restrict__ x,
                                     const float* __restrict__ scale_shift, int H, int W, int OH,
                                     int OW, int G, int tiles_w) {
   pdl_start();
+  static_assert(!kRaw || kGC <= 4, "two tiles of 8 channel vectors exceed 48 KB");
   __shared__ uint4 tile[kPoolIn * kPoolIn * kGC];
+  __shared__ uint4 raw_tile[kRaw ? kPoolIn * kPoolIn * kGC : 1];
   const int tid = threadIdx.x;
   const int oh0 = int(blockIdx.x) / tiles_w * kPoolTile;
   const int ow0 = int(blockIdx.x) % tiles_w * kPoolTile;
@@ -262,6 +267,7 @@ __global__ void __launch_bounds__(kPoolThreads)
       if (i >= kCount) break;
       // Padding positions are normalised too (from zeros) but never compared: the second phase
       // skips positions outside the image as the per-output kernel does.
+      if constexpr (kRaw) raw_tile[i] = raw[l];
       const __half2* hv = reinterpret_cast<const __half2*>(&raw[l]);
       uint4 out;
       unsigned* o32 = reinterpret_cast<unsigned*>(&out);
@@ -318,7 +324,18 @@ __global__ void __launch_bounds__(kPoolThreads)
     // Positions 0-8, one byte a channel: bytes 0 and 2 of each word's two lanes.
     idx[out] =
         make_uint2(__byte_perm(arg[0], arg[1], 0x6420), __byte_perm(arg[2], arg[3], 0x6420));
-    if (at_max != nullptr) {
+    if constexpr (kRaw) {
+      // Channel j's position k = kh·3 + kw is tile pixel (2·toh + kh, 2·tow + kw).
+      const unsigned short* rt = reinterpret_cast<const unsigned short*>(raw_tile);
+      unsigned w32[kVec / 2];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int k = int((arg[j / 2] >> (16 * (j % 2))) & 0xffffu), kh = k / 3, kw = k - 3 * kh;
+        const unsigned v = rt[(((2 * toh + kh) * kPoolIn + 2 * tow + kw) * kGC + gl) * kVec + j];
+        w32[j / 2] = j % 2 ? w32[j / 2] | (v << 16) : v;
+      }
+      at_max[out] = make_uint4(w32[0], w32[1], w32[2], w32[3]);
+    } else if (at_max != nullptr) {
       unsigned pos[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) pos[j] = (arg[j / 2] >> (16 * (j % 2))) & 0xffffu;
@@ -442,10 +459,14 @@ void set_stem_pool_tile_enabled(bool on) { g_stem_pool_tile.set(on); }
 
 namespace {
 constinit RuntimeSwitch g_stem_pool_at_max{&Switches::stem_pool_at_max};  // KILN_STEM_POOL_AT_MAX
+constinit RuntimeSwitch g_stem_pool_raw_tile{
+    &Switches::stem_pool_raw_tile};  // KILN_STEM_POOL_RAW_TILE
 }  // namespace
 
 bool stem_pool_at_max_enabled() { return g_stem_pool_at_max.get(); }
 void set_stem_pool_at_max_enabled(bool on) { g_stem_pool_at_max.set(on); }
+bool stem_pool_raw_tile_enabled() { return g_stem_pool_raw_tile.get(); }
+void set_stem_pool_raw_tile_enabled(bool on) { g_stem_pool_raw_tile.set(on); }
 
 void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor& at_max,
                            const Tensor& x, const Tensor& scale_shift) {
@@ -466,13 +487,20 @@ void bn_nhwc_relu_max_pool(const Tensor& y, const Tensor& indices, const Tensor&
   if (stem_pool_tile_enabled()) {
     const int tiles_w = int((OW + kPoolTile - 1) / kPoolTile);
     const int tiles = tiles_w * int((OH + kPoolTile - 1) / kPoolTile);
-    auto go = [&]<int kGC>() {
+    auto go = [&]<int kGC, bool kRaw = false>() {
       const dim3 grid{unsigned(tiles), unsigned(N), unsigned(G / kGC)};
-      launch(relu_max_pool_k3s2_tiled_kernel<kGC>, grid, kPoolThreads, 0, current_stream(),
+      launch(relu_max_pool_k3s2_tiled_kernel<kGC, kRaw>, grid, kPoolThreads, 0, current_stream(),
              vec_out(y), static_cast<uint2*>(indices.raw_data()), am, vec_in(x), ss, int(H), int(W),
              int(OH), int(OW), G, tiles_w);
     };
-    if (G % 8 == 0)
+    // With at_max, 4 channel vectors a block and the raw tile beside the normalised one.
+    if (am != nullptr && g_stem_pool_raw_tile.get() && G % 4 == 0)
+      go.template operator()<4, true>();
+    else if (am != nullptr && g_stem_pool_raw_tile.get() && G % 2 == 0)
+      go.template operator()<2, true>();
+    else if (am != nullptr && g_stem_pool_raw_tile.get())
+      go.template operator()<1, true>();
+    else if (G % 8 == 0)
       go.template operator()<8>();
     else if (G % 4 == 0)
       go.template operator()<4>();

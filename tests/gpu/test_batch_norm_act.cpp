@@ -613,14 +613,25 @@ TEST_CASE("batch_norm_relu_max_pool: the tiled kernel gives the per-output kerne
       cuda::bn_nhwc_relu_max_pool(y, idx, am, x, ss);
       return std::tuple{y, idx, am};
     };
+    const bool raw_before = cuda::stem_pool_raw_tile_enabled();
     const auto [y0, i0, a0] = run(false, true);
     const auto [y1, i1, a1] = run(true, true);
     CHECK(bitwise_equal(y1, y0));
     CHECK(bitwise_equal(i1, i0));
-    // x at each maximum (the backward's sums read it): both kernels, against x on the host.
+    // x at each maximum (the backward's sums read it): both kernels, against x on the host; the
+    // tiled kernel's from its raw tile (KILN_STEM_POOL_RAW_TILE) and from global memory alike.
     CHECK(bitwise_equal(a1, a0));
     CHECK(at_max_mismatches(a1, i1, x) == 0);
     CHECK(at_max_mismatches(a0, i0, x) == 0);
+    for (bool raw : {false, true}) {
+      CAPTURE(raw);
+      cuda::set_stem_pool_raw_tile_enabled(raw);
+      const auto [y3, i3, a3] = run(true, true);
+      CHECK(bitwise_equal(y3, y0));
+      CHECK(bitwise_equal(i3, i0));
+      CHECK(bitwise_equal(a3, a0));
+    }
+    cuda::set_stem_pool_raw_tile_enabled(raw_before);
     // Without at_max, y and the positions are the same bytes.
     for (bool tiled : {false, true}) {
       const auto [y2, i2, a2] = run(tiled, false);

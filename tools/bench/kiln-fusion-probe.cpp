@@ -856,14 +856,23 @@ void probe_stem(int64_t n) {
     tp[on] = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, Tensor(), y, ss); });
   }
   cuda::set_stem_pool_tile_enabled(tiled);
-  // The tiled kernel again, also writing x at each maximum (KILN_STEM_POOL_AT_MAX's forward).
-  const double tpa = median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, at_max, y, ss); });
+  // The tiled kernel again, also writing x at each maximum (KILN_STEM_POOL_AT_MAX's forward),
+  // gathered from global memory and from the raw tile (KILN_STEM_POOL_RAW_TILE).
+  const bool raw_tile = cuda::stem_pool_raw_tile_enabled();
+  double tpa_raw[2];
+  for (int on : {0, 1}) {
+    cuda::set_stem_pool_raw_tile_enabled(on == 1);
+    tpa_raw[on] =
+        median_ms([&] { cuda::bn_nhwc_relu_max_pool(pooled, idx, at_max, y, ss); });
+  }
+  cuda::set_stem_pool_raw_tile_enabled(raw_tile);
+  const double tpa = tpa_raw[0];
   const double gb = double(y.nbytes() + pooled.nbytes() + idx.nbytes()) / 1e9;
   std::printf(
       "   bn + relu + max pool: per output %.3f ms (%.2f TB/s), 8x8 tiles %.3f ms "
-      "(%.2f TB/s), 8x8 tiles + at_max %.3f ms\n",
+      "(%.2f TB/s), 8x8 tiles + at_max %.3f ms (from the raw tile %.3f ms)\n",
       tp[0], gb / tp[0], tp[1], gb / tp[1],
-      tpa);  // GB per ms = TB/s
+      tpa, tpa_raw[1]);  // GB per ms = TB/s
   // Its backward: dx and the batch norm's parameter gradients from the pool's output gradient,
   // the sums over every input pixel (reading x) or over the outputs (reading at_max).
   Tensor dpool = repeated_randn(n, 64, 56), dx = empty_like(y);
