@@ -140,7 +140,11 @@ if [ -n "${NCU_PROBE:-}" ]; then
 fi
 # NCU_KERNELS="--stem:stem_conv_stats_wgmma --stem:stem_wgrad_wgmma": each kernel (a regex of
 # its name) in the kiln-fusion-probe mode before the colon, its third launch, under the same ncu
-# sections as NCU_PROBE (and NCU_STALLS): what bounds a kernel that the probe only times.
+# sections as NCU_PROBE (and NCU_STALLS): what bounds a kernel that the probe only times. ncu's
+# default clock control (base clocks locked), unlike the step profile's --clock-control none:
+# its durations compare with each other, not with the step profile's (docs/lab/norm-conv.md,
+# "Layer 1's 3x3 weight gradient": 158 µs locked against 121-123 µs unlocked on one kernel form
+# and the next).
 if [ -n "${NCU_KERNELS:-}" ]; then
   for spec in $NCU_KERNELS; do
     mode=${spec%%:*}
