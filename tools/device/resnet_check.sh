@@ -142,9 +142,7 @@ fi
 # its name) in the kiln-fusion-probe mode before the colon, its third launch, under the same ncu
 # sections as NCU_PROBE (and NCU_STALLS): what bounds a kernel that the probe only times. ncu's
 # default clock control (base clocks locked), unlike the step profile's --clock-control none:
-# its durations compare with each other, not with the step profile's (docs/lab/norm-conv.md,
-# "Layer 1's 3x3 weight gradient": 158 µs locked against 121-123 µs unlocked on one kernel form
-# and the next).
+# its durations compare with each other, not with the step profile's or the probe's.
 if [ -n "${NCU_KERNELS:-}" ]; then
   for spec in $NCU_KERNELS; do
     mode=${spec%%:*}
