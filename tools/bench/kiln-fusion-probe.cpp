@@ -807,40 +807,38 @@ void probe_stem(int64_t n) {
   // kiln's forward on wgmma both ways: the patch by 2-byte loads and A from ldmatrix fragments
   // (KILN_STEM_A_SMEM=0), or the patch by 16-byte copies and A read from it by descriptor (the
   // default). Two rounds, each way in turn.
-  if (cuda::stem_wgmma_mode() >= 1) {
-    const bool a_smem = cuda::stem_a_smem_enabled();
+  // Two rounds of `run` timed with a switch off, then on (kiln's kernels, stem mode 2), each
+  // round printed by `report`; the switch and the mode restored.
+  auto both_ways = [&](bool (*get)(), void (*set)(bool), auto&& run, auto&& report) {
+    const bool before = get();
     cuda::set_stem_conv_mode(2);
     for (int round = 0; round < 2; ++round) {
-      double tf[2];
+      double t2[2];
       for (int on : {0, 1}) {
-        cuda::set_stem_a_smem_enabled(on == 1);
-        tf[on] = median_ms(fwd);
+        set(on == 1);
+        t2[on] = median_ms(run);
       }
-      std::printf("   round %d, forward: patch by 2-byte loads, A from registers %.3f ms; by "
-                  "16-byte copies, A from shared memory %.3f ms\n",
-                  round + 1, tf[0], tf[1]);
+      report(round + 1, t2[0], t2[1]);
     }
-    cuda::set_stem_a_smem_enabled(a_smem);
+    set(before);
     cuda::set_stem_conv_mode(mode);
-  }
+  };
+  if (cuda::stem_wgmma_mode() >= 1)
+    both_ways(cuda::stem_a_smem_enabled, cuda::set_stem_a_smem_enabled, fwd,
+              [](int round, double off, double on) {
+                std::printf("   round %d, forward: patch by 2-byte loads, A from registers %.3f "
+                            "ms; by 16-byte copies, A from shared memory %.3f ms\n",
+                            round, off, on);
+              });
   // The weight gradient both ways (KILN_STEM_WGRAD_A_SMEM): A from registers by ldmatrix.trans,
   // or read from the patch by descriptor (the default). Two rounds.
-  if (cuda::stem_wgmma_mode() == 2) {
-    const bool a_smem = cuda::stem_wgrad_a_smem_enabled();
-    cuda::set_stem_conv_mode(2);
-    for (int round = 0; round < 2; ++round) {
-      double tw[2];
-      for (int on : {0, 1}) {
-        cuda::set_stem_wgrad_a_smem_enabled(on == 1);
-        tw[on] = median_ms(wgrad);
-      }
-      std::printf("   round %d, weight gradient: A from registers %.3f ms, A from shared memory "
-                  "%.3f ms\n",
-                  round + 1, tw[0], tw[1]);
-    }
-    cuda::set_stem_wgrad_a_smem_enabled(a_smem);
-    cuda::set_stem_conv_mode(mode);
-  }
+  if (cuda::stem_wgmma_mode() == 2)
+    both_ways(cuda::stem_wgrad_a_smem_enabled, cuda::set_stem_wgrad_a_smem_enabled, wgrad,
+              [](int round, double off, double on) {
+                std::printf("   round %d, weight gradient: A from registers %.3f ms, A from "
+                            "shared memory %.3f ms\n",
+                            round, off, on);
+              });
   // The batch norm + ReLU + max pool forward after it, both kernels (KILN_STEM_POOL_TILE), on
   // the convolution's y with a batch norm's factors: reads y, writes the pooled f16 and the u8
   // positions.
