@@ -804,9 +804,6 @@ void probe_stem(int64_t n) {
               t[0][0], t[1][0], gflop / t[1][0]);
   std::printf("   weight gradient:      cuDNN path %.3f ms, kiln %.3f ms (%.0f TFLOP/s)\n",
               t[0][1], t[1][1], gflop / t[1][1]);
-  // kiln's forward on wgmma both ways: the patch by 2-byte loads and A from ldmatrix fragments
-  // (KILN_STEM_A_SMEM=0), or the patch by 16-byte copies and A read from it by descriptor (the
-  // default). Two rounds, each way in turn.
   // Two rounds of `run` timed with a switch off, then on (kiln's kernels, stem mode 2), each
   // round printed by `report`; the switch and the mode restored.
   auto both_ways = [&](bool (*get)(), void (*set)(bool), auto&& run, auto&& report) {
@@ -823,6 +820,9 @@ void probe_stem(int64_t n) {
     set(before);
     cuda::set_stem_conv_mode(mode);
   };
+  // kiln's forward on wgmma both ways: the patch by 2-byte loads and A from ldmatrix fragments
+  // (KILN_STEM_A_SMEM=0), or the patch by 16-byte copies and A read from it by descriptor (the
+  // default).
   if (cuda::stem_wgmma_mode() >= 1)
     both_ways(cuda::stem_a_smem_enabled, cuda::set_stem_a_smem_enabled, fwd,
               [](int round, double off, double on) {
