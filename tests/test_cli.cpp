@@ -470,6 +470,21 @@ TEST_CASE("kiln-train's --output, kiln-bench, kiln-loader-bench: refusals are on
                             " runs on a CUDA device, and no CUDA device is visible\n");
     }
   }
+  {  // --trace-kernels: its flag combinations, before any device is needed
+    const std::string trace = " --trace-kernels " + (root / "trace.csv").string();
+    Run t = tool("kiln-bench", "--ops" + trace);
+    CHECK(t.code == 1);
+    CHECK(t.output == "kiln-bench: error: --trace-kernels needs --model NAME\n");
+    t = tool("kiln-bench", "--model resnet50 --batches 64,256" + trace);
+    CHECK(t.code == 1);
+    CHECK(t.output == "kiln-bench: error: --trace-kernels writes one file: give one batch size "
+                      "with --batches, got 2\n");
+    t = tool("kiln-bench", "--model resnet50 --batches 64 --eager-only" + trace);
+    CHECK(t.code == 1);
+    CHECK(t.output ==
+          "kiln-bench: error: --trace-kernels traces the graph rows; drop --eager-only\n");
+    CHECK(!fs::exists(root / "trace.csv"));
+  }
   fs::create_directories(root / "corpus" / "train");
   Run r = tool("kiln-loader-bench", "--output-dir " + (root / "corpus").string());
   CHECK(r.code == 1);

@@ -37,6 +37,7 @@
 #include "core/version.h"
 #include "ops/ops.h"
 #include "models/zoo.h"
+#include "tools/bench/kernel_trace.h"
 #include "tools/bench/model_bench.h"
 #include "tools/cli/cli.h"
 #include "tools/train/dist_env.h"
@@ -250,6 +251,11 @@ int main(int argc, char** argv) {
     p.flag("--profile", &mo.profile, "with --model: per-op GPU time table of a few eager steps");
     p.flag("--profile-by-input", &mo.profile_by_input,
            "with --profile: also a row per op and input shape");
+    p.value("--trace-kernels", "PATH", &mo.trace_path,
+            "with --model, one batch, graph rows: after timing, replay the step\n"
+            "3 times with every kernel's start and end recorded (CUPTI; nothing\n"
+            "serialised) and write them to PATH as CSV (summary:\n"
+            "tools/bench/kernel_trace_summary.py)");
     p.value("--nproc", "N", &nproc,
             "with --model: data-parallel over N local GPUs (batch per GPU);\n"
             "under torchrun, mpirun or srun leave it out (README: launching)",
@@ -287,6 +293,17 @@ int main(int argc, char** argv) {
     if (nproc > 1 && model.empty()) kiln::cli::usage_error("--nproc needs --model");
     if (mo.profile_by_input && !mo.profile)
       kiln::cli::usage_error("--profile-by-input needs --profile");
+    if (!mo.trace_path.empty()) {
+      if (model.empty()) kiln::cli::usage_error("--trace-kernels needs --model NAME");
+      if (eager_only)
+        kiln::cli::usage_error("--trace-kernels traces the graph rows; drop --eager-only");
+      if (mo.batches.size() != 1)
+        kiln::cli::usage_error("--trace-kernels writes one file: give one batch size with "
+                               "--batches, got ", mo.batches.size());
+      if (!kiln::bench::kernel_trace_available())
+        kiln::cli::usage_error("--trace-kernels: this kiln-bench was built without CUPTI (the "
+                               "CUDA toolkit's libcupti was not found at configure time)");
+    }
     if (kiln::plan_local_launch(nproc, kiln::DistEnv::from_env(), kiln::cuda_device_count())) {
       // One child per GPU running these flags minus --nproc; the children see WORLD_SIZE.
       std::vector<std::string> args{"/proc/self/exe"};

@@ -8,6 +8,9 @@
 // idle device: "issue"), and peak allocated / reserved device memory.
 #include "tools/bench/model_bench.h"
 
+#include "core/serialization.h"
+#include "tools/bench/kernel_trace.h"
+
 #include "tools/cli/cli.h"
 
 #include <time.h>
@@ -175,6 +178,15 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
           opt.stage_lr();
           g.run();
         }, o.warmup, o.windows, o.steps_per_window);
+        if (!o.trace_path.empty() && report) {
+          const std::vector<TracedKernel> k = trace_kernels([&] {
+            opt.stage_lr();
+            g.run();
+          }, o.trace_steps);
+          write_file_atomic(o.trace_path, trace_csv(k));
+          std::printf("%swrote %s (%s batch %ld, %d replays)\n", trace_summary(k).c_str(),
+                      o.trace_path.c_str(), o.model.c_str(), long(batch), o.trace_steps);
+        }
       }
       cuda::synchronize();
       const cuda::AllocatorStats st = cuda::allocator_stats();
@@ -197,7 +209,8 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.final_scale = scaler.scale_value();
       r.skipped_steps = int64_t(scaler.skipped_steps().item());
       r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window + 5 +  // + issue probes
-                      (o.profile && !graph ? 6 : 0);                           // + profiled
+                      (o.profile && !graph ? 6 : 0) +                          // + profiled
+                      (graph && !o.trace_path.empty() && report ? o.trace_steps : 0);  // + traced
       rows.push_back(r);
       if (!report) continue;
       if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);

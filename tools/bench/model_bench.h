@@ -20,6 +20,10 @@ struct ModelBenchOptions {
   bool eager = true, graph = true;
   bool profile = false;  // after the eager rows: a per-op table of a few eager steps
   bool profile_by_input = false;  // with profile: also a row per op and input shape
+  // After a graph row: that many replays traced kernel by kernel (tools/bench/kernel_trace.h),
+  // the records written to trace_path as CSV. Empty: no trace.
+  std::string trace_path;
+  int trace_steps = 3;
   int warmup = 8, windows = 5, steps_per_window = 10;
   double gflop_per_image = 24.3;  // forward + backward at 224x224 (models::train_gflop_per_image)
   amp::Precision precision = amp::Precision::Mixed16;  // or MixedBF16 (no loss scaler)

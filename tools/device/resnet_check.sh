@@ -22,7 +22,8 @@
 # Filters in SANITIZE must not contain spaces (the list splits on them). OPS=1 times every op of
 # 5 eager b256 steps by op and by op and input shape (kiln-bench --profile --profile-by-input;
 # CUDA events around each op): which call of the step a kernel class is; OPS_ENV="VAR=value"
-# adds a second table under that setting. Run from the repository root with .deps (and .bench)
+# adds a second table under that setting. TRACE=1 (below) traces the graph step's kernels with
+# CUPTI. Run from the repository root with .deps (and .bench)
 # carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
@@ -84,6 +85,25 @@ if [ "${NCU:-0}" = 1 ]; then
       --kernels 25 >> "$S" 2>&1
   fi
   python3 tools/bench/ncu_step_summary.py $L/step-on.csv --kernels 40 >> "$S" 2>&1
+fi
+# TRACE=1: the graph step's kernels as they really run (kiln-bench --trace-kernels: CUPTI, nothing
+# serialised), at each of TRACE_BATCHES (256), summarised by tools/bench/kernel_trace_summary.py
+# beside NCU=1's profile when there is one; the CSVs come back gzipped in $OUT.
+if [ "${TRACE:-0}" = 1 ]; then
+  for b in ${TRACE_BATCHES:-256}; do
+    timeout 300 $B/kiln-bench --model resnet50 --batches "$b" --graph-only \
+      --trace-kernels $L/trace-b$b.csv > $L/trace-b$b.log 2>&1
+    echo "trace b$b: rc $?" | tee -a "$S"
+    cat $L/trace-b$b.log >> "$S"
+    if [ -f $L/trace-b$b.csv ]; then
+      ncu_arg=""
+      [ "$b" = 256 ] && [ -f $L/step-on.csv ] && ncu_arg="--ncu $L/step-on.csv"
+      # shellcheck disable=SC2086
+      python3 tools/bench/kernel_trace_summary.py $L/trace-b$b.csv --kernels 40 $ncu_arg \
+        >> "$S" 2>&1
+      gzip -c $L/trace-b$b.csv > "$OUT/trace-b$b.csv.gz"
+    fi
+  done
 fi
 # NCU_STALLS=1: ncu also takes the share of active warps stalled for each reason (the
 # WarpStateStats section's text names only the total), printed largest first by ncu_stalls.

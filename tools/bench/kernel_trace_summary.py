@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Summarises kiln-bench --trace-kernels: a replayed graph step's kernels as they really ran.
+
+    kiln-bench --model resnet50 --batches 256 --graph-only --trace-kernels trace.csv
+    python3 tools/bench/kernel_trace_summary.py trace.csv [--step S] [--kernels N]
+    python3 tools/bench/kernel_trace_summary.py trace.csv --ncu step.csv [--kernels N]
+
+The trace (tools/bench/kernel_trace.h) holds every kernel of a few replays, timed by CUPTI on the
+GPU's clock with nothing serialised. A kernel's "exclusive" time is the part of its run after the
+kernel before it ended: with programmatic dependent launch a kernel's blocks start early and wait,
+so its raw duration counts its predecessor's tail too; the exclusive times add up to the step's
+span less the idle time in it.
+
+Prints, for one replay (the last by default): the span, the idle time inside it, and the time by
+phase and kind as tools/bench/ncu_step_summary.py classes kernels; then the N kernels with the
+most exclusive time summed over their calls. With --ncu (an Nsight Compute CSV of one eager step,
+ncu_step_summary.py's input) the same kernels' summed ncu time beside it: where ncu's
+kernel-by-kernel view and the real step disagree.
+"""
+import argparse
+import collections
+import csv
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_step_summary import kind_of, read_kernels  # noqa: E402
+
+
+def short(name):
+    """One spelling for CUPTI's demangled names and ncu's: no parameters, no namespaces, integral
+    template arguments as numbers ("(kiln::Activation)1" and "true" as ncu's "1")."""
+    s = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+    s = re.sub(r"\([\w:]+\)(-?\d+)", r"\1", s)  # an enum's cast
+    s = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", s))
+    s = re.sub(r"\(.*", "", s).replace("void ", "").strip()
+    head, sep, tail = s.partition("<")
+    return head.rsplit("::", 1)[-1] + sep + tail
+
+
+def read_trace(path):
+    """{step: [kernel dicts in start order]}"""
+    steps = collections.defaultdict(list)
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            steps[int(r["step"])].append({
+                "name": r["name"], "start": float(r["start_us"]),
+                "dur": float(r["duration_us"]), "excl": float(r["exclusive_us"]),
+                "grid": r["grid"]})
+    if not steps:
+        sys.exit(f"{path}: no kernel rows (written by kiln-bench --trace-kernels?)")
+    return steps
+
+
+def phases(kernels):
+    """forward until the loss's first kernel, then backward; the optimizer's kernels apart."""
+    loss = next((i for i, k in enumerate(kernels) if "cross_entropy" in k["name"]), len(kernels))
+    out = []
+    for i, k in enumerate(kernels):
+        kind = kind_of(k["name"])
+        out.append("optimizer" if kind == "optimizer" else ("forward" if i < loss else "backward"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--step", type=int, help="which replay (default: the last)")
+    ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
+    ap.add_argument("--ncu", help="an Nsight Compute CSV of one eager step, set beside")
+    a = ap.parse_args()
+    steps = read_trace(a.trace)
+    s = a.step if a.step is not None else max(steps)
+    if s not in steps:
+        sys.exit(f"{a.trace}: no replay {s} (replays {sorted(steps)})")
+    ks = steps[s]
+    span = max(k["start"] + k["dur"] for k in ks) - min(k["start"] for k in ks)
+    excl = sum(k["excl"] for k in ks)
+    print(f"replay {s} of {len(steps)}: {len(ks)} kernels, span {span / 1e3:.3f} ms, "
+          f"exclusive sum {excl / 1e3:.3f} ms, idle inside the span {(span - excl) / 1e3:.3f} ms, "
+          f"raw durations summed {sum(k['dur'] for k in ks) / 1e3:.3f} ms")
+    for other in sorted(steps):
+        if other != s:
+            o = steps[other]
+            print(f"  replay {other}: {len(o)} kernels, span "
+                  f"{(max(k['start'] + k['dur'] for k in o) - min(k['start'] for k in o)) / 1e3:.3f} ms")
+    print()
+    by_phase = collections.Counter()
+    for k, ph in zip(ks, phases(ks)):
+        by_phase[(ph, kind_of(k["name"]))] += k["excl"]
+    print(f"{'phase':10s} {'kind':14s} {'ms':>8s}")
+    for (ph, kind), us in by_phase.most_common():
+        print(f"{ph:10s} {kind:14s} {us / 1e3:8.3f}")
+    small = [k for k in ks if k["excl"] < 5]
+    print(f"\n{len(small)} kernels under 5 us exclusive: {sum(k['excl'] for k in small) / 1e3:.3f} ms")
+    agg = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k in ks:
+        e = agg[short(k["name"])]
+        e[0] += 1
+        e[1] += k["excl"]
+        e[2] += k["dur"]
+    ncu = None
+    if a.ncu:
+        ncu = collections.defaultdict(lambda: [0, 0.0])
+        for k in read_kernels(a.ncu):
+            e = ncu[short(k["name"])]
+            e[0] += 1
+            e[1] += k["ns"] / 1e3
+    print(f"\n{'calls':>5s} {'excl ms':>8s} {'raw ms':>8s}" +
+          (f" {'ncu calls':>9s} {'ncu ms':>7s}" if ncu is not None else "") + "  kernel")
+    for name, (n, e, d) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:a.kernels]:
+        line = f"{n:5d} {e / 1e3:8.3f} {d / 1e3:8.3f}"
+        if ncu is not None:
+            nc, nus = ncu.get(name, [0, 0.0])
+            line += f" {nc:9d} {nus / 1e3:7.3f}"
+        print(line + "  " + name[:110])
+
+
+if __name__ == "__main__":
+    main()
