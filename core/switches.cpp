@@ -50,6 +50,7 @@ Switches read_switches() {
   const long n = c ? std::strtol(c, nullptr, 10) : 0;
   if (n > 0) s.conv_candidates = size_t(n);
   s.tune_cold = is(std::getenv("KILN_TUNE_COLD"), "1");
+  if (const char* plans = std::getenv("KILN_CONV_PLANS")) s.conv_plans = plans;
   const char* jt = std::getenv("KILN_JPEG_TRACE");
   s.jpeg_trace = jt && *jt && !is(jt, "0");
   if (const char* at = std::getenv("KILN_ALLOC_TRACE")) s.alloc_trace = at;

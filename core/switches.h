@@ -105,6 +105,8 @@
 // | KILN_CONV_CANDIDATES     | N > 0 (default 10)  | backend-API plans timed per convolution problem |
 // | KILN_TUNE_COLD           | 0, 1                | rank a convolution's plans by their time with   |
 // |                          |                     | L2 overwritten before each run (1) or warm (0)  |
+// | KILN_CONV_PLANS          | a file path         | the convolution tuner's choices are read from   |
+// |                          |                     | and written to that file (cuda/conv.h)          |
 // | KILN_JPEG_TRACE          | 1                   | the GPU JPEG path prints where each epoch's     |
 // |                          |                     | time went (data/gpu_jpeg.cpp)                   |
 // | KILN_ALLOC_TRACE         | a file path         | the CUDA allocator logs its events there        |
@@ -179,6 +181,7 @@ struct Switches {
   bool cudnn_find_log = false;
   size_t conv_candidates = 10;
   bool tune_cold = false;
+  std::string conv_plans;  // empty: off (cuda/conv.h, set_conv_plan_file)
   bool jpeg_trace = false;
   std::string alloc_trace;  // empty: off (cuda/allocator.cpp has the format)
   double jpeg_stall_s = 0;  // 0: GpuJpegLoader's default

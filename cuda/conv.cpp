@@ -34,13 +34,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
 
+#include "core/serialization.h"
 #include "core/switches.h"
 #include "cuda/conv_engine.h"
 #include "cuda/cudnn_util.h"
@@ -274,6 +279,135 @@ ConvPlanCache& plan_cache() {
   return cache;
 }
 
+// ---- the plan file (set_conv_plan_file) ----
+// Line 1: "kiln conv plans 1<TAB><GPU name><TAB>cudnn <version>". Then one record a line:
+// "<kind> <the key's integers><TAB><choice>". Kinds: P a convolution (choice "engine E t=v ..."
+// or "legacy A M": algorithm A, math type M), S the same with the statistics epilogue ("engine
+// ..." or "none"), F an accumulating weight gradient's way ("fresh 1" or "fresh 0").
+struct PlanFile {
+  std::mutex m;
+  std::string path;  // empty: off
+  bool path_read = false;  // from the switch, once
+  bool loaded = false;
+  std::map<std::string, std::string> records;
+  uint64_t taken = 0;  // choices read from the file since clear_conv_algo_cache
+};
+PlanFile& plan_file() {
+  static PlanFile f;
+  return f;
+}
+
+std::string plan_file_header() {
+  return detail::str_cat("kiln conv plans 1\t", context().props.name, "\tcudnn ",
+                         static_cast<unsigned long long>(cudnnGetVersion()));
+}
+
+std::string key_text(char kind, const Key& k) {
+  std::ostringstream out;
+  out << kind;
+  auto add = [&](int64_t v) { out << ' ' << v; };
+  for (int64_t v :
+       {k.op, k.dtype, k.fmt, k.deterministic, k.accumulate, k.backend, k.align, k.stats})
+    add(v);
+  for (int d = 0; d < 4; ++d) add(k.x[d]);
+  for (int d = 0; d < 4; ++d) add(k.w[d]);
+  for (int d = 0; d < 4; ++d) add(k.y[d]);
+  for (int64_t v : {k.stride_h, k.stride_w, k.pad_h, k.pad_w, k.dil_h, k.dil_w, k.groups}) add(v);
+  return out.str();
+}
+
+// The file's records, read on first use (the caller holds f.m).
+void load_plan_file(PlanFile& f) {
+  if (!f.path_read) {
+    f.path_read = true;
+    if (f.path.empty()) f.path = switches().conv_plans;
+  }
+  if (f.loaded || f.path.empty()) return;
+  f.loaded = true;
+  std::ifstream in(f.path);
+  if (!in) return;  // no file yet: written on the first choice
+  std::string line;
+  if (!std::getline(in, line)) return;
+  if (line != plan_file_header()) {
+    std::fprintf(stderr,
+                 "kiln: the convolution plan file '%s' was written for another GPU or cuDNN "
+                 "(\"%s\"); its plans are not used, and it is rewritten with this one's\n",
+                 f.path.c_str(), line.c_str());
+    return;
+  }
+  while (std::getline(in, line)) {
+    const size_t tab = line.find('\t');
+    if (tab == std::string::npos) continue;
+    f.records[line.substr(0, tab)] = line.substr(tab + 1);
+  }
+}
+
+// Deterministic mode chooses without timing already (the same plans in every process): it
+// neither reads nor writes the file.
+std::optional<std::string> plan_record(char kind, const Key& k) {
+  if (k.deterministic) return std::nullopt;
+  PlanFile& f = plan_file();
+  std::lock_guard<std::mutex> lock(f.m);
+  load_plan_file(f);
+  if (f.path.empty()) return std::nullopt;
+  auto it = f.records.find(key_text(kind, k));
+  if (it == f.records.end()) return std::nullopt;
+  return it->second;
+}
+
+void note_taken() {
+  PlanFile& f = plan_file();
+  std::lock_guard<std::mutex> lock(f.m);
+  ++f.taken;
+}
+
+// Records a choice and rewrites the file (a failure to write is reported once, not fatal: the
+// tuner's choice stands either way).
+void save_record(char kind, const Key& k, const std::string& choice) {
+  if (k.deterministic) return;
+  PlanFile& f = plan_file();
+  std::lock_guard<std::mutex> lock(f.m);
+  load_plan_file(f);
+  if (f.path.empty()) return;
+  f.records[key_text(kind, k)] = choice;
+  std::string out = plan_file_header() + "\n";
+  for (const auto& [key, rec] : f.records) out += key + "\t" + rec + "\n";
+  try {
+    write_file_atomic(f.path, out);
+  } catch (const Error& e) {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      std::fprintf(stderr, "kiln: the convolution plan file is not written: %s\n", e.what());
+    });
+  }
+}
+
+std::string engine_record(const ConvEngine& e) {
+  std::ostringstream out;
+  out << "engine " << conv_engine_index(e);
+  for (const auto& [type, value] : conv_engine_knobs(e)) out << ' ' << type << '=' << value;
+  return out.str();
+}
+
+// "engine E t=v ..." parsed; false for another record or a malformed one.
+bool parse_engine(const std::string& rec, int64_t& engine,
+                  std::vector<std::pair<int, int64_t>>& knobs) {
+  std::istringstream in(rec);
+  std::string word;
+  if (!(in >> word) || word != "engine" || !(in >> engine)) return false;
+  knobs.clear();
+  while (in >> word) {
+    const size_t eq = word.find('=');
+    if (eq == std::string::npos) return false;
+    try {
+      knobs.emplace_back(std::stoi(word.substr(0, eq)), std::stoll(word.substr(eq + 1)));
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  return true;
+}
+
 ConvBackend backend_mode() {
   int v = plan_cache().backend.load();
   if (v < 0) {
@@ -291,6 +425,32 @@ bool find_log_enabled() { return switches().cudnn_find_log; }
 std::unique_ptr<Storage> workspace(size_t bytes, int device) {
   if (bytes == 0) return nullptr;
   return std::make_unique<Storage>(bytes, Device::cuda(device));
+}
+
+// Every algorithm cuDNN reports a workspace size for (≤ the cap), untimed, with `first` (a plan
+// file's legacy choice) ahead of them when it is one of them.
+template <class Op>
+std::vector<Choice> untimed(cudnnHandle_t h, const Descs& d, const Problem& pr,
+                            std::optional<std::pair<int, cudnnMathType_t>> first) {
+  std::vector<Choice> out;
+  if (first) {
+    CUDNN_CHECK(cudnnSetConvolutionMathType(d.conv.d, first->second));
+    size_t s = 0;
+    if (Op::workspace(h, d, typename Op::Algo(first->first), &s) == CUDNN_STATUS_SUCCESS &&
+        s <= kConvMaxWorkspaceBytes)
+      out.push_back({first->first, s, first->second, -1.0f});
+  }
+  CUDNN_CHECK(cudnnSetConvolutionMathType(d.conv.d, preferred_math(pr.dtype)));
+  for (int a = 0; a < Op::kCount; ++a) {
+    size_t s = 0;
+    if (Op::workspace(h, d, typename Op::Algo(a), &s) != CUDNN_STATUS_SUCCESS ||
+        s > kConvMaxWorkspaceBytes)
+      continue;
+    if (!out.empty() && out.front().algo == a && out.front().math == preferred_math(pr.dtype))
+      continue;
+    out.push_back({a, s, preferred_math(pr.dtype), -1.0f});
+  }
+  return out;
 }
 
 // Times every algorithm with a workspace as large as the largest need (≤ the cap; halved while
@@ -451,6 +611,13 @@ bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Ten
   std::lock_guard<std::mutex> lock(plan.m);
   if (plan.fresh_checked) return plan.via_fresh;
   plan.fresh_checked = true;
+  if (const std::optional<std::string> rec = plan_record('F', acc_key)) {
+    if (*rec == "fresh 1" || *rec == "fresh 0") {
+      plan.via_fresh = *rec == "fresh 1";
+      note_taken();
+      return plan.via_fresh;
+    }
+  }
   Tensor scratch = empty(w.shape(), TensorOptions(dtype).with_device(w.device())
                                         .with_memory_format(fmt));
   execute<Op>(dtype, fmt, x, scratch, y, cp, false);  // tunes the beta = 0 problem
@@ -473,6 +640,9 @@ bool fresh_beats_accumulate(Plan& plan, DType dtype, MemoryFormat fmt, const Ten
   const float acc_ms = plan_ms(plan);
   const float add_ms = 0.003f + 3.0f * float(w.nbytes()) / 2e9f;
   plan.via_fresh = fresh_ms >= 0 && acc_ms >= 0 && fresh_ms + add_ms < acc_ms;
+  // Untimed plans (from the plan file) never compare: the file's own record decides then.
+  if (fresh_ms >= 0 && acc_ms >= 0)
+    save_record('F', acc_key, plan.via_fresh ? "fresh 1" : "fresh 0");
   if (find_log_enabled())
     std::fprintf(stderr, "[kiln conv] %s: beta = 1 %.4f ms, beta = 0 %.4f ms + add %.4f ms: %s\n",
                  describe(Op::kOp, problem_of(acc_key)).c_str(), double(acc_ms), double(fresh_ms),
@@ -514,24 +684,58 @@ void execute(DType dtype, MemoryFormat fmt, const Tensor& x, const Tensor& w, co
         output_ptr<Op>(tp) = scratch.raw_data();
       }
       auto fresh = std::make_shared<Plan>(pr);
-      // cudnnFind times beta = 0 (it overwrites the output); beta = 1 adds one read of it.
-      fresh->candidates = search<Op>(h, fresh->d, tp, pr, ctx.device, deterministic);
-      fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
       const ConvProblem cp_be{Op::kOp, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, pr.accumulate};
-      if (ConvBackend(key.backend) != ConvBackend::Off && conv_engine_supports(cp_be)) {
-        // In deterministic mode the backend API's plan is taken whenever one runs: a bar of
-        // the legacy API's time would make the choice depend on timings.
-        const float bar = ConvBackend(key.backend) == ConvBackend::Force || deterministic
-                              ? -1.0f : fresh->candidates.front().ms;
-        fresh->engine = tune_conv_engine(h, cp_be, key.align, tp.x, tp.w, tp.y, ctx.device,
-                                         deterministic, bar,
-                                         find_log_enabled(), describe(Op::kOp, pr));
+      // A plan file's record, when it names a plan cuDNN takes here: nothing is timed.
+      bool recorded = false;
+      if (const std::optional<std::string> rec = plan_record('P', key)) {
+        int64_t engine = -1;
+        std::vector<std::pair<int, int64_t>> knobs;
+        int algo = -1, math = -1;
+        if (parse_engine(*rec, engine, knobs) && ConvBackend(key.backend) != ConvBackend::Off &&
+            conv_engine_supports(cp_be)) {
+          fresh->engine = load_conv_engine(h, cp_be, key.align, engine, knobs, deterministic);
+          recorded = fresh->engine != nullptr;
+          if (recorded) fresh->candidates = untimed<Op>(h, fresh->d, pr, std::nullopt);
+        } else if (std::sscanf(rec->c_str(), "legacy %d %d", &algo, &math) == 2) {
+          fresh->candidates =
+              untimed<Op>(h, fresh->d, pr, std::pair(algo, cudnnMathType_t(math)));
+          recorded = !fresh->candidates.empty() && fresh->candidates.front().algo == algo;
+        }
+        recorded = recorded && !fresh->candidates.empty();
+        if (!recorded) fresh->engine.reset();
+        fresh->math = preferred_math(dtype);  // what untimed left on the conv descriptor
+        if (recorded) note_taken();
         if (find_log_enabled())
-          std::fprintf(stderr, "[kiln conv] %s: %s\n", describe(Op::kOp, pr).c_str(),
-                       fresh->engine ? ("backend API, " + conv_engine_name(*fresh->engine)).c_str()
-                                     : "legacy API");
+          std::fprintf(stderr, "[kiln conv] %s: %s the plan file's \"%s\"\n",
+                       describe(Op::kOp, pr).c_str(), recorded ? "from" : "not taken:",
+                       rec->c_str());
       }
-      plan = plan_cache().plans.emplace(key, std::move(fresh)).first->second;
+      if (recorded) {
+        plan = plan_cache().plans.emplace(key, std::move(fresh)).first->second;
+      } else {
+        // cudnnFind times beta = 0 (it overwrites the output); beta = 1 adds one read of it.
+        fresh->candidates = search<Op>(h, fresh->d, tp, pr, ctx.device, deterministic);
+        fresh->math = preferred_math(dtype);  // what search left on the conv descriptor
+        if (ConvBackend(key.backend) != ConvBackend::Off && conv_engine_supports(cp_be)) {
+          // In deterministic mode the backend API's plan is taken whenever one runs: a bar of
+          // the legacy API's time would make the choice depend on timings.
+          const float bar = ConvBackend(key.backend) == ConvBackend::Force || deterministic
+                                ? -1.0f : fresh->candidates.front().ms;
+          fresh->engine = tune_conv_engine(h, cp_be, key.align, tp.x, tp.w, tp.y, ctx.device,
+                                           deterministic, bar,
+                                           find_log_enabled(), describe(Op::kOp, pr));
+          if (find_log_enabled())
+            std::fprintf(
+              stderr, "[kiln conv] %s: %s\n", describe(Op::kOp, pr).c_str(),
+              fresh->engine ? ("backend API, " + conv_engine_name(*fresh->engine)).c_str()
+                            : "legacy API");
+        }
+        save_record('P', key,
+                    fresh->engine ? engine_record(*fresh->engine)
+                                  : detail::str_cat("legacy ", fresh->candidates.front().algo, " ",
+                                                    int(fresh->candidates.front().math)));
+        plan = plan_cache().plans.emplace(key, std::move(fresh)).first->second;
+      }
     }
   }
   if constexpr (Op::kOp == ConvOp::BackwardFilter) {
@@ -676,6 +880,32 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
     seen = it != plan_cache().stats_plans.end();
     if (seen) known = it->second;
   }
+  if (!seen) {  // a plan file's record: nothing is tuned or timed
+    if (const std::optional<std::string> rec = plan_record('S', key)) {
+      auto fresh = std::make_shared<StatsPlan>();
+      int64_t engine = -1;
+      std::vector<std::pair<int, int64_t>> knobs;
+      bool taken = *rec == "none";
+      if (!taken && parse_engine(*rec, engine, knobs)) {
+        const Problem pr = problem_of(key);
+        ConvProblem cp{ConvOp::Forward, pr.dtype, pr.fmt, pr.x, pr.w, pr.y, pr.p, false};
+        cp.stats = true;
+        fresh->engine = load_conv_engine(h, cp, key.align, engine, knobs, deterministic);
+        taken = fresh->engine != nullptr;
+      }
+      if (find_log_enabled())
+        std::fprintf(stderr, "[kiln conv] %s + statistics: %s the plan file's \"%s\"\n",
+                     describe(ConvOp::Forward, problem_of(key)).c_str(),
+                     taken ? "from" : "not taken:", rec->c_str());
+      if (taken) {
+        note_taken();
+        std::lock_guard<std::mutex> lock(plan_cache().mutex);
+        ++plan_cache().misses;
+        known = plan_cache().stats_plans.emplace(key, std::move(fresh)).first->second;
+        seen = true;
+      }
+    }
+  }
   if (known) {
     std::lock_guard<std::mutex> lock(known->m);
     if (!known->engine) return false;
@@ -720,6 +950,7 @@ bool conv2d_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsu
         std::fprintf(stderr, "[kiln conv] %s: %s\n", what.c_str(),
                      fresh->engine ? conv_engine_name(*fresh->engine).c_str()
                                    : "no plan; unfused");
+      save_record('S', key, fresh->engine ? engine_record(*fresh->engine) : std::string("none"));
       plan = plan_cache().stats_plans.emplace(key, std::move(fresh)).first->second;
     }
   }
@@ -831,7 +1062,12 @@ ConvCacheStats conv_algo_cache_stats() {
     std::lock_guard<std::mutex> plan_lock(plan->m);  // execute() may drop a failing engine
     engines += plan->engine != nullptr;
   }
-  return {plan_cache().hits, plan_cache().misses, plan_cache().plans.size(), engines};
+  uint64_t taken = 0;
+  {
+    std::lock_guard<std::mutex> file_lock(plan_file().m);
+    taken = plan_file().taken;
+  }
+  return {plan_cache().hits, plan_cache().misses, plan_cache().plans.size(), engines, taken};
 }
 
 void clear_conv_algo_cache() {
@@ -839,6 +1075,27 @@ void clear_conv_algo_cache() {
   plan_cache().plans.clear();
   plan_cache().stats_plans.clear();
   plan_cache().hits = plan_cache().misses = 0;
+  std::lock_guard<std::mutex> file_lock(plan_file().m);
+  plan_file().taken = 0;
+}
+
+void set_conv_plan_file(const std::string& path) {
+  PlanFile& f = plan_file();
+  std::lock_guard<std::mutex> lock(f.m);
+  f.path = path;
+  f.path_read = true;
+  f.loaded = false;
+  f.records.clear();
+}
+
+std::string conv_plan_file() {
+  PlanFile& f = plan_file();
+  std::lock_guard<std::mutex> lock(f.m);
+  if (!f.path_read) {
+    f.path_read = true;
+    if (f.path.empty()) f.path = switches().conv_plans;
+  }
+  return f.path;
 }
 
 void set_conv_backend(ConvBackend mode) { plan_cache().backend.store(int(mode)); }

@@ -9,6 +9,7 @@
 // does).
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace kiln::cuda {
 
@@ -17,6 +18,7 @@ struct ConvCacheStats {
   uint64_t misses = 0;  // calls that ran an algorithm search
   size_t entries = 0;   // problems cached
   size_t engine_plans = 0;  // of which run on a backend-API plan
+  uint64_t from_file = 0;   // choices taken from the plan file since the cache was last cleared
 };
 ConvCacheStats conv_algo_cache_stats();
 // Forgets every cached choice and zeroes the counters (tests; after changing determinism).
@@ -39,6 +41,20 @@ bool conv_deterministic();
 enum class ConvBackend : int { Off = 0, Auto = 1, Force = 2 };
 void set_conv_backend(ConvBackend mode);
 ConvBackend conv_backend();
+
+// The plan file: when set, a problem seen for the first time takes the choice recorded for it
+// there (the backend API's engine and knob choices, or the legacy API's algorithm and math type;
+// with the statistics epilogue, its plan or none; for an accumulating weight gradient, whether
+// beta = 0 plus an add is used) instead of timing candidates, and every choice the tuner makes is
+// added to the file (rewritten whole, atomically). So processes that share the file run the same
+// kernels: A/B pairs and profilers (whose own timings would steer the tuner elsewhere,
+// docs/lab/step-profiles.md) see the plans a plain run uses, and a run skips its tuning. The first
+// line names the GPU and cuDNN; a file written on another pair is ignored and rewritten (one
+// warning). A recorded plan cuDNN refuses is tuned again. Keys are the cache's less the device
+// index. Empty path: off (the default; KILN_CONV_PLANS sets it). Clears nothing: call
+// clear_conv_algo_cache() to make cached problems read the file.
+void set_conv_plan_file(const std::string& path);
+std::string conv_plan_file();
 
 // How a weight gradient added into an existing one (accumulate) runs: Tuned (the default)
 // times beta = 1 against beta = 0 into a fresh buffer plus an add and keeps the faster; the

@@ -247,6 +247,27 @@ cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, voi
 
 float conv_engine_ms(const ConvEngine& e) { return e.plan.ms; }
 
+int64_t conv_engine_index(const ConvEngine& e) { return e.plan.engine; }
+
+std::vector<std::pair<int, int64_t>> conv_engine_knobs(const ConvEngine& e) {
+  return be::knob_choices(e.plan.config);
+}
+
+std::shared_ptr<ConvEngine> load_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
+                                             int64_t alignment, int64_t engine,
+                                             const std::vector<std::pair<int, int64_t>>& knobs,
+                                             bool deterministic) {
+  auto e = std::make_shared<ConvEngine>();
+  try {
+    build_graph(h, pr, alignment, *e);
+  } catch (const Error&) {
+    return nullptr;
+  }
+  if (!be::plan_from_knobs(h, e->graph, engine, knobs, !deterministic, e->plan)) return nullptr;
+  if (size_t(e->plan.workspace) > kConvMaxWorkspaceBytes) return nullptr;
+  return e;
+}
+
 std::string conv_engine_name(const ConvEngine& e) {
   char buf[64];
   std::snprintf(buf, sizeof buf, ", %.4f ms", double(e.plan.ms));

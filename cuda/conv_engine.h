@@ -11,6 +11,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/tensor.h"
 #include "cuda/cudnn_graph.h"
@@ -60,6 +62,19 @@ std::shared_ptr<ConvEngine> tune_conv_engine(cudnnHandle_t h, const ConvProblem&
 // problem). Returns cuDNN's status (the caller falls back to the legacy path on failure).
 cudnnStatus_t run_conv_engine(cudnnHandle_t h, const ConvEngine& e, void* x, void* w, void* y,
                               int device, void* sum = nullptr, void* sqsum = nullptr);
+
+// What a plan file records of a tuned plan (set_conv_plan_file, cuda/conv.h): cuDNN's global
+// engine index and the knob choices of its configuration.
+int64_t conv_engine_index(const ConvEngine& e);
+std::vector<std::pair<int, int64_t>> conv_engine_knobs(const ConvEngine& e);
+
+// The plan of `engine` with `knobs` for the problem, built from such a record without timing
+// anything (its time reads -1); null when cuDNN does not take it or it is nondeterministic in
+// deterministic mode.
+std::shared_ptr<ConvEngine> load_conv_engine(cudnnHandle_t h, const ConvProblem& pr,
+                                             int64_t alignment, int64_t engine,
+                                             const std::vector<std::pair<int, int64_t>>& knobs,
+                                             bool deterministic);
 
 // The chosen plan's measured time (ms).
 float conv_engine_ms(const ConvEngine& e);

@@ -28,6 +28,32 @@ std::string last_error() {
 
 }  // namespace
 
+std::vector<std::pair<int, int64_t>> knob_choices(const Desc& cfg) {
+  std::vector<std::pair<int, int64_t>> out;
+  std::vector<Desc> knobs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int i = 0; i < CUDNN_KNOB_TYPE_COUNTS; ++i) {
+    knobs.emplace_back(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR);
+    raw.push_back(knobs.back().get());
+  }
+  int64_t nk = 0;
+  if (cudnnBackendGetAttribute(cfg.get(), CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(raw.size()), &nk,
+                               raw.data()) != CUDNN_STATUS_SUCCESS)
+    return out;
+  for (int64_t i = 0; i < std::min<int64_t>(nk, int64_t(raw.size())); ++i) {
+    cudnnBackendKnobType_t type{};
+    int64_t value = 0, c = 0;
+    if (cudnnBackendGetAttribute(raw[size_t(i)], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+                                 CUDNN_TYPE_KNOB_TYPE, 1, &c, &type) != CUDNN_STATUS_SUCCESS ||
+        cudnnBackendGetAttribute(raw[size_t(i)], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE,
+                                 CUDNN_TYPE_INT64, 1, &c, &value) != CUDNN_STATUS_SUCCESS)
+      continue;
+    out.emplace_back(int(type), value);
+  }
+  return out;
+}
+
 std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mode) {
   Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
   heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
@@ -83,27 +109,8 @@ ConfigInfo describe_config(const Desc& cfg) {
   }
   info.name = "engine " + std::to_string(info.engine);
   // Knob choices tell apart configurations of one engine.
-  std::vector<Desc> knobs;
-  std::vector<cudnnBackendDescriptor_t> raw;
-  for (int i = 0; i < CUDNN_KNOB_TYPE_COUNTS; ++i) {
-    knobs.emplace_back(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR);
-    raw.push_back(knobs.back().get());
-  }
-  int64_t nk = 0;
-  if (cudnnBackendGetAttribute(cfg.get(), CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
-                               CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(raw.size()), &nk,
-                               raw.data()) == CUDNN_STATUS_SUCCESS) {
-    for (int64_t i = 0; i < std::min<int64_t>(nk, int64_t(raw.size())); ++i) {
-      cudnnBackendKnobType_t type{};
-      int64_t value = 0, c = 0;
-      if (cudnnBackendGetAttribute(raw[size_t(i)], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
-                                   CUDNN_TYPE_KNOB_TYPE, 1, &c, &type) != CUDNN_STATUS_SUCCESS ||
-          cudnnBackendGetAttribute(raw[size_t(i)], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE,
-                                   CUDNN_TYPE_INT64, 1, &c, &value) != CUDNN_STATUS_SUCCESS)
-        continue;
-      info.name += " k" + std::to_string(int(type)) + "=" + std::to_string(value);
-    }
-  }
+  for (const auto& [type, value] : knob_choices(cfg))
+    info.name += " k" + std::to_string(type) + "=" + std::to_string(value);
   return info;
 }
 
@@ -208,6 +215,38 @@ Desc operation_graph(cudnnHandle_t handle, const std::vector<const Desc*>& ops) 
   return g;
 }
 
+namespace {
+
+// `cfg` as a runnable plan appended to `out`, unless a filter of candidates() drops it, its name
+// is in `seen` already, or it does not finalise.
+void add_plan(cudnnHandle_t handle, Desc cfg, bool allow_nondeterministic,
+              std::set<std::string>& seen, std::vector<Candidate>& out) {
+  ConfigInfo info = describe_config(cfg);
+  // Runtime-compiled engines take NVRTC seconds to finalise, per problem and process.
+  if (info.reduced_precision || info.runtime_compiled ||
+      (!allow_nondeterministic && !info.deterministic))
+    return;
+  if (!seen.insert(info.name).second) return;
+  Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+  plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+  plan.set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
+  if (plan.try_finalize() != CUDNN_STATUS_SUCCESS) return;
+  int64_t ws = 0, n = 0;
+  if (cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                               CUDNN_TYPE_INT64, 1, &n, &ws) != CUDNN_STATUS_SUCCESS)
+    return;
+  Candidate c;
+  c.config = std::move(cfg);
+  c.plan = std::move(plan);
+  c.workspace = ws;
+  c.engine = info.engine;
+  c.deterministic = info.deterministic;
+  c.name = std::move(info.name);
+  out.push_back(std::move(c));
+}
+
+}  // namespace
+
 std::vector<Candidate> candidates(cudnnHandle_t handle, const Desc& graph, size_t max,
                                   bool allow_nondeterministic) {
   std::vector<Candidate> out;
@@ -215,31 +254,53 @@ std::vector<Candidate> candidates(cudnnHandle_t handle, const Desc& graph, size_
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
     for (Desc& cfg : heuristic_configs(graph, mode)) {
       if (out.size() >= max) return out;
-      ConfigInfo info = describe_config(cfg);
-      // Runtime-compiled engines take NVRTC seconds to finalise, per problem and process.
-      if (info.reduced_precision || info.runtime_compiled ||
-          (!allow_nondeterministic && !info.deterministic))
-        continue;
-      if (!seen.insert(info.name).second) continue;
-      Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-      plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
-      plan.set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
-      if (plan.try_finalize() != CUDNN_STATUS_SUCCESS) continue;
-      int64_t ws = 0, n = 0;
-      if (cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                   CUDNN_TYPE_INT64, 1, &n, &ws) != CUDNN_STATUS_SUCCESS)
-        continue;
-      Candidate c;
-      c.config = std::move(cfg);
-      c.plan = std::move(plan);
-      c.workspace = ws;
-      c.engine = info.engine;
-      c.deterministic = info.deterministic;
-      c.name = std::move(info.name);
-      out.push_back(std::move(c));
+      add_plan(handle, std::move(cfg), allow_nondeterministic, seen, out);
     }
   }
   return out;
+}
+
+bool plan_from_knobs(cudnnHandle_t handle, const Desc& graph, int64_t engine_index,
+                     const std::vector<std::pair<int, int64_t>>& knobs,
+                     bool allow_nondeterministic, Candidate& out) {
+  Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  cudnnBackendDescriptor_t g = graph.get();
+  if (cudnnBackendSetAttribute(engine.get(), CUDNN_ATTR_ENGINE_OPERATION_GRAPH,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &g) != CUDNN_STATUS_SUCCESS ||
+      cudnnBackendSetAttribute(engine.get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1,
+                               &engine_index) != CUDNN_STATUS_SUCCESS ||
+      engine.try_finalize() != CUDNN_STATUS_SUCCESS)
+    return false;
+  std::vector<Desc> choices;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (const auto& [type, value] : knobs) {
+    choices.emplace_back(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR);
+    const auto t = cudnnBackendKnobType_t(type);
+    const int64_t v = value;
+    if (cudnnBackendSetAttribute(choices.back().get(), CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+                                 CUDNN_TYPE_KNOB_TYPE, 1, &t) != CUDNN_STATUS_SUCCESS ||
+        cudnnBackendSetAttribute(choices.back().get(), CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE,
+                                 CUDNN_TYPE_INT64, 1, &v) != CUDNN_STATUS_SUCCESS ||
+        choices.back().try_finalize() != CUDNN_STATUS_SUCCESS)
+      return false;
+    raw.push_back(choices.back().get());
+  }
+  Desc cfg(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+  cudnnBackendDescriptor_t e = engine.get();
+  if (cudnnBackendSetAttribute(cfg.get(), CUDNN_ATTR_ENGINECFG_ENGINE,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &e) != CUDNN_STATUS_SUCCESS ||
+      (!raw.empty() &&
+       cudnnBackendSetAttribute(cfg.get(), CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+                                CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(raw.size()),
+                                raw.data()) != CUDNN_STATUS_SUCCESS) ||
+      cfg.try_finalize() != CUDNN_STATUS_SUCCESS)
+    return false;
+  std::set<std::string> seen;
+  std::vector<Candidate> one;
+  add_plan(handle, std::move(cfg), allow_nondeterministic, seen, one);
+  if (one.empty()) return false;
+  out = std::move(one.front());
+  return true;
 }
 
 cudnnStatus_t run(cudnnHandle_t handle, const Candidate& c, const std::vector<int64_t>& uids,

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln::cuda::be {
@@ -86,6 +87,16 @@ struct ConfigInfo {
   std::string name;
 };
 ConfigInfo describe_config(const Desc& cfg);
+
+// The knob choices of a finalised engine configuration, as (knob type, value) pairs.
+std::vector<std::pair<int, int64_t>> knob_choices(const Desc& cfg);
+
+// The configuration of engine `engine` (cuDNN's global index) for `graph` with `knobs` chosen,
+// finalised, as a runnable plan under the filters of candidates() (its `ms` unset); false when
+// cuDNN does not take it (another cuDNN or GPU than the one it was chosen on).
+bool plan_from_knobs(cudnnHandle_t handle, const Desc& graph, int64_t engine,
+                     const std::vector<std::pair<int, int64_t>>& knobs,
+                     bool allow_nondeterministic, Candidate& out);
 
 // Engine configurations that heuristics `mode` ranks for `graph` (empty when it has none).
 std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mode);

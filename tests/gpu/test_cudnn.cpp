@@ -5,8 +5,14 @@
 // Outputs are pre-filled with NaN so an unwritten element fails.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "core/autograd.h"
@@ -354,6 +360,87 @@ TEST_CASE("conv2d: backend-API plans (forced) on every ResNet-50 convolution, f1
   CHECK(st.entries == 23 * 2 * 3);
   CHECK(st.engine_plans * 10 >= st.entries * 9);
   cuda::clear_conv_algo_cache();
+}
+
+TEST_CASE("conv2d: the plan file keeps the tuner's choices, and a later search takes them") {
+  namespace fs = std::filesystem;
+  const std::string path =
+      (fs::temp_directory_path() / ("kiln_conv_plans_" + std::to_string(::getpid()) + ".txt"))
+          .string();
+  fs::remove(path);
+  const std::string before = cuda::conv_plan_file();
+  cuda::set_conv_plan_file(path);
+  auto lines = [&] {
+    std::vector<std::string> out;
+    std::ifstream in(path);
+    for (std::string l; std::getline(in, l);) out.push_back(l);
+    return out;
+  };
+  // Five of ResNet-50's problems, every direction, f16 NHWC and f32 NCHW (the backend API and the
+  // legacy API), and a weight gradient added into an existing one (its beta = 0 + add choice).
+  const std::vector<ConvCase> cases = {kResNet50[2], kResNet50[7], kResNet50[12], kResNet50[14],
+                                       kResNet50[19]};
+  auto run_all = [&](uint64_t seed) {
+    Generator gen(seed);
+    for (const ConvCase& c : cases) {
+      CAPTURE(c.name);
+      const int64_t ho = out_size(c);
+      const double ws = 1.0 / std::sqrt(double(c.c_in * c.k * c.k));
+      Tensor x = randn({2, c.c_in, c.hw, c.hw}, DType::f64, &gen);
+      Tensor w = randn({c.c_out, c.c_in, c.k, c.k}, DType::f64, &gen) * ws;
+      Tensor dy = randn({2, c.c_out, ho, ho}, DType::f64, &gen);
+      Reference r = reference(rounded(x, DType::f16), rounded(w, DType::f16),
+                              rounded(dy, DType::f16), c);
+      check_gpu(r, c, DType::f16, MemoryFormat::ChannelsLast, MemoryFormat::ChannelsLast);
+      Reference r32 = reference(x, w, dy, c);
+      check_gpu(r32, c, DType::f32, MemoryFormat::Contiguous, MemoryFormat::Contiguous);
+      // dw += the gradient, into ones
+      Tensor xg = to_gpu(r.x, DType::f16, MemoryFormat::ChannelsLast);
+      Tensor dyg = to_gpu(r.dy, DType::f16, MemoryFormat::ChannelsLast);
+      Tensor dw = to_gpu(ones(r.w.shape(), DType::f64), DType::f16, MemoryFormat::ChannelsLast);
+      cuda::conv2d_backward_weight(dw, dyg, xg, params_of(c), true);
+      KILN_CHECK_OK(compare_scaled(dw, r.dw + 1.0, tol_for(DType::f16)));
+    }
+  };
+  cuda::clear_conv_algo_cache();
+  run_all(31);
+  const cuda::ConvCacheStats tuned = cuda::conv_algo_cache_stats();
+  CHECK(tuned.from_file == 0);
+  CHECK(tuned.misses > 0);
+  std::vector<std::string> written = lines();
+  REQUIRE(written.size() > 1);
+  CHECK(written[0].rfind("kiln conv plans 1\t", 0) == 0);
+  // One record per tuned convolution (the kiln kernels' problems never reach the tuner), and
+  // the accumulating weight gradients' decisions.
+  CHECK(written.size() - 1 >= tuned.entries);
+  const size_t f_records = size_t(std::count_if(written.begin(), written.end(), [](const auto& l) {
+    return l.rfind("F ", 0) == 0;
+  }));
+  MESSAGE(tuned.entries, " problems tuned, ", written.size() - 1, " records, ", f_records,
+          " of them accumulating weight gradients' decisions");
+
+  // A later search takes every choice from the file and computes the same results.
+  cuda::clear_conv_algo_cache();
+  run_all(31);
+  const cuda::ConvCacheStats taken = cuda::conv_algo_cache_stats();
+  CHECK(taken.entries == tuned.entries);
+  CHECK(taken.from_file == taken.entries + f_records);
+  CHECK(lines() == written);  // nothing new to record
+
+  // A file written for another GPU or cuDNN is not used, and is rewritten.
+  {
+    std::ofstream out(path);
+    out << "kiln conv plans 1\tsome other GPU\tcudnn 1\n" << written.back() << "\n";
+  }
+  cuda::set_conv_plan_file(path);
+  cuda::clear_conv_algo_cache();
+  run_all(31);
+  CHECK(cuda::conv_algo_cache_stats().from_file == 0);
+  CHECK(lines().front() == written.front());
+
+  cuda::set_conv_plan_file(before);
+  cuda::clear_conv_algo_cache();
+  fs::remove(path);
 }
 
 TEST_CASE("conv2d: forced backend-API plans are deterministic in deterministic mode") {
