@@ -23,7 +23,7 @@
 # 5 eager b256 steps by op and by op and input shape (kiln-bench --profile --profile-by-input;
 # CUDA events around each op): which call of the step a kernel class is; OPS_ENV="VAR=value"
 # adds a second table under that setting. TRACE=1 (below) traces the graph step's kernels with
-# CUPTI. Run from the repository root with .deps (and .bench)
+# CUPTI; PLANS=1 (below) gives every process one convolution plan file. Run from the repository root with .deps (and .bench)
 # carried; a summary in $OUT/resnet.txt, every log in $OUT/resnet-logs.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-out}
@@ -34,6 +34,7 @@ L=/tmp/resnet-logs
 mkdir -p $L
 t0=$(date +%s)
 finish() {
+  [ -f "${KILN_CONV_PLANS:-}" ] && cp "$KILN_CONV_PLANS" "$OUT/"
   tar -czf "$OUT/resnet-logs.tgz" -C /tmp resnet-logs
   echo "resnet_check: $(( $(date +%s) - t0 )) s" | tee -a "$S"
 }
@@ -51,6 +52,14 @@ kiln_build kiln-bench $SUITES ${PROBE:+kiln-fusion-probe} ${NCU_PROBE:+kiln-fusi
 kiln_suites $SUITES
 # shellcheck disable=SC2086
 kiln_sanitize ${SANITIZE:-}
+# PLANS=1: every process of the call shares one convolution plan file (KILN_CONV_PLANS; the first
+# to meet a problem tunes it, the rest take its choice), so that A/B rounds, ncu (whose own
+# tuning keeps other plans: docs/lab/step-profiles.md) and the trace run the same cuDNN plans.
+# The file comes back in $OUT. Set after the suites and sanitizers, which tune on their own.
+if [ "${PLANS:-0}" = 1 ]; then
+  export KILN_CONV_PLANS=$L/conv-plans.txt
+  rm -f "$KILN_CONV_PLANS"
+fi
 if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model resnet50 --batches 64 --verify-graph > $L/verify.log 2>&1
   echo "verify-graph resnet50 b64: rc $?; $(grep -E "^verdict" $L/verify.log | tail -2)" | tee -a "$S"
