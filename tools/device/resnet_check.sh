@@ -61,8 +61,8 @@ if [ "${PLANS:-0}" = 1 ]; then
   rm -f "$KILN_CONV_PLANS"
   # A plain process writes the b256 plans first, whatever runs next (ncu must not be the one).
   timeout 200 $B/kiln-bench --model resnet50 --batches 256 --graph-only > $L/plans-writer.log 2>&1
-  echo "plans: $(( $(wc -l < "$KILN_CONV_PLANS") - 1 )) records written by a plain b256 process" |
-    tee -a "$S"
+  n=$(cat "$KILN_CONV_PLANS" 2>/dev/null | wc -l)
+  echo "plans: $(( n > 0 ? n - 1 : 0 )) records written by a plain b256 process" | tee -a "$S"
 fi
 if [ "${VERIFY:-0}" = 1 ]; then
   timeout 300 $B/kiln-bench --model resnet50 --batches 64 --verify-graph > $L/verify.log 2>&1
