@@ -29,14 +29,16 @@ from ncu_step_summary import kind_of, read_kernels  # noqa: E402
 
 
 def short(name):
-    """One spelling for CUPTI's demangled names and ncu's: no parameters, no namespaces, integral
-    template arguments as numbers ("(kiln::Activation)1" and "true" as ncu's "1")."""
+    """One spelling for CUPTI's demangled names and ncu's: no parameters, no namespaces (in the
+    template arguments too, which ncu abbreviates), integral template arguments as numbers
+    ("(kiln::Activation)1", "true" and "1u" as ncu's "1"), no space between closing brackets."""
     s = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     s = re.sub(r"\([\w:]+\)(-?\d+)", r"\1", s)  # an enum's cast
     s = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", s))
+    s = re.sub(r"\b(\d+)(?:u|ul|ull|l|ll)\b", r"\1", s)  # "0u" as ncu's "0"
     s = re.sub(r"\(.*", "", s).replace("void ", "").strip()
-    head, sep, tail = s.partition("<")
-    return head.rsplit("::", 1)[-1] + sep + tail
+    s = re.sub(r"\b\w+::", "", s)
+    return re.sub(r">\s+(?=>)", ">", s)
 
 
 def read_trace(path):
