@@ -178,14 +178,21 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
           opt.stage_lr();
           g.run();
         }, o.warmup, o.windows, o.steps_per_window);
-        if (!o.trace_path.empty() && report) {
-          const std::vector<TracedKernel> k = trace_kernels([&] {
+        if (!o.trace_path.empty()) {
+          // Rank 0 traces; the other ranks replay as many steps, so that the collectives inside
+          // the graph pair up.
+          auto replay = [&] {
             opt.stage_lr();
             g.run();
-          }, o.trace_steps);
-          write_file_atomic(o.trace_path, trace_csv(k));
-          std::printf("%swrote %s (%s batch %ld, %d replays)\n", trace_summary(k).c_str(),
-                      o.trace_path.c_str(), o.model.c_str(), long(batch), o.trace_steps);
+          };
+          if (report) {
+            const std::vector<TracedKernel> k = trace_kernels(replay, o.trace_steps);
+            write_file_atomic(o.trace_path, trace_csv(k));
+            std::printf("%swrote %s (%s batch %ld, %d replays)\n", trace_summary(k).c_str(),
+                        o.trace_path.c_str(), o.model.c_str(), long(batch), o.trace_steps);
+          } else {
+            for (int i = 0; i < o.trace_steps; ++i) replay();
+          }
         }
       }
       cuda::synchronize();
@@ -210,7 +217,7 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
       r.skipped_steps = int64_t(scaler.skipped_steps().item());
       r.total_steps = o.warmup + int64_t(o.windows) * o.steps_per_window + 5 +  // + issue probes
                       (o.profile && !graph ? 6 : 0) +                          // + profiled
-                      (graph && !o.trace_path.empty() && report ? o.trace_steps : 0);  // + traced
+                      (graph && !o.trace_path.empty() ? o.trace_steps : 0);  // + traced
       rows.push_back(r);
       if (!report) continue;
       if (r.gpus > 1) std::printf("[%d GPUs, batch per GPU] ", r.gpus);
