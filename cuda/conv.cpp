@@ -316,18 +316,32 @@ std::string key_text(char kind, const Key& k) {
   return out.str();
 }
 
-// The file's records, read on first use (the caller holds f.m).
-void load_plan_file(PlanFile& f) {
+// The path, from KILN_CONV_PLANS unless set_conv_plan_file came first (the caller holds f.m).
+const std::string& plan_file_path(PlanFile& f) {
   if (!f.path_read) {
     f.path_read = true;
     if (f.path.empty()) f.path = switches().conv_plans;
   }
-  if (f.loaded || f.path.empty()) return;
+  return f.path;
+}
+
+// The file's records, read on first use (the caller holds f.m). A file that is not a plan file
+// (its first line is not one of ours) is neither read nor written: the path is dropped.
+void load_plan_file(PlanFile& f) {
+  if (f.loaded || plan_file_path(f).empty()) return;
   f.loaded = true;
   std::ifstream in(f.path);
   if (!in) return;  // no file yet: written on the first choice
   std::string line;
   if (!std::getline(in, line)) return;
+  if (line.rfind("kiln conv plans ", 0) != 0) {
+    std::fprintf(stderr,
+                 "kiln: '%s' (KILN_CONV_PLANS) is not a convolution plan file (its first line "
+                 "does not begin \"kiln conv plans\"); it is neither read nor written\n",
+                 f.path.c_str());
+    f.path.clear();
+    return;
+  }
   if (line != plan_file_header()) {
     std::fprintf(stderr,
                  "kiln: the convolution plan file '%s' was written for another GPU or cuDNN "
@@ -1091,11 +1105,7 @@ void set_conv_plan_file(const std::string& path) {
 std::string conv_plan_file() {
   PlanFile& f = plan_file();
   std::lock_guard<std::mutex> lock(f.m);
-  if (!f.path_read) {
-    f.path_read = true;
-    if (f.path.empty()) f.path = switches().conv_plans;
-  }
-  return f.path;
+  return plan_file_path(f);
 }
 
 void set_conv_backend(ConvBackend mode) { plan_cache().backend.store(int(mode)); }

@@ -48,12 +48,15 @@ ConvBackend conv_backend();
 // beta = 0 plus an add is used) instead of timing candidates, and every choice the tuner makes is
 // added to the file (rewritten whole, atomically). So processes that share the file run the same
 // kernels: A/B pairs and profilers (whose own timings would steer the tuner elsewhere,
-// docs/lab/step-profiles.md) see the plans a plain run uses, and a run skips its tuning. The first
-// line names the GPU and cuDNN; a file written on another pair is ignored and rewritten (one
-// warning). A recorded plan cuDNN refuses is tuned again. Processes that add to one file at the
-// same time (data-parallel ranks) may drop each other's new records, never tear the file: a
-// dropped record is tuned again by the next process. Keys are the cache's less the device index. Empty path: off (the default; KILN_CONV_PLANS sets it). Clears nothing: call
-// clear_conv_algo_cache() to make cached problems read the file.
+// docs/lab/step-profiles.md) see the plans a plain run uses, and a run skips its tuning.
+// - The first line names the GPU and cuDNN: a file written on another pair is ignored and
+//   rewritten (one warning); a file that is not a plan file is neither read nor overwritten, and
+//   the plan file is off (one warning; conv_plan_file() then reads empty).
+// - A recorded plan cuDNN refuses is tuned again.
+// - Processes that add to one file at the same time (data-parallel ranks) may drop each other's
+//   new records, never tear the file: a dropped record is tuned again by the next process.
+// Keys are the cache's less the device index. Empty path: off (the default; KILN_CONV_PLANS sets
+// it). Clears nothing: call clear_conv_algo_cache() to make cached problems read the file.
 void set_conv_plan_file(const std::string& path);
 std::string conv_plan_file();
 

@@ -438,6 +438,18 @@ TEST_CASE("conv2d: the plan file keeps the tuner's choices, and a later search t
   CHECK(cuda::conv_algo_cache_stats().from_file == 0);
   CHECK(lines().front() == written.front());
 
+  // A file that is not a plan file (a mistyped path) is neither read nor overwritten.
+  {
+    std::ofstream out(path);
+    out << "not a plan file\n";
+  }
+  cuda::set_conv_plan_file(path);
+  cuda::clear_conv_algo_cache();
+  run_all(31);
+  CHECK(cuda::conv_algo_cache_stats().from_file == 0);
+  CHECK(cuda::conv_plan_file().empty());
+  CHECK(lines() == std::vector<std::string>{"not a plan file"});
+
   cuda::set_conv_plan_file(before);
   cuda::clear_conv_algo_cache();
   fs::remove(path);
