@@ -68,6 +68,10 @@ enum class FastPath : uint8_t {
   // bias_gelu_forward/backward (F::linear_gelu's GEMM without bias, then bias + GELU in one
   // pass): x, weight, bias, as the op gets them.
   BiasGelu,
+  // conv2d_backward_weight of a stride-1 unpadded 1x1 convolution writing an f32 dw (O, I, 1, 1)
+  // from dy (N, O, H, W) and x (N, I, H, W) of another dtype: dy, x. (The tail fold's sums,
+  // ops/conv2d.cpp, which may cancel: they are not rounded to the activations' dtype.)
+  ConvWeightGradF32,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -141,6 +145,15 @@ struct BatchNormStatsPaths {
                          TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
                          TensorRef weight, TensorRef save_mean, TensorRef save_invstd,
                          TensorRef scale_shift, GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormStatsDgrad, with mask): backward_dgrad's relu + z case
+  // without dx. coef (3C f32, =) holds the batch norm's backward as per-channel factors, dx =
+  // coef[c]·dz + coef[C + c]·x + coef[2C + c], for the convolution that produced x to take its
+  // output gradient in that form (ops/dgrad_sink.h, FoldedGradTarget); dz (=), dweight and
+  // dbias as backward_dgrad's. The pass that would write dx is not run.
+  void (*backward_dgrad_coef)(TensorRef coef, TensorRef dz, TensorRef dweight, TensorRef dbias,
+                              TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x,
+                              TensorRef mask, TensorRef weight, TensorRef save_mean,
+                              TensorRef save_invstd, GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormStatsDualDgrad): dual_backward where dy = dgrad(dy1, w1) +
   // dy_rest is a stride-1 unpadded 1x1 convolution's data gradient, w1 (K, C, 1, 1), added onto
   // dy_rest (undefined meaning zero), computed with the first pass (on CUDA one GEMM with both

@@ -72,6 +72,10 @@
 // |                          |                     | on cuDNN's conv1 data gradient and three passes,|
 // |                          |                     | not kiln's GEMM with all three sums in its      |
 // |                          |                     | epilogue (on since 2026-12-05; norm-conv.md v27)|
+// | KILN_TAIL_FOLD           | 0, 1                | an identity block tail's batch-norm backward    |
+// |                          |                     | handed to conv3 as factors (1), not as dy3      |
+// |                          |                     | written by a pass (0): ops/conv2d.cpp           |
+// | KILN_TAIL_FOLD_MIN       | N >= 0              | the fewest elements of conv3's input for (1)    |
 // | KILN_STEM_POOL_TILE      | 0                   | the stem's batch norm + ReLU + max pool forward |
 // |                          |                     | one output per thread, each input normalised    |
 // |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
@@ -166,6 +170,8 @@ struct Switches {
   bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool dual_dgrad = true;
+  bool tail_fold = false;
+  int tail_fold_min = 0;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;

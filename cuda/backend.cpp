@@ -185,6 +185,18 @@ void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& d
                          mask.defined() ? Tensor() : scale_shift);
 }
 
+void bn_stats_backward_dgrad_coef(const Tensor& coef, const Tensor& dz, const Tensor& dweight,
+                                  const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
+                                  const Tensor& r, const Tensor& x, const Tensor& mask,
+                                  const Tensor& weight, const Tensor& save_mean,
+                                  const Tensor& save_invstd, GradientMode mode) {
+  KILN_CHECK(mask.defined() && dz.defined(),
+             "backward_dgrad_coef (cuda): the relu + z form only (mask and dz defined)");
+  Tensor rz = r.defined() || dgrad_weight_3x3(w1) ? r : zeros_like(x);
+  bn_nhwc_backward_dgrad(Tensor(), dz, dweight, dbias, dy1, w1, rz, mask, x, weight, save_mean,
+                         save_invstd, mode == GradientMode::Accumulate, Tensor(), coef);
+}
+
 void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                                      const Tensor& dy, const Tensor& indices, const Tensor& at_max,
                                      const Tensor& x, const Tensor& weight, const Tensor& save_mean,
@@ -254,6 +266,9 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::Attention:
       expect(3);
       return attention_supported(*t[0], *t[1], *t[2]);
+    case FastPath::ConvWeightGradF32:
+      expect(2);
+      return conv1x1_wgrad_f32_supported(*t[0], *t[1]);
     case FastPath::BiasGelu: {  // cuda/kernels/bias_gelu.cu: f32, f16, bf16
       expect(3);
       const DType d = t[0]->dtype();
@@ -294,6 +309,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
                         bn_stats_dual_backward};
   p.compute = bn_nhwc_stats;
   p.backward_dgrad = bn_stats_backward_dgrad;
+  p.backward_dgrad_coef = bn_stats_backward_dgrad_coef;
   p.dual_backward_dgrad = bn_stats_dual_backward_dgrad;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
   p.relu_max_pool_at_max = relu_max_pool_backward_uses_at_max;

@@ -303,6 +303,8 @@ void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Ten
 // conv2d_backward_weight then runs cuDNN's).
 bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
                              const ConvParams& p);
+// Whether conv1x1_backward_weight takes dy and x with an f32 dw (O, I, 1, 1), stride 1.
+bool conv1x1_wgrad_f32_supported(const Tensor& dy, const Tensor& x);
 void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                              const ConvParams& p, bool accumulate);
 // The same weight gradient of a convolution that read relu(bn(x)): dw = dyᵀ · relu(x·scale +
@@ -437,12 +439,16 @@ void set_dgrad3x3_enabled(bool on);
 // partial rows group the rows differently.
 bool gemm_tall_enabled();
 void set_gemm_tall_enabled(bool on);
+// With coef_out defined (3C f32, contiguous) the dx pass is not run and dx may be undefined:
+// coef_out (=) gets the batch norm's backward factors, dx = coef[c]·g + coef[C + c]·x +
+// coef[2C + c] (BatchNormStatsPaths::backward_dgrad_coef).
 void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,
                             const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                             const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& weight, const Tensor& save_mean,
                             const Tensor& save_invstd, bool accumulate_params = false,
-                            const Tensor& scale_shift = Tensor());
+                            const Tensor& scale_shift = Tensor(),
+                            const Tensor& coef_out = Tensor());
 // Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
 // its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C, K).
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,

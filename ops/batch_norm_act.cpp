@@ -11,6 +11,7 @@
 #include <atomic>
 #include <utility>
 
+#include "core/switches.h"
 #include "ops/check.h"
 #include "ops/dgrad_sink.h"
 #include "ops/ops.h"
@@ -19,6 +20,9 @@ namespace kiln::F {
 namespace {
 
 std::atomic<uint64_t> g_dgrad_fusions{0};
+std::atomic<uint64_t> g_tail_folds{0};
+constinit RuntimeSwitch g_tail_fold{&Switches::tail_fold};                 // KILN_TAIL_FOLD
+constinit RuntimeSetting<int> g_tail_fold_min{&Switches::tail_fold_min};  // KILN_TAIL_FOLD_MIN
 
 // The library-fused BN + ReLU path: training, and the backend takes these operands.
 bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -156,7 +160,19 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     Tensor dw = acc ? targets[0] : needs_input_grad(2) ? empty({x.size(1)}, f32) : Tensor();
     Tensor db = acc ? targets[1] : needs_input_grad(3) ? empty({x.size(1)}, f32) : Tensor();
     const GradientMode mode = acc ? target_mode(*this, {2, 3}) : GradientMode::Set;
-    if (dy1.defined()) {
+    detail::FoldedGradTarget* fold = dy1.defined() && add_ ? fold_target(dz) : nullptr;
+    if (fold != nullptr) {
+      // The tail fold: x's gradient goes to the convolution that produced x as factors, and the
+      // pass that would write it does not run.
+      Tensor coef = empty({3 * x.size(1)}, f32);
+      backend(x).batch_norm_stats->backward_dgrad_coef(coef, dz, dw, db, dy1, w1, dy, x,
+                                                       mask_.get(*this), w,
+                                                       save_mean_.get(*this),
+                                                       save_invstd_.get(*this), mode);
+      fold->take_folded(next_edges_[0].input_nr, dz, coef);
+      ++g_tail_folds;
+      dx = Tensor();
+    } else if (dy1.defined()) {
       backend(x).batch_norm_stats->backward_dgrad(dx, dz, dw, db, dy1, w1, dy, x,
                                                   add_ ? mask_.get(*this) : Tensor(), w,
                                                   save_mean_.get(*this), save_invstd_.get(*this),
@@ -172,6 +188,15 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   }
 
  private:
+  // The node behind x's edge when it takes x's gradient as factors (the tail fold), else null.
+  detail::FoldedGradTarget* fold_target(const Tensor& g) const {
+    if (!g_tail_fold.get() || !g.defined() || !needs_input_grad(0) ||
+        !backend(g).batch_norm_stats->backward_dgrad_coef)
+      return nullptr;
+    auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[0].fn.get());
+    return t != nullptr && t->can_take_folded(next_edges_[0].input_nr, g) ? t : nullptr;
+  }
+
   SavedTensor x_, mask_, weight_, save_mean_, save_invstd_, scale_shift_;
   Activation act_;
   bool add_;
@@ -436,6 +461,15 @@ void count_batch(const Tensor& counter) {
 }
 
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
+bool tail_fold_enabled() { return g_tail_fold.get(); }
+void set_tail_fold_enabled(bool on) { g_tail_fold.set(on); }
+int64_t tail_fold_min() { return g_tail_fold_min.get(); }
+void set_tail_fold_min(int64_t elements) {
+  KILN_CHECK(elements >= 0 && elements <= (int64_t(1) << 30),
+             "set_tail_fold_min: expected 0 to 2^30 elements, got ", elements);
+  g_tail_fold_min.set(int(elements));
+}
+uint64_t tail_folds() { return g_tail_folds.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              Activation act, const Tensor& weight, const Tensor& bias,

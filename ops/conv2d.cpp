@@ -1,4 +1,8 @@
 // conv2d: validation, forward, backward (data, weight, bias), device dispatch.
+#include <algorithm>
+#include <utility>
+
+#include "core/autograd.h"
 #include "ops/check.h"
 #include "ops/dgrad_sink.h"
 #include "ops/ops.h"
@@ -94,7 +98,41 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_sha
   return dw;
 }
 
-class Conv2dBackward final : public Node {
+// x (N, C, H, W) channels-last as the operand of its own Gram matrix xᵀx on a weight-gradient
+// entry: itself, or, with C = 64, its rows paired into (N·H·W / 2, 128, 1, 1) — kiln's 1x1
+// weight-gradient kernel wants 128 channels on one side — whose Gram's two diagonal 64 × 64
+// blocks add up to x's (gram_of).
+Tensor gram_operand(const Tensor& x) {
+  const int64_t C = x.size(1), M = x.numel() / std::max<int64_t>(C, 1);
+  if (C != 64 || M % 2 != 0 || !x.is_contiguous(MemoryFormat::ChannelsLast)) return x;
+  return x.permute({0, 2, 3, 1}).view({M / 2, 1, 1, 2 * C}).permute({0, 3, 1, 2});
+}
+
+// xᵀx (C × C, f32) over x's N·H·W rows from the weight gradient of gram_operand(x) with itself.
+Tensor gram_of(const Tensor& x) {
+  const Tensor xg = gram_operand(x);
+  const int64_t C = x.size(1), P = xg.size(1);
+  Tensor gp = empty({P, P, 1, 1}, TensorOptions(DType::f32).with_device(x.device()));
+  backend(x).conv2d_backward_weight(gp, xg, xg, ConvParams{}, GradientMode::Set);
+  Tensor g2 = gp.view({P, P});
+  if (P == C) return g2;
+  return add(g2.narrow(0, 0, C).narrow(1, 0, C), g2.narrow(0, C, C).narrow(1, C, C));
+}
+
+// Σ over x's rows per channel, in f32 (x is f16 where the fold runs: its sums overflow f16).
+Tensor channel_sums_f32(const Tensor& x) {
+  const Backend& be = backend(x);
+  if (be.batch_norm_stats && be.batch_norm_stats->compute && x.dtype() == DType::f16 &&
+      x.is_contiguous(MemoryFormat::ChannelsLast)) {
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    Tensor s = empty({x.size(1)}, f32), sq = empty({x.size(1)}, f32);
+    be.batch_norm_stats->compute(s, sq, x);
+    return s;
+  }
+  return sum(x.to(DType::f32), {0, 2, 3});
+}
+
+class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
  public:
   Conv2dBackward(const Tensor& x, const Tensor& w, const ConvParams& p)
       : x_format_(x.suggest_memory_format()), w_format_(w.suggest_memory_format()), p_(p) {}
@@ -109,6 +147,30 @@ class Conv2dBackward final : public Node {
   void release_saved() override {
     x_.release();
     w_.release();
+    fold_g_ = fold_coef_ = Tensor();
+  }
+  // The tail fold (ops/dgrad_sink.h): a stride-1 unpadded 1x1 convolution without bias whose
+  // input and weight both need gradients, its input at least tail_fold_min() elements, where the
+  // backend sums g against x, and x against itself, into f32.
+  bool can_take_folded(uint32_t output_nr, const Tensor& g) const override {
+    const Shape& ws = input_meta_[1].shape;
+    const Shape& xs = input_meta_[0].shape;
+    if (output_nr != 0 || fold_g_.defined() || !needs_input_grad(0) || !needs_input_grad(1) ||
+        needs_input_grad(2) || !x_.defined() || !w_.defined() || ws.size() != 4 ||
+        xs.size() != 4 || ws[2] != 1 || ws[3] != 1 || p_.stride_h != 1 || p_.stride_w != 1 ||
+        p_.pad_h != 0 || p_.pad_w != 0 || p_.groups != 1 || g.dim() != 4 ||
+        g.shape() != Shape{xs[0], ws[0], xs[2], xs[3]})
+      return false;
+    if (xs[0] * xs[1] * xs[2] * xs[3] < tail_fold_min()) return false;
+    const Tensor x = x_.get(*this);
+    const Tensor xg = gram_operand(x);
+    const Backend& be = backend(g);
+    return supports(be, FastPath::ConvWeightGradF32, {&g, &x}) &&
+           supports(be, FastPath::ConvWeightGradF32, {&xg, &xg});
+  }
+  void take_folded(uint32_t /*output_nr*/, const Tensor& g, const Tensor& coef) override {
+    fold_g_ = g;
+    fold_coef_ = coef;
   }
   // A stride-1 convolution, 1x1 unpadded or 3x3 with padding 1, offers its data gradient to
   // the node its input came from (ops/dgrad_sink.h); true when that node took it (dx then stays
@@ -127,6 +189,64 @@ class Conv2dBackward final : public Node {
   }
   // dx and dw are fresh tensors (`=`), or the engine's targets with `+=`; db = Σ_{n,h,w} dy.
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    if (fold_g_.defined()) return apply_folded(grads);
+    return apply_plain(grads);
+  }
+
+ private:
+  // The gradient came as factors (take_folded): dy = a·g + b·y + c per output channel, y =
+  // x · wᵀ. With K output and C input channels (w: K × C):
+  //   dx = dy · w = g · (a ⊙ w) + x · (wᵀ · diag(b) · w) + cᵀ · w
+  //   dw = dyᵀ · x = a ⊙ (gᵀ · x) + b ⊙ (w · xᵀx) + c ⊗ Σ_rows x
+  // (a ⊙ scales row k by a_k). The first term of dx is this convolution's data gradient with
+  // the weight a ⊙ w, handed to the node behind x where it takes one (DgradSink); the second
+  // and third are a C → C 1x1 convolution of x with bias, t, which that node then receives as
+  // x's gradient from here, its sink adding the data gradient to it in its GEMM. gᵀ · x and xᵀx
+  // are weight gradients summed in f32 (the terms cancel in part: not rounded to f16 before).
+  // Nothing K wide is read but g.
+  std::vector<Tensor> apply_folded(std::vector<Tensor>& grads) {
+    NoGradGuard no_grad;
+    const Tensor g = std::exchange(fold_g_, Tensor());
+    const Tensor coef = std::exchange(fold_coef_, Tensor());
+    const Tensor x = x_.get(*this), w = w_.get(*this);
+    const int64_t K = w.size(0), C = w.size(1);
+    const Tensor a = coef.narrow(0, 0, K), b = coef.narrow(0, K, K), c = coef.narrow(0, 2 * K, K);
+    const Tensor wf = w.to(DType::f32).reshape({K, C});
+    if (grads[0].defined()) {
+      // Another consumer of y added to its gradient: dy formed in full (y recomputed), and the
+      // plain backward. Not a ResNet's case.
+      const Tensor y = conv2d(x, w).to(DType::f32);
+      const Shape ch{1, K, 1, 1};
+      const Tensor dy = add(add(add(grads[0].to(DType::f32), mul(g.to(DType::f32), a.view(ch))),
+                                mul(y, b.view(ch))),
+                            c.view(ch));
+      grads[0] = dy.to(g.dtype()).contiguous(g.suggest_memory_format());
+      return apply_plain(grads);
+    }
+    Tensor dx, dw;
+    if (needs_input_grad(0)) {
+      const Tensor w1 = mul(wf, a.view({K, 1})).to(w.dtype()).reshape(w.shape());
+      const Tensor m2 = matmul(wf.t(), mul(wf, b.view({K, 1})));  // wᵀ · diag(b) · w
+      const Tensor bias = matmul(c.view({1, K}), wf).reshape({C});
+      Tensor t = conv2d(x, m2.to(x.dtype()).reshape({C, C, 1, 1}), bias.to(x.dtype()));
+      // Where no sink takes the data gradient, it is added into t (cuDNN's beta = 1).
+      if (!hand_to_sink(g, w1))
+        t = run_backward_data(g, w1, input_meta_[0].shape, x_format_, p_, t, false);
+      dx = t;
+    }
+    if (needs_input_grad(1)) {
+      const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+      Tensor gx = empty({K, C, 1, 1}, f32);
+      backend(g).conv2d_backward_weight(gx, g, x, ConvParams{}, GradientMode::Set);
+      const Tensor dwf =
+          add(add(mul(gx.view({K, C}), a.view({K, 1})), mul(matmul(wf, gram_of(x)), b.view({K, 1}))),
+              mul(c.view({K, 1}), channel_sums_f32(x).view({1, C})));
+      dw = dwf.to(w.dtype()).reshape(w.shape()).contiguous(w_format_);
+    }
+    return {dx, dw, Tensor()};
+  }
+
+  std::vector<Tensor> apply_plain(std::vector<Tensor>& grads) {
     const Tensor& g = grads[0];
     Tensor dx, dw, db;
     if (needs_input_grad(0)) {
@@ -144,7 +264,6 @@ class Conv2dBackward final : public Node {
     return {dx, dw, db};
   }
 
- private:
   // The engine's target for input i, unless its dtype differs from dy's (mixed-precision
   // graphs: the gradient is converted after apply) or it shares memory with an operand (a
   // leaf's .grad may: cuDNN's output must not alias its inputs).
@@ -160,6 +279,7 @@ class Conv2dBackward final : public Node {
   SavedTensor x_, w_;
   MemoryFormat x_format_, w_format_;
   ConvParams p_;
+  Tensor fold_g_, fold_coef_;  // the output's gradient as factors (take_folded), until apply
 };
 
 }  // namespace

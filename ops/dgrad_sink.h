@@ -1,6 +1,7 @@
 #pragma once
 // Between two backward nodes of ops/: a convolution's data gradient taken into the kernels of
-// the node that produced the convolution's input.
+// the node that produced the convolution's input (DgradSink), and a batch norm's backward
+// handed to the convolution that produced its input as factors (FoldedGradTarget).
 //
 // In a ResNet the identity block's conv1 reads the previous block's output relu(bn3(y3) + x).
 // Its data gradient is a GEMM, and the previous block's batch-norm backward starts by reading
@@ -24,6 +25,27 @@ class DgradSink {
   // or w (K, C, 3, 3) with padding 1 — into the gradient of its output `output_nr`. At most
   // once per backward.
   virtual bool accept_dgrad(uint32_t output_nr, const Tensor& dy, const Tensor& w) = 0;
+};
+
+// The other direction: a block tail's batch-norm backward hands the convolution that produced
+// its input the gradient as per-channel factors instead of writing it. A bottleneck's bn3
+// backward is dy3 = a·g + b·y3 + c per channel (g: the gradient through the ReLU, y3 = conv3's
+// output, a, b, c from the batch norm's sums), and the pass that writes dy3 reads g and y3 and
+// writes dy3, all 4·C channels wide. conv3 (a 1x1 convolution of a2, C channels) can take
+// (g, a, b, c) instead: with y3 = a2 · w3ᵀ, its data gradient dy3 · w3 is
+// g · (a ⊙ w3) + a2 · (w3ᵀ · diag(b) · w3) + cᵀ · w3, and its weight gradient dy3ᵀ · a2 is
+// a ⊙ (gᵀ · a2) + b ⊙ (w3 · a2ᵀ · a2) + c ⊗ Σa2: GEMMs on g and a2 and small matrices, with
+// nothing 4·C wide written but g (ops/conv2d.cpp has the whole of it; docs/lab/norm-conv.md,
+// "The tail fold").
+class FoldedGradTarget {
+ public:
+  virtual ~FoldedGradTarget() = default;
+  // Whether this node would take its output `output_nr`'s gradient in the factored form, g
+  // being that output's shape, dtype and device. Asked before the factors are computed.
+  virtual bool can_take_folded(uint32_t output_nr, const Tensor& g) const = 0;
+  // The gradient of output `output_nr` is coef[k]·g + coef[K + k]·y + coef[2K + k] per channel
+  // k (coef: f32, 3·K), y this node's own output. The caller returns that gradient undefined.
+  virtual void take_folded(uint32_t output_nr, const Tensor& g, const Tensor& coef) = 0;
 };
 
 }  // namespace kiln::F::detail

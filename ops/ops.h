@@ -157,6 +157,19 @@ Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const T
 // cuda::set_dgrad_fusion_enabled switches it). dgrad_fusions() counts the gradients taken in.
 uint64_t dgrad_fusions();
 
+// The tail fold (ops/dgrad_sink.h, FoldedGradTarget): an identity block tail's batch-norm
+// backward (batch_norm_from_stats with relu and a residual, its data gradient taken from the
+// next convolution) hands a stride-1 1x1 conv3 without bias the factors of dy3 instead of
+// writing it, where the backend has the pieces (BatchNormStatsPaths::backward_dgrad_coef,
+// FastPath::ConvWeightGradF32) and conv3's input has at least tail_fold_min() elements.
+// KILN_TAIL_FOLD=1 turns it on, KILN_TAIL_FOLD_MIN sets the size; set here for tests and A/B
+// runs. tail_folds() counts the gradients handed over.
+bool tail_fold_enabled();
+void set_tail_fold_enabled(bool on);
+int64_t tail_fold_min();
+void set_tail_fold_min(int64_t elements);
+uint64_t tail_folds();
+
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,
 // outside the graph: what the batch-norm ops below do in training where no kernel of theirs
 // counted.

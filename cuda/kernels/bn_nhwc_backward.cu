@@ -520,10 +520,10 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
                             const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& weight, const Tensor& save_mean,
                             const Tensor& save_invstd, bool accumulate_params,
-                            const Tensor& scale_shift) {
+                            const Tensor& scale_shift, const Tensor& coef_out) {
   const char* op = "bn_nhwc_backward_dgrad";
   check_x(x, op);
-  check_act(dx, x, op, "dx");
+  if (!coef_out.defined()) check_act(dx, x, op, "dx");
   const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
   KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
   const float* mean = required(f32_ptr(save_mean, C, x, op, "save_mean"), op, "save_mean");
@@ -534,7 +534,12 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
   const int parts =
       dgrad_weight_3x3(w1) ? dgrad3x3_bn_parts(rows, C) : dgrad1x1_bn_parts(rows, C, dy1.size(1));
   Tensor partial = empty({int64_t(parts) * 2 * C}, f32);
-  Tensor coef = empty({3 * C}, f32);
+  if (coef_out.defined())
+    KILN_CHECK(coef_out.dtype() == DType::f32 && coef_out.is_contiguous() &&
+                   coef_out.numel() == 3 * C && coef_out.device() == x.device(),
+               op, " (cuda): coef_out must be f32, contiguous, 3·C = ", 3 * C,
+               " values on x's device, got ", coef_out.desc());
+  Tensor coef = coef_out.defined() ? coef_out : empty({3 * C}, f32);
   dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift);
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
@@ -543,6 +548,7 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
          static_cast<const float*>(partial.raw_data()), f32_ptr(weight, C, x, op, "weight"), mean,
          invstd, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
+  if (coef_out.defined()) return;  // dx = coef · (g, x, 1) is the caller's to form
   launch(backward_apply_kernel<kNoMask, false>, grid_for(vecs), kBlock, 0, s, vec_out(dx), nullptr,
          vec_in(g), vec_in(x), nullptr, nullptr, cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();

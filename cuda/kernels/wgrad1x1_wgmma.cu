@@ -354,22 +354,33 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
 
 }  // namespace
 
-bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
-                             const ConvParams& p) {
+namespace {
+// conv1x1_wgrad_supported's conditions on dy, x and p (dw then needs O × I × 1 × 1 on x's device).
+bool wgrad_operands_fit(const Tensor& dy, const Tensor& x, const ConvParams& p) {
   if (!g_wgrad1x1.get() || !dgrad1x1_bn_wgmma_available()) return false;
-  if (!(dw.defined() && dy.defined() && x.defined() && x.is_cuda() && dy.dim() == 4 &&
-        x.dim() == 4 && dw.dim() == 4 && x.dtype() == DType::f16 && dy.dtype() == DType::f16 &&
-        (dw.dtype() == DType::f16 || dw.dtype() == DType::f32)))
+  if (!(dy.defined() && x.defined() && x.is_cuda() && dy.dim() == 4 && x.dim() == 4 &&
+        x.dtype() == DType::f16 && dy.dtype() == DType::f16))
     return false;
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / std::max<int64_t>(I, 1);
   const bool fits = (O % kBM == 0 && I % 64 == 0) || (I % kBM == 0 && O % 64 == 0);
   return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
          p.dil_h == 1 && p.dil_w == 1 && fits && O <= 4096 && I <= 4096 && M > 0 &&
-         M < (int64_t(1) << 31) - kBK && dw.size(0) == O && dw.size(1) == I && dw.size(2) == 1 &&
-         dw.size(3) == 1 && dy.size(0) == x.size(0) && dy.size(2) == x.size(2) &&
+         M < (int64_t(1) << 31) - kBK && dy.size(0) == x.size(0) && dy.size(2) == x.size(2) &&
          dy.size(3) == x.size(3) && x.is_contiguous(MemoryFormat::ChannelsLast) &&
-         dy.is_contiguous(MemoryFormat::ChannelsLast) && dw.device() == x.device() &&
-         dy.device() == x.device();
+         dy.is_contiguous(MemoryFormat::ChannelsLast) && dy.device() == x.device();
+}
+}  // namespace
+
+bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x,
+                             const ConvParams& p) {
+  return wgrad_operands_fit(dy, x, p) && dw.defined() && dw.dim() == 4 &&
+         (dw.dtype() == DType::f16 || dw.dtype() == DType::f32) && dw.size(0) == dy.size(1) &&
+         dw.size(1) == x.size(1) && dw.size(2) == 1 && dw.size(3) == 1 &&
+         dw.device() == x.device();
+}
+
+bool conv1x1_wgrad_f32_supported(const Tensor& dy, const Tensor& x) {
+  return wgrad_operands_fit(dy, x, ConvParams{});
 }
 
 void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
