@@ -290,6 +290,17 @@ struct Backend {
   // (tuning, determinism, layouts).
   bool (*conv2d_forward_stats)(TensorRef y, TensorRef sum, TensorRef sqsum, TensorRef x,
                                TensorRef w, const ConvParams& p) = nullptr;
+  // Optional, both or neither: the tail fold's small matrices (ops/dgrad_sink.h,
+  // FoldedGradTarget; ops/conv2d.cpp). w (K, C, 1, 1) a 1x1 convolution's weight, contiguous;
+  // coef (3K f32) its output gradient's factors a, b, c. fold_prep (=): w1 (K, C) = a ⊙ w (row
+  // k scaled by a_k), m2t (C, C) = (wᵀ·diag(b)·w)ᵀ, bias (C) = cᵀ·w, in w's dtype.
+  // fold_weight_grad: dw (K, C, 1, 1) (=) = a ⊙ gx + b ⊙ (w·G) + c ⊗ sums, with gx (K, C) f32,
+  // G the f32 gram (C, C) — or (2C, 2C), whose two diagonal C × C blocks add up to it — and
+  // sums (C) f32.
+  void (*conv1x1_fold_prep)(TensorRef w1, TensorRef m2t, TensorRef bias, TensorRef w,
+                            TensorRef coef) = nullptr;
+  void (*conv1x1_fold_weight_grad)(TensorRef dw, TensorRef gx, TensorRef gram, TensorRef sums,
+                                   TensorRef w, TensorRef coef) = nullptr;
 
   // ---- pooling ----
   // x/dx (N, C, H, W), y/dy (N, C, H', W'); outputs any dense layout.

@@ -343,6 +343,8 @@ Backend make_table() {
   b.conv2d_backward_data = conv_dgrad;
   b.conv2d_backward_weight = conv_wgrad;
   b.conv2d_forward_stats = conv_stats;
+  b.conv1x1_fold_prep = conv1x1_fold_prep;
+  b.conv1x1_fold_weight_grad = conv1x1_fold_weight_grad;
   b.max_pool2d_forward = max_pool2d_forward;
   b.max_pool2d_backward = max_pool2d_backward;
   b.avg_pool2d_forward = avg_pool2d_forward;

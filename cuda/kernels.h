@@ -305,6 +305,12 @@ bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x
                              const ConvParams& p);
 // Whether conv1x1_backward_weight takes dy and x with an f32 dw (O, I, 1, 1), stride 1.
 bool conv1x1_wgrad_f32_supported(const Tensor& dy, const Tensor& x);
+// The tail fold's small matrices (Backend::conv1x1_fold_prep and conv1x1_fold_weight_grad,
+// core/backend.h; cuda/kernels/tail_fold.cu): w f16 contiguous, every sum in f32 in a fixed order.
+void conv1x1_fold_prep(const Tensor& w1, const Tensor& m2t, const Tensor& bias, const Tensor& w,
+                       const Tensor& coef);
+void conv1x1_fold_weight_grad(const Tensor& dw, const Tensor& gx, const Tensor& gram,
+                              const Tensor& sums, const Tensor& w, const Tensor& coef);
 void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                              const ConvParams& p, bool accumulate);
 // The same weight gradient of a convolution that read relu(bn(x)): dw = dyᵀ · relu(x·scale +

@@ -101,22 +101,11 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_sha
 // x (N, C, H, W) channels-last as the operand of its own Gram matrix xᵀx on a weight-gradient
 // entry: itself, or, with C = 64, its rows paired into (N·H·W / 2, 128, 1, 1) — kiln's 1x1
 // weight-gradient kernel wants 128 channels on one side — whose Gram's two diagonal 64 × 64
-// blocks add up to x's (gram_of).
+// blocks add up to x's (Backend::conv1x1_fold_weight_grad adds them).
 Tensor gram_operand(const Tensor& x) {
   const int64_t C = x.size(1), M = x.numel() / std::max<int64_t>(C, 1);
   if (C != 64 || M % 2 != 0 || !x.is_contiguous(MemoryFormat::ChannelsLast)) return x;
   return x.permute({0, 2, 3, 1}).view({M / 2, 1, 1, 2 * C}).permute({0, 3, 1, 2});
-}
-
-// xᵀx (C × C, f32) over x's N·H·W rows from the weight gradient of gram_operand(x) with itself.
-Tensor gram_of(const Tensor& x) {
-  const Tensor xg = gram_operand(x);
-  const int64_t C = x.size(1), P = xg.size(1);
-  Tensor gp = empty({P, P, 1, 1}, TensorOptions(DType::f32).with_device(x.device()));
-  backend(x).conv2d_backward_weight(gp, xg, xg, ConvParams{}, GradientMode::Set);
-  Tensor g2 = gp.view({P, P});
-  if (P == C) return g2;
-  return add(g2.narrow(0, 0, C).narrow(1, 0, C), g2.narrow(0, C, C).narrow(1, C, C));
 }
 
 // Σ over x's rows per channel, in f32 (x is f16 where the fold runs: its sums overflow f16).
@@ -165,7 +154,9 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     const Tensor x = x_.get(*this);
     const Tensor xg = gram_operand(x);
     const Backend& be = backend(g);
-    return supports(be, FastPath::ConvWeightGradF32, {&g, &x}) &&
+    return be.conv1x1_fold_prep != nullptr && be.conv1x1_fold_weight_grad != nullptr &&
+           input_meta_[1].dtype == DType::f16 &&
+           supports(be, FastPath::ConvWeightGradF32, {&g, &x}) &&
            supports(be, FastPath::ConvWeightGradF32, {&xg, &xg});
   }
   void take_folded(uint32_t /*output_nr*/, const Tensor& g, const Tensor& coef) override {
@@ -200,48 +191,55 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
   //   dw = dyᵀ · x = a ⊙ (gᵀ · x) + b ⊙ (w · xᵀx) + c ⊗ Σ_rows x
   // (a ⊙ scales row k by a_k). The first term of dx is this convolution's data gradient with
   // the weight a ⊙ w, handed to the node behind x where it takes one (DgradSink); the second
-  // and third are a C → C 1x1 convolution of x with bias, t, which that node then receives as
-  // x's gradient from here, its sink adding the data gradient to it in its GEMM. gᵀ · x and xᵀx
-  // are weight gradients summed in f32 (the terms cancel in part: not rounded to f16 before).
-  // Nothing K wide is read but g.
+  // and third are a C → C linear map of x's rows with bias, t, which that node then receives
+  // as x's gradient from here, its sink adding the data gradient to it in its GEMM. gᵀ · x and
+  // xᵀx are weight gradients summed in f32 (the terms cancel in part: not rounded to f16
+  // first). The small matrices (a ⊙ w, wᵀ·diag(b)·w, cᵀ·w; the weight gradient's sum) are the
+  // backend's two fold entries. Nothing K wide is read but g, and nothing K wide is written.
   std::vector<Tensor> apply_folded(std::vector<Tensor>& grads) {
     NoGradGuard no_grad;
     const Tensor g = std::exchange(fold_g_, Tensor());
     const Tensor coef = std::exchange(fold_coef_, Tensor());
     const Tensor x = x_.get(*this), w = w_.get(*this);
     const int64_t K = w.size(0), C = w.size(1);
-    const Tensor a = coef.narrow(0, 0, K), b = coef.narrow(0, K, K), c = coef.narrow(0, 2 * K, K);
-    const Tensor wf = w.to(DType::f32).reshape({K, C});
     if (grads[0].defined()) {
       // Another consumer of y added to its gradient: dy formed in full (y recomputed), and the
       // plain backward. Not a ResNet's case.
       const Tensor y = conv2d(x, w).to(DType::f32);
       const Shape ch{1, K, 1, 1};
+      const Tensor a = coef.narrow(0, 0, K), b = coef.narrow(0, K, K), c = coef.narrow(0, 2 * K, K);
       const Tensor dy = add(add(add(grads[0].to(DType::f32), mul(g.to(DType::f32), a.view(ch))),
                                 mul(y, b.view(ch))),
                             c.view(ch));
       grads[0] = dy.to(g.dtype()).contiguous(g.suggest_memory_format());
       return apply_plain(grads);
     }
+    const Backend& be = backend(g);
+    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+    const TensorOptions wopt = TensorOptions(w.dtype()).with_device(w.device());
+    const Tensor wc = w.contiguous();
     Tensor dx, dw;
     if (needs_input_grad(0)) {
-      const Tensor w1 = mul(wf, a.view({K, 1})).to(w.dtype()).reshape(w.shape());
-      const Tensor m2 = matmul(wf.t(), mul(wf, b.view({K, 1})));  // wᵀ · diag(b) · w
-      const Tensor bias = matmul(c.view({1, K}), wf).reshape({C});
-      Tensor t = conv2d(x, m2.to(x.dtype()).reshape({C, C, 1, 1}), bias.to(x.dtype()));
+      Tensor w1 = empty({K, C, 1, 1}, wopt), m2t = empty({C, C}, wopt), bias = empty({C}, wopt);
+      be.conv1x1_fold_prep(w1, m2t, bias, wc, coef);
+      // t = x · (wᵀ·diag(b)·w) + cᵀ·w on x's rows (channels-last: an (N·H·W, C) matrix), the
+      // bias in the GEMM's epilogue.
+      const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
+      const Tensor rows = x.permute({0, 2, 3, 1}).reshape({N * H * W, C});
+      Tensor t = linear(rows, m2t, bias).view({N, H, W, C}).permute({0, 3, 1, 2});
       // Where no sink takes the data gradient, it is added into t (cuDNN's beta = 1).
       if (!hand_to_sink(g, w1))
         t = run_backward_data(g, w1, input_meta_[0].shape, x_format_, p_, t, false);
       dx = t;
     }
     if (needs_input_grad(1)) {
-      const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
       Tensor gx = empty({K, C, 1, 1}, f32);
-      backend(g).conv2d_backward_weight(gx, g, x, ConvParams{}, GradientMode::Set);
-      const Tensor dwf =
-          add(add(mul(gx.view({K, C}), a.view({K, 1})), mul(matmul(wf, gram_of(x)), b.view({K, 1}))),
-              mul(c.view({K, 1}), channel_sums_f32(x).view({1, C})));
-      dw = dwf.to(w.dtype()).reshape(w.shape()).contiguous(w_format_);
+      be.conv2d_backward_weight(gx, g, x, ConvParams{}, GradientMode::Set);
+      const Tensor xg = gram_operand(x);
+      Tensor gram = empty({xg.size(1), xg.size(1), 1, 1}, f32);
+      be.conv2d_backward_weight(gram, xg, xg, ConvParams{}, GradientMode::Set);
+      dw = empty(w.shape(), TensorOptions(wopt).with_memory_format(w_format_));
+      be.conv1x1_fold_weight_grad(dw, gx, gram, channel_sums_f32(x), wc, coef);
     }
     return {dx, dw, Tensor()};
   }

@@ -108,6 +108,69 @@ std::map<std::string, Tensor> grads_of(const TailEnd& r) {
 
 }  // namespace
 
+// The two small kernels against f64 on the host, from the values the device holds.
+TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad equal their sums in f64") {
+  for (int64_t c : {64, 128}) {
+    for (bool paired : {false, true}) {
+      CAPTURE(c);
+      CAPTURE(paired);
+      const int64_t k = 4 * c, p = paired ? 2 * c : c;
+      manual_seed(900 + uint64_t(c) + (paired ? 1 : 0));
+      const Tensor w = F::mul(randn({k, c, 1, 1}), 0.1).to(DType::f16).to(kGpu).contiguous();
+      const Tensor coef = F::mul(randn({3 * k}), 2.0).to(kGpu);
+      const Tensor gx = randn({k, c}).to(kGpu), gram = randn({p, p}).to(kGpu);
+      const Tensor sums = F::mul(randn({c}), 10.0).to(kGpu);
+      const TensorOptions h = TensorOptions(DType::f16).with_device(kGpu);
+      Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h), bias = empty({c}, h);
+      cuda::conv1x1_fold_prep(w1, m2t, bias, w, coef);
+      Tensor dw = empty({k, c, 1, 1}, TensorOptions(DType::f32).with_device(kGpu));
+      cuda::conv1x1_fold_weight_grad(dw, gx, gram, sums, w, coef);
+      const auto W = gputest::host_f64(w).to_vector<double>();
+      const auto Q = gputest::host_f64(coef).to_vector<double>();
+      const auto GX = gputest::host_f64(gx).to_vector<double>();
+      const auto GR = gputest::host_f64(gram).to_vector<double>();
+      const auto S = gputest::host_f64(sums).to_vector<double>();
+      const auto W1 = gputest::host_f64(w1).to_vector<double>();
+      const auto M2T = gputest::host_f64(m2t).to_vector<double>();
+      const auto BI = gputest::host_f64(bias).to_vector<double>();
+      const auto DW = gputest::host_f64(dw).to_vector<double>();
+      auto wv = [&](int64_t kk, int64_t i) { return W[size_t(kk * c + i)]; };
+      // f16 outputs: within one rounding (2^-11 relative) of the f64 value, plus the f32 sums'.
+      auto near = [](double got, double want, double scale) {
+        return std::abs(got - want) <= 1e-3 * std::abs(want) + 1e-5 * scale;
+      };
+      int bad = 0;
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t i = 0; i < c; ++i)
+          bad += !near(W1[size_t(kk * c + i)], Q[size_t(kk)] * wv(kk, i), 1.0);
+      for (int64_t j = 0; j < c; ++j) {
+        double bsum = 0;
+        for (int64_t kk = 0; kk < k; ++kk) bsum += Q[size_t(2 * k + kk)] * wv(kk, j);
+        bad += !near(BI[size_t(j)], bsum, 1.0);
+        for (int64_t i = 0; i < c; ++i) {
+          double m = 0;
+          for (int64_t kk = 0; kk < k; ++kk) m += wv(kk, j) * Q[size_t(k + kk)] * wv(kk, i);
+          bad += !near(M2T[size_t(j * c + i)], m, 1.0);
+        }
+      }
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t i = 0; i < c; ++i) {
+          double wg = 0;
+          for (int64_t j = 0; j < c; ++j) {
+            double g = GR[size_t(j * p + i)];
+            if (paired) g += GR[size_t((c + j) * p + c + i)];
+            wg += wv(kk, j) * g;
+          }
+          const double want = Q[size_t(kk)] * GX[size_t(kk * c + i)] + Q[size_t(k + kk)] * wg +
+                              Q[size_t(2 * k + kk)] * S[size_t(i)];
+          // f32 output: the sums' rounding only.
+          bad += std::abs(DW[size_t(kk * c + i)] - want) > 1e-5 * (std::abs(want) + 10.0);
+        }
+      CHECK(bad == 0);
+    }
+  }
+}
+
 // Fold and no fold run the same graph in f16; the f32 composition is the reference. The fold
 // changes how dy3's three terms are rounded (g · (a ⊙ w3) and x · (w3ᵀ diag(b) w3) are GEMMs on
 // f16 operands where the unfolded path rounds dy3 itself to f16), so each gradient is held to

@@ -25,7 +25,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ncu_step_summary import kind_of, read_kernels  # noqa: E402
+from ncu_step_summary import kind_of, open_text, read_kernels  # noqa: E402
 
 
 def short(name):
@@ -44,7 +44,7 @@ def short(name):
 def read_trace(path):
     """{step: [kernel dicts in start order]}"""
     steps = collections.defaultdict(list)
-    with open(path, newline="") as f:
+    with open_text(path) as f:
         for r in csv.DictReader(f):
             steps[int(r["step"])].append({
                 "name": r["name"], "start": float(r["start_us"]),

@@ -23,6 +23,7 @@ between processes as the convolution tuner picks other plans (docs/lab/convoluti
 import argparse
 import collections
 import csv
+import gzip
 import re
 import sys
 
@@ -51,11 +52,22 @@ def short(name):
     return re.sub(r"\(.*", "", name).replace("void ", "").replace("kiln::<unnamed>::", "")
 
 
+def open_text(path):
+    """A CSV as text, gzip-compressed or not (the lab keeps them as .csv.gz); a missing or
+    unreadable file ends the program with its name, not a traceback."""
+    try:
+        if path.endswith(".gz"):
+            return gzip.open(path, "rt", newline="")
+        return open(path, newline="")
+    except OSError as e:
+        sys.exit(f"{path}: {e.strerror or e}")
+
+
 def read_kernels(path):
     """Kernels in launch order: dicts with name, grid, ns, bytes."""
     kernels = {}
     header = None
-    with open(path, newline="") as f:
+    with open_text(path) as f:
         for row in csv.reader(f):
             if row and row[0] == "ID":
                 header = row
