@@ -4,6 +4,7 @@
     kiln-bench --model resnet50 --batches 256 --graph-only --trace-kernels trace.csv
     python3 tools/bench/kernel_trace_summary.py trace.csv [--step S] [--kernels N]
     python3 tools/bench/kernel_trace_summary.py trace.csv --ncu step.csv [--kernels N]
+    python3 tools/bench/kernel_trace_summary.py trace.csv --against base.csv [--kernels N]
 
 The trace (tools/bench/kernel_trace.h) holds every kernel of a few replays, timed by CUPTI on the
 GPU's clock with nothing serialised. A kernel's "exclusive" time is the part of its run after the
@@ -13,7 +14,8 @@ span less the idle time in it.
 
 Prints, for one replay (the last by default): the span, the idle time inside it, and the time by
 phase and kind as tools/bench/ncu_step_summary.py classes kernels; then the N kernels with the
-most exclusive time summed over their calls. With --ncu (an Nsight Compute CSV of one eager step,
+most exclusive time summed over their calls. With --against (another trace, the baseline) the
+kernels whose summed exclusive time moved most between the two last replays, both ways. With --ncu (an Nsight Compute CSV of one eager step,
 ncu_step_summary.py's input) the same kernels' summed ncu time beside it: where ncu's
 kernel-by-kernel view and the real step disagree.
 """
@@ -71,7 +73,10 @@ def main():
     ap.add_argument("--step", type=int, help="which replay (default: the last)")
     ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
     ap.add_argument("--ncu", help="an Nsight Compute CSV of one eager step, set beside")
+    ap.add_argument("--against", help="a baseline trace: the kernels that moved most")
     a = ap.parse_args()
+    if a.against:
+        return against(a.trace, a.against, a.kernels)
     steps = read_trace(a.trace)
     s = a.step if a.step is not None else max(steps)
     if s not in steps:
@@ -117,6 +122,33 @@ def main():
             nc, nus = ncu.get(name, [0, 0.0])
             line += f" {nc:9d} {nus / 1e3:7.3f}"
         print(line + "  " + name[:110])
+
+
+def by_kernel(path):
+    """{short name: [calls, exclusive us]} over the trace's last replay."""
+    steps = read_trace(path)
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for k in steps[max(steps)]:
+        e = out[short(k["name"])]
+        e[0] += 1
+        e[1] += k["excl"]
+    return out
+
+
+def against(path, base_path, n):
+    new, base = by_kernel(path), by_kernel(base_path)
+    rows = []
+    for name in set(new) | set(base):
+        (nc, nt), (bc, bt) = new.get(name, [0, 0.0]), base.get(name, [0, 0.0])
+        rows.append((nt - bt, bc, nc, bt, nt, name))
+    rows.sort()
+    total = sum(r[0] for r in rows)
+    print(f"{path} against {base_path}: exclusive time {total / 1e3:+.3f} ms "
+          f"({sum(r[2] for r in rows)} kernels against {sum(r[1] for r in rows)})")
+    print(f"{'ms':>8s} {'calls':>9s} {'base ms':>8s} {'ms':>8s}  kernel")
+    shown = rows[:n] + [r for r in rows[-n:] if r not in rows[:n]]
+    for d, bc, nc, bt, nt, name in shown:
+        print(f"{d / 1e3:+8.3f} {bc:4d}>{nc:<4d} {bt / 1e3:8.3f} {nt / 1e3:8.3f}  {name[:100]}")
 
 
 if __name__ == "__main__":
