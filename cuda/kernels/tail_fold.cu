@@ -19,25 +19,29 @@ __global__ void fold_prep_kernel(__half* __restrict__ w1, __half* __restrict__ m
                                  __half* __restrict__ bias, const __half* __restrict__ w,
                                  const float* __restrict__ coef, int K, int C) {
   pdl_start();
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t kc = int64_t(K) * C, cc = int64_t(C) * C;
+  const int64_t kc = int64_t(K) * C, cc = int64_t(C) * C, n = kc + cc + C;
   const float* a = coef;
   const float* b = coef + K;
   const float* c = coef + 2 * K;
-  if (t < kc) {
-    const int k = int(t / C);
-    w1[t] = __float2half_rn(a[k] * __half2float(w[t]));
-  } else if (t < kc + cc) {
-    const int j = int((t - kc) / C), i = int((t - kc) % C);
-    float s = 0.f;
-    for (int k = 0; k < K; ++k)
-      s = fmaf(__half2float(w[int64_t(k) * C + j]) * b[k], __half2float(w[int64_t(k) * C + i]), s);
-    m2t[t - kc] = __float2half_rn(s);
-  } else if (t < kc + cc + C) {
-    const int j = int(t - kc - cc);
-    float s = 0.f;
-    for (int k = 0; k < K; ++k) s = fmaf(c[k], __half2float(w[int64_t(k) * C + j]), s);
-    bias[j] = __float2half_rn(s);
+  // A grid-stride loop: grid_for caps the grid (layer 4's K·C + C·C is past one pass of it).
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    if (t < kc) {
+      const int k = int(t / C);
+      w1[t] = __float2half_rn(a[k] * __half2float(w[t]));
+    } else if (t < kc + cc) {
+      const int j = int((t - kc) / C), i = int((t - kc) % C);
+      float s = 0.f;
+      for (int k = 0; k < K; ++k)
+        s = fmaf(__half2float(w[int64_t(k) * C + j]) * b[k], __half2float(w[int64_t(k) * C + i]),
+                 s);
+      m2t[t - kc] = __float2half_rn(s);
+    } else {
+      const int j = int(t - kc - cc);
+      float s = 0.f;
+      for (int k = 0; k < K; ++k) s = fmaf(c[k], __half2float(w[int64_t(k) * C + j]), s);
+      bias[j] = __float2half_rn(s);
+    }
   }
 }
 
@@ -52,18 +56,19 @@ __global__ void fold_weight_grad_kernel(T* __restrict__ dw, int64_t so, int64_t 
                                         const float* __restrict__ coef, int K, int C,
                                         bool paired) {
   pdl_start();
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= int64_t(K) * C) return;
-  const int k = int(t / C), i = int(t % C);
   const int P = paired ? 2 * C : C;
-  float wg = 0.f;
-  for (int j = 0; j < C; ++j) {
-    float g = gram[int64_t(j) * P + i];
-    if (paired) g += gram[int64_t(C + j) * P + C + i];
-    wg = fmaf(__half2float(w[int64_t(k) * C + j]), g, wg);
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < int64_t(K) * C;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int k = int(t / C), i = int(t % C);
+    float wg = 0.f;
+    for (int j = 0; j < C; ++j) {
+      float g = gram[int64_t(j) * P + i];
+      if (paired) g += gram[int64_t(C + j) * P + C + i];
+      wg = fmaf(__half2float(w[int64_t(k) * C + j]), g, wg);
+    }
+    const float v = coef[k] * gx[t] + coef[K + k] * wg + coef[2 * K + k] * sums[i];
+    dw[int64_t(k) * so + int64_t(i) * si] = T(v);
   }
-  const float v = coef[k] * gx[t] + coef[K + k] * wg + coef[2 * K + k] * sums[i];
-  dw[int64_t(k) * so + int64_t(i) * si] = T(v);
 }
 
 }  // namespace
