@@ -29,7 +29,7 @@ Switches read_switches() {
   s.gemm_tall = is(std::getenv("KILN_GEMM_TALL"), "1");
   s.gemm_b_resident = !is(std::getenv("KILN_GEMM_B_RESIDENT"), "0");
   s.dual_dgrad = !is(std::getenv("KILN_DUAL_DGRAD"), "0");
-  s.tail_fold = is(std::getenv("KILN_TAIL_FOLD"), "1");
+  s.tail_fold = !is(std::getenv("KILN_TAIL_FOLD"), "0");
   const char* tf = std::getenv("KILN_TAIL_FOLD_MIN");
   const long tf_min = tf ? std::strtol(tf, nullptr, 10) : -1;
   if (tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);

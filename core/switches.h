@@ -72,10 +72,12 @@
 // |                          |                     | on cuDNN's conv1 data gradient and three passes,|
 // |                          |                     | not kiln's GEMM with all three sums in its      |
 // |                          |                     | epilogue (on since 2026-12-05; norm-conv.md v27)|
-// | KILN_TAIL_FOLD           | 0, 1                | an identity block tail's batch-norm backward    |
-// |                          |                     | handed to conv3 as factors (1), not as dy3      |
-// |                          |                     | written by a pass (0): ops/conv2d.cpp           |
-// | KILN_TAIL_FOLD_MIN       | N >= 0              | the fewest elements of conv3's input for (1)    |
+// | KILN_TAIL_FOLD           | 0                   | an identity block tail's batch-norm backward    |
+// |                          |                     | writes dy3 in a pass for conv3, instead of      |
+// |                          |                     | handing conv3 its factors (the tail fold, on    |
+// |                          |                     | since v37: ops/dgrad_sink.h, norm-conv.md)      |
+// | KILN_TAIL_FOLD_MIN       | N >= 0 (default     | the fewest elements of conv3's input that fold  |
+// |                          | 20000000)           | (ResNet-50 at b256: layers 1 and 2)             |
 // | KILN_STEM_POOL_TILE      | 0                   | the stem's batch norm + ReLU + max pool forward |
 // |                          |                     | one output per thread, each input normalised    |
 // |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
@@ -170,8 +172,8 @@ struct Switches {
   bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool dual_dgrad = true;
-  bool tail_fold = false;
-  int tail_fold_min = 0;
+  bool tail_fold = true;
+  int tail_fold_min = 20000000;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;
