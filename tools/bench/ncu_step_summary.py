@@ -25,6 +25,7 @@ import collections
 import csv
 import gzip
 import re
+import signal
 import sys
 
 TIME = "gpu__time_duration.sum"  # ns
@@ -157,4 +158,5 @@ def main():
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a closed pipe (| head) ends it quietly
     main()
