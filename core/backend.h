@@ -68,10 +68,10 @@ enum class FastPath : uint8_t {
   // bias_gelu_forward/backward (F::linear_gelu's GEMM without bias, then bias + GELU in one
   // pass): x, weight, bias, as the op gets them.
   BiasGelu,
-  // conv2d_backward_weight of a stride-1 unpadded 1x1 convolution writing an f32 dw (O, I, 1, 1)
-  // from dy (N, O, H, W) and x (N, I, H, W) of another dtype: dy, x. (The tail fold's sums,
-  // ops/conv2d.cpp, which may cancel: they are not rounded to the activations' dtype.)
-  ConvWeightGradF32,
+  // The tail fold (ops/dgrad_sink.h, ops/conv2d.cpp) on a 1x1 convolution: g (N, K, H, W) its
+  // output gradient's first factor, x (N, C, H, W) its input, w (K, C, 1, 1): the backend wants
+  // the fold for these operands and its two fold entries take them.
+  TailFold,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -290,17 +290,17 @@ struct Backend {
   // (tuning, determinism, layouts).
   bool (*conv2d_forward_stats)(TensorRef y, TensorRef sum, TensorRef sqsum, TensorRef x,
                                TensorRef w, const ConvParams& p) = nullptr;
-  // Optional, both or neither: the tail fold's small matrices (ops/dgrad_sink.h,
-  // FoldedGradTarget; ops/conv2d.cpp). w (K, C, 1, 1) a 1x1 convolution's weight, contiguous;
-  // coef (3K f32) its output gradient's factors a, b, c. fold_prep (=): w1 (K, C) = a ⊙ w (row
-  // k scaled by a_k), m2t (C, C) = (wᵀ·diag(b)·w)ᵀ, bias (C) = cᵀ·w, in w's dtype.
-  // fold_weight_grad: dw (K, C, 1, 1) (=) = a ⊙ gx + b ⊙ (w·G) + c ⊗ sums, with gx (K, C) f32,
-  // G the f32 gram (C, C) — or (2C, 2C), whose two diagonal C × C blocks add up to it — and
-  // sums (C) f32.
+  // Optional, both or neither: the tail fold (ops/dgrad_sink.h, FoldedGradTarget;
+  // ops/conv2d.cpp; FastPath::TailFold). w (K, C, 1, 1) a 1x1 convolution's weight, coef (3K
+  // f32) its output gradient's factors a, b, c (dy = a·g + b·y + c per output channel).
+  // fold_prep (=): w1 (K, C, 1, 1) = a ⊙ w (row k scaled by a_k), m2t (C, C) = (wᵀ·diag(b)·w)ᵀ,
+  // bias (C) = cᵀ·w, in w's dtype, contiguous. fold_weight_grad: dw (K, C, 1, 1) (=) = dyᵀ · x =
+  // a ⊙ (gᵀ·x) + b ⊙ (w·xᵀx) + c ⊗ Σ_rows x, g (N, K, H, W) and x (N, C, H, W), the sums in f32
+  // until dw (its three terms cancel in part).
   void (*conv1x1_fold_prep)(TensorRef w1, TensorRef m2t, TensorRef bias, TensorRef w,
                             TensorRef coef) = nullptr;
-  void (*conv1x1_fold_weight_grad)(TensorRef dw, TensorRef gx, TensorRef gram, TensorRef sums,
-                                   TensorRef w, TensorRef coef) = nullptr;
+  void (*conv1x1_fold_weight_grad)(TensorRef dw, TensorRef g, TensorRef x, TensorRef w,
+                                   TensorRef coef) = nullptr;
 
   // ---- pooling ----
   // x/dx (N, C, H, W), y/dy (N, C, H', W'); outputs any dense layout.

@@ -207,6 +207,8 @@ void bn_stats_relu_max_pool_backward(const Tensor& dx, const Tensor& dweight, co
 }
 
 constinit RuntimeSwitch g_dgrad_fusion{&Switches::fused_dgrad};  // KILN_FUSED_DGRAD
+constinit RuntimeSwitch g_tail_fold{&Switches::tail_fold};         // KILN_TAIL_FOLD
+constinit RuntimeSetting<int> g_tail_fold_min{&Switches::tail_fold_min};  // KILN_TAIL_FOLD_MIN
 
 // The fast paths' operands: f16 channels-last activations, f32 contiguous per-channel tensors.
 bool nhwc_f16(const Tensor& t) {
@@ -266,9 +268,10 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::Attention:
       expect(3);
       return attention_supported(*t[0], *t[1], *t[2]);
-    case FastPath::ConvWeightGradF32:
-      expect(2);
-      return conv1x1_wgrad_f32_supported(*t[0], *t[1]);
+    case FastPath::TailFold:
+      expect(3);
+      return g_tail_fold.get() && t[1]->defined() && t[1]->numel() >= g_tail_fold_min.get() &&
+             conv1x1_fold_supported(*t[0], *t[1], *t[2]);
     case FastPath::BiasGelu: {  // cuda/kernels/bias_gelu.cu: f32, f16, bf16
       expect(3);
       const DType d = t[0]->dtype();
@@ -390,5 +393,13 @@ const Backend& backend_table() {
 
 bool dgrad_fusion_enabled() { return g_dgrad_fusion.get(); }
 void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.set(on); }
+bool tail_fold_enabled() { return g_tail_fold.get(); }
+void set_tail_fold_enabled(bool on) { g_tail_fold.set(on); }
+int64_t tail_fold_min() { return g_tail_fold_min.get(); }
+void set_tail_fold_min(int64_t elements) {
+  KILN_CHECK(elements >= 0 && elements <= (int64_t(1) << 30),
+             "set_tail_fold_min: expected 0 to 2^30 elements, got ", elements);
+  g_tail_fold_min.set(int(elements));
+}
 
 }  // namespace kiln::cuda

@@ -18,4 +18,14 @@ const Backend& backend_table();
 bool dgrad_fusion_enabled();
 void set_dgrad_fusion_enabled(bool on);
 
+// Whether an identity block tail's batch-norm backward hands conv3 its factors instead of writing
+// dy3 (FastPath::TailFold; ops/dgrad_sink.h, FoldedGradTarget), and from how many elements of
+// conv3's input. On from 2·10^7 unless KILN_TAIL_FOLD=0; KILN_TAIL_FOLD_MIN sets the size (below
+// it the fold's extra kernels cost more than the pass they remove; docs/lab/norm-conv.md, v37).
+// Set here for tests and A/B runs.
+bool tail_fold_enabled();
+void set_tail_fold_enabled(bool on);
+int64_t tail_fold_min();
+void set_tail_fold_min(int64_t elements);
+
 }  // namespace kiln::cuda

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <utility>
 
-#include "core/switches.h"
 #include "ops/check.h"
 #include "ops/dgrad_sink.h"
 #include "ops/ops.h"
@@ -21,8 +20,6 @@ namespace {
 
 std::atomic<uint64_t> g_dgrad_fusions{0};
 std::atomic<uint64_t> g_tail_folds{0};
-constinit RuntimeSwitch g_tail_fold{&Switches::tail_fold};                 // KILN_TAIL_FOLD
-constinit RuntimeSetting<int> g_tail_fold_min{&Switches::tail_fold_min};  // KILN_TAIL_FOLD_MIN
 
 // The library-fused BN + ReLU path: training, and the backend takes these operands.
 bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -190,7 +187,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
  private:
   // The node behind x's edge when it takes x's gradient as factors (the tail fold), else null.
   detail::FoldedGradTarget* fold_target(const Tensor& g) const {
-    if (!g_tail_fold.get() || !g.defined() || !needs_input_grad(0) ||
+    if (!g.defined() || !needs_input_grad(0) ||
         !backend(g).batch_norm_stats->backward_dgrad_coef)
       return nullptr;
     auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[0].fn.get());
@@ -461,14 +458,6 @@ void count_batch(const Tensor& counter) {
 }
 
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
-bool tail_fold_enabled() { return g_tail_fold.get(); }
-void set_tail_fold_enabled(bool on) { g_tail_fold.set(on); }
-int64_t tail_fold_min() { return g_tail_fold_min.get(); }
-void set_tail_fold_min(int64_t elements) {
-  KILN_CHECK(elements >= 0 && elements <= (int64_t(1) << 30),
-             "set_tail_fold_min: expected 0 to 2^30 elements, got ", elements);
-  g_tail_fold_min.set(int(elements));
-}
 uint64_t tail_folds() { return g_tail_folds.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,

@@ -1,5 +1,4 @@
 // conv2d: validation, forward, backward (data, weight, bias), device dispatch.
-#include <algorithm>
 #include <utility>
 
 #include "core/autograd.h"
@@ -98,29 +97,6 @@ Tensor run_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_sha
   return dw;
 }
 
-// x (N, C, H, W) channels-last as the operand of its own Gram matrix xᵀx on a weight-gradient
-// entry: itself, or, with C = 64, its rows paired into (N·H·W / 2, 128, 1, 1) — kiln's 1x1
-// weight-gradient kernel wants 128 channels on one side — whose Gram's two diagonal 64 × 64
-// blocks add up to x's (Backend::conv1x1_fold_weight_grad adds them).
-Tensor gram_operand(const Tensor& x) {
-  const int64_t C = x.size(1), M = x.numel() / std::max<int64_t>(C, 1);
-  if (C != 64 || M % 2 != 0 || !x.is_contiguous(MemoryFormat::ChannelsLast)) return x;
-  return x.permute({0, 2, 3, 1}).view({M / 2, 1, 1, 2 * C}).permute({0, 3, 1, 2});
-}
-
-// Σ over x's rows per channel, in f32 (x is f16 where the fold runs: its sums overflow f16).
-Tensor channel_sums_f32(const Tensor& x) {
-  const Backend& be = backend(x);
-  if (be.batch_norm_stats && be.batch_norm_stats->compute && x.dtype() == DType::f16 &&
-      x.is_contiguous(MemoryFormat::ChannelsLast)) {
-    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-    Tensor s = empty({x.size(1)}, f32), sq = empty({x.size(1)}, f32);
-    be.batch_norm_stats->compute(s, sq, x);
-    return s;
-  }
-  return sum(x.to(DType::f32), {0, 2, 3});
-}
-
 class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
  public:
   Conv2dBackward(const Tensor& x, const Tensor& w, const ConvParams& p)
@@ -139,8 +115,8 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     fold_g_ = fold_coef_ = Tensor();
   }
   // The tail fold (ops/dgrad_sink.h): a stride-1 unpadded 1x1 convolution without bias whose
-  // input and weight both need gradients, its input at least tail_fold_min() elements, where the
-  // backend sums g against x, and x against itself, into f32.
+  // input and weight both need gradients, where the backend has the fold's entries and takes
+  // the operands (FastPath::TailFold).
   bool can_take_folded(uint32_t output_nr, const Tensor& g) const override {
     const Shape& ws = input_meta_[1].shape;
     const Shape& xs = input_meta_[0].shape;
@@ -150,14 +126,10 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
         p_.pad_h != 0 || p_.pad_w != 0 || p_.groups != 1 || g.dim() != 4 ||
         g.shape() != Shape{xs[0], ws[0], xs[2], xs[3]})
       return false;
-    if (xs[0] * xs[1] * xs[2] * xs[3] < tail_fold_min()) return false;
-    const Tensor x = x_.get(*this);
-    const Tensor xg = gram_operand(x);
     const Backend& be = backend(g);
-    return be.conv1x1_fold_prep != nullptr && be.conv1x1_fold_weight_grad != nullptr &&
-           input_meta_[1].dtype == DType::f16 &&
-           supports(be, FastPath::ConvWeightGradF32, {&g, &x}) &&
-           supports(be, FastPath::ConvWeightGradF32, {&xg, &xg});
+    if (be.conv1x1_fold_prep == nullptr || be.conv1x1_fold_weight_grad == nullptr) return false;
+    const Tensor x = x_.get(*this), w = w_.get(*this);
+    return supports(be, FastPath::TailFold, {&g, &x, &w});
   }
   void take_folded(uint32_t /*output_nr*/, const Tensor& g, const Tensor& coef) override {
     fold_g_ = g;
@@ -192,10 +164,10 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
   // (a ⊙ scales row k by a_k). The first term of dx is this convolution's data gradient with
   // the weight a ⊙ w, handed to the node behind x where it takes one (DgradSink); the second
   // and third are a C → C linear map of x's rows with bias, t, which that node then receives
-  // as x's gradient from here, its sink adding the data gradient to it in its GEMM. gᵀ · x and
-  // xᵀx are weight gradients summed in f32 (the terms cancel in part: not rounded to f16
-  // first). The small matrices (a ⊙ w, wᵀ·diag(b)·w, cᵀ·w; the weight gradient's sum) are the
-  // backend's two fold entries. Nothing K wide is read but g, and nothing K wide is written.
+  // as x's gradient from here, its sink adding the data gradient to it in its GEMM. The small
+  // matrices (a ⊙ w, wᵀ·diag(b)·w, cᵀ·w) and dw (from gᵀ·x, xᵀx and Σx, summed in f32: the
+  // terms cancel in part) are the backend's two fold entries. Nothing K wide is read but g, and
+  // nothing K wide is written.
   std::vector<Tensor> apply_folded(std::vector<Tensor>& grads) {
     NoGradGuard no_grad;
     const Tensor g = std::exchange(fold_g_, Tensor());
@@ -215,7 +187,6 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
       return apply_plain(grads);
     }
     const Backend& be = backend(g);
-    const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const TensorOptions wopt = TensorOptions(w.dtype()).with_device(w.device());
     const Tensor wc = w.contiguous();
     Tensor dx, dw;
@@ -233,13 +204,8 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
       dx = t;
     }
     if (needs_input_grad(1)) {
-      Tensor gx = empty({K, C, 1, 1}, f32);
-      be.conv2d_backward_weight(gx, g, x, ConvParams{}, GradientMode::Set);
-      const Tensor xg = gram_operand(x);
-      Tensor gram = empty({xg.size(1), xg.size(1), 1, 1}, f32);
-      be.conv2d_backward_weight(gram, xg, xg, ConvParams{}, GradientMode::Set);
       dw = empty(w.shape(), TensorOptions(wopt).with_memory_format(w_format_));
-      be.conv1x1_fold_weight_grad(dw, gx, gram, channel_sums_f32(x), wc, coef);
+      be.conv1x1_fold_weight_grad(dw, g, x, wc, coef);
     }
     return {dx, dw, Tensor()};
   }

@@ -161,15 +161,9 @@ uint64_t dgrad_fusions();
 // backward (batch_norm_from_stats with relu and a residual, its data gradient taken from the
 // next convolution) hands a stride-1 1x1 conv3 without bias the factors of dy3 instead of
 // writing it, where the backend has the pieces (BatchNormStatsPaths::backward_dgrad_coef,
-// FastPath::ConvWeightGradF32, Backend::conv1x1_fold_prep and conv1x1_fold_weight_grad) and
-// conv3's input has at least tail_fold_min() elements (default 2·10^7: below that the fold's
-// extra kernels cost more than the pass saves; docs/lab/norm-conv.md). On by default;
-// KILN_TAIL_FOLD=0 turns it off, KILN_TAIL_FOLD_MIN sets the size; set here for tests and A/B
-// runs. tail_folds() counts the gradients handed over.
-bool tail_fold_enabled();
-void set_tail_fold_enabled(bool on);
-int64_t tail_fold_min();
-void set_tail_fold_min(int64_t elements);
+// Backend::conv1x1_fold_prep and conv1x1_fold_weight_grad) and wants the fold for the operands
+// (FastPath::TailFold; on CUDA cuda::set_tail_fold_enabled and set_tail_fold_min switch it).
+// tail_folds() counts the gradients handed over.
 uint64_t tail_folds();
 
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,

@@ -1,10 +1,12 @@
-// The tail fold's small matrices (contract in cuda/kernels.h: conv1x1_fold_prep,
+// The tail fold's pieces on CUDA (contract in cuda/kernels.h: conv1x1_fold_prep,
 // conv1x1_fold_weight_grad; the algebra in ops/conv2d.cpp). A 1x1 convolution's weight w (K × C,
 // f16) and its output gradient's factors dy = a·g + b·y + c per output channel k. Each output
 // element is a dot product over K or C of values in L2, in a fixed order, in f32: one thread
 // per element, one launch per entry, instead of the dozen elementwise ops and small GEMMs of the
 // composition.
 #include <cuda_fp16.h>
+
+#include <algorithm>
 
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
@@ -95,9 +97,50 @@ void conv1x1_fold_prep(const Tensor& w1, const Tensor& m2t, const Tensor& bias, 
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void conv1x1_fold_weight_grad(const Tensor& dw, const Tensor& gx, const Tensor& gram,
-                              const Tensor& sums, const Tensor& w, const Tensor& coef) {
+namespace {
+// x (N, C, H, W) channels-last as the operand of its own Gram matrix xᵀx on the 1x1 weight
+// gradient's kernel: itself, or, with C = 64, its rows paired into (N·H·W / 2, 128, 1, 1) (the
+// kernel wants 128 channels on one side), whose Gram's two diagonal 64 × 64 blocks add up to x's.
+Tensor gram_operand(const Tensor& x) {
+  const int64_t C = x.size(1), M = x.numel() / std::max<int64_t>(C, 1);
+  if (C != 64 || M % 2 != 0 || !x.is_contiguous(MemoryFormat::ChannelsLast)) return x;
+  return x.permute({0, 2, 3, 1}).view({M / 2, 1, 1, 2 * C}).permute({0, 3, 1, 2});
+}
+}  // namespace
+
+bool conv1x1_fold_supported(const Tensor& g, const Tensor& x, const Tensor& w) {
+  if (!(x.defined() && w.defined() && w.dtype() == DType::f16 && w.dim() == 4 &&
+        conv1x1_wgrad_f32_supported(g, x) && bn_nhwc_supported(x)))
+    return false;
+  const Tensor xg = gram_operand(x);
+  return conv1x1_wgrad_f32_supported(xg, xg);
+}
+
+void conv1x1_fold_weight_grad(const Tensor& dw, const Tensor& g, const Tensor& x, const Tensor& w,
+                              const Tensor& coef) {
   const char* op = "conv1x1_fold_weight_grad";
+  KILN_CHECK(conv1x1_fold_supported(g, x, w), op,
+             " (cuda): needs what conv1x1_backward_weight takes with an f32 dw for (g, x) and for "
+             "x's Gram, and an f16 w; got g ",
+             g.desc(), ", x ", x.desc(), ", w ", w.desc());
+  const Tensor wc = w.contiguous();
+  const int64_t K = wc.size(0), C = wc.size(1);
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  // gᵀx and xᵀx summed in f32 (the three terms below cancel in part), Σx per channel.
+  Tensor gx = empty({K, C, 1, 1}, f32);
+  conv1x1_backward_weight(gx, g, x, ConvParams{}, false);
+  const Tensor xg = gram_operand(x);
+  const int64_t P = xg.size(1);
+  Tensor gram = empty({P, P, 1, 1}, f32);
+  conv1x1_backward_weight(gram, xg, xg, ConvParams{}, false);
+  Tensor sums = empty({C}, f32), sqsums = empty({C}, f32);
+  bn_nhwc_stats(sums, sqsums, x);
+  conv1x1_fold_weight_grad_sum(dw, gx, gram, sums, wc, coef);
+}
+
+void conv1x1_fold_weight_grad_sum(const Tensor& dw, const Tensor& gx, const Tensor& gram,
+                                  const Tensor& sums, const Tensor& w, const Tensor& coef) {
+  const char* op = "conv1x1_fold_weight_grad_sum";
   KILN_CHECK(w.dtype() == DType::f16 && w.is_cuda() && w.dim() == 4 && w.is_contiguous(), op,
              " (cuda): w must be a contiguous f16 (K, C, 1, 1) weight, got ", w.desc());
   const int64_t K = w.size(0), C = w.size(1);

@@ -12,6 +12,7 @@
 
 #include "optim/amp.h"
 #include "core/autograd.h"
+#include "cuda/backend.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 #include "models/resnet.h"
@@ -29,13 +30,13 @@ const Device kCPU = Device::cpu();
 class Fold {
  public:
   Fold(bool on, int64_t min_elements)
-      : on_(F::tail_fold_enabled()), min_(F::tail_fold_min()) {
-    F::set_tail_fold_enabled(on);
-    F::set_tail_fold_min(min_elements);
+      : on_(cuda::tail_fold_enabled()), min_(cuda::tail_fold_min()) {
+    cuda::set_tail_fold_enabled(on);
+    cuda::set_tail_fold_min(min_elements);
   }
   ~Fold() {
-    F::set_tail_fold_enabled(on_);
-    F::set_tail_fold_min(min_);
+    cuda::set_tail_fold_enabled(on_);
+    cuda::set_tail_fold_min(min_);
   }
   Fold(const Fold&) = delete;
   Fold& operator=(const Fold&) = delete;
@@ -109,7 +110,7 @@ std::map<std::string, Tensor> grads_of(const TailEnd& r) {
 }  // namespace
 
 // The two small kernels against f64 on the host, from the values the device holds.
-TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad equal their sums in f64") {
+TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad_sum equal their sums in f64") {
   // 512: ResNet-50's layer 4, whose K·C + C·C outputs are more than one pass of the capped grid.
   for (int64_t c : {64, 128, 512}) {
     for (bool paired : {false, true}) {
@@ -126,7 +127,7 @@ TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad equal their sums in f6
       Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h), bias = empty({c}, h);
       cuda::conv1x1_fold_prep(w1, m2t, bias, w, coef);
       Tensor dw = empty({k, c, 1, 1}, TensorOptions(DType::f32).with_device(kGpu));
-      cuda::conv1x1_fold_weight_grad(dw, gx, gram, sums, w, coef);
+      cuda::conv1x1_fold_weight_grad_sum(dw, gx, gram, sums, w, coef);
       const auto W = gputest::host_f64(w).to_vector<double>();
       const auto Q = gputest::host_f64(coef).to_vector<double>();
       const auto GX = gputest::host_f64(gx).to_vector<double>();
