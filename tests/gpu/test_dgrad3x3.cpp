@@ -23,6 +23,7 @@
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/resnet_grads.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;
@@ -454,32 +455,14 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
   // At batch 16 from random weights 8,192 overflows f16 in the first blocks' gradients (the
   // scaler would skip that step and halve it), and 64 leaves the deep ones below f16's range.
   const double scale = 1024;
-  Generator gen(17);
-  const Tensor x = F::add(F::mul(randn({n, 3, size, size}, DType::f32, &gen), 0.8), 0.1);
-  std::vector<int64_t> labels(n);
-  for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = (i * 7) % 10;
-  const Tensor y = from_vector<int64_t>(labels, {n}, DType::i64).to(kGpu);
+  const gputest::ResNetBatch batch = gputest::resnet_batch(n, size);
   // Parameter gradients (f32, unscaled) by name; the uses of the fused path counted.
   auto grads = [&](amp::Precision p, bool fused, bool tall, uint64_t* fusions) {
     const Switch three(cuda::dgrad3x3_enabled, cuda::set_dgrad3x3_enabled, fused);
     const Switch tiles(cuda::gemm_tall_enabled, cuda::set_gemm_tall_enabled, tall);
-    manual_seed(5);
-    auto model = models::resnet50(10);
-    amp::prepare_model(*model, kGpu, p);
     const uint64_t before = F::dgrad_fusions();
-    Tensor logits = (*model)(amp::prepare_input(x, kGpu, p));
-    F::mul(F::cross_entropy(logits, y), p == amp::Precision::FP32 ? 1.0 : scale).backward();
+    auto out = gputest::resnet50_grads(batch, p, scale);
     if (fusions != nullptr) *fusions = F::dgrad_fusions() - before;
-    std::map<std::string, Tensor> out;
-    for (const auto& [name, t] : model->named_parameters()) {
-      CAPTURE(name);
-      REQUIRE(t.grad().defined());
-      out[name] = F::mul(t.grad().to(DType::f32), p == amp::Precision::FP32 ? 1.0 : 1.0 / scale)
-                      .contiguous()
-                      .to(kCPU);
-      const auto v = out[name].to_vector<float>();
-      REQUIRE(std::all_of(v.begin(), v.end(), [](float e) { return std::isfinite(e); }));
-    }
     return out;
   };
   const auto ref = grads(amp::Precision::FP32, false, false, nullptr);
@@ -495,29 +478,10 @@ TEST_CASE("ResNet-50's gradients with the fused 3x3 data gradient: as close to F
     CAPTURE(plain_count);
     CAPTURE(fused_count);
     CHECK(fused_count > plain_count);
-    double worst_on = 0, worst_off = 0, sq_on = 0, sq_off = 0, worst_ratio = 0;
-    std::string worst_name;
-    for (const auto& [name, want] : ref) {
-      CAPTURE(name);
-      REQUIRE(on.count(name) == 1);
-      const double eon = gputest::rel_l2(on.at(name), want),
-                   eoff = gputest::rel_l2(off.at(name), want);
-      worst_on = std::max(worst_on, eon);
-      worst_off = std::max(worst_off, eoff);
-      sq_on += eon * eon;
-      sq_off += eoff * eoff;
-      const double ratio = eon / std::max(eoff, 1e-4);
-      if (ratio > worst_ratio) worst_ratio = ratio, worst_name = name;
-      // No tensor far off where the unfused run is close: f16 rounding moves a tensor's error
-      // by a factor of about 1, a wrong gradient by orders of magnitude.
-      CHECK(eon <= 3 * eoff + 2e-3);
-      if (eon > 3 * eoff + 2e-3) MESSAGE(name, ": fused ", eon, ", unfused ", eoff);
-    }
-    const double k = double(ref.size());
-    MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fused worst ", worst_on,
-            " rms ", std::sqrt(sq_on / k), "; unfused worst ", worst_off, " rms ",
-            std::sqrt(sq_off / k), "; worst fused/unfused ratio ", worst_ratio, " (", worst_name,
-            ")");
-    CHECK(std::sqrt(sq_on / k) <= 1.5 * std::sqrt(sq_off / k) + 1e-4);
+    const gputest::GradComparison c = gputest::compare_to_reference(on, off, ref);
+    MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fused worst ",
+            c.worst_on, " rms ", c.rms_on, "; unfused worst ", c.worst_off, " rms ", c.rms_off,
+            "; worst fused/unfused ratio ", c.worst_ratio, " (", c.worst_name, ")");
+    CHECK(c.rms_on <= 1.5 * c.rms_off + 1e-4);
   }
 }

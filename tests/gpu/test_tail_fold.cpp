@@ -18,6 +18,7 @@
 #include "models/resnet.h"
 #include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/resnet_grads.h"
 
 using namespace kiln;
 
@@ -242,30 +243,12 @@ TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without
   }
   const int64_t n = 16, size = 112;
   const double scale = 1024;  // as in test_dgrad3x3.cpp: in f16's range at this batch
-  Generator gen(17);
-  const Tensor x = F::add(F::mul(randn({n, 3, size, size}, DType::f32, &gen), 0.8), 0.1);
-  std::vector<int64_t> labels(n);
-  for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = (i * 7) % 10;
-  const Tensor y = from_vector<int64_t>(labels, {n}, DType::i64).to(kGpu);
+  const gputest::ResNetBatch batch = gputest::resnet_batch(n, size);
   auto grads = [&](amp::Precision p, bool fold_on, uint64_t* folds) {
     const Fold fold(fold_on, 0);
-    manual_seed(5);
-    auto model = models::resnet50(10);
-    amp::prepare_model(*model, kGpu, p);
     const uint64_t before = F::tail_folds();
-    Tensor logits = (*model)(amp::prepare_input(x, kGpu, p));
-    F::mul(F::cross_entropy(logits, y), p == amp::Precision::FP32 ? 1.0 : scale).backward();
+    auto out = gputest::resnet50_grads(batch, p, scale);
     if (folds != nullptr) *folds = F::tail_folds() - before;
-    std::map<std::string, Tensor> out;
-    for (const auto& [name, t] : model->named_parameters()) {
-      CAPTURE(name);
-      REQUIRE(t.grad().defined());
-      out[name] = F::mul(t.grad().to(DType::f32), p == amp::Precision::FP32 ? 1.0 : 1.0 / scale)
-                      .contiguous()
-                      .to(kCPU);
-      const auto v = out[name].to_vector<float>();
-      REQUIRE(std::all_of(v.begin(), v.end(), [](float e) { return std::isfinite(e); }));
-    }
     return out;
   };
   const auto ref = grads(amp::Precision::FP32, false, nullptr);
@@ -274,22 +257,9 @@ TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without
   const auto on = grads(amp::Precision::Mixed16, true, &folds_on);
   CHECK(folds_off == 0);
   CHECK(folds_on == 11);
-  double sq_on = 0, sq_off = 0, worst_ratio = 0;
-  std::string worst_name;
-  for (const auto& [name, want] : ref) {
-    CAPTURE(name);
-    REQUIRE(on.count(name) == 1);
-    const double eon = gputest::rel_l2(on.at(name), want),
-                 eoff = gputest::rel_l2(off.at(name), want);
-    sq_on += eon * eon;
-    sq_off += eoff * eoff;
-    const double ratio = eon / std::max(eoff, 1e-4);
-    if (ratio > worst_ratio) worst_ratio = ratio, worst_name = name;
-    CHECK(eon <= 3 * eoff + 2e-3);
-  }
-  const double k = double(ref.size());
-  MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fold rms ",
-          std::sqrt(sq_on / k), ", no fold rms ", std::sqrt(sq_off / k),
-          "; worst fold/no-fold ratio ", worst_ratio, " (", worst_name, ")");
-  CHECK(std::sqrt(sq_on / k) <= 1.5 * std::sqrt(sq_off / k) + 1e-4);
+  const gputest::GradComparison c = gputest::compare_to_reference(on, off, ref);
+  MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fold rms ", c.rms_on,
+          ", no fold rms ", c.rms_off, "; worst fold/no-fold ratio ", c.worst_ratio, " (",
+          c.worst_name, ")");
+  CHECK(c.rms_on <= 1.5 * c.rms_off + 1e-4);
 }
