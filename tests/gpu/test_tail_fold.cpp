@@ -10,13 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "optim/amp.h"
 #include "core/autograd.h"
 #include "cuda/backend.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/gemm_bn_wgmma.h"
-#include "models/resnet.h"
 #include "ops/ops.h"
+#include "optim/amp.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/resnet_grads.h"
 
