@@ -30,9 +30,13 @@ Switches read_switches() {
   s.gemm_b_resident = !is(std::getenv("KILN_GEMM_B_RESIDENT"), "0");
   s.dual_dgrad = !is(std::getenv("KILN_DUAL_DGRAD"), "0");
   s.tail_fold = !is(std::getenv("KILN_TAIL_FOLD"), "0");
-  const char* tf = std::getenv("KILN_TAIL_FOLD_MIN");
-  const long tf_min = tf ? std::strtol(tf, nullptr, 10) : -1;
-  if (tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);
+  // KILN_TAIL_FOLD_MIN: a whole number 0 to 2^30; anything else keeps the default (strtol would
+  // read "abc" as 0, the setting that folds every layer).
+  if (const char* tf = std::getenv("KILN_TAIL_FOLD_MIN"); tf && *tf) {
+    char* end = nullptr;
+    const long tf_min = std::strtol(tf, &end, 10);
+    if (*end == '\0' && tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);
+  }
   s.stem_pool_tile = !is(std::getenv("KILN_STEM_POOL_TILE"), "0");
   s.stem_pool_at_max = !is(std::getenv("KILN_STEM_POOL_AT_MAX"), "0");
   s.stem_pool_raw_tile = !is(std::getenv("KILN_STEM_POOL_RAW_TILE"), "0");
