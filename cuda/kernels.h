@@ -306,11 +306,12 @@ bool conv1x1_wgrad_supported(const Tensor& dw, const Tensor& dy, const Tensor& x
 // Whether conv1x1_backward_weight takes dy and x with an f32 dw (O, I, 1, 1), stride 1.
 bool conv1x1_wgrad_f32_supported(const Tensor& dy, const Tensor& x);
 // The tail fold on CUDA (Backend::conv1x1_fold_prep and conv1x1_fold_weight_grad, core/backend.h;
-// cuda/kernels/tail_fold.cu): w f16, every sum in f32 in a fixed order. conv1x1_fold_supported:
+// cuda/kernels/tail_fold.cu): w f16, every sum in f32 (its K·C² products on cuBLASLt, exact
+// f32), the algorithm chosen as cuda::matmul's are. conv1x1_fold_supported:
 // what FastPath::TailFold needs of the operands besides the switch (conv1x1_backward_weight with
 // an f32 dw for (g, x) and for x's Gram, x's rows paired where C = 64; the statistics kernel on x).
-// conv1x1_fold_weight_grad_sum: its last kernel alone, from gx (K, C), the gram (C, C) or paired
-// (2C, 2C) and sums (C), all f32.
+// conv1x1_fold_weight_grad_sum: its last step alone (w·G and the sum), from gx (K, C), the gram
+// (C, C) or paired (2C, 2C) and sums (C), all f32.
 void conv1x1_fold_prep(const Tensor& w1, const Tensor& m2t, const Tensor& bias, const Tensor& w,
                        const Tensor& coef);
 bool conv1x1_fold_supported(const Tensor& g, const Tensor& x, const Tensor& w);

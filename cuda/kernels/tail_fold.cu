@@ -1,9 +1,10 @@
 // The tail fold's pieces on CUDA (contract in cuda/kernels.h: conv1x1_fold_prep,
 // conv1x1_fold_weight_grad; the algebra in ops/conv2d.cpp). A 1x1 convolution's weight w (K × C,
-// f16) and its output gradient's factors dy = a·g + b·y + c per output channel k. Each output
-// element is a dot product over K or C of values in L2, in a fixed order, in f32: one thread
-// per element, one launch per entry, instead of the dozen elementwise ops and small GEMMs of the
-// composition.
+// f16) and its output gradient's factors dy = a·g + b·y + c per output channel k. The two K·C²
+// products, wᵀ·diag(b)·w and w·G, are f32 GEMMs on cuBLASLt (cuda::matmul, exact f32: no TF32);
+// the rest is elementwise over K·C or C·C, in small grid-stride kernels. (v37 had one thread per
+// output computing each product's dot product: 437 µs for layer 4's wᵀ·diag(b)·w, against tens
+// of µs as a GEMM; docs/lab/norm-conv.md, v38.)
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -14,61 +15,60 @@
 namespace kiln::cuda {
 namespace {
 
-// Threads [0, K·C): w1[k][i] = a_k·w[k][i]. Then [K·C, K·C + C·C): m2t[j][i] = Σ_k w[k][j]·b_k·
-// w[k][i] (wᵀ·diag(b)·w, which is symmetric; written as the weight of a linear layer, the
-// transpose). Then [K·C + C·C, K·C + C·C + C): bias[j] = Σ_k c_k·w[k][j].
-__global__ void fold_prep_kernel(__half* __restrict__ w1, __half* __restrict__ m2t,
-                                 __half* __restrict__ bias, const __half* __restrict__ w,
-                                 const float* __restrict__ coef, int K, int C) {
+// Over K·C: w1 = a ⊙ w (f16), wf = w and wb = b ⊙ w (f32).
+__global__ void fold_scale_kernel(__half* __restrict__ w1, float* __restrict__ wf,
+                                  float* __restrict__ wb, const __half* __restrict__ w,
+                                  const float* __restrict__ coef, int K, int C) {
   pdl_start();
-  const int64_t kc = int64_t(K) * C, cc = int64_t(C) * C, n = kc + cc + C;
-  const float* a = coef;
-  const float* b = coef + K;
-  const float* c = coef + 2 * K;
-  // A grid-stride loop: grid_for caps the grid (layer 4's K·C + C·C is past one pass of it).
-  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < int64_t(K) * C;
        t += int64_t(gridDim.x) * blockDim.x) {
-    if (t < kc) {
-      const int k = int(t / C);
-      w1[t] = __float2half_rn(a[k] * __half2float(w[t]));
-    } else if (t < kc + cc) {
-      const int j = int((t - kc) / C), i = int((t - kc) % C);
-      float s = 0.f;
-      for (int k = 0; k < K; ++k)
-        s = fmaf(__half2float(w[int64_t(k) * C + j]) * b[k], __half2float(w[int64_t(k) * C + i]),
-                 s);
-      m2t[t - kc] = __float2half_rn(s);
+    const int k = int(t / C);
+    const float v = __half2float(w[t]);
+    w1[t] = __float2half_rn(coef[k] * v);
+    wf[t] = v;
+    wb[t] = coef[K + k] * v;
+  }
+}
+
+// Over C·C + C: m2t[j][i] = m2[i][j], bias_h = bias, both to f16.
+__global__ void fold_prep_finish_kernel(__half* __restrict__ m2t, __half* __restrict__ bias_h,
+                                        const float* __restrict__ m2,
+                                        const float* __restrict__ bias, int C) {
+  pdl_start();
+  const int64_t cc = int64_t(C) * C;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < cc + C;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    if (t < cc) {
+      const int j = int(t / C), i = int(t % C);
+      m2t[t] = __float2half_rn(m2[int64_t(i) * C + j]);
     } else {
-      const int j = int(t - kc - cc);
-      float s = 0.f;
-      for (int k = 0; k < K; ++k) s = fmaf(c[k], __half2float(w[int64_t(k) * C + j]), s);
-      bias[j] = __float2half_rn(s);
+      bias_h[t - cc] = __float2half_rn(bias[t - cc]);
     }
   }
 }
 
-// dw[k][i] (strides so, si) = a_k·gx[k][i] + b_k·Σ_j w[k][j]·G[j][i] + c_k·s_i, G = gram (C × C),
-// or gram (2C × 2C)'s blocks [0, C)² + [C, 2C)² when paired.
-template <typename T>
-__global__ void fold_weight_grad_kernel(T* __restrict__ dw, int64_t so, int64_t si,
-                                        const float* __restrict__ gx,
-                                        const float* __restrict__ gram,
-                                        const float* __restrict__ sums,
-                                        const __half* __restrict__ w,
-                                        const float* __restrict__ coef, int K, int C,
-                                        bool paired) {
+// Over C·C: g2 = the paired gram's two diagonal blocks added (gram: 2C × 2C).
+__global__ void fold_gram_pairs_kernel(float* __restrict__ g2, const float* __restrict__ gram,
+                                       int C) {
   pdl_start();
-  const int P = paired ? 2 * C : C;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < int64_t(C) * C;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(t / C), i = int(t % C);
+    g2[t] = gram[int64_t(j) * 2 * C + i] + gram[int64_t(C + j) * 2 * C + C + i];
+  }
+}
+
+// Over K·C: dw[k][i] = a_k·gx[k][i] + b_k·q[k][i] + c_k·s_i (q = w·G).
+template <typename T>
+__global__ void fold_combine_kernel(T* __restrict__ dw, int64_t so, int64_t si,
+                                    const float* __restrict__ gx, const float* __restrict__ q,
+                                    const float* __restrict__ sums,
+                                    const float* __restrict__ coef, int K, int C) {
+  pdl_start();
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < int64_t(K) * C;
        t += int64_t(gridDim.x) * blockDim.x) {
     const int k = int(t / C), i = int(t % C);
-    float wg = 0.f;
-    for (int j = 0; j < C; ++j) {
-      float g = gram[int64_t(j) * P + i];
-      if (paired) g += gram[int64_t(C + j) * P + C + i];
-      wg = fmaf(__half2float(w[int64_t(k) * C + j]), g, wg);
-    }
-    const float v = coef[k] * gx[t] + coef[K + k] * wg + coef[2 * K + k] * sums[i];
+    const float v = coef[k] * gx[t] + coef[K + k] * q[t] + coef[2 * K + k] * sums[i];
     dw[int64_t(k) * so + int64_t(i) * si] = T(v);
   }
 }
@@ -89,11 +89,21 @@ void conv1x1_fold_prep(const Tensor& w1, const Tensor& m2t, const Tensor& bias, 
              w1.desc(), ", ", m2t.desc(), ", ", bias.desc());
   KILN_CHECK(coef.dtype() == DType::f32 && coef.is_contiguous() && coef.numel() == 3 * K, op,
              " (cuda): coef must be 3·K = ", 3 * K, " contiguous f32 values, got ", coef.desc());
-  const int64_t n = K * C + C * C + C;
-  launch(fold_prep_kernel, grid_for(n), kBlock, 0, current_stream(),
-         static_cast<__half*>(w1.raw_data()), static_cast<__half*>(m2t.raw_data()),
-         static_cast<__half*>(bias.raw_data()), static_cast<const __half*>(w.raw_data()),
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(w.device());
+  Tensor wf = empty({K, C}, f32), wb = empty({K, C}, f32), m2 = empty({C, C}, f32);
+  Tensor bias_f = empty({1, C}, f32);
+  cudaStream_t s = current_stream();
+  launch(fold_scale_kernel, grid_for(K * C), kBlock, 0, s,
+         static_cast<__half*>(w1.raw_data()), static_cast<float*>(wf.raw_data()),
+         static_cast<float*>(wb.raw_data()), static_cast<const __half*>(w.raw_data()),
          static_cast<const float*>(coef.raw_data()), int(K), int(C));
+  KILN_CUDA_CHECK_LAUNCH();
+  matmul(m2, wf, /*trans_a=*/true, wb, /*trans_b=*/false);             // wᵀ · diag(b) · w
+  matmul(bias_f, coef.narrow(0, 2 * K, K).view({1, K}), false, wf, false);  // cᵀ · w
+  launch(fold_prep_finish_kernel, grid_for(C * C + C), kBlock, 0, s,
+         static_cast<__half*>(m2t.raw_data()), static_cast<__half*>(bias.raw_data()),
+         static_cast<const float*>(m2.raw_data()), static_cast<const float*>(bias_f.raw_data()),
+         int(C));
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -158,16 +168,26 @@ void conv1x1_fold_weight_grad_sum(const Tensor& dw, const Tensor& gx, const Tens
   KILN_CHECK(dw.dim() == 4 && dw.size(0) == K && dw.size(1) == C && dw.size(2) == 1 &&
                  dw.size(3) == 1 && (dw.dtype() == DType::f16 || dw.dtype() == DType::f32),
              op, " (cuda): dw must be (K, C, 1, 1) f16 or f32, got ", dw.desc());
-  const auto* wp = static_cast<const __half*>(w.raw_data());
   cudaStream_t s = current_stream();
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(w.device());
+  Tensor g2 = gram.view({C, C});  // x's Gram; paired, the sum of the (2C × 2C) one's diagonal blocks
+  if (paired) {
+    g2 = empty({C, C}, f32);
+    launch(fold_gram_pairs_kernel, grid_for(C * C), kBlock, 0, s,
+           static_cast<float*>(g2.raw_data()), gp, int(C));
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  Tensor q = empty({K, C}, f32);
+  matmul(q, w.to(DType::f32).view({K, C}), false, g2, false);  // w · G
+  const float* qp = static_cast<const float*>(q.raw_data());
   if (dw.dtype() == DType::f16)
-    launch(fold_weight_grad_kernel<__half>, grid_for(K * C), kBlock, 0, s,
-           static_cast<__half*>(dw.raw_data()), dw.stride(0), dw.stride(1), gxp, gp, sp, wp, cp,
-           int(K), int(C), paired);
+    launch(fold_combine_kernel<__half>, grid_for(K * C), kBlock, 0, s,
+           static_cast<__half*>(dw.raw_data()), dw.stride(0), dw.stride(1), gxp, qp, sp, cp,
+           int(K), int(C));
   else
-    launch(fold_weight_grad_kernel<float>, grid_for(K * C), kBlock, 0, s,
-           static_cast<float*>(dw.raw_data()), dw.stride(0), dw.stride(1), gxp, gp, sp, wp, cp,
-           int(K), int(C), paired);
+    launch(fold_combine_kernel<float>, grid_for(K * C), kBlock, 0, s,
+           static_cast<float*>(dw.raw_data()), dw.stride(0), dw.stride(1), gxp, qp, sp, cp,
+           int(K), int(C));
   KILN_CUDA_CHECK_LAUNCH();
 }
 

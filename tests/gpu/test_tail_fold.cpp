@@ -109,9 +109,10 @@ std::map<std::string, Tensor> grads_of(const TailEnd& r) {
 
 }  // namespace
 
-// The two small kernels against f64 on the host, from the values the device holds.
+// The fold's two small entries (f32 GEMMs on cuBLASLt and elementwise kernels) against f64 on
+// the host, from the values the device holds.
 TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad_sum equal their sums in f64") {
-  // 512: ResNet-50's layer 4, whose K·C + C·C outputs are more than one pass of the capped grid.
+  // 512: ResNet-50's layer 4, whose K·C outputs are more than one pass of the capped grid.
   for (int64_t c : {64, 128, 512}) {
     for (bool paired : {false, true}) {
       if (c == 512 && paired) continue;
