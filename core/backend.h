@@ -164,6 +164,19 @@ struct BatchNormStatsPaths {
                               TensorRef mean_x, TensorRef invstd_x, TensorRef r,
                               TensorRef weight_r, TensorRef mean_r, TensorRef invstd_r,
                               GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormStatsDualDgrad): dual_backward_dgrad without dx, the tail fold
+  // of a block whose shortcut has its own batch norm. g (=, x's shape and layout) gets the
+  // gradient through the ReLU; coef (6C f32, =) both sides' per-channel factors, x's first
+  // (x's gradient is coef[c]·g + coef[C + c]·x + coef[2C + c], for the convolution that produced
+  // x to take in that form: ops/dgrad_sink.h), r's after; dr (=) and the parameters' gradients
+  // as dual_backward_dgrad's. The pass writes dr alone.
+  void (*dual_backward_dgrad_coef)(TensorRef coef, TensorRef g, TensorRef dr,
+                                   TensorRef dweight_x, TensorRef dbias_x, TensorRef dweight_r,
+                                   TensorRef dbias_r, TensorRef dy1, TensorRef w1,
+                                   TensorRef dy_rest, TensorRef mask, TensorRef x,
+                                   TensorRef weight_x, TensorRef mean_x, TensorRef invstd_x,
+                                   TensorRef r, TensorRef weight_r, TensorRef mean_r,
+                                   TensorRef invstd_r, GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
   // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
   // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then

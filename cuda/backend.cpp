@@ -297,6 +297,17 @@ void attention_bwd(const Tensor& dq, const Tensor& dk, const Tensor& dv, const T
 }
 constexpr AttentionPaths kAttention{attention_fwd, attention_bwd};
 
+void bn_stats_dual_backward_dgrad_coef(const Tensor& coef, const Tensor& g, const Tensor& dr,
+                                       const Tensor& dwx, const Tensor& dbx, const Tensor& dwr,
+                                       const Tensor& dbr, const Tensor& dy1, const Tensor& w1,
+                                       const Tensor& dy_rest, const Tensor& mask,
+                                       const Tensor& x, const Tensor& wx, const Tensor& mx,
+                                       const Tensor& ix, const Tensor& r, const Tensor& wr,
+                                       const Tensor& mr, const Tensor& ir, GradientMode mode) {
+  bn_nhwc_dual_backward_dgrad_coef(coef, g, dr, dwx, dbx, dwr, dbr, dy1, w1, dy_rest, mask, x, wx,
+                                   mx, ix, r, wr, mr, ir, mode == GradientMode::Accumulate);
+}
+
 void bn_relu_conv1x1_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                                    const Tensor& x, const Tensor& scale_shift, const Tensor& w) {
   conv1x1_bn_relu_forward_stats(y, sum, sqsum, x, scale_shift, w, ConvParams{});
@@ -314,6 +325,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
   p.backward_dgrad = bn_stats_backward_dgrad;
   p.backward_dgrad_coef = bn_stats_backward_dgrad_coef;
   p.dual_backward_dgrad = bn_stats_dual_backward_dgrad;
+  p.dual_backward_dgrad_coef = bn_stats_dual_backward_dgrad_coef;
   p.relu_max_pool = bn_nhwc_relu_max_pool;
   p.relu_max_pool_at_max = relu_max_pool_backward_uses_at_max;
   p.relu_max_pool_backward = bn_stats_relu_max_pool_backward;

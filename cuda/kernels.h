@@ -510,6 +510,19 @@ void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tenso
                                  const Tensor& invstd_x, const Tensor& r, const Tensor& weight_r,
                                  const Tensor& mean_r, const Tensor& invstd_r,
                                  bool accumulate_params = false);
+// The same without dx, for the tail fold (BatchNormStatsPaths::dual_backward_dgrad_coef): g (=,
+// x's shape and layout) gets the GEMM's masked gradient, coef (6C f32, =) both sides' factors
+// (x's first: x's gradient is coef[c]·g + coef[C + c]·x + coef[2C + c], for conv3 to take as
+// factors), and the apply pass writes dr alone, reading neither x nor writing dx.
+void bn_nhwc_dual_backward_dgrad_coef(const Tensor& coef, const Tensor& g, const Tensor& dr,
+                                      const Tensor& dweight_x, const Tensor& dbias_x,
+                                      const Tensor& dweight_r, const Tensor& dbias_r,
+                                      const Tensor& dy1, const Tensor& w1, const Tensor& dy_rest,
+                                      const Tensor& mask, const Tensor& x, const Tensor& weight_x,
+                                      const Tensor& mean_x, const Tensor& invstd_x,
+                                      const Tensor& r, const Tensor& weight_r,
+                                      const Tensor& mean_r, const Tensor& invstd_r,
+                                      bool accumulate_params = false);
 // Whether the dual form runs (on by default since v27, docs/lab/norm-conv.md; KILN_DUAL_DGRAD=0
 // turns it off; set here for tests and A/B runs).
 bool dual_dgrad_enabled();

@@ -241,26 +241,50 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const int64_t c = x.size(1);
     auto param_grad = [&](size_t i) { return needs_input_grad(i) ? empty({c}, f32) : Tensor(); };
-    Tensor dx = empty_like(x), dr = empty_like(r);
+    Tensor dx, dr = empty_like(r);
     const std::vector<Tensor> targets = param_targets(*this, {2, 3, 4, 5}, x);
     const bool acc = !targets.empty();
     Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
     Tensor dwr = acc ? targets[2] : param_grad(4), dbr = acc ? targets[3] : param_grad(5);
     const GradientMode mode = acc ? target_mode(*this, {2, 3, 4, 5}) : GradientMode::Set;
-    if (dy1.defined())
+    // x stands for g (the gradient through the ReLU) in the question: same shape and layout.
+    detail::FoldedGradTarget* fold = dy1.defined() ? fold_target(x) : nullptr;
+    if (fold != nullptr) {
+      // The tail fold, x's side: x's gradient goes to conv3 as factors (the first 3C of coef),
+      // and the pass writes dr alone.
+      Tensor g = empty_like(x), coef = empty({6 * c}, f32);
+      backend(x).batch_norm_stats->dual_backward_dgrad_coef(
+          coef, g, dr, dwx, dbx, dwr, dbr, dy1, w1, dy, mask_.get(*this), x, wx_.get(*this),
+          mean_x_.get(*this), invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this),
+          invstd_r_.get(*this), mode);
+      fold->take_folded(next_edges_[0].input_nr, g, coef.narrow(0, 0, 3 * c));
+      ++g_tail_folds;
+    } else if (dy1.defined()) {
+      dx = empty_like(x);
       backend(x).batch_norm_stats->dual_backward_dgrad(
           dx, dr, dwx, dbx, dwr, dbr, dy1, w1, dy, mask_.get(*this), x, wx_.get(*this),
           mean_x_.get(*this), invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this),
           invstd_r_.get(*this), mode);
-    else
+    } else {
+      dx = empty_like(x);
       backend(x).batch_norm_stats->dual_backward(
           dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x, wx_.get(*this), mean_x_.get(*this),
           invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this), mode);
+    }
     return {needs_input_grad(0) ? dx : Tensor(), needs_input_grad(1) ? dr : Tensor(), dwx, dbx,
             dwr, dbr};
   }
 
  private:
+  // The node behind x's edge (conv3) when it takes x's gradient as factors, else null.
+  detail::FoldedGradTarget* fold_target(const Tensor& g) const {
+    if (!g.defined() || !needs_input_grad(0) ||
+        !backend(g).batch_norm_stats->dual_backward_dgrad_coef)
+      return nullptr;
+    auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[0].fn.get());
+    return t != nullptr && t->can_take_folded(next_edges_[0].input_nr, g) ? t : nullptr;
+  }
+
   SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;
   Tensor dy1_, w1_;  // the next convolution's data gradient operands, taken in (accept_dgrad)
 };

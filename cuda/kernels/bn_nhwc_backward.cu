@@ -148,8 +148,9 @@ __global__ void dual_finish_kernel(float* __restrict__ dwx, float* __restrict__ 
 }
 
 // kMode: kMaskBits (g = dy masked by the forward's bits) or kNoMask (dy is g already: the dual
-// form's GEMM wrote it masked).
-template <int kMode>
+// form's GEMM wrote it masked). kX false: dr alone (x's gradient goes to conv3 as factors, the
+// tail fold: dx and x are not touched).
+template <int kMode, bool kX>
 __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __restrict__ dr,
                                            const uint4* __restrict__ dy,
                                            const uint8_t* __restrict__ mask,
@@ -176,7 +177,9 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
   const Vec8 none{};
   for (; i < vecs; i += stride) {
     if (!fixed) load_factors(i);
-    const Vec8 xv = load8(x, i), rv = load8(r, i);
+    Vec8 xv = none;
+    if constexpr (kX) xv = load8(x, i);
+    const Vec8 rv = load8(r, i);
     const Vec8 g = masked_grad<kMode>(dy, mask, xv, none, none, i);
     Vec8 ox, orr;
 #pragma unroll
@@ -184,7 +187,7 @@ __global__ void dual_backward_apply_kernel(uint4* __restrict__ dx, uint4* __rest
       ox.v[j] = fmaf(a1.v[j], g.v[j], fmaf(b1.v[j], xv.v[j], c1.v[j]));
       orr.v[j] = fmaf(a2.v[j], g.v[j], fmaf(b2.v[j], rv.v[j], c2.v[j]));
     }
-    store8(dx, i, ox);
+    if constexpr (kX) store8(dx, i, ox);
     store8(dr, i, orr);
   }
 }
@@ -421,16 +424,20 @@ void bn_nhwc_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight,
 namespace {
 
 // The dual backward after its sums (partial (parts, 3, C)): both sides' finish, then the apply
-// pass reading dy (kMode: kMaskBits, masked here by mp) or g (kNoMask: masked already).
+// pass reading dy (kMode: kMaskBits, masked here by mp) or g (kNoMask: masked already). With
+// coef_out (6C) the factors go there; with dx undefined the pass writes dr alone.
 template <int kMode>
 void dual_finish_apply(const char* op, const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
                        const Tensor& dbias_x, const Tensor& dweight_r, const Tensor& dbias_r,
                        const Tensor& dy, const uint8_t* mp, const Tensor& x,
                        const Tensor& weight_x, const float* mx, const float* kx, const Tensor& r,
                        const Tensor& weight_r, const float* mr, const float* kr,
-                       const float* pp, int parts, bool accumulate_params) {
+                       const float* pp, int parts, bool accumulate_params,
+                       const Tensor& coef_out = Tensor()) {
   const int64_t C = x.size(1), G = C / kVec, rows = x.numel() / C, vecs = x.numel() / kVec;
-  Tensor coef = empty({6 * C}, TensorOptions(DType::f32).with_device(x.device()));
+  Tensor coef = coef_out.defined()
+                    ? coef_out
+                    : empty({6 * C}, TensorOptions(DType::f32).with_device(x.device()));
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
   launch(dual_finish_kernel, finish_grid(C), kFinishBlock, 0, s,
@@ -439,8 +446,12 @@ void dual_finish_apply(const char* op, const Tensor& dx, const Tensor& dr, const
          f32_ptr(weight_x, C, x, op, "weight_x"), mx, kx, f32_ptr(weight_r, C, x, op, "weight_r"),
          mr, kr, C, parts, double(rows), accumulate_params);
   KILN_CUDA_CHECK_LAUNCH();
-  launch(dual_backward_apply_kernel<kMode>, grid_for(vecs), kBlock, 0, s, vec_out(dx),
-         vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
+  if (dx.defined())
+    launch(dual_backward_apply_kernel<kMode, true>, grid_for(vecs), kBlock, 0, s, vec_out(dx),
+           vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
+  else
+    launch(dual_backward_apply_kernel<kMode, false>, grid_for(vecs), kBlock, 0, s, nullptr,
+           vec_out(dr), vec_in(dy), mp, nullptr, vec_in(r), cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -477,6 +488,54 @@ void bn_nhwc_dual_backward(const Tensor& dx, const Tensor& dr, const Tensor& dwe
                                accumulate_params);
 }
 
+namespace {
+// bn_nhwc_dual_backward_dgrad and its _coef form: the GEMM writes g (g_out where given), then
+// the finish and the apply (dx and dr, or dr alone with coef_out).
+void dual_backward_dgrad_impl(const char* op, const Tensor& dx, const Tensor& g_out,
+                              const Tensor& coef_out, const Tensor& dr, const Tensor& dweight_x,
+                              const Tensor& dbias_x, const Tensor& dweight_r,
+                              const Tensor& dbias_r, const Tensor& dy1, const Tensor& w1,
+                              const Tensor& dy_rest, const Tensor& mask, const Tensor& x,
+                              const Tensor& weight_x, const Tensor& mean_x,
+                              const Tensor& invstd_x, const Tensor& r, const Tensor& weight_r,
+                              const Tensor& mean_r, const Tensor& invstd_r,
+                              bool accumulate_params) {
+  check_x(x, op);
+  if (dx.defined()) check_act(dx, x, op, "dx");
+  if (g_out.defined()) check_act(g_out, x, op, "g");
+  for (auto [t, what] : {std::pair{&dr, "dr"}, std::pair{&r, "r"}}) check_act(*t, x, op, what);
+  if (dy_rest.defined()) check_act(dy_rest, x, op, "dy_rest");
+  KILN_CHECK(dual_dgrad_supported(dy1, w1, x), op,
+             " (cuda): needs KILN_DUAL_DGRAD on, an sm_90 GPU, f16 channels-last dy1 (N, K, H, W), "
+             "w1 (K, C, 1, 1) and x (N, C, H, W) with K a multiple of 64 up to 2,048 and C of 128, "
+             "got dy1 ",
+             dy1.desc(), ", w1 ", w1.desc(), ", x ", x.desc());
+  const int64_t C = x.size(1), rows = x.numel() / C, vecs = x.numel() / kVec;
+  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
+  if (coef_out.defined())
+    KILN_CHECK(coef_out.dtype() == DType::f32 && coef_out.is_contiguous() &&
+                   coef_out.numel() == 6 * C && coef_out.device() == x.device(),
+               op, " (cuda): coef must be f32, contiguous, 6·C = ", 6 * C,
+               " values on x's device, got ", coef_out.desc());
+  mask_ptr(mask, vecs, x, op);  // checked here; the GEMM reads it by TMA
+  const float* mx = required(f32_ptr(mean_x, C, x, op, "mean_x"), op, "mean_x");
+  const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
+  const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
+  const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
+  const int parts = dgrad1x1_bn_wgmma_parts(rows, C);
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
+  Tensor g = g_out.defined() ? g_out : empty_like(x);  // masked, for the apply pass
+  // The tail form's kernel always adds a residual: zeros when nothing else reached dy.
+  const Tensor rest = dy_rest.defined() ? dy_rest : zeros_like(x);
+  dgrad1x1_bn_sums_wgmma(g, partial, dy1, w1, rest, mask, x, mean_x, Tensor(), parts, r, mean_r);
+  dual_finish_apply<kNoMask>(op, dx, dr, dweight_x, dbias_x, dweight_r, dbias_r, g, nullptr, x,
+                             weight_x, mx, kx, r, weight_r, mr, kr,
+                             static_cast<const float*>(partial.raw_data()), parts,
+                             accumulate_params, coef_out);
+}
+}  // namespace
+
 void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tensor& dweight_x,
                                  const Tensor& dbias_x, const Tensor& dweight_r,
                                  const Tensor& dbias_r, const Tensor& dy1, const Tensor& w1,
@@ -487,32 +546,26 @@ void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tenso
                                  bool accumulate_params) {
   const char* op = "bn_nhwc_dual_backward_dgrad";
   check_x(x, op);
-  for (auto [t, what] : {std::pair{&dx, "dx"}, std::pair{&dr, "dr"}, std::pair{&r, "r"}})
-    check_act(*t, x, op, what);
-  if (dy_rest.defined()) check_act(dy_rest, x, op, "dy_rest");
-  KILN_CHECK(dual_dgrad_supported(dy1, w1, x), op,
-             " (cuda): needs KILN_DUAL_DGRAD on, an sm_90 GPU, f16 channels-last dy1 (N, K, H, W), "
-             "w1 (K, C, 1, 1) and x (N, C, H, W) with K a multiple of 64 up to 2,048 and C of 128, "
-             "got dy1 ",
-             dy1.desc(), ", w1 ", w1.desc(), ", x ", x.desc());
-  const int64_t C = x.size(1), rows = x.numel() / C, vecs = x.numel() / kVec;
-  KILN_CHECK(rows > 1, op, " (cuda): needs more than one value per channel, got ", x.desc());
-  mask_ptr(mask, vecs, x, op);  // checked here; the GEMM reads it by TMA
-  const float* mx = required(f32_ptr(mean_x, C, x, op, "mean_x"), op, "mean_x");
-  const float* kx = required(f32_ptr(invstd_x, C, x, op, "invstd_x"), op, "invstd_x");
-  const float* mr = required(f32_ptr(mean_r, C, x, op, "mean_r"), op, "mean_r");
-  const float* kr = required(f32_ptr(invstd_r, C, x, op, "invstd_r"), op, "invstd_r");
-  const int parts = dgrad1x1_bn_wgmma_parts(rows, C);
-  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
-  Tensor partial = empty({int64_t(parts) * 3 * C}, f32);
-  Tensor g = empty_like(x);  // masked, for the apply pass
-  // The tail form's kernel always adds a residual: zeros when nothing else reached dy.
-  const Tensor rest = dy_rest.defined() ? dy_rest : zeros_like(x);
-  dgrad1x1_bn_sums_wgmma(g, partial, dy1, w1, rest, mask, x, mean_x, Tensor(), parts, r, mean_r);
-  dual_finish_apply<kNoMask>(op, dx, dr, dweight_x, dbias_x, dweight_r, dbias_r, g, nullptr, x,
-                             weight_x, mx, kx, r, weight_r, mr, kr,
-                             static_cast<const float*>(partial.raw_data()), parts,
-                             accumulate_params);
+  check_act(dx, x, op, "dx");
+  dual_backward_dgrad_impl(op, dx, Tensor(), Tensor(), dr, dweight_x,
+                           dbias_x, dweight_r, dbias_r, dy1, w1, dy_rest, mask, x, weight_x,
+                           mean_x, invstd_x, r, weight_r, mean_r, invstd_r, accumulate_params);
+}
+
+void bn_nhwc_dual_backward_dgrad_coef(const Tensor& coef, const Tensor& g, const Tensor& dr,
+                                      const Tensor& dweight_x, const Tensor& dbias_x,
+                                      const Tensor& dweight_r, const Tensor& dbias_r,
+                                      const Tensor& dy1, const Tensor& w1, const Tensor& dy_rest,
+                                      const Tensor& mask, const Tensor& x, const Tensor& weight_x,
+                                      const Tensor& mean_x, const Tensor& invstd_x,
+                                      const Tensor& r, const Tensor& weight_r,
+                                      const Tensor& mean_r, const Tensor& invstd_r,
+                                      bool accumulate_params) {
+  const char* op = "bn_nhwc_dual_backward_dgrad_coef";
+  KILN_CHECK(coef.defined() && g.defined(), op, " (cuda): coef and g must be defined");
+  dual_backward_dgrad_impl(op, Tensor(), g, coef, dr, dweight_x, dbias_x, dweight_r, dbias_r, dy1,
+                           w1, dy_rest, mask, x, weight_x, mean_x, invstd_x, r, weight_r, mean_r,
+                           invstd_r, accumulate_params);
 }
 
 void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dweight,

@@ -54,8 +54,10 @@ bool fold_runs_here() {
 
 // A bottleneck's end: y2 → relu(bn2) → conv3 (C → 4C, 1x1) → relu(bn3(y3) + z) → the next
 // block's conv1 (4C → C, 1x1), whose output gradient is given. Leaves: y2, z and every weight.
+// With a downsample shortcut (host has "wd"), z is the shortcut's input (Cs channels) and the
+// tail is relu(bn3(y3) + bnd(convd(z))), the dual form (wd, gd, bd its leaves).
 struct TailEnd {
-  Tensor y2, z, w3, w1, g2, b2, g3, b3;
+  Tensor y2, z, w3, w1, g2, b2, g3, b3, wd, gd, bd;
 };
 
 F::ChannelStats stats_of(const Tensor& y) {
@@ -78,16 +80,31 @@ TailEnd tail_end_backward(const std::map<std::string, Tensor>& host, DType dt) {
   const TensorOptions opt = TensorOptions().with_device(kGpu);
   const int64_t c = r.y2.size(1), k = r.w3.size(0);
   Tensor rm2 = zeros({c}, opt), rv2 = ones({c}, opt), rm3 = zeros({k}, opt), rv3 = ones({k}, opt);
+  const bool dual = host.count("wd") != 0;
+  if (dual) {
+    r.wd = leaf("wd", dt);
+    r.gd = leaf("gd", DType::f32);
+    r.bd = leaf("bd", DType::f32);
+  }
+  Tensor rmd = zeros({k}, opt), rvd = ones({k}, opt);
   Tensor out;
   if (dt == DType::f16) {
     const Tensor a2 = F::batch_norm_from_stats(r.y2, stats_of(r.y2), Tensor(), true, r.g2, r.b2,
                                                rm2, rv2, true);
     const Tensor y3 = F::conv2d(a2, r.w3);
-    out = F::batch_norm_from_stats(y3, stats_of(y3), r.z, true, r.g3, r.b3, rm3, rv3, true);
+    if (dual) {
+      const Tensor yd = F::conv2d(r.z, r.wd);
+      out = F::batch_norm_add_batch_norm_relu(y3, stats_of(y3), {r.g3, r.b3, rm3, rv3}, yd,
+                                              stats_of(yd), {r.gd, r.bd, rmd, rvd}, true);
+    } else {
+      out = F::batch_norm_from_stats(y3, stats_of(y3), r.z, true, r.g3, r.b3, rm3, rv3, true);
+    }
   } else {
     const Tensor a2 = F::relu(F::batch_norm(r.y2, r.g2, r.b2, rm2, rv2, true));
     const Tensor y3 = F::conv2d(a2, r.w3);
-    out = F::relu(F::add(F::batch_norm(y3, r.g3, r.b3, rm3, rv3, true), r.z));
+    const Tensor shortcut =
+        dual ? F::batch_norm(F::conv2d(r.z, r.wd), r.gd, r.bd, rmd, rvd, true) : r.z;
+    out = F::relu(F::add(F::batch_norm(y3, r.g3, r.b3, rm3, rv3, true), shortcut));
   }
   const Tensor y1 = F::conv2d(out, r.w1);
   const Tensor dy1 = host.at("dy1").to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
@@ -97,9 +114,10 @@ TailEnd tail_end_backward(const std::map<std::string, Tensor>& host, DType dt) {
 
 std::map<std::string, Tensor> grads_of(const TailEnd& r) {
   std::map<std::string, Tensor> g;
-  const std::vector<std::pair<const char*, const Tensor*>> leaves = {
+  std::vector<std::pair<const char*, const Tensor*>> leaves = {
       {"y2", &r.y2}, {"z", &r.z}, {"w3", &r.w3}, {"w1", &r.w1},
       {"g2", &r.g2}, {"b2", &r.b2}, {"g3", &r.g3}, {"b3", &r.b3}};
+  if (r.wd.defined()) leaves.insert(leaves.end(), {{"wd", &r.wd}, {"gd", &r.gd}, {"bd", &r.bd}});
   for (const auto& [name, t] : leaves) {
     REQUIRE(t->grad().defined());
     g[name] = t->grad().to(DType::f32).contiguous().to(kCPU);
@@ -179,19 +197,31 @@ TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad_sum equal their sums i
 // changes how dy3's three terms are rounded (g · (a ⊙ w3) and x · (w3ᵀ diag(b) w3) are GEMMs on
 // f16 operands where the unfolded path rounds dy3 itself to f16), so each gradient is held to
 // the unfolded run's own distance from f32, with a floor for tensors both get nearly exact.
+// The same with a downsample shortcut (the dual tail: conv3's side folds, the shortcut's
+// gradient is written by the pass as before), the shortcut's input 2C wide.
 TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f16 rounding") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel (an sm_90 GPU, a build "
             "for sm_90a); skipped");
     return;
   }
-  for (int64_t c : {64, 128}) {
+  for (int form = 0; form < 4; ++form) {
+    const bool dual = form >= 2;
+    const int64_t c = form % 2 == 0 ? 64 : 128;
+    CAPTURE(dual);
     CAPTURE(c);
-    const int64_t k = 4 * c, n = 4, h = 10, w = 12;
-    manual_seed(700 + uint64_t(c));
+    const int64_t k = 4 * c, n = 4, h = 10, w = 12, cs = 2 * c;
+    manual_seed(700 + uint64_t(c) + (dual ? 50 : 0));
     std::map<std::string, Tensor> host;
     host["y2"] = F::add(F::mul(randn({n, c, h, w}), 1.5), 0.25);
-    host["z"] = randn({n, k, h, w});
+    if (dual) {
+      host["z"] = randn({n, cs, h, w});
+      host["wd"] = F::mul(randn({k, cs, 1, 1}), 1.0 / std::sqrt(double(cs)));
+      host["gd"] = uniform({k}, 0.5, 1.5);
+      host["bd"] = uniform({k}, -0.5, 0.5);
+    } else {
+      host["z"] = randn({n, k, h, w});
+    }
     host["w3"] = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(c)));
     host["w1"] = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k)));
     host["g2"] = uniform({c}, 0.5, 1.5);
@@ -234,8 +264,9 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
 // The whole model, as tests/gpu/test_dgrad3x3.cpp's check of its fused data gradient: at 112 ×
 // 112 and batch 16 from random weights the f16 and FP32 runs part far (relative L2 about 0.65
 // over the tensors), so this catches a gradient grossly wrong or not finite; the case above
-// bounds the rest. Every identity block tail but the last (whose output goes to the pool, not
-// to a convolution's data gradient) folds: 11 of ResNet-50's 12.
+// bounds the rest. Every block tail but the last (whose output goes to the pool, not to a
+// convolution's data gradient) folds: 11 of ResNet-50's 12 identity tails and its 4 downsample
+// tails (conv3's side).
 TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
@@ -256,7 +287,7 @@ TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without
   const auto off = grads(amp::Precision::Mixed16, false, &folds_off);
   const auto on = grads(amp::Precision::Mixed16, true, &folds_on);
   CHECK(folds_off == 0);
-  CHECK(folds_on == 11);
+  CHECK(folds_on == 15);
   const gputest::GradComparison c = gputest::compare_to_reference(on, off, ref);
   MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fold rms ", c.rms_on,
           ", no fold rms ", c.rms_off, "; worst fold/no-fold ratio ", c.worst_ratio, " (",
