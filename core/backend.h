@@ -72,6 +72,10 @@ enum class FastPath : uint8_t {
   // output gradient's first factor, x (N, C, H, W) its input, w (K, C, 1, 1): the backend wants
   // the fold for these operands and its two fold entries take them.
   TailFold,
+  // The tail fold from a downsample block's tail (BatchNormStatsPaths::dual_backward_dgrad_coef;
+  // conv3 still answers TailFold for its own operands): x, the tail's first input (conv3's
+  // output).
+  TailFoldDual,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /

@@ -278,8 +278,10 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
  private:
   // The node behind x's edge (conv3) when it takes x's gradient as factors, else null.
   detail::FoldedGradTarget* fold_target(const Tensor& g) const {
-    if (!g.defined() || !needs_input_grad(0) ||
-        !backend(g).batch_norm_stats->dual_backward_dgrad_coef)
+    if (!g.defined() || !needs_input_grad(0)) return nullptr;
+    const Backend& be = backend(g);
+    if (!be.batch_norm_stats->dual_backward_dgrad_coef ||
+        !supports(be, FastPath::TailFoldDual, {&g}))
       return nullptr;
     auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[0].fn.get());
     return t != nullptr && t->can_take_folded(next_edges_[0].input_nr, g) ? t : nullptr;

@@ -26,23 +26,27 @@ namespace {
 const Device kGpu = Device::cuda(0);
 const Device kCPU = Device::cpu();
 
-// The fold's switch and threshold for one scope.
+// The fold's switches and threshold for one scope (the downsample tails' too: on with it).
 class Fold {
  public:
   Fold(bool on, int64_t min_elements)
-      : on_(cuda::tail_fold_enabled()), min_(cuda::tail_fold_min()) {
+      : on_(cuda::tail_fold_enabled()),
+        dual_(cuda::tail_fold_dual_enabled()),
+        min_(cuda::tail_fold_min()) {
     cuda::set_tail_fold_enabled(on);
+    cuda::set_tail_fold_dual_enabled(on);
     cuda::set_tail_fold_min(min_elements);
   }
   ~Fold() {
     cuda::set_tail_fold_enabled(on_);
+    cuda::set_tail_fold_dual_enabled(dual_);
     cuda::set_tail_fold_min(min_);
   }
   Fold(const Fold&) = delete;
   Fold& operator=(const Fold&) = delete;
 
  private:
-  bool on_;
+  bool on_, dual_;
   int64_t min_;
 };
 
@@ -245,6 +249,13 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
       const Fold fold(true, n * c * h * w + 1);
       const auto big = grads_of(tail_end_backward(host, DType::f16));
       CHECK(gputest::rel_l2(big.at("w3"), off.at("w3")) == 0.0);
+    }
+    if (dual) {
+      // KILN_TAIL_FOLD_DUAL=0: the identity tails alone.
+      const Fold fold(true, 0);
+      cuda::set_tail_fold_dual_enabled(false);
+      const auto plain = grads_of(tail_end_backward(host, DType::f16));
+      CHECK(gputest::rel_l2(plain.at("w3"), off.at("w3")) == 0.0);
     }
     CHECK(F::tail_folds() == f0 + 1);
     ref = grads_of(tail_end_backward(host, DType::f32));
