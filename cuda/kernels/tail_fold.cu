@@ -171,8 +171,9 @@ void conv1x1_fold_weight_grad_sum(const Tensor& dw, const Tensor& gx, const Tens
   cudaStream_t s = current_stream();
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(w.device());
   // x's Gram (C × C): the gram itself, or the sum of the paired (2C × 2C) one's diagonal blocks.
-  Tensor g2 = paired ? empty({C, C}, f32) : gram.view({C, C});
+  Tensor g2 = gram.view({paired ? 2 * C : C, paired ? 2 * C : C});
   if (paired) {
+    g2 = empty({C, C}, f32);
     launch(fold_gram_pairs_kernel, grid_for(C * C), kBlock, 0, s,
            static_cast<float*>(g2.raw_data()), gp, int(C));
     KILN_CUDA_CHECK_LAUNCH();
