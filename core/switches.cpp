@@ -37,7 +37,7 @@ Switches read_switches() {
     const long tf_min = std::strtol(tf, &end, 10);
     if (*end == '\0' && tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);
   }
-  s.tail_fold_dual = is(std::getenv("KILN_TAIL_FOLD_DUAL"), "1");
+  s.tail_fold_dual = !is(std::getenv("KILN_TAIL_FOLD_DUAL"), "0");
   s.stem_pool_tile = !is(std::getenv("KILN_STEM_POOL_TILE"), "0");
   s.stem_pool_at_max = !is(std::getenv("KILN_STEM_POOL_AT_MAX"), "0");
   s.stem_pool_raw_tile = !is(std::getenv("KILN_STEM_POOL_RAW_TILE"), "0");

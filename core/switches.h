@@ -174,7 +174,7 @@ struct Switches {
   bool dual_dgrad = true;
   bool tail_fold = true;
   int tail_fold_min = 20000000;
-  bool tail_fold_dual = false;  // not yet run on a GPU (docs/lab/norm-conv.md, v38)
+  bool tail_fold_dual = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;

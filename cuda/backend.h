@@ -28,8 +28,8 @@ void set_tail_fold_enabled(bool on);
 int64_t tail_fold_min();
 void set_tail_fold_min(int64_t elements);
 // Whether a downsample block's tail folds too (FastPath::TailFoldDual: conv3's side of its two
-// batch norms; docs/lab/norm-conv.md, v38). Off unless KILN_TAIL_FOLD_DUAL=1 (written and
-// CI-tested, not yet run on a GPU), and only where the fold itself is on.
+// batch norms; docs/lab/norm-conv.md, v38 and v39). On unless KILN_TAIL_FOLD_DUAL=0, and only
+// where the fold itself is on.
 bool tail_fold_dual_enabled();
 void set_tail_fold_dual_enabled(bool on);
 
