@@ -78,6 +78,12 @@
 // |                          |                     | since v37: ops/dgrad_sink.h, norm-conv.md)      |
 // | KILN_TAIL_FOLD_MIN       | N >= 0 (default     | the fewest elements of conv3's input that fold  |
 // |                          | 20000000)           | (ResNet-50 at b256: layers 1 and 2)             |
+// | KILN_TAIL_FOLD_DUAL      | 0                   | a downsample block's tail writes conv3's output |
+// |                          |                     | gradient in its pass instead of folding conv3's |
+// |                          |                     | side (on since v39; norm-conv.md)               |
+// | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
+// |                          |                     | its own, not in the weight gradient's idle warps|
+// |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
 // | KILN_STEM_POOL_TILE      | 0                   | the stem's batch norm + ReLU + max pool forward |
 // |                          |                     | one output per thread, each input normalised    |
 // |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
@@ -175,6 +181,7 @@ struct Switches {
   bool tail_fold = true;
   int tail_fold_min = 20000000;
   bool tail_fold_dual = true;
+  bool wgrad_x_sum = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;

@@ -321,6 +321,17 @@ void conv1x1_fold_weight_grad_sum(const Tensor& dw, const Tensor& gx, const Tens
                                   const Tensor& sums, const Tensor& w, const Tensor& coef);
 void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                              const ConvParams& p, bool accumulate);
+// conv1x1_backward_weight (written, not added) with x_sum (f32, I values) = Σ over x's rows per
+// channel from the same pass: the kernel's idle warps add x's tiles as they arrive, so x is read
+// once for both. dw bit for bit conv1x1_backward_weight's. Where conv1x1_wgrad_x_sum_supported:
+// what conv1x1_wgrad_supported takes with O a multiple of 128 (x is then the kernel's second
+// operand) and KILN_CONV_PROLOGUE's orientation off, and the switch on (KILN_WGRAD_X_SUM=0 turns
+// it off: the tail fold then sums x in a pass of its own).
+bool conv1x1_wgrad_x_sum_supported(const Tensor& dw, const Tensor& dy, const Tensor& x);
+void conv1x1_backward_weight_x_sum(const Tensor& dw, const Tensor& x_sum, const Tensor& dy,
+                                   const Tensor& x);
+bool conv1x1_wgrad_x_sum_enabled();
+void set_conv1x1_wgrad_x_sum_enabled(bool on);
 // The same weight gradient of a convolution that read relu(bn(x)): dw = dyᵀ · relu(x·scale +
 // shift) with bn's scale and shift (scale_shift: f32 (2·I), scale then shift) applied as the
 // kernel loads x, bit for bit conv1x1_backward_weight of the tensor bn_nhwc_apply(relu) would

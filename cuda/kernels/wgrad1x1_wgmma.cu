@@ -54,11 +54,20 @@ constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 3 * kStages<kBN> * 
 // applies its two channels' factors there, and issues wgmma's register-A form; two register sets
 // alternate, so each part's k-steps come in pairs (M a multiple of 128) and B (dy) takes
 // 128-column tiles. kPro 4: kPro 3 with the factors in f16 (KILN_PROLOGUE_F16, bn_relu2_f16).
-template <int kBN, int kPro>
+//
+// kSumB (kPro 0 only): b's column sums Σ_m b[m][β] as well, by warps 2 and 3 of warpgroup 0 in
+// the CTAs of α-tile 0 (one CTA per part and β-tile). They read each slot's b boxes once it is
+// full, as the prologue's threads do (thread t takes chunk t % 8 of rows t / 8 + 8i: 8 fixed
+// channels, bn_relu_channel), and arrive on its "empty" with the consumers (320 arrivals there),
+// so the MMAs never wait for them. Each thread adds its rows in order; at the end each warp adds
+// its four row groups per channel by shuffles, in order, and writes colsum (parts, 2, B): part,
+// warp, channel. The tail fold's Σx (tail_fold.cu) comes from here instead of a pass over x.
+template <int kBN, int kPro, bool kSumB = false>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
-                          int parts, const float* __restrict__ ss, bool pairs) {
+                          int parts, const float* __restrict__ ss, bool pairs,
+                          float* __restrict__ colsum) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
@@ -72,18 +81,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty = [&](int s) { return bars + uint32_t((S + s) * 8); };
   auto ready = [&](int s) { return bars + uint32_t((2 * S + s) * 8); };
   const int tid = threadIdx.x, wg = tid >> 7;
+  static_assert(!kSumB || kPro == 0, "b's column sums without a prologue only");
+  const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
+  const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
+  const bool sums = kSumB && tile < b_tiles;  // α-tile 0
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), 256);
+      mbar_init(empty(s), sums ? 320 : 256);
       if constexpr (kPro == 1 || kPro == 2) mbar_init(ready(s), 64);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
-  const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
   const int a0 = (tile / b_tiles) * kBM, b0 = (tile % b_tiles) * kBN;
   static_assert(kPro < 3 || kBN == 128, "the register-A prologue takes 128-column tiles");
   const int64_t KT = (M + kBK - 1) / kBK;
@@ -114,6 +125,59 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();  // before the MMAs read the slot through the async proxy
           mbar_arrive(ready(s));
         }
+        return;
+      }
+    }
+    if constexpr (kSumB) {
+      if (tid >= 64) {
+        if (!sums) return;
+        constexpr int kBoxes = kBN / 64;
+        const int t = tid - 64;
+        float acc[kBoxes][8];
+#pragma unroll
+        for (int h = 0; h < kBoxes; ++h)
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[h][k] = 0.f;
+        for (int j = 0; j < n; ++j) {
+          const int s = j % S;
+          mbar_wait(full(s), uint32_t((j / S) & 1));
+          const unsigned char* x = gbase + (b_slot(s) - base);
+#pragma unroll
+          for (int h = 0; h < kBoxes; ++h) {
+            const uint4* p =
+                reinterpret_cast<const uint4*>(x + h * kBox + (t >> 3) * 128 + (t & 7) * 16);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {  // rows t / 8 + 8i, one 1,024-byte step apart
+              const uint4 v = p[i * 64];
+              const __half2* hv = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const float2 f = __half22float2(hv[k]);
+                acc[h][2 * k] += f.x;
+                acc[h][2 * k + 1] += f.y;
+              }
+            }
+          }
+          mbar_arrive(empty(s));
+        }
+        // Lane l of warp w (2 or 3) holds rows of group g = 4·(w − 2) + l / 8 in channels
+        // 8·((l % 8) XOR g)..; the lane of group g' with the same channels is (l % 8 XOR g XOR
+        // g') % 8 + 8·(g' % 4). Each lane adds its warp's four groups in order; lanes 0-7 write.
+        const int lane = t & 31, w = t >> 5, g = (t >> 3) & 7;
+        const int j8 = (lane & 7) ^ g;  // this lane's channel group
+        float* out = colsum + (int64_t(part) * 2 + w) * B + b0;
+#pragma unroll
+        for (int h = 0; h < kBoxes; ++h)
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            float v = 0.f;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const int gq = 4 * w + q;
+              v += __shfl_sync(0xffffffffu, acc[h][k], ((j8 ^ gq) & 7) + 8 * q);
+            }
+            if (lane < 8) out[h * 64 + j8 * 8 + k] = v;
+          }
         return;
       }
     }
@@ -282,11 +346,25 @@ __global__ void __launch_bounds__(1024)
 constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
 constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
 constinit RuntimeSwitch g_prologue_f16{&Switches::prologue_f16};  // KILN_PROLOGUE_F16
+constinit RuntimeSwitch g_wgrad_x_sum{&Switches::wgrad_x_sum};    // KILN_WGRAD_X_SUM
+
+// x_sum[i] = Σ over parts, then over the two summing warps, in order, of colsum (parts, 2, B).
+__global__ void wgrad1x1_colsum_finish_kernel(float* __restrict__ x_sum,
+                                              const float* __restrict__ colsum, int rows, int B) {
+  pdl_start();
+  const int c = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= B) return;
+  float v = 0.f;
+#pragma unroll 8
+  for (int r = 0; r < rows; ++r) v += colsum[int64_t(r) * B + c];
+  x_sum[c] = v;
+}
 
 // dw (=, or += with accumulate) = dyᵀ · x, or dyᵀ · relu(x·scale + shift) with scale_shift
-// defined; the shapes already checked.
+// defined; the shapes already checked. x_sum defined (f32, I values; no scale_shift, and x must
+// be the kernel's b, wgrad1x1_sums_x): Σ over x's rows per channel too, from the same pass.
 void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& scale_shift,
-              bool accumulate) {
+              bool accumulate, const Tensor& x_sum = Tensor()) {
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
   // The prologue from registers (kPro 3) where x can be A with dy in 128-column tiles and the
   // k-steps pair up. With KILN_CONV_PROLOGUE on, every weight gradient of such a shape takes
@@ -299,6 +377,8 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   // A: the side that is a multiple of 128 (x's where the register form fits, else dy's where
   // both are).
   const bool swapped = regs_shape || O % kBM != 0;
+  KILN_CHECK(!x_sum.defined() || (!swapped && !scale_shift.defined()),
+             "conv1x1_backward_weight (cuda): x's column sums need x as the kernel's b");
   const Tensor& a = swapped ? x : dy;
   const Tensor& b = swapped ? dy : x;
   const int64_t A = swapped ? I : O, B = swapped ? O : I;
@@ -314,12 +394,16 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   cudaStream_t s = current_stream();
   const float* ss =
       scale_shift.defined() ? static_cast<const float*>(scale_shift.raw_data()) : nullptr;
-  auto go = [&]<int kBN, int kPro>() {
-    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kPro>;
+  Tensor colsum;
+  if (x_sum.defined())
+    colsum = empty({int64_t(parts) * 2 * B}, TensorOptions(DType::f32).with_device(x.device()));
+  float* cs = colsum.defined() ? static_cast<float*>(colsum.raw_data()) : nullptr;
+  auto go = [&]<int kBN, int kPro, bool kSumB = false>() {
+    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kPro, kSumB>;
     allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
     launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
                     static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
-                    parts, ss, pairs);
+                    parts, ss, pairs, cs);
   };
   auto pick = [&]<int kPro>() {
     if (bn == 128)
@@ -327,7 +411,11 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
     else
       go.template operator()<64, kPro>();
   };
-  if (ss == nullptr)
+  if (cs != nullptr && bn == 128)
+    go.template operator()<128, 0, true>();
+  else if (cs != nullptr)
+    go.template operator()<64, 0, true>();
+  else if (ss == nullptr)
     pick.template operator()<0>();
   else if (regs && prologue_f16_enabled())
     go.template operator()<128, 4>();
@@ -350,6 +438,12 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
            static_cast<float*>(dw.raw_data()), pp, parts, int(A), int(B), swapped, dw.stride(0),
            dw.stride(1), accumulate);
   KILN_CUDA_CHECK_LAUNCH();
+  if (cs != nullptr) {
+    launch(wgrad1x1_colsum_finish_kernel, unsigned((B + 127) / 128), 128u, 0, s,
+           static_cast<float*>(x_sum.raw_data()), static_cast<const float*>(cs), 2 * parts,
+           int(B));
+    KILN_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace
@@ -392,6 +486,33 @@ void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x
              dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
   wgrad1x1(dw, dy, x, Tensor(), accumulate);
 }
+
+bool conv1x1_wgrad_x_sum_supported(const Tensor& dw, const Tensor& dy, const Tensor& x) {
+  if (!g_wgrad_x_sum.get() || !conv1x1_wgrad_supported(dw, dy, x, ConvParams{})) return false;
+  const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
+  // wgrad1x1's orientation: x is b unless O is not a multiple of 128 or the register prologue's
+  // shape takes x as a.
+  const bool regs_shape =
+      g_conv_prologue.get() && I % kBM == 0 && O % 128 == 0 && M % (2 * kBK) == 0;
+  return O % kBM == 0 && !regs_shape;
+}
+
+void conv1x1_backward_weight_x_sum(const Tensor& dw, const Tensor& x_sum, const Tensor& dy,
+                                   const Tensor& x) {
+  KILN_CHECK(conv1x1_wgrad_x_sum_supported(dw, dy, x),
+             "conv1x1_backward_weight_x_sum (cuda): needs what conv1x1_backward_weight takes with "
+             "O a multiple of 128 (and KILN_CONV_PROLOGUE off where I is too); got dw ",
+             dw.desc(), ", dy ", dy.desc(), ", x ", x.desc());
+  KILN_CHECK(x_sum.defined() && x_sum.dtype() == DType::f32 && x_sum.is_contiguous() &&
+                 x_sum.numel() == x.size(1) && x_sum.device() == x.device(),
+             "conv1x1_backward_weight_x_sum (cuda): x_sum must be ", x.size(1),
+             " contiguous f32 values on x's device, got ",
+             x_sum.defined() ? x_sum.desc() : "undefined");
+  wgrad1x1(dw, dy, x, Tensor(), false, x_sum);
+}
+
+bool conv1x1_wgrad_x_sum_enabled() { return g_wgrad_x_sum.get(); }
+void set_conv1x1_wgrad_x_sum_enabled(bool on) { g_wgrad_x_sum.set(on); }
 
 void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,
                                      const Tensor& scale_shift, const ConvParams& p,

@@ -2,7 +2,8 @@
 // wgmma kernel: against cuDNN's and the f32 CPU product dyᵀ · x, for both operand orders (O a
 // multiple of 128, or only I), 128- and 64-column tiles, row counts that end in a partial k-step,
 // one part or many per tile; written and added, f16 and f32, a strided dw; bit-reproducible; the
-// path conv2d_backward_weight takes; and the shapes it leaves to cuDNN.
+// path conv2d_backward_weight takes; and the shapes it leaves to cuDNN. The form that also sums
+// x's columns (the tail fold's Σx): the same dw, and the sums against f64.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -90,6 +91,61 @@ TEST_CASE("the 1x1 weight gradient equals cuDNN's and the CPU's, written or adde
                                    mine, 0, 0));
     KILN_CHECK_OK(testing::compare(wgrad(dy, x, true, DType::f16), mine, 0, 0));
   }
+}
+
+TEST_CASE("conv1x1_backward_weight_x_sum: the same dw, and x's column sums from the same pass") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("needs the wgmma kernel (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  struct Case {
+    int64_t n, o, i, h, w;
+  };
+  // 64- and 128-column tiles, three 64-column tiles, rows that end inside a k-step, layer 1 at
+  // batch 8 (66 parts per tile on an H100) and layer 2's conv3 shape.
+  for (Case cs : {Case{3, 256, 64, 7, 7}, Case{2, 512, 128, 7, 7}, Case{2, 128, 192, 8, 8},
+                  Case{5, 128, 64, 5, 7}, Case{8, 256, 64, 56, 56}, Case{4, 512, 128, 28, 28}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.o);
+    CAPTURE(cs.i);
+    CAPTURE(cs.h);
+    manual_seed(907 + uint64_t(cs.o + 5 * cs.i + cs.h));
+    const Tensor dy = nhwc(randn({cs.n, cs.o, cs.h, cs.w}));
+    // Non-negative, as a ReLU's output (the tail fold's x), and some exact zeros.
+    const Tensor x = nhwc(F::relu(F::add(randn({cs.n, cs.i, cs.h, cs.w}), 0.3)));
+    const TensorOptions f32opts = gputest::gpu_opts(DType::f32);
+    Tensor dw = empty({cs.o, cs.i, 1, 1}, f32opts);
+    REQUIRE(cuda::conv1x1_wgrad_x_sum_supported(dw, dy, x));
+    Tensor sums = gputest::nan_output({cs.i}, DType::f32);
+    cuda::conv1x1_backward_weight_x_sum(dw, sums, dy, x);
+    Tensor plain = empty({cs.o, cs.i, 1, 1}, f32opts);
+    cuda::conv1x1_backward_weight(plain, dy, x, ConvParams{}, false);
+    // The MMAs and their parts are untouched: the same bits.
+    KILN_CHECK_OK(testing::compare(f32(dw), f32(plain), 0, 0));
+    // Σ over the rows in f64 on the host, against f32 sums of M values of size ~1.
+    const int64_t M = cs.n * cs.h * cs.w;
+    const Tensor xm = f32(x).to(DType::f64).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.i});
+    const Tensor ref = F::sum(xm, {0});
+    KILN_CHECK_OK(testing::compare(f32(sums).to(DType::f64), ref, 1e-5 * double(M), 1e-5));
+    // A second run gives the same bits.
+    Tensor again = gputest::nan_output({cs.i}, DType::f32);
+    cuda::conv1x1_backward_weight_x_sum(dw, again, dy, x);
+    KILN_CHECK_OK(testing::compare(f32(again), f32(sums), 0, 0));
+  }
+  // Where x is the kernel's first operand (O not a multiple of 128) the entry is refused, and with
+  // the switch off.
+  const Tensor dy64 = nhwc(randn({2, 64, 4, 4}));
+  const Tensor x256 = nhwc(randn({2, 256, 4, 4}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_x_sum_supported(
+      empty({64, 256, 1, 1}, gputest::gpu_opts(DType::f32)), dy64, x256));
+  const Tensor dy = nhwc(randn({2, 256, 4, 4}));
+  const Tensor x = nhwc(randn({2, 64, 4, 4}));
+  const Tensor dw = empty({256, 64, 1, 1}, gputest::gpu_opts(DType::f32));
+  const bool before = cuda::conv1x1_wgrad_x_sum_enabled();
+  cuda::set_conv1x1_wgrad_x_sum_enabled(false);
+  CHECK_FALSE(cuda::conv1x1_wgrad_x_sum_supported(dw, dy, x));
+  cuda::set_conv1x1_wgrad_x_sum_enabled(before);
+  CHECK(cuda::conv1x1_wgrad_x_sum_supported(dw, dy, x) == before);
 }
 
 TEST_CASE("the 1x1 weight gradient through autograd matches cuDNN's") {
