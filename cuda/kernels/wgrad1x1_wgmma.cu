@@ -160,9 +160,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           mbar_arrive(empty(s));
         }
-        // Lane l of warp w (2 or 3) holds rows of group g = 4·(w − 2) + l / 8 in channels
-        // 8·((l % 8) XOR g)..; the lane of group g' with the same channels is (l % 8 XOR g XOR
-        // g') % 8 + 8·(g' % 4). Each lane adds its warp's four groups in order; lanes 0-7 write.
+        // Lane l of w = t / 32 (0 or 1: the kernel's warps 2 and 3) holds the rows of group
+        // g = 4·w + l / 8 in channels 8·((l % 8) XOR g)..; the lane of group g' with the same
+        // channels is (l % 8 XOR g XOR g') % 8 + 8·(g' % 4). Each lane adds its warp's four
+        // groups in order; lanes 0-7 write.
         const int lane = t & 31, w = t >> 5, g = (t >> 3) & 7;
         const int j8 = (lane & 7) ^ g;  // this lane's channel group
         float* out = colsum + (int64_t(part) * 2 + w) * B + b0;
@@ -362,7 +363,8 @@ __global__ void wgrad1x1_colsum_finish_kernel(float* __restrict__ x_sum,
 
 // dw (=, or += with accumulate) = dyᵀ · x, or dyᵀ · relu(x·scale + shift) with scale_shift
 // defined; the shapes already checked. x_sum defined (f32, I values; no scale_shift, and x must
-// be the kernel's b, wgrad1x1_sums_x): Σ over x's rows per channel too, from the same pass.
+// be the kernel's b: conv1x1_wgrad_x_sum_supported): Σ over x's rows per channel too, from the
+// same pass.
 void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& scale_shift,
               bool accumulate, const Tensor& x_sum = Tensor()) {
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
