@@ -327,11 +327,17 @@ void conv1x1_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x
 // what conv1x1_wgrad_supported takes with O a multiple of 128 (x is then the kernel's second
 // operand) and KILN_CONV_PROLOGUE's orientation off, and the switch on (KILN_WGRAD_X_SUM=0 turns
 // it off: the tail fold then sums x in a pass of its own).
+// With x_gram (f32, I × I) defined, x's Gram xᵀx as well, from the same loads of x, where
+// conv1x1_wgrad_x_gram_supported: I 64 or 128 (one tile of the kernel's width), and the switch
+// on (KILN_WGRAD_X_GRAM=0: the tail fold then runs the Gram as a GEMM of its own).
 bool conv1x1_wgrad_x_sum_supported(const Tensor& dw, const Tensor& dy, const Tensor& x);
+bool conv1x1_wgrad_x_gram_supported(const Tensor& dw, const Tensor& dy, const Tensor& x);
 void conv1x1_backward_weight_x_sum(const Tensor& dw, const Tensor& x_sum, const Tensor& dy,
-                                   const Tensor& x);
+                                   const Tensor& x, const Tensor& x_gram = Tensor());
 bool conv1x1_wgrad_x_sum_enabled();
 void set_conv1x1_wgrad_x_sum_enabled(bool on);
+bool conv1x1_wgrad_x_gram_enabled();
+void set_conv1x1_wgrad_x_gram_enabled(bool on);
 // The same weight gradient of a convolution that read relu(bn(x)): dw = dyᵀ · relu(x·scale +
 // shift) with bn's scale and shift (scale_shift: f32 (2·I), scale then shift) applied as the
 // kernel loads x, bit for bit conv1x1_backward_weight of the tensor bn_nhwc_apply(relu) would

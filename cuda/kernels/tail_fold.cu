@@ -138,19 +138,26 @@ void conv1x1_fold_weight_grad(const Tensor& dw, const Tensor& g, const Tensor& x
   const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
   // gᵀx and xᵀx summed in f32 (the three terms below cancel in part), Σx per channel: from gᵀx's
   // pass where the kernel's idle warps can add x's tiles, else from a pass of its own.
+  // x's Gram from that pass too where it fits (C 64 or 128), else a GEMM of its own.
   Tensor gx = empty({K, C, 1, 1}, f32);
   Tensor sums = empty({C}, f32);
-  if (conv1x1_wgrad_x_sum_supported(gx, g, x)) {
+  Tensor gram;
+  if (conv1x1_wgrad_x_gram_supported(gx, g, x)) {
+    gram = empty({C, C, 1, 1}, f32);
+    conv1x1_backward_weight_x_sum(gx, sums, g, x, gram);
+  } else if (conv1x1_wgrad_x_sum_supported(gx, g, x)) {
     conv1x1_backward_weight_x_sum(gx, sums, g, x);
   } else {
     conv1x1_backward_weight(gx, g, x, ConvParams{}, false);
     Tensor sqsums = empty({C}, f32);
     bn_nhwc_stats(sums, sqsums, x);
   }
-  const Tensor xg = gram_operand(x);
-  const int64_t P = xg.size(1);
-  Tensor gram = empty({P, P, 1, 1}, f32);
-  conv1x1_backward_weight(gram, xg, xg, ConvParams{}, false);
+  if (!gram.defined()) {
+    const Tensor xg = gram_operand(x);
+    const int64_t P = xg.size(1);
+    gram = empty({P, P, 1, 1}, f32);
+    conv1x1_backward_weight(gram, xg, xg, ConvParams{}, false);
+  }
   conv1x1_fold_weight_grad_sum(dw, gx, gram, sums, wc, coef);
 }
 

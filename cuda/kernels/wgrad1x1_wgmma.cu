@@ -62,12 +62,18 @@ constexpr int kSmemBytes = kStages<kBN> * kStageBytes<kBN> + 3 * kStages<kBN> * 
 // so the MMAs never wait for them. Each thread adds its rows in order; at the end each warp adds
 // its four row groups per channel by shuffles, in order, and writes colsum (parts, 2, B): part,
 // warp, channel. The tail fold's Σx (tail_fold.cu) comes from here instead of a pass over x.
-template <int kBN, int kPro, bool kSumB = false>
+//
+// kGram (with kSumB, B = kBN: one β-tile): b's Gram bᵀb as well, by the consumers of the CTA of
+// tile 0 in each part: b's boxes have a's layout (rows × channels, channels contiguous), so
+// warpgroup c multiplies b's box c (where c·64 < kBN) by b into a second accumulator, in the same
+// wgmma groups as its a · b. Written to gram (parts, B, B) as partial is; the tail fold's x Gram
+// comes from here instead of a GEMM of its own.
+template <int kBN, int kPro, bool kSumB = false, bool kGram = false>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
                           int parts, const float* __restrict__ ss, bool pairs,
-                          float* __restrict__ colsum) {
+                          float* __restrict__ colsum, float* __restrict__ gram) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
@@ -82,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto ready = [&](int s) { return bars + uint32_t((2 * S + s) * 8); };
   const int tid = threadIdx.x, wg = tid >> 7;
   static_assert(!kSumB || kPro == 0, "b's column sums without a prologue only");
+  static_assert(!kGram || kSumB, "b's Gram with its column sums only");
   const int b_tiles = B / kBN, tiles = (A / kBM) * b_tiles;
   const int tile = int(blockIdx.x) % tiles, part = int(blockIdx.x) / tiles;
   const bool sums = kSumB && tile < b_tiles;  // α-tile 0
@@ -202,7 +209,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kNd; ++i) d[i] = 0.f;
   wgmma_fence_operands(d);
-  auto issue = [&](int j) {
+  // kGram: tile 0 (B = kBN, so α-tile 0 and the only β-tile), warpgroups whose box of b exists.
+  const bool gram_wg = kGram && tile == 0 && c * 64 < kBN;
+  float dg[kNd];  // unused, and dropped by the compiler, without kGram
+#pragma unroll
+  for (int i = 0; i < kNd; ++i) dg[i] = 0.f;
+  if constexpr (kGram) wgmma_fence_operands(dg);
+  // kG: this warpgroup also multiplies for the Gram (unconditional inside, so that the compiler
+  // keeps the wgmmas of a group back to back).
+  auto issue = [&]<bool kG = false>(int j) {
     const int s = j % S;
     mbar_wait(kPro == 1 || kPro == 2 ? ready(s) : full(s), uint32_t((j / S) & 1));
     wgmma_fence();
@@ -217,6 +232,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_m64n128k16<1, 1>(d, da, db);
       else
         wgmma_m64n64k16<1, 1>(d, da, db);
+    }
+    if constexpr (kG) {
+      const uint64_t dg0 = make_desc_nmajor(b_slot(s) + uint32_t(c * kBox));
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t dga = desc_advance(dg0, uint32_t(kk * 16 * 128));
+        const uint64_t db = desc_advance(db0, uint32_t(kk * 16 * 128));
+        if constexpr (kBN == 128)
+          wgmma_m64n128k16<1, 1>(dg, dga, db);
+        else
+          wgmma_m64n64k16<1, 1>(dg, dga, db);
+      }
     }
     wgmma_commit();
   };
@@ -279,14 +306,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(empty((n - 1) % S));
     }
   } else if (n > 0) {
-    issue(0);
-    for (int j = 1; j < n; ++j) {
-      issue(j);
-      wgmma_wait1();
-      mbar_arrive(empty((j - 1) % S));
-    }
-    wgmma_wait0();
-    mbar_arrive(empty((n - 1) % S));
+    auto run = [&]<bool kG>() {
+      issue.template operator()<kG>(0);
+      for (int j = 1; j < n; ++j) {
+        issue.template operator()<kG>(j);
+        wgmma_wait1();
+        mbar_arrive(empty((j - 1) % S));
+      }
+      wgmma_wait0();
+      mbar_arrive(empty((n - 1) % S));
+    };
+    if (kGram && gram_wg)
+      run.template operator()<kGram>();
+    else
+      run.template operator()<false>();
   }
   // Fragment layout: register 4q + {0, 1} holds row 16·warp + lane / 4, columns
   // 8q + 2·(lane % 4) + {0, 1}; 4q + {2, 3} the row 8 below.
@@ -296,6 +329,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int q = 0; q < kBN / 8; ++q) {
     *reinterpret_cast<float2*>(out + 8 * q) = float2{d[4 * q], d[4 * q + 1]};
     *reinterpret_cast<float2*>(out + int64_t(8) * B + 8 * q) = float2{d[4 * q + 2], d[4 * q + 3]};
+  }
+  if constexpr (kGram) {
+    if (gram_wg) {  // b0 = 0: rows c·64 + ..., the same fragment layout
+      const int grow = c * 64 + warp * 16 + (lane >> 2);
+      float* gout = gram + (int64_t(part) * B + grow) * B + 2 * (lane & 3);
+#pragma unroll
+      for (int q = 0; q < kBN / 8; ++q) {
+        *reinterpret_cast<float2*>(gout + 8 * q) = float2{dg[4 * q], dg[4 * q + 1]};
+        *reinterpret_cast<float2*>(gout + int64_t(8) * B + 8 * q) =
+            float2{dg[4 * q + 2], dg[4 * q + 3]};
+      }
+    }
   }
 #else
   __trap();  // built without sm_90a: conv1x1_wgrad_supported() is false, never launched
@@ -348,6 +393,7 @@ constinit RuntimeSwitch g_wgrad1x1{&Switches::wgrad1x1};  // KILN_WGRAD1X1
 constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV_PROLOGUE
 constinit RuntimeSwitch g_prologue_f16{&Switches::prologue_f16};  // KILN_PROLOGUE_F16
 constinit RuntimeSwitch g_wgrad_x_sum{&Switches::wgrad_x_sum};    // KILN_WGRAD_X_SUM
+constinit RuntimeSwitch g_wgrad_x_gram{&Switches::wgrad_x_gram};  // KILN_WGRAD_X_GRAM
 
 // x_sum[i] = Σ over parts, then over the two summing warps, in order, of colsum (parts, 2, B).
 __global__ void wgrad1x1_colsum_finish_kernel(float* __restrict__ x_sum,
@@ -366,7 +412,7 @@ __global__ void wgrad1x1_colsum_finish_kernel(float* __restrict__ x_sum,
 // be the kernel's b: conv1x1_wgrad_x_sum_supported): Σ over x's rows per channel too, from the
 // same pass.
 void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& scale_shift,
-              bool accumulate, const Tensor& x_sum = Tensor()) {
+              bool accumulate, const Tensor& x_sum = Tensor(), const Tensor& x_gram = Tensor()) {
   const int64_t O = dy.size(1), I = x.size(1), M = x.numel() / I;
   // The prologue from registers (kPro 3) where x can be A with dy in 128-column tiles and the
   // k-steps pair up. With KILN_CONV_PROLOGUE on, every weight gradient of such a shape takes
@@ -400,12 +446,19 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
   if (x_sum.defined())
     colsum = empty({int64_t(parts) * 2 * B}, TensorOptions(DType::f32).with_device(x.device()));
   float* cs = colsum.defined() ? static_cast<float*>(colsum.raw_data()) : nullptr;
-  auto go = [&]<int kBN, int kPro, bool kSumB = false>() {
-    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kPro, kSumB>;
+  KILN_CHECK(!x_gram.defined() || (x_sum.defined() && B == bn),
+             "conv1x1_backward_weight (cuda): x's Gram needs its column sums and one β-tile");
+  Tensor gram_partial;
+  if (x_gram.defined())
+    gram_partial =
+        empty({int64_t(parts) * B * B}, TensorOptions(DType::f32).with_device(x.device()));
+  float* gp = gram_partial.defined() ? static_cast<float*>(gram_partial.raw_data()) : nullptr;
+  auto go = [&]<int kBN, int kPro, bool kSumB = false, bool kGram = false>() {
+    constexpr auto kernel = wgrad1x1_wgmma_kernel<kBN, kPro, kSumB, kGram>;
     allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
     launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
                     static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
-                    parts, ss, pairs, cs);
+                    parts, ss, pairs, cs, gp);
   };
   auto pick = [&]<int kPro>() {
     if (bn == 128)
@@ -413,7 +466,11 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
     else
       go.template operator()<64, kPro>();
   };
-  if (cs != nullptr && bn == 128)
+  if (gp != nullptr && bn == 128)
+    go.template operator()<128, 0, true, true>();
+  else if (gp != nullptr)
+    go.template operator()<64, 0, true, true>();
+  else if (cs != nullptr && bn == 128)
     go.template operator()<128, 0, true>();
   else if (cs != nullptr)
     go.template operator()<64, 0, true>();
@@ -444,6 +501,13 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
     launch(wgrad1x1_colsum_finish_kernel, unsigned((B + 127) / 128), 128u, 0, s,
            static_cast<float*>(x_sum.raw_data()), static_cast<const float*>(cs), 2 * parts,
            int(B));
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  if (gp != nullptr) {
+    const dim3 gblocks(unsigned((B + 31) / 32), unsigned((B + 31) / 32));
+    launch(wgrad1x1_finish_kernel<float>, gblocks, threads, 0, s,
+           static_cast<float*>(x_gram.raw_data()), static_cast<const float*>(gp), parts, int(B),
+           int(B), false, int64_t(B), int64_t(1), false);
     KILN_CUDA_CHECK_LAUNCH();
   }
 }
@@ -499,8 +563,14 @@ bool conv1x1_wgrad_x_sum_supported(const Tensor& dw, const Tensor& dy, const Ten
   return O % kBM == 0 && !regs_shape;
 }
 
+bool conv1x1_wgrad_x_gram_supported(const Tensor& dw, const Tensor& dy, const Tensor& x) {
+  if (!g_wgrad_x_gram.get() || !conv1x1_wgrad_x_sum_supported(dw, dy, x)) return false;
+  const int64_t I = x.size(1);
+  return I == 64 || I == 128;  // one β-tile: B = the kernel's tile width
+}
+
 void conv1x1_backward_weight_x_sum(const Tensor& dw, const Tensor& x_sum, const Tensor& dy,
-                                   const Tensor& x) {
+                                   const Tensor& x, const Tensor& x_gram) {
   KILN_CHECK(conv1x1_wgrad_x_sum_supported(dw, dy, x),
              "conv1x1_backward_weight_x_sum (cuda): needs what conv1x1_backward_weight takes with "
              "O a multiple of 128 (and KILN_CONV_PROLOGUE off where I is too); got dw ",
@@ -510,10 +580,21 @@ void conv1x1_backward_weight_x_sum(const Tensor& dw, const Tensor& x_sum, const 
              "conv1x1_backward_weight_x_sum (cuda): x_sum must be ", x.size(1),
              " contiguous f32 values on x's device, got ",
              x_sum.defined() ? x_sum.desc() : "undefined");
-  wgrad1x1(dw, dy, x, Tensor(), false, x_sum);
+  if (x_gram.defined()) {
+    const int64_t I = x.size(1);
+    KILN_CHECK(conv1x1_wgrad_x_gram_supported(dw, dy, x) && x_gram.dtype() == DType::f32 &&
+                   x_gram.is_contiguous() && x_gram.numel() == I * I &&
+                   x_gram.device() == x.device(),
+               "conv1x1_backward_weight_x_sum (cuda): x_gram needs x of 64 or 128 channels and ",
+               I * I, " contiguous f32 values on x's device, got ", x_gram.desc(), " for x ",
+               x.desc());
+  }
+  wgrad1x1(dw, dy, x, Tensor(), false, x_sum, x_gram);
 }
 
 bool conv1x1_wgrad_x_sum_enabled() { return g_wgrad_x_sum.get(); }
+bool conv1x1_wgrad_x_gram_enabled() { return g_wgrad_x_gram.get(); }
+void set_conv1x1_wgrad_x_gram_enabled(bool on) { g_wgrad_x_gram.set(on); }
 void set_conv1x1_wgrad_x_sum_enabled(bool on) { g_wgrad_x_sum.set(on); }
 
 void conv1x1_bn_relu_backward_weight(const Tensor& dw, const Tensor& dy, const Tensor& x,

@@ -148,6 +148,60 @@ TEST_CASE("conv1x1_backward_weight_x_sum: the same dw, and x's column sums from 
   CHECK(cuda::conv1x1_wgrad_x_sum_supported(dw, dy, x) == before);
 }
 
+TEST_CASE("conv1x1_backward_weight_x_sum with x's Gram from the same loads (KILN_WGRAD_X_GRAM)") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("needs the wgmma kernel (an sm_90 GPU, a build for sm_90a); skipped");
+    return;
+  }
+  const bool before = cuda::conv1x1_wgrad_x_gram_enabled();
+  cuda::set_conv1x1_wgrad_x_gram_enabled(true);
+  struct Case {
+    int64_t n, o, i, h, w;
+  };
+  // I 64 (one 64-column tile: warpgroup 0 alone multiplies for the Gram) and 128 (both), rows
+  // that end inside a k-step, many parts a tile, and layers 1 and 2 of the tail fold.
+  for (Case cs : {Case{3, 256, 64, 7, 7}, Case{2, 512, 128, 7, 7}, Case{5, 128, 64, 5, 7},
+                  Case{8, 256, 64, 56, 56}, Case{4, 512, 128, 28, 28}}) {
+    CAPTURE(cs.o);
+    CAPTURE(cs.i);
+    CAPTURE(cs.h);
+    manual_seed(919 + uint64_t(cs.o + 5 * cs.i + cs.h));
+    const Tensor dy = nhwc(randn({cs.n, cs.o, cs.h, cs.w}));
+    const Tensor x = nhwc(F::relu(F::add(randn({cs.n, cs.i, cs.h, cs.w}), 0.3)));
+    const TensorOptions f32opts = gputest::gpu_opts(DType::f32);
+    Tensor dw = empty({cs.o, cs.i, 1, 1}, f32opts);
+    REQUIRE(cuda::conv1x1_wgrad_x_gram_supported(dw, dy, x));
+    Tensor sums = gputest::nan_output({cs.i}, DType::f32);
+    Tensor gram = gputest::nan_output({cs.i, cs.i, 1, 1}, DType::f32);
+    cuda::conv1x1_backward_weight_x_sum(dw, sums, dy, x, gram);
+    // dw and the sums: the bits of the form without the Gram.
+    Tensor dw0 = empty({cs.o, cs.i, 1, 1}, f32opts);
+    Tensor sums0 = gputest::nan_output({cs.i}, DType::f32);
+    cuda::conv1x1_backward_weight_x_sum(dw0, sums0, dy, x);
+    KILN_CHECK_OK(testing::compare(f32(dw), f32(dw0), 0, 0));
+    KILN_CHECK_OK(testing::compare(f32(sums), f32(sums0), 0, 0));
+    // The Gram against f64 on the host: entries add M products of size ~1.
+    const int64_t M = cs.n * cs.h * cs.w;
+    const Tensor xm = f32(x).to(DType::f64).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.i});
+    const Tensor ref = F::matmul(xm.t(), xm).reshape({cs.i, cs.i, 1, 1});
+    KILN_CHECK_OK(testing::compare(f32(gram).to(DType::f64), ref, 1e-5 * double(M), 1e-5));
+    // The same bits again.
+    Tensor again = gputest::nan_output({cs.i, cs.i, 1, 1}, DType::f32);
+    cuda::conv1x1_backward_weight_x_sum(dw, sums, dy, x, again);
+    KILN_CHECK_OK(testing::compare(f32(again), f32(gram), 0, 0));
+  }
+  // I 192 (three tiles) is refused, and so is every shape with the switch off.
+  const Tensor dy = nhwc(randn({2, 128, 8, 8}));
+  const Tensor x192 = nhwc(randn({2, 192, 8, 8}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_x_gram_supported(
+      empty({128, 192, 1, 1}, gputest::gpu_opts(DType::f32)), dy, x192));
+  cuda::set_conv1x1_wgrad_x_gram_enabled(false);
+  const Tensor x64 = nhwc(randn({2, 64, 8, 8}));
+  CHECK_FALSE(cuda::conv1x1_wgrad_x_gram_supported(
+      empty({128, 64, 1, 1}, gputest::gpu_opts(DType::f32)), dy, x64));
+  cuda::set_conv1x1_wgrad_x_gram_enabled(before);
+}
+
 TEST_CASE("the 1x1 weight gradient through autograd matches cuDNN's") {
   if (!cuda::dgrad1x1_bn_wgmma_available()) {
     MESSAGE("needs the wgmma kernel (an sm_90 GPU, a build for sm_90a); skipped");
