@@ -182,7 +182,7 @@ struct Switches {
   int tail_fold_min = 20000000;
   bool tail_fold_dual = true;
   bool wgrad_x_sum = true;
-  bool wgrad_x_gram = false;  // written, not yet run on a GPU
+  bool wgrad_x_gram = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;
