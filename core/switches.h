@@ -84,6 +84,9 @@
 // | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
 // |                          |                     | its own, not in the weight gradient's idle warps|
 // |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
+// | KILN_WGRAD_X_GRAM        | 0                   | the tail fold's Gram of conv3's input as a GEMM |
+// |                          |                     | of its own, not from the weight gradient's loads|
+// |                          |                     | of that input (since v41; norm-conv.md)         |
 // | KILN_STEM_POOL_TILE      | 0                   | the stem's batch norm + ReLU + max pool forward |
 // |                          |                     | one output per thread, each input normalised    |
 // |                          |                     | 2.25 times, not on 8 x 8-output tiles in shared |
