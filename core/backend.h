@@ -56,6 +56,8 @@ enum class FastPath : uint8_t {
   BatchNormStatsDgrad,
   // BatchNormStatsPaths::dual_backward_dgrad: dy1, w1, x.
   BatchNormStatsDualDgrad,
+  // BatchNormStatsPaths::backward_dgrad_linear: dy1, w1, x, x2, w2, b2.
+  BatchNormStatsDgradLinear,
   // BatchNormStatsPaths::relu_max_pool: x (the op checks the stem pool's geometry).
   BatchNormReluMaxPool,
   // BatchNormStatsPaths::relu_max_pool_backward: x.
@@ -181,6 +183,15 @@ struct BatchNormStatsPaths {
                                    TensorRef weight_x, TensorRef mean_x, TensorRef invstd_x,
                                    TensorRef r, TensorRef weight_r, TensorRef mean_r,
                                    TensorRef invstd_r, GradientMode mode) = nullptr;
+  // Optional (FastPath::BatchNormStatsDgradLinear): backward_dgrad's relu case with the mask
+  // recomputed from x and no other gradient, where dy = dgrad(dy1, w1) + x2 · w2ᵀ + b2 on x's
+  // rows: x2 (N, C2, H, W) at x's positions, w2 (C, C2), b2 (C). The tail fold's data gradient
+  // of a bottleneck's a2 (ops/conv2d.cpp): t = x2 · w2ᵀ + b2 is never written.
+  void (*backward_dgrad_linear)(TensorRef dx, TensorRef dweight, TensorRef dbias, TensorRef dy1,
+                                TensorRef w1, TensorRef x2, TensorRef w2, TensorRef b2,
+                                TensorRef x, TensorRef weight, TensorRef save_mean,
+                                TensorRef save_invstd, TensorRef scale_shift,
+                                GradientMode mode) = nullptr;
   // Optional (FastPath::BatchNormReluMaxPool): the ResNet stem's tail in one pass, y =
   // max_pool2d(relu(x·scale + shift), 3x3, stride 2, padding 1) and the pool's indices
   // (max_pool2d_indices_dtype, y's shape and layout), equal to apply(relu) then

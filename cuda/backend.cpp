@@ -185,6 +185,17 @@ void bn_stats_backward_dgrad(const Tensor& dx, const Tensor& dz, const Tensor& d
                          mask.defined() ? Tensor() : scale_shift);
 }
 
+void bn_stats_backward_dgrad_linear(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                                    const Tensor& dy1, const Tensor& w1, const Tensor& x2,
+                                    const Tensor& w2, const Tensor& b2, const Tensor& x,
+                                    const Tensor& weight, const Tensor& save_mean,
+                                    const Tensor& save_invstd, const Tensor& scale_shift,
+                                    GradientMode mode) {
+  bn_nhwc_backward_dgrad(dx, empty_like(x), dweight, dbias, dy1, w1, Tensor(), Tensor(), x, weight,
+                         save_mean, save_invstd, mode == GradientMode::Accumulate, scale_shift,
+                         Tensor(), x2, w2, b2);
+}
+
 void bn_stats_backward_dgrad_coef(const Tensor& coef, const Tensor& dz, const Tensor& dweight,
                                   const Tensor& dbias, const Tensor& dy1, const Tensor& w1,
                                   const Tensor& r, const Tensor& x, const Tensor& mask,
@@ -254,6 +265,10 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
              (dgrad_weight_3x3(*t[1]) ? dgrad3x3_bn_supported(*t[0], *t[1], *t[2])
                                       : dgrad1x1_bn_supported(*t[0], *t[1], *t[2], bits));
     }
+    case FastPath::BatchNormStatsDgradLinear:
+      expect(6);
+      return g_dgrad_fusion.get() && switches().fused_dgrad_relu &&
+             dgrad1x1_bn_linear_supported(*t[0], *t[1], *t[2], *t[3], *t[4], *t[5]);
     case FastPath::BatchNormStatsDualDgrad:
       expect(3);
       return g_dgrad_fusion.get() && dual_dgrad_supported(*t[0], *t[1], *t[2]);
@@ -328,6 +343,7 @@ constexpr BatchNormStatsPaths make_bn_stats() {
   p.compute = bn_nhwc_stats;
   p.backward_dgrad = bn_stats_backward_dgrad;
   p.backward_dgrad_coef = bn_stats_backward_dgrad_coef;
+  p.backward_dgrad_linear = bn_stats_backward_dgrad_linear;
   p.dual_backward_dgrad = bn_stats_dual_backward_dgrad;
   p.dual_backward_dgrad_coef = bn_stats_dual_backward_dgrad_coef;
   p.relu_max_pool = bn_nhwc_relu_max_pool;

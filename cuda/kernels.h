@@ -479,12 +479,22 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
                             const Tensor& weight, const Tensor& save_mean,
                             const Tensor& save_invstd, bool accumulate_params = false,
                             const Tensor& scale_shift = Tensor(),
-                            const Tensor& coef_out = Tensor());
+                            const Tensor& coef_out = Tensor(), const Tensor& x2 = Tensor(),
+                            const Tensor& w2 = Tensor(), const Tensor& b2 = Tensor());
 // Its GEMM alone: g as above and partial (parts, 2, C) (=): per part Σg and Σg·(x − mean) over
 // its rows; returns parts = dgrad1x1_bn_parts(N·H·W, C, K).
+// With x2 defined (dgrad1x1_bn_linear_supported; r and the mask undefined): g is formed from
+// dgrad(dy1, w1) + x2 · w2ᵀ + b2 in one GEMM (x2 (N, C2, H, W) channels-last f16 at x's
+// positions, w2 (C, C2) and b2 (C) f16 contiguous).
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy1, const Tensor& w1,
                      const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean,
-                     const Tensor& scale_shift = Tensor());
+                     const Tensor& scale_shift = Tensor(), const Tensor& x2 = Tensor(),
+                     const Tensor& w2 = Tensor(), const Tensor& b2 = Tensor());
+// Whether dgrad1x1_bn_sums takes x2 · w2ᵀ + b2 with dy1 and w1 (a 1x1 w1, the mask recomputed
+// from x): the wgmma kernel (an sm_90 GPU) with K + C2 a multiple of 64 up to 2,048, and the
+// switch on (KILN_TAIL_FOLD_T; off: the tail fold writes t and the GEMM adds it as r).
+bool dgrad1x1_bn_linear_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
+                                  const Tensor& x2, const Tensor& w2, const Tensor& b2);
 int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K);
 // The same for a 3x3 w (dgrad3x3_bn_supported).
 int dgrad3x3_bn_parts(int64_t M, int64_t C);
@@ -544,6 +554,11 @@ void bn_nhwc_dual_backward_dgrad_coef(const Tensor& coef, const Tensor& g, const
 // turns it off; set here for tests and A/B runs).
 bool dual_dgrad_enabled();
 void set_dual_dgrad_enabled(bool on);
+// Whether the tail fold's t = a2 · w2ᵀ + b2 is a second product in bn2's data-gradient GEMM
+// (dgrad1x1_bn_linear_supported; KILN_TAIL_FOLD_T), not written by a GEMM of its own and added as
+// r; set here for tests and A/B runs.
+bool tail_fold_t_enabled();
+void set_tail_fold_t_enabled(bool on);
 
 // ---- fused optimizer, gradient checks and loss scaler (cuda/kernels/optim.cu) ----
 // One launch over all chunks: found_inf (|=) and partial_sumsq (=, one per chunk).

@@ -120,7 +120,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   void release_saved() override {
     for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
-    dy1_ = w1_ = Tensor();
+    dy1_ = w1_ = x2_ = w2_ = b2_ = Tensor();
   }
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
@@ -141,11 +141,41 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     ++g_dgrad_fusions;
     return true;
   }
+  // The tail fold's data gradient of a2 whole (ops/dgrad_sink.h): a relu(bn(x)) whose mask is
+  // recomputed from x, the backend's linear form present.
+  bool accept_dgrad_linear(uint32_t output_nr, const Tensor& dy1, const Tensor& w1,
+                           const Tensor& x2, const Tensor& w2, const Tensor& b2) override {
+    if (output_nr != 0 || act_ != Activation::Relu || add_ || dy1_.defined() || !x_.defined() ||
+        !scale_shift_.defined())
+      return false;
+    const Tensor x = x_.get(*this);
+    const Backend& be = backend(x);
+    if (!be.batch_norm_stats->backward_dgrad_linear ||
+        !supports(be, FastPath::BatchNormStatsDgradLinear, {&dy1, &w1, &x, &x2, &w2, &b2}))
+      return false;
+    dy1_ = dy1;
+    w1_ = w1;
+    x2_ = x2;
+    w2_ = w2;
+    b2_ = b2;
+    ++g_dgrad_fusions;
+    return true;
+  }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
     // The conv1 gradient taken in: dy is then what the other consumers added (maybe nothing).
     const Tensor dy1 = std::exchange(dy1_, Tensor()), w1 = std::exchange(w1_, Tensor());
+    const Tensor x2 = std::exchange(x2_, Tensor()), w2 = std::exchange(w2_, Tensor()),
+                 b2 = std::exchange(b2_, Tensor());
+    if (x2.defined() && dy.defined()) {
+      // Another consumer added to x's gradient (not a ResNet's case): the linear map written
+      // and added to it, and the plain form below.
+      const int64_t N = x2.size(0), H = x2.size(2), W = x2.size(3), C2 = x2.size(1);
+      const Tensor rows = x2.permute({0, 2, 3, 1}).reshape({N * H * W, C2});
+      const Tensor t = linear(rows, w2, b2).view({N, H, W, x.size(1)}).permute({0, 3, 1, 2});
+      dy = add(dy.to(t.dtype()), t).contiguous(MemoryFormat::ChannelsLast);
+    }
     if (!dy.defined() && !dy1.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     if (dy.defined() && (!dy.is_contiguous(MemoryFormat::ChannelsLast) || dy.dtype() != x.dtype()))
       dy = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
@@ -169,6 +199,11 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
       fold->take_folded(next_edges_[0].input_nr, dz, coef);
       ++g_tail_folds;
       dx = Tensor();
+    } else if (x2.defined() && !dy.defined()) {
+      backend(x).batch_norm_stats->backward_dgrad_linear(dx, dw, db, dy1, w1, x2, w2, b2, x, w,
+                                                         save_mean_.get(*this),
+                                                         save_invstd_.get(*this),
+                                                         scale_shift_.get(*this), mode);
     } else if (dy1.defined()) {
       backend(x).batch_norm_stats->backward_dgrad(dx, dz, dw, db, dy1, w1, dy, x,
                                                   add_ ? mask_.get(*this) : Tensor(), w,
@@ -198,6 +233,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   Activation act_;
   bool add_;
   Tensor dy1_, w1_;  // a convolution's data gradient operands, taken in (accept_dgrad)
+  Tensor x2_, w2_, b2_;  // and its linear map's, with accept_dgrad_linear
 };
 
 // Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br. Takes

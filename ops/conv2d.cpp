@@ -150,6 +150,14 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
     return sink && sink->accept_dgrad(next_edges_[0].input_nr, dy, w);
   }
+  // The tail fold's whole data gradient, dgrad(dy, w) + x2 · w2ᵀ + b2, offered to the same node
+  // (a 1x1 convolution: apply_folded's only case); true when it took it.
+  bool hand_to_sink_linear(const Tensor& dy, const Tensor& w, const Tensor& x2, const Tensor& w2,
+                           const Tensor& b2) const {
+    if (!next_edges_[0].valid()) return false;
+    auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
+    return sink && sink->accept_dgrad_linear(next_edges_[0].input_nr, dy, w, x2, w2, b2);
+  }
   // dx and dw are fresh tensors (`=`), or the engine's targets with `+=`; db = Σ_{n,h,w} dy.
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     if (fold_g_.defined()) return apply_folded(grads);
@@ -193,15 +201,17 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     if (needs_input_grad(0)) {
       Tensor w1 = empty({K, C, 1, 1}, wopt), m2t = empty({C, C}, wopt), bias = empty({C}, wopt);
       be.conv1x1_fold_prep(w1, m2t, bias, wc, coef);
-      // t = x · (wᵀ·diag(b)·w) + cᵀ·w on x's rows (channels-last: an (N·H·W, C) matrix), the
-      // bias in the GEMM's epilogue.
-      const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
-      const Tensor rows = x.permute({0, 2, 3, 1}).reshape({N * H * W, C});
-      Tensor t = linear(rows, m2t, bias).view({N, H, W, C}).permute({0, 3, 1, 2});
-      // Where no sink takes the data gradient, it is added into t (cuDNN's beta = 1).
-      if (!hand_to_sink(g, w1))
-        t = run_backward_data(g, w1, input_meta_[0].shape, x_format_, p_, t, false);
-      dx = t;
+      // The node behind x may take all of it in one GEMM, t never written; else t = x ·
+      // (wᵀ·diag(b)·w) + cᵀ·w on x's rows (channels-last: an (N·H·W, C) matrix), the bias in
+      // the GEMM's epilogue, and the data gradient added to it by the sink or by cuDNN (beta = 1).
+      if (!hand_to_sink_linear(g, w1, x, m2t, bias)) {
+        const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
+        const Tensor rows = x.permute({0, 2, 3, 1}).reshape({N * H * W, C});
+        Tensor t = linear(rows, m2t, bias).view({N, H, W, C}).permute({0, 3, 1, 2});
+        if (!hand_to_sink(g, w1))
+          t = run_backward_data(g, w1, input_meta_[0].shape, x_format_, p_, t, false);
+        dx = t;
+      }
     }
     if (needs_input_grad(1)) {
       dw = empty(w.shape(), TensorOptions(wopt).with_memory_format(w_format_));

@@ -25,6 +25,15 @@ class DgradSink {
   // or w (K, C, 3, 3) with padding 1 — into the gradient of its output `output_nr`. At most
   // once per backward.
   virtual bool accept_dgrad(uint32_t output_nr, const Tensor& dy, const Tensor& w) = 0;
+  // The same with a linear map of x2 added: dgrad(dy, w) + x2 · w2ᵀ + b2 on the rows of the
+  // convolution's input, x2 (N, C2, H, W) at its positions, w2 (C, C2), b2 (C) — the tail fold's
+  // data gradient of a2 (FoldedGradTarget below), whose second term is then never written. No
+  // node takes it unless it says so here.
+  virtual bool accept_dgrad_linear(uint32_t /*output_nr*/, const Tensor& /*dy*/,
+                                   const Tensor& /*w*/, const Tensor& /*x2*/,
+                                   const Tensor& /*w2*/, const Tensor& /*b2*/) {
+    return false;
+  }
 };
 
 // The other direction: a block tail's batch-norm backward hands the convolution that produced

@@ -573,7 +573,8 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
                             const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& weight, const Tensor& save_mean,
                             const Tensor& save_invstd, bool accumulate_params,
-                            const Tensor& scale_shift, const Tensor& coef_out) {
+                            const Tensor& scale_shift, const Tensor& coef_out, const Tensor& x2,
+                            const Tensor& w2, const Tensor& b2) {
   const char* op = "bn_nhwc_backward_dgrad";
   check_x(x, op);
   if (!coef_out.defined()) check_act(dx, x, op, "dx");
@@ -593,7 +594,7 @@ void bn_nhwc_backward_dgrad(const Tensor& dx, const Tensor& g, const Tensor& dwe
                op, " (cuda): coef_out must be f32, contiguous, 3·C = ", 3 * C,
                " values on x's device, got ", coef_out.desc());
   Tensor coef = coef_out.defined() ? coef_out : empty({3 * C}, f32);
-  dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift);
+  dgrad1x1_bn_sums(g, partial, dy1, w1, r, mask, x, save_mean, scale_shift, x2, w2, b2);
   float* cp = static_cast<float*>(coef.raw_data());
   cudaStream_t s = current_stream();
   launch(backward_finish_kernel, finish_grid(C), kFinishBlock, 0, s,

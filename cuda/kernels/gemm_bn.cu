@@ -194,6 +194,28 @@ bool dual_dgrad_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x) 
          use_wgmma(x.numel() / x.size(1), dy1.size(1), x.size(1));
 }
 bool dual_dgrad_enabled() { return g_dual_dgrad.get(); }
+
+namespace {
+constinit RuntimeSwitch g_tail_fold_t{&Switches::tail_fold_t};  // KILN_TAIL_FOLD_T
+}  // namespace
+
+bool dgrad1x1_bn_linear_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
+                                  const Tensor& x2, const Tensor& w2, const Tensor& b2) {
+  if (!g_tail_fold_t.get() || dgrad_weight_3x3(w1) || !dgrad1x1_bn_supported(dy1, w1, x, false))
+    return false;
+  if (!(x2.defined() && w2.defined() && b2.defined() && x2.dtype() == DType::f16 &&
+        w2.dtype() == DType::f16 && b2.dtype() == DType::f16 && x2.dim() == 4))
+    return false;
+  const int64_t C = x.size(1), C2 = x2.size(1), K = dy1.size(1) + C2, M = x.numel() / C;
+  return C2 > 0 && x2.size(0) == x.size(0) && x2.size(2) == x.size(2) &&
+         x2.size(3) == x.size(3) && x2.is_contiguous(MemoryFormat::ChannelsLast) &&
+         w2.dim() == 2 && w2.size(0) == C && w2.size(1) == C2 && w2.is_contiguous() &&
+         b2.numel() == C && b2.is_contiguous() && x2.device() == x.device() &&
+         w2.device() == x.device() && b2.device() == x.device() && use_wgmma(M, K, C) &&
+         use_wgmma(M, dy1.size(1), C);
+}
+bool tail_fold_t_enabled() { return g_tail_fold_t.get(); }
+void set_tail_fold_t_enabled(bool on) { g_tail_fold_t.set(on); }
 void set_dual_dgrad_enabled(bool on) { g_dual_dgrad.set(on); }
 
 bool dgrad_weight_3x3(const Tensor& w1) {
@@ -233,8 +255,17 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x, b
 
 int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, const Tensor& w,
                      const Tensor& r, const Tensor& mask, const Tensor& x, const Tensor& mean,
-                     const Tensor& scale_shift) {
+                     const Tensor& scale_shift, const Tensor& x2, const Tensor& w2,
+                     const Tensor& b2) {
   const char* op = "dgrad1x1_bn_sums";
+  if (x2.defined())
+    KILN_CHECK(!r.defined() && !mask.defined() && dgrad1x1_bn_linear_supported(dy, w, x, x2, w2, b2),
+               op, " (cuda): x2 · w2ᵀ + b2 needs KILN_TAIL_FOLD_T on, an sm_90 GPU, no r and no "
+               "mask bits, a 1x1 w, x2 (N, C2, H, W) f16 channels-last at x's positions, w2 (C, "
+               "C2) and b2 (C) f16 contiguous, and K + C2 a multiple of 64 up to 2,048, got dy ",
+               dy.desc(), ", x ", x.desc(), ", x2 ", x2.desc(), ", w2 ",
+               w2.defined() ? w2.desc() : "undefined", ", b2 ",
+               b2.defined() ? b2.desc() : "undefined");
   const bool bits = mask.defined();
   // w (K, C, 3, 3): a 3x3 convolution's data gradient (stride 1, padding 1) on the wgmma kernel.
   const bool taps = dgrad_weight_3x3(w);
@@ -284,7 +315,8 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
     return parts;
   }
   if (use_wgmma(M, K, C)) {
-    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
+    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts, Tensor(),
+                           Tensor(), x2, w2, b2);
     return parts;
   }
   const dim3 grid{unsigned(C / kBN), unsigned(parts)};

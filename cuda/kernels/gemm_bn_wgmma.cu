@@ -83,6 +83,8 @@ static_assert((kStageOut + kEpiX) % 1024 == 0 && kStageOut % 1024 == 0,
 static_assert(16 * 3 * kBN * 4 <= 2 * kStageOut, "three rows of 16 row sets' sums fit the buffers");
 // With the prologue, the factors of up to 2,048 channels (scale, then shift) after the barriers.
 constexpr int kSmemPrologue = kSmemBytes + 2 * 2048 * 4;
+// kSplit: the bias of the CTA's 128 columns, as f32, in the same place.
+constexpr int kSmemSplit = kSmemBytes + kBN * 4;
 
 // wt (C × K) = w (K × C) transposed, through a 32 × 33 shared tile.
 __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restrict__ w, int K,
@@ -98,6 +100,19 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
   for (int i = threadIdx.y; i < 32; i += blockDim.y) {
     const int c = c0 + i, k = k0 + threadIdx.x;
     if (c < C && k < K) wt[int64_t(c) * K + k] = tile[threadIdx.x][i];
+  }
+}
+
+// kSplit's B: (w ; w2ᵀ) stacked along K, K = K1 + C2 — w (K1 × C) as it lies and w2 (C × C2),
+// element (C1 + j, c) being w2 (c, j) — laid N-major (K × C) for kWDirect, else K-major (C × K).
+__global__ void pack_split_b_kernel(__half* __restrict__ out, const __half* __restrict__ w,
+                                    const __half* __restrict__ w2, int K1, int C, int C2,
+                                    bool n_major) {
+  const int64_t K = int64_t(K1) + C2, n = K * C;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = n_major ? i / C : i % K, c = n_major ? i % C : i / K;
+    out[i] = k < K1 ? w[k * C + c] : w2[c * C2 + (k - K1)];
   }
 }
 
@@ -162,9 +177,16 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 // A alone. A run-time select of B's box, no branch near the MMAs (v21: a run-time branch between
 // a wgmma issue and its wait made ptxas serialise them, C7518); ptxas reports no C7518 here.
 // The same products in the same order: the same bits.
+//
+// kSplit (with the TMA epilogue, no residual, a 1x1 w): the GEMM's A is two matrices side by
+// side, dy (M × 64·ka) for k-steps below ka and x2 (M × (K − 64·ka), through map_r) for the rest,
+// and B the matching (w1 ; w2ᵀ) stacked along K (packed by the host); bias2 (C f16) is added to
+// the accumulators before they are rounded. The tail fold's data gradient of a bottleneck's a2,
+// g · (a ⊙ w3) + a2 · (w3ᵀ·diag(b)·w3) + cᵀ·w3, is one GEMM this way, so its second term t is
+// never written (docs/lab/norm-conv.md, v42).
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
-          bool kTall = false, bool kDual = false>
+          bool kTall = false, bool kDual = false, bool kSplit = false>
 __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     __half* __restrict__ g, float* __restrict__ partial, const __grid_constant__ CUtensorMap map_dy,
     const __grid_constant__ CUtensorMap map_wt, const __grid_constant__ CUtensorMap map_r,
@@ -173,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     const uint8_t* __restrict__ mask, const __half* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ mean_u,
     const float* __restrict__ scale_shift, int64_t M, int C, int K, int parts, int img_h,
-    int img_w, bool b_resident) {
+    int img_w, bool b_resident, int ka, const __half* __restrict__ bias2) {
   static_assert(kTmaEpi || (kResidual && kBits), "the global-memory epilogue is the tail's only");
   static_assert(!kStats || (kTmaEpi && !kResidual && !kBits), "statistics: the GEMM alone");
   static_assert(!(kStats && kWDirect), "the forward's w (C × K) is K-major already");
@@ -183,6 +205,8 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
   static_assert(!kTall || (kIm2col && kPipeline), "tall tiles: the 3x3 GEMMs, pipelined");
   static_assert(!kDual || (kTmaEpi && kResidual && kBits && !kIm2col && !kPrologue),
                 "the dual form: the 1x1 block tail's, with the TMA epilogue");
+  static_assert(!kSplit || (kTmaEpi && !kResidual && !kStats && !kIm2col && !kTall && !kDual),
+                "two A matrices: the 1x1 data gradient without a residual");
   // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage. kDual: three
   // stages, whose freed 32 KB hold each consumer warpgroup's rows of u.
   constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall || kDual ? 3 : kStages;
@@ -303,6 +327,11 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
         if constexpr (kIm2col) {
           tma_load_im2col(a_tile(s), &map_dy, ch, pw - 1, ph - 1, pn, uint16_t(tap % 3),
                           uint16_t(tap / 3), full(s));
+        } else if constexpr (kSplit) {  // dy's k-steps, then x2's (map_r)
+          if (kt < ka)
+            tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
+          else
+            tma_load_2d(a_tile(s), &map_r, (kt - ka) * kBK, m0, full(s));
         } else {
           tma_load_2d(a_tile(s), &map_dy, kt * kBK, m0, full(s));
         }
@@ -354,6 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       reinterpret_cast<const float*>(gbase + out0 + 2 * kEpiStride + (2 * kSlots + 4) * 8);
   // kF16: K / 2 scale pairs, then K / 2 shift pairs, as half2.
   [[maybe_unused]] const __half2* fh = reinterpret_cast<const __half2*>(fss);
+  if constexpr (kSplit) {  // b2 of columns n0.., read by the epilogue from shared memory
+    if (t < kBN && c == 0) const_cast<float*>(fss)[t] = __half2float(bias2[n0 + t]);
+    named_sync(3, 256);
+  }
   if constexpr (kPrologue) {
     float* f = const_cast<float*>(fss);
     if constexpr (kF16) {
@@ -398,6 +431,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
           const float2 a0 = __half22float2(*p0), a1 = __half22float2(*p1);
           *p0 = __floats2half2_rn(d[4 * b] + a0.x, d[4 * b + 1] + a0.y);
           *p1 = __floats2half2_rn(d[4 * b + 2] + a1.x, d[4 * b + 3] + a1.y);
+        } else if constexpr (kSplit) {  // columns 8b + 2·(lane % 4) + {0, 1} of the tile
+          const float2 bv = *reinterpret_cast<const float2*>(fss + 8 * b + 2 * (lane & 3));
+          *p0 = __floats2half2_rn(d[4 * b] + bv.x, d[4 * b + 1] + bv.y);
+          *p1 = __floats2half2_rn(d[4 * b + 2] + bv.x, d[4 * b + 3] + bv.y);
         } else {
           *p0 = __floats2half2_rn(d[4 * b], d[4 * b + 1]);
           *p1 = __floats2half2_rn(d[4 * b + 2], d[4 * b + 3]);
@@ -658,21 +695,35 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& mean, const Tensor& scale_shift, int parts,
-                            const Tensor& u, const Tensor& mean_u) {
-  const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
+                            const Tensor& u, const Tensor& mean_u, const Tensor& x2,
+                            const Tensor& w2, const Tensor& b2) {
+  const int64_t C = x.size(1), K1 = dy.size(1), M = x.numel() / C;
   cudaStream_t s = current_stream();
   const bool direct = g_w_direct.get();
-  // B: w (K × C) as it lies, N-major; or wt (C × K), the weight K-major, transposed first.
+  // kSplit: A is (dy | x2), K = K1 + C2 wide, and B (w ; w2ᵀ) packed into one matrix.
+  const bool split = x2.defined();
+  const int64_t K = split ? K1 + x2.size(1) : K1;
   Tensor wt;
-  if (!direct) {
+  if (split) {
+    KILN_CHECK(!r.defined() && !mask.defined() && !u.defined(),
+               "dgrad1x1_bn_sums_wgmma: x2 · w2ᵀ is taken without r, the mask bits or u");
+    wt = direct ? empty({K, C}, TensorOptions(DType::f16).with_device(x.device()))
+                : empty({C, K}, TensorOptions(DType::f16).with_device(x.device()));
+    launch(pack_split_b_kernel, grid_for(K * C), kBlock, 0, s,
+           static_cast<__half*>(wt.raw_data()), static_cast<const __half*>(w.raw_data()),
+           static_cast<const __half*>(w2.raw_data()), int(K1), int(C), int(K - K1), direct);
+    KILN_CUDA_CHECK_LAUNCH();
+  } else if (!direct) {
+    // B: w (K × C) as it lies, N-major; or wt (C × K), the weight K-major, transposed first.
     wt = empty({C, K}, TensorOptions(DType::f16).with_device(x.device()));
     launch(transpose_kernel, dim3(unsigned((C + 31) / 32), unsigned((K + 31) / 32)), dim3(32, 8),
            0, s, static_cast<__half*>(wt.raw_data()), static_cast<const __half*>(w.raw_data()),
            int(K), int(C));
     KILN_CUDA_CHECK_LAUNCH();
   }
-  const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K);
-  const CUtensorMap map_w = direct ? tile_map(w.raw_data(), true, K, C, kBK, 64, true)
+  const CUtensorMap map_dy = kmajor_map(dy.raw_data(), M, K1);
+  const void* bp = split ? wt.raw_data() : w.raw_data();
+  const CUtensorMap map_w = direct ? tile_map(bp, true, K, C, kBK, 64, true)
                                    : kmajor_map(wt.raw_data(), C, K);
   const bool residual = r.defined(), bits = mask.defined(), dual = u.defined();
   KILN_CHECK(!dual || (residual && bits && mean_u.defined()),
@@ -688,14 +739,17 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
     if (dual) map_u = tile_map(u.raw_data(), true, M, C, 64, 64, true);
   }
+  // kSplit: x2's k-steps through map_r (A's boxes), after dy's K1 / 64.
+  if (split) map_r = kmajor_map(x2.raw_data(), M, K - K1);
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
   const bool pipeline = g_pipeline.get();
-  auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect, bool kDual = false>() {
+  auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect, bool kDual = false,
+                 bool kSplit = false>() {
     auto go = [&]<bool kPipeline>() {
       constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect,
                                                             kPipeline, false, false, false, false,
-                                                            kDual>;
-      constexpr int kSmem = kDual ? kSmemDual : kSmemBytes;
+                                                            kDual, kSplit>;
+      constexpr int kSmem = kDual ? kSmemDual : kSplit ? kSmemSplit : kSmemBytes;
       allow_smem_once<kernel>(kSmem, "dgrad1x1_bn_sums");
       const unsigned grid = unsigned(parts * (C / kBN));
       launch_whole_sm(
@@ -704,7 +758,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
           static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
           static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
           static_cast<const float*>(ptr(mean_u)), static_cast<const float*>(ptr(scale_shift)), M,
-          int(C), int(K), parts, 0, 0, g_b_resident.get());
+          int(C), int(K), parts, 0, 0, g_b_resident.get(), int(K1 / kBK),
+          static_cast<const __half*>(ptr(b2)));
     };
     if (pipeline)
       go.template operator()<true>();
@@ -712,7 +767,9 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
       go.template operator()<false>();
   };
   auto pick = [&]<bool kDirect>() {
-    if (dual)
+    if (split)
+      run.template operator()<true, false, false, kDirect, false, true>();
+    else if (dual)
       run.template operator()<true, true, true, kDirect, true>();
     else if (!tma_epi)
       run.template operator()<false, true, true, kDirect>();
@@ -750,7 +807,7 @@ void conv1x1_stats_wgmma(const Tensor& y, const Tensor& partial, const Tensor& x
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
                     nullptr, ss, M,
-                    int(C), int(K), parts, 0, 0, g_b_resident.get());
+                    int(C), int(K), parts, 0, 0, g_b_resident.get(), 0, nullptr);
   };
   if (ss != nullptr && prologue_f16_enabled())
     go.template operator()<true, true, true>();
@@ -869,7 +926,7 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
                     nullptr, nullptr, M,
-                    int(C), int(K), parts, int(H), int(W), false);
+                    int(C), int(K), parts, int(H), int(W), false, 0, nullptr);
     KILN_CUDA_CHECK_LAUNCH();
     bn_nhwc_stats_finish(sum, sqsum, partial, y, parts);
     return;
@@ -882,7 +939,7 @@ void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqs
                     static_cast<__half*>(y.raw_data()), static_cast<float*>(partial.raw_data()),
                     map_x, map_w, none, none, none, none, nullptr, nullptr, nullptr, nullptr,
                     nullptr, nullptr, M,
-                    int(C), int(K), parts, int(H), int(W), false);
+                    int(C), int(K), parts, int(H), int(W), false, 0, nullptr);
   };
   if (g_pipeline.get())
     go.template operator()<true>();
@@ -940,7 +997,7 @@ void dgrad3x3_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
           static_cast<const uint8_t*>(ptr(mask)), static_cast<const __half*>(x.raw_data()),
           static_cast<const float*>(mean.raw_data()), nullptr,
           static_cast<const float*>(ptr(scale_shift)), M, int(C), int(9 * Kc), parts, int(H),
-          int(W), false);
+          int(W), false, 0, nullptr);
     };
     if (tall)
       go.template operator()<true>();

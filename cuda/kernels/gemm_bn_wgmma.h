@@ -19,10 +19,15 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 // u defined (the dual form, with r and the mask; bn_nhwc_dual_backward_dgrad): partial is
 // (parts, 3, C), the third row Σg·(u − mean_u), u (x's shape and layout) the second batch norm's
 // input; g and the first two rows are the same bits as without u.
+// x2 defined (with r, the mask and u undefined): the GEMM is dy · w + x2 · w2ᵀ + b2, x2 (N, C2,
+// H, W) channels-last f16 at x's positions, w2 (C, C2) and b2 (C) f16 contiguous, K + C2 a
+// multiple of 64 up to 2,048 (dgrad1x1_bn_sums checks them): one accumulator, rounded once.
 void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor& dy,
                             const Tensor& w, const Tensor& r, const Tensor& mask, const Tensor& x,
                             const Tensor& mean, const Tensor& scale_shift, int parts,
-                            const Tensor& u = Tensor(), const Tensor& mean_u = Tensor());
+                            const Tensor& u = Tensor(), const Tensor& mean_u = Tensor(),
+                            const Tensor& x2 = Tensor(), const Tensor& w2 = Tensor(),
+                            const Tensor& b2 = Tensor());
 // The same for a 3x3 convolution (stride 1, padding 1): dy (N, K, H, W) through TMA's im2col
 // loads, w (K, C, 3, 3) channels-last; operands checked by the caller (dgrad3x3_bn_supported,
 // cuda/kernels.h); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C).

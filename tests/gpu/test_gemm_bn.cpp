@@ -406,6 +406,106 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("bn_nhwc_backward_dgrad with x2 · w2ᵀ + b2 in the GEMM: t never written (KILN_TAIL_FOLD_T)") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the linear form runs on the wgmma kernel: it needs an sm_90 GPU and a build for "
+            "sm_90a; skipped");
+    return;
+  }
+  const bool before = cuda::tail_fold_t_enabled();
+  cuda::set_tail_fold_t_enabled(true);
+  struct Case {
+    int64_t n, c, k, h, w, c2;
+  };
+  // The tail fold's layer 2 (C = C2 = 128, K = 512) at batch 2 and 32, layer 3's shape with rows
+  // ending inside a tile, and x2 narrower than x (C2 = 64: one k-step of x2).
+  for (Case cs : {Case{2, 128, 512, 14, 14, 128}, Case{32, 128, 512, 28, 28, 128},
+                  Case{3, 256, 1024, 7, 5, 256}, Case{2, 128, 256, 7, 7, 64}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.c);
+    CAPTURE(cs.k);
+    CAPTURE(cs.c2);
+    const Inner t = make_inner(cs.n, cs.c, cs.k, cs.h, cs.w, false, 141 + uint64_t(cs.c + cs.c2));
+    const int64_t M = cs.n * cs.h * cs.w;
+    const Tensor x2 = nhwc(F::relu(randn({cs.n, cs.c2, cs.h, cs.w})));
+    const Tensor w2 = F::mul(randn({cs.c, cs.c2}), 1.0 / std::sqrt(double(cs.c2)))
+                          .to(DType::f16)
+                          .to(kGpu);
+    const Tensor b2 = F::mul(randn({cs.c}), 0.5).to(DType::f16).to(kGpu);
+    REQUIRE(cuda::dgrad1x1_bn_linear_supported(t.dy, t.w, t.y, x2, w2, b2));
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    auto run = [&]() {
+      Grads o{empty_like(t.y), empty_like(t.y), empty({cs.c}, f32o), empty({cs.c}, f32o)};
+      cuda::bn_nhwc_backward_dgrad(o.dx, o.g, o.dw, o.db, t.dy, t.w, Tensor(), Tensor(), t.y,
+                                   t.weight, t.mean, t.invstd, false, t.scale_shift, Tensor(), x2,
+                                   w2, b2);
+      return o;
+    };
+    const Grads a = run();
+    // The fold's form before it: t = x2 · w2ᵀ + b2 written in f16, then added as r.
+    const Tensor rows2 = x2.permute({0, 2, 3, 1}).reshape({M, cs.c2});
+    const Tensor tt = F::linear(rows2, w2, b2)
+                          .view({cs.n, cs.h, cs.w, cs.c})
+                          .permute({0, 3, 1, 2})
+                          .contiguous(MemoryFormat::ChannelsLast);
+    Grads b{empty_like(t.y), empty_like(t.y), empty({cs.c}, f32o), empty({cs.c}, f32o)};
+    cuda::bn_nhwc_backward_dgrad(b.dx, b.g, b.dw, b.db, t.dy, t.w, tt, Tensor(), t.y, t.weight,
+                                 t.mean, t.invstd, false, t.scale_shift);
+    // g against f32 on the CPU: dy · w + x2 · w2ᵀ + b2, masked where y·scale + shift ≤ 0.
+    Tensor want = F::add(
+        F::add(F::matmul(f32(t.dy).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.k}),
+                         f32(t.w).reshape({cs.k, cs.c})),
+               F::matmul(f32(x2).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c2}),
+                         f32(w2).t())),
+        f32(b2).reshape({1, cs.c}));
+    want = want.contiguous();
+    const Tensor yv = f32(t.y).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    const Tensor ss = t.scale_shift.to(kCPU);
+    const float* yp = yv.data<float>();
+    const float* sp = ss.data<float>();
+    float* wp = want.data<float>();
+    for (int64_t i = 0; i < M * cs.c; ++i) {
+      const int64_t ch = i % cs.c;
+      if (!(std::fma(yp[i], sp[ch], sp[cs.c + ch]) > 0.f)) wp[i] = 0.f;
+    }
+    const Tensor got = f32(a.g).permute({0, 2, 3, 1}).contiguous().reshape({M, cs.c});
+    KILN_CHECK_OK(testing::compare(got, want, 1e-2, 2e-3));
+    // Against t written: one rounding of t apart.
+    const double atol = 6e-2 * std::max(1.0, std::sqrt(double(M) / 784.0));
+    KILN_CHECK_OK(testing::compare(f32(a.g), f32(b.g), 1e-2, 5e-3));
+    KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 1e-2, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), atol, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), atol, 1e-2));
+    // Bit-reproducible.
+    const Grads c = run();
+    for (auto [x, y] : {std::pair{a.dx, c.dx}, {a.g, c.g}, {a.dw, c.dw}, {a.db, c.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  // Refused: x2 of 32 channels (K + C2 not a multiple of 64), w2 of the wrong shape, the switch
+  // off; and bn_nhwc_backward_dgrad names the operands.
+  const Inner t = make_inner(2, 128, 512, 4, 4, false, 151);
+  const Tensor x2 = nhwc(randn({2, 128, 4, 4})), x32 = nhwc(randn({2, 32, 4, 4}));
+  const Tensor w2 = randn({128, 128}).to(DType::f16).to(kGpu);
+  const Tensor b2 = randn({128}).to(DType::f16).to(kGpu);
+  CHECK(cuda::dgrad1x1_bn_linear_supported(t.dy, t.w, t.y, x2, w2, b2));
+  CHECK_FALSE(cuda::dgrad1x1_bn_linear_supported(
+      t.dy, t.w, t.y, x32, randn({128, 32}).to(DType::f16).to(kGpu), b2));
+  CHECK_FALSE(cuda::dgrad1x1_bn_linear_supported(
+      t.dy, t.w, t.y, x2, randn({128, 64}).to(DType::f16).to(kGpu), b2));
+  Tensor dx = empty_like(t.y), g = empty_like(t.y);
+  try {
+    cuda::bn_nhwc_backward_dgrad(dx, g, Tensor(), Tensor(), t.dy, t.w, Tensor(), Tensor(), t.y,
+                                 t.weight, t.mean, t.invstd, false, t.scale_shift, Tensor(), x32,
+                                 w2, b2);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("x2") != std::string::npos);
+  }
+  cuda::set_tail_fold_t_enabled(false);
+  CHECK_FALSE(cuda::dgrad1x1_bn_linear_supported(t.dy, t.w, t.y, x2, w2, b2));
+  cuda::set_tail_fold_t_enabled(before);
+}
+
 TEST_CASE("the mask-from-x form refuses what the wgmma kernel does not take") {
   // C 64 (ResNet-50's layer 1: not a multiple of the kernel's 128 columns), K 64 (the mma.sync
   // kernel's shape, which only reads mask bits), K past 2,048; and a message without scale_shift.
