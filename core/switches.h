@@ -190,7 +190,7 @@ struct Switches {
   bool tail_fold_dual = true;
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
-  bool tail_fold_t = false;  // written, not yet run on a GPU
+  bool tail_fold_t = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;
