@@ -84,10 +84,10 @@
 // | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
 // |                          |                     | its own, not in the weight gradient's idle warps|
 // |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
-// | KILN_TAIL_FOLD_T         | 1                   | the tail fold's t (a2's linear map) a second    |
-// |                          |                     | product in bn2's data-gradient GEMM, not written|
-// |                          |                     | by a GEMM of its own and added there as r       |
-// |                          |                     | (written, not yet run: off; norm-conv.md)       |
+// | KILN_TAIL_FOLD_T         | 0                   | the tail fold's t (a2's linear map) written by a|
+// |                          |                     | GEMM of its own and added as r in bn2's data-   |
+// |                          |                     | gradient GEMM, not a second product inside that |
+// |                          |                     | GEMM (on since v42; norm-conv.md)               |
 // | KILN_WGRAD_X_GRAM        | 0                   | the tail fold's Gram of conv3's input as a GEMM |
 // |                          |                     | of its own, not from the weight gradient's loads|
 // |                          |                     | of that input (since v41; norm-conv.md)         |
