@@ -104,7 +104,7 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 }
 
 // kSplit's B: (w ; w2ᵀ) stacked along K, K = K1 + C2 — w (K1 × C) as it lies and w2 (C × C2),
-// element (C1 + j, c) being w2 (c, j) — laid N-major (K × C) for kWDirect, else K-major (C × K).
+// element (K1 + j, c) being w2 (c, j) — laid N-major (K × C) for kWDirect, else K-major (C × K).
 __global__ void pack_split_b_kernel(__half* __restrict__ out, const __half* __restrict__ w,
                                     const __half* __restrict__ w2, int K1, int C, int C2,
                                     bool n_major) {
