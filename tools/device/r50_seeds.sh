@@ -17,6 +17,12 @@
 # ended between 79.6 and 81.7%)
 # ARCH (default resnet50) names another model: the Fashion-MNIST recipe of
 # docs/lab/fashion-mnist.md is ARCH=resnet18 EPOCHS=30 ARGS="--augment --workers 8".
+# PLANS=1: every run shares one convolution plan file (KILN_CONV_PLANS; the first run tunes, the
+# rest take its choices). Runs of the same code in different processes otherwise train different
+# bits — cuDNN's plans are tuned per process, and --decoder auto times the decoders — which made
+# an A/A comparison on Imagenette come out −0.50 points, s.e. 0.11 (docs/lab/norm-conv.md, v42).
+# With PLANS=1 and --decoder cpu in ARGS, two runs of the same code should train the same bits:
+# CONFIGS="default KILN_UNUSED=0" checks that (not yet run).
 # (.imagenette, an ignored, carried folder: thunderInfy/imagenette re-encoded by
 # tools/bench/shrink_jpegs.cpp at 1/2 size (112 px on the short side), quality 68, and stored
 # uncompressed in one zip file: 13,394 small files would not fit in what a call carries.)
@@ -47,6 +53,10 @@ i = max(range(len(steps)), key=lambda k: steps[k]["loss"])
 print(f"early peak loss {steps[i]['loss']:.2f} at step {i + 1}")
 PY
 }
+if [ "${PLANS:-0}" = 1 ]; then
+  export KILN_CONV_PLANS=$L/conv-plans.txt
+  rm -f "$KILN_CONV_PLANS"
+fi
 for seed in ${SEEDS:-0 1}; do
   for config in $configs; do
     vars=()
