@@ -125,6 +125,32 @@ TailEnd tail_end_backward(const std::map<std::string, Tensor>& host, DType dt) {
   return r;
 }
 
+// The host operands of tail_end_backward for a bottleneck of c channels (k = 4c), n × c × h × w
+// at conv3's input, drawn in this order from `seed`; dual: a downsample shortcut of 2c channels.
+std::map<std::string, Tensor> tail_end_host(int64_t n, int64_t c, int64_t h, int64_t w, bool dual,
+                                            uint64_t seed) {
+  const int64_t k = 4 * c, cs = 2 * c;
+  manual_seed(seed);
+  std::map<std::string, Tensor> host;
+  host["y2"] = F::add(F::mul(randn({n, c, h, w}), 1.5), 0.25);
+  if (dual) {
+    host["z"] = randn({n, cs, h, w});
+    host["wd"] = F::mul(randn({k, cs, 1, 1}), 1.0 / std::sqrt(double(cs)));
+    host["gd"] = uniform({k}, 0.5, 1.5);
+    host["bd"] = uniform({k}, -0.5, 0.5);
+  } else {
+    host["z"] = randn({n, k, h, w});
+  }
+  host["w3"] = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(c)));
+  host["w1"] = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k)));
+  host["g2"] = uniform({c}, 0.5, 1.5);
+  host["b2"] = uniform({c}, -0.5, 0.5);
+  host["g3"] = uniform({k}, 0.5, 1.5);
+  host["b3"] = uniform({k}, -0.5, 0.5);
+  host["dy1"] = randn({n, c, h, w});
+  return host;
+}
+
 std::map<std::string, Tensor> grads_of(const TailEnd& r) {
   std::map<std::string, Tensor> g;
   std::vector<std::pair<const char*, const Tensor*>> leaves = {
@@ -227,25 +253,9 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
     const int64_t c = form % 2 == 0 ? 64 : 128;
     CAPTURE(dual);
     CAPTURE(c);
-    const int64_t k = 4 * c, n = 4, h = 10, w = 12, cs = 2 * c;
-    manual_seed(700 + uint64_t(c) + (dual ? 50 : 0));
-    std::map<std::string, Tensor> host;
-    host["y2"] = F::add(F::mul(randn({n, c, h, w}), 1.5), 0.25);
-    if (dual) {
-      host["z"] = randn({n, cs, h, w});
-      host["wd"] = F::mul(randn({k, cs, 1, 1}), 1.0 / std::sqrt(double(cs)));
-      host["gd"] = uniform({k}, 0.5, 1.5);
-      host["bd"] = uniform({k}, -0.5, 0.5);
-    } else {
-      host["z"] = randn({n, k, h, w});
-    }
-    host["w3"] = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(c)));
-    host["w1"] = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k)));
-    host["g2"] = uniform({c}, 0.5, 1.5);
-    host["b2"] = uniform({c}, -0.5, 0.5);
-    host["g3"] = uniform({k}, 0.5, 1.5);
-    host["b3"] = uniform({k}, -0.5, 0.5);
-    host["dy1"] = randn({n, c, h, w});
+    const int64_t n = 4, h = 10, w = 12;
+    std::map<std::string, Tensor> host =
+        tail_end_host(n, c, h, w, dual, 700 + uint64_t(c) + (dual ? 50 : 0));
     const uint64_t f0 = F::tail_folds();
     std::map<std::string, Tensor> on, off, ref;
     {
@@ -311,18 +321,8 @@ TEST_CASE("the tail fold with a2 read elsewhere too: t written and added to its 
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
     return;
   }
-  const int64_t c = 128, k = 4 * c, n = 4, h = 10, w = 12;
-  manual_seed(777);
-  std::map<std::string, Tensor> host;
-  host["y2"] = F::add(F::mul(randn({n, c, h, w}), 1.5), 0.25);
-  host["z"] = randn({n, k, h, w});
-  host["w3"] = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(c)));
-  host["w1"] = F::mul(randn({c, k, 1, 1}), 1.0 / std::sqrt(double(k)));
-  host["g2"] = uniform({c}, 0.5, 1.5);
-  host["b2"] = uniform({c}, -0.5, 0.5);
-  host["g3"] = uniform({k}, 0.5, 1.5);
-  host["b3"] = uniform({k}, -0.5, 0.5);
-  host["dy1"] = randn({n, c, h, w});
+  const int64_t c = 128, n = 4, h = 10, w = 12;
+  std::map<std::string, Tensor> host = tail_end_host(n, c, h, w, false, 777);
   host["q"] = randn({n, c, h, w});
   host["dq"] = randn({n, c, h, w});
   const bool t_before = cuda::tail_fold_t_enabled();
