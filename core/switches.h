@@ -88,6 +88,11 @@
 // |                          |                     | GEMM of its own and added as r in bn2's data-   |
 // |                          |                     | gradient GEMM, not a second product inside that |
 // |                          |                     | GEMM (on since v42; norm-conv.md)               |
+// | KILN_DGRAD_PAIR64        | 1                   | a 64-channel relu(bn(x)) takes the next 1x1     |
+// |                          |                     | convolution's data gradient into kiln's GEMM on |
+// |                          |                     | x's rows in pairs (128 columns, B block-        |
+// |                          |                     | diagonal), not cuDNN's and two passes (written, |
+// |                          |                     | not yet run: off; norm-conv.md)                 |
 // | KILN_WGRAD_X_GRAM        | 0                   | the tail fold's Gram of conv3's input as a GEMM |
 // |                          |                     | of its own, not from the weight gradient's loads|
 // |                          |                     | of that input (since v41; norm-conv.md)         |
@@ -191,6 +196,7 @@ struct Switches {
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
   bool tail_fold_t = true;
+  bool dgrad_pair64 = false;  // written, not yet run on a GPU
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;

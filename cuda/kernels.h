@@ -559,6 +559,14 @@ void set_dual_dgrad_enabled(bool on);
 // r; set here for tests and A/B runs.
 bool tail_fold_t_enabled();
 void set_tail_fold_t_enabled(bool on);
+// Whether dgrad1x1_bn_sums takes x of 64 channels with the mask recomputed from x (and x2 of c2
+// channels, 0 without): kiln's wgmma GEMM on x's rows in pairs, a (M/2) × 128 view, B
+// block-diagonal (w twice), the statistics' column pairs added after; M = N·H·W even, 2K (+ 2c2)
+// a multiple of 64 up to 2,048, and the switch on (KILN_DGRAD_PAIR64; off: cuDNN's data gradient
+// and two passes). A ResNet's layer-1 bn2 then takes conv3's data gradient, folded or not.
+bool dgrad1x1_bn_pair64(const Tensor& dy1, const Tensor& w1, const Tensor& x, int64_t c2);
+bool dgrad_pair64_enabled();
+void set_dgrad_pair64_enabled(bool on);
 
 // ---- fused optimizer, gradient checks and loss scaler (cuda/kernels/optim.cu) ----
 // One launch over all chunks: found_inf (|=) and partial_sumsq (=, one per chunk).

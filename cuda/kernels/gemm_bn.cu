@@ -211,8 +211,9 @@ bool dgrad1x1_bn_linear_supported(const Tensor& dy1, const Tensor& w1, const Ten
          x2.size(3) == x.size(3) && x2.is_contiguous(MemoryFormat::ChannelsLast) &&
          w2.dim() == 2 && w2.size(0) == C && w2.size(1) == C2 && w2.is_contiguous() &&
          b2.numel() == C && b2.is_contiguous() && x2.device() == x.device() &&
-         w2.device() == x.device() && b2.device() == x.device() && use_wgmma(M, K, C) &&
-         use_wgmma(M, dy1.size(1), C);
+         w2.device() == x.device() && b2.device() == x.device() &&
+         ((use_wgmma(M, K, C) && use_wgmma(M, dy1.size(1), C)) ||
+          dgrad1x1_bn_pair64(dy1, w1, x, C2));
 }
 bool tail_fold_t_enabled() { return g_tail_fold_t.get(); }
 void set_tail_fold_t_enabled(bool on) { g_tail_fold_t.set(on); }
@@ -237,6 +238,22 @@ int dgrad1x1_bn_parts(int64_t M, int64_t C, int64_t K) {
                                  std::min<int64_t>(std::max<int64_t>(tiles, 1), 65535)));
 }
 
+namespace {
+constinit RuntimeSwitch g_pair64{&Switches::dgrad_pair64};  // KILN_DGRAD_PAIR64
+}  // namespace
+
+bool dgrad1x1_bn_pair64(const Tensor& dy, const Tensor& w, const Tensor& x, int64_t c2) {
+  if (!g_pair64.get() || !dgrad1x1_bn_wgmma_available() || !dy.defined() || !w.defined() ||
+      !x.defined() || x.dim() != 4 || x.size(1) != 64 || dy.dim() != 4 || w.dim() != 4 ||
+      w.size(2) != 1 || w.size(3) != 1)
+    return false;
+  const int64_t M = x.numel() / 64, K = dy.size(1);
+  return M > 0 && M % 2 == 0 && use_wgmma(M / 2, 2 * K, 128) &&
+         use_wgmma(M / 2, 2 * K + 2 * c2, 128) && c2 % 32 == 0;
+}
+bool dgrad_pair64_enabled() { return g_pair64.get(); }
+void set_dgrad_pair64_enabled(bool on) { g_pair64.set(on); }
+
 bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x, bool mask_bits) {
   if (!(dy.defined() && w.defined() && x.defined() && dy.is_cuda() && dy.dtype() == DType::f16 &&
         w.dtype() == DType::f16 && x.dtype() == DType::f16 && dy.dim() == 4 && w.dim() == 4 &&
@@ -247,7 +264,7 @@ bool dgrad1x1_bn_supported(const Tensor& dy, const Tensor& w, const Tensor& x, b
          dy.size(0) == x.size(0) && dy.size(2) == x.size(2) && dy.size(3) == x.size(3) &&
          N > 0 &&
          (((K == 64 || K == 128) && N % kBN == 0 && mask_bits) ||
-          use_wgmma(x.numel() / N, K, N)) &&
+          use_wgmma(x.numel() / N, K, N) || (!mask_bits && dgrad1x1_bn_pair64(dy, w, x, 0))) &&
          dy.is_contiguous(MemoryFormat::ChannelsLast) &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          (w.is_contiguous(MemoryFormat::ChannelsLast) || w.is_contiguous());
@@ -283,7 +300,10 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
                dy.desc(), ", w ", w.desc(), ", x ", x.desc());
   }
   const int64_t C = x.size(1), K = dy.size(1), M = x.numel() / C;
-  const bool wgmma = taps || use_wgmma(M, K, C);
+  // C = 64 with the mask from x: kiln's GEMM on x's rows in pairs (dgrad1x1_bn_pair64).
+  const bool pair =
+      !taps && !bits && C == 64 && dgrad1x1_bn_pair64(dy, w, x, x2.defined() ? x2.size(1) : 0);
+  const bool wgmma = taps || pair || use_wgmma(M, K, C);
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
   // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
   if (r.defined() || !wgmma) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
@@ -312,6 +332,10 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
   if (M == 0) return 0;
   if (taps) {
     dgrad3x3_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
+    return parts;
+  }
+  if (pair) {
+    dgrad1x1_bn_sums_wgmma_pair64(g, partial, parts, dy, w, r, x, mean, scale_shift, x2, w2, b2);
     return parts;
   }
   if (use_wgmma(M, K, C)) {

@@ -116,6 +116,36 @@ __global__ void pack_split_b_kernel(__half* __restrict__ out, const __half* __re
   }
 }
 
+// The pair view's operands (dgrad1x1_bn_sums_wgmma_pair64). out (2R × 2Cc) = in (R × Cc) twice
+// on the diagonal, zeros elsewhere.
+__global__ void block_diag2_kernel(__half* __restrict__ out, const __half* __restrict__ in, int R,
+                                   int Cc) {
+  const int64_t n = int64_t(4) * R * Cc;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (2 * Cc), col = i % (2 * Cc);
+    const bool diag = (row >= R) == (col >= Cc);
+    out[i] = diag ? in[(row % R) * Cc + col % Cc] : __float2half(0.f);
+  }
+}
+// out = each of in's `groups` segments of n values twice: (a, b) -> (a, a, b, b).
+template <typename T>
+__global__ void repeat2_kernel(T* __restrict__ out, const T* __restrict__ in, int n, int groups) {
+  for (int i = int(blockIdx.x) * blockDim.x + threadIdx.x; i < 2 * n * groups;
+       i += gridDim.x * blockDim.x)
+    out[i] = in[(i / (2 * n)) * n + i % n];
+}
+// partial (parts, 2, 64) from the view's (parts_v, 2, 128): columns c and 64 + c added; rows
+// from parts_v on zero.
+__global__ void fold_pair_partial_kernel(float* __restrict__ out, const float* __restrict__ in,
+                                         int parts, int parts_v) {
+  for (int i = int(blockIdx.x) * blockDim.x + threadIdx.x; i < parts * 2 * 64;
+       i += gridDim.x * blockDim.x) {
+    const int qt = i / 64, c = i % 64;
+    out[i] = qt < 2 * parts_v ? in[qt * 128 + c] + in[qt * 128 + 64 + c] : 0.f;
+  }
+}
+
 // kTmaEpi: r's, x's and the mask's rows of each tile come into shared memory by TMA (thread 32
 // issues them while the tile's MMAs run, into the buffer the staging used), the accumulators
 // add r there in their fragment layout, and the epilogue reads everything from shared memory —
@@ -786,6 +816,59 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
     pick.template operator()<true>();
   else
     pick.template operator()<false>();
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void dgrad1x1_bn_sums_wgmma_pair64(const Tensor& g, const Tensor& partial, int parts,
+                                   const Tensor& dy, const Tensor& w, const Tensor& r,
+                                   const Tensor& x, const Tensor& mean, const Tensor& scale_shift,
+                                   const Tensor& x2, const Tensor& w2, const Tensor& b2) {
+  const int64_t M = x.numel() / 64, Mv = M / 2, K = dy.size(1);
+  cudaStream_t s = current_stream();
+  // (N, c, H, W) channels-last, M × c as it lies, read as (M/2) × 2c: rows 2i and 2i + 1 side by
+  // side. A view, never a copy (g is written through it).
+  auto pair_view = [&](const Tensor& t) {
+    if (!t.defined()) return Tensor();
+    const int64_t c = t.size(1);
+    Tensor v = t.permute({0, 2, 3, 1}).reshape({Mv, 1, 1, 2 * c}).permute({0, 3, 1, 2});
+    KILN_CHECK(v.raw_data() == t.raw_data(), "dgrad1x1_bn_sums_wgmma_pair64: ", t.desc(),
+               " is not viewable as row pairs");
+    return v;
+  };
+  const TensorOptions f16 = TensorOptions(DType::f16).with_device(x.device());
+  const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
+  Tensor wp = empty({2 * K, 128, 1, 1}, f16);
+  launch(block_diag2_kernel, grid_for(4 * K * 64), kBlock, 0, s,
+         static_cast<__half*>(wp.raw_data()), static_cast<const __half*>(w.raw_data()), int(K), 64);
+  KILN_CUDA_CHECK_LAUNCH();
+  Tensor mean2 = empty({128}, f32), ss2 = empty({256}, f32);
+  launch(repeat2_kernel<float>, 1, kBlock, 0, s, static_cast<float*>(mean2.raw_data()),
+         static_cast<const float*>(mean.raw_data()), 64, 1);
+  launch(repeat2_kernel<float>, 1, kBlock, 0, s, static_cast<float*>(ss2.raw_data()),
+         static_cast<const float*>(scale_shift.raw_data()), 64, 2);
+  KILN_CUDA_CHECK_LAUNCH();
+  Tensor w2p, b2p;
+  if (x2.defined()) {
+    const int64_t C2 = x2.size(1);
+    w2p = empty({128, 2 * C2}, f16);
+    launch(block_diag2_kernel, grid_for(4 * 64 * C2), kBlock, 0, s,
+           static_cast<__half*>(w2p.raw_data()), static_cast<const __half*>(w2.raw_data()), 64,
+           int(C2));
+    b2p = empty({128}, f16);
+    launch(repeat2_kernel<__half>, 1, kBlock, 0, s, static_cast<__half*>(b2p.raw_data()),
+           static_cast<const __half*>(b2.raw_data()), 64, 1);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
+  const int parts_v = dgrad1x1_bn_wgmma_parts(Mv, 128);
+  KILN_CHECK(parts_v <= parts, "dgrad1x1_bn_sums_wgmma_pair64: the view's ", parts_v,
+             " parts exceed the caller's ", parts);
+  Tensor partial_v = empty({int64_t(parts_v) * 2 * 128}, f32);
+  dgrad1x1_bn_sums_wgmma(pair_view(g), partial_v, pair_view(dy), wp, pair_view(r), Tensor(),
+                         pair_view(x), mean2, ss2, parts_v, Tensor(), Tensor(), pair_view(x2), w2p,
+                         b2p);
+  launch(fold_pair_partial_kernel, grid_for(int64_t(parts) * 2 * 64), kBlock, 0, s,
+         static_cast<float*>(partial.raw_data()), static_cast<const float*>(partial_v.raw_data()),
+         parts, parts_v);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

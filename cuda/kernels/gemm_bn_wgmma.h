@@ -28,6 +28,15 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
                             const Tensor& u = Tensor(), const Tensor& mean_u = Tensor(),
                             const Tensor& x2 = Tensor(), const Tensor& w2 = Tensor(),
                             const Tensor& b2 = Tensor());
+// dgrad1x1_bn_sums_wgmma on x's rows in pairs (x of 64 channels, the mask from x;
+// dgrad1x1_bn_pair64): the GEMM on (M/2) × 128 views of g, x, r and x2, B = w (and w2)
+// block-diagonal, mean and scale_shift repeated; partial (parts, 2, 64) (=) gets the view's
+// column pairs added, its rows past the view's parts zero (parts: dgrad1x1_bn_parts's, at least
+// the view's).
+void dgrad1x1_bn_sums_wgmma_pair64(const Tensor& g, const Tensor& partial, int parts,
+                                   const Tensor& dy, const Tensor& w, const Tensor& r,
+                                   const Tensor& x, const Tensor& mean, const Tensor& scale_shift,
+                                   const Tensor& x2, const Tensor& w2, const Tensor& b2);
 // The same for a 3x3 convolution (stride 1, padding 1): dy (N, K, H, W) through TMA's im2col
 // loads, w (K, C, 3, 3) channels-last; operands checked by the caller (dgrad3x3_bn_supported,
 // cuda/kernels.h); parts = dgrad1x1_bn_wgmma_parts(N·H·W, C).

@@ -506,11 +506,83 @@ TEST_CASE("bn_nhwc_backward_dgrad with x2 · w2ᵀ + b2 in the GEMM: t never wri
   cuda::set_tail_fold_t_enabled(before);
 }
 
+TEST_CASE("64 channels with the mask from x: the GEMM on row pairs (KILN_DGRAD_PAIR64)") {
+  if (!cuda::dgrad1x1_bn_wgmma_available()) {
+    MESSAGE("the pair form runs on the wgmma kernel: it needs an sm_90 GPU and a build for "
+            "sm_90a; skipped");
+    return;
+  }
+  const bool before = cuda::dgrad_pair64_enabled(), t_before = cuda::tail_fold_t_enabled();
+  cuda::set_dgrad_pair64_enabled(true);
+  cuda::set_tail_fold_t_enabled(true);
+  struct Case {
+    int64_t n, k, h, w;
+    int form;  // 0: dgrad alone, 1: with another gradient r, 2: with x2 · w2ᵀ + b2
+  };
+  // ResNet-50's layer 1 (K = 256) at 14 × 14 and 56 × 56 (batch 2: 6,272 rows, 3,136 pairs over
+  // 25 tiles), with r, with the fold's linear map (C2 = 64), and K = 128.
+  for (Case cs : {Case{2, 256, 14, 14, 0}, Case{2, 256, 56, 56, 0}, Case{3, 256, 14, 14, 1},
+                  Case{2, 256, 14, 14, 2}, Case{2, 256, 56, 56, 2}, Case{4, 128, 7, 8, 0}}) {
+    CAPTURE(cs.n);
+    CAPTURE(cs.k);
+    CAPTURE(cs.h);
+    CAPTURE(cs.form);
+    const int64_t c = 64, M = cs.n * cs.h * cs.w;
+    const Inner t = make_inner(cs.n, c, cs.k, cs.h, cs.w, cs.form == 1, 161 + uint64_t(cs.form));
+    REQUIRE(cuda::dgrad1x1_bn_supported(t.dy, t.w, t.y, /*mask_bits=*/false));
+    Tensor x2, w2, b2;
+    if (cs.form == 2) {
+      x2 = nhwc(F::relu(randn({cs.n, c, cs.h, cs.w})));
+      w2 = F::mul(randn({c, c}), 0.125).to(DType::f16).to(kGpu);
+      b2 = F::mul(randn({c}), 0.5).to(DType::f16).to(kGpu);
+      REQUIRE(cuda::dgrad1x1_bn_linear_supported(t.dy, t.w, t.y, x2, w2, b2));
+    }
+    const TensorOptions f32o = TensorOptions().with_device(kGpu);
+    auto run = [&]() {
+      Grads o{empty_like(t.y), empty_like(t.y), empty({c}, f32o), empty({c}, f32o)};
+      cuda::bn_nhwc_backward_dgrad(o.dx, o.g, o.dw, o.db, t.dy, t.w, t.r, Tensor(), t.y, t.weight,
+                                   t.mean, t.invstd, false, t.scale_shift, Tensor(), x2, w2, b2);
+      return o;
+    };
+    const Grads a = run();
+    // The composition: cuDNN's dgrad onto r (and t = x2 · w2ᵀ + b2), then kiln's two passes.
+    Tensor grad = t.r.defined() ? t.r.clone() : empty_like(t.y);
+    if (cs.form == 2)
+      grad = F::linear(x2.permute({0, 2, 3, 1}).reshape({M, c}), w2, b2)
+                 .view({cs.n, cs.h, cs.w, c})
+                 .permute({0, 3, 1, 2})
+                 .contiguous(MemoryFormat::ChannelsLast);
+    cuda::conv2d_backward_data(grad, t.dy, t.w, ConvParams{}, /*accumulate=*/cs.form != 0);
+    Grads b{empty_like(t.y), Tensor(), empty({c}, f32o), empty({c}, f32o)};
+    cuda::bn_nhwc_backward(b.dx, Tensor(), b.dw, b.db, grad, t.y, Tensor(), t.weight, t.mean,
+                           t.invstd, t.scale_shift, Activation::Relu);
+    const double atol = 6e-2 * std::max(1.0, std::sqrt(double(M) / 784.0));
+    KILN_CHECK_OK(testing::compare(f32(a.dx), f32(b.dx), 1e-2, 5e-3));
+    KILN_CHECK_OK(testing::compare(a.dw.to(kCPU), b.dw.to(kCPU), atol, 1e-2));
+    KILN_CHECK_OK(testing::compare(a.db.to(kCPU), b.db.to(kCPU), atol, 1e-2));
+    const Grads d = run();
+    for (auto [x, y] : {std::pair{a.dx, d.dx}, {a.g, d.g}, {a.dw, d.dw}, {a.db, d.db}})
+      KILN_CHECK_OK(testing::compare(x, y, 0, 0));
+  }
+  // Refused: an odd number of rows; the switch off.
+  const Inner odd = make_inner(1, 64, 256, 7, 7, false, 171);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(odd.dy, odd.w, odd.y, false));
+  const Inner even = make_inner(2, 64, 256, 7, 7, false, 172);
+  CHECK(cuda::dgrad1x1_bn_supported(even.dy, even.w, even.y, false));
+  cuda::set_dgrad_pair64_enabled(false);
+  CHECK_FALSE(cuda::dgrad1x1_bn_supported(even.dy, even.w, even.y, false));
+  cuda::set_dgrad_pair64_enabled(before);
+  cuda::set_tail_fold_t_enabled(t_before);
+}
+
 TEST_CASE("the mask-from-x form refuses what the wgmma kernel does not take") {
   // C 64 (ResNet-50's layer 1: not a multiple of the kernel's 128 columns), K 64 (the mma.sync
   // kernel's shape, which only reads mask bits), K past 2,048; and a message without scale_shift.
   const Inner a = make_inner(2, 64, 256, 4, 4, false, 131);
+  const bool pair64 = cuda::dgrad_pair64_enabled();  // C 64 on row pairs: the case above
+  cuda::set_dgrad_pair64_enabled(false);
   CHECK_FALSE(cuda::dgrad1x1_bn_supported(a.dy, a.w, a.y, false));
+  cuda::set_dgrad_pair64_enabled(pair64);
   const Inner b = make_inner(2, 128, 64, 4, 4, false, 132);
   CHECK(cuda::dgrad1x1_bn_supported(b.dy, b.w, b.y, true) == true);
   CHECK(cuda::dgrad1x1_bn_supported(b.dy, b.w, b.y, false) ==
