@@ -78,6 +78,10 @@ enum class FastPath : uint8_t {
   // conv3 still answers TailFold for its own operands): x, the tail's first input (conv3's
   // output).
   TailFoldDual,
+  // Both sides of a downsample tail folded (dual_backward_dgrad_coef with dr undefined): g, the
+  // gradient through the tail's ReLU. The shortcut's convolution still answers TailFold for its
+  // own operands.
+  TailFoldShortcut,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -175,7 +179,8 @@ struct BatchNormStatsPaths {
   // gradient through the ReLU; coef (6C f32, =) both sides' per-channel factors, x's first
   // (x's gradient is coef[c]·g + coef[C + c]·x + coef[2C + c], for the convolution that produced
   // x to take in that form: ops/dgrad_sink.h), r's after; dr (=) and the parameters' gradients
-  // as dual_backward_dgrad's. The pass writes dr alone.
+  // as dual_backward_dgrad's. The pass writes dr alone; with dr undefined (FastPath::
+  // TailFoldShortcut: the shortcut's convolution takes r's side as factors too) there is no pass.
   void (*dual_backward_dgrad_coef)(TensorRef coef, TensorRef g, TensorRef dr,
                                    TensorRef dweight_x, TensorRef dbias_x, TensorRef dweight_r,
                                    TensorRef dbias_r, TensorRef dy1, TensorRef w1,

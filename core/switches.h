@@ -81,6 +81,11 @@
 // | KILN_TAIL_FOLD_DUAL      | 0                   | a downsample block's tail writes conv3's output |
 // |                          |                     | gradient in its pass instead of folding conv3's |
 // |                          |                     | side (on since v39; norm-conv.md)               |
+// | KILN_TAIL_FOLD_SHORTCUT  | 1                   | where a downsample tail folds conv3's side and  |
+// |                          |                     | its shortcut is a stride-1 1x1 convolution      |
+// |                          |                     | (ResNet-50's layer 1), the shortcut takes its   |
+// |                          |                     | factors too and the tail's pass is gone         |
+// |                          |                     | (written, not yet run: off; norm-conv.md)       |
 // | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
 // |                          |                     | its own, not in the weight gradient's idle warps|
 // |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
@@ -193,6 +198,7 @@ struct Switches {
   bool tail_fold = true;
   int tail_fold_min = 20000000;
   bool tail_fold_dual = true;
+  bool tail_fold_shortcut = false;  // written, not yet run on a GPU
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
   bool tail_fold_t = true;

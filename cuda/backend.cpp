@@ -221,6 +221,8 @@ constinit RuntimeSwitch g_dgrad_fusion{&Switches::fused_dgrad};  // KILN_FUSED_D
 constinit RuntimeSwitch g_tail_fold{&Switches::tail_fold};         // KILN_TAIL_FOLD
 constinit RuntimeSetting<int> g_tail_fold_min{&Switches::tail_fold_min};  // KILN_TAIL_FOLD_MIN
 constinit RuntimeSwitch g_tail_fold_dual{&Switches::tail_fold_dual};  // KILN_TAIL_FOLD_DUAL
+constinit RuntimeSwitch g_tail_fold_shortcut{
+    &Switches::tail_fold_shortcut};  // KILN_TAIL_FOLD_SHORTCUT
 
 // The fast paths' operands: f16 channels-last activations, f32 contiguous per-channel tensors.
 bool nhwc_f16(const Tensor& t) {
@@ -291,6 +293,10 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
     case FastPath::TailFoldDual:
       expect(1);
       return g_tail_fold.get() && g_tail_fold_dual.get() && nhwc_f16(*t[0]);
+    case FastPath::TailFoldShortcut:
+      expect(1);
+      return g_tail_fold.get() && g_tail_fold_dual.get() && g_tail_fold_shortcut.get() &&
+             nhwc_f16(*t[0]);
     case FastPath::BiasGelu: {  // cuda/kernels/bias_gelu.cu: f32, f16, bf16
       expect(3);
       const DType d = t[0]->dtype();
@@ -428,6 +434,8 @@ void set_dgrad_fusion_enabled(bool on) { g_dgrad_fusion.set(on); }
 bool tail_fold_enabled() { return g_tail_fold.get(); }
 bool tail_fold_dual_enabled() { return g_tail_fold_dual.get(); }
 void set_tail_fold_dual_enabled(bool on) { g_tail_fold_dual.set(on); }
+bool tail_fold_shortcut_enabled() { return g_tail_fold_shortcut.get(); }
+void set_tail_fold_shortcut_enabled(bool on) { g_tail_fold_shortcut.set(on); }
 void set_tail_fold_enabled(bool on) { g_tail_fold.set(on); }
 int64_t tail_fold_min() { return g_tail_fold_min.get(); }
 void set_tail_fold_min(int64_t elements) {

@@ -540,7 +540,8 @@ void bn_nhwc_dual_backward_dgrad(const Tensor& dx, const Tensor& dr, const Tenso
 // The same without dx, for the tail fold (BatchNormStatsPaths::dual_backward_dgrad_coef): g (=,
 // x's shape and layout) gets the GEMM's masked gradient, coef (6C f32, =) both sides' factors
 // (x's first: x's gradient is coef[c]·g + coef[C + c]·x + coef[2C + c], for conv3 to take as
-// factors), and the apply pass writes dr alone, reading neither x nor writing dx.
+// factors), and the apply pass writes dr alone, reading neither x nor writing dx. dr undefined:
+// r's side goes as factors too (to the shortcut's convolution), and there is no apply pass.
 void bn_nhwc_dual_backward_dgrad_coef(const Tensor& coef, const Tensor& g, const Tensor& dr,
                                       const Tensor& dweight_x, const Tensor& dbias_x,
                                       const Tensor& dweight_r, const Tensor& dbias_r,

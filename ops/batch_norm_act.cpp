@@ -277,7 +277,7 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
     const TensorOptions f32 = TensorOptions(DType::f32).with_device(x.device());
     const int64_t c = x.size(1);
     auto param_grad = [&](size_t i) { return needs_input_grad(i) ? empty({c}, f32) : Tensor(); };
-    Tensor dx, dr = empty_like(r);
+    Tensor dx, dr;
     const std::vector<Tensor> targets = param_targets(*this, {2, 3, 4, 5}, x);
     const bool acc = !targets.empty();
     Tensor dwx = acc ? targets[0] : param_grad(2), dbx = acc ? targets[1] : param_grad(3);
@@ -287,7 +287,10 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
     detail::FoldedGradTarget* fold = dy1.defined() ? fold_target(x) : nullptr;
     if (fold != nullptr) {
       // The tail fold, x's side: x's gradient goes to conv3 as factors (the first 3C of coef),
-      // and the pass writes dr alone.
+      // and the pass writes dr alone; or r's side to the shortcut's convolution as well (the
+      // last 3C), and there is no pass.
+      detail::FoldedGradTarget* fold_r = shortcut_fold_target(x);
+      if (fold_r == nullptr) dr = empty_like(r);
       Tensor g = empty_like(x), coef = empty({6 * c}, f32);
       backend(x).batch_norm_stats->dual_backward_dgrad_coef(
           coef, g, dr, dwx, dbx, dwr, dbr, dy1, w1, dy, mask_.get(*this), x, wx_.get(*this),
@@ -295,14 +298,20 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
           invstd_r_.get(*this), mode);
       fold->take_folded(next_edges_[0].input_nr, g, coef.narrow(0, 0, 3 * c));
       ++g_tail_folds;
+      if (fold_r != nullptr) {
+        fold_r->take_folded(next_edges_[1].input_nr, g, coef.narrow(0, 3 * c, 3 * c));
+        ++g_tail_folds;
+      }
     } else if (dy1.defined()) {
       dx = empty_like(x);
+      dr = empty_like(r);
       backend(x).batch_norm_stats->dual_backward_dgrad(
           dx, dr, dwx, dbx, dwr, dbr, dy1, w1, dy, mask_.get(*this), x, wx_.get(*this),
           mean_x_.get(*this), invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this),
           invstd_r_.get(*this), mode);
     } else {
       dx = empty_like(x);
+      dr = empty_like(r);
       backend(x).batch_norm_stats->dual_backward(
           dx, dr, dwx, dbx, dwr, dbr, dy, mask_.get(*this), x, wx_.get(*this), mean_x_.get(*this),
           invstd_x_.get(*this), r, wr_.get(*this), mean_r_.get(*this), invstd_r_.get(*this), mode);
@@ -321,6 +330,16 @@ class DualBatchNormBackward final : public Node, public detail::DgradSink {
       return nullptr;
     auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[0].fn.get());
     return t != nullptr && t->can_take_folded(next_edges_[0].input_nr, g) ? t : nullptr;
+  }
+  // With x's side folded: the node behind r's edge (the shortcut's convolution) when it takes
+  // r's gradient as factors of the same g, else null. r's convolution is another node than x's.
+  detail::FoldedGradTarget* shortcut_fold_target(const Tensor& g) const {
+    if (!needs_input_grad(1) || !next_edges_[1].valid() ||
+        next_edges_[1].fn == next_edges_[0].fn ||
+        !supports(backend(g), FastPath::TailFoldShortcut, {&g}))
+      return nullptr;
+    auto* t = dynamic_cast<detail::FoldedGradTarget*>(next_edges_[1].fn.get());
+    return t != nullptr && t->can_take_folded(next_edges_[1].input_nr, g) ? t : nullptr;
   }
 
   SavedTensor x_, r_, mask_, wx_, wr_, mean_x_, invstd_x_, mean_r_, invstd_r_;

@@ -449,7 +449,7 @@ void dual_finish_apply(const char* op, const Tensor& dx, const Tensor& dr, const
   if (dx.defined())
     launch(dual_backward_apply_kernel<kMode, true>, grid_for(vecs), kBlock, 0, s, vec_out(dx),
            vec_out(dr), vec_in(dy), mp, vec_in(x), vec_in(r), cp, vecs, G, C);
-  else
+  else if (dr.defined())
     launch(dual_backward_apply_kernel<kMode, false>, grid_for(vecs), kBlock, 0, s, nullptr,
            vec_out(dr), vec_in(dy), mp, nullptr, vec_in(r), cp, vecs, G, C);
   KILN_CUDA_CHECK_LAUNCH();
@@ -503,7 +503,9 @@ void dual_backward_dgrad_impl(const char* op, const Tensor& dx, const Tensor& g_
   check_x(x, op);
   if (dx.defined()) check_act(dx, x, op, "dx");
   if (g_out.defined()) check_act(g_out, x, op, "g");
-  for (auto [t, what] : {std::pair{&dr, "dr"}, std::pair{&r, "r"}}) check_act(*t, x, op, what);
+  check_act(r, x, op, "r");
+  // dr undefined: r's side is folded too (coef_out given), and nothing is applied.
+  if (dr.defined() || !coef_out.defined()) check_act(dr, x, op, "dr");
   if (dy_rest.defined()) check_act(dy_rest, x, op, "dy_rest");
   KILN_CHECK(dual_dgrad_supported(dy1, w1, x), op,
              " (cuda): needs KILN_DUAL_DGRAD on, an sm_90 GPU, f16 channels-last dy1 (N, K, H, W), "

@@ -26,27 +26,31 @@ namespace {
 const Device kGpu = Device::cuda(0);
 const Device kCPU = Device::cpu();
 
-// The fold's switches and threshold for one scope (the downsample tails' too: on with it).
+// The fold's switches and threshold for one scope (the downsample tails' and their shortcuts'
+// too: on with it).
 class Fold {
  public:
   Fold(bool on, int64_t min_elements)
       : on_(cuda::tail_fold_enabled()),
         dual_(cuda::tail_fold_dual_enabled()),
+        shortcut_(cuda::tail_fold_shortcut_enabled()),
         min_(cuda::tail_fold_min()) {
     cuda::set_tail_fold_enabled(on);
     cuda::set_tail_fold_dual_enabled(on);
+    cuda::set_tail_fold_shortcut_enabled(on);
     cuda::set_tail_fold_min(min_elements);
   }
   ~Fold() {
     cuda::set_tail_fold_enabled(on_);
     cuda::set_tail_fold_dual_enabled(dual_);
+    cuda::set_tail_fold_shortcut_enabled(shortcut_);
     cuda::set_tail_fold_min(min_);
   }
   Fold(const Fold&) = delete;
   Fold& operator=(const Fold&) = delete;
 
  private:
-  bool on_, dual_;
+  bool on_, dual_, shortcut_;
   int64_t min_;
 };
 
@@ -236,8 +240,10 @@ TEST_CASE("conv1x1_fold_prep and conv1x1_fold_weight_grad_sum equal their sums i
 // changes how dy3's three terms are rounded (g · (a ⊙ w3) and x · (w3ᵀ diag(b) w3) are GEMMs on
 // f16 operands where the unfolded path rounds dy3 itself to f16), so each gradient is held to
 // the unfolded run's own distance from f32, with a floor for tensors both get nearly exact.
-// The same with a downsample shortcut (the dual tail: conv3's side folds, the shortcut's
-// gradient is written by the pass as before), the shortcut's input 2C wide.
+// The same with a downsample shortcut (the dual tail), the shortcut's input 2C wide: its
+// convolution (stride 1 here, as in ResNet-50's layer 1) takes its side's factors too and the
+// tail's pass writes nothing; with KILN_TAIL_FOLD_SHORTCUT off, conv3's side alone folds and the
+// pass writes the shortcut's gradient (v39's form).
 TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f16 rounding") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel (an sm_90 GPU, a build "
@@ -256,13 +262,15 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
     const int64_t n = 4, h = 10, w = 12;
     std::map<std::string, Tensor> host =
         tail_end_host(n, c, h, w, dual, 700 + uint64_t(c) + (dual ? 50 : 0));
+    // Folds counted: conv3's, and the shortcut's in the dual form.
+    const uint64_t folds = dual ? 2 : 1;
     const uint64_t f0 = F::tail_folds();
-    std::map<std::string, Tensor> on, off, ref;
+    std::map<std::string, Tensor> on, off, ref, conv3_only;
     {
       const Fold fold(true, 0);
       on = grads_of(tail_end_backward(host, DType::f16));
     }
-    CHECK(F::tail_folds() == f0 + 1);
+    CHECK(F::tail_folds() == f0 + folds);
     {
       const Fold fold(false, 0);
       off = grads_of(tail_end_backward(host, DType::f16));
@@ -279,8 +287,18 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
       cuda::set_tail_fold_dual_enabled(false);
       const auto plain = grads_of(tail_end_backward(host, DType::f16));
       CHECK(gputest::rel_l2(plain.at("w3"), off.at("w3")) == 0.0);
+      CHECK(gputest::rel_l2(plain.at("wd"), off.at("wd")) == 0.0);
     }
-    CHECK(F::tail_folds() == f0 + 1);
+    CHECK(F::tail_folds() == f0 + folds);
+    if (dual) {
+      // KILN_TAIL_FOLD_SHORTCUT=0: conv3's side alone, the shortcut's as without the fold.
+      const Fold fold(true, 0);
+      cuda::set_tail_fold_shortcut_enabled(false);
+      conv3_only = grads_of(tail_end_backward(host, DType::f16));
+      CHECK(F::tail_folds() == f0 + folds + 1);
+      CHECK(gputest::rel_l2(conv3_only.at("wd"), off.at("wd")) == 0.0);
+      CHECK(gputest::rel_l2(on.at("wd"), off.at("wd")) > 0.0);  // the shortcut folded above
+    }
     std::map<std::string, Tensor> in_gemm;
     if (c == 128) {
       // KILN_TAIL_FOLD_T: bn2's GEMM (its mask from y2: C a multiple of 128) takes t's product
@@ -307,6 +325,11 @@ TEST_CASE("the tail fold: a bottleneck's end gives the unfolded gradients, to f1
         const double e_t = gputest::rel_l2(in_gemm.at(name), want);
         MESSAGE(name, ": fold with t in the GEMM ", e_t);
         CHECK(e_t <= 2 * e_off + 2e-3);
+      }
+      if (!conv3_only.empty()) {
+        const double e_c3 = gputest::rel_l2(conv3_only.at(name), want);
+        MESSAGE(name, ": conv3's side alone folded ", e_c3);
+        CHECK(e_c3 <= 2 * e_off + 2e-3);
       }
     }
   }
@@ -355,7 +378,7 @@ TEST_CASE("the tail fold with a2 read elsewhere too: t written and added to its 
 // over the tensors), so this catches a gradient grossly wrong or not finite; the case above
 // bounds the rest. Every block tail but the last (whose output goes to the pool, not to a
 // convolution's data gradient) folds: 11 of ResNet-50's 12 identity tails and its 4 downsample
-// tails (conv3's side).
+// tails (conv3's side), and layer 1's shortcut (the only one of stride 1): 16 convolutions.
 TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
@@ -376,7 +399,7 @@ TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without
   const auto off = grads(amp::Precision::Mixed16, false, &folds_off);
   const auto on = grads(amp::Precision::Mixed16, true, &folds_on);
   CHECK(folds_off == 0);
-  CHECK(folds_on == 15);
+  CHECK(folds_on == 16);
   const gputest::GradComparison c = gputest::compare_to_reference(on, off, ref);
   MESSAGE("relative L2 error against FP32 over ", ref.size(), " tensors: fold rms ", c.rms_on,
           ", no fold rms ", c.rms_off, "; worst fold/no-fold ratio ", c.worst_ratio, " (",
