@@ -38,11 +38,11 @@ Switches read_switches() {
     if (*end == '\0' && tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);
   }
   s.tail_fold_dual = !is(std::getenv("KILN_TAIL_FOLD_DUAL"), "0");
-  s.tail_fold_shortcut = is(std::getenv("KILN_TAIL_FOLD_SHORTCUT"), "1");
+  s.tail_fold_shortcut = !is(std::getenv("KILN_TAIL_FOLD_SHORTCUT"), "0");
   s.wgrad_x_sum = !is(std::getenv("KILN_WGRAD_X_SUM"), "0");
   s.wgrad_x_gram = !is(std::getenv("KILN_WGRAD_X_GRAM"), "0");
   s.tail_fold_t = !is(std::getenv("KILN_TAIL_FOLD_T"), "0");
-  s.dgrad_pair64 = is(std::getenv("KILN_DGRAD_PAIR64"), "1");
+  s.dgrad_pair64 = !is(std::getenv("KILN_DGRAD_PAIR64"), "0");
   s.stem_pool_tile = !is(std::getenv("KILN_STEM_POOL_TILE"), "0");
   s.stem_pool_at_max = !is(std::getenv("KILN_STEM_POOL_AT_MAX"), "0");
   s.stem_pool_raw_tile = !is(std::getenv("KILN_STEM_POOL_RAW_TILE"), "0");

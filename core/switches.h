@@ -81,11 +81,11 @@
 // | KILN_TAIL_FOLD_DUAL      | 0                   | a downsample block's tail writes conv3's output |
 // |                          |                     | gradient in its pass instead of folding conv3's |
 // |                          |                     | side (on since v39; norm-conv.md)               |
-// | KILN_TAIL_FOLD_SHORTCUT  | 1                   | where a downsample tail folds conv3's side and  |
-// |                          |                     | its shortcut is a stride-1 1x1 convolution      |
-// |                          |                     | (ResNet-50's layer 1), the shortcut takes its   |
-// |                          |                     | factors too and the tail's pass is gone         |
-// |                          |                     | (written, not yet run: off; norm-conv.md)       |
+// | KILN_TAIL_FOLD_SHORTCUT  | 0                   | a downsample tail that folds conv3's side writes|
+// |                          |                     | the shortcut's gradient in its pass, not handing|
+// |                          |                     | a stride-1 1x1 shortcut convolution (ResNet-50's|
+// |                          |                     | layer 1) its factors too (on since v43;         |
+// |                          |                     | norm-conv.md)                                   |
 // | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
 // |                          |                     | its own, not in the weight gradient's idle warps|
 // |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
@@ -93,11 +93,11 @@
 // |                          |                     | GEMM of its own and added as r in bn2's data-   |
 // |                          |                     | gradient GEMM, not a second product inside that |
 // |                          |                     | GEMM (on since v42; norm-conv.md)               |
-// | KILN_DGRAD_PAIR64        | 1                   | a 64-channel relu(bn(x)) takes the next 1x1     |
-// |                          |                     | convolution's data gradient into kiln's GEMM on |
-// |                          |                     | x's rows in pairs (128 columns, B block-        |
-// |                          |                     | diagonal), not cuDNN's and two passes (written, |
-// |                          |                     | not yet run: off; norm-conv.md)                 |
+// | KILN_DGRAD_PAIR64        | 0                   | a 64-channel relu(bn(x)) takes the next 1x1     |
+// |                          |                     | convolution's data gradient on cuDNN and two    |
+// |                          |                     | passes, not in kiln's GEMM on x's rows in pairs |
+// |                          |                     | (128 columns, B block-diagonal; on since v43;   |
+// |                          |                     | norm-conv.md)                                   |
 // | KILN_WGRAD_X_GRAM        | 0                   | the tail fold's Gram of conv3's input as a GEMM |
 // |                          |                     | of its own, not from the weight gradient's loads|
 // |                          |                     | of that input (since v41; norm-conv.md)         |
@@ -198,11 +198,11 @@ struct Switches {
   bool tail_fold = true;
   int tail_fold_min = 20000000;
   bool tail_fold_dual = true;
-  bool tail_fold_shortcut = false;  // written, not yet run on a GPU
+  bool tail_fold_shortcut = true;
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
   bool tail_fold_t = true;
-  bool dgrad_pair64 = false;  // written, not yet run on a GPU
+  bool dgrad_pair64 = true;
   bool stem_pool_tile = true;
   bool stem_pool_at_max = true;
   bool stem_pool_raw_tile = true;

@@ -34,8 +34,8 @@ bool tail_fold_dual_enabled();
 void set_tail_fold_dual_enabled(bool on);
 // Whether the shortcut's side of a downsample tail folds as well, into the shortcut's
 // convolution where that is a stride-1 1x1 convolution taking the fold (FastPath::
-// TailFoldShortcut; ResNet-50's layer 1): the tail's pass then writes nothing. Off unless
-// KILN_TAIL_FOLD_SHORTCUT=1 (written, not yet run on a GPU), and only where the dual fold is on.
+// TailFoldShortcut; ResNet-50's layer 1): the tail's pass then writes nothing. On unless
+// KILN_TAIL_FOLD_SHORTCUT=0 (on since v43), and only where the dual fold is on.
 bool tail_fold_shortcut_enabled();
 void set_tail_fold_shortcut_enabled(bool on);
 

@@ -108,6 +108,7 @@ __global__ void transpose_kernel(__half* __restrict__ wt, const __half* __restri
 __global__ void pack_split_b_kernel(__half* __restrict__ out, const __half* __restrict__ w,
                                     const __half* __restrict__ w2, int K1, int C, int C2,
                                     bool n_major) {
+  pdl_start();
   const int64_t K = int64_t(K1) + C2, n = K * C;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -120,6 +121,7 @@ __global__ void pack_split_b_kernel(__half* __restrict__ out, const __half* __re
 // on the diagonal, zeros elsewhere.
 __global__ void block_diag2_kernel(__half* __restrict__ out, const __half* __restrict__ in, int R,
                                    int Cc) {
+  pdl_start();
   const int64_t n = int64_t(4) * R * Cc;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -131,6 +133,7 @@ __global__ void block_diag2_kernel(__half* __restrict__ out, const __half* __res
 // out = each of in's `groups` segments of n values twice: (a, b) -> (a, a, b, b).
 template <typename T>
 __global__ void repeat2_kernel(T* __restrict__ out, const T* __restrict__ in, int n, int groups) {
+  pdl_start();
   for (int i = int(blockIdx.x) * blockDim.x + threadIdx.x; i < 2 * n * groups;
        i += gridDim.x * blockDim.x)
     out[i] = in[(i / (2 * n)) * n + i % n];
@@ -139,6 +142,7 @@ __global__ void repeat2_kernel(T* __restrict__ out, const T* __restrict__ in, in
 // from parts_v on zero.
 __global__ void fold_pair_partial_kernel(float* __restrict__ out, const float* __restrict__ in,
                                          int parts, int parts_v) {
+  pdl_start();
   for (int i = int(blockIdx.x) * blockDim.x + threadIdx.x; i < parts * 2 * 64;
        i += gridDim.x * blockDim.x) {
     const int qt = i / 64, c = i % 64;
