@@ -84,7 +84,8 @@ void cupti_check(CUptiResult r, const char* what) {
 
 bool kernel_trace_available() { return true; }
 
-std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int steps) {
+std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int steps,
+                                        bool back_to_back) {
   Collector& c = collector();
   {
     std::lock_guard<std::mutex> lock(c.m);
@@ -95,14 +96,24 @@ std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int st
   if (cudaDeviceSynchronize() != cudaSuccess) KILN_FAIL("kernel trace: the device failed before tracing");
   cupti_check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
               "enabling the kernel records");
-  for (int s = 0; s < steps; ++s) {
+  if (back_to_back) {
     {
       std::lock_guard<std::mutex> lock(c.m);
-      c.step = s;
+      c.step = 0;
     }
-    run();
-    if (cudaDeviceSynchronize() != cudaSuccess) KILN_FAIL("kernel trace: step ", s, " failed");
+    for (int s = 0; s < steps; ++s) run();
+    if (cudaDeviceSynchronize() != cudaSuccess) KILN_FAIL("kernel trace: the traced steps failed");
     cupti_check(cuptiActivityFlushAll(0), "flushing the records");
+  } else {
+    for (int s = 0; s < steps; ++s) {
+      {
+        std::lock_guard<std::mutex> lock(c.m);
+        c.step = s;
+      }
+      run();
+      if (cudaDeviceSynchronize() != cudaSuccess) KILN_FAIL("kernel trace: step ", s, " failed");
+      cupti_check(cuptiActivityFlushAll(0), "flushing the records");
+    }
   }
   cupti_check(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
               "disabling the kernel records");
@@ -115,12 +126,20 @@ std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int st
   std::stable_sort(out.begin(), out.end(), [](const TracedKernel& a, const TracedKernel& b) {
     return a.step != b.step ? a.step < b.step : a.start_ns < b.start_ns;
   });
+  if (back_to_back && steps > 1) {
+    // One stream, one graph: the runs' kernels come in run order, the same count each.
+    if (out.size() % size_t(steps) != 0)
+      KILN_FAIL("kernel trace: ", out.size(), " kernels recorded for ", steps,
+                " back-to-back runs, not the same number per run: they cannot be told apart");
+    const size_t per = out.size() / size_t(steps);
+    for (size_t i = 0; i < out.size(); ++i) out[i].step = int(i / per);
+  }
   return out;
 }
 #else
 bool kernel_trace_available() { return false; }
 
-std::vector<TracedKernel> trace_kernels(const std::function<void()>&, int) {
+std::vector<TracedKernel> trace_kernels(const std::function<void()>&, int, bool) {
   KILN_FAIL("kernel trace: this kiln-bench was built without CUPTI (the CUDA toolkit's "
             "libcupti was not found at configure time)");
 }
@@ -133,6 +152,7 @@ struct StepView {
   size_t begin = 0, end = 0;
   std::vector<double> exclusive_us;
   double span_us = 0, idle_us = 0;
+  uint64_t end_ns = 0;  // the step's last kernel end
 };
 
 std::vector<StepView> steps_of(const std::vector<TracedKernel>& k) {
@@ -151,6 +171,7 @@ std::vector<StepView> steps_of(const std::vector<TracedKernel>& k) {
       last_end = std::max(last_end, k[j].end_ns);
     }
     v.span_us = double(covered_to - k[v.begin].start_ns) * 1e-3;
+    v.end_ns = covered_to;
     out.push_back(std::move(v));
   }
   return out;
@@ -182,17 +203,32 @@ std::string trace_csv(const std::vector<TracedKernel>& k) {
   return out;
 }
 
-std::string trace_summary(const std::vector<TracedKernel>& k) {
+std::string trace_summary(const std::vector<TracedKernel>& k, bool gaps) {
   std::string out;
-  for (const StepView& v : steps_of(k)) {
+  const std::vector<StepView> views = steps_of(k);
+  uint64_t prev_end = 0;
+  for (const StepView& v : views) {
     double excl = 0;
     for (double e : v.exclusive_us) excl += e;
-    char buf[256];
-    std::snprintf(buf, sizeof buf,
-                  "kernel trace, step %d: %zu kernels, span %.3f ms, exclusive sum %.3f ms, "
-                  "idle inside the span %.3f ms\n",
-                  k[v.begin].step, v.end - v.begin, v.span_us * 1e-3, excl * 1e-3,
-                  v.idle_us * 1e-3);
+    char buf[320];
+    int n = std::snprintf(buf, sizeof buf,
+                          "kernel trace, step %d: %zu kernels, span %.3f ms, exclusive sum %.3f "
+                          "ms, idle inside the span %.3f ms",
+                          k[v.begin].step, v.end - v.begin, v.span_us * 1e-3, excl * 1e-3,
+                          v.idle_us * 1e-3);
+    const uint64_t start = k[v.begin].start_ns;
+    if (gaps && &v != &views.front() && n > 0 && size_t(n) < sizeof buf)
+      std::snprintf(buf + n, sizeof buf - size_t(n), ", gap before it %.3f ms",
+                    (double(start) - double(prev_end)) * 1e-6);
+    prev_end = v.end_ns;
+    out += std::string(buf) + "\n";
+  }
+  if (gaps && views.size() > 1) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "kernel trace: %zu steps back to back, %.3f ms per step\n",
+                  views.size(),
+                  (double(prev_end) - double(k[views.front().begin].start_ns)) * 1e-6 /
+                      double(views.size()));
     out += buf;
   }
   return out;

@@ -25,7 +25,11 @@ bool kernel_trace_available();
 
 // Runs `run` `steps` times, each to completion, with CUPTI's kernel records on, and returns the
 // kernels of each run in start order. Throws kiln::Error when CUPTI is missing or refuses.
-std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int steps);
+// back_to_back: the runs are issued one after another with no synchronisation between them, as
+// a training loop issues its steps, and the records are split into runs afterwards by count
+// (each run must launch the same number of kernels, as replays of one graph do; else it throws).
+std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int steps,
+                                        bool back_to_back = false);
 
 // The records as CSV: step, index, start_us (from the step's first kernel), duration_us,
 // exclusive_us (end − max(start, the previous kernel's end): the time the step waited on this
@@ -34,7 +38,10 @@ std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int st
 std::string trace_csv(const std::vector<TracedKernel>& kernels);
 
 // One line per step: span (first start to last end), kernels, the sum of exclusive times, and
-// the idle time inside the span (no kernel running).
-std::string trace_summary(const std::vector<TracedKernel>& kernels);
+// the idle time inside the span (no kernel running). gaps: also, from the second step on, the
+// time between the previous step's last end and this step's first start (meaningful for
+// back-to-back runs; synchronised ones put the host's sync and flush there), and the period:
+// the first step's start to the last step's end, divided by the number of steps.
+std::string trace_summary(const std::vector<TracedKernel>& kernels, bool gaps = false);
 
 }  // namespace kiln::bench

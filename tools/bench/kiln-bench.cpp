@@ -256,6 +256,9 @@ int main(int argc, char** argv) {
             "3 times with every kernel's start and end recorded (CUPTI; nothing\n"
             "serialised) and write them to PATH as CSV (summary:\n"
             "tools/bench/kernel_trace_summary.py)");
+    p.flag("--trace-back-to-back", &mo.trace_back_to_back,
+           "with --trace-kernels: 10 replays issued back to back, as the\n"
+           "timing issues them (no sync between), and the gaps between them");
     p.value("--nproc", "N", &nproc,
             "with --model: data-parallel over N local GPUs (batch per GPU);\n"
             "under torchrun, mpirun or srun leave it out (README: launching)",
@@ -293,6 +296,11 @@ int main(int argc, char** argv) {
     if (nproc > 1 && model.empty()) kiln::cli::usage_error("--nproc needs --model");
     if (mo.profile_by_input && !mo.profile)
       kiln::cli::usage_error("--profile-by-input needs --profile");
+    if (mo.trace_back_to_back) {
+      if (mo.trace_path.empty())
+        kiln::cli::usage_error("--trace-back-to-back needs --trace-kernels PATH");
+      mo.trace_steps = 10;
+    }
     if (!mo.trace_path.empty()) {
       if (model.empty()) kiln::cli::usage_error("--trace-kernels needs --model NAME");
       if (eager_only)

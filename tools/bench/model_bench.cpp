@@ -186,10 +186,13 @@ std::vector<ModelRow> bench_model(const ModelBenchOptions& o) {
             g.run();
           };
           if (report) {
-            const std::vector<TracedKernel> k = trace_kernels(replay, o.trace_steps);
+            const std::vector<TracedKernel> k =
+                trace_kernels(replay, o.trace_steps, o.trace_back_to_back);
             write_file_atomic(o.trace_path, trace_csv(k));
-            std::printf("%swrote %s (%s batch %ld, %d replays)\n", trace_summary(k).c_str(),
-                        o.trace_path.c_str(), o.model.c_str(), long(batch), o.trace_steps);
+            std::printf("%swrote %s (%s batch %ld, %d replays%s)\n",
+                        trace_summary(k, o.trace_back_to_back).c_str(), o.trace_path.c_str(),
+                        o.model.c_str(), long(batch), o.trace_steps,
+                        o.trace_back_to_back ? ", back to back" : "");
           } else {
             for (int i = 0; i < o.trace_steps; ++i) replay();
           }

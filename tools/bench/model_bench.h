@@ -24,6 +24,9 @@ struct ModelBenchOptions {
   // the records written to trace_path as CSV. Empty: no trace.
   std::string trace_path;
   int trace_steps = 3;
+  // The traced replays issued back to back, as the timed windows issue them, with the gaps
+  // between them reported (kernel_trace.h).
+  bool trace_back_to_back = false;
   int warmup = 8, windows = 5, steps_per_window = 10;
   double gflop_per_image = 24.3;  // forward + backward at 224x224 (models::train_gflop_per_image)
   amp::Precision precision = amp::Precision::Mixed16;  // or MixedBF16 (no loss scaler)

@@ -101,11 +101,14 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 # TRACE=1: the graph step's kernels as they really run (kiln-bench --trace-kernels: CUPTI, nothing
 # serialised), at each of TRACE_BATCHES (256), summarised by tools/bench/kernel_trace_summary.py
-# beside NCU=1's profile when there is one; the CSVs come back gzipped in $OUT.
+# beside NCU=1's profile when there is one; the CSVs come back gzipped in $OUT. TRACE_B2B=1: 10
+# replays issued back to back (--trace-back-to-back), with the gaps between them.
 if [ "${TRACE:-0}" = 1 ]; then
+  b2b=()
+  [ "${TRACE_B2B:-0}" = 1 ] && b2b=(--trace-back-to-back)
   for b in ${TRACE_BATCHES:-256}; do
     timeout 300 $B/kiln-bench --model resnet50 --batches "$b" --graph-only \
-      --trace-kernels $L/trace-b$b.csv > $L/trace-b$b.log 2>&1
+      --trace-kernels $L/trace-b$b.csv "${b2b[@]}" > $L/trace-b$b.log 2>&1
     echo "trace b$b: rc $?" | tee -a "$S"
     cat $L/trace-b$b.log >> "$S"
     if [ -f $L/trace-b$b.csv ]; then
