@@ -21,8 +21,11 @@
 # rest take its choices). Runs of the same code in different processes otherwise train different
 # bits — cuDNN's plans are tuned per process, and --decoder auto times the decoders — which made
 # an A/A comparison on Imagenette come out −0.50 points, s.e. 0.11 (docs/lab/norm-conv.md, v42).
-# With PLANS=1 and --decoder cpu in ARGS, two runs of the same code should train the same bits:
-# CONFIGS="default KILN_UNUSED=0" checks that (not yet run).
+# PLANS=1 with --decoder cpu in ARGS is not enough for two runs of the same code to train the same
+# bits: checked with CONFIGS="... KILN_UNUSED=0" (docs/lab/norm-conv/calls-2026-12-06-v43-h200.txt,
+# call 1), the runs parted before step 50, and their A/A difference came out +0.36 points, s.e.
+# 0.19. cuDNN's convolutions with statistics sum across thread blocks in no fixed order (README,
+# "Reproducibility"); only --deterministic, slower, makes runs repeat.
 # (.imagenette, an ignored, carried folder: thunderInfy/imagenette re-encoded by
 # tools/bench/shrink_jpegs.cpp at 1/2 size (112 px on the short side), quality 68, and stored
 # uncompressed in one zip file: 13,394 small files would not fit in what a call carries.)
