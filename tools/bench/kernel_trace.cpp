@@ -126,14 +126,7 @@ std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int st
   std::stable_sort(out.begin(), out.end(), [](const TracedKernel& a, const TracedKernel& b) {
     return a.step != b.step ? a.step < b.step : a.start_ns < b.start_ns;
   });
-  if (back_to_back && steps > 1) {
-    // One stream, one graph: the runs' kernels come in run order, the same count each.
-    if (out.size() % size_t(steps) != 0)
-      KILN_FAIL("kernel trace: ", out.size(), " kernels recorded for ", steps,
-                " back-to-back runs, not the same number per run: they cannot be told apart");
-    const size_t per = out.size() / size_t(steps);
-    for (size_t i = 0; i < out.size(); ++i) out[i].step = int(i / per);
-  }
+  if (back_to_back) split_runs_by_count(out, steps);
   return out;
 }
 #else
@@ -144,6 +137,19 @@ std::vector<TracedKernel> trace_kernels(const std::function<void()>&, int, bool)
             "libcupti was not found at configure time)");
 }
 #endif
+
+void split_runs_by_count(std::vector<TracedKernel>& k, int steps) {
+  KILN_CHECK(steps >= 1, "kernel trace: ", steps, " runs to split into");
+  // One stream, one graph: the runs' kernels come in run order, the same count each.
+  if (k.size() % size_t(steps) != 0)
+    KILN_FAIL("kernel trace: ", k.size(), " kernels recorded for ", steps,
+              " back-to-back runs, not the same number per run: they cannot be told apart");
+  std::stable_sort(k.begin(), k.end(), [](const TracedKernel& a, const TracedKernel& b) {
+    return a.start_ns < b.start_ns;
+  });
+  const size_t per = k.size() / size_t(steps);
+  for (size_t i = 0; i < k.size(); ++i) k[i].step = int(i / per);
+}
 
 namespace {
 

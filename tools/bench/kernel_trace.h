@@ -31,6 +31,10 @@ bool kernel_trace_available();
 std::vector<TracedKernel> trace_kernels(const std::function<void()>& run, int steps,
                                         bool back_to_back = false);
 
+// Back-to-back runs' records, sorted by start, tagged with their run: `steps` runs of the same
+// number of kernels each, in order. Throws kiln::Error when the count does not divide evenly.
+void split_runs_by_count(std::vector<TracedKernel>& kernels, int steps);
+
 // The records as CSV: step, index, start_us (from the step's first kernel), duration_us,
 // exclusive_us (end − max(start, the previous kernel's end): the time the step waited on this
 // kernel, with programmatic dependent launch's early starts not counted twice), the grid, the
