@@ -11,6 +11,13 @@ reach, not the datasheet's: 4.0 TB/s (kiln's apply passes: 3.9-4.1) and 660 TFLO
 best 3x3 plan in situ, docs/lab/norm-conv.md v23: 673).
 
     python3 tools/bench/resnet50_floors.py [--bw TB/s] [--peak TFLOP/s] [--calls] [--fit] [--step]
+    python3 tools/bench/resnet50_floors.py --ncu STEP.csv[.gz] [--bw TB/s] [--peak TFLOP/s] [--calls]
+
+--ncu: kiln's GEMMs as v43 runs them (the 1x1 forward and the 3x3 data gradient from 128
+channels, the tail fold in layers 1-2 with t inside bn2's GEMM, layer 1's bn2 on row pairs, the
+fold's Gram in the weight gradient), measured from an ncu profile of one eager b256 step
+(tools/bench/ncu_step_summary.py's input): each class's time and DRAM bytes summed over its
+kernel's calls, beside the floor and the bytes the model counts (a check of the model).
 
 --fit: the 1x1 forward's time per 128 x 128 tile as a line in K (a fixed part plus the MMAs),
 through two of v21's probe times (docs/lab/norm-conv/calls-2026-12-04b.txt, call G), and how it
@@ -22,6 +29,9 @@ same profile's kernels; kiln's GEMMs as one line; then cuDNN's convolutions by k
 (docs/performance.md, "The whole step against its floors").
 """
 import argparse
+import os
+import re
+import sys
 
 N = 256
 LAYERS = [(3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2)]  # blocks, width, first stride
@@ -302,6 +312,107 @@ def step_table(bw, peak, list_calls):
         split_line(what, n, flop * share, floor * share, ms)
 
 
+# v43's kiln GEMM classes and the kernel each runs on (ncu's short names: the
+# dgrad1x1_bn_sums_wgmma_kernel template's twelve flags, or wgrad1x1_wgmma_kernel's four).
+V43_KERNELS = {
+    "1x1 forward + statistics": r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0>",
+    "1x1 weight gradient": r"wgrad1x1_wgmma_kernel<(64|128), 0, 0, 0>",
+    "1x1 weight gradient + the fold's Gram and sums": r"wgrad1x1_wgmma_kernel<(64|128), 0, 1, 1>",
+    "tail data gradient + sums": r"dgrad1x1_bn_sums_wgmma_kernel<1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0>",
+    "dual tail data gradient + sums": r"dgrad1x1_bn_sums_wgmma_kernel<1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 0>",
+    "inner bn2 data gradient + sums": r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0>",
+    "inner bn2, folded: t inside": r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1>",
+    "3x3 data gradient + bn1 sums": r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0>",
+}
+FOLD_MIN = 20_000_000  # KILN_TAIL_FOLD_MIN's default: elements of conv3's input
+
+
+def calls_v43():
+    """calls() as v43 runs them at batch 256: (class, label, FLOP executed, bytes)."""
+    out = []
+    bl = list(blocks())
+    for i, (l, b, c, st, cin, side) in enumerate(bl):
+        m_in, m_out = N * side * side, N * (side // st) ** 2
+        tag = f"L{l}b{b}"
+        folded = m_out * c >= FOLD_MIN  # conv3's input, M x C
+        fwd = [(f"{tag} conv3 {c}->{4 * c}", m_out, c, 4 * c)]
+        if c >= 128:  # KILN_STATS_MIN_C=128 since v33: layer 2's conv1s too
+            fwd.append((f"{tag} conv1 {cin}->{c}", m_in, cin, c))
+        if b == 0 and st == 1:
+            fwd.append((f"{tag} downsample {cin}->{4 * c}", m_out, cin, 4 * c))
+        for lab, m, k, n in fwd:
+            out.append(("1x1 forward + statistics", lab, 2 * m * k * n, 2 * (m * k + m * n + k * n)))
+        # Weight gradients: where conv3 folds (and layer 1's stride-1 shortcut with it), the
+        # kernel also forms x's Gram (K x K) and its sums from the same loads.
+        wg = [(f"{tag} conv1", m_in, cin, c, False)] if cin > 64 else []
+        wg.append((f"{tag} conv3", m_out, c, 4 * c, folded))
+        if b == 0 and st == 1:
+            wg.append((f"{tag} downsample", m_out, cin, 4 * c, folded))
+        for lab, m, k, n, gram in wg:
+            cls = "1x1 weight gradient + the fold's Gram and sums" if gram else "1x1 weight gradient"
+            out.append((cls, lab, 2 * m * k * n + (2 * m * k * k if gram else 0),
+                        2 * m * (k + n) + 4 * k * n + (4 * k * k if gram else 0)))
+        # bn2's data gradient with its sums: unfolded, conv3's data gradient (read dy3 and y2,
+        # write g); folded, A = (g | a2) against (a * w3 ; m2^T) with y2 read for the mask and
+        # the sums. Layer 1 (C = 64) runs on row pairs: (M/2) x 128 with B block-diagonal, so
+        # twice the FLOP for the same bytes.
+        if folded:
+            pairs = 2 if c == 64 else 1
+            out.append(("inner bn2, folded: t inside", tag, 2 * m_out * 5 * c * c * pairs,
+                        2 * (m_out * 4 * c + 3 * m_out * c) + 2 * 5 * c * c * pairs * pairs))
+        elif c >= 128:
+            out.append(("inner bn2 data gradient + sums", tag, 2 * m_out * 4 * c * c,
+                        2 * (m_out * 4 * c + 2 * m_out * c) + 2 * 4 * c * c))
+        if c >= 128 and st == 1:
+            out.append(("3x3 data gradient + bn1 sums", tag, 2 * m_out * 9 * c * c,
+                        2 * (3 * m_out * c + 9 * c * c)))
+        if i + 1 < len(bl):
+            nc, m = bl[i + 1][2], m_out
+            cls = "dual tail data gradient + sums" if b == 0 else "tail data gradient + sums"
+            reads = m * nc + 2 * m * 4 * c + (m * 4 * c if b == 0 else 0)  # dy1, r, x (, u)
+            byt = 2 * (reads + m * 4 * c) + m * 4 * c // 8 + 2 * 4 * c * nc
+            out.append((cls, f"{tag} (next conv1 {4 * c}->{nc})", 2 * m * nc * 4 * c, byt))
+    return out
+
+
+def ncu_table(path, bw, peak, list_calls):
+    """v43's kiln GEMM classes against their floors, measured from an ncu step profile."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ncu_step_summary import read_kernels  # noqa: E402
+    kernels = read_kernels(path)
+    measured = {}
+    for cls, pat in V43_KERNELS.items():
+        ks = [k for k in kernels if re.search(pat, k["name"])]
+        measured[cls] = (len(ks), sum(k["ns"] for k in ks) * 1e-6,
+                         sum(k["bytes"] or 0.0 for k in ks))
+    rows = {}
+    for cls, lab, flop, byt in calls_v43():
+        t = max(byt / bw, flop / peak)
+        r = rows.setdefault(cls, [0, 0.0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += flop
+        r[2] += byt
+        r[3] += t
+        if list_calls:
+            bound = "memory" if byt / bw > flop / peak else "FLOP"
+            print(f"  {cls:46s} {lab:30s} {flop / 1e9:6.1f} GFLOP {byt / 1e6:7.1f} MB "
+                  f"{t * 1e3:6.3f} ms ({bound})")
+    print(f"v43's kiln GEMMs: floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} TFLOP/s, batch {N}; "
+          f"measured: {os.path.basename(path)}")
+    print(f"{'class':46s} {'calls':>5s} {'GFLOP':>6s} {'GB':>6s} {'DRAM GB':>7s} {'floor ms':>8s} "
+          f"{'measured':>8s} {'above':>6s} {'TFLOP/s':>7s} {'TB/s':>5s}")
+    tf = tm = 0.0
+    for cls, (n, flop, byt, t) in rows.items():
+        mc, ms, mb = measured[cls]
+        tf += t * 1e3
+        tm += ms
+        note = "" if mc == n else f"  (profile: {mc} calls)"
+        rate = f"{flop / (ms * 1e-3) / 1e12:7.0f} {byt / (ms * 1e-3) / 1e12:5.2f}" if ms else ""
+        print(f"{cls:46s} {n:5d} {flop / 1e9:6.0f} {byt / 1e9:6.2f} {mb / 1e9:7.2f} "
+              f"{t * 1e3:8.3f} {ms:8.3f} {ms - t * 1e3:6.3f} {rate}{note}")
+    print(f"{'all':46s} {'':5s} {'':6s} {'':6s} {'':7s} {tf:8.3f} {tm:8.3f} {tm - tf:6.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bw", type=float, default=4.0, help="TB/s (default 4.0)")
@@ -309,7 +420,11 @@ def main():
     ap.add_argument("--calls", action="store_true", help="also list every call")
     ap.add_argument("--fit", action="store_true", help="the 1x1 forward's per-tile line only")
     ap.add_argument("--step", action="store_true", help="the whole step's groups, kiln's GEMMs as one")
+    ap.add_argument("--ncu", metavar="CSV", help="v43's kiln GEMMs, measured from this ncu profile")
     a = ap.parse_args()
+    if a.ncu:
+        ncu_table(a.ncu, a.bw * 1e12, a.peak * 1e12, a.calls)
+        return
     if a.fit:
         tile_fit()
         return
