@@ -57,6 +57,24 @@ def blocks():
             cin, side = 4 * c, side // st
 
 
+def tail_call(bl, i):
+    """Block i's tail: the next block's conv1 data gradient (4C -> its width) with the tail's sums:
+    read dy1, r, x, the mask bits (and the downsample's u in the dual form); write g (4C
+    channels). The next block's conv1 is stride 1 and runs at this block's output size."""
+    l, b, c, st, _, side = bl[i]
+    nc, m = bl[i + 1][2], N * (side // st) ** 2
+    cls = "dual tail data gradient + sums" if b == 0 else "tail data gradient + sums"
+    reads = m * nc + 2 * m * 4 * c + (m * 4 * c if b == 0 else 0)  # dy1, r, x (, u)
+    byt = 2 * (reads + m * 4 * c) + m * 4 * c // 8 + 2 * 4 * c * nc
+    return cls, f"L{l}b{b} (next conv1 {4 * c}->{nc})", 2 * m * nc * 4 * c, byt
+
+
+def forward_1x1_calls(fwd):
+    """The 1x1 forward with the output's statistics: read x and w, write y."""
+    return [("1x1 forward + statistics", lab, 2 * m * k * n, 2 * (m * k + m * n + k * n))
+            for lab, m, k, n in fwd]
+
+
 def calls():
     """Each kernel class's calls: (class, label, FLOP, bytes)."""
     out = []
@@ -71,8 +89,7 @@ def calls():
             fwd.append((f"{tag} conv1 {cin}->{c}", m_in, cin, c))
         if b == 0 and st == 1:
             fwd.append((f"{tag} downsample {cin}->{4 * c}", m_out, cin, 4 * c))
-        for lab, m, k, n in fwd:
-            out.append(("1x1 forward + statistics", lab, 2 * m * k * n, 2 * (m * k + m * n + k * n)))
+        out += forward_1x1_calls(fwd)
         # Weight gradients of the stride-1 1x1 convolutions (conv1, conv3, layer 1's downsample):
         # read dy and x, write dw (f32).
         # Layer 1's first conv1 (64 -> 64) is left to cuDNN.
@@ -93,15 +110,8 @@ def calls():
             m = m_out
             out.append(("3x3 data gradient + bn1 sums", tag, 2 * m * 9 * c * c,
                         2 * (3 * m * c + 9 * c * c)))
-        # The block's tail: the next block's conv1 data gradient (4C -> its width) with the
-        # tail's sums: read dy1, r, x, the mask bits; write g (4C channels).
-        # (The next block's conv1 is stride 1 and runs at this block's output size.)
         if i + 1 < len(bl):
-            nc, m = bl[i + 1][2], m_out
-            cls = "dual tail data gradient + sums" if b == 0 else "tail data gradient + sums"
-            reads = m * nc + 2 * m * 4 * c + (m * 4 * c if b == 0 else 0)  # dy1, r, x (, u)
-            byt = 2 * (reads + m * 4 * c) + m * 4 * c // 8 + 2 * 4 * c * nc
-            out.append((cls, f"{tag} (next conv1 {4 * c}->{nc})", 2 * m * nc * 4 * c, byt))
+            out.append(tail_call(bl, i))
     return out
 
 
@@ -312,6 +322,31 @@ def step_table(bw, peak, list_calls):
         split_line(what, n, flop * share, floor * share, ms)
 
 
+# v21's probe (call G), kiln's 1x1 forward with statistics alone at batch 256: (K, C, side) -> ms.
+PROBE_V21 = {(256, 1024, 14): 0.068, (512, 2048, 7): 0.060, (1024, 256, 14): 0.054,
+             (2048, 512, 7): 0.050}
+SMS = 132
+
+
+def tile_fit():
+    """Per-tile time = fixed + K * slope, through the K = 256 and K = 2048 shapes."""
+    def per_tile(shape, ms):
+        k, c, side = shape
+        tiles = -(-N * side * side // 128) * (c // 128)
+        return ms * 1e3 * SMS / tiles  # µs a tile on each SM
+    pts = {shape: per_tile(shape, ms) for shape, ms in PROBE_V21.items()}
+    (k0, y0), (k1, y1) = [(s[0], pts[s]) for s in ((256, 1024, 14), (2048, 512, 7))]
+    slope = (y1 - y0) / (k1 - k0)
+    fixed = y0 - slope * k0
+    rate = 2 * 128 * 128 / slope / 1e6 * SMS  # TFLOP/s of the MMAs over all SMs
+    print(f"per 128 x 128 tile: {fixed:.2f} µs fixed + MMAs at {rate:.0f} TFLOP/s "
+          f"(through K = {k0} and {k1})")
+    for shape, y in pts.items():
+        pred = fixed + slope * shape[0]
+        print(f"  {shape[0]:5d} -> {shape[1]:5d} @{shape[2]:<3d} measured {y:6.2f} µs a tile, "
+              f"line {pred:6.2f} ({(pred / y - 1) * 100:+.1f}%), fixed part {fixed / y:.0%}")
+
+
 # v43's kiln GEMM classes and the kernel each runs on (ncu's short names: the
 # dgrad1x1_bn_sums_wgmma_kernel template's twelve flags, or wgrad1x1_wgmma_kernel's four).
 V43_KERNELS = {
@@ -340,8 +375,7 @@ def calls_v43():
             fwd.append((f"{tag} conv1 {cin}->{c}", m_in, cin, c))
         if b == 0 and st == 1:
             fwd.append((f"{tag} downsample {cin}->{4 * c}", m_out, cin, 4 * c))
-        for lab, m, k, n in fwd:
-            out.append(("1x1 forward + statistics", lab, 2 * m * k * n, 2 * (m * k + m * n + k * n)))
+        out += forward_1x1_calls(fwd)
         # Weight gradients: where conv3 folds (and layer 1's stride-1 shortcut with it), the
         # kernel also forms x's Gram (K x K) and its sums from the same loads.
         wg = [(f"{tag} conv1", m_in, cin, c, False)] if cin > 64 else []
@@ -367,11 +401,7 @@ def calls_v43():
             out.append(("3x3 data gradient + bn1 sums", tag, 2 * m_out * 9 * c * c,
                         2 * (3 * m_out * c + 9 * c * c)))
         if i + 1 < len(bl):
-            nc, m = bl[i + 1][2], m_out
-            cls = "dual tail data gradient + sums" if b == 0 else "tail data gradient + sums"
-            reads = m * nc + 2 * m * 4 * c + (m * 4 * c if b == 0 else 0)  # dy1, r, x (, u)
-            byt = 2 * (reads + m * 4 * c) + m * 4 * c // 8 + 2 * 4 * c * nc
-            out.append((cls, f"{tag} (next conv1 {4 * c}->{nc})", 2 * m * nc * 4 * c, byt))
+            out.append(tail_call(bl, i))
     return out
 
 
