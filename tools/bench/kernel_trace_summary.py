@@ -47,12 +47,18 @@ def short(name):
 def read_trace(path):
     """{step: [kernel dicts in start order]}"""
     steps = collections.defaultdict(list)
-    with open_text(path) as f:
-        for r in csv.DictReader(f):
-            steps[int(r["step"])].append({
-                "name": r["name"], "start": float(r["start_us"]),
-                "dur": float(r["duration_us"]), "excl": float(r["exclusive_us"]),
-                "grid": r["grid"]})
+    try:
+        with open_text(path) as f:
+            for r in csv.DictReader(f):
+                steps[int(r["step"])].append({
+                    "name": r["name"], "start": float(r["start_us"]),
+                    "dur": float(r["duration_us"]), "excl": float(r["exclusive_us"]),
+                    "grid": r["grid"]})
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        sys.exit(f"{path}: cannot read it: {e}")
+    except (KeyError, TypeError, ValueError) as e:
+        sys.exit(f"{path}: not a kiln-bench --trace-kernels CSV (columns step, name, start_us, "
+                 f"duration_us, exclusive_us, grid): {e!r}")
     if not steps:
         sys.exit(f"{path}: no kernel rows (written by kiln-bench --trace-kernels?)")
     return steps

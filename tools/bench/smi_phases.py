@@ -22,9 +22,17 @@ REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "sw power cap", 0x8: "hw slowdow
            0x100: "display clocks"}
 
 
+def lines_of(path):
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"smi_phases: cannot read {path}: {e}")
+
+
 def read_samples(path):
     out = []
-    for line in open(path):
+    for line in lines_of(path):
         f = [x.strip() for x in line.split(",")]
         if len(f) < 6:
             continue
@@ -40,12 +48,18 @@ def read_samples(path):
 
 def read_phases(path):
     starts, phases = {}, []
-    for line in open(path):
-        t, what, name = line.split()
+    for n, line in enumerate(lines_of(path), 1):
+        f = line.split()
+        if not f:
+            continue
+        try:
+            t, what, name = float(f[0]), f[1], f[2]
+        except (IndexError, ValueError):
+            sys.exit(f"smi_phases: {path}, line {n}: expected 'SECONDS start|end NAME', got {line!r}")
         if what == "start":
-            starts[name] = float(t)
+            starts[name] = t
         elif name in starts:
-            phases.append((name, starts.pop(name), float(t)))
+            phases.append((name, starts.pop(name), t))
     return phases
 
 
@@ -62,9 +76,10 @@ def main():
     samples = read_samples(a.smi)
     if not samples:
         sys.exit(f"smi_phases: no samples read from {a.smi}")
+    phases = read_phases(a.marks)
     print("phase            samples  SM MHz min/med/max   power W          temp C     "
           "| last %.1f s: SM MHz         power W" % a.tail)
-    for name, t0, t1 in read_phases(a.marks):
+    for name, t0, t1 in phases:
         ph = [s for s in samples if t0 <= s[0] <= t1]
         tail = [s for s in ph if s[0] >= t1 - a.tail]
         reasons = {}

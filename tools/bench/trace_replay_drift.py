@@ -11,6 +11,7 @@ and the passes do not, the SM clock moved and the memory clock did not (the H200
 v43 at b256, 2026-12-06: its first replay after the timed windows, products +2.0%, passes
 +0.5%; docs/performance.md, "The timed step is 0.9 ms longer than the traced one").
 """
+import argparse
 import collections
 import csv
 import gzip
@@ -29,15 +30,28 @@ def kind(name):
 KINDS = ("products", "passes", "rest")
 
 
-def main():
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    for path in sys.argv[1:]:
-        by_step = collections.defaultdict(lambda: collections.defaultdict(float))
-        opener = gzip.open if path.endswith(".gz") else open
+def read_trace(path):
+    """{step: {kind: exclusive µs}} of one trace; exits with a message naming the file on bad input."""
+    by_step = collections.defaultdict(lambda: collections.defaultdict(float))
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
         with opener(path, "rt", newline="") as f:
             for r in csv.DictReader(f):
                 by_step[int(r["step"])][kind(r["name"])] += float(r["exclusive_us"])
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        sys.exit(f"trace_replay_drift: cannot read {path}: {e}")
+    except (KeyError, TypeError, ValueError) as e:
+        sys.exit(f"trace_replay_drift: {path} is not a kiln-bench --trace-kernels CSV "
+                 f"(columns step, name, exclusive_us): {e!r}")
+    return by_step
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("traces", nargs="+", help="kiln-bench --trace-kernels CSVs (.gz too)")
+    args = ap.parse_args()
+    for path in args.traces:
+        by_step = read_trace(path)
         steps = sorted(by_step)
         if not steps:
             sys.exit(f"trace_replay_drift: no kernels in {path}")
@@ -49,7 +63,6 @@ def main():
                 f"{k} {cur[k] / 1e3:7.3f} ({(cur[k] / last[k] - 1) * 100 if last[k] else 0.0:+5.2f}%)"
                 for k in KINDS)
             print(f"  replay {s}: {cells}")
-
 
 if __name__ == "__main__":
     main()
