@@ -267,4 +267,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, IndexError) as e:
+        sys.exit(f"alloc_replay: {e!r}" if not isinstance(e, OSError) else f"alloc_replay: {e}")

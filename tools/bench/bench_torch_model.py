@@ -8,10 +8,15 @@ kiln-bench and report the ratio.
 """
 import argparse
 import json
+import sys
 
-import torch
-import torch.nn as nn
-import torchvision
+try:
+    import torch
+    import torch.nn as nn
+    import torchvision
+except ImportError as e:
+    sys.exit(f"bench_torch_model: needs torch, torchvision ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 
 def bench(batch, iters, warm):

@@ -9,9 +9,14 @@ pooling: u8 indices), so GB/s compare as inverse times.
 """
 import argparse
 import json
+import sys
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:
+    sys.exit(f"bench_torch_ops: needs torch ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 PEAK_TFLOPS, PEAK_GBPS = 765.0, 4200.0
 

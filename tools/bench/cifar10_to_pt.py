@@ -10,9 +10,13 @@ import os
 import sys
 from multiprocessing import Pool
 
-import numpy as np
-import torch
-from PIL import Image
+try:
+    import numpy as np
+    import torch
+    from PIL import Image
+except ImportError as e:
+    sys.exit(f"cifar10_to_pt: needs numpy, torch, Pillow ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 
 def decode(path):

@@ -34,12 +34,16 @@ import sys
 import time
 from multiprocessing import Pool
 
-import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import torchvision
-from PIL import Image
+try:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torchvision
+    from PIL import Image
+except ImportError as e:
+    sys.exit(f"cifar10_torch: needs numpy, torch, torchvision, Pillow ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 

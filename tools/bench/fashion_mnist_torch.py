@@ -28,10 +28,14 @@ import struct
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import torchvision
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torchvision
+except ImportError as e:
+    sys.exit(f"fashion_mnist_torch: needs torch, torchvision ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 MEAN, STD = 0.2860, 0.3530
 

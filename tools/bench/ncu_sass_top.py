@@ -102,4 +102,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, StopIteration, ValueError, IndexError) as e:
+        sys.exit(f"ncu_sass_top: cannot read or parse the CSV: {e!r}" if not isinstance(e, OSError) else f"ncu_sass_top: not an ncu source page export, or unreadable: {e}")

@@ -11,7 +11,12 @@ matrices and prints the largest difference from the direct computation.
 
     python3 tools/bench/pair64_view_check.py      (needs numpy)
 """
-import numpy as np
+import sys
+
+try:
+    import numpy as np
+except ImportError as e:
+    sys.exit(f"pair64_view_check: needs numpy ({e}); apt-get install python3-numpy")
 
 
 def block_diag2(x, r, cc):

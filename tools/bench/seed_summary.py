@@ -46,4 +46,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as e:
+        sys.exit(f"seed_summary: {e!r}" if not isinstance(e, OSError) else f"seed_summary: {e}")

@@ -12,11 +12,16 @@ first 300 steps. Needs torch and torchvision (the GPU machine has them):
 """
 import argparse
 import math
+import sys
 
-import torch
-import torch.nn as nn
-import torchvision
-from torchvision import transforms as T
+try:
+    import torch
+    import torch.nn as nn
+    import torchvision
+    from torchvision import transforms as T
+except ImportError as e:
+    sys.exit(f"torch_r50_recipe: needs torch, torchvision ({e}); it runs beside kiln where "
+             "PyTorch is installed (the device machine; docs/lab/step-profiles.md)")
 
 p = argparse.ArgumentParser()
 p.add_argument("root")
