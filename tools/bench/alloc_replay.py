@@ -269,5 +269,7 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, ValueError, IndexError) as e:
-        sys.exit(f"alloc_replay: {e!r}" if not isinstance(e, OSError) else f"alloc_replay: {e}")
+    except OSError as e:
+        sys.exit(f"alloc_replay: {e}")
+    except (ValueError, IndexError) as e:
+        sys.exit(f"alloc_replay: not an allocation log: {e!r}")

@@ -104,5 +104,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, StopIteration, ValueError, IndexError) as e:
-        sys.exit(f"ncu_sass_top: cannot read or parse the CSV: {e!r}" if not isinstance(e, OSError) else f"ncu_sass_top: not an ncu source page export, or unreadable: {e}")
+    except OSError as e:
+        sys.exit(f"ncu_sass_top: cannot read the CSV: {e}")
+    except (StopIteration, ValueError, IndexError) as e:
+        sys.exit(f"ncu_sass_top: not an ncu source page export (--page source --csv "
+                 f"--print-source sass): {e!r}")

@@ -49,4 +49,4 @@ if __name__ == "__main__":
     try:
         main()
     except OSError as e:
-        sys.exit(f"seed_summary: {e!r}" if not isinstance(e, OSError) else f"seed_summary: {e}")
+        sys.exit(f"seed_summary: {e}")

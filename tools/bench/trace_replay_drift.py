@@ -64,5 +64,6 @@ def main():
                 for k in KINDS)
             print(f"  replay {s}: {cells}")
 
+
 if __name__ == "__main__":
     main()
