@@ -266,19 +266,27 @@ def split_line(what, n, flop, floor, ms):
           f"measured {ms:6.3f}  above {ms - floor:6.3f}  {flop / (ms * 1e-3) / 1e12:4.0f} TFLOP/s")
 
 
+def floor_rows(call_list, bw, peak, list_calls, widths, bound=True):
+    """{group: [calls, FLOP, bytes, floor s]} of (group, label, FLOP, bytes) calls, in first-seen
+    order; with list_calls each call's line too (group and label padded to widths)."""
+    rows = {}
+    for grp, lab, flop, byt in call_list:
+        t = max(byt / bw, flop / peak)
+        r = rows.setdefault(grp, [0, 0.0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += flop
+        r[2] += byt
+        r[3] += t
+        if list_calls:
+            note = (" (memory)" if byt / bw > flop / peak else " (FLOP)") if bound else ""
+            print(f"  {grp:{widths[0]}s} {lab:{widths[1]}s} {flop / 1e9:6.1f} GFLOP "
+                  f"{byt / 1e6:7.1f} MB {t * 1e3:6.3f} ms{note}")
+    return rows
+
+
 def step_table(bw, peak, list_calls):
     """Every group of v28's step against its floor; kiln's GEMMs as one line."""
-    groups = {}
-    for grp, lab, flop, byt in step_calls():
-        t = max(byt / bw, flop / peak)
-        g = groups.setdefault(grp, [0, 0.0, 0.0, 0.0])
-        g[0] += 1
-        g[1] += flop
-        g[2] += byt
-        g[3] += t
-        if list_calls:
-            print(f"  {grp:42s} {lab:28s} {flop / 1e9:6.1f} GFLOP {byt / 1e6:7.1f} MB "
-                  f"{t * 1e3:6.3f} ms")
+    groups = floor_rows(step_calls(), bw, peak, list_calls, (42, 28), bound=False)
     gemm_floor = sum(max(byt / bw, flop / peak) for _, _, flop, byt in calls())
     gemm_ms = sum(ms for ms, _ in MEASURED.values())
     print(f"the step's groups against their floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} "
@@ -415,18 +423,7 @@ def ncu_table(path, bw, peak, list_calls):
         ks = [k for k in kernels if re.search(pat, k["name"])]
         measured[cls] = (len(ks), sum(k["ns"] for k in ks) * 1e-6,
                          sum(k["bytes"] or 0.0 for k in ks))
-    rows = {}
-    for cls, lab, flop, byt in calls_v43():
-        t = max(byt / bw, flop / peak)
-        r = rows.setdefault(cls, [0, 0.0, 0.0, 0.0])
-        r[0] += 1
-        r[1] += flop
-        r[2] += byt
-        r[3] += t
-        if list_calls:
-            bound = "memory" if byt / bw > flop / peak else "FLOP"
-            print(f"  {cls:46s} {lab:30s} {flop / 1e9:6.1f} GFLOP {byt / 1e6:7.1f} MB "
-                  f"{t * 1e3:6.3f} ms ({bound})")
+    rows = floor_rows(calls_v43(), bw, peak, list_calls, (46, 30))
     print(f"v43's kiln GEMMs: floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} TFLOP/s, batch {N}; "
           f"measured: {os.path.basename(path)}")
     print(f"{'class':46s} {'calls':>5s} {'GFLOP':>6s} {'GB':>6s} {'DRAM GB':>7s} {'floor ms':>8s} "
@@ -462,24 +459,12 @@ def main():
     if a.step:
         step_table(bw, peak, a.calls)
         return
-    rows = {}
-    for cls, lab, flop, byt in calls():
-        t = max(byt / bw, flop / peak)
-        r = rows.setdefault(cls, [0, 0.0, 0.0, 0.0, 0.0])
-        r[0] += 1
-        r[1] += flop
-        r[2] += byt
-        r[3] += t
-        r[4] += byt / bw if byt / bw > flop / peak else 0.0
-        if a.calls:
-            bound = "memory" if byt / bw > flop / peak else "FLOP"
-            print(f"  {cls:32s} {lab:34s} {flop / 1e9:6.1f} GFLOP {byt / 1e6:7.1f} MB "
-                  f"{t * 1e3:6.3f} ms ({bound})")
+    rows = floor_rows(calls(), bw, peak, a.calls, (32, 34))
     print(f"floors at {a.bw:g} TB/s and {a.peak:g} TFLOP/s, batch {N}; measured: v28, in situ")
     print(f"{'class':32s} {'calls':>5s} {'GFLOP':>6s} {'GB':>6s} {'floor ms':>8s} "
           f"{'measured':>8s} {'above':>6s} {'TFLOP/s':>7s} {'TB/s':>5s}")
     tf = tm = 0.0
-    for cls, (n, flop, byt, t, _) in rows.items():
+    for cls, (n, flop, byt, t) in rows.items():
         ms, mc = MEASURED[cls]
         tf += t * 1e3
         tm += ms
