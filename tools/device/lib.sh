@@ -1,6 +1,6 @@
 # Shared steps of the device-call scripts (gemm_check.sh, resnet_check.sh, r50_seeds.sh,
-# step_clocks.sh), sourced after the script sets B (the build folder), L (its log folder) and S
-# (its summary).
+# step_clocks.sh, fold_determinism.sh), sourced after the script sets B (the build folder), L
+# (its log folder) and S (its summary).
 # Each step writes its logs under $L and a line per result to $S (and stdout).
 
 # kiln_need_dirs NAME: B, L and S must be set (a caller that sources this file alone, without a
