@@ -12,12 +12,12 @@
 
 #include "core/autograd.h"
 #include "cuda/backend.h"
+#include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/gemm_bn_wgmma.h"
 #include "ops/ops.h"
 #include "optim/amp.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "cuda/conv.h"
 #include "tests/gpu/resnet_grads.h"
 #include "tests/test_util.h"
 
@@ -446,9 +446,9 @@ TEST_CASE("ResNet-50's gradients repeat bit for bit in deterministic mode, folde
 
 // The fold's weight gradient on its own, at the shape of layer 1's conv3 and shortcut at batch
 // 64 and 224 px (g 256 channels, x 64, 56 × 56), twenty times on the same operands: the same bits
-// every time, its prep's three outputs too. Between runs a tensor of a size that changes run by
-// run is held, so that the temporaries (the row-split partials, x's Gram and sums, w · G) land
-// at other addresses each time, as they do inside a training step.
+// every time, its prep's three outputs too. During each run a tensor of a size that changes run
+// by run is held, so that the smaller temporaries (x's sums and Gram, w · G, the prep's f32
+// copies) land at other addresses each time, as they do inside a training step.
 TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
