@@ -58,6 +58,16 @@ class Fold {
   int64_t min_;
 };
 
+// Deterministic mode (cuda::set_conv_deterministic: no algorithm chosen by timing) for a scope,
+// as `kiln-bench --verify-graph` and `kiln-train --deterministic` run.
+struct Deterministic {
+  bool was = cuda::conv_deterministic();
+  Deterministic() { cuda::set_conv_deterministic(true); }
+  ~Deterministic() { cuda::set_conv_deterministic(was); }
+  Deterministic(const Deterministic&) = delete;
+  Deterministic& operator=(const Deterministic&) = delete;
+};
+
 bool fold_runs_here() {
   // The fold's f32 sums run on kiln's 1x1 weight-gradient kernel (an sm_90 GPU, a build for
   // sm_90a); elsewhere the op keeps the unfolded path and this file has nothing to compare.
@@ -422,11 +432,7 @@ TEST_CASE("ResNet-50's gradients repeat bit for bit in deterministic mode, folde
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
     return;
   }
-  struct Deterministic {  // deterministic mode for this scope
-    bool was = cuda::conv_deterministic();
-    Deterministic() { cuda::set_conv_deterministic(true); }
-    ~Deterministic() { cuda::set_conv_deterministic(was); }
-  } deterministic;
+  const Deterministic deterministic;
   const gputest::ResNetBatch batch = gputest::resnet_batch(64, 224);
   for (bool fold_on : {false, true}) {
     CAPTURE(fold_on);
@@ -476,6 +482,7 @@ TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
     return;
   }
+  const Deterministic deterministic;  // cuBLASLt's products on the heuristic's first answer
   const int64_t n = 64, c = 64, k = 256, hw = 56;
   manual_seed(4242);
   const TensorOptions h = TensorOptions(DType::f16).with_device(kGpu);
