@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -504,7 +505,7 @@ TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
     return std::vector<Tensor>{dw.to(kCPU), w1.to(kCPU), m2t.to(kCPU), bias.to(kCPU)};
   };
   const std::vector<Tensor> first = run();
-  const char* names[] = {"dw", "w1", "m2t", "bias"};
+  const std::string names[] = {"dw", "w1", "m2t", "bias"};
   for (int r = 1; r < 20; ++r) {
     CAPTURE(r);
     const Tensor spacer = empty({int64_t(r) * 37 * 1024}, h);  // shifts what the run allocates
@@ -512,6 +513,135 @@ TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
     for (size_t i = 0; i < first.size(); ++i) {
       CAPTURE(names[i]);
       CHECK(testing::same_bits(first[i], again[i]));
+    }
+  }
+}
+
+// Which of the fold's pieces gives other bits on the same operands, and where in its output:
+// each piece repeated on one set of operands at layer 1's shape (as above), a spacer of a new
+// size held each time. For each output, how many runs differed from the first and, for the
+// first that did, how many elements, the largest difference, and the differing elements counted
+// by blocks of 64 rows and of 8 columns (the weight-gradient kernel's tiles and its threads'
+// column groups), to tell a partial of one split part from a column group or a lone element.
+TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differs, and where") {
+  if (!fold_runs_here()) {
+    MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
+    return;
+  }
+  const Deterministic deterministic;
+  const int64_t n = 64, c = 64, k = 256, hw = 56;
+  const int runs = 120;
+  manual_seed(4243);
+  const TensorOptions h = TensorOptions(DType::f16).with_device(kGpu);
+  const TensorOptions f = TensorOptions(DType::f32).with_device(kGpu);
+  const Tensor g = F::mul(randn({n, k, hw, hw}), 0.5)
+                       .to(DType::f16)
+                       .to(kGpu)
+                       .contiguous(MemoryFormat::ChannelsLast);
+  const Tensor x =
+      F::relu(randn({n, c, hw, hw})).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
+  const Tensor w = F::mul(randn({k, c, 1, 1}), 0.1).to(DType::f16).to(kGpu).contiguous();
+  const Tensor coef = F::mul(randn({3 * k}), 0.01).to(kGpu);
+  REQUIRE(cuda::conv1x1_fold_supported(g, x, w));
+  const Tensor probe = empty({k, c, 1, 1}, f);
+  const bool gram_path = cuda::conv1x1_wgrad_x_gram_supported(probe, g, x);
+  const bool sum_path = cuda::conv1x1_wgrad_x_sum_supported(probe, g, x);
+  MESSAGE("x_gram path ", gram_path, ", x_sum path ", sum_path);
+
+  // Fixed inputs for the pieces after the weight-gradient kernel: the kernel's first results.
+  Tensor gx0 = empty({k, c, 1, 1}, f), sums0 = empty({c}, f), gram0 = empty({c, c, 1, 1}, f);
+  if (gram_path) cuda::conv1x1_backward_weight_x_sum(gx0, sums0, g, x, gram0);
+  const Tensor wf = w.to(DType::f32).view({k, c});
+
+  struct Piece {
+    std::string name;
+    std::vector<std::string> outputs;
+    std::function<std::vector<Tensor>()> run;
+  };
+  std::vector<Piece> pieces;
+  if (gram_path)
+    pieces.push_back({"wgrad x_sum+gram", {"gx", "sums", "gram"}, [&] {
+                        Tensor gx = empty({k, c, 1, 1}, f), s = empty({c}, f);
+                        Tensor gr = empty({c, c, 1, 1}, f);
+                        cuda::conv1x1_backward_weight_x_sum(gx, s, g, x, gr);
+                        return std::vector<Tensor>{gx.to(kCPU), s.to(kCPU), gr.to(kCPU)};
+                      }});
+  if (sum_path)
+    pieces.push_back({"wgrad x_sum", {"gx", "sums"}, [&] {
+                        Tensor gx = empty({k, c, 1, 1}, f), s = empty({c}, f);
+                        cuda::conv1x1_backward_weight_x_sum(gx, s, g, x);
+                        return std::vector<Tensor>{gx.to(kCPU), s.to(kCPU)};
+                      }});
+  pieces.push_back({"wgrad plain", {"gx"}, [&] {
+                      Tensor gx = empty({k, c, 1, 1}, f);
+                      cuda::conv1x1_backward_weight(gx, g, x, ConvParams{}, false);
+                      return std::vector<Tensor>{gx.to(kCPU)};
+                    }});
+  if (gram_path) {
+    pieces.push_back({"matmul w*G", {"q"}, [&] {
+                        Tensor q = empty({k, c}, f);
+                        cuda::matmul(q, wf, false, gram0.view({c, c}), false);
+                        return std::vector<Tensor>{q.to(kCPU)};
+                      }});
+    pieces.push_back({"fold sum", {"dw"}, [&] {
+                        Tensor dw = empty({k, c, 1, 1}, h);
+                        cuda::conv1x1_fold_weight_grad_sum(dw, gx0, gram0, sums0, w, coef);
+                        return std::vector<Tensor>{dw.to(kCPU)};
+                      }});
+  }
+  pieces.push_back({"fold prep", {"w1", "m2t", "bias"}, [&] {
+                      Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h);
+                      Tensor bias = empty({c}, h);
+                      cuda::conv1x1_fold_prep(w1, m2t, bias, w, coef);
+                      return std::vector<Tensor>{w1.to(kCPU), m2t.to(kCPU), bias.to(kCPU)};
+                    }});
+
+  for (const Piece& piece : pieces) {
+    CAPTURE(piece.name);
+    const std::vector<Tensor> first = piece.run();
+    std::vector<int> differing(first.size(), 0);
+    std::vector<std::string> where(first.size());
+    for (int r = 1; r < runs; ++r) {
+      const Tensor spacer = empty({int64_t(r % 29 + 1) * 37 * 1024}, h);
+      const std::vector<Tensor> again = piece.run();
+      for (size_t i = 0; i < first.size(); ++i) {
+        if (testing::same_bits(first[i], again[i])) continue;
+        if (differing[i]++ > 0) continue;
+        const std::vector<float> a = first[i].to(DType::f32).to_vector<float>();
+        const std::vector<float> b = again[i].to(DType::f32).to_vector<float>();
+        const int64_t cols = first[i].dim() >= 2 ? first[i].size(1) : int64_t(a.size());
+        std::map<int64_t, int> by_rows, by_cols;
+        int64_t elements = 0, first_at = -1;
+        double max_abs = 0, at = 0;
+        for (size_t e = 0; e < a.size(); ++e) {
+          if (std::bit_cast<uint32_t>(a[e]) == std::bit_cast<uint32_t>(b[e])) continue;
+          if (first_at < 0) first_at = int64_t(e);
+          ++elements;
+          ++by_rows[int64_t(e) / cols / 64];
+          ++by_cols[int64_t(e) % cols / 8];
+          if (std::abs(double(a[e]) - double(b[e])) > max_abs) {
+            max_abs = std::abs(double(a[e]) - double(b[e]));
+            at = std::abs(double(a[e]));
+          }
+        }
+        char buf[200];
+        std::snprintf(buf, sizeof buf,
+                      "run %d: %lld of %zu elements, max |diff| %.3g where |value| %.3g, first "
+                      "at %lld; by 64 rows:",
+                      r, static_cast<long long>(elements), a.size(), max_abs, at,
+                      static_cast<long long>(first_at));
+        where[i] = buf;
+        for (const auto& [block, count] : by_rows)
+          where[i] += " " + std::to_string(block) + ":" + std::to_string(count);
+        where[i] += "; by 8 columns:";
+        for (const auto& [block, count] : by_cols)
+          where[i] += " " + std::to_string(block) + ":" + std::to_string(count);
+      }
+    }
+    for (size_t i = 0; i < first.size(); ++i) {
+      MESSAGE(piece.name, " ", piece.outputs[i], ": ", differing[i], " of ", runs - 1,
+              " runs differ from the first", differing[i] ? "; " + where[i] : std::string());
+      CHECK(differing[i] == 0);
     }
   }
 }
