@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <string>
@@ -473,6 +474,51 @@ TEST_CASE("ResNet-50's gradients repeat bit for bit in deterministic mode, folde
   }
 }
 
+// Where b's bits differ from a's (same shape): how many elements, the largest difference and the
+// value there, the first element that differs, and the differing elements counted by blocks of 64
+// rows and of 8 columns of the (rows, columns) matrix a's first dimension gives (the
+// weight-gradient kernel's tiles and its threads' column groups): a partial of one split part,
+// a column group and a lone element look different.
+std::string where_bits_differ(const Tensor& a, const Tensor& b) {
+  const std::vector<float> u = a.to(kCPU).to(DType::f32).to_vector<float>();
+  const std::vector<float> v = b.to(kCPU).to(DType::f32).to_vector<float>();
+  const int64_t cols = a.dim() >= 2 ? a.numel() / a.size(0) : int64_t(u.size());
+  std::map<int64_t, int> by_rows, by_cols;
+  int64_t elements = 0, first_at = -1;
+  double max_abs = 0, at = 0;
+  for (size_t e = 0; e < u.size(); ++e) {
+    if (std::bit_cast<uint32_t>(u[e]) == std::bit_cast<uint32_t>(v[e])) continue;
+    if (first_at < 0) first_at = int64_t(e);
+    ++elements;
+    ++by_rows[int64_t(e) / cols / 64];
+    ++by_cols[int64_t(e) % cols / 8];
+    if (std::abs(double(u[e]) - double(v[e])) > max_abs) {
+      max_abs = std::abs(double(u[e]) - double(v[e]));
+      at = std::abs(double(u[e]));
+    }
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "%lld of %zu elements, max |diff| %.3g where |value| %.3g, first at %lld; by 64 "
+                "rows:",
+                static_cast<long long>(elements), u.size(), max_abs, at,
+                static_cast<long long>(first_at));
+  std::string out = buf;
+  for (const auto& [block, count] : by_rows)
+    out += " " + std::to_string(block) + ":" + std::to_string(count);
+  out += "; by 8 columns:";
+  for (const auto& [block, count] : by_cols)
+    out += " " + std::to_string(block) + ":" + std::to_string(count);
+  return out;
+}
+
+// How many times the repeat tests below run each piece: KILN_TEST_REPEATS, else `fallback`.
+int test_repeats(int fallback) {
+  const char* v = std::getenv("KILN_TEST_REPEATS");
+  const int n = v != nullptr ? std::atoi(v) : 0;
+  return n >= 2 ? n : fallback;
+}
+
 // The fold's weight gradient on its own, at the shape of layer 1's conv3 and shortcut at batch
 // 64 and 224 px (g 256 channels, x 64, 56 × 56), twenty times on the same operands: the same bits
 // every time, its prep's three outputs too. During each run a tensor of a size that changes run
@@ -506,14 +552,14 @@ TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
   };
   const std::vector<Tensor> first = run();
   const std::string names[] = {"dw", "w1", "m2t", "bias"};
-  for (int r = 1; r < 20; ++r) {
-    CAPTURE(r);
-    const Tensor spacer = empty({int64_t(r) * 37 * 1024}, h);  // shifts what the run allocates
+  const int runs = test_repeats(20);
+  for (int r = 1; r < runs; ++r) {
+    const Tensor spacer = empty({int64_t(r % 29 + 1) * 37 * 1024}, h);  // moves the temporaries
     const std::vector<Tensor> again = run();
-    for (size_t i = 0; i < first.size(); ++i) {
-      CAPTURE(names[i]);
-      CHECK(testing::same_bits(first[i], again[i]));
-    }
+    for (size_t i = 0; i < first.size(); ++i)
+      CHECK_MESSAGE(testing::same_bits(first[i], again[i]), "run ", r, " of ", runs, ": ",
+                    names[i], " differs from the first run's: ",
+                    where_bits_differ(first[i], again[i]));
   }
 }
 
@@ -530,7 +576,7 @@ TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differ
   }
   const Deterministic deterministic;
   const int64_t n = 64, c = 64, k = 256, hw = 56;
-  const int runs = 120;
+  const int runs = test_repeats(120);
   manual_seed(4243);
   const TensorOptions h = TensorOptions(DType::f16).with_device(kGpu);
   const TensorOptions f = TensorOptions(DType::f32).with_device(kGpu);
@@ -589,6 +635,27 @@ TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differ
                         return std::vector<Tensor>{dw.to(kCPU)};
                       }});
   }
+  // The whole fold as the op runs it (its prep, then the weight gradient), once per run, and
+  // eight times back to back with nothing between (as in a step, where the GPU never idles).
+  pieces.push_back({"fold", {"dw", "w1", "m2t", "bias"}, [&] {
+                      Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h);
+                      Tensor bias = empty({c}, h), dw = empty({k, c, 1, 1}, h);
+                      cuda::conv1x1_fold_prep(w1, m2t, bias, w, coef);
+                      cuda::conv1x1_fold_weight_grad(dw, g, x, w, coef);
+                      return std::vector<Tensor>{dw.to(kCPU), w1.to(kCPU), m2t.to(kCPU),
+                                                 bias.to(kCPU)};
+                    }});
+  pieces.push_back({"fold x8 back to back",
+                    {"dw0", "dw1", "dw2", "dw3", "dw4", "dw5", "dw6", "dw7"},
+                    [&] {
+                      std::vector<Tensor> dws;
+                      for (int i = 0; i < 8; ++i) {
+                        dws.push_back(empty({k, c, 1, 1}, h));
+                        cuda::conv1x1_fold_weight_grad(dws.back(), g, x, w, coef);
+                      }
+                      for (Tensor& t : dws) t = t.to(kCPU);
+                      return dws;
+                    }});
   pieces.push_back({"fold prep", {"w1", "m2t", "bias"}, [&] {
                       Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h);
                       Tensor bias = empty({c}, h);
@@ -607,35 +674,7 @@ TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differ
       for (size_t i = 0; i < first.size(); ++i) {
         if (testing::same_bits(first[i], again[i])) continue;
         if (differing[i]++ > 0) continue;
-        const std::vector<float> a = first[i].to(DType::f32).to_vector<float>();
-        const std::vector<float> b = again[i].to(DType::f32).to_vector<float>();
-        const int64_t cols = first[i].dim() >= 2 ? first[i].size(1) : int64_t(a.size());
-        std::map<int64_t, int> by_rows, by_cols;
-        int64_t elements = 0, first_at = -1;
-        double max_abs = 0, at = 0;
-        for (size_t e = 0; e < a.size(); ++e) {
-          if (std::bit_cast<uint32_t>(a[e]) == std::bit_cast<uint32_t>(b[e])) continue;
-          if (first_at < 0) first_at = int64_t(e);
-          ++elements;
-          ++by_rows[int64_t(e) / cols / 64];
-          ++by_cols[int64_t(e) % cols / 8];
-          if (std::abs(double(a[e]) - double(b[e])) > max_abs) {
-            max_abs = std::abs(double(a[e]) - double(b[e]));
-            at = std::abs(double(a[e]));
-          }
-        }
-        char buf[200];
-        std::snprintf(buf, sizeof buf,
-                      "run %d: %lld of %zu elements, max |diff| %.3g where |value| %.3g, first "
-                      "at %lld; by 64 rows:",
-                      r, static_cast<long long>(elements), a.size(), max_abs, at,
-                      static_cast<long long>(first_at));
-        where[i] = buf;
-        for (const auto& [block, count] : by_rows)
-          where[i] += " " + std::to_string(block) + ":" + std::to_string(count);
-        where[i] += "; by 8 columns:";
-        for (const auto& [block, count] : by_cols)
-          where[i] += " " + std::to_string(block) + ":" + std::to_string(count);
+        where[i] = "run " + std::to_string(r) + ": " + where_bits_differ(first[i], again[i]);
       }
     }
     for (size_t i = 0; i < first.size(); ++i) {
