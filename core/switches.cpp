@@ -41,6 +41,7 @@ Switches read_switches() {
   s.tail_fold_shortcut = !is(std::getenv("KILN_TAIL_FOLD_SHORTCUT"), "0");
   s.wgrad_x_sum = !is(std::getenv("KILN_WGRAD_X_SUM"), "0");
   s.wgrad_x_gram = !is(std::getenv("KILN_WGRAD_X_GRAM"), "0");
+  s.wgrad_sum_fence = !is(std::getenv("KILN_WGRAD_SUM_FENCE"), "0");
   s.tail_fold_t = !is(std::getenv("KILN_TAIL_FOLD_T"), "0");
   s.dgrad_pair64 = !is(std::getenv("KILN_DGRAD_PAIR64"), "0");
   s.stem_pool_tile = !is(std::getenv("KILN_STEM_POOL_TILE"), "0");

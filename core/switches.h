@@ -201,6 +201,7 @@ struct Switches {
   bool tail_fold_shortcut = true;
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
+  bool wgrad_sum_fence = true;
   bool tail_fold_t = true;
   bool dgrad_pair64 = true;
   bool stem_pool_tile = true;

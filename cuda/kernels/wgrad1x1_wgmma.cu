@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgrad1x1_wgmma_kernel(float* __restrict__ partial, const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b, int64_t M, int A, int B,
                           int parts, const float* __restrict__ ss, bool pairs,
-                          float* __restrict__ colsum, float* __restrict__ gram) {
+                          float* __restrict__ colsum, float* __restrict__ gram, bool sum_fence) {
   pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int S = kStages<kBN>, kNd = kBN / 2;  // accumulator registers per thread
@@ -165,6 +165,13 @@ __global__ void __launch_bounds__(kThreads, 1)
               }
             }
           }
+          // The slot is next written by the producer's TMA, through the async proxy: these
+          // reads went through the generic proxy, and release/acquire on the mbarrier orders
+          // them only within it. Without this fence, Σx of the Gram form gave other bits in
+          // about 2% of runs on one H100 (a row of x read after its slot was refilled;
+          // docs/lab/norm-conv.md, "The determinism finding run"). KILN_WGRAD_SUM_FENCE=0
+          // drops it, for that comparison.
+          if (sum_fence) fence_proxy_async();
           mbar_arrive(empty(s));
         }
         // Lane l of w = t / 32 (0 or 1: the kernel's warps 2 and 3) holds the rows of group
@@ -394,6 +401,7 @@ constinit RuntimeSwitch g_conv_prologue{&Switches::conv_prologue};  // KILN_CONV
 constinit RuntimeSwitch g_prologue_f16{&Switches::prologue_f16};  // KILN_PROLOGUE_F16
 constinit RuntimeSwitch g_wgrad_x_sum{&Switches::wgrad_x_sum};    // KILN_WGRAD_X_SUM
 constinit RuntimeSwitch g_wgrad_x_gram{&Switches::wgrad_x_gram};  // KILN_WGRAD_X_GRAM
+constinit RuntimeSwitch g_wgrad_sum_fence{&Switches::wgrad_sum_fence};  // KILN_WGRAD_SUM_FENCE
 
 // x_sum[i] = Σ over parts, then over the two summing warps, in order, of colsum (parts, 2, B).
 __global__ void wgrad1x1_colsum_finish_kernel(float* __restrict__ x_sum,
@@ -458,7 +466,7 @@ void wgrad1x1(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor&
     allow_smem_once<kernel>(kSmemBytes<kBN>, "conv1x1_backward_weight");
     launch_whole_sm(kernel, unsigned(parts * tiles), kThreads, kSmemBytes<kBN>, s,
                     static_cast<float*>(partial.raw_data()), map_a, map_b, M, int(A), int(B),
-                    parts, ss, pairs, cs, gp);
+                    parts, ss, pairs, cs, gp, g_wgrad_sum_fence.get());
   };
   auto pick = [&]<int kPro>() {
     if (bn == 128)
