@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "cuda/conv.h"
 #include "cuda/kernels.h"
 #include "cuda/kernels/common.cuh"
 
@@ -139,13 +140,18 @@ void conv1x1_fold_weight_grad(const Tensor& dw, const Tensor& g, const Tensor& x
   // gᵀx and xᵀx summed in f32 (the three terms below cancel in part), Σx per channel: from gᵀx's
   // pass where the kernel's idle warps can add x's tiles, else from a pass of its own.
   // x's Gram from that pass too where it fits (C 64 or 128), else a GEMM of its own.
+  // In deterministic mode, neither: on two H100 boards of four, Σx from the kernel's summing
+  // warps (with the Gram) gave other bits in about 2% of runs, a row of x read out of turn, while
+  // gᵀx and the Gram never did (docs/lab/norm-conv.md, "The determinism finding run"); the
+  // separate passes below repeat.
   Tensor gx = empty({K, C, 1, 1}, f32);
   Tensor sums = empty({C}, f32);
   Tensor gram;
-  if (conv1x1_wgrad_x_gram_supported(gx, g, x)) {
+  const bool in_kernel_sums = !conv_deterministic();
+  if (in_kernel_sums && conv1x1_wgrad_x_gram_supported(gx, g, x)) {
     gram = empty({C, C, 1, 1}, f32);
     conv1x1_backward_weight_x_sum(gx, sums, g, x, gram);
-  } else if (conv1x1_wgrad_x_sum_supported(gx, g, x)) {
+  } else if (in_kernel_sums && conv1x1_wgrad_x_sum_supported(gx, g, x)) {
     conv1x1_backward_weight_x_sum(gx, sums, g, x);
   } else {
     conv1x1_backward_weight(gx, g, x, ConvParams{}, false);

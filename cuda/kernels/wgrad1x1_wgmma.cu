@@ -168,8 +168,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           // The slot is next written by the producer's TMA, through the async proxy: these
           // reads went through the generic proxy, and release/acquire on the mbarrier orders
           // them only within it. Without this fence, Σx of the Gram form gave other bits in
-          // about 2% of runs on one H100 (a row of x read after its slot was refilled;
-          // docs/lab/norm-conv.md, "The determinism finding run"). KILN_WGRAD_SUM_FENCE=0
+          // about 2% of runs on two H100 boards of four (a row of x read out of turn);
+          // whether the fence ends that is not known yet, as no such board has run with it
+          // (docs/lab/norm-conv.md, "The determinism finding run"). KILN_WGRAD_SUM_FENCE=0
           // drops it, for that comparison.
           if (sum_fence) fence_proxy_async();
           mbar_arrive(empty(s));
