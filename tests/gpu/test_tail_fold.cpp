@@ -569,6 +569,10 @@ TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
 // first that did, how many elements, the largest difference, and the differing elements counted
 // by blocks of 64 rows and of 8 columns (the weight-gradient kernel's tiles and its threads'
 // column groups), to tell a partial of one split part from a column group or a lone element.
+// The case runs in deterministic mode, where the fold itself ("fold", "fold x8") sums x and its
+// Gram in passes of their own; the kernel's Σx and Gram are the "wgrad x_sum" pieces, called
+// directly (on two H100 boards of four their Σx differed in about 2% of runs: the failure this
+// case was written to find, docs/lab/norm-conv.md, "The determinism finding run").
 TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differs, and where") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
