@@ -423,57 +423,6 @@ TEST_CASE("ResNet-50's gradients with the tail fold: as close to FP32 as without
   CHECK(c.rms_on <= 1.5 * c.rms_off + 1e-4);
 }
 
-// Deterministic mode promises the same bits on every run (README, "Reproducibility"), and the
-// fold runs in it. ResNet-50 at batch 64 and 224 px with layer 1's tails folded
-// (KILN_TAIL_FOLD_MIN 10^7: layer 1's conv3 input and the shortcut's have 12,845,056 elements;
-// layer 2's do not fold), three times, and with the fold off as the control: every gradient the
-// same bits each time. (2026-12-07: --verify-graph at this setting found two eager steps apart at
-// layer1.0.conv3.weight.grad; docs/lab/norm-conv.md.)
-TEST_CASE("ResNet-50's gradients repeat bit for bit in deterministic mode, folded and not") {
-  if (!fold_runs_here()) {
-    MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
-    return;
-  }
-  const Deterministic deterministic;
-  const gputest::ResNetBatch batch = gputest::resnet_batch(64, 224);
-  for (bool fold_on : {false, true}) {
-    CAPTURE(fold_on);
-    const Fold fold(fold_on, 10'000'000);
-    const uint64_t before = F::tail_folds();
-    const auto first = gputest::resnet50_grads(batch, amp::Precision::Mixed16, 1024);
-    CHECK(F::tail_folds() - before == (fold_on ? 4u : 0u));  // three conv3s and the shortcut
-    for (int run = 1; run < 3; ++run) {
-      CAPTURE(run);
-      const auto again = gputest::resnet50_grads(batch, amp::Precision::Mixed16, 1024);
-      // Each differing gradient (up to 8) with how many of its elements differ and by how much
-      // at most: an ulp or so is a summation order, more is a read of something stale.
-      std::string differ;
-      int n = 0;
-      for (const auto& [name, t] : first) {
-        const Tensor& u = again.at(name);
-        if (testing::same_bits(t, u) || n++ >= 8) continue;
-        const std::vector<float> a = t.to_vector<float>(), b = u.to_vector<float>();
-        int64_t elements = 0;
-        double max_abs = 0, at = 0;
-        for (size_t i = 0; i < a.size(); ++i) {
-          if (std::bit_cast<uint32_t>(a[i]) == std::bit_cast<uint32_t>(b[i])) continue;
-          ++elements;
-          if (std::abs(double(a[i]) - double(b[i])) > max_abs) {
-            max_abs = std::abs(double(a[i]) - double(b[i]));
-            at = std::abs(double(a[i]));
-          }
-        }
-        char buf[160];
-        std::snprintf(buf, sizeof buf,
-                      " (%lld of %zu elements, max |diff| %.3g where |value| %.3g)",
-                      static_cast<long long>(elements), a.size(), max_abs, at);
-        differ += " " + name + buf;
-      }
-      CHECK_MESSAGE(n == 0, n, " of ", first.size(), " gradients differ:", differ);
-    }
-  }
-}
-
 // Where b's bits differ from a's (same shape): how many elements, the largest difference and the
 // value there, the first element that differs, and the differing elements counted by blocks of 64
 // rows and of 8 columns of the (rows, columns) matrix a's first dimension gives (the
@@ -512,60 +461,54 @@ std::string where_bits_differ(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-// How many times the repeat tests below run each piece: KILN_TEST_REPEATS, else `fallback`.
+// How many times the repeat test below runs each piece: KILN_TEST_REPEATS, else `fallback`.
 int test_repeats(int fallback) {
   const char* v = std::getenv("KILN_TEST_REPEATS");
   const int n = v != nullptr ? std::atoi(v) : 0;
   return n >= 2 ? n : fallback;
 }
 
-// The fold's weight gradient on its own, at the shape of layer 1's conv3 and shortcut at batch
-// 64 and 224 px (g 256 channels, x 64, 56 × 56), twenty times on the same operands: the same bits
-// every time, its prep's three outputs too. During each run a tensor of a size that changes run
-// by run is held, so that the smaller temporaries (x's sums and Gram, w · G, the prep's f32
-// copies) land at other addresses each time, as they do inside a training step.
-TEST_CASE("conv1x1_fold_weight_grad repeats bit for bit at layer 1's shape") {
+// Deterministic mode promises the same bits on every run (README, "Reproducibility"), and the
+// fold runs in it. ResNet-50 at batch 64 and 224 px with layer 1's tails folded
+// (KILN_TAIL_FOLD_MIN 10^7: layer 1's conv3 input and the shortcut's have 12,845,056 elements;
+// layer 2's do not fold), three times, and with the fold off as the control: every gradient the
+// same bits each time. (2026-12-07: --verify-graph at this setting found two eager steps apart at
+// layer1.0.conv3.weight.grad; docs/lab/norm-conv.md.)
+TEST_CASE("ResNet-50's gradients repeat bit for bit in deterministic mode, folded and not") {
   if (!fold_runs_here()) {
     MESSAGE("the tail fold sums on kiln's wgmma weight-gradient kernel; skipped");
     return;
   }
-  const Deterministic deterministic;  // cuBLASLt's products on the heuristic's first answer
-  const int64_t n = 64, c = 64, k = 256, hw = 56;
-  manual_seed(4242);
-  const TensorOptions h = TensorOptions(DType::f16).with_device(kGpu);
-  const Tensor g = F::mul(randn({n, k, hw, hw}), 0.5)
-                       .to(DType::f16)
-                       .to(kGpu)
-                       .contiguous(MemoryFormat::ChannelsLast);
-  // x as relu(bn2(y2)) is: nonnegative, about half of it zero.
-  const Tensor x =
-      F::relu(randn({n, c, hw, hw})).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
-  const Tensor w = F::mul(randn({k, c, 1, 1}), 0.1).to(DType::f16).to(kGpu).contiguous();
-  const Tensor coef = F::mul(randn({3 * k}), 0.01).to(kGpu);
-  REQUIRE(cuda::conv1x1_fold_supported(g, x, w));
-  auto run = [&] {
-    Tensor w1 = empty({k, c, 1, 1}, h), m2t = empty({c, c}, h), bias = empty({c}, h);
-    cuda::conv1x1_fold_prep(w1, m2t, bias, w, coef);
-    Tensor dw = empty({k, c, 1, 1}, h);
-    cuda::conv1x1_fold_weight_grad(dw, g, x, w, coef);
-    return std::vector<Tensor>{dw.to(kCPU), w1.to(kCPU), m2t.to(kCPU), bias.to(kCPU)};
-  };
-  const std::vector<Tensor> first = run();
-  const std::string names[] = {"dw", "w1", "m2t", "bias"};
-  const int runs = test_repeats(20);
-  for (int r = 1; r < runs; ++r) {
-    const Tensor spacer = empty({int64_t(r % 29 + 1) * 37 * 1024}, h);  // moves the temporaries
-    const std::vector<Tensor> again = run();
-    for (size_t i = 0; i < first.size(); ++i)
-      CHECK_MESSAGE(testing::same_bits(first[i], again[i]), "run ", r, " of ", runs, ": ",
-                    names[i], " differs from the first run's: ",
-                    where_bits_differ(first[i], again[i]));
+  const Deterministic deterministic;
+  const gputest::ResNetBatch batch = gputest::resnet_batch(64, 224);
+  for (bool fold_on : {false, true}) {
+    CAPTURE(fold_on);
+    const Fold fold(fold_on, 10'000'000);
+    const uint64_t before = F::tail_folds();
+    const auto first = gputest::resnet50_grads(batch, amp::Precision::Mixed16, 1024);
+    CHECK(F::tail_folds() - before == (fold_on ? 4u : 0u));  // three conv3s and the shortcut
+    for (int run = 1; run < 3; ++run) {
+      CAPTURE(run);
+      const auto again = gputest::resnet50_grads(batch, amp::Precision::Mixed16, 1024);
+      // Each differing gradient (up to 8) with how many of its elements differ and by how much
+      // at most: an ulp or so is a summation order, more is a read of something stale.
+      std::string differ;
+      int n = 0;
+      for (const auto& [name, t] : first) {
+        const Tensor& u = again.at(name);
+        if (testing::same_bits(t, u) || n++ >= 8) continue;
+        differ += " " + name + " (" + where_bits_differ(t, u) + ")";
+      }
+      CHECK_MESSAGE(n == 0, n, " of ", first.size(), " gradients differ:", differ);
+    }
   }
 }
 
 // Which of the fold's pieces gives other bits on the same operands, and where in its output:
-// each piece repeated on one set of operands at layer 1's shape (as above), a spacer of a new
-// size held each time. For each output, how many runs differed from the first and, for the
+// each piece repeated on one set of operands at the shape of layer 1's conv3 and shortcut at b64
+// and 224 px (g 256 channels, x 64, 64 × 56 × 56 rows), a tensor of a size that changes run by
+// run held each time, so that the smaller temporaries land at other addresses, as they do
+// inside a training step. For each output, how many runs differed from the first and, for the
 // first that did, how many elements, the largest difference, and the differing elements counted
 // by blocks of 64 rows and of 8 columns (the weight-gradient kernel's tiles and its threads'
 // column groups), to tell a partial of one split part from a column group or a lone element.
@@ -588,6 +531,7 @@ TEST_CASE("the fold's pieces repeat bit for bit at layer 1's shape: which differ
                        .to(DType::f16)
                        .to(kGpu)
                        .contiguous(MemoryFormat::ChannelsLast);
+  // x as relu(bn2(y2)) is: nonnegative, about half of it zero.
   const Tensor x =
       F::relu(randn({n, c, hw, hw})).to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
   const Tensor w = F::mul(randn({k, c, 1, 1}), 0.1).to(DType::f16).to(kGpu).contiguous();
