@@ -2,11 +2,21 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 namespace kiln {
 namespace {
 
 bool is(const char* v, const char* s) { return v && std::strcmp(v, s) == 0; }
+
+// A whole number 0 to 2^30, or -1 for anything else (unset, empty, "abc", "12x", negative):
+// strtol alone would read "abc" as 0, a setting with a meaning of its own.
+int whole_number(const char* v) {
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *end == '\0' && n >= 0 && n <= (1L << 30) ? int(n) : -1;
+}
 
 Switches read_switches() {
   Switches s;
@@ -24,19 +34,18 @@ Switches read_switches() {
   s.wgmma_pipeline = !is(std::getenv("KILN_WGMMA_PIPELINE"), "0");
   s.wgrad1x1 = !is(std::getenv("KILN_WGRAD1X1"), "0");
   s.conv_prologue = is(std::getenv("KILN_CONV_PROLOGUE"), "1");
-  s.conv3x3 = is(std::getenv("KILN_CONV3X3"), "1");
+  s.conv3x3 = !is(std::getenv("KILN_CONV3X3"), "0");
+  if (is(std::getenv("KILN_CONV3X3"), "1")) s.conv3x3_max_rows = std::numeric_limits<int>::max();
+  if (const int rows = whole_number(std::getenv("KILN_CONV3X3_ROWS")); rows >= 0)
+    s.conv3x3_max_rows = rows;
   s.dgrad3x3 = !is(std::getenv("KILN_DGRAD3X3"), "0");
   s.gemm_tall = is(std::getenv("KILN_GEMM_TALL"), "1");
   s.gemm_b_resident = !is(std::getenv("KILN_GEMM_B_RESIDENT"), "0");
   s.dual_dgrad = !is(std::getenv("KILN_DUAL_DGRAD"), "0");
   s.tail_fold = !is(std::getenv("KILN_TAIL_FOLD"), "0");
-  // KILN_TAIL_FOLD_MIN: a whole number 0 to 2^30; anything else keeps the default (strtol would
-  // read "abc" as 0, the setting that folds every layer).
-  if (const char* tf = std::getenv("KILN_TAIL_FOLD_MIN"); tf && *tf) {
-    char* end = nullptr;
-    const long tf_min = std::strtol(tf, &end, 10);
-    if (*end == '\0' && tf_min >= 0 && tf_min <= (1L << 30)) s.tail_fold_min = int(tf_min);
-  }
+  // KILN_TAIL_FOLD_MIN and KILN_CONV3X3_ROWS: anything but a whole number keeps the default.
+  if (const int tf_min = whole_number(std::getenv("KILN_TAIL_FOLD_MIN")); tf_min >= 0)
+    s.tail_fold_min = tf_min;
   s.tail_fold_dual = !is(std::getenv("KILN_TAIL_FOLD_DUAL"), "0");
   s.tail_fold_shortcut = !is(std::getenv("KILN_TAIL_FOLD_SHORTCUT"), "0");
   s.wgrad_x_sum = !is(std::getenv("KILN_WGRAD_X_SUM"), "0");

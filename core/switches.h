@@ -53,9 +53,13 @@
 // |                          |                     | composition's bits; v23). Not for a default:    |
 // |                          |                     | its shift overflows f16 on a near-constant      |
 // |                          |                     | channel (norm-conv.md, "f16 factors")           |
-// | KILN_CONV3X3             | 1                   | stride-1 padding-1 3x3 convolutions (C a        |
-// |                          |                     | multiple of 128) on kiln's implicit GEMM, not   |
-// |                          |                     | cuDNN (level at b256; off by default; v23)      |
+// | KILN_CONV3X3             | 0, 1                | stride-1 padding-1 3x3 convolutions (C a        |
+// |                          |                     | multiple of 128) on cuDNN only (0) / on kiln's  |
+// |                          |                     | implicit GEMM at every size (1) (default: kiln's|
+// |                          |                     | where M = N·H·W <= KILN_CONV3X3_ROWS; v44)      |
+// | KILN_CONV3X3_ROWS        | N >= 0 (default     | the most output rows M of a 3x3 convolution on  |
+// |                          | 50176)              | kiln's implicit GEMM (ResNet-50: layers 3-4 at  |
+// |                          |                     | b256, 2-4 at b64; above it cuDNN is faster)     |
 // | KILN_DGRAD3X3            | 0                   | a 3x3 stride-1 convolution's data gradient on   |
 // |                          |                     | cuDNN then the sums pass, not on kiln's         |
 // |                          |                     | implicit GEMM with the batch norm's sums in its |
@@ -77,7 +81,8 @@
 // |                          |                     | handing conv3 its factors (the tail fold, on    |
 // |                          |                     | since v37: ops/dgrad_sink.h, norm-conv.md)      |
 // | KILN_TAIL_FOLD_MIN       | N >= 0 (default     | the fewest elements of conv3's input that fold  |
-// |                          | 20000000)           | (ResNet-50 at b256: layers 1 and 2)             |
+// |                          | 10000000)           | (ResNet-50: layers 1-3 at b256, layer 1 at b64; |
+// |                          |                     | 20000000 before v44)                            |
 // | KILN_TAIL_FOLD_DUAL      | 0                   | a downsample block's tail writes conv3's output |
 // |                          |                     | gradient in its pass instead of folding conv3's |
 // |                          |                     | side (on since v39; norm-conv.md)               |
@@ -190,13 +195,14 @@ struct Switches {
   bool wgmma_pipeline = true;
   bool wgrad1x1 = true;
   bool conv_prologue = false;
-  bool conv3x3 = false;
+  bool conv3x3 = true;
+  int conv3x3_max_rows = 50176;
   bool dgrad3x3 = true;
   bool gemm_tall = false;
   bool gemm_b_resident = true;
   bool dual_dgrad = true;
   bool tail_fold = true;
-  int tail_fold_min = 20000000;
+  int tail_fold_min = 10000000;
   bool tail_fold_dual = true;
   bool tail_fold_shortcut = true;
   bool wgrad_x_sum = true;

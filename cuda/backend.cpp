@@ -88,8 +88,8 @@ bool conv_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum, const T
     conv1x1_forward_stats(y, sum, sqsum, x, w, p);
     return true;
   }
-  // kiln's 3x3 implicit GEMM (KILN_CONV3X3=1, off by default), on the shapes whose statistics
-  // come from cuDNN's GenStats plan or kiln's pass otherwise (C a multiple of 128).
+  // kiln's 3x3 implicit GEMM (up to KILN_CONV3X3_ROWS output rows), on the shapes whose
+  // statistics come from cuDNN's GenStats plan or kiln's pass otherwise (C a multiple of 128).
   if (conv3x3_stats_supported(y, x, w, p)) {
     conv3x3_forward_stats(y, sum, sqsum, x, w, p);
     return true;

@@ -266,14 +266,18 @@ void bn_nhwc_stats_finish(const Tensor& sum, const Tensor& sqsum, const Tensor& 
 // A 3x3 convolution, stride 1, padding 1, with its output's batch-norm statistics, on kiln's
 // wgmma GEMM as an implicit GEMM (TMA's im2col loads; docs/lab/norm-conv.md): y (=) = conv(x, w),
 // sum (=) and sqsum (=) as conv1x1_forward_stats gives them. Needs conv3x3_stats_supported:
-// KILN_CONV3X3=1 (off by default), an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C,
-// H, W), a channels-last w (C, K, 3, 3), K a multiple of 64 up to 4,096, C a multiple of 128.
+// the path on (conv3x3_enabled: unless KILN_CONV3X3=0), M = N·H·W output rows at most
+// conv3x3_max_rows (KILN_CONV3X3_ROWS, default 50,176; no limit with KILN_CONV3X3=1: above it
+// cuDNN's kernels are faster), an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W),
+// a channels-last w (C, K, 3, 3), K a multiple of 64 up to 4,096, C a multiple of 128.
 bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
                              const ConvParams& p);
 void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
                            const Tensor& x, const Tensor& w, const ConvParams& p);
 bool conv3x3_enabled();
 void set_conv3x3_enabled(bool on);
+int64_t conv3x3_max_rows();
+void set_conv3x3_max_rows(int64_t rows);
 
 // A stride-1, unpadded 1x1 convolution's forward with its output's batch-norm statistics, on
 // kiln's wgmma GEMM (cuda/kernels/gemm_bn_wgmma.cu): y (=) = x · wᵀ rounded to f16, sum (=) and

@@ -40,6 +40,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "core/switches.h"
 #include "cuda/kernels.h"
@@ -967,6 +968,8 @@ void conv1x1_bn_relu_forward_stats(const Tensor& y, const Tensor& sum, const Ten
 }
 
 constinit RuntimeSwitch g_conv3x3{&Switches::conv3x3};  // KILN_CONV3X3
+// KILN_CONV3X3_ROWS (KILN_CONV3X3=1: no limit)
+constinit RuntimeSetting<int> g_conv3x3_rows{&Switches::conv3x3_max_rows};
 
 bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
                              const ConvParams& p) {
@@ -982,7 +985,7 @@ bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
   return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 1 && p.pad_w == 1 &&
          p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K && w.size(2) == 3 &&
          w.size(3) == 3 && y.size(0) == N && y.size(2) == H && y.size(3) == W && M > 0 &&
-         M < (int64_t(1) << 31) - kBM && K % kBK == 0 && K <= 4096 && C % kBN == 0 &&
+         M <= g_conv3x3_rows.get() && M < (int64_t(1) << 31) - kBM && K % kBK == 0 && K <= 4096 && C % kBN == 0 &&
          C / kBN <= 132 && H <= 65535 && W <= 65535 &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          y.is_contiguous(MemoryFormat::ChannelsLast) &&
@@ -1112,6 +1115,11 @@ bool dgrad3x3_enabled() { return g_dgrad3x3.get(); }
 void set_dgrad3x3_enabled(bool on) { g_dgrad3x3.set(on); }
 bool conv3x3_enabled() { return g_conv3x3.get(); }
 void set_conv3x3_enabled(bool on) { g_conv3x3.set(on); }
+int64_t conv3x3_max_rows() { return g_conv3x3_rows.get(); }
+void set_conv3x3_max_rows(int64_t rows) {
+  KILN_CHECK(rows >= 0, "set_conv3x3_max_rows: expected a row count >= 0, got ", rows);
+  g_conv3x3_rows.set(int(std::min<int64_t>(rows, std::numeric_limits<int>::max())));
+}
 bool conv1x1_stats_enabled() { return g_conv1x1_stats.get(); }
 bool tail_tma_epilogue_enabled() { return g_tma_epi.get(); }
 bool tail_w_direct_enabled() { return g_w_direct.get(); }

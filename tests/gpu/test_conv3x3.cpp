@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "core/backend.h"
 #include "cuda/kernels.h"
@@ -31,11 +32,18 @@ Tensor out_like(int64_t n, int64_t c, int64_t h, int64_t w) {
   return gputest::nan_output({n, c, h, w}, DType::f16, MemoryFormat::ChannelsLast);
 }
 
-// Turns KILN_CONV3X3's path on for a scope, whatever the environment says.
+// Turns KILN_CONV3X3's path on at every size for a scope, whatever the environment says.
 struct Conv3x3On {
   bool before = cuda::conv3x3_enabled();
-  Conv3x3On() { cuda::set_conv3x3_enabled(true); }
-  ~Conv3x3On() { cuda::set_conv3x3_enabled(before); }
+  int64_t rows = cuda::conv3x3_max_rows();
+  Conv3x3On() {
+    cuda::set_conv3x3_enabled(true);
+    cuda::set_conv3x3_max_rows(std::numeric_limits<int>::max());
+  }
+  ~Conv3x3On() {
+    cuda::set_conv3x3_enabled(before);
+    cuda::set_conv3x3_max_rows(rows);
+  }
 };
 
 }  // namespace
@@ -105,15 +113,17 @@ TEST_CASE("the 3x3 implicit GEMM refuses what it does not take, and says which")
   const Tensor x = nhwc(randn({2, 64, 8, 8}));
   const Tensor w = nhwc(randn({128, 64, 3, 3}));
   const Tensor y = out_like(2, 128, 8, 8);
-  {
-    // Off by default: KILN_CONV3X3=1 turns it on.
-    const bool before = cuda::conv3x3_enabled();
-    cuda::set_conv3x3_enabled(false);
-    CHECK_FALSE(cuda::conv3x3_stats_supported(y, x, w, kPad1));
-    cuda::set_conv3x3_enabled(before);
-  }
   Conv3x3On on;
   CHECK(cuda::conv3x3_stats_supported(y, x, w, kPad1));
+  // KILN_CONV3X3=0 turns it off; KILN_CONV3X3_ROWS caps the output rows (y has 2·8·8 = 128).
+  cuda::set_conv3x3_enabled(false);
+  CHECK_FALSE(cuda::conv3x3_stats_supported(y, x, w, kPad1));
+  cuda::set_conv3x3_enabled(true);
+  cuda::set_conv3x3_max_rows(127);
+  CHECK_FALSE(cuda::conv3x3_stats_supported(y, x, w, kPad1));
+  cuda::set_conv3x3_max_rows(128);
+  CHECK(cuda::conv3x3_stats_supported(y, x, w, kPad1));
+  CHECK_THROWS_WITH_AS(cuda::set_conv3x3_max_rows(-1), doctest::Contains("row count"), Error);
   ConvParams stride2 = kPad1;
   stride2.stride_h = stride2.stride_w = 2;
   CHECK_FALSE(cuda::conv3x3_stats_supported(out_like(2, 128, 4, 4), x, w, stride2));

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -59,6 +60,20 @@ class Switch {
  private:
   void (*set_)(bool);
   bool before_;
+};
+
+// kiln's 3x3 forward at every size for a scope, whatever KILN_CONV3X3_ROWS says.
+class AnyRows {
+ public:
+  AnyRows() : before_(cuda::conv3x3_max_rows()) {
+    cuda::set_conv3x3_max_rows(std::numeric_limits<int>::max());
+  }
+  ~AnyRows() { cuda::set_conv3x3_max_rows(before_); }
+  AnyRows(const AnyRows&) = delete;
+  AnyRows& operator=(const AnyRows&) = delete;
+
+ private:
+  int64_t before_;
 };
 
 // Which ReLU mask the backward applies: the forward's bits (a tail relu(bn(y) + z); g is then
@@ -366,6 +381,7 @@ TEST_CASE("the 3x3 GEMMs on 256-row tiles give the 128-row tiles' results") {
   }
   const Switch dgrad(cuda::dgrad3x3_enabled, cuda::set_dgrad3x3_enabled, true);
   const Switch fwd(cuda::conv3x3_enabled, cuda::set_conv3x3_enabled, true);
+  const AnyRows any_rows;
   struct Case {
     int64_t n, c, k, h, w;
     bool residual;

@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -981,6 +982,8 @@ void probe_conv3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
     }
   });
   cuda::set_conv3x3_enabled(true);
+  const int64_t rows_before = cuda::conv3x3_max_rows();
+  cuda::set_conv3x3_max_rows(std::numeric_limits<int>::max());  // every size, to compare
   const double gflop = 2.0 * double(n * hw * hw) * double(c) * double(k) * 9.0 / 1e9;
   std::printf("3x3 %4lld -> %4lld @%lldx%lld (%.1f GFLOP): cuDNN %s %.3f ms (%.0f TFLOP/s)",
               static_cast<long long>(k), static_cast<long long>(c), static_cast<long long>(hw),
@@ -988,11 +991,13 @@ void probe_conv3x3(int64_t n, int64_t k, int64_t c, int64_t hw) {
               epilogue ? "GenStats" : "conv + statistics pass", t_cudnn, gflop / t_cudnn);
   if (!cuda::conv3x3_stats_supported(y, x, w, p)) {
     cuda::set_conv3x3_enabled(before);
+    cuda::set_conv3x3_max_rows(rows_before);
     std::printf("; kiln: not for this shape\n");
     return;
   }
   const double t_kiln = median_ms([&] { cuda::conv3x3_forward_stats(y, sum, sqsum, x, w, p); });
   cuda::set_conv3x3_enabled(before);
+  cuda::set_conv3x3_max_rows(rows_before);
   std::printf("; kiln %.3f ms (%.0f TFLOP/s), %.2fx\n", t_kiln, gflop / t_kiln,
               t_kiln / t_cudnn);
 }
