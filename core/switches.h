@@ -58,8 +58,9 @@
 // |                          |                     | implicit GEMM at every size (1) (default: kiln's|
 // |                          |                     | where M = N·H·W <= KILN_CONV3X3_ROWS; v44)      |
 // | KILN_CONV3X3_ROWS        | N >= 0 (default     | the most output rows M of a 3x3 convolution on  |
-// |                          | 50176)              | kiln's implicit GEMM (ResNet-50: layers 3-4 at  |
-// |                          |                     | b256, 2-4 at b64; above it cuDNN is faster)     |
+// |                          | 12544)              | kiln's implicit GEMM (ResNet-50: layer 4 at     |
+// |                          |                     | b256, layers 3-4 at b64; level above, where     |
+// |                          |                     | cuDNN's tuned plans catch up)                   |
 // | KILN_DGRAD3X3            | 0                   | a 3x3 stride-1 convolution's data gradient on   |
 // |                          |                     | cuDNN then the sums pass, not on kiln's         |
 // |                          |                     | implicit GEMM with the batch norm's sums in its |
@@ -196,7 +197,7 @@ struct Switches {
   bool wgrad1x1 = true;
   bool conv_prologue = false;
   bool conv3x3 = true;
-  int conv3x3_max_rows = 50176;
+  int conv3x3_max_rows = 12544;
   bool dgrad3x3 = true;
   bool gemm_tall = false;
   bool gemm_b_resident = true;

@@ -267,9 +267,9 @@ void bn_nhwc_stats_finish(const Tensor& sum, const Tensor& sqsum, const Tensor& 
 // wgmma GEMM as an implicit GEMM (TMA's im2col loads; docs/lab/norm-conv.md): y (=) = conv(x, w),
 // sum (=) and sqsum (=) as conv1x1_forward_stats gives them. Needs conv3x3_stats_supported:
 // the path on (conv3x3_enabled: unless KILN_CONV3X3=0), M = N·H·W output rows at most
-// conv3x3_max_rows (KILN_CONV3X3_ROWS, default 50,176; no limit with KILN_CONV3X3=1: above it
-// cuDNN's kernels are faster), an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C, H, W),
-// a channels-last w (C, K, 3, 3), K a multiple of 64 up to 4,096, C a multiple of 128.
+// conv3x3_max_rows (KILN_CONV3X3_ROWS, default 12,544; no limit with KILN_CONV3X3=1: above it
+// cuDNN's tuned plans are as fast), an sm_90 GPU, f16 channels-last x (N, K, H, W) and y (N, C,
+// H, W), a channels-last w (C, K, 3, 3), K a multiple of 64 up to 4,096, C a multiple of 128.
 bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
                              const ConvParams& p);
 void conv3x3_forward_stats(const Tensor& y, const Tensor& sum, const Tensor& sqsum,
