@@ -20,8 +20,9 @@ void set_dgrad_fusion_enabled(bool on);
 
 // Whether an identity block tail's batch-norm backward hands conv3 its factors instead of writing
 // dy3 (FastPath::TailFold; ops/dgrad_sink.h, FoldedGradTarget), and from how many elements of
-// conv3's input. On from 2·10^7 unless KILN_TAIL_FOLD=0; KILN_TAIL_FOLD_MIN sets the size (below
-// it the fold's extra kernels cost more than the pass they remove; docs/lab/norm-conv.md, v37).
+// conv3's input. On from 10^7 unless KILN_TAIL_FOLD=0; KILN_TAIL_FOLD_MIN sets the size (below
+// it the fold's extra kernels cost more than the pass they remove; docs/lab/norm-conv.md, v37,
+// v44).
 // Set here for tests and A/B runs.
 bool tail_fold_enabled();
 void set_tail_fold_enabled(bool on);
