@@ -985,8 +985,8 @@ bool conv3x3_stats_supported(const Tensor& y, const Tensor& x, const Tensor& w,
   return p.groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 1 && p.pad_w == 1 &&
          p.dil_h == 1 && p.dil_w == 1 && w.size(0) == C && w.size(1) == K && w.size(2) == 3 &&
          w.size(3) == 3 && y.size(0) == N && y.size(2) == H && y.size(3) == W && M > 0 &&
-         M <= g_conv3x3_rows.get() && M < (int64_t(1) << 31) - kBM && K % kBK == 0 && K <= 4096 && C % kBN == 0 &&
-         C / kBN <= 132 && H <= 65535 && W <= 65535 &&
+         M <= g_conv3x3_rows.get() && M < (int64_t(1) << 31) - kBM && K % kBK == 0 &&
+         K <= 4096 && C % kBN == 0 && C / kBN <= 132 && H <= 65535 && W <= 65535 &&
          x.is_contiguous(MemoryFormat::ChannelsLast) &&
          y.is_contiguous(MemoryFormat::ChannelsLast) &&
          w.is_contiguous(MemoryFormat::ChannelsLast) && y.device() == x.device() &&
