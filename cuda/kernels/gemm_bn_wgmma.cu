@@ -239,7 +239,7 @@ __device__ __forceinline__ int sub2_slot(int m, int q0, int img_h, int img_w) {
 // kSub2 (with the TMA epilogue, r and the mask bits): r is a stride-2 unpadded 1x1
 // convolution's data gradient, compact — (N, ⌈H/2⌉, ⌈W/2⌉, C) for x's (N, H, W, C), img_h × img_w
 // = H × W — and zero at the pixels it leaves out: a downsample block's shortcut, handed to the
-// tail before it (ops/dgrad_sink.h, accept_dgrad_stride2). Thread 32 loads the 64 compact rows
+// tail before it (ops/dgrad_sink.h, wants_dgrad_stride2). Thread 32 loads the 64 compact rows
 // from the round's first even pixel on (sub2_rank) in place of r's 64; each accumulator row adds
 // its pixel's compact row, or +0 at an odd h or w (as the dense r's zeros add), all rows read
 // before any is written over. The same sums in the same order as with r scattered densely: the
