@@ -84,7 +84,7 @@ enum class FastPath : uint8_t {
   TailFoldShortcut,
   // backward_dgrad and backward_dgrad_coef (relu + z, the mask bits) taking r compact: a
   // stride-2 unpadded 1x1 convolution's data gradient at x's even pixels, (N, C, ⌈H/2⌉, ⌈W/2⌉),
-  // zero at the others (ops/dgrad_sink.h, accept_dgrad_stride2): x, mask.
+  // zero at the others (ops/dgrad_sink.h, wants_dgrad_stride2): x, mask.
   BatchNormStatsDgradStride2,
 };
 
