@@ -82,6 +82,10 @@ enum class FastPath : uint8_t {
   // gradient through the tail's ReLU. The shortcut's convolution still answers TailFold for its
   // own operands.
   TailFoldShortcut,
+  // backward_dgrad and backward_dgrad_coef (relu + z, the mask bits) taking r compact: a
+  // stride-2 unpadded 1x1 convolution's data gradient at x's even pixels, (N, C, ⌈H/2⌉, ⌈W/2⌉),
+  // zero at the others (ops/dgrad_sink.h, wants_dgrad_stride2): x, mask.
+  BatchNormStatsDgradStride2,
 };
 
 // Library-fused training batch norm + ReLU (+ residual add) (cuDNN's BN_ACTIVATION /
@@ -150,7 +154,9 @@ struct BatchNormStatsPaths {
   // unpadded or (K, C, 3, 3) with padding 1, r undefined meaning zero — computed with the first
   // pass (on CUDA one GEMM with the sums in its epilogue). With `mask` (relu + z, the forward's
   // bits) dz (=) = dy masked by the ReLU; with mask undefined (relu alone) the mask is recomputed
-  // from x and scale_shift, and dz is undefined.
+  // from x and scale_shift, and dz is undefined. Where FastPath::BatchNormStatsDgradStride2 says
+  // so, r may be compact (N, C, ⌈H/2⌉, ⌈W/2⌉): its values at x's even pixels, zero elsewhere
+  // (here and in backward_dgrad_coef).
   void (*backward_dgrad)(TensorRef dx, TensorRef dz, TensorRef dweight, TensorRef dbias,
                          TensorRef dy1, TensorRef w1, TensorRef r, TensorRef x, TensorRef mask,
                          TensorRef weight, TensorRef save_mean, TensorRef save_invstd,

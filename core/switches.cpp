@@ -48,6 +48,7 @@ Switches read_switches() {
     s.tail_fold_min = tf_min;
   s.tail_fold_dual = !is(std::getenv("KILN_TAIL_FOLD_DUAL"), "0");
   s.tail_fold_shortcut = !is(std::getenv("KILN_TAIL_FOLD_SHORTCUT"), "0");
+  s.dgrad_stride2 = !is(std::getenv("KILN_DGRAD_STRIDE2"), "0");
   s.wgrad_x_sum = !is(std::getenv("KILN_WGRAD_X_SUM"), "0");
   s.wgrad_x_gram = !is(std::getenv("KILN_WGRAD_X_GRAM"), "0");
   s.wgrad_sum_fence = !is(std::getenv("KILN_WGRAD_SUM_FENCE"), "0");

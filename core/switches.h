@@ -92,6 +92,11 @@
 // |                          |                     | a stride-1 1x1 shortcut convolution (ResNet-50's|
 // |                          |                     | layer 1) its factors too (on since v43;         |
 // |                          |                     | norm-conv.md)                                   |
+// | KILN_DGRAD_STRIDE2       | 0                   | a stride-2 1x1 convolution (a downsample block's|
+// |                          |                     | shortcut) writes its whole data gradient, zeros |
+// |                          |                     | included, not its even pixels alone handed to   |
+// |                          |                     | the block tail's GEMM behind it (norm-conv.md,  |
+// |                          |                     | v45)                                            |
 // | KILN_WGRAD_X_SUM         | 0                   | the tail fold sums conv3's input in a pass of   |
 // |                          |                     | its own, not in the weight gradient's idle warps|
 // |                          |                     | (cuda/kernels/wgrad1x1_wgmma.cu)                |
@@ -206,6 +211,7 @@ struct Switches {
   int tail_fold_min = 10000000;
   bool tail_fold_dual = true;
   bool tail_fold_shortcut = true;
+  bool dgrad_stride2 = true;
   bool wgrad_x_sum = true;
   bool wgrad_x_gram = true;
   bool wgrad_sum_fence = true;

@@ -223,6 +223,7 @@ constinit RuntimeSetting<int> g_tail_fold_min{&Switches::tail_fold_min};  // KIL
 constinit RuntimeSwitch g_tail_fold_dual{&Switches::tail_fold_dual};  // KILN_TAIL_FOLD_DUAL
 constinit RuntimeSwitch g_tail_fold_shortcut{
     &Switches::tail_fold_shortcut};  // KILN_TAIL_FOLD_SHORTCUT
+constinit RuntimeSwitch g_dgrad_stride2{&Switches::dgrad_stride2};  // KILN_DGRAD_STRIDE2
 
 // The fast paths' operands: f16 channels-last activations, f32 contiguous per-channel tensors.
 bool nhwc_f16(const Tensor& t) {
@@ -297,6 +298,13 @@ bool supports(FastPath path, std::initializer_list<const Tensor*> operands) {
       expect(1);
       return g_tail_fold.get() && g_tail_fold_dual.get() && g_tail_fold_shortcut.get() &&
              nhwc_f16(*t[0]);
+    case FastPath::BatchNormStatsDgradStride2: {
+      // Where the block tail's GEMM reads the compact rows itself (dgrad1x1_bn_sums scatters r
+      // for any other kernel: this says where the compact form pays, not where it is right).
+      expect(2);
+      return g_dgrad_stride2.get() && g_dgrad_fusion.get() && nhwc_f16(*t[0]) &&
+             dgrad1x1_bn_stride2_supported(*t[0], *t[1]);
+    }
     case FastPath::BiasGelu: {  // cuda/kernels/bias_gelu.cu: f32, f16, bf16
       expect(3);
       const DType d = t[0]->dtype();
@@ -435,6 +443,8 @@ bool tail_fold_enabled() { return g_tail_fold.get(); }
 bool tail_fold_dual_enabled() { return g_tail_fold_dual.get(); }
 void set_tail_fold_dual_enabled(bool on) { g_tail_fold_dual.set(on); }
 bool tail_fold_shortcut_enabled() { return g_tail_fold_shortcut.get(); }
+bool dgrad_stride2_enabled() { return g_dgrad_stride2.get(); }
+void set_dgrad_stride2_enabled(bool on) { g_dgrad_stride2.set(on); }
 void set_tail_fold_shortcut_enabled(bool on) { g_tail_fold_shortcut.set(on); }
 void set_tail_fold_enabled(bool on) { g_tail_fold.set(on); }
 int64_t tail_fold_min() { return g_tail_fold_min.get(); }

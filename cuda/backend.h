@@ -39,5 +39,11 @@ void set_tail_fold_dual_enabled(bool on);
 // KILN_TAIL_FOLD_SHORTCUT=0 (on since v43), and only where the dual fold is on.
 bool tail_fold_shortcut_enabled();
 void set_tail_fold_shortcut_enabled(bool on);
+// Whether a stride-2 unpadded 1x1 convolution hands its data gradient at its input's even pixels
+// alone to the block tail's GEMM behind it (FastPath::BatchNormStatsDgradStride2; ResNet-50's
+// downsample shortcuts in layers 2–4), instead of writing it whole, zeros included, for that GEMM
+// to read. On unless KILN_DGRAD_STRIDE2=0 (docs/lab/norm-conv.md, v45).
+bool dgrad_stride2_enabled();
+void set_dgrad_stride2_enabled(bool on);
 
 }  // namespace kiln::cuda

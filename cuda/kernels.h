@@ -464,6 +464,14 @@ bool dgrad1x1_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x,
 bool dgrad3x3_bn_supported(const Tensor& dy1, const Tensor& w1, const Tensor& x);
 // Whether w1 is a 3x3 weight (K, C, 3, 3): which form the calls above take.
 bool dgrad_weight_3x3(const Tensor& w1);
+// (N, C, ⌈H/2⌉, ⌈W/2⌉) for x (N, C, H, W): the shape of a stride-2 unpadded 1x1 convolution's
+// data gradient kept at x's even pixels alone, which bn_nhwc_backward_dgrad and
+// dgrad1x1_bn_sums take as r (compact; zero at the other pixels) with the mask bits.
+Shape stride2_grad_shape(const Tensor& x);
+// Whether that compact r is read as it is (the wgmma kernel's tail form in KILN_TAIL_GEMM's
+// default mode, its TMA epilogue on, the mask bits; x f16 with C a multiple of 128), not
+// scattered into x's shape first: where handing it compact pays.
+bool dgrad1x1_bn_stride2_supported(const Tensor& x, const Tensor& mask);
 // Whether the 3x3 form runs (KILN_DGRAD3X3: on by default, off in v25, on again since v26; see
 // core/switches.h; set here for tests and A/B runs).
 bool dgrad3x3_enabled();

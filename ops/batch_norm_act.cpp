@@ -20,6 +20,7 @@ namespace {
 
 std::atomic<uint64_t> g_dgrad_fusions{0};
 std::atomic<uint64_t> g_tail_folds{0};
+std::atomic<uint64_t> g_stride2_compact{0};
 
 // The library-fused BN + ReLU path: training, and the backend takes these operands.
 bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -120,7 +121,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   void release_saved() override {
     for (SavedTensor* s : {&x_, &mask_, &weight_, &save_mean_, &save_invstd_, &scale_shift_})
       s->release();
-    dy1_ = w1_ = x2_ = w2_ = b2_ = Tensor();
+    dy1_ = w1_ = x2_ = w2_ = b2_ = dsub_ = Tensor();
   }
   // dweight and dbias may be added straight into the parameters' .grad.
   bool can_accumulate_into(size_t i) const override { return i == 2 || i == 3; }
@@ -161,6 +162,20 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     ++g_dgrad_fusions;
     return true;
   }
+  // A block tail (relu + z, the forward's bits) takes a stride-2 shortcut's data gradient
+  // compact (ops/dgrad_sink.h) where its GEMM reads it so.
+  bool wants_dgrad_stride2(uint32_t output_nr) const override {
+    if (output_nr != 0 || act_ != Activation::Relu || !add_ || dsub_.defined() ||
+        !x_.defined() || !mask_.defined())
+      return false;
+    const Tensor x = x_.get(*this), mask = mask_.get(*this);
+    const Backend& be = backend(x);
+    return be.batch_norm_stats->backward_dgrad && be.batch_norm_stats->backward_dgrad_coef &&
+           supports(be, FastPath::BatchNormStatsDgradStride2, {&x, &mask});
+  }
+  void take_dgrad_stride2(uint32_t /*output_nr*/, const Tensor& dx_sub) override {
+    dsub_ = dx_sub;
+  }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
@@ -168,6 +183,22 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     const Tensor dy1 = std::exchange(dy1_, Tensor()), w1 = std::exchange(w1_, Tensor());
     const Tensor x2 = std::exchange(x2_, Tensor()), w2 = std::exchange(w2_, Tensor()),
                  b2 = std::exchange(b2_, Tensor());
+    // A stride-2 shortcut's gradient at x's even pixels (take_dgrad_stride2): the GEMM's r as it
+    // is when conv1's gradient came in and nothing else did; otherwise scattered into x's shape
+    // and added to dy (a network other than ResNet's, e.g. a 3x3 stride-2 conv1 beside it).
+    Tensor dsub = std::exchange(dsub_, Tensor());
+    if (dsub.defined()) {
+      dsub = dsub.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+      if (dy.defined() || !dy1.defined() || x2.defined()) {
+        Tensor full = zeros_like(x);
+        full.slice(2, 0, x.size(2), 2).slice(3, 0, x.size(3), 2).copy_(dsub);
+        dy = dy.defined() ? add(dy.to(x.dtype()), full) : full;
+        dsub = Tensor();
+      }
+    }
+    // The GEMM's residual: x's gradient from the other consumers, or the compact one.
+    const Tensor& r = dsub.defined() ? dsub : dy;
+    if (dsub.defined()) ++g_stride2_compact;
     if (x2.defined() && dy.defined()) {
       // Another consumer added to x's gradient (not a ResNet's case): the linear map written
       // and added to it, and the plain form below.
@@ -192,7 +223,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
       // The tail fold: x's gradient goes to the convolution that produced x as factors, and the
       // pass that would write it does not run.
       Tensor coef = empty({3 * x.size(1)}, f32);
-      backend(x).batch_norm_stats->backward_dgrad_coef(coef, dz, dw, db, dy1, w1, dy, x,
+      backend(x).batch_norm_stats->backward_dgrad_coef(coef, dz, dw, db, dy1, w1, r, x,
                                                        mask_.get(*this), w,
                                                        save_mean_.get(*this),
                                                        save_invstd_.get(*this), mode);
@@ -205,7 +236,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
                                                          save_invstd_.get(*this),
                                                          scale_shift_.get(*this), mode);
     } else if (dy1.defined()) {
-      backend(x).batch_norm_stats->backward_dgrad(dx, dz, dw, db, dy1, w1, dy, x,
+      backend(x).batch_norm_stats->backward_dgrad(dx, dz, dw, db, dy1, w1, r, x,
                                                   add_ ? mask_.get(*this) : Tensor(), w,
                                                   save_mean_.get(*this), save_invstd_.get(*this),
                                                   add_ ? Tensor() : scale_shift_.get(*this), mode);
@@ -234,6 +265,7 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
   bool add_;
   Tensor dy1_, w1_;  // a convolution's data gradient operands, taken in (accept_dgrad)
   Tensor x2_, w2_, b2_;  // and its linear map's, with accept_dgrad_linear
+  Tensor dsub_;  // a stride-2 convolution's data gradient at x's even pixels (take_dgrad_stride2)
 };
 
 // Backward of batch_norm_add_batch_norm_relu's fused path. Inputs: x, r, wx, bx, wr, br. Takes
@@ -540,6 +572,7 @@ void count_batch(const Tensor& counter) {
 
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 uint64_t tail_folds() { return g_tail_folds.load(); }
+uint64_t stride2_compact_grads() { return g_stride2_compact.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              Activation act, const Tensor& weight, const Tensor& bias,

@@ -150,6 +150,26 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
     return sink && sink->accept_dgrad(next_edges_[0].input_nr, dy, w);
   }
+  // A stride-2 unpadded 1x1 convolution's data gradient is zero but at x's even pixels: where
+  // the node behind x takes those alone (ops/dgrad_sink.h), they are formed as the same
+  // convolution's data gradient at stride 1 on the compact grid, (N, C, ⌈H/2⌉, ⌈W/2⌉), and
+  // handed over; true when that node took them (dx then stays undefined here).
+  bool hand_to_sink_stride2(const Tensor& dy, const Tensor& w) const {
+    const Shape& ws = input_meta_[1].shape;
+    const Shape& xs = input_meta_[0].shape;
+    if (ws.size() != 4 || xs.size() != 4 || ws[2] != 1 || ws[3] != 1 || p_.stride_h != 2 ||
+        p_.stride_w != 2 || p_.pad_h != 0 || p_.pad_w != 0 || p_.dil_h != 1 || p_.dil_w != 1 ||
+        p_.groups != 1 || !next_edges_[0].valid())
+      return false;
+    auto* sink = dynamic_cast<detail::DgradSink*>(next_edges_[0].fn.get());
+    const uint32_t nr = next_edges_[0].input_nr;
+    if (sink == nullptr || !sink->wants_dgrad_stride2(nr)) return false;
+    ConvParams p1 = p_;
+    p1.stride_h = p1.stride_w = 1;
+    const Shape sub{xs[0], xs[1], (xs[2] + 1) / 2, (xs[3] + 1) / 2};
+    sink->take_dgrad_stride2(nr, run_backward_data(dy, w, sub, x_format_, p1, Tensor(), false));
+    return true;
+  }
   // The tail fold's whole data gradient, dgrad(dy, w) + x2 · w2ᵀ + b2, offered to the same node
   // (a 1x1 convolution: apply_folded's only case); true when it took it.
   bool hand_to_sink_linear(const Tensor& dy, const Tensor& w, const Tensor& x2, const Tensor& w2,
@@ -225,7 +245,7 @@ class Conv2dBackward final : public Node, public detail::FoldedGradTarget {
     Tensor dx, dw, db;
     if (needs_input_grad(0)) {
       const Tensor w = w_.get(*this);
-      if (!hand_to_sink(g, w))
+      if (!hand_to_sink(g, w) && !hand_to_sink_stride2(g, w))
         dx = run_backward_data(g, w, input_meta_[0].shape, x_format_, p_, target(0, {g, w}),
                                accumulate_target_zero(0));
     }

@@ -34,6 +34,14 @@ class DgradSink {
                                    const Tensor& /*w2*/, const Tensor& /*b2*/) {
     return false;
   }
+  // A stride-2 unpadded 1x1 convolution's data gradient is zero but at its input's even pixels
+  // (h and w even). A node that says yes here takes those alone, compact — dx_sub (N, C, ⌈H/2⌉,
+  // ⌈W/2⌉) — as a contribution to the gradient of its output `output_nr`, and the convolution
+  // neither writes nor leaves behind the other three quarters (a downsample block's shortcut,
+  // read by the block tail's GEMM before it: docs/lab/norm-conv.md, v45). Asked before the
+  // convolution forms dx_sub; at most once per backward.
+  virtual bool wants_dgrad_stride2(uint32_t /*output_nr*/) const { return false; }
+  virtual void take_dgrad_stride2(uint32_t /*output_nr*/, const Tensor& /*dx_sub*/) {}
 };
 
 // The other direction: a block tail's batch-norm backward hands the convolution that produced

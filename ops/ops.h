@@ -166,6 +166,13 @@ uint64_t dgrad_fusions();
 // tail_folds() counts the gradients handed over.
 uint64_t tail_folds();
 
+// A stride-2 unpadded 1x1 convolution reading a block tail's output (a downsample block's
+// shortcut) hands the tail's node its data gradient at the even pixels alone (ops/dgrad_sink.h,
+// DgradSink::wants_dgrad_stride2), where the backend's GEMM reads it so
+// (FastPath::BatchNormStatsDgradStride2; on CUDA cuda::set_dgrad_stride2_enabled switches it).
+// stride2_compact_grads() counts those the tail's GEMM read compact.
+uint64_t stride2_compact_grads();
+
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,
 // outside the graph: what the batch-norm ops below do in training where no kernel of theirs
 // counted.

@@ -219,6 +219,18 @@ bool tail_fold_t_enabled() { return g_tail_fold_t.get(); }
 void set_tail_fold_t_enabled(bool on) { g_tail_fold_t.set(on); }
 void set_dual_dgrad_enabled(bool on) { g_dual_dgrad.set(on); }
 
+bool dgrad1x1_bn_stride2_supported(const Tensor& x, const Tensor& mask) {
+  if (!(x.defined() && mask.defined() && x.dim() == 4 && x.dtype() == DType::f16)) return false;
+  const int64_t C = x.size(1), M = x.numel() / std::max<int64_t>(C, 1);
+  // Any K the GEMM takes does (K = 64 is the smallest): the wgmma kernel in mode 2 for these rows.
+  return g_tail_gemm.get() == 2 && use_wgmma(M, 64, C) && dgrad1x1_bn_wgmma_takes_stride2(true);
+}
+
+Shape stride2_grad_shape(const Tensor& x) {
+  KILN_CHECK(x.dim() == 4, "stride2_grad_shape: x must be 4-D, got ", x.desc());
+  return Shape{x.size(0), x.size(1), (x.size(2) + 1) / 2, (x.size(3) + 1) / 2};
+}
+
 bool dgrad_weight_3x3(const Tensor& w1) {
   return w1.defined() && w1.dim() == 4 && w1.size(2) == 3 && w1.size(3) == 3;
 }
@@ -305,8 +317,20 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
       !taps && !bits && C == 64 && dgrad1x1_bn_pair64(dy, w, x, x2.defined() ? x2.size(1) : 0);
   const bool wgmma = taps || pair || use_wgmma(M, K, C);
   check_nhwc_f16(g, x.shape(), x.device(), op, "g");
-  // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
-  if (r.defined() || !wgmma) check_nhwc_f16(r, x.shape(), x.device(), op, "r");
+  // r compact at x's even pixels, (N, C, ⌈H/2⌉, ⌈W/2⌉): a stride-2 1x1 convolution's data
+  // gradient, zero at the other pixels. The wgmma kernel's tail form takes it as it is; every
+  // other form gets it scattered into x's shape first.
+  Tensor rd = r;
+  if (r.defined() && r.shape() != x.shape() && r.shape() == stride2_grad_shape(x)) {
+    check_nhwc_f16(r, r.shape(), x.device(), op, "r");
+    if (taps || pair || !use_wgmma(M, K, C) || !dgrad1x1_bn_wgmma_takes_stride2(bits)) {
+      rd = zeros_like(x);
+      rd.slice(2, 0, x.size(2), 2).slice(3, 0, x.size(3), 2).copy_(r);
+    }
+  } else if (r.defined() || !wgmma) {
+    // r may be left out on the wgmma kernel only (the mma.sync kernel always adds it).
+    check_nhwc_f16(r, x.shape(), x.device(), op, "r");
+  }
   if (bits) {
     KILN_CHECK(mask.dtype() == DType::u8 && mask.is_contiguous() &&
                    mask.numel() == x.numel() / 8 && mask.device() == x.device(),
@@ -331,15 +355,15 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
              partial.defined() ? partial.desc() : "undefined");
   if (M == 0) return 0;
   if (taps) {
-    dgrad3x3_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts);
+    dgrad3x3_bn_sums_wgmma(g, partial, dy, w, rd, mask, x, mean, scale_shift, parts);
     return parts;
   }
   if (pair) {
-    dgrad1x1_bn_sums_wgmma_pair64(g, partial, parts, dy, w, r, x, mean, scale_shift, x2, w2, b2);
+    dgrad1x1_bn_sums_wgmma_pair64(g, partial, parts, dy, w, rd, x, mean, scale_shift, x2, w2, b2);
     return parts;
   }
   if (use_wgmma(M, K, C)) {
-    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, r, mask, x, mean, scale_shift, parts, Tensor(),
+    dgrad1x1_bn_sums_wgmma(g, partial, dy, w, rd, mask, x, mean, scale_shift, parts, Tensor(),
                            Tensor(), x2, w2, b2);
     return parts;
   }
@@ -350,7 +374,7 @@ int dgrad1x1_bn_sums(const Tensor& g, const Tensor& partial, const Tensor& dy, c
     allow_smem_once<kernel>(int(Smem<kK>::kBytes), op);
     launch(kernel, grid, kThreads, Smem<kK>::kBytes, current_stream(),
            static_cast<__half*>(g.raw_data()), static_cast<float*>(partial.raw_data()), h(dy), h(w),
-           h(r), static_cast<const uint8_t*>(mask.raw_data()), h(x),
+           h(rd), static_cast<const uint8_t*>(mask.raw_data()), h(x),
            static_cast<const float*>(mean.raw_data()), M, int(C));
   };
   if (K == 64)

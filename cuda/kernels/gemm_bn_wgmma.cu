@@ -151,6 +151,22 @@ __global__ void fold_pair_partial_kernel(float* __restrict__ out, const float* _
   }
 }
 
+// kSub2's rows. The data gradient of a stride-2 unpadded 1x1 convolution is zero but at the
+// even (h, w) pixels of its input, and those pixels, taken in NHWC order, are the rows of the
+// compact gradient (N, ⌈H/2⌉, ⌈W/2⌉, C) in its own order. So the even pixels of any run of rows
+// are a run of the compact rows, starting at the number of even pixels before the run:
+// sub2_rank(m). A pixel's compact row is its own rank.
+__device__ __forceinline__ int sub2_rank(int m, int img_h, int img_w) {
+  const int hw = img_h * img_w, n = m / hw, p = m - n * hw, h = p / img_w, w = p - h * img_w;
+  const int hs = (img_h + 1) >> 1, ws = (img_w + 1) >> 1;
+  return n * hs * ws + ((h + 1) >> 1) * ws + ((h & 1) != 0 ? 0 : (w + 1) >> 1);
+}
+// Row m's place among the compact rows from m0's rank on, or −1 at an odd h or w.
+__device__ __forceinline__ int sub2_slot(int m, int q0, int img_h, int img_w) {
+  const int hw = img_h * img_w, p = m % hw, h = p / img_w, w = p - h * img_w;
+  return ((h | w) & 1) != 0 ? -1 : sub2_rank(m, img_h, img_w) - q0;
+}
+
 // kTmaEpi: r's, x's and the mask's rows of each tile come into shared memory by TMA (thread 32
 // issues them while the tile's MMAs run, into the buffer the staging used), the accumulators
 // add r there in their fragment layout, and the epilogue reads everything from shared memory —
@@ -219,9 +235,18 @@ __global__ void fold_pair_partial_kernel(float* __restrict__ out, const float* _
 // the accumulators before they are rounded. The tail fold's data gradient of a bottleneck's a2,
 // g · (a ⊙ w3) + a2 · (w3ᵀ·diag(b)·w3) + cᵀ·w3, is one GEMM this way, so its second term t is
 // never written (docs/lab/norm-conv.md, v42).
+//
+// kSub2 (with the TMA epilogue, r and the mask bits): r is a stride-2 unpadded 1x1
+// convolution's data gradient, compact — (N, ⌈H/2⌉, ⌈W/2⌉, C) for x's (N, H, W, C), img_h × img_w
+// = H × W — and zero at the pixels it leaves out: a downsample block's shortcut, handed to the
+// tail before it (ops/dgrad_sink.h, wants_dgrad_stride2). Thread 32 loads the 64 compact rows
+// from the round's first even pixel on (sub2_rank) in place of r's 64; each accumulator row adds
+// its pixel's compact row, or +0 at an odd h or w (as the dense r's zeros add), all rows read
+// before any is written over. The same sums in the same order as with r scattered densely: the
+// same bits, without the 3/4 of r that are zeros being written by the convolution and read here.
 template <bool kTmaEpi, bool kResidual, bool kBits, bool kStats = false, bool kWDirect = false,
           bool kPipeline = true, bool kPrologue = false, bool kIm2col = false, bool kF16 = false,
-          bool kTall = false, bool kDual = false, bool kSplit = false>
+          bool kTall = false, bool kDual = false, bool kSplit = false, bool kSub2 = false>
 __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
     __half* __restrict__ g, float* __restrict__ partial, const __grid_constant__ CUtensorMap map_dy,
     const __grid_constant__ CUtensorMap map_wt, const __grid_constant__ CUtensorMap map_r,
@@ -242,6 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
                 "the dual form: the 1x1 block tail's, with the TMA epilogue");
   static_assert(!kSplit || (kTmaEpi && !kResidual && !kStats && !kIm2col && !kTall && !kDual),
                 "two A matrices: the 1x1 data gradient without a residual");
+  static_assert(!kSub2 || (kTmaEpi && kResidual && kBits && !kIm2col && !kTall && !kDual),
+                "the compact stride-2 residual: the 1x1 block tail's, with the TMA epilogue");
   // Rows per tile, stages, and the bytes of a stage's A box and of the whole stage. kDual: three
   // stages, whose freed 32 KB hold each consumer warpgroup's rows of u.
   constexpr int kTM = kTall ? 2 * kBM : kBM, kNS = kTall || kDual ? 3 : kStages;
@@ -322,9 +349,10 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
               mbar_expect_tx(epi_full(c), uint32_t(kBytes));
               const int m0 = int(tile * kTM + c * (kTM / 2) + half * 64);
               const uint32_t e = epi_buf(c);
+              [[maybe_unused]] const int rrow = kSub2 ? sub2_rank(m0, img_h, img_w) : m0;
               for (int h = 0; h < 2; ++h) {
                 if constexpr (kResidual)
-                  tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, m0, epi_full(c));
+                  tma_load_2d(e + h * (kEpiX / 2), &map_r, n0 + h * 64, rrow, epi_full(c));
                 tma_load_2d(e + kEpiX + h * (kEpiX / 2), &map_x, n0 + h * 64, m0, epi_full(c));
               }
               if constexpr (kBits) tma_load_2d(e + kEpiMask, &map_mask, n0 / 8, m0, epi_full(c));
@@ -457,12 +485,36 @@ __global__ void __launch_bounds__(kThreads, 1) dgrad1x1_bn_sums_wgmma_kernel(
       else
         mbar_wait(epi_full(c), uint32_t(u & 1));
       unsigned char* e = gbase + out0 + c * kEpiStride;
+      if constexpr (kSub2) {
+        // Rows r0 and r0 + 8 take compact rows j[0] and j[1] (−1: +0). Every row of r is read
+        // into the accumulators before any row is written over.
+        const int q0 = sub2_rank(int(m0), img_h, img_w);
+        const int j[2] = {sub2_slot(int(m0) + r0, q0, img_h, img_w),
+                          sub2_slot(int(m0) + r0 + 8, q0, img_h, img_w)};
+#pragma unroll
+        for (int b = 0; b < kBN / 8; ++b) {
+          const int cb = (b / 8) * (kEpiX / 2) + (lane & 3) * 4;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float2 a = {0.f, 0.f};
+            if (j[i] >= 0)
+              a = __half22float2(*reinterpret_cast<const __half2*>(
+                  e + j[i] * 128 + cb + (((b % 8) ^ (j[i] & 7)) * 16)));
+            d[4 * b + 2 * i] += a.x;
+            d[4 * b + 2 * i + 1] += a.y;
+          }
+        }
+        named_sync(1 + c, 128);
+      }
 #pragma unroll
       for (int b = 0; b < kBN / 8; ++b) {
         const int off = (b / 8) * (kEpiX / 2) + (((b % 8) ^ (lane >> 2)) * 16) + (lane & 3) * 4;
         __half2* p0 = reinterpret_cast<__half2*>(e + r0 * 128 + off);
         __half2* p1 = reinterpret_cast<__half2*>(e + (r0 + 8) * 128 + off);
-        if constexpr (kResidual) {
+        if constexpr (kSub2) {  // r added above
+          *p0 = __floats2half2_rn(d[4 * b], d[4 * b + 1]);
+          *p1 = __floats2half2_rn(d[4 * b + 2], d[4 * b + 3]);
+        } else if constexpr (kResidual) {
           const float2 a0 = __half22float2(*p0), a1 = __half22float2(*p1);
           *p0 = __floats2half2_rn(d[4 * b] + a0.x, d[4 * b + 1] + a0.y);
           *p1 = __floats2half2_rn(d[4 * b + 2] + a1.x, d[4 * b + 3] + a1.y);
@@ -721,6 +773,8 @@ bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C) {
          C % kBN == 0 && C / kBN <= 132;
 }
 
+bool dgrad1x1_bn_wgmma_takes_stride2(bool mask_bits) { return mask_bits && g_tma_epi.get(); }
+
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C) {
   const int64_t col_tiles = std::max<int64_t>(C / kBN, 1), rows = (M + kBM - 1) / kBM;
   const int64_t sms = context().props.multiProcessorCount;
@@ -763,13 +817,18 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   const bool residual = r.defined(), bits = mask.defined(), dual = u.defined();
   KILN_CHECK(!dual || (residual && bits && mean_u.defined()),
              "dgrad1x1_bn_sums_wgmma: the dual form takes r, the mask and mean_u");
+  // r compact at x's even pixels (kSub2; dgrad1x1_bn_sums checked its shape): r's rows.
+  const bool sub2 = residual && r.shape() != x.shape();
+  KILN_CHECK(!sub2 || (dgrad1x1_bn_wgmma_takes_stride2(bits) && !dual && !split),
+             "dgrad1x1_bn_sums_wgmma: a compact stride-2 r needs the TMA epilogue and the mask "
+             "bits, without u or x2");
   // A mask recomputed from x, no residual, or the dual form: the TMA epilogue's forms only.
   const bool tma_epi = g_tma_epi.get() || !residual || !bits || dual;
   // The epilogue's operands per consumer warpgroup: 64 rows × 64 channels of r and x (twice),
   // 64 rows × 16 bytes (128 channels) of the mask. Unused without the TMA epilogue.
   CUtensorMap map_r{}, map_x{}, map_mask{}, map_u{};
   if (tma_epi) {
-    if (residual) map_r = tile_map(r.raw_data(), true, M, C, 64, 64, true);
+    if (residual) map_r = tile_map(r.raw_data(), true, r.numel() / C, C, 64, 64, true);
     map_x = tile_map(x.raw_data(), true, M, C, 64, 64, true);
     if (bits) map_mask = tile_map(mask.raw_data(), false, M, C / 8, 64, 16, false);
     if (dual) map_u = tile_map(u.raw_data(), true, M, C, 64, 64, true);
@@ -779,11 +838,11 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
   auto ptr = [](const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; };
   const bool pipeline = g_pipeline.get();
   auto run = [&]<bool kTma, bool kResidual, bool kBits, bool kDirect, bool kDual = false,
-                 bool kSplit = false>() {
+                 bool kSplit = false, bool kSub2 = false>() {
     auto go = [&]<bool kPipeline>() {
       constexpr auto kernel = dgrad1x1_bn_sums_wgmma_kernel<kTma, kResidual, kBits, false, kDirect,
                                                             kPipeline, false, false, false, false,
-                                                            kDual, kSplit>;
+                                                            kDual, kSplit, kSub2>;
       constexpr int kSmem = kDual ? kSmemDual : kSplit ? kSmemSplit : kSmemBytes;
       allow_smem_once<kernel>(kSmem, "dgrad1x1_bn_sums");
       const unsigned grid = unsigned(parts * (C / kBN));
@@ -793,7 +852,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
           static_cast<const __half*>(ptr(r)), static_cast<const uint8_t*>(ptr(mask)),
           static_cast<const __half*>(x.raw_data()), static_cast<const float*>(mean.raw_data()),
           static_cast<const float*>(ptr(mean_u)), static_cast<const float*>(ptr(scale_shift)), M,
-          int(C), int(K), parts, 0, 0, g_b_resident.get(), int(K1 / kBK),
+          int(C), int(K), parts, kSub2 ? int(x.size(2)) : 0, kSub2 ? int(x.size(3)) : 0,
+          g_b_resident.get(), int(K1 / kBK),
           static_cast<const __half*>(ptr(b2)));
     };
     if (pipeline)
@@ -806,6 +866,8 @@ void dgrad1x1_bn_sums_wgmma(const Tensor& g, const Tensor& partial, const Tensor
       run.template operator()<true, false, false, kDirect, false, true>();
     else if (dual)
       run.template operator()<true, true, true, kDirect, true>();
+    else if (sub2)
+      run.template operator()<true, true, true, kDirect, false, false, true>();
     else if (!tma_epi)
       run.template operator()<false, true, true, kDirect>();
     else if (residual && bits)

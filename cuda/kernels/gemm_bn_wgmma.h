@@ -12,6 +12,8 @@ bool dgrad1x1_bn_wgmma_available();
 // The shapes it takes: M rows within TMA's 32-bit coordinates, K a multiple of 64 up to 2,048,
 // C a multiple of 128.
 bool dgrad1x1_bn_wgmma_shape(int64_t M, int64_t K, int64_t C);
+// Whether it takes r compact at x's even pixels (below): with the mask bits, the TMA epilogue on.
+bool dgrad1x1_bn_wgmma_takes_stride2(bool mask_bits);
 // Its partial rows for M rows: the SMs divided among C / 128 column tiles.
 int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 // g and partial (parts, 2, C) as dgrad1x1_bn_sums; the operands already checked there (r may
@@ -19,6 +21,9 @@ int dgrad1x1_bn_wgmma_parts(int64_t M, int64_t C);
 // u defined (the dual form, with r and the mask; bn_nhwc_dual_backward_dgrad): partial is
 // (parts, 3, C), the third row Σg·(u − mean_u), u (x's shape and layout) the second batch norm's
 // input; g and the first two rows are the same bits as without u.
+// r of shape (N, C, ⌈H/2⌉, ⌈W/2⌉) where x is (N, C, H, W) and the two differ: r is compact, a
+// stride-2 unpadded 1x1 convolution's data gradient at x's even pixels, zero at the others
+// (dgrad1x1_bn_wgmma_takes_stride2 says when; the kernel's kSub2). The same bits as r scattered.
 // x2 defined (with r, the mask and u undefined): the GEMM is dy · w + x2 · w2ᵀ + b2, x2 (N, C2,
 // H, W) channels-last f16 at x's positions, w2 (C, C2) and b2 (C) f16 contiguous, K + C2 a
 // multiple of 64 up to 2,048 (dgrad1x1_bn_sums checks them): one accumulator, rounded once.
