@@ -15,6 +15,7 @@
 #include "cuda/kernels/gemm_bn_wgmma.h"
 #include "ops/ops.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/tail_case.h"
 #include "tests/gradcheck.h"
 
 using namespace kiln;
@@ -24,35 +25,20 @@ namespace {
 const Device kGpu = Device::cuda(0);
 const Device kCPU = Device::cpu();
 
-Tensor nhwc(const Tensor& host) {
-  return host.to(DType::f16).to(kGpu).contiguous(MemoryFormat::ChannelsLast);
-}
+Tensor nhwc(const Tensor& host) { return gputest::nhwc_f16(host); }
 Tensor f32(const Tensor& t) { return t.to(DType::f32).to(kCPU); }
 
-// A block tail relu(bn(y3) + z)'s saved state, the next conv1's operands (dy1, w1) and the
-// shortcut's data gradient at the even pixels, compact (r_sub) and scattered (r_full).
-struct Tail {
-  Tensor y3, mask, weight, mean, invstd, dy1, w1, r_sub, r_full;
+// A block tail (tests/gpu/tail_case.h) and the shortcut's data gradient at the even pixels,
+// compact (r_sub) and scattered into x's shape (r_full); the tail's own r is not used.
+struct Tail : gputest::Tail {
+  Tensor r_sub, r_full;
 };
 
 Tail make_tail(int64_t n, int64_t c, int64_t k, int64_t h, int64_t w, uint64_t seed) {
-  manual_seed(seed);
-  Tail t;
-  const Shape shape{n, c, h, w};
-  t.y3 = nhwc(F::add(F::mul(randn(shape), 1.5), 0.25));
-  Tensor z = nhwc(randn(shape));
-  t.dy1 = nhwc(randn({n, k, h, w}));
-  t.w1 = F::mul(randn({k, c, 1, 1}), 1.0 / std::sqrt(double(k))).to(DType::f16).to(kGpu);
+  Tail t{gputest::make_tail(n, c, k, h, w, seed), Tensor(), Tensor()};
   t.r_sub = nhwc(randn({n, c, (h + 1) / 2, (w + 1) / 2}));
   t.r_full = zeros_like(t.y3);
   t.r_full.slice(2, 0, h, 2).slice(3, 0, w, 2).copy_(t.r_sub);
-  BnStatsFinalize f = gputest::bn_finalize_of(t.y3);
-  t.mask = empty({t.y3.numel() / 8}, TensorOptions(DType::u8).with_device(kGpu));
-  Tensor out = empty_like(t.y3);
-  cuda::bn_nhwc_apply(out, t.y3, z, f, Activation::Relu, t.mask);
-  t.weight = f.weight;
-  t.mean = f.save_mean;
-  t.invstd = f.save_invstd;
   return t;
 }
 
