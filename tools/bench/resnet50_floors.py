@@ -17,7 +17,10 @@ best 3x3 plan in situ, docs/lab/norm-conv.md v23: 673).
 channels, the tail fold in layers 1-2 with t inside bn2's GEMM, layer 1's bn2 on row pairs, the
 fold's Gram in the weight gradient), measured from an ncu profile of one eager b256 step
 (tools/bench/ncu_step_summary.py's input): each class's time and DRAM bytes summed over its
-kernel's calls, beside the floor and the bytes the model counts (a check of the model).
+kernel's calls, beside the floor and the bytes the model counts (a check of the model). A
+profile whose GEMM kernel names carry v45's thirteen template flags is read in v45's structure
+instead (calls_v45: layer 3 folded too, layer 4's stride-1 3x3 forwards on kiln's GEMM, the
+compact residual of the tails before a downsample block).
 
 --fit: the 1x1 forward's time per 128 x 128 tile as a line in K (a fixed part plus the MMAs),
 through two of v21's probe times (docs/lab/norm-conv/calls-2026-12-04b.txt, call G), and how it
@@ -413,18 +416,65 @@ def calls_v43():
     return out
 
 
+# v45's: the GEMM template took a thirteenth flag (kSub2), kiln's 3x3 forward with statistics runs
+# on the stride-1 3x3 forwards of at most 12,544 rows (v44: layer 4's two at b256), and the tails
+# before a downsample block read the shortcut's compact data gradient (kSub2, v45).
+V45_KERNELS = {cls: pat[:-1] + ", 0>" for cls, pat in V43_KERNELS.items()}
+V45_KERNELS["tail data gradient + sums, r compact"] = (
+    r"dgrad1x1_bn_sums_wgmma_kernel<1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1>")
+V45_KERNELS["3x3 forward + statistics"] = (
+    r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 1, 0, [01], 0, 1, 0, [01], 0, 0, 0>")
+FOLD_MIN_V44 = 10_000_000  # KILN_TAIL_FOLD_MIN's default since v44
+CONV3X3_ROWS_V44 = 12_544  # KILN_CONV3X3_ROWS's default since v44
+
+
+def calls_v45():
+    """calls_v43() as v45 runs them at batch 256: layer 3 folds too (10^7), layer 4's stride-1 3x3
+    forwards on kiln's implicit GEMM, and the tails before a downsample block read r compact,
+    (N, H/2, W/2, 4C): a quarter of r's bytes."""
+    global FOLD_MIN
+    saved, FOLD_MIN = FOLD_MIN, FOLD_MIN_V44
+    try:
+        base = calls_v43()
+    finally:
+        FOLD_MIN = saved
+    bl = list(blocks())
+    at = {f"L{l}b{b}": i for i, (l, b, *_) in enumerate(bl)}
+    out = []
+    for cls, lab, flop, byt in base:
+        if cls == "tail data gradient + sums":
+            i = at[lab.split()[0]]
+            if bl[i + 1][1] == 0:  # the next block is a downsample block: its shortcut's r
+                _, _, c, st, _, side = bl[i]
+                m = N * (side // st) ** 2
+                cls, byt = "tail data gradient + sums, r compact", byt - 2 * (m * 4 * c * 3 // 4)
+        out.append((cls, lab, flop, byt))
+    for l, b, c, st, cin, side in bl:
+        m = N * (side // st) ** 2
+        if st == 1 and m <= CONV3X3_ROWS_V44:
+            # read x and w, write y (the statistics' partials are small)
+            out.append(("3x3 forward + statistics", f"L{l}b{b} conv2 {c}->{c}", 2 * m * 9 * c * c,
+                        2 * (2 * m * c + 9 * c * c)))
+    return out
+
+
 def ncu_table(path, bw, peak, list_calls):
-    """v43's kiln GEMM classes against their floors, measured from an ncu step profile."""
+    """kiln's GEMM classes against their floors, measured from an ncu step profile: v43's
+    structure, or v45's where the profile's GEMM kernel names carry thirteen template flags."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ncu_step_summary import read_kernels  # noqa: E402
     kernels = read_kernels(path)
+    v45 = any(re.search(r"dgrad1x1_bn_sums_wgmma_kernel<(\d, ){12}\d>", k["name"])
+              for k in kernels)
+    table, structure, version = (V45_KERNELS, calls_v45, "v45") if v45 else (
+        V43_KERNELS, calls_v43, "v43")
     measured = {}
-    for cls, pat in V43_KERNELS.items():
+    for cls, pat in table.items():
         ks = [k for k in kernels if re.search(pat, k["name"])]
         measured[cls] = (len(ks), sum(k["ns"] for k in ks) * 1e-6,
                          sum(k["bytes"] or 0.0 for k in ks))
-    rows = floor_rows(calls_v43(), bw, peak, list_calls, (46, 30))
-    print(f"v43's kiln GEMMs: floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} TFLOP/s, batch {N}; "
+    rows = floor_rows(structure(), bw, peak, list_calls, (46, 30))
+    print(f"{version}'s kiln GEMMs: floors at {bw / 1e12:g} TB/s and {peak / 1e12:g} TFLOP/s, batch {N}; "
           f"measured: {os.path.basename(path)}")
     print(f"{'class':46s} {'calls':>5s} {'GFLOP':>6s} {'GB':>6s} {'DRAM GB':>7s} {'floor ms':>8s} "
           f"{'measured':>8s} {'above':>6s} {'TFLOP/s':>7s} {'TB/s':>5s}")
