@@ -419,7 +419,8 @@ def calls_v43():
 # v45's: the GEMM template took a thirteenth flag (kSub2), kiln's 3x3 forward with statistics runs
 # on the stride-1 3x3 forwards of at most 12,544 rows (v44: layer 4's two at b256), and the tails
 # before a downsample block read the shortcut's compact data gradient (kSub2, v45).
-V45_KERNELS = {cls: pat[:-1] + ", 0>" for cls, pat in V43_KERNELS.items()}
+V45_KERNELS = {cls: pat[:-1] + ", 0>" if pat.startswith("dgrad1x1") else pat
+               for cls, pat in V43_KERNELS.items()}
 V45_KERNELS["tail data gradient + sums, r compact"] = (
     r"dgrad1x1_bn_sums_wgmma_kernel<1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1>")
 V45_KERNELS["3x3 forward + statistics"] = (
