@@ -373,14 +373,15 @@ V43_KERNELS = {
 FOLD_MIN = 20_000_000  # KILN_TAIL_FOLD_MIN's default: elements of conv3's input
 
 
-def calls_v43():
-    """calls() as v43 runs them at batch 256: (class, label, FLOP executed, bytes)."""
+def calls_v43(fold_min=FOLD_MIN):
+    """calls() as v43 runs them at batch 256: (class, label, FLOP executed, bytes); fold_min is
+    KILN_TAIL_FOLD_MIN."""
     out = []
     bl = list(blocks())
     for i, (l, b, c, st, cin, side) in enumerate(bl):
         m_in, m_out = N * side * side, N * (side // st) ** 2
         tag = f"L{l}b{b}"
-        folded = m_out * c >= FOLD_MIN  # conv3's input, M x C
+        folded = m_out * c >= fold_min  # conv3's input, M x C
         fwd = [(f"{tag} conv3 {c}->{4 * c}", m_out, c, 4 * c)]
         if c >= 128:  # KILN_STATS_MIN_C=128 since v33: layer 2's conv1s too
             fwd.append((f"{tag} conv1 {cin}->{c}", m_in, cin, c))
@@ -433,12 +434,7 @@ def calls_v45():
     """calls_v43() as v45 runs them at batch 256: layer 3 folds too (10^7), layer 4's stride-1 3x3
     forwards on kiln's implicit GEMM, and the tails before a downsample block read r compact,
     (N, H/2, W/2, 4C): a quarter of r's bytes."""
-    global FOLD_MIN
-    saved, FOLD_MIN = FOLD_MIN, FOLD_MIN_V44
-    try:
-        base = calls_v43()
-    finally:
-        FOLD_MIN = saved
+    base = calls_v43(FOLD_MIN_V44)
     bl = list(blocks())
     at = {f"L{l}b{b}": i for i, (l, b, *_) in enumerate(bl)}
     out = []
