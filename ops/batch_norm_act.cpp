@@ -21,6 +21,7 @@ namespace {
 std::atomic<uint64_t> g_dgrad_fusions{0};
 std::atomic<uint64_t> g_tail_folds{0};
 std::atomic<uint64_t> g_stride2_compact{0};
+std::atomic<uint64_t> g_stride2_inplace{0};
 
 // The library-fused BN + ReLU path: training, and the backend takes these operands.
 bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -199,7 +200,12 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
         Tensor full;
         if (dy.defined()) {
           full = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
-          if (full.shares_storage(grads[0]) && !grad_own) full = full.clone();
+          if (full.shares_storage(grads[0])) {
+            if (grad_own)
+              ++g_stride2_inplace;
+            else
+              full = full.clone();
+          }
         } else {
           full = zeros_like(x);
         }
@@ -586,6 +592,7 @@ void count_batch(const Tensor& counter) {
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 uint64_t tail_folds() { return g_tail_folds.load(); }
 uint64_t stride2_compact_grads() { return g_stride2_compact.load(); }
+uint64_t stride2_inplace_adds() { return g_stride2_inplace.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              Activation act, const Tensor& weight, const Tensor& bias,
