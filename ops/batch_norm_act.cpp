@@ -178,10 +178,9 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     dsub_ = dx_sub;
   }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
-    // Whether x's gradient as the engine hands it is this node's alone (no other handle, no
-    // view, no graph of its own): then it may be added to in place.
-    const bool grad_own = grads[0].defined() && grads[0].impl_ptr().use_count() == 1 &&
-                          grads[0].storage().use_count() == 1 && !grads[0].requires_grad();
+    // Whether x's gradient as the engine hands it is this node's alone: then it may be added to
+    // in place.
+    const bool grad_own = autograd::sole_handle(grads[0]);
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
     // The conv1 gradient taken in: dy is then what the other consumers added (maybe nothing).
