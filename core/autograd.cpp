@@ -192,6 +192,11 @@ void check_inplace(const Tensor& t, const char* op) {
   }
 }
 
+bool sole_handle(const Tensor& t) {
+  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 &&
+         !t.requires_grad();
+}
+
 namespace {
 
 constinit RuntimeSwitch g_accumulate{&Switches::accumulate_grads};  // KILN_ACCUMULATE_GRADS
@@ -202,8 +207,7 @@ std::atomic<uint64_t> g_offered{0}, g_offered_leaf{0}, g_offered_zero{0}, g_used
 // reference to the memory), it is dense (an expanded tensor would take several `+=` into one
 // element), and it is exactly the input's shape, dtype and device.
 bool exclusive_partial_sum(const Tensor& t, const InputMeta& m) {
-  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 &&
-         !t.requires_grad() && t.shape() == m.shape && t.dtype() == m.dtype &&
+  return sole_handle(t) && t.shape() == m.shape && t.dtype() == m.dtype &&
          t.device() == m.device && t.is_contiguous(t.suggest_memory_format());
 }
 

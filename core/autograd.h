@@ -166,6 +166,11 @@ Edge edge_for(const Tensor& t);
 void set_history(const Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr = 0);
 // Refuses in-place modification of a tensor that autograd tracks (`op` names the op).
 void check_inplace(const Tensor& t, const char* op);
+// Whether a gradient a node was handed may be written in place with no one else seeing it: the
+// handle is the only one to its tensor, the tensor the only one to its memory (no view), and it
+// carries no graph of its own (create_graph). The engine's test before it offers a buffered
+// partial sum as an accumulate target, and a node's own before it writes an incoming gradient.
+bool sole_handle(const Tensor& t);
 
 // Registers `fn` to run right after a gradient is accumulated into leaf `leaf`'s .grad (PyTorch's
 // register_post_accumulate_grad_hook): once per AccumulateGrad call, on the backward's thread,

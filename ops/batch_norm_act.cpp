@@ -21,6 +21,7 @@ namespace {
 std::atomic<uint64_t> g_dgrad_fusions{0};
 std::atomic<uint64_t> g_tail_folds{0};
 std::atomic<uint64_t> g_stride2_compact{0};
+std::atomic<uint64_t> g_stride2_inplace{0};
 
 // The library-fused BN + ReLU path: training, and the backend takes these operands.
 bool relu_path(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
@@ -177,6 +178,9 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     dsub_ = dx_sub;
   }
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    // Whether x's gradient as the engine hands it is this node's alone: then it may be added to
+    // in place.
+    const bool grad_own = autograd::sole_handle(grads[0]);
     Tensor x = x_.get(*this), w = weight_.get(*this);
     Tensor dy = grads[0];
     // The conv1 gradient taken in: dy is then what the other consumers added (maybe nothing).
@@ -184,15 +188,29 @@ class BatchNormStatsBackward final : public Node, public detail::DgradSink {
     const Tensor x2 = std::exchange(x2_, Tensor()), w2 = std::exchange(w2_, Tensor()),
                  b2 = std::exchange(b2_, Tensor());
     // A stride-2 shortcut's gradient at x's even pixels (take_dgrad_stride2): the GEMM's r as it
-    // is when conv1's gradient came in and nothing else did; otherwise scattered into x's shape
-    // and added to dy (a network other than ResNet's, e.g. a 3x3 stride-2 conv1 beside it).
+    // is when conv1's gradient came in and nothing else did. Otherwise (a network other than
+    // ResNet-50's, e.g. ResNet-18's 3x3 stride-2 conv1 beside the shortcut) it is added to dy at
+    // those pixels — in place where dy is this node's alone, so that a quarter of x's gradient
+    // is read and written, not all of it — or scattered into zeros where nothing else came.
     Tensor dsub = std::exchange(dsub_, Tensor());
     if (dsub.defined()) {
       dsub = dsub.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
       if (dy.defined() || !dy1.defined() || x2.defined()) {
-        Tensor full = zeros_like(x);
-        full.slice(2, 0, x.size(2), 2).slice(3, 0, x.size(3), 2).copy_(dsub);
-        dy = dy.defined() ? add(dy.to(x.dtype()), full) : full;
+        Tensor full;
+        if (dy.defined()) {
+          full = dy.to(x.dtype()).contiguous(MemoryFormat::ChannelsLast);
+          if (full.shares_storage(grads[0])) {
+            if (grad_own)
+              ++g_stride2_inplace;
+            else
+              full = full.clone();
+          }
+        } else {
+          full = zeros_like(x);
+        }
+        const Tensor even = full.slice(2, 0, x.size(2), 2).slice(3, 0, x.size(3), 2);
+        even.copy_(dy.defined() ? add(even, dsub) : dsub);
+        dy = full;
         dsub = Tensor();
       }
     }
@@ -573,6 +591,7 @@ void count_batch(const Tensor& counter) {
 uint64_t dgrad_fusions() { return g_dgrad_fusions.load(); }
 uint64_t tail_folds() { return g_tail_folds.load(); }
 uint64_t stride2_compact_grads() { return g_stride2_compact.load(); }
+uint64_t stride2_inplace_adds() { return g_stride2_inplace.load(); }
 
 Tensor batch_norm_from_stats(const Tensor& x, const ChannelStats& stats, const Tensor& residual,
                              Activation act, const Tensor& weight, const Tensor& bias,

@@ -170,8 +170,11 @@ uint64_t tail_folds();
 // shortcut) hands the tail's node its data gradient at the even pixels alone (ops/dgrad_sink.h,
 // DgradSink::wants_dgrad_stride2), where the backend's GEMM reads it so
 // (FastPath::BatchNormStatsDgradStride2; on CUDA cuda::set_dgrad_stride2_enabled switches it).
-// stride2_compact_grads() counts those the tail's GEMM read compact.
+// stride2_compact_grads() counts those the tail's GEMM read compact; stride2_inplace_adds() those
+// added in place, at the even pixels, into x's gradient from the other consumers where that
+// gradient was the node's alone (a 3x3 stride-2 conv1 beside the shortcut, as in ResNet-18).
 uint64_t stride2_compact_grads();
+uint64_t stride2_inplace_adds();
 
 // counter (a BatchNorm2d's num_batches_tracked, i64 scalar; may be undefined) += 1, in place,
 // outside the graph: what the batch-norm ops below do in training where no kernel of theirs

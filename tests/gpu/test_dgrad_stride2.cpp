@@ -175,16 +175,20 @@ TEST_CASE("a stride-2 shortcut hands the tail before it its gradient at the even
       cuda::set_dgrad_stride2_enabled(before);
       return r;
     };
-    const uint64_t n0 = F::stride2_compact_grads();
+    const uint64_t n0 = F::stride2_compact_grads(), i0 = F::stride2_inplace_adds();
     const Run a = go(true, DType::f16);
-    const uint64_t n1 = F::stride2_compact_grads();
+    const uint64_t n1 = F::stride2_compact_grads(), i1 = F::stride2_inplace_adds();
     const Run b = go(false, DType::f16);
     CHECK(F::stride2_compact_grads() == n1);  // the switch off: none
+    CHECK(F::stride2_inplace_adds() == i1);
     const Run e = go(false, DType::f32);
     const bool wgmma = cuda::dgrad1x1_bn_wgmma_available() && cuda::tail_gemm_mode() == 2 &&
                        cuda::tail_tma_epilogue_enabled();
     // Read compact only behind a 1x1 conv1 whose gradient the tail's GEMM takes.
     CHECK(n1 == n0 + (wgmma && !cs.conv1_3x3 ? 1 : 0));
+    // Beside a 3x3 conv1 the compact gradient is added into conv1's, which the engine hands the
+    // node alone: in place, at the even pixels.
+    CHECK(i1 == i0 + (wgmma && cs.conv1_3x3 ? 1 : 0));
     for (const Run* o : {&b, &e}) {
       const double s = o == &e ? 10.0 : 1.0;  // against f32: the f16 path's own rounding too
       KILN_CHECK_OK(testing::compare(f32(a.z.grad()), f32(o->z.grad()), 5e-3 * s, 5e-3 * s));
