@@ -426,6 +426,10 @@ V45_KERNELS["tail data gradient + sums, r compact"] = (
     r"dgrad1x1_bn_sums_wgmma_kernel<1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1>")
 V45_KERNELS["3x3 forward + statistics"] = (
     r"dgrad1x1_bn_sums_wgmma_kernel<1, 0, 0, 1, 0, [01], 0, 1, 0, [01], 0, 0, 0>")
+# Where conv3's input has neither 64 nor 128 channels (layer 3's 256, folded since v44), x's Gram
+# does not fit the weight gradient's one β-tile: that kernel takes Σx alone (kSumB, no kGram) and
+# the Gram is a plain 1x1 weight gradient of x against itself (cuda/kernels/tail_fold.cu).
+V45_KERNELS["1x1 weight gradient + the fold's sums"] = r"wgrad1x1_wgmma_kernel<(64|128), 0, 1, 0>"
 FOLD_MIN_V44 = 10_000_000  # KILN_TAIL_FOLD_MIN's default since v44
 CONV3X3_ROWS_V44 = 12_544  # KILN_CONV3X3_ROWS's default since v44
 
@@ -439,6 +443,16 @@ def calls_v45():
     at = {f"L{l}b{b}": i for i, (l, b, *_) in enumerate(bl)}
     out = []
     for cls, lab, flop, byt in base:
+        if cls == "1x1 weight gradient + the fold's Gram and sums":
+            _, _, c, st, cin, side = bl[at[lab.split()[0]]]
+            m = N * (side // st) ** 2
+            k, n = (cin, 4 * c) if lab.endswith("downsample") else (c, 4 * c)
+            if k not in (64, 128):
+                out.append(("1x1 weight gradient + the fold's sums", lab, 2 * m * k * n,
+                            2 * m * (k + n) + 4 * k * n))
+                out.append(("1x1 weight gradient", f"{lab} x's Gram", 2 * m * k * k,
+                            2 * m * 2 * k + 4 * k * k))
+                continue
         if cls == "tail data gradient + sums":
             i = at[lab.split()[0]]
             if bl[i + 1][1] == 0:  # the next block is a downsample block: its shortcut's r
