@@ -194,6 +194,26 @@ if [ -n "${NCU_KERNELS:-}" ]; then
     ncu_sass "$kernel" "${kernel//[^A-Za-z0-9_]/_}" $B/kiln-fusion-probe "$mode"
   done
 fi
+# NCU_STEP_KERNELS="REGEX ...": each kernel (a regex of its name without spaces: '.' matches
+# one; template flags may read 1/0 or true/false) in the eager b256 step, its third launch, under
+# NCU_KERNELS' sections, and with NCU_SASS=1 its stalls per SASS instruction: a kernel of the
+# step that no kiln-fusion-probe mode runs (e.g. the tails that read r compact, kSub2:
+# 'dgrad1x1_bn_sums_wgmma_kernel<(1|true),.(1|true),.(1|true),.(0|false),.(1|true),.(1|true)(,.(0|false)){6},.(1|true)>').
+if [ -n "${NCU_STEP_KERNELS:-}" ]; then
+  for kernel in $NCU_STEP_KERNELS; do
+    name=step-$(printf '%s' "$kernel" | tr -c 'A-Za-z0-9_' '_' | cut -c1-48)
+    log=$L/ncu-$name.txt
+    timeout 300 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section MemoryWorkloadAnalysis "${stall_args[@]}" $B/kiln-bench --model resnet50 \
+      --batches 256 --eager-only > "$log" 2>&1
+    echo "ncu $name (the eager b256 step): rc $?" | tee -a "$S"
+    grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
+      "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
+    ncu_stalls "$log"
+    ncu_sass "$kernel" "$name" $B/kiln-bench --model resnet50 --batches 256 --eager-only
+  done
+fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
   for e in KILN_UNUSED=0 ${OPS_ENV:-}; do
     env "$e" timeout 300 $B/kiln-bench --model resnet50 --batches 256 --eager-only --profile \
