@@ -5,6 +5,7 @@
     python3 tools/bench/kernel_trace_summary.py trace.csv [--step S] [--kernels N]
     python3 tools/bench/kernel_trace_summary.py trace.csv --ncu step.csv [--kernels N]
     python3 tools/bench/kernel_trace_summary.py trace.csv --against base.csv [--kernels N]
+    python3 tools/bench/kernel_trace_summary.py trace.csv --calls REGEX [--step S]
 
 The trace (tools/bench/kernel_trace.h) holds every kernel of a few replays, timed by CUPTI on the
 GPU's clock with nothing serialised. A kernel's "exclusive" time is the part of its run after the
@@ -15,7 +16,9 @@ span less the idle time in it.
 Prints, for one replay (the last by default): the span, the idle time inside it, and the time by
 phase and kind as tools/bench/ncu_step_summary.py classes kernels; then the N kernels with the
 most exclusive time summed over their calls. With --against (another trace, the baseline) the
-kernels whose summed exclusive time moved most between the two last replays, both ways. With --ncu (an Nsight Compute CSV of one eager step,
+kernels whose summed exclusive time moved most between the two last replays, both ways (kiln's
+GEMM under one name across v45's added template flag). With --calls REGEX each call of the
+kernels whose short name matches, in order, with its exclusive time. With --ncu (an Nsight Compute CSV of one eager step,
 ncu_step_summary.py's input) the same kernels' summed ncu time beside it: where ncu's
 kernel-by-kernel view and the real step disagree.
 """
@@ -81,6 +84,8 @@ def main():
     ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
     ap.add_argument("--ncu", help="an Nsight Compute CSV of one eager step, set beside")
     ap.add_argument("--against", help="a baseline trace: the kernels that moved most")
+    ap.add_argument("--calls", metavar="REGEX",
+                    help="list each call of the kernels whose short name matches, in order")
     a = ap.parse_args()
     if a.against:
         return against(a.trace, a.against, a.kernels)
@@ -89,6 +94,13 @@ def main():
     if s not in steps:
         sys.exit(f"{a.trace}: no replay {s} (replays {sorted(steps)})")
     ks = steps[s]
+    if a.calls:
+        print(f"replay {s}: position, exclusive µs, kernel")
+        for i, k in enumerate(ks):
+            name = across_versions(short(k["name"]))
+            if re.search(a.calls, name):
+                print(f"{i:5d} {k['excl']:9.1f}  {name[:110]}")
+        return None
     span = max(k["start"] + k["dur"] for k in ks) - min(k["start"] for k in ks)
     excl = sum(k["excl"] for k in ks)
     print(f"replay {s} of {len(steps)}: {len(ks)} kernels, span {span / 1e3:.3f} ms, "
@@ -131,12 +143,19 @@ def main():
         print(line + "  " + name[:110])
 
 
+def across_versions(name):
+    """kiln's GEMM as v45 names it: before v45 its template had twelve flags, no kSub2, so a
+    trace of v43 and one of v45 give the same kernel one name with the thirteenth as 0."""
+    m = re.match(r"(dgrad1x1_bn_sums_wgmma_kernel<)([^>]*)>", name)
+    return f"{m.group(1)}{m.group(2)}, 0>" if m and m.group(2).count(",") == 11 else name
+
+
 def by_kernel(path):
     """{short name: [calls, exclusive us]} over the trace's last replay."""
     steps = read_trace(path)
     out = collections.defaultdict(lambda: [0, 0.0])
     for k in steps[max(steps)]:
-        e = out[short(k["name"])]
+        e = out[across_versions(short(k["name"]))]
         e[0] += 1
         e[1] += k["excl"]
     return out

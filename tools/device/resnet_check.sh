@@ -179,19 +179,27 @@ fi
 # sections as NCU_PROBE (and NCU_STALLS): what bounds a kernel that the probe only times. ncu's
 # default clock control (base clocks locked), unlike the step profile's --clock-control none:
 # its durations compare with each other, not with the step profile's or the probe's.
+# ncu_kernel KERNEL_REGEX NAME TIMEOUT LABEL BINARY ARGS...: the kernel's third launch under those
+# sections, a summary, its stall reasons (NCU_STALLS) and its SASS samples (NCU_SASS).
+ncu_kernel() {
+  local kernel=$1 name=$2 limit=$3 label=$4
+  shift 4
+  local log=$L/ncu-$name.txt
+  timeout "$limit" ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section MemoryWorkloadAnalysis "${stall_args[@]}" "$@" > "$log" 2>&1
+  echo "ncu $label: rc $?" | tee -a "$S"
+  grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
+    "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
+  ncu_stalls "$log"
+  ncu_sass "$kernel" "$name" "$@"
+}
 if [ -n "${NCU_KERNELS:-}" ]; then
   for spec in $NCU_KERNELS; do
     mode=${spec%%:*}
     kernel=${spec#*:}
-    log=$L/ncu-kernel-${kernel//[^A-Za-z0-9_]/_}.txt
-    timeout 180 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section MemoryWorkloadAnalysis "${stall_args[@]}" $B/kiln-fusion-probe "$mode" > "$log" 2>&1
-    echo "ncu $kernel ($mode): rc $?" | tee -a "$S"
-    grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
-      "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
-    ncu_stalls "$log"
-    ncu_sass "$kernel" "${kernel//[^A-Za-z0-9_]/_}" $B/kiln-fusion-probe "$mode"
+    ncu_kernel "$kernel" "kernel-${kernel//[^A-Za-z0-9_]/_}" 180 "$kernel ($mode)" \
+      $B/kiln-fusion-probe "$mode"
   done
 fi
 # NCU_STEP_KERNELS="REGEX ...": each kernel (a regex of its name without spaces: '.' matches
@@ -202,16 +210,8 @@ fi
 if [ -n "${NCU_STEP_KERNELS:-}" ]; then
   for kernel in $NCU_STEP_KERNELS; do
     name=step-$(printf '%s' "$kernel" | tr -c 'A-Za-z0-9_' '_' | cut -c1-48)
-    log=$L/ncu-$name.txt
-    timeout 300 ncu -k "regex:$kernel" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section MemoryWorkloadAnalysis "${stall_args[@]}" $B/kiln-bench --model resnet50 \
-      --batches 256 --eager-only > "$log" 2>&1
-    echo "ncu $name (the eager b256 step): rc $?" | tee -a "$S"
-    grep -iE "duration|throughput|stall|warp cycles per issued|eligible|issued warp|occupancy" \
-      "$log" | grep -v "smsp__warp_issue_stalled" | head -40 | tee -a "$S"
-    ncu_stalls "$log"
-    ncu_sass "$kernel" "$name" $B/kiln-bench --model resnet50 --batches 256 --eager-only
+    ncu_kernel "$kernel" "$name" 300 "$name (the eager b256 step)" \
+      $B/kiln-bench --model resnet50 --batches 256 --eager-only
   done
 fi
 if [ "${OPS:-0}" = 1 ]; then  # OPS_ENV="VAR=value": a second table under that setting
