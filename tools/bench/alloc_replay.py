@@ -234,9 +234,13 @@ def replay(path, policy):
     op = gzip.open if path.endswith(".gz") else open
     live = {}  # ptr -> (block, stream)
     pools = {}  # stream -> pool open on it
+    events = 0
     with op(path, "rt") as f:
         for ln in f:
             t = ln.split()
+            if not t or t[0] not in ("a", "f", "o", "c", "r"):
+                continue
+            events += 1
             if t[0] == "a":
                 s = int(t[3])
                 live[t[1]] = (policy.alloc(int(t[2]), s, pools.get(s, 0)), s)
@@ -249,11 +253,16 @@ def replay(path, policy):
                 pools = {k: v for k, v in pools.items() if v != int(t[1])}
             elif t[0] == "r":
                 policy.release(int(t[1]))
+    if not events:
+        raise ValueError(f"{path}: no allocation events (a, f, o, c, r lines)")
     return policy
 
 
 def main():
     GiB = float(1 << 30)
+    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if sys.argv[1:] else 2)
     for path in sys.argv[1:]:
         print(path)
         w = replay(path, Whole())
@@ -271,5 +280,5 @@ if __name__ == "__main__":
         main()
     except OSError as e:
         sys.exit(f"alloc_replay: {e}")
-    except (ValueError, IndexError) as e:
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, EOFError) as e:
         sys.exit(f"alloc_replay: not an allocation log: {e!r}")

@@ -19,10 +19,13 @@ With --too-deep the depth is ns (one more than the host allows) and the emulatio
 once, which shows the bound kLook <= ns - 1 is needed. No GPU needed:
     python3 tools/bench/gemm_lookahead_sync_emulation.py [--too-deep]
 """
+import argparse
 import random
 import sys
 
-TOO_DEEP = "--too-deep" in sys.argv
+_ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_ap.add_argument("--too-deep", action="store_true", help="depth ns: shows the deadlock")
+TOO_DEEP = _ap.parse_args().too_deep
 
 
 class Deadlock(Exception):
@@ -187,3 +190,5 @@ if __name__ == "__main__":
     except Deadlock as e:
         print(f"deadlock: {e}")
         sys.exit(1)
+    except AssertionError as e:
+        sys.exit(f"check failed: {e}")

@@ -12,10 +12,12 @@ that no named barrier is left with arrivals pending. Without the named barriers 
 fails (run with --no-order to see it). No GPU needed:
     python3 tools/bench/gemm_pingpong_sync_emulation.py [--no-order]
 """
+import argparse
 import random
-import sys
 
-ORDER = "--no-order" not in sys.argv
+_ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_ap.add_argument("--no-order", action="store_true", help="without the named barriers")
+ORDER = not _ap.parse_args().no_order
 
 def run(T, KT, ns, seed):
     rnd = random.Random(seed)
@@ -111,9 +113,13 @@ def run(T, KT, ns, seed):
     return steps
 
 n = 0
-for T in range(1, 9):
-    for KT in (1, 2, 3, 4, 8, 16):
-        for ns in (3, 4, 5, 6, 7):
-            for seed in range(40):
-                run(T, KT, ns, seed); n += 1
+try:
+    for T in range(1, 9):
+        for KT in (1, 2, 3, 4, 8, 16):
+            for ns in (3, 4, 5, 6, 7):
+                for seed in range(40):
+                    run(T, KT, ns, seed)
+                    n += 1
+except AssertionError as e:  # what --no-order shows
+    raise SystemExit(f"check failed (T {T}, KT {KT}, ns {ns}, seed {seed}): {e}") from None
 print("ok", n, "runs")

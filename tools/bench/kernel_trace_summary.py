@@ -31,7 +31,7 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ncu_step_summary import kind_of, open_text, read_kernels  # noqa: E402
+from ncu_step_summary import count, kind_of, open_text, read_kernels  # noqa: E402
 
 
 def short(name):
@@ -81,12 +81,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--step", type=int, help="which replay (default: the last)")
-    ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
+    ap.add_argument("--kernels", type=count, default=25, help="how many kernels to list (25)")
     ap.add_argument("--ncu", help="an Nsight Compute CSV of one eager step, set beside")
     ap.add_argument("--against", help="a baseline trace: the kernels that moved most")
     ap.add_argument("--calls", metavar="REGEX",
                     help="list each call of the kernels whose short name matches, in order")
     a = ap.parse_args()
+    if a.calls:
+        try:
+            re.compile(a.calls)
+        except re.error as e:
+            ap.error(f"--calls {a.calls!r}: not a regular expression ({e})")
     if a.against:
         return against(a.trace, a.against, a.kernels)
     steps = read_trace(a.trace)

@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--range", nargs=2, action="append", default=[], metavar=("FIRST", "LAST"),
                     help="also print the share of samples at addresses FIRST..LAST (hex)")
     args = ap.parse_args()
+    if args.top < 0:
+        ap.error(f"--top must be 0 or more (got {args.top})")
     opener = gzip.open if args.csv.endswith(".gz") else open
     with opener(args.csv, "rt", newline="") as f:
         names, rows = read(f)

@@ -64,25 +64,39 @@ def open_text(path):
         sys.exit(f"{path}: {e.strerror or e}")
 
 
+def count(text):
+    """An argparse type: a whole number, 0 or more (--kernels)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text}")
+    return v
+
+
 def read_kernels(path):
     """Kernels in launch order: dicts with name, grid, ns, bytes."""
     kernels = {}
     header = None
-    with open_text(path) as f:
-        for row in csv.reader(f):
-            if row and row[0] == "ID":
-                header = row
-                continue
-            if header is None or len(row) != len(header):
-                continue  # the profiled program's own output
-            r = dict(zip(header, row))
-            k = kernels.setdefault(int(r["ID"]), {"name": r["Kernel Name"], "grid": r["Grid Size"],
-                                                  "ns": 0.0, "bytes": 0.0})
-            value = float(r["Metric Value"].replace(",", ""))
-            if r["Metric Name"] == TIME:
-                k["ns"] = value
-            elif r["Metric Name"] == BYTES:
-                k["bytes"] = value
+    try:
+        with open_text(path) as f:
+            for row in csv.reader(f):
+                if row and row[0] == "ID":
+                    header = row
+                    continue
+                if header is None or len(row) != len(header):
+                    continue  # the profiled program's own output
+                r = dict(zip(header, row))
+                k = kernels.setdefault(int(r["ID"]), {"name": r["Kernel Name"],
+                                                      "grid": r["Grid Size"], "ns": 0.0, "bytes": 0.0})
+                value = float(r["Metric Value"].replace(",", ""))
+                if r["Metric Name"] == TIME:
+                    k["ns"] = value
+                elif r["Metric Name"] == BYTES:
+                    k["bytes"] = value
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error, KeyError, ValueError) as e:
+        sys.exit(f"{path}: not an Nsight Compute CSV of kernels ({type(e).__name__}: {e})")
     if not kernels:
         sys.exit(f"{path}: no kernel rows (was ncu run with --csv and a profiler range?)")
     return [kernels[i] for i in sorted(kernels)]
@@ -130,7 +144,7 @@ def compare(path_a, path_b, n):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
-    ap.add_argument("--kernels", type=int, default=25, help="how many kernels to list (25)")
+    ap.add_argument("--kernels", type=count, default=25, help="how many kernels to list (25)")
     ap.add_argument("--sequence", action="store_true", help="every kernel in launch order")
     ap.add_argument("--compare", metavar="B_CSV", help="a second profile to set against the first")
     a = ap.parse_args()

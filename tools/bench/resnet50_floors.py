@@ -510,6 +510,8 @@ def main():
     ap.add_argument("--step", action="store_true", help="the whole step's groups, kiln's GEMMs as one")
     ap.add_argument("--ncu", metavar="CSV", help="v43's kiln GEMMs, measured from this ncu profile")
     a = ap.parse_args()
+    if not (a.bw > 0 and a.peak > 0):  # NaN too
+        ap.error(f"--bw and --peak must be positive (got {a.bw:g} and {a.peak:g})")
     if a.ncu:
         ncu_table(a.ncu, a.bw * 1e12, a.peak * 1e12, a.calls)
         return

@@ -25,6 +25,9 @@ def read(lines):
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     lines = []
     for name in sys.argv[1:] or ["-"]:
         lines += (sys.stdin if name == "-" else open(name)).readlines()
@@ -48,5 +51,5 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         sys.exit(f"seed_summary: {e}")

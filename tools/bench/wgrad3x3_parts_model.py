@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--sms", type=int, default=132)
     a = ap.parse_args()
+    if a.batch < 1 or a.sms < 1:
+        ap.error(f"--batch and --sms must be 1 or more (got {a.batch} and {a.sms})")
     net = 0.0
     for name, c, hw, calls in (("layer 2", 128, 28, 3), ("layer 3", 256, 14, 5), ("layer 4", 512, 7, 2)):
         m = a.batch * hw * hw

@@ -10,7 +10,10 @@ Prints how often that happens and the relative difference of Σg and Σg·(x −
 """
 import argparse
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:
+    raise SystemExit(f"pool_sums_emu: needs numpy ({e}); apt-get install python3-numpy") from None
 
 
 def main():

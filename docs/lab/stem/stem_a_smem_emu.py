@@ -8,7 +8,10 @@
 # the patch; the result equals a direct convolution; and store_tile receives each (pixel,
 # channel) value at the same (mi, j, q) slot of the same thread as from the register form, so
 # it rounds, sums and writes in the same order. Hardware semantics are modelled, not run.
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:
+    raise SystemExit(f"stem_a_smem_emu: needs numpy ({e}); apt-get install python3-numpy") from None
 
 rng = np.random.default_rng(1)
 kTileH, kTileW, kPatchH, kPatchW, kK = 8, 16, 21, 38, 224

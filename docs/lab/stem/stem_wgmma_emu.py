@@ -2,7 +2,10 @@
 # Emulates the index math of cuda/kernels/stem_conv_wgmma.cu (one tile of each kernel) with numpy:
 # ldmatrix row addresses, fragment placement, the swizzled weight / dy addressing, the K mapping
 # and the partial layout, against a direct convolution. Hardware semantics are modelled, not run.
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:
+    raise SystemExit(f"stem_wgmma_emu: needs numpy ({e}); apt-get install python3-numpy") from None
 rng = np.random.default_rng(0)
 kCout, kKh, kTileH, kTileW, kPatchH, kPatchW, kK = 64, 7, 8, 16, 21, 38, 224
 H, W = 24, 40; OH, OW = (H - 1)//2 + 1, (W - 1)//2 + 1
