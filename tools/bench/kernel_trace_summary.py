@@ -14,8 +14,9 @@ so its raw duration counts its predecessor's tail too; the exclusive times add u
 span less the idle time in it.
 
 Prints, for one replay (the last by default): the span, the idle time inside it, and the time by
-phase and kind as tools/bench/ncu_step_summary.py classes kernels; then the N kernels with the
-most exclusive time summed over their calls. With --against (another trace, the baseline) the
+phase and kind as tools/bench/ncu_step_summary.py classes kernels; the calls under 5 µs of
+exclusive time, and the (up to 8) kernels they are most of; then the N kernels with the most
+exclusive time summed over their calls. With --against (another trace, the baseline) the
 kernels whose summed exclusive time moved most between the two last replays, both ways (kiln's
 GEMM under one name across v45's added template flag). With --calls REGEX each call of the
 kernels whose short name matches, in order, with its exclusive time. With --ncu (an Nsight Compute CSV of one eager step,
@@ -125,6 +126,13 @@ def main():
         print(f"{ph:10s} {kind:14s} {us / 1e3:8.3f}")
     small = [k for k in ks if k["excl"] < 5]
     print(f"\n{len(small)} kernels under 5 us exclusive: {sum(k['excl'] for k in small) / 1e3:.3f} ms")
+    by_small = collections.defaultdict(lambda: [0, 0.0])
+    for k in small:
+        e = by_small[short(k["name"])]
+        e[0] += 1
+        e[1] += k["excl"]
+    for name, (n, e) in sorted(by_small.items(), key=lambda kv: -kv[1][1])[:min(8, a.kernels)]:
+        print(f"{n:5d} {e / 1e3:8.3f}  {e / n:4.1f} us a call  {name[:90]}")
     agg = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for k in ks:
         e = agg[short(k["name"])]
