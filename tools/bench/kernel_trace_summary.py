@@ -185,7 +185,7 @@ def against(path, base_path, n):
     print(f"{path} against {base_path}: exclusive time {total / 1e3:+.3f} ms "
           f"({sum(r[2] for r in rows)} kernels against {sum(r[1] for r in rows)})")
     print(f"{'ms':>8s} {'calls':>9s} {'base ms':>8s} {'ms':>8s}  kernel")
-    shown = rows[:n] + [r for r in rows[-n:] if r not in rows[:n]]
+    shown = rows[:n] + [r for r in (rows[-n:] if n else []) if r not in rows[:n]]
     for d, bc, nc, bt, nt, name in shown:
         print(f"{d / 1e3:+8.3f} {bc:4d}>{nc:<4d} {bt / 1e3:8.3f} {nt / 1e3:8.3f}  {name[:100]}")
 
