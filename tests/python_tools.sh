@@ -2,8 +2,9 @@
 # kiln's Python tools (tools/*.py, tools/bench/*.py, tools/kiln-plot) on bad command lines and
 # bad files: each must end with a message and a non-zero status, never a Python traceback, and
 # `--help` must succeed (or name the module it needs). Cases, for every tool: --help; a missing
-# file; random bytes; an empty file; a directory; an unknown flag; plus the number flags that
-# once ended in a traceback (negative counts, zero rates, a bad --calls pattern).
+# file; bytes that are not text, also named .gz; an empty file; a directory; an unknown flag;
+# plus the number flags that once ended in a traceback (negative counts, zero rates, a bad
+# --calls pattern).
 #
 # Every tool runs under `python3 -S` (no site-packages): torch, numpy and matplotlib are then
 # missing on every machine, so the tools that need them take their one-line "needs ..." exit
@@ -20,7 +21,10 @@ python=$(command -v python3) || {
 work=$(mktemp -d "${TMPDIR:-/tmp}/kiln_python_tools.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 1
-head -c 4096 /dev/urandom >random.bin
+# Bytes that are not UTF-8 (the same every run), and the same under a .gz name (the tools open
+# .gz files with gzip).
+for _ in $(seq 256); do printf '\x80\xff\x00\xfe,\x81garbage\n'; done >notext.bin
+cp notext.bin fake.csv.gz
 : >empty.csv
 mkdir folder
 
@@ -58,7 +62,8 @@ for tool in "${tools[@]}"; do
   [ -f "$tool" ] || continue
   check ok "$tool" --help
   check fail "$tool" "$work/no-such-file.csv"
-  check fail "$tool" random.bin
+  check fail "$tool" notext.bin
+  check fail "$tool" fake.csv.gz
   check fail "$tool" empty.csv
   check fail "$tool" folder
   check fail "$tool" --no-such-flag
@@ -70,17 +75,17 @@ if [ -f "$trace" ]; then
   check fail "$bench/kernel_trace_summary.py" "$trace" --calls '('
   check fail "$bench/kernel_trace_summary.py" "$trace" --kernels -2
   check fail "$bench/kernel_trace_summary.py" "$trace" --kernels x
-  check fail "$bench/kernel_trace_summary.py" "$trace" --ncu random.bin
-  check fail "$bench/kernel_trace_summary.py" "$trace" --against random.bin
+  check fail "$bench/kernel_trace_summary.py" "$trace" --ncu notext.bin
+  check fail "$bench/kernel_trace_summary.py" "$trace" --against notext.bin
   check fail "$bench/kernel_trace_summary.py" "$trace" --step 99
   check fail "$bench/ncu_sass_top.py" "$trace" --top -1
 fi
 check fail "$bench/resnet50_floors.py" --bw 0
 check fail "$bench/resnet50_floors.py" --peak nan
-check fail "$bench/resnet50_floors.py" --ncu random.bin
+check fail "$bench/resnet50_floors.py" --ncu notext.bin
 check fail "$bench/wgrad3x3_parts_model.py" --batch 0
 check fail "$bench/wgrad3x3_parts_model.py" --sms 0
-check fail "$bench/smi_phases.py" random.bin random.bin
+check fail "$bench/smi_phases.py" notext.bin notext.bin
 check fail "$bench/alloc_replay.py"
 
 echo "python_tools: $runs runs of ${#tools[@]} tools, $failures failed"
